@@ -1,0 +1,8 @@
+"""pdserve: prefill/decode-disaggregated serving for Qwen3."""
+
+from pdserve.engine.llm import LLM
+from pdserve.engine.output import CompletionOutput, RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

@@ -1,0 +1,207 @@
+"""Engine configuration: built once at the edge (CLI, `LLM(...)`), validated, frozen, passed down.
+
+Knob names follow vLLM's so users' habits carry over.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from pdserve.model.qwen3_config import Qwen3ModelConfig
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+               "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
+               "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_size_bytes(text: str | int | float) -> int:
+    """'2GiB' -> 2147483648, '512MB' -> 512000000, 1024 -> 1024."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"cannot parse size {text!r}: use a number with an optional unit like 2GiB or 512MB")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def resolve_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """'auto' keeps the checkpoint's dtype on CUDA; on CPU it uses float32 for half-precision
+    checkpoints because CPU half matmuls are slow and inexact."""
+    if name == "auto":
+        if device.type == "cpu" and model_dtype in (torch.float16, torch.bfloat16):
+            return torch.float32
+        return model_dtype
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(sorted(set(DTYPES)))}")
+    return DTYPES[name]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int
+    num_kv_blocks: int
+    num_swap_blocks: int
+    enable_prefix_caching: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool
+    preemption_mode: Literal["recompute", "swap"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineArgs:
+    """What a user may set; `EngineConfig` is what the engine runs with once sizes are resolved."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    num_kv_blocks: int | None = None
+    kv_cache_memory: str | int | None = None
+    gpu_memory_utilization: float = 0.9
+    swap_space: float = 0.0
+    preemption_mode: str | None = None
+    seed: int = 0
+    num_threads: int | None = None
+
+    def validate(self) -> None:
+        checks = [
+            (self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size must be a power of two in [1, 128]"),
+            (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+            (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+             "max_num_batched_tokens must be >= 1"),
+            (self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1"),
+            (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1"),
+            (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
+            (self.swap_space >= 0, "swap_space must be >= 0 (GiB)"),
+            (self.preemption_mode in (None, "recompute", "swap"), "preemption_mode must be recompute or swap"),
+            (self.device in ("auto", "cpu") or self.device.startswith("cuda"), "device must be auto, cpu or cuda[:N]"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model_path: str
+    model: Qwen3ModelConfig
+    dtype: torch.dtype
+    device: torch.device
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    seed: int
+    num_threads: int | None
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return kv_bytes_per_block(self.model, self.cache.block_size, self.dtype)
+
+
+def kv_bytes_per_block(model: Qwen3ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    element_bytes = torch.empty((), dtype=dtype).element_size()
+    return 2 * model.num_hidden_layers * block_size * model.num_key_value_heads * model.head_dim * element_bytes
+
+
+_DEFAULT_CPU_KV_BYTES = 2 * 1024**3
+_DEFAULT_MAX_BATCHED_TOKENS = 2048
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return torch.device(name)
+
+
+def _num_kv_blocks(args: EngineArgs, model: Qwen3ModelConfig, dtype: torch.dtype, device: torch.device,
+                   max_batched_tokens: int) -> int:
+    block_bytes = kv_bytes_per_block(model, args.block_size, dtype)
+    if args.num_kv_blocks is not None:
+        return args.num_kv_blocks
+    if args.kv_cache_memory is not None:
+        budget = parse_size_bytes(args.kv_cache_memory)
+    elif device.type == "cuda":
+        budget = _cuda_kv_budget(args, model, dtype, device, max_batched_tokens)
+    else:
+        budget = _DEFAULT_CPU_KV_BYTES
+    num_blocks = budget // block_bytes
+    if num_blocks < 1:
+        raise ValueError(f"KV cache budget of {budget} bytes holds no block of {block_bytes} bytes")
+    return int(num_blocks)
+
+
+def _cuda_kv_budget(args: EngineArgs, model: Qwen3ModelConfig, dtype: torch.dtype, device: torch.device,
+                    max_batched_tokens: int) -> int:
+    """gpu_memory_utilization x device memory, minus weights, activations of the largest step,
+    and what other processes already use."""
+    element = torch.empty((), dtype=dtype).element_size()
+    h, i, v = model.hidden_size, model.intermediate_size, model.vocab_size
+    qkv = (model.num_attention_heads + 2 * model.num_key_value_heads) * model.head_dim
+    per_layer = 4 * h * h + 3 * h * i + qkv * h
+    embeddings = v * h * (1 if model.tie_word_embeddings else 2)
+    weights = (model.num_hidden_layers * per_layer + embeddings) * element
+    activations = max_batched_tokens * (4 * h + 2 * i + qkv) * element * 2 + args.max_num_seqs * v * 4 * 3
+    free, total = torch.cuda.mem_get_info(device)
+    used_by_others = total - free
+    return int(total * args.gpu_memory_utilization - used_by_others - weights - activations)
+
+
+def create_engine_config(args: EngineArgs) -> EngineConfig:
+    """Resolve defaults that depend on the model and the machine; validate; freeze."""
+    from pdserve.model.demo_checkpoint import default_model_dir
+
+    args.validate()
+    model_path = str(args.model) if args.model else str(default_model_dir())
+    model = Qwen3ModelConfig.from_dir(model_path)
+    device = _device(args.device)
+    dtype = resolve_dtype(args.dtype, model.torch_dtype, device)
+    max_model_len = args.max_model_len or model.max_position_embeddings
+    if max_model_len > model.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                         f"{model.max_position_embeddings}")
+    max_batched = args.max_num_batched_tokens or (
+        _DEFAULT_MAX_BATCHED_TOKENS if args.enable_chunked_prefill else max(max_model_len, _DEFAULT_MAX_BATCHED_TOKENS))
+    if not args.enable_chunked_prefill and max_batched < max_model_len:
+        raise ValueError(f"without chunked prefill, max_num_batched_tokens ({max_batched}) must be >= "
+                         f"max_model_len ({max_model_len}) or long prompts could never be scheduled")
+    num_blocks = _num_kv_blocks(args, model, dtype, device, max_batched)
+    num_swap_blocks = int(args.swap_space * 1024**3) // kv_bytes_per_block(model, args.block_size, dtype)
+    preemption = args.preemption_mode or ("swap" if num_swap_blocks > 0 else "recompute")
+    return EngineConfig(
+        model_path=model_path,
+        model=model,
+        dtype=dtype,
+        device=device,
+        cache=CacheConfig(args.block_size, num_blocks, num_swap_blocks, args.enable_prefix_caching),
+        scheduler=SchedulerConfig(args.max_num_seqs, max_batched, max_model_len, args.enable_chunked_prefill,
+                                  "swap" if preemption == "swap" else "recompute"),
+        seed=args.seed,
+        num_threads=args.num_threads,
+    )

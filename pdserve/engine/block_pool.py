@@ -1,0 +1,90 @@
+"""The KV block pool: ref counts, free blocks in eviction order, and the prefix-cache index.
+
+Integer bookkeeping only; the tensors live in the model runner.
+
+Free blocks come in two kinds. *Uncached* free blocks hold nothing reusable. *Cached* free blocks
+(ref count 0, but their content is still indexed by hash) can be revived by a prefix hit; they are
+evicted least-recently-freed first, and only when no uncached block is left.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.hash_to_block: dict[bytes, int] = {}
+        self._uncached_free: deque[int] = deque(range(num_blocks))
+        self._cached_free: OrderedDict[int, None] = OrderedDict()  # LRU first
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._uncached_free) + len(self._cached_free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def allocate(self, count: int) -> list[int]:
+        if count > self.num_free_blocks:
+            raise RuntimeError(f"No available block: asked for {count}, {self.num_free_blocks} free")
+        blocks = []
+        for _ in range(count):
+            if self._uncached_free:
+                block = self._uncached_free.popleft()
+            else:
+                block, _ = self._cached_free.popitem(last=False)
+                self._evict(block)
+            self.ref_counts[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def _evict(self, block: int) -> None:
+        digest = self.block_hash[block]
+        if digest is not None:
+            self.block_hash[block] = None
+            if self.hash_to_block.get(digest) == block:
+                del self.hash_to_block[digest]
+            self.num_evictions += 1
+
+    def lookup(self, digest: bytes) -> int | None:
+        return self.hash_to_block.get(digest) if self.enable_caching else None
+
+    def touch(self, blocks: list[int]) -> None:
+        """Take a reference on prefix-hit blocks, reviving them if they were free."""
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                del self._cached_free[block]
+            self.ref_counts[block] += 1
+
+    def free(self, blocks: list[int]) -> None:
+        """Drop one reference on each block. Pass a sequence's blocks tail first so that its tail
+        is evicted before its (more shareable) head."""
+        for block in blocks:
+            self.ref_counts[block] -= 1
+            assert self.ref_counts[block] >= 0, f"block {block} freed twice"
+            if self.ref_counts[block] == 0:
+                if self.block_hash[block] is not None:
+                    self._cached_free[block] = None
+                else:
+                    self._uncached_free.append(block)
+
+    def cache_block(self, block: int, digest: bytes) -> None:
+        """Index a full, computed block by its chained hash (first writer wins)."""
+        if not self.enable_caching or self.block_hash[block] is not None:
+            return
+        if digest not in self.hash_to_block:
+            self.hash_to_block[digest] = block
+            self.block_hash[block] = digest
+
+    def reset_prefix_cache(self) -> None:
+        for block in list(self._cached_free):
+            self._evict(block)
+            self._uncached_free.append(block)
+        self._cached_free.clear()

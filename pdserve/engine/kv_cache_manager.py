@@ -1,0 +1,137 @@
+"""Which blocks each request holds, prefix-cache lookups, and the CPU swap area. Ids only."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.request import Request
+
+
+def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
+    """Chained block hash: equal iff the whole prefix up to and including this block is equal.
+    A cryptographic digest, so it is stable across processes and collisions are not a concern."""
+    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, num_swap_blocks: int = 0) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.swap = SwapSpace(num_swap_blocks)
+        self.num_prefix_queries = 0  # prompt tokens looked up
+        self.num_prefix_hits = 0  # of which found cached
+
+    def update_block_hashes(self, request: Request, num_tokens: int) -> None:
+        """Extend `request.block_hashes` to cover every full block within its first `num_tokens`."""
+        bs = self.block_size
+        for index in range(len(request.block_hashes), num_tokens // bs):
+            parent = request.block_hashes[-1] if request.block_hashes else b""
+            request.block_hashes.append(hash_block(parent, request.all_token_ids[index * bs:(index + 1) * bs]))
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Leading blocks of `request` already in the pool. At least one token is always left to
+        compute, because the step that computes it is the one that samples."""
+        if not self.pool.enable_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self.update_block_hashes(request, max_blocks * self.block_size)
+        hits: list[int] = []
+        for digest in request.block_hashes[:max_blocks]:
+            block = self.pool.lookup(digest)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def record_prefix_query(self, num_queried: int, num_hit: int) -> None:
+        self.num_prefix_queries += num_queried
+        self.num_prefix_hits += num_hit
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int, num_hit_blocks: int = 0) -> int:
+        held = len(request.block_ids) + num_hit_blocks
+        return max(0, cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - held)
+
+    def allocate(self, request: Request, num_new_tokens: int, hit_blocks: Sequence[int] = ()) -> bool:
+        """Give `request` room for `num_new_tokens` more tokens (after taking `hit_blocks`).
+        Returns False, changing nothing, when the pool cannot."""
+        needed = self.num_blocks_needed(request, num_new_tokens, len(hit_blocks))
+        # Reviving a free cached hit block uses up a free block too.
+        revived = sum(1 for b in hit_blocks if self.pool.ref_counts[b] == 0)
+        if needed + revived > self.pool.num_free_blocks:
+            return False
+        self.pool.touch(list(hit_blocks))
+        request.block_ids.extend(hit_blocks)
+        request.block_ids.extend(self.pool.allocate(needed))
+        return True
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Index the full blocks whose KV is now computed, so later requests can share them."""
+        if not self.pool.enable_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        self.update_block_hashes(request, num_full * self.block_size)
+        for index in range(num_full):
+            self.pool.cache_block(request.block_ids[index], request.block_hashes[index])
+
+    def free(self, request: Request) -> None:
+        self.pool.free(request.block_ids[::-1])
+        request.block_ids = []
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move `request`'s blocks to CPU swap blocks. Returns (device block, swap block) pairs to
+        copy before the device blocks are reused, or None if the swap area is too small."""
+        if not self.swap.can_allocate(len(request.block_ids)):
+            return None
+        swap_blocks = self.swap.allocate(len(request.block_ids))
+        mapping = list(zip(request.block_ids, swap_blocks, strict=True))
+        self.free(request)
+        request.swapped_block_ids = swap_blocks
+        return mapping
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
+        """Bring a swapped request back: (swap block, device block) pairs to copy, or None."""
+        count = len(request.swapped_block_ids)
+        if count > self.pool.num_free_blocks:
+            return None
+        device_blocks = self.pool.allocate(count)
+        mapping = list(zip(request.swapped_block_ids, device_blocks, strict=True))
+        self.swap.free(request.swapped_block_ids)
+        request.swapped_block_ids = []
+        request.block_ids = device_blocks
+        return mapping
+
+    def drop_swapped(self, request: Request) -> None:
+        self.swap.free(request.swapped_block_ids)
+        request.swapped_block_ids = []
+
+    @property
+    def usage(self) -> float:
+        return self.pool.num_used_blocks / max(1, self.pool.num_blocks)
+
+
+class SwapSpace:
+    """Free list of CPU swap blocks (`swap_space` GiB worth)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def can_allocate(self, count: int) -> bool:
+        return count <= len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        return [self._free.pop() for _ in range(count)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(blocks)

@@ -1,0 +1,87 @@
+"""The offline API, written the way vLLM users write it:
+
+    from pdserve import LLM, SamplingParams
+    llm = LLM(model="/path/to/Qwen3-0.6B", dtype="float32")
+    outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any, TypedDict
+
+from pdserve.config import EngineArgs
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.output import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.tokenizer import Tokenizer
+
+
+class TokensPrompt(TypedDict):
+    prompt_token_ids: list[int]
+
+
+Prompt = str | TokensPrompt
+Message = dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run all prompts to completion with continuous batching; outputs in prompt order."""
+        prompt_list: list[Prompt] = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        params_list = _broadcast(sampling_params, len(prompt_list))
+        request_ids = []
+        for prompt, params in zip(prompt_list, params_list, strict=True):
+            request_id = str(next(self._ids))
+            self.engine.add_request(request_id, _prompt_input(prompt), params)
+            request_ids.append(request_id)
+        finished: dict[str, RequestOutput] = {}
+        try:
+            while len(finished) < len(request_ids):
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+        finally:
+            for request_id in request_ids:  # on error or Ctrl-C nothing stays in the engine
+                if request_id not in finished:
+                    self.engine.abort_request(request_id)
+        return [finished[request_id] for request_id in request_ids]
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             add_generation_prompt: bool = True, enable_thinking: bool = True) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        prompts: list[Prompt] = [
+            tokenizer.apply_chat_template(list(conversation), add_generation_prompt=add_generation_prompt,
+                                          enable_thinking=enable_thinking)
+            for conversation in conversations  # type: ignore[union-attr]
+        ]
+        return self.generate(prompts, sampling_params)
+
+
+def _prompt_input(prompt: Prompt) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if "prompt_token_ids" not in prompt:
+        raise ValueError("a prompt is a string or {'prompt_token_ids': [...]}")
+    return list(prompt["prompt_token_ids"])
+
+
+def _broadcast(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling params for {count} prompts")
+    return list(params)

@@ -1,0 +1,107 @@
+"""The only code that turns ids into tensors: owns the KV cache tensors, builds the flattened
+batch (input ids, positions, slot mapping, block tables), runs the model, samples.
+
+Flattened batch for chunks [A: 3 new tokens from position 5], [B: 1 decode at position 9]:
+
+    row        0    1    2  | 3
+    request    A    A    A  | B
+    position   5    6    7  | 9
+    slot       bt_A[pos // bs] * bs + pos % bs
+    logits     only for rows whose chunk reaches the end of its request (samples)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.request import Request
+from pdserve.engine.sampler import Sampler, TokenLogprobs
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.model.attention import AttentionMetadata, PrefillSpan
+from pdserve.model.qwen3 import Qwen3ForCausalLM
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: Qwen3ForCausalLM) -> None:
+        self.config = config
+        self.model = model
+        self.device = config.device
+        self.block_size = config.cache.block_size
+        m = config.model
+        shape = (m.num_hidden_layers, 2, config.cache.num_kv_blocks, self.block_size, m.num_key_value_heads, m.head_dim)
+        # NOTE: torch.empty: pages are committed by the OS only as blocks are first written.
+        self.kv_cache = torch.empty(shape, dtype=config.dtype, device=self.device)
+        swap_shape = (m.num_hidden_layers, 2, config.cache.num_swap_blocks) + shape[3:]
+        self.swap_cache = torch.empty(swap_shape, dtype=config.dtype, device="cpu",
+                                      pin_memory=self.device.type == "cuda" and config.cache.num_swap_blocks > 0)
+        self.layer_caches = list(self.kv_cache.unbind(0))
+        self.sampler = Sampler(config.seed, self.device)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, TokenLogprobs | None]]:
+        """Run one step; returns request id -> (sampled token, its logprobs) for the chunks that sample."""
+        self._swap(out)
+        input_ids, positions, meta, sample_rows, samplers = self._prepare(out)
+        hidden = self.model(input_ids, positions, self.layer_caches, meta)
+        if not samplers:
+            return {}
+        logits = self.model.compute_logits(hidden[sample_rows])
+        result = self.sampler(logits, samplers)
+        return {r.request_id: (t, lp) for r, t, lp in zip(samplers, result.token_ids, result.logprobs, strict=True)}
+
+    def _swap(self, out: SchedulerOutput) -> None:
+        # Swap-outs first: the device blocks they vacate may be the swap-ins' destinations.
+        for pairs, src, dst in ((out.blocks_to_swap_out, self.kv_cache, self.swap_cache),
+                                (out.blocks_to_swap_in, self.swap_cache, self.kv_cache)):
+            if pairs:
+                src_ids = torch.tensor([p[0] for p in pairs])
+                dst_ids = torch.tensor([p[1] for p in pairs], device=dst.device)
+                dst[:, :, dst_ids] = src[:, :, src_ids.to(src.device)].to(dst.device, non_blocking=True)
+
+    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor,
+                                                      list[Request]]:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSpan] = []
+        sample_rows: list[int] = []
+        samplers: list[Request] = []
+        for chunk in out.chunks:
+            request, start, num_new = chunk.request, chunk.request.num_computed_tokens, chunk.num_new_tokens
+            row = len(ids)
+            end = start + num_new
+            ids.extend(request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            blocks = request.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            if num_new == 1:
+                decode_rows.append(row)
+                decode_tables.append(blocks[: -(-end // bs)])
+                decode_lens.append(end)
+            else:
+                table = torch.tensor(blocks[: -(-end // bs)], dtype=torch.long, device=self.device)
+                prefills.append(PrefillSpan(row, row + num_new, end, table))
+            if chunk.samples:
+                sample_rows.append(row + num_new - 1)
+                samplers.append(request)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            decode_rows=self._tensor(decode_rows),
+            decode_block_tables=self._tensor(_pad(decode_tables)),
+            decode_context_lens=self._tensor(decode_lens),
+            prefills=tuple(prefills),
+        )
+        return self._tensor(ids), self._tensor(positions), meta, self._tensor(sample_rows), samplers
+
+    def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+
+def _pad(tables: list[list[int]]) -> list[list[int]]:
+    width = max((len(t) for t in tables), default=0)
+    return [t + [0] * (width - len(t)) for t in tables]

@@ -1,0 +1,121 @@
+"""What the engine hands back: vLLM-shaped `RequestOutput`s, built by an output processor that
+detokenizes incrementally and applies stop strings (the only stop condition that needs text)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pdserve.engine.request import RequestStatus
+from pdserve.engine.sampler import TokenLogprobs
+from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+
+@dataclass(slots=True)
+class _Sequence:
+    """Output state of one of a request's `n` sequences."""
+
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class RequestState:
+    """Everything the output side keeps for one user request (with its `n` engine sequences)."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], n: int,
+                 tokenizer: Tokenizer, skip_special_tokens: bool, want_logprobs: bool, stop: tuple[str, ...],
+                 include_stop: bool, arrival_time: float) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.sequences = [_Sequence(IncrementalDetokenizer(tokenizer, skip_special_tokens),
+                                    logprobs=[] if want_logprobs else None) for _ in range(n)]
+        self.stop = stop
+        self.include_stop = include_stop
+        # Text that could still become a stop string is held back until it cannot.
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.metrics = RequestMetrics(arrival_time)
+        self.num_cached_tokens = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.sequences)
+
+    def add_token(self, index: int, token_id: int, logprobs: TokenLogprobs | None) -> str | None:
+        """Record a sampled token; returns the stop string if the text now contains one."""
+        seq = self.sequences[index]
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = time.monotonic()
+        seq.token_ids.append(token_id)
+        if seq.logprobs is not None and logprobs is not None:
+            seq.logprobs.append(logprobs)
+        new_text = seq.detokenizer.push(token_id)
+        if not new_text or not self.stop:
+            seq.text += new_text
+            return None
+        search_from = max(0, len(seq.text) - self.holdback)
+        seq.text += new_text
+        for stop in self.stop:
+            at = seq.text.find(stop, search_from)
+            if at != -1:
+                seq.text = seq.text[: at + len(stop)] if self.include_stop else seq.text[:at]
+                return stop
+        return None
+
+    def finish(self, index: int, reason: RequestStatus, stop_reason: int | str | None) -> None:
+        seq = self.sequences[index]
+        if seq.finish_reason is not None:
+            return
+        if reason != RequestStatus.FINISHED_STOPPED or not isinstance(stop_reason, str):
+            seq.text += seq.detokenizer.flush()
+        seq.finish_reason = reason.value
+        seq.stop_reason = stop_reason
+        if self.finished:
+            self.metrics.finished_time = time.monotonic()
+
+    def snapshot(self) -> RequestOutput:
+        outputs = []
+        for index, seq in enumerate(self.sequences):
+            text = seq.text
+            if seq.finish_reason is None and self.holdback:
+                text = text[: max(0, len(text) - self.holdback)]
+            outputs.append(CompletionOutput(index, text, list(seq.token_ids), seq.finish_reason, seq.stop_reason,
+                                            list(seq.logprobs) if seq.logprobs is not None else None))
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
+                             self.num_cached_tokens, self.metrics)

@@ -1,0 +1,90 @@
+"""A request inside the engine: a token count (`num_computed_tokens`) catching up with its tokens.
+
+Prefill, a chunk of prefill, a prefix-cache hit and (later) KV arriving from a peer all just
+advance `num_computed_tokens`; when it reaches `num_tokens` the next token is sampled.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    __slots__ = ("request_id", "prompt_token_ids", "all_token_ids", "params", "eos_token_ids", "max_total_tokens",
+                 "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes", "swapped_block_ids",
+                 "status", "stop_reason", "generator", "arrival_time", "first_scheduled_time", "num_preemptions")
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: tuple[int, ...], max_model_len: int, arrival_time: float | None = None,
+                 device: torch.device | None = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        max_new = params.max_tokens if params.max_tokens is not None else max_model_len
+        self.max_total_tokens = min(max_model_len, len(prompt_token_ids) + max_new)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first scheduling
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []  # hashes of the leading full blocks, chained
+        self.swapped_block_ids: list[int] = []  # CPU swap blocks while SWAPPED
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        # The seeded generator lives where the logits are, so sampling never copies them to the host.
+        self.generator = (torch.Generator(device=device or "cpu").manual_seed(params.seed)
+                          if params.seed is not None else None)
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_scheduled_time: float | None = None
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self) -> RequestStatus | None:
+        """Token-level stop conditions after a token was appended (stop strings live in the
+        output processor, which sees text)."""
+        last = self.all_token_ids[-1]
+        if self.num_output_tokens >= self.params.min_tokens:
+            if not self.params.ignore_eos and last in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if last in self.params.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_tokens >= self.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,125 @@
+"""Turns the logits of the sampling rows into tokens.
+
+Per-request determinism: a request with a `seed` draws its randomness from its own generator, one
+draw of vocabulary size per token, so its tokens do not depend on what else is in the batch.
+Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) picks token i with probability p_i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), best first
+
+
+@dataclass(frozen=True, slots=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
+        """logits: [len(requests), vocab] float32, one row per request, in order."""
+        logprobs = self._logprobs(logits, requests)
+        logits = self._apply_penalties_and_masks(logits, requests)
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if random_rows:
+            tokens[random_rows] = self._sample(logits[random_rows], [requests[i] for i in random_rows])
+        token_list = tokens.tolist()
+        if logprobs is None:
+            return SampleResult(token_list, [None] * len(requests))
+        return SampleResult(token_list, self._pick_logprobs(logprobs, token_list, requests))
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor | None:
+        # NOTE: like vLLM, logprobs are those of the model's raw distribution.
+        if all(r.params.logprobs is None for r in requests):
+            return None
+        return torch.log_softmax(logits, dim=-1)
+
+    @staticmethod
+    def _pick_logprobs(logprobs: torch.Tensor, tokens: list[int], requests: list[Request]) -> list[TokenLogprobs | None]:
+        picked: list[TokenLogprobs | None] = []
+        for row, (request, token) in enumerate(zip(requests, tokens, strict=True)):
+            num_top = request.params.logprobs
+            if num_top is None:
+                picked.append(None)
+                continue
+            values, ids = logprobs[row].topk(num_top) if num_top else (torch.empty(0), torch.empty(0))
+            top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+            picked.append(TokenLogprobs(token, float(logprobs[row, token]), top))
+        return picked
+
+    @staticmethod
+    def _apply_penalties_and_masks(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        rows = [i for i, r in enumerate(requests)
+                if r.params.needs_penalties or r.num_output_tokens < r.params.min_tokens]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for row in rows:
+            request = requests[row]
+            params = request.params
+            if params.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(request.all_token_ids)), device=logits.device)
+                values = logits[row, seen]
+                logits[row, seen] = torch.where(values > 0, values / params.repetition_penalty,
+                                                values * params.repetition_penalty)
+            if params.presence_penalty or params.frequency_penalty:
+                output = torch.tensor(request.output_token_ids, dtype=torch.long, device=logits.device)
+                counts = torch.bincount(output, minlength=logits.shape[-1]).to(logits.dtype)
+                logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+            if request.num_output_tokens < params.min_tokens:
+                banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(request.eos_token_ids))
+                logits[row, banned] = float("-inf")
+        return logits
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        temperature = torch.tensor([r.params.temperature for r in requests], device=logits.device)
+        logits = logits / temperature[:, None]
+        logits = _filter_top_k_top_p_min_p(logits, requests)
+        probs = torch.softmax(logits, dim=-1)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(requests) if r.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty_like(probs[unseeded]).exponential_(generator=self.generator)
+        for i, request in enumerate(requests):
+            if request.generator is not None:
+                noise[i].exponential_(generator=request.generator)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _filter_top_k_top_p_min_p(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    top_k = [r.params.top_k for r in requests]
+    top_p = [r.params.top_p for r in requests]
+    min_p = [r.params.min_p for r in requests]
+    vocab = logits.shape[-1]
+    if any(0 < k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=logits.device)[None, :]
+        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=logits.device)[:, None]
+        drop = ranks >= k
+        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p; the best always stays.
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop |= mass_before >= torch.tensor(top_p, device=logits.device)[:, None]
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    if any(p > 0.0 for p in min_p):
+        probs = torch.softmax(logits, dim=-1)
+        threshold = torch.tensor(min_p, device=logits.device)[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits

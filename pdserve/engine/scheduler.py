@@ -1,0 +1,191 @@
+"""Continuous batching with one token budget per step, chunked prefill and preemption.
+
+Integer bookkeeping only. Each step:
+  1. running requests, oldest first, take what they need (1 token for a decode, a chunk for an
+     unfinished prefill); when blocks run out, the newest running request is preempted (swapped
+     to CPU, or freed to be recomputed later);
+  2. if nothing was preempted: swapped requests come back, then waiting requests are admitted
+     (prefix-cache hits first advance their `num_computed_tokens`), up to `max_num_seqs`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from pdserve.config import CacheConfig, SchedulerConfig
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    request: Request
+    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the request's tokens: the step samples."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
+    preempted_ids: list[str] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, sched: SchedulerConfig, cache: CacheConfig) -> None:
+        self.config = sched
+        self.kv = KVCacheManager(cache.num_kv_blocks, cache.block_size, cache.enable_prefix_caching,
+                                 cache.num_swap_blocks)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        needed = -(-request.max_total_tokens // self.kv.block_size)
+        if needed > self.kv.pool.num_blocks:
+            raise ValueError(f"Cannot allocate for request {request.request_id}: it may need {needed} KV blocks, "
+                             f"the pool has {self.kv.pool.num_blocks}")
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted_ids:
+            budget = self._schedule_swapped(out, budget)
+            if not self.swapped:
+                self._schedule_waiting(out, budget)
+        out.num_batched_tokens = sum(c.num_new_tokens for c in out.chunks)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            else:
+                out.chunks.append(ScheduledChunk(request, num_new))
+                budget -= num_new
+                index += 1
+        return budget
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.num_preemptions += 1
+        request.num_preemptions += 1
+        # NOTE: victims come off the tail of `running`, which this step has not scheduled yet.
+        out.preempted_ids.append(request.request_id)
+        mapping = self.kv.swap_out(request) if self.config.preemption_mode == "swap" else None
+        if mapping is not None:
+            out.blocks_to_swap_out.extend(mapping)
+            request.status = RequestStatus.SWAPPED
+            self.swapped.appendleft(request)
+            return
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.swapped[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            # Room for the swapped blocks plus the tokens this step adds.
+            extra = self.kv.num_blocks_needed(request, num_new, len(request.swapped_block_ids))
+            if len(request.swapped_block_ids) + extra > self.kv.pool.num_free_blocks:
+                break
+            self.swapped.popleft()
+            mapping = self.kv.swap_in(request)
+            assert mapping is not None and self.kv.allocate(request, num_new)
+            out.blocks_to_swap_in.extend(mapping)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(ScheduledChunk(request, num_new))
+            budget -= num_new
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
+            num_computed = request.num_computed_tokens + len(hits) * self.kv.block_size
+            num_new = request.num_tokens - num_computed
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            request.num_computed_tokens = num_computed
+            if not self.kv.allocate(request, num_new, hits):
+                request.num_computed_tokens -= len(hits) * self.kv.block_size
+                break
+            self.waiting.popleft()
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+                request.num_cached_tokens = len(hits) * self.kv.block_size
+                self.kv.record_prefix_query(request.num_tokens, request.num_cached_tokens)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(ScheduledChunk(request, num_new))
+            budget -= num_new
+
+    def update(self, out: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
+        """Advance computed counts, append sampled tokens, finish what stopped. Returns the
+        requests that got a new token this step (finished ones included)."""
+        updated = []
+        for chunk in out.chunks:
+            request = chunk.request
+            request.num_computed_tokens += chunk.num_new_tokens
+            self.kv.cache_computed_blocks(request)
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.append_token(token)
+            updated.append(request)
+            status = request.check_stop()
+            if status is not None:
+                self.finish(request, status)
+        return updated
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Finish (or abort) a request in any state and release everything it holds."""
+        if request.request_id not in self.requests:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+        elif request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+            self.kv.drop_swapped(request)
+        self.kv.free(request)
+        request.status = status
+        del self.requests[request.request_id]
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return request

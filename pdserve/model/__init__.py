@@ -1,0 +1,1 @@
+"""Qwen3 dense model: config parsing, weights loading, and the math."""

@@ -1,0 +1,100 @@
+"""Attention over the paged KV cache.
+
+Cache layout, one tensor per layer: ``[2 (k|v), num_blocks, block_size, num_kv_heads, head_dim]``.
+A *slot* is one token's place in the pool: ``slot = block_id * block_size + offset``.
+
+    block table of one sequence  [7, 2, 9]        (block_size 4)
+    token position               0 1 2 3 | 4 5 6 7 | 8 9
+    slot                         28..31  | 8..11   | 36 37
+
+The runner computes slots and block tables (ids -> tensors); this module only writes the new
+tokens' K/V at their slots and reads back each sequence's whole context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSpan:
+    """One sequence contributing more than one query token (a prompt chunk)."""
+
+    start: int  # first row of this sequence in the flattened batch
+    end: int  # one past its last row
+    context_len: int  # tokens of KV after this step, including the new ones
+    block_table: torch.Tensor  # [num_blocks_of_sequence] int64
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """Everything attention needs for one step; built by the model runner."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V is written
+    decode_rows: torch.Tensor  # [num_decodes] int64: rows that are single-token decodes
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64, padded with 0
+    decode_context_lens: torch.Tensor  # [num_decodes] int64
+    prefills: tuple[PrefillSpan, ...]
+
+
+def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    num_kv_heads, head_dim = k.shape[-2:]
+    layer_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    layer_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] (new tokens).
+
+    Writes k/v into the cache, then returns [num_tokens, num_heads, head_dim].
+    """
+    write_kv(layer_cache, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    if meta.decode_rows.numel():
+        out[meta.decode_rows] = _decode_attention(q[meta.decode_rows], layer_cache, meta, scale)
+    for span in meta.prefills:
+        out[span.start:span.end] = _prefill_attention(q, k, v, layer_cache, span, scale)
+    return out
+
+
+def _decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata,
+                      scale: float) -> torch.Tensor:
+    """All single-token queries at once: gather each sequence's blocks, pad, mask the padding."""
+    tables = meta.decode_block_tables
+    num_seqs, max_blocks = tables.shape
+    block_size, num_kv_heads, head_dim = layer_cache.shape[2:]
+    kv_len = max_blocks * block_size
+    keys = layer_cache[0][tables].view(num_seqs, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+    values = layer_cache[1][tables].view(num_seqs, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+    positions = torch.arange(kv_len, device=q.device)
+    mask = (positions[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
+                                         enable_gqa=True)
+    return out.squeeze(2)
+
+
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
+                       span: PrefillSpan, scale: float) -> torch.Tensor:
+    num_new = span.end - span.start
+    query = q[span.start:span.end].transpose(0, 1).unsqueeze(0)
+    if span.context_len == num_new:
+        # NOTE: no earlier context: the new K/V are the whole context, no need to read the pool.
+        keys = k[span.start:span.end].transpose(0, 1).unsqueeze(0)
+        values = v[span.start:span.end].transpose(0, 1).unsqueeze(0)
+        out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)
+    num_kv_heads, head_dim = layer_cache.shape[3:]
+    keys = layer_cache[0][span.block_table].view(-1, num_kv_heads, head_dim)[:span.context_len]
+    values = layer_cache[1][span.block_table].view(-1, num_kv_heads, head_dim)[:span.context_len]
+    # Query i sits at absolute position (context_len - num_new + i) and sees keys up to it.
+    offset = span.context_len - num_new
+    rows = torch.arange(num_new, device=q.device)[:, None] + offset
+    cols = torch.arange(span.context_len, device=q.device)[None, :]
+    out = F.scaled_dot_product_attention(query, keys.transpose(0, 1).unsqueeze(0),
+                                         values.transpose(0, 1).unsqueeze(0), attn_mask=cols <= rows,
+                                         scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)

@@ -1,0 +1,36 @@
+"""Streaming token ids -> text without splitting multi-byte UTF-8 characters."""
+
+from __future__ import annotations
+
+import codecs
+
+from pdserve.tokenizer.tokenizer import Tokenizer
+
+
+class IncrementalDetokenizer:
+    """Feed generated ids one at a time; each `push` returns only text that is complete so far.
+
+    Byte-level BPE tokens can end mid-character (CJK, emoji), so bytes are buffered by an incremental UTF-8
+    decoder until the character completes; concatenated output equals `tokenizer.decode(all_ids)`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._text = ""
+
+    def push(self, token_id: int) -> str:
+        return self._emit(self._decoder.decode(self._tokenizer.token_bytes(token_id, self._skip_special_tokens)))
+
+    def flush(self) -> str:
+        """End of stream: an unfinished trailing character becomes U+FFFD, as in a full decode."""
+        return self._emit(self._decoder.decode(b"", final=True))
+
+    @property
+    def text(self) -> str:
+        return self._text
+
+    def _emit(self, piece: str) -> str:
+        self._text += piece
+        return piece
