@@ -98,7 +98,7 @@ def test_transformers_reference_matches(model_dir: Path, hf_tok: Tokenizer) -> N
     transformers = pytest.importorskip("transformers")
     try:
         reference = transformers.AutoTokenizer.from_pretrained(str(model_dir))
-    except Exception as exc:  # noqa: BLE001 - any load failure means there is no reference to compare against
+    except Exception as exc:  # any load failure just means there is no reference to compare against
         pytest.skip(f"transformers cannot load the directory: {exc}")
     for text in CORPUS + _random_corpus(50, seed=1):
         ids = reference.encode(text, add_special_tokens=False)

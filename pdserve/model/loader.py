@@ -43,7 +43,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 def _checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as handle:
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
                 yield name, handle.get_tensor(name)
 
 

@@ -1,0 +1,1 @@
+"""Serving: the OpenAI-compatible HTTP API in front of an engine."""

@@ -1,0 +1,58 @@
+"""The OpenAI-compatible HTTP app of a colocated worker: routes only; the work is in the handlers."""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pdserve.serving.async_engine import AsyncLLM
+from pdserve.serving.chat import ChatHandler
+from pdserve.serving.completions import CompletionHandler
+from pdserve.serving.errors import EXCEPTION_HANDLERS, OpenAIError
+from pdserve.serving.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from pdserve.serving.sse import sse_stream, unless_disconnected
+
+
+def create_app(client: AsyncLLM, model_name: str) -> FastAPI:
+    app = FastAPI(title="pdserve", exception_handlers=EXCEPTION_HANDLERS)  # type: ignore[arg-type]
+    completions = CompletionHandler(client, model_name)
+    chat = ChatHandler(client, model_name)
+
+    def check_model(requested: str | None) -> None:
+        if requested is not None and requested != model_name:
+            raise OpenAIError(f"The model `{requested}` does not exist. This server serves `{model_name}`.",
+                              HTTPStatus.NOT_FOUND, "model")
+
+    def respond(handler: CompletionHandler | ChatHandler, body: Any, raw: Request) -> Any:
+        check_model(body.model)
+        request_id, jobs = handler.prepare(body)
+        if body.stream:
+            return StreamingResponse(sse_stream(handler.stream(body, request_id, jobs)),
+                                     media_type="text/event-stream")
+        return unless_disconnected(raw, handler.full(body, request_id, jobs))
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, raw: Request) -> Any:
+        result = respond(completions, body, raw)
+        return result if isinstance(result, StreamingResponse) else JSONResponse(await result)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Any:
+        result = respond(chat, body, raw)
+        return result if isinstance(result, StreamingResponse) else JSONResponse(await result)
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_name, root=client.engine.config.model_path,
+                                         max_model_len=client.max_model_len)])
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not client.alive:
+            return JSONResponse({"status": "engine dead"}, status_code=int(HTTPStatus.SERVICE_UNAVAILABLE))
+        return JSONResponse({"status": "ok"})
+
+    return app

@@ -1,0 +1,83 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+from typing import Any
+
+from pdserve.engine.output import RequestOutput
+from pdserve.engine.sampler import TokenLogprobs
+from pdserve.serving.async_engine import AsyncLLM
+from pdserve.serving.completions import build_jobs
+from pdserve.serving.errors import OpenAIError
+from pdserve.serving.generation import DeltaTracker, Job, new_request_id, run_jobs, usage_of
+from pdserve.serving.protocol import ChatCompletionRequest
+from pdserve.tokenizer import Tokenizer
+
+
+def _token_json(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
+    raw = tokenizer.token_bytes(token_id) or tokenizer.decode([token_id], skip_special_tokens=False).encode()
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+
+def _logprobs_json(tokenizer: Tokenizer, entries: list[TokenLogprobs] | None) -> dict | None:
+    if entries is None:
+        return None
+    return {"content": [_token_json(tokenizer, e.token_id, e.logprob)
+                        | {"top_logprobs": [_token_json(tokenizer, t, lp) for t, lp in e.top]} for e in entries]}
+
+
+class ChatHandler:
+    def __init__(self, client: AsyncLLM, model_name: str) -> None:
+        self.client = client
+        self.model_name = model_name
+
+    def prepare(self, body: ChatCompletionRequest) -> tuple[str, list[Job]]:
+        request_id = new_request_id("chatcmpl")
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        thinking = body.chat_template_kwargs.enable_thinking if body.chat_template_kwargs else True
+        try:
+            text = self.client.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt, enable_thinking=thinking)
+        except ValueError as exc:
+            raise OpenAIError(f"messages: {exc}", HTTPStatus.BAD_REQUEST, "messages") from exc
+        token_ids = self.client.tokenizer.encode(text)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return request_id, build_jobs(self.client, [token_ids], body.requested_max_tokens, body, logprobs, request_id)
+
+    async def full(self, body: ChatCompletionRequest, request_id: str, jobs: list[Job]) -> dict[str, Any]:
+        final: RequestOutput | None = None
+        async for _, output in run_jobs(self.client, jobs):
+            final = output
+        assert final is not None and final.finished
+        choices = [{
+            "index": seq.index,
+            "message": {"role": "assistant", "content": seq.text},
+            "logprobs": _logprobs_json(self.client.tokenizer, seq.logprobs),
+            "finish_reason": seq.finish_reason,
+            "stop_reason": seq.stop_reason,
+        } for seq in final.outputs]
+        return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
+                "choices": choices, "usage": usage_of({0: final}).model_dump()}
+
+    async def stream(self, body: ChatCompletionRequest, request_id: str, jobs: list[Job]) -> AsyncIterator[dict]:
+        created = int(time.time())
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+            return {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                    "model": self.model_name, "choices": choices, **extra}
+
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for i in range(body.n)])
+        tracker = DeltaTracker(body.n)
+        final: RequestOutput | None = None
+        async for _, output in run_jobs(self.client, jobs):
+            final = output
+            for delta in tracker.deltas(0, output):
+                yield chunk([{"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
+                              "logprobs": _logprobs_json(self.client.tokenizer, delta.logprobs),
+                              "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}])
+        if body.include_usage and final is not None:
+            yield chunk([], usage=usage_of({0: final}).model_dump())

@@ -1,0 +1,64 @@
+"""OpenAI error objects: `{"error": {"message", "type", "param", "code"}}` with the right status."""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+_TYPES = {
+    HTTPStatus.BAD_REQUEST: "invalid_request_error",
+    HTTPStatus.NOT_FOUND: "not_found_error",
+    HTTPStatus.METHOD_NOT_ALLOWED: "invalid_request_error",
+    HTTPStatus.UNPROCESSABLE_ENTITY: "invalid_request_error",
+    HTTPStatus.TOO_MANY_REQUESTS: "rate_limit_error",
+    HTTPStatus.SERVICE_UNAVAILABLE: "service_unavailable",
+}
+
+
+class OpenAIError(Exception):
+    def __init__(self, message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+
+
+def error_body(message: str, status: HTTPStatus, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param,
+                      "code": int(status)}}
+
+
+def error_response(message: str, status: HTTPStatus, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=int(status))
+
+
+async def _openai_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, OpenAIError)
+    return error_response(exc.message, exc.status, exc.param)
+
+
+async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0] if exc.errors() else {}
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return error_response(f"malformed JSON body: {first.get('msg', '')}", HTTPStatus.BAD_REQUEST)
+    param = ".".join(location) or None
+    message = f"{param}: {first.get('msg', 'invalid value')}" if param else str(first.get("msg", "invalid request"))
+    return error_response(message, HTTPStatus.BAD_REQUEST, param)
+
+
+async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    return error_response(str(exc.detail), HTTPStatus(exc.status_code))
+
+
+EXCEPTION_HANDLERS = {
+    OpenAIError: _openai_error,
+    RequestValidationError: _validation_error,
+    StarletteHTTPException: _http_error,
+}
