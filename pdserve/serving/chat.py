@@ -29,6 +29,11 @@ def _logprobs_json(tokenizer: Tokenizer, entries: list[TokenLogprobs] | None) ->
                         | {"top_logprobs": [_token_json(tokenizer, t, lp) for t, lp in e.top]} for e in entries]}
 
 
+def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+    # NOTE: OpenAI's `developer` role replaces `system` for newer models; chat templates only know `system`.
+    return message | {"role": "system"} if message["role"] == "developer" else message
+
+
 class ChatHandler:
     def __init__(self, client: AsyncLLM, model_name: str) -> None:
         self.client = client
@@ -36,7 +41,7 @@ class ChatHandler:
 
     def prepare(self, body: ChatCompletionRequest) -> tuple[str, list[Job]]:
         request_id = new_request_id("chatcmpl")
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        messages = [_template_message(m.model_dump(exclude_none=True)) for m in body.messages]
         thinking = body.chat_template_kwargs.enable_thinking if body.chat_template_kwargs else True
         try:
             text = self.client.tokenizer.apply_chat_template(
