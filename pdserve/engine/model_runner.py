@@ -12,13 +12,16 @@ Flattened batch for chunks [A: 3 new tokens from position 5], [B: 1 decode at po
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, TokenLogprobs
 from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.model.attention import AttentionMetadata, PrefillSpan
+from pdserve.model.attention import AttentionMetadata, DecodeBatch, PrefillSpan
 from pdserve.model.qwen3 import Qwen3ForCausalLM
 
 
@@ -30,8 +33,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         m = config.model
         shape = (m.num_hidden_layers, 2, config.cache.num_kv_blocks, self.block_size, m.num_key_value_heads, m.head_dim)
-        # NOTE: torch.empty: pages are committed by the OS only as blocks are first written.
-        self.kv_cache = torch.empty(shape, dtype=config.dtype, device=self.device)
+        self.kv_cache = _zeroed_pool(shape, config.dtype, self.device)
         swap_shape = (m.num_hidden_layers, 2, config.cache.num_swap_blocks) + shape[3:]
         self.swap_cache = torch.empty(swap_shape, dtype=config.dtype, device="cpu",
                                       pin_memory=self.device.type == "cuda" and config.cache.num_swap_blocks > 0)
@@ -91,17 +93,37 @@ class ModelRunner:
                 samplers.append(request)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
-            decode_rows=self._tensor(decode_rows),
-            decode_block_tables=self._tensor(_pad(decode_tables)),
-            decode_context_lens=self._tensor(decode_lens),
+            decode=self._decode_batch(decode_rows, decode_tables, decode_lens) if decode_rows else None,
             prefills=tuple(prefills),
         )
         return self._tensor(ids), self._tensor(positions), meta, self._tensor(sample_rows), samplers
+
+    def _decode_batch(self, rows: list[int], tables: list[list[int]], context_lens: list[int]) -> DecodeBatch:
+        max_blocks = max(len(t) for t in tables)
+        kv_len = max_blocks * self.block_size
+        inside = torch.arange(kv_len)[None, :] < torch.tensor(context_lens)[:, None]
+        mask = torch.zeros(inside.shape, dtype=self.config.dtype).masked_fill_(~inside, float("-inf"))
+        buf_shape = (len(rows) * max_blocks,) + tuple(self.kv_cache.shape[3:])
+        return DecodeBatch(
+            rows=self._tensor(rows),
+            block_ids=self._tensor([b for t in tables for b in t + [0] * (max_blocks - len(t))]),
+            mask=mask[:, None, None, :].to(self.device),
+            k_buf=torch.empty(buf_shape, dtype=self.config.dtype, device=self.device),
+            v_buf=torch.empty(buf_shape, dtype=self.config.dtype, device=self.device),
+        )
 
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
 
 
-def _pad(tables: list[list[int]]) -> list[list[int]]:
-    width = max((len(t) for t in tables), default=0)
-    return [t + [0] * (width - len(t)) for t in tables]
+def _zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The KV pool starts zeroed. NOTE: decode attention reads whole blocks (and pads tables with
+    block 0); masking gives the slots past a sequence's end weight 0, but 0 * NaN is NaN, so no slot
+    may ever hold stale NaN/Inf bytes from reused memory. Slots only ever receive model K/V or
+    copies of other slots, so starting from zeros keeps every slot finite.
+    On CPU the zeros come from an anonymous mmap: pages read as zero and are committed by the OS
+    only as blocks are first written."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, num_bytes), dtype=dtype).view(shape)
