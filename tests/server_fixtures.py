@@ -67,10 +67,10 @@ class ServerHandle:
     def wait_until_idle(self, timeout_s: float = _LEAK_POLL_S) -> float:
         """Poll until nothing is left in the engine; returns the seconds it took. Asserts on timeout."""
         start = time.monotonic()
-        while self.leaks() and time.monotonic() - start < timeout_s:
+        while self.leaks() and self.client.alive and time.monotonic() - start < timeout_s:
             time.sleep(0.02)
-        assert not self.leaks(), f"after {timeout_s}s: {'; '.join(self.leaks())}"
         assert self.client.alive, "the engine thread died"
+        assert not self.leaks(), f"after {timeout_s}s: {'; '.join(self.leaks())}"
         return time.monotonic() - start
 
     def stop(self) -> None:

@@ -9,16 +9,20 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import pytest
-from server_fixtures import DONE, ServerHandle, parse_sse, start_server, stream_events
+from server_fixtures import DONE, ServerHandle, free_port, parse_sse, start_server, stream_events
 
-from pdserve.engine.llm import LLM
+from pdserve.engine.llm import LLM, Prompt, TokensPrompt
+from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.demo_checkpoint import PRESETS, write_checkpoint
 from pdserve.tokenizer import Tokenizer
@@ -89,8 +93,8 @@ def nothing_left_behind(server: ServerHandle) -> Iterator[None]:
 
 # -- helpers -----------------------------------------------------------------------------------
 
-def greedy(llm: LLM, prompt: str | list[int], max_tokens: int) -> Any:
-    source = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+def greedy(llm: LLM, prompt: str | list[int], max_tokens: int) -> RequestOutput:
+    source: Prompt = prompt if isinstance(prompt, str) else TokensPrompt(prompt_token_ids=prompt)
     return llm.generate(source, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))[0]
 
 
@@ -118,16 +122,16 @@ def assert_usage(body: dict[str, Any], prompt_tokens: int, completion_tokens: in
     assert usage["total_tokens"] == prompt_tokens + completion_tokens
 
 
-def collect_stream(chunks: list[dict[str, Any]], text_key: str) -> dict[int, tuple[str, str]]:
-    """Concatenated text and the finish reason of each choice; asserts exactly one chunk per choice
-    carries a finish_reason and nothing follows it."""
+def collect_stream(chunks: list[dict[str, Any]], kind: Literal["text", "delta"]) -> dict[int, tuple[str, str]]:
+    """Concatenated text and the finish reason of each choice (completion chunks carry `text`, chat
+    chunks a `delta`); asserts exactly one chunk per choice carries a finish_reason, and nothing follows it."""
     texts: dict[int, str] = {}
     finish: dict[int, str] = {}
     for chunk in chunks:
         for choice in chunk["choices"]:
             index = choice["index"]
             assert index not in finish, f"choice {index} got a chunk after its finish_reason"
-            piece = choice[text_key] if text_key == "text" else choice["delta"].get("content", "")
+            piece = choice["text"] if kind == "text" else choice["delta"].get("content", "")
             texts[index] = texts.get(index, "") + piece
             if choice["finish_reason"] is not None:
                 finish[index] = choice["finish_reason"]
@@ -229,6 +233,18 @@ def test_completion_stream_several_prompts_and_n(http: httpx.Client) -> None:
     assert sorted(streamed) == [0, 1, 2, 3]
 
 
+def test_completion_stream_choice_that_stops_early_finishes_once(http: httpx.Client) -> None:
+    """n=2 where only choice 0 meets its stop string: choice 1 keeps streaming after choice 0's
+    finish chunk, which must not be repeated."""
+    request = {"prompt": PROMPT, "max_tokens": 12, "n": 2, "seed": 5, "temperature": 1.0, "ignore_eos": True}
+    first, second = (c["text"] for c in complete(http, **request)["choices"])
+    at = next(i for i in range(1, len(first) // 3) if first[i:i + 2] not in second)
+    stop = first[at:at + 2]
+    streamed = collect_stream(stream_events(http, COMPLETIONS, {"model": MODEL_NAME, **request, "stop": stop}),
+                              "text")
+    assert streamed == {0: (first[: first.find(stop)], "stop"), 1: (second, "length")}
+
+
 def test_completion_stream_without_usage_has_no_usage_chunk(http: httpx.Client) -> None:
     chunks = stream_events(http, COMPLETIONS, {"prompt": PROMPT, "max_tokens": 3, "temperature": 0})
     assert all(c["choices"] for c in chunks)
@@ -271,6 +287,8 @@ def test_chat_n2_seeded_is_reproducible(http: httpx.Client) -> None:
     assert first["usage"]["completion_tokens"] == 16
     other = chat(http, **(request | {"seed": 4321}))
     assert [c["message"]["content"] for c in other["choices"]] != texts
+    streamed = collect_stream(stream_events(http, CHAT, {"model": MODEL_NAME, **request}), "delta")
+    assert streamed == {0: (texts[0], "length"), 1: (texts[1], "length")}
 
 
 def test_chat_developer_role_acts_as_system(http: httpx.Client) -> None:
@@ -384,6 +402,8 @@ _BAD_COMPLETIONS = {
     "top_k -2": {"top_k": -2},
     "min_p 2": {"min_p": 2},
     "repetition_penalty 0": {"repetition_penalty": 0},
+    "repetition_penalty Infinity": {"repetition_penalty": float("inf")},
+    "temperature NaN": {"temperature": float("nan")},
     "seed -1": {"seed": -1},
     "temperature is text": {"temperature": "hot"},
     "min_tokens > max_tokens": {"min_tokens": 9, "max_tokens": 3},
@@ -406,7 +426,9 @@ def test_bad_completion_parameters_are_400(http: httpx.Client, overrides: dict[s
         body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 4, "stream": stream} | overrides
         if "stream_options" in overrides:
             body["stream"] = False
-        assert_openai_error(http.post(COMPLETIONS, json=body), 400)
+        # json.dumps, unlike httpx, writes NaN/Infinity, which Python-based servers parse
+        raw = json.dumps(body).encode()
+        assert_openai_error(http.post(COMPLETIONS, content=raw, headers={"content-type": "application/json"}), 400)
     assert_still_serving(http)
 
 
@@ -500,7 +522,7 @@ def test_non_stream_client_timeout_aborts(server: ServerHandle, http: httpx.Clie
                                           server_errors: list[logging.LogRecord]) -> None:
     body = {"prompt": PROMPT} if path == COMPLETIONS else {"messages": USER_HI}
     steps_before = server.client.stats().num_steps
-    with server.http(timeout_s=0.6) as impatient, pytest.raises(httpx.ReadTimeout):
+    with server.http(timeout_s=0.3) as impatient, pytest.raises(httpx.ReadTimeout):
         impatient.post(path, json=body | LONG)
     server.wait_until_idle(timeout_s=3.0)
     assert server.client.stats().num_steps - steps_before < LONG["max_tokens"] // 2
@@ -541,3 +563,48 @@ def test_concurrent_requests(server: ServerHandle, offline: LLM, tok: Tokenizer)
         assert_usage(body, len(tok.encode(prompts[i])), max_tokens[i])
         assert body["choices"][0]["finish_reason"] == "length"
         assert body["choices"][0]["text"] == greedy(offline, prompts[i], max_tokens[i]).outputs[0].text, i
+
+
+# -- the command line --------------------------------------------------------------------------
+
+def _serve_command(model_dir: Path, port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "serve", "--model", str(model_dir),
+            "--port", str(port), "--num-kv-blocks", "64", "--dtype", "float32", "--num-threads", "1", *extra]
+
+
+def test_cli_serve_starts_serves_and_stops_on_sigint(model_dir: Path) -> None:
+    port = free_port()
+    process = subprocess.Popen(_serve_command(model_dir, port, "--served-model-name", "cli-model",
+                                              "--max-model-len", "256"),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as cli_http:
+            deadline = time.monotonic() + 60
+            while True:
+                assert process.poll() is None, process.communicate()[0]
+                try:
+                    if cli_http.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, "pdserve serve did not come up"
+                time.sleep(0.2)
+            cards = cli_http.get("/v1/models").json()["data"]
+            assert [(c["id"], c["max_model_len"]) for c in cards] == [("cli-model", 256)]
+            body = cli_http.post(COMPLETIONS, json={"model": "cli-model", "prompt": PROMPT, "max_tokens": 3,
+                                                    "ignore_eos": True}).json()
+            assert body["usage"]["completion_tokens"] == 3
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=20)
+        assert process.returncode == 0, output
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+
+def test_cli_serve_rejects_bad_engine_args(model_dir: Path) -> None:
+    result = subprocess.run(_serve_command(model_dir, free_port(), "--max-model-len", "99999999"),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "max_model_len" in result.stderr and "Traceback" not in result.stderr

@@ -6,7 +6,7 @@ from http import HTTPStatus
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 _TYPES = {
@@ -25,6 +25,14 @@ class OpenAIError(Exception):
         self.message = message
         self.status = status
         self.param = param
+
+
+class ClientDisconnected(Exception):
+    """The client went away before a non-streaming response was ready; its work was cancelled."""
+
+
+# NOTE: nginx's "client closed request"; nobody receives it, but access logs show why the request ended.
+_CLIENT_CLOSED_REQUEST = 499
 
 
 def error_body(message: str, status: HTTPStatus, param: str | None = None) -> dict:
@@ -57,8 +65,14 @@ async def _http_error(_: Request, exc: Exception) -> JSONResponse:
     return error_response(str(exc.detail), HTTPStatus(exc.status_code))
 
 
+async def _client_disconnected(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ClientDisconnected)
+    return Response(status_code=_CLIENT_CLOSED_REQUEST)
+
+
 EXCEPTION_HANDLERS = {
     OpenAIError: _openai_error,
+    ClientDisconnected: _client_disconnected,
     RequestValidationError: _validation_error,
     StarletteHTTPException: _http_error,
 }

@@ -33,7 +33,7 @@ class _SamplingFields(BaseModel):
     # vLLM extras
     top_k: int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)  # the only float without an upper bound
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     min_tokens: int = Field(0, ge=0)

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from pdserve.serving.errors import OpenAIError, error_body
+from pdserve.serving.errors import ClientDisconnected, OpenAIError, error_body
 
 T = TypeVar("T")
 _DISCONNECT_POLL_S = 0.1
@@ -34,7 +34,10 @@ async def sse_stream(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it (which aborts its engine requests) if the client goes away."""
+    """Await `work`, cancelling it (which aborts its engine requests) if the client goes away.
+
+    Raises ClientDisconnected then, not CancelledError: this task itself was not cancelled, and a
+    CancelledError escaping the endpoint reaches uvicorn as "Exception in ASGI application"."""
     task = asyncio.ensure_future(work)
     try:
         while True:
@@ -43,7 +46,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
                 return task.result()
             if await request.is_disconnected():
                 task.cancel()
-                raise asyncio.CancelledError("client disconnected")
+                raise ClientDisconnected()
     finally:
         if not task.done():
             task.cancel()
