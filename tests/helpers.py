@@ -3,17 +3,20 @@ fake-model driver for the scheduler, and the "no block, no request left behind" 
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from pdserve import LLM
 from pdserve.config import CacheConfig, SchedulerConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.llm import TokensPrompt
 from pdserve.engine.request import Request
+from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
-from pdserve.engine.sampler import TokenLogprobs
 
 # Qwen3's special tokens start here; random prompts stay below so they are plain text tokens.
 FIRST_SPECIAL_TOKEN_ID = 151643
@@ -25,15 +28,16 @@ def random_prompt(length: int, seed: int) -> list[int]:
     return torch.randint(0, FIRST_SPECIAL_TOKEN_ID, (length,), generator=gen).tolist()
 
 
-def token_prompts(prompts: Sequence[list[int]]) -> list[dict[str, list[int]]]:
-    return [{"prompt_token_ids": list(p)} for p in prompts]
+def token_prompts(prompts: Sequence[list[int]]) -> list[TokensPrompt]:
+    return [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
 
 
-def greedy(max_tokens: int, **kwargs: object) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)  # type: ignore[arg-type]
+def greedy(max_tokens: int, **kwargs: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
-def generate_token_ids(llm: LLM, prompts: Sequence[list[int]], params: SamplingParams) -> list[list[int]]:
+def generate_token_ids(llm: LLM, prompts: Sequence[list[int]],
+                       params: SamplingParams | Sequence[SamplingParams]) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in llm.generate(token_prompts(prompts), params)]
 
 
@@ -47,10 +51,14 @@ def make_scheduler(num_blocks: int, block_size: int = 4, *, max_num_seqs: int = 
 
 
 def make_request(request_id: str, prompt_token_ids: Sequence[int] | int, max_tokens: int = 4,
-                 max_model_len: int = 1024, **params: object) -> Request:
-    """`prompt_token_ids` may be a length: the prompt is then 100, 101, ... (distinct per position)."""
-    ids = list(range(100, 100 + prompt_token_ids)) if isinstance(prompt_token_ids, int) else list(prompt_token_ids)
-    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params)  # type: ignore[arg-type]
+                 max_model_len: int = 1024, **params: Any) -> Request:
+    """`prompt_token_ids` may be a length: the prompt is then consecutive ids starting from a point
+    derived from `request_id`, so prompts built this way share no prefix."""
+    if isinstance(prompt_token_ids, int):
+        start = 1000 * (zlib.crc32(request_id.encode()) % 100_000)
+        prompt_token_ids = range(start, start + prompt_token_ids)
+    ids = list(prompt_token_ids)
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params)
     return Request(request_id, ids, sampling, eos_token_ids=(), max_model_len=max_model_len)
 
 
@@ -68,6 +76,50 @@ def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> list[Sch
         outputs.append(fake_step(scheduler))
         assert len(outputs) < max_steps, "scheduler made no progress"
     return outputs
+
+
+class KVOracle:
+    """The model runner's KV tensors without a model: every slot records which token prefix it holds.
+
+    A step writes the new tokens' slots, then checks that every position each chunk attends to holds
+    that request's own prefix, so a stale, missing, shared-but-overwritten or mis-swapped block is
+    caught the way wrong KV would be. Sampling is a pure function of the prefix (like greedy), so
+    identical prefixes produce identical continuations and share cached blocks.
+    """
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.block_size = scheduler.kv.block_size
+        self.device: dict[int, list[int | None]] = {}
+        self.swap: dict[int, list[int | None]] = {}
+
+    @staticmethod
+    def next_token(token_ids: list[int]) -> int:
+        return hash(tuple(token_ids)) % 1000
+
+    def step(self) -> SchedulerOutput:
+        out = self.scheduler.schedule()
+        bs = self.block_size
+        empty: list[int | None] = [None] * bs
+        for device_block, swap_block in out.blocks_to_swap_out:  # the runner's order: out, then in
+            self.swap[swap_block] = list(self.device.get(device_block, empty))
+        for swap_block, device_block in out.blocks_to_swap_in:
+            self.device[device_block] = list(self.swap[swap_block])
+        for chunk in out.chunks:
+            request, start = chunk.request, chunk.request.num_computed_tokens
+            assert len(request.block_ids) * bs >= start + chunk.num_new_tokens, "no slot for a new token"
+            for pos in range(start, start + chunk.num_new_tokens):
+                block = self.device.setdefault(request.block_ids[pos // bs], list(empty))
+                block[pos % bs] = hash(tuple(request.all_token_ids[:pos + 1]))
+        for chunk in out.chunks:  # attention reads after all writes of the step
+            request = chunk.request
+            for pos in range(request.num_computed_tokens + chunk.num_new_tokens):
+                held = self.device.get(request.block_ids[pos // bs], empty)[pos % bs]
+                assert held == hash(tuple(request.all_token_ids[:pos + 1])), (
+                    f"request {request.request_id} reads wrong KV at position {pos}")
+        sampled = {c.request.request_id: self.next_token(c.request.all_token_ids) for c in out.chunks if c.samples}
+        self.scheduler.update(out, sampled)
+        return out
 
 
 # -- leak checks -----------------------------------------------------------------------------------

@@ -4,14 +4,18 @@ mixed batches, chunked prefill, prefix-cache hits, preemption (recompute and swa
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+import torch
 from conftest import MODEL_NAMES, HFReference
 from helpers import assert_no_leak, generate_token_ids, greedy, random_prompt, token_prompts
 
-from pdserve import LLM
+from pdserve import LLM, SamplingParams
+from pdserve.engine.scheduler import SchedulerOutput
 
 MAX_TOKENS = 16
+FIRST_OUT_OF_VOCAB = 151936  # Qwen3's vocab_size
 # Mixed lengths: a single token, around one and two block boundaries, and a long prompt that takes
 # more than ten chunks at a 64-token budget. Submitted out of order so admission order is mixed too.
 PROMPT_LENS = (129, 1, 720, 16, 2, 300, 17, 33, 15, 64)
@@ -25,11 +29,14 @@ CONFIGS: dict[str, dict[str, object]] = {
     "default": {},
     "block32": {"block_size": 32},
     "chunked": {"max_num_batched_tokens": 64},
-    "preempt-recompute": {"num_kv_blocks": SMALL_POOL_BLOCKS, "preemption_mode": "recompute",
-                          "enable_prefix_caching": False},
-    "preempt-recompute-cached": {"num_kv_blocks": SMALL_POOL_BLOCKS, "preemption_mode": "recompute",
-                                 "max_num_batched_tokens": 128},
-    "preempt-swap": {"num_kv_blocks": SMALL_POOL_BLOCKS, "preemption_mode": "swap", "swap_space": 0.01},
+    # Chunked prefill admits many prompts at once with part of their blocks; as they grow the pool
+    # runs out and the newest running request is preempted.
+    "preempt-recompute": {"num_kv_blocks": SMALL_POOL_BLOCKS, "max_num_batched_tokens": 128,
+                          "preemption_mode": "recompute", "enable_prefix_caching": False},
+    "preempt-recompute-cached": {"num_kv_blocks": SMALL_POOL_BLOCKS, "max_num_batched_tokens": 128,
+                                 "preemption_mode": "recompute"},
+    "preempt-swap": {"num_kv_blocks": SMALL_POOL_BLOCKS, "max_num_batched_tokens": 128, "preemption_mode": "swap",
+                     "swap_space": 0.01},
 }
 
 
@@ -44,13 +51,17 @@ def test_greedy_matches_transformers(model: str, config: str, llm_factory: Calla
     llm = llm_factory(model, **CONFIGS[config])
     scheduler = llm.engine.scheduler
     preemptions_before = scheduler.num_preemptions
-    swap_outs: list[int] = []
+    num_swapped_blocks = 0
+    num_long_prefill_chunks = 0
     schedule = scheduler.schedule
 
-    def spy_schedule():  # type: ignore[no-untyped-def]
+    def spy_schedule() -> SchedulerOutput:
+        nonlocal num_swapped_blocks, num_long_prefill_chunks
         out = schedule()
-        swap_outs.append(len(out.blocks_to_swap_out))
         assert out.num_batched_tokens <= scheduler.config.max_num_batched_tokens
+        num_swapped_blocks += len(out.blocks_to_swap_out)
+        num_long_prefill_chunks += sum(1 for c in out.chunks
+                                       if c.request.num_prompt_tokens == max(PROMPT_LENS) and c.num_new_tokens > 1)
         return out
 
     monkeypatch.setattr(scheduler, "schedule", spy_schedule)
@@ -62,9 +73,9 @@ def test_greedy_matches_transformers(model: str, config: str, llm_factory: Calla
     if config.startswith("preempt"):
         assert scheduler.num_preemptions > preemptions_before, "the small pool should force preemptions"
     if config == "preempt-swap":
-        assert sum(swap_outs) > 0, "preemptions should have swapped blocks out"
+        assert num_swapped_blocks > 0, "preemptions should have swapped blocks out"
     if config == "chunked":
-        assert len(swap_outs) >= max(PROMPT_LENS) // 64, "the long prompt should take many chunks"
+        assert num_long_prefill_chunks >= 10, "the long prompt should take many chunks"
     assert_no_leak(llm)
 
 
@@ -126,4 +137,61 @@ def test_eviction_under_pressure_keeps_outputs_identical(llm_factory: Callable[.
     for prompts in (PROMPTS[:5], PROMPTS[5:], PROMPTS[:5]):
         assert generate_token_ids(llm, prompts, greedy(MAX_TOKENS)) == expected(hf_reference, "tiny", prompts)
     assert llm.engine.stats().num_evictions > evictions_before
+    assert_no_leak(llm)
+
+
+def test_kv_pool_starts_zeroed_on_reused_memory(model_dirs: dict[str, Path], hf_reference: HFReference) -> None:
+    """Regression: the pool used to be `torch.empty`. A small pool lands on freed heap memory, and
+    decode attention reads whole blocks (masked slots still contribute 0 * value), so stale NaN bytes
+    turned every output into token 0."""
+    pool_bytes = SMALL_POOL_BLOCKS * 16 * 2 * 2 * 2 * 32 * 4  # tiny: 2 layers, k|v, 2 KV heads, head_dim 32, fp32
+    junk = torch.full((pool_bytes // 4,), float("nan"))
+    del junk  # the next allocation of this size is likely to reuse these NaN bytes
+    llm = LLM(model=str(model_dirs["tiny"]), dtype="float32", num_kv_blocks=SMALL_POOL_BLOCKS)
+    assert not llm.engine.runner.kv_cache.any()
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[4]]
+    assert generate_token_ids(llm, prompts, greedy(MAX_TOKENS)) == expected(hf_reference, "tiny", prompts)
+    assert_no_leak(llm)
+
+
+# -- lifecycle -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad_prompt", [[], [FIRST_OUT_OF_VOCAB], list(range(5000))],
+                         ids=["empty", "out-of-vocab", "longer-than-max_model_len"])
+def test_rejected_prompt_leaves_nothing_behind(llm_factory: Callable[..., LLM], hf_reference: HFReference,
+                                               bad_prompt: list[int]) -> None:
+    """Regression: `LLM.generate` added the prompts before its try/finally, so the prompts accepted
+    before a rejected one stayed in the engine forever."""
+    llm = llm_factory("tiny")
+    with pytest.raises(ValueError):
+        llm.generate(token_prompts([PROMPTS[1], PROMPTS[4], bad_prompt, PROMPTS[3]]), greedy(MAX_TOKENS))
+    assert_no_leak(llm)
+    assert generate_token_ids(llm, PROMPTS[3:4], greedy(MAX_TOKENS)) == expected(hf_reference, "tiny", PROMPTS[3:4])
+    assert_no_leak(llm)
+
+
+def test_abort_in_every_state_leaves_nothing_behind(llm_factory: Callable[..., LLM],
+                                                    hf_reference: HFReference) -> None:
+    llm = llm_factory("tiny", **CONFIGS["preempt-swap"])
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    request_ids = [f"abort-{n}" for n in range(len(PROMPTS))]
+    for request_id, prompt in zip(request_ids, PROMPTS, strict=True):
+        engine.add_request(request_id, prompt, greedy(MAX_TOKENS))
+    engine.add_request("abort-n2", PROMPTS[0], SamplingParams(n=2, seed=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    finished = set()
+    for _ in range(100):
+        finished |= {output.request_id for output in engine.step() if output.finished}
+        if scheduler.swapped and scheduler.running and scheduler.waiting:
+            break
+    assert scheduler.swapped and scheduler.running and scheduler.waiting
+    for request_id in [*request_ids, "abort-n2"]:
+        output = engine.abort_request(request_id)
+        if request_id in finished:
+            assert output is None
+        else:
+            assert output is not None and output.finished
+            assert {c.finish_reason for c in output.outputs} <= {"abort", "length"}
+            assert "abort" in {c.finish_reason for c in output.outputs}
+    assert_no_leak(llm)
+    # The engine is fully usable afterwards, and what it computes is still right.
+    assert generate_token_ids(llm, PROMPTS, greedy(MAX_TOKENS)) == expected(hf_reference, "tiny", PROMPTS)
     assert_no_leak(llm)

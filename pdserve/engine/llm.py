@@ -39,13 +39,15 @@ class LLM:
         """Run all prompts to completion with continuous batching; outputs in prompt order."""
         prompt_list: list[Prompt] = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params_list = _broadcast(sampling_params, len(prompt_list))
-        request_ids = []
-        for prompt, params in zip(prompt_list, params_list, strict=True):
-            request_id = str(next(self._ids))
-            self.engine.add_request(request_id, _prompt_input(prompt), params)
-            request_ids.append(request_id)
+        request_ids: list[str] = []
         finished: dict[str, RequestOutput] = {}
         try:
+            # NOTE: adding is inside the try: if a later prompt is rejected, the ones already added
+            # must not stay in the engine.
+            for prompt, params in zip(prompt_list, params_list, strict=True):
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, _prompt_input(prompt), params)
+                request_ids.append(request_id)
             while len(finished) < len(request_ids):
                 for output in self.engine.step():
                     if output.finished:

@@ -81,7 +81,7 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         state = RequestState(request_id, prompt_text, token_ids, params.n, self.tokenizer,
                              params.skip_special_tokens, params.logprobs is not None, params.stop,
-                             params.include_stop_str_in_output, arrival)
+                             params.include_stop_str_in_output, params.min_tokens, arrival)
         children = []
         for index in range(params.n):
             child_params = params

@@ -59,7 +59,10 @@ class ModelRunner:
             if pairs:
                 src_ids = torch.tensor([p[0] for p in pairs])
                 dst_ids = torch.tensor([p[1] for p in pairs], device=dst.device)
-                dst[:, :, dst_ids] = src[:, :, src_ids.to(src.device)].to(dst.device, non_blocking=True)
+                # NOTE: a non-blocking copy *to* the CPU returns before the data lands, and the
+                # index_put below reads it on the host at once; only host -> device may overlap.
+                blocks = src[:, :, src_ids.to(src.device)].to(dst.device, non_blocking=dst.device.type != "cpu")
+                dst[:, :, dst_ids] = blocks
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor,
                                                       list[Request]]:

@@ -60,7 +60,7 @@ class RequestState:
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], n: int,
                  tokenizer: Tokenizer, skip_special_tokens: bool, want_logprobs: bool, stop: tuple[str, ...],
-                 include_stop: bool, arrival_time: float) -> None:
+                 include_stop: bool, min_tokens: int, arrival_time: float) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -68,6 +68,7 @@ class RequestState:
                                     logprobs=[] if want_logprobs else None) for _ in range(n)]
         self.stop = stop
         self.include_stop = include_stop
+        self.min_tokens = min_tokens  # like stop tokens, stop strings cannot end a shorter output
         # Text that could still become a stop string is held back until it cannot.
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.metrics = RequestMetrics(arrival_time)
@@ -86,7 +87,7 @@ class RequestState:
         if seq.logprobs is not None and logprobs is not None:
             seq.logprobs.append(logprobs)
         new_text = seq.detokenizer.push(token_id)
-        if not new_text or not self.stop:
+        if not new_text or not self.stop or len(seq.token_ids) < self.min_tokens:
             seq.text += new_text
             return None
         search_from = max(0, len(seq.text) - self.holdback)

@@ -52,7 +52,8 @@ class Sampler:
         return torch.log_softmax(logits, dim=-1)
 
     @staticmethod
-    def _pick_logprobs(logprobs: torch.Tensor, tokens: list[int], requests: list[Request]) -> list[TokenLogprobs | None]:
+    def _pick_logprobs(logprobs: torch.Tensor, tokens: list[int],
+                       requests: list[Request]) -> list[TokenLogprobs | None]:
         picked: list[TokenLogprobs | None] = []
         for row, (request, token) in enumerate(zip(requests, tokens, strict=True)):
             num_top = request.params.logprobs
