@@ -169,6 +169,16 @@ def test_rejected_prompt_leaves_nothing_behind(llm_factory: Callable[..., LLM], 
     assert_no_leak(llm)
 
 
+def test_out_of_vocab_stop_token_id_is_rejected_before_it_reaches_the_sampler(llm_factory: Callable[..., LLM]) -> None:
+    """Regression: the sampler masks stop ids under min_tokens by indexing the logits, so an id past
+    the vocabulary raised inside step() and stopped the engine for every request."""
+    llm = llm_factory("tiny")
+    bad = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[llm.engine.config.model.vocab_size])
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate(token_prompts([PROMPTS[1], PROMPTS[2]]), [greedy(MAX_TOKENS), bad])
+    assert_no_leak(llm)
+
+
 def test_abort_in_every_state_leaves_nothing_behind(llm_factory: Callable[..., LLM],
                                                     hf_reference: HFReference) -> None:
     llm = llm_factory("tiny", **CONFIGS["preempt-swap"])

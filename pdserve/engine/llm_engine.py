@@ -58,8 +58,9 @@ class LLMEngine:
         return cls(config, load_tokenizer(config.model_path))
 
     # -- requests -----------------------------------------------------------------------------
-    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        """Raises ValueError for a prompt that can never run; the server answers it with a 400."""
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError for a request that can never run; the server answers it with a 400.
+        Pure reads of frozen config: safe to call from any thread."""
         max_len = self.config.scheduler.max_model_len
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
@@ -70,6 +71,11 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        # NOTE: the sampler indexes logits with stop ids (min_tokens masking); an id out of range
+        # would raise inside step() and stop the engine for everyone.
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> None:
@@ -77,7 +83,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.validate_prompt(token_ids)
+        self.validate_request(token_ids, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         state = RequestState(request_id, prompt_text, token_ids, params.n, self.tokenizer,
                              params.skip_special_tokens, params.logprobs is not None, params.stop,
@@ -85,8 +91,9 @@ class LLMEngine:
         children = []
         for index in range(params.n):
             child_params = params
-            if params.n > 1 and params.seed is not None:
-                child_params = dataclasses.replace(params, seed=params.seed + index)
+            if index > 0 and params.seed is not None:
+                # Distinct per sequence, and unlike seed + index, not another request's seed.
+                child_params = dataclasses.replace(params, seed=hash((params.seed, index)) & (2**63 - 1))
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             children.append(Request(child_id, token_ids, child_params, self.tokenizer.eos_token_ids,
                                     self.config.scheduler.max_model_len, arrival, self.config.device))

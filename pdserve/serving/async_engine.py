@@ -64,7 +64,7 @@ class AsyncLLM:
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         if not self.alive:
             raise EngineDeadError("the engine has stopped") from self._error
-        self.engine.validate_prompt(prompt_token_ids)  # pure: safe off the engine thread
+        self.engine.validate_request(prompt_token_ids, params)  # pure: safe off the engine thread
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._inbox.put(_Add(request_id, prompt_token_ids, params, stream, asyncio.get_running_loop()))
         finished = False

@@ -32,22 +32,12 @@ def build_jobs(client: AsyncLLM, prompts: list[list[int]], requested_max_tokens:
     for index, token_ids in enumerate(prompts):
         max_tokens = resolve_max_tokens(len(token_ids), requested_max_tokens, client.max_model_len)
         try:
-            client.engine.validate_prompt(token_ids)
             params = body.to_sampling_params(max_tokens, logprobs)
+            client.engine.validate_request(token_ids, params)
         except ValueError as exc:
             raise OpenAIError(str(exc), HTTPStatus.BAD_REQUEST) from exc
-        _check_stop_token_ids(params.stop_token_ids, client.engine.config.model.vocab_size)
         jobs.append(Job(f"{request_id}-{index}", token_ids, params))
     return jobs
-
-
-def _check_stop_token_ids(stop_token_ids: tuple[int, ...], vocab_size: int) -> None:
-    # NOTE: the sampler indexes logits with these ids (min_tokens masking); one out of range would
-    # raise on the engine thread and take the engine down for every request.
-    bad = next((t for t in stop_token_ids if t >= vocab_size), None)
-    if bad is not None:
-        raise OpenAIError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})",
-                          HTTPStatus.BAD_REQUEST, "stop_token_ids")
 
 
 def _logprobs_json(tokenizer: Tokenizer, entries: list[TokenLogprobs] | None, offset: int) -> dict | None:
