@@ -43,7 +43,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        model = load_model(config.model_path, config.dtype, config.device, config.scheduler.max_model_len)
+        model = load_model(config.model_path, config.dtype, config.device, config.scheduler.max_model_len,
+                           batch_size_hint=min(config.scheduler.max_num_seqs, 64))
         self.runner = ModelRunner(config, model)
         self.scheduler = Scheduler(config.scheduler, config.cache)
         self._states: dict[str, RequestState] = {}

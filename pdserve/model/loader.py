@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from pdserve.model.packed_linear import can_pack, pack_linears
 from pdserve.model.qwen3 import Qwen3ForCausalLM, RotaryEmbedding
 from pdserve.model.qwen3_config import Qwen3ModelConfig
 
@@ -71,8 +72,9 @@ def _target(cfg: Qwen3ModelConfig, name: str) -> tuple[str, tuple[int, int] | No
     return name, None
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-               max_positions: int) -> Qwen3ForCausalLM:
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int,
+               batch_size_hint: int = 64) -> Qwen3ForCausalLM:
+    """`batch_size_hint`: typical rows per matmul (decode batch), for CPU weight prepacking."""
     model_dir = Path(model_dir)
     cfg = Qwen3ModelConfig.from_dir(model_dir)
     previous = torch.get_default_dtype()
@@ -87,6 +89,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     _copy_weights(model, cfg, model_dir)
+    if can_pack(device, dtype):
+        pack_linears(model, batch_size_hint)
     return model.eval()
 
 
