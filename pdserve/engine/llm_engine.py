@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.config import EngineArgs, EngineConfig, create_engine_config
+from pdserve.engine.host_memory import keep_large_allocations_on_heap
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.output import RequestOutput, RequestState
 from pdserve.engine.request import Request, RequestStatus
@@ -43,6 +44,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if config.device.type == "cpu":
+            keep_large_allocations_on_heap()
         model = load_model(config.model_path, config.dtype, config.device, config.scheduler.max_model_len,
                            batch_size_hint=min(config.scheduler.max_num_seqs, 64))
         self.runner = ModelRunner(config, model)

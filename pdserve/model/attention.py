@@ -47,7 +47,7 @@ class AttentionMetadata:
     """Everything attention needs for one step; built by the model runner."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V is written
-    decode: DecodeBatch | None
+    decodes: tuple[DecodeBatch, ...]  # single-token queries, bucketed by context length
     prefills: tuple[PrefillSpan, ...]
 
 
@@ -65,8 +65,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cac
     """
     write_kv(layer_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
-    if meta.decode is not None:
-        out[meta.decode.rows] = _decode_attention(q[meta.decode.rows], layer_cache, meta.decode, scale)
+    for batch in meta.decodes:
+        out[batch.rows] = _decode_attention(q[batch.rows], layer_cache, batch, scale)
     for span in meta.prefills:
         out[span.start:span.end] = _prefill_attention(q, k, v, layer_cache, span, scale)
     return out
