@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -13,8 +14,9 @@ from pdserve.engine.host_memory import keep_large_allocations_on_heap
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.output import RequestOutput, RequestState
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler import ScheduledChunk, Scheduler
 from pdserve.model.loader import load_model
 from pdserve.tokenizer import Tokenizer, load_tokenizer
 
@@ -38,6 +40,18 @@ class EngineStats:
     step_time_s: float  # total wall time of steps
 
 
+@dataclass(frozen=True, slots=True)
+class RemoteReservation:
+    """Decode role: where a prefill worker must write a request's prompt KV."""
+
+    block_ids: tuple[int, ...]  # the request's whole block table, in token order
+    num_cached_tokens: int  # leading prompt tokens already in this pool: not to be sent
+
+
+# Prefill role: called after layer l's K/V of every chunk of the step are in the pool.
+LayerObserver = Callable[[int, list[ScheduledChunk]], None]
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer) -> None:
         self.config = config
@@ -55,6 +69,7 @@ class LLMEngine:
         self._num_steps = 0
         self._schedule_time_s = 0.0
         self._step_time_s = 0.0
+        self.layer_observer: LayerObserver | None = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -82,7 +97,11 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, prefill_only: bool = False) -> None:
+        """`prefill_only` (prefill role): compute the prompt, sample the first token, finish, and
+        keep the blocks until `release_kv` (the KV hand-off reads them)."""
+        if prefill_only and params.n != 1:
+            raise ValueError("a disaggregated request has n == 1")
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text = prompt if isinstance(prompt, str) else None
@@ -101,6 +120,10 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             children.append(Request(child_id, token_ids, child_params, self.tokenizer.eos_token_ids,
                                     self.config.scheduler.max_model_len, arrival, self.config.device))
+        for child in children:
+            if prefill_only:
+                child.hold_blocks = True
+                child.max_total_tokens = len(token_ids) + 1
         for child in children:  # validated all before adding any
             self.scheduler.add_request(child)
         for index, child in enumerate(children):
@@ -118,6 +141,43 @@ class LLMEngine:
                 del self._children[child_id]
         return state.snapshot()
 
+    def release_kv(self, request_id: str) -> None:
+        """Prefill role: the hand-off of a `prefill_only` request is acknowledged (or its lease
+        expired): free its blocks."""
+        self.scheduler.release(request_id)
+
+    def reserve_remote(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> RemoteReservation | None:
+        """Decode role: reserve blocks for a prompt whose KV a prefill worker computes. None when
+        the pool has no room now (the caller retries or picks another worker)."""
+        if request_id in self._states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if params.n != 1:
+            raise ValueError("a disaggregated request has n == 1")
+        self.validate_request(prompt_token_ids, params)
+        request = Request(request_id, prompt_token_ids, params, self.tokenizer.eos_token_ids,
+                          self.config.scheduler.max_model_len, device=self.config.device)
+        if not self.scheduler.reserve_remote(request):
+            return None
+        state = RequestState(request_id, None, list(prompt_token_ids), 1, self.tokenizer, params.skip_special_tokens,
+                             params.logprobs is not None, params.stop, params.include_stop_str_in_output,
+                             params.min_tokens, request.arrival_time)
+        state.num_cached_tokens = request.num_cached_tokens
+        self._states[request_id] = state
+        self._children[request_id] = (state, 0)
+        return RemoteReservation(tuple(request.block_ids), request.num_cached_tokens)
+
+    def complete_remote(self, request_id: str, first_token_id: int,
+                        generator_state: bytes | None = None) -> RequestOutput:
+        """Decode role: the prompt's KV is in the reserved blocks; `first_token_id` was sampled by
+        prefill, whose seeded generator state continues here. Returns the output carrying the
+        first token, to be emitted at once."""
+        request = self.scheduler.remote[request_id]
+        if generator_state is not None and request.generator is not None:
+            request.generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
+        self.scheduler.complete_remote(request_id, first_token_id)
+        return self._emit([(request, None)])[0]
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
 
@@ -130,13 +190,25 @@ class LLMEngine:
         if out.is_empty:
             return []
         scheduled = time.perf_counter()
-        sampled = self.runner.execute(out)
+        observer = self.layer_observer
+        layer_done = None if observer is None else (lambda layer: observer(layer, out.chunks))
+        sampled = self.runner.execute(out, layer_done)
         executed = time.perf_counter()
         updated = self.scheduler.update(out, {rid: token for rid, (token, _) in sampled.items()})
+        outputs = self._emit([(request, sampled[request.request_id][1]) for request in updated])
+        done = time.perf_counter()
+        self._num_steps += 1
+        self._schedule_time_s += (scheduled - start) + (done - executed)
+        self._step_time_s += done - start
+        return outputs
+
+    def _emit(self, updated: list[tuple[Request, TokenLogprobs | None]]) -> list[RequestOutput]:
+        """Feed each request's newest token to its output state (detokenize, stop strings) and
+        return a snapshot per touched user request; finished ones are forgotten."""
         touched: dict[str, RequestState] = {}
-        for request in updated:
+        for request, logprobs in updated:
             state, index = self._children[request.request_id]
-            stop = state.add_token(index, request.all_token_ids[-1], sampled[request.request_id][1])
+            stop = state.add_token(index, request.all_token_ids[-1], logprobs)
             if stop is not None:
                 # A stop string wins over a token-level stop in the same step.
                 self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
@@ -151,11 +223,12 @@ class LLMEngine:
         for output in outputs:
             if output.finished:
                 del self._states[output.request_id]
-        done = time.perf_counter()
-        self._num_steps += 1
-        self._schedule_time_s += (scheduled - start) + (done - executed)
-        self._step_time_s += done - start
         return outputs
+
+    @staticmethod
+    def generator_state(request: Request) -> bytes | None:
+        """Prefill role: the seeded generator's state after the first token, for the decode side."""
+        return None if request.generator is None else bytes(request.generator.get_state().cpu().numpy())
 
     def stats(self) -> EngineStats:
         kv = self.scheduler.kv

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Callable
 
 import torch
 
@@ -44,11 +45,12 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, self.device)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, TokenLogprobs | None]]:
+    def execute(self, out: SchedulerOutput, layer_done: Callable[[int], None] | None = None
+                ) -> dict[str, tuple[int, TokenLogprobs | None]]:
         """Run one step; returns request id -> (sampled token, its logprobs) for the chunks that sample."""
         self._swap(out)
         input_ids, positions, meta, sample_rows, samplers = self._prepare(out)
-        hidden = self.model(input_ids, positions, self.layer_caches, meta)
+        hidden = self.model(input_ids, positions, self.layer_caches, meta, layer_done)
         if not samplers:
             return {}
         logits = self.model.compute_logits(hidden[sample_rows])

@@ -18,6 +18,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     SWAPPED = "swapped"
+    WAITING_FOR_REMOTE_KV = "remote"  # decode role: blocks reserved, KV arriving from a prefill worker
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -30,7 +31,8 @@ class RequestStatus(enum.Enum):
 class Request:
     __slots__ = ("request_id", "prompt_token_ids", "all_token_ids", "params", "eos_token_ids", "max_total_tokens",
                  "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes", "swapped_block_ids",
-                 "status", "stop_reason", "generator", "arrival_time", "first_scheduled_time", "num_preemptions")
+                 "status", "stop_reason", "generator", "arrival_time", "first_scheduled_time", "num_preemptions",
+                 "hold_blocks")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...], max_model_len: int, arrival_time: float | None = None,
@@ -55,6 +57,8 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
         self.num_preemptions = 0
+        # Prefill role: on finishing, keep the blocks until the KV hand-off is acknowledged.
+        self.hold_blocks = False
 
     @property
     def num_tokens(self) -> int:

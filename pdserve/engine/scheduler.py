@@ -53,13 +53,18 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
+        self.remote: dict[str, Request] = {}  # decode role: reserved, awaiting KV from prefill
+        self.held: dict[str, Request] = {}  # prefill role: finished, blocks kept until released
         self.num_preemptions = 0
 
-    def add_request(self, request: Request) -> None:
+    def _check_fits(self, request: Request) -> None:
         needed = -(-request.max_total_tokens // self.kv.block_size)
         if needed > self.kv.pool.num_blocks:
             raise ValueError(f"Cannot allocate for request {request.request_id}: it may need {needed} KV blocks, "
                              f"the pool has {self.kv.pool.num_blocks}")
+
+    def add_request(self, request: Request) -> None:
+        self._check_fits(request)
         self.waiting.append(request)
         self.requests[request.request_id] = request
 
@@ -170,7 +175,8 @@ class Scheduler:
         return updated
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """Finish (or abort) a request in any state and release everything it holds."""
+        """Finish (or abort) a request in any state and release everything it holds (a prefill-role
+        request that finished normally keeps its blocks in `held` until `release`)."""
         if request.request_id not in self.requests:
             return
         if request.status == RequestStatus.RUNNING:
@@ -180,9 +186,54 @@ class Scheduler:
         elif request.status == RequestStatus.SWAPPED:
             self.swapped.remove(request)
             self.kv.drop_swapped(request)
-        self.kv.free(request)
+        elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            del self.remote[request.request_id]
+        if request.hold_blocks and status != RequestStatus.FINISHED_ABORTED:
+            self.held[request.request_id] = request
+        else:
+            self.kv.free(request)
         request.status = status
         del self.requests[request.request_id]
+
+    def release(self, request_id: str) -> None:
+        """Prefill role: the KV hand-off of a finished request is over; free its blocks."""
+        request = self.held.pop(request_id, None)
+        if request is not None:
+            self.kv.free(request)
+
+    # -- decode role: KV computed elsewhere -----------------------------------------------------
+    def reserve_remote(self, request: Request) -> bool:
+        """Reserve blocks for the whole prompt of `request`, whose KV a prefill worker will write.
+        Leading blocks already in the prefix cache are taken as they are: on return,
+        `request.num_computed_tokens` says how many prompt tokens need no transfer. False, changing
+        nothing, when the pool has no room."""
+        self._check_fits(request)
+        hits = self.kv.find_cached_prefix(request)
+        request.num_computed_tokens = len(hits) * self.kv.block_size
+        if not self.kv.allocate(request, request.num_prompt_tokens - request.num_computed_tokens, hits):
+            request.num_computed_tokens = 0
+            return False
+        request.num_cached_tokens = request.num_computed_tokens
+        request.first_scheduled_time = time.monotonic()
+        self.kv.record_prefix_query(request.num_tokens, request.num_cached_tokens)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.remote[request.request_id] = request
+        self.requests[request.request_id] = request
+        return True
+
+    def complete_remote(self, request_id: str, first_token_id: int) -> Request:
+        """The prompt's KV has landed and prefill sampled `first_token_id`: the request joins the
+        front of the waiting queue with its prompt computed (it keeps its blocks), and decodes on."""
+        request = self.remote.pop(request_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv.cache_computed_blocks(request)
+        request.append_token(first_token_id)
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        status = request.check_stop()
+        if status is not None:
+            self.finish(request, status)
+        return request
 
     def abort(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)

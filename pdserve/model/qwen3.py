@@ -4,6 +4,8 @@ fp32 RMSNorm and RoPE tables) so greedy outputs match it token for token."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -113,11 +115,14 @@ class Qwen3ForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
+                meta: AttentionMetadata, layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size].
+        `layer_done(l)` runs once layer l's K/V for this step are in the cache (KV streaming)."""
         x = self.embed_tokens(input_ids)
-        for layer, layer_cache in zip(self.layers, kv_caches, strict=True):
+        for index, (layer, layer_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = layer(x, positions, self.rope, layer_cache, meta)
+            if layer_done is not None:
+                layer_done(index)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,1 @@
+"""Disaggregation: prefill and decode roles, KV hand-off between them."""

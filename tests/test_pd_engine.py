@@ -1,0 +1,107 @@
+"""PD hand-off at the engine level: a prefill engine streams KV layer by layer (KVStreamer) into
+blocks reserved on a decode engine, with a direct pool-to-pool copy standing in for the transport.
+The decode engine's tokens must equal colocated ones, and neither engine may keep anything."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from helpers import assert_no_leak, greedy, random_prompt
+
+from pdserve import LLM, SamplingParams
+from pdserve.disagg.kv_streamer import KVStreamer
+from pdserve.engine.output import RequestOutput
+
+PROMPTS = [random_prompt(n, seed=7000 + n) for n in (1, 15, 16, 17, 90, 300)]
+MAX_TOKENS = 12
+SEEDED = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def pd_generate(prefill: LLM, decode: LLM, prompts: list[list[int]],
+                params: SamplingParams) -> tuple[list[list[int]], list[int]]:
+    """Returns the decode side's token ids per prompt and how many prompt tokens each reservation
+    found already cached on the decode side."""
+    p, d = prefill.engine, decode.engine
+    layers = p.config.model.num_hidden_layers
+
+    def send_layer(request_id: str, layer: int, src: list[int], dst: list[int]) -> None:
+        d.runner.kv_cache[layer, :, dst] = p.runner.kv_cache[layer, :, src]
+
+    streamer = KVStreamer(p.config.cache.block_size, layers, send_layer)
+    p.layer_observer = streamer
+    finals: dict[str, RequestOutput] = {}
+    cached: list[int] = []
+    try:
+        for index, prompt in enumerate(prompts):
+            reservation = d.reserve_remote(f"pd-{index}", prompt, params)
+            assert reservation is not None
+            cached.append(reservation.num_cached_tokens)
+            streamer.expect(f"pd-{index}", reservation.block_ids, reservation.num_cached_tokens)
+            p.add_request(f"pd-{index}", prompt, params, prefill_only=True)
+        while p.has_unfinished_requests() or d.has_unfinished_requests():
+            for out in p.step():
+                assert out.finished and len(out.outputs[0].token_ids) == 1
+                held = p.scheduler.held[out.request_id]
+                first = d.complete_remote(out.request_id, out.outputs[0].token_ids[0], p.generator_state(held))
+                p.release_kv(out.request_id)
+                streamer.forget(out.request_id)
+                if first.finished:
+                    finals[first.request_id] = first
+            finals |= {out.request_id: out for out in d.step() if out.finished}
+    finally:
+        p.layer_observer = None
+    return [finals[f"pd-{i}"].outputs[0].token_ids for i in range(len(prompts))], cached
+
+
+@pytest.mark.parametrize("params", [greedy(MAX_TOKENS), SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole-prompt", "chunked-64"])
+def test_pd_matches_colocated(llm_factory: Callable[..., LLM], params: SamplingParams, chunked: bool) -> None:
+    colocated = llm_factory("tiny")
+    expected = [o.outputs[0].token_ids for o in colocated.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                                                    params)]
+    prefill = llm_factory("tiny", max_num_batched_tokens=64 if chunked else 2048, enable_prefix_caching=False)
+    decode = llm_factory("tiny", seed=1)
+    got, _ = pd_generate(prefill, decode, PROMPTS, params)
+    assert got == expected
+    for llm in (colocated, prefill, decode):
+        assert_no_leak(llm)
+
+
+def test_pd_prefix_hits_on_prefill_and_on_decode(llm_factory: Callable[..., LLM]) -> None:
+    """The decode worker already holds the first 64 tokens (nothing of them is sent); the prefill
+    worker holds the first 128 (it computes less, but must still send blocks 64..127)."""
+    base = random_prompt(200, seed=99)
+    prompts = [base[:150] + random_prompt(30, seed=100), base + random_prompt(5, seed=101)]
+    colocated = llm_factory("untied")
+    expected = [o.outputs[0].token_ids for o in colocated.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                    greedy(MAX_TOKENS))]
+    prefill = llm_factory("untied", max_num_batched_tokens=48)
+    decode = llm_factory("untied", seed=2)
+    decode.generate([{"prompt_token_ids": base[:64]}], greedy(1))
+    prefill.generate([{"prompt_token_ids": base[:128]}], greedy(1))
+    hits_before = prefill.engine.stats().num_prefix_hit_tokens
+    got, cached_on_decode = pd_generate(prefill, decode, prompts, greedy(MAX_TOKENS))
+    assert got == expected
+    assert cached_on_decode[0] >= 48 and all(c % 16 == 0 for c in cached_on_decode)
+    assert prefill.engine.stats().num_prefix_hit_tokens > hits_before
+    for llm in (colocated, prefill, decode):
+        assert_no_leak(llm)
+
+
+def test_abort_of_a_reserved_request_frees_its_blocks(llm_factory: Callable[..., LLM]) -> None:
+    decode = llm_factory("tiny", seed=3)
+    reservation = decode.engine.reserve_remote("r", PROMPTS[4], greedy(MAX_TOKENS))
+    assert reservation is not None and len(reservation.block_ids) == -(-len(PROMPTS[4]) // 16)
+    decode.engine.abort_request("r")
+    assert_no_leak(decode)
+
+
+def test_reservation_fails_cleanly_when_the_pool_is_full(llm_factory: Callable[..., LLM]) -> None:
+    decode = llm_factory("tiny", num_kv_blocks=24, enable_prefix_caching=False)
+    first = decode.engine.reserve_remote("a", PROMPTS[5], greedy(MAX_TOKENS))  # 19 blocks
+    assert first is not None
+    assert decode.engine.reserve_remote("b", PROMPTS[5], greedy(MAX_TOKENS)) is None
+    assert "b" not in decode.engine.scheduler.requests
+    decode.engine.abort_request("a")
+    assert_no_leak(decode)
