@@ -105,3 +105,37 @@ def test_reservation_fails_cleanly_when_the_pool_is_full(llm_factory: Callable[.
     assert "b" not in decode.engine.scheduler.requests
     decode.engine.abort_request("a")
     assert_no_leak(decode)
+
+
+@pytest.mark.parametrize("params", [greedy(MAX_TOKENS), SEEDED], ids=["greedy", "seeded"])
+def test_failed_hand_off_is_recomputed_on_decode(llm_factory: Callable[..., LLM], params: SamplingParams) -> None:
+    """Failure policy "recompute": half the layers arrived, then the prefill side went silent. The
+    decode engine computes the prompt itself; the answer is still the colocated one."""
+    colocated = llm_factory("tiny")
+    expected = colocated.generate([{"prompt_token_ids": PROMPTS[5]}], params)[0].outputs[0].token_ids
+    prefill, decode = llm_factory("tiny", enable_prefix_caching=False), llm_factory("tiny", seed=4)
+    p, d = prefill.engine, decode.engine
+    reservation = d.reserve_remote("f", PROMPTS[5], params)
+    assert reservation is not None
+
+    def send_first_layer_only(request_id: str, layer: int, src: list[int], dst: list[int]) -> None:
+        if layer == 0:
+            d.runner.kv_cache[layer, :, dst] = p.runner.kv_cache[layer, :, src]
+
+    streamer = KVStreamer(16, p.config.model.num_hidden_layers, send_first_layer_only)
+    streamer.expect("f", reservation.block_ids, reservation.num_cached_tokens)
+    p.layer_observer = streamer
+    try:
+        p.add_request("f", PROMPTS[5], params, prefill_only=True)
+        while p.has_unfinished_requests():
+            p.step()
+    finally:
+        p.layer_observer = None
+    p.release_kv("f")  # the lease of a hand-off nobody acknowledged
+    d.prefill_locally("f")
+    final = None
+    while d.has_unfinished_requests():
+        final = next((o for o in d.step() if o.finished), final)
+    assert final is not None and final.outputs[0].token_ids == expected
+    for llm in (colocated, prefill, decode):
+        assert_no_leak(llm)

@@ -178,6 +178,11 @@ class LLMEngine:
         self.scheduler.complete_remote(request_id, first_token_id)
         return self._emit([(request, None)])[0]
 
+    def prefill_locally(self, request_id: str) -> None:
+        """Decode role, failure policy "recompute": the KV will not arrive; this engine computes
+        the prompt itself (and samples the first token with the request's own generator)."""
+        self.scheduler.recompute_remote(request_id)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
 

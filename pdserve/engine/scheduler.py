@@ -221,6 +221,16 @@ class Scheduler:
         self.requests[request.request_id] = request
         return True
 
+    def recompute_remote(self, request_id: str) -> None:
+        """The hand-off failed (timeout, peer gone): compute the prompt here instead. The reserved
+        blocks, possibly half written, are freed; blocks that were prefix hits stay indexed, so
+        the normal waiting path finds them again. Goes to the front of the waiting queue."""
+        request = self.remote.pop(request_id)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
     def complete_remote(self, request_id: str, first_token_id: int) -> Request:
         """The prompt's KV has landed and prefill sampled `first_token_id`: the request joins the
         front of the waiting queue with its prompt computed (it keeps its blocks), and decodes on."""
