@@ -8,15 +8,15 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pdserve.serving.async_engine import AsyncLLM
 from pdserve.serving.chat import ChatHandler
 from pdserve.serving.completions import CompletionHandler
+from pdserve.serving.engine_client import EngineClient
 from pdserve.serving.errors import EXCEPTION_HANDLERS, OpenAIError
 from pdserve.serving.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from pdserve.serving.sse import sse_stream, unless_disconnected
 
 
-def create_app(client: AsyncLLM, model_name: str) -> FastAPI:
+def create_app(client: EngineClient, model_name: str) -> FastAPI:
     app = FastAPI(title="pdserve", exception_handlers=EXCEPTION_HANDLERS)  # type: ignore[arg-type]
     completions = CompletionHandler(client, model_name)
     chat = ChatHandler(client, model_name)
@@ -46,7 +46,7 @@ def create_app(client: AsyncLLM, model_name: str) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, root=client.engine.config.model_path,
+        return ModelList(data=[ModelCard(id=model_name, root=client.model_path,
                                          max_model_len=client.max_model_len)])
 
     @app.get("/health")

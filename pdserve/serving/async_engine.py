@@ -12,14 +12,16 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from pdserve.engine.llm_engine import EngineStats, LLMEngine
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -40,13 +42,29 @@ class _Abort:
     request_id: str
 
 
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """Run `fn(engine)` on the engine thread between steps; its result resolves `future`. When
+    `stream_for` is set and `keep_stream(result)` holds (default: result is not None, e.g. a
+    reservation that succeeded), `stream` receives that request's outputs from then on; a
+    RequestOutput result is delivered to its stream too."""
+
+    fn: Callable[[LLMEngine], Any]
+    future: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
+    stream_for: str | None = None
+    stream: asyncio.Queue[RequestOutput | BaseException] | None = None
+    keep_stream: Callable[[Any], bool] = lambda result: result is not None
+
+
 class AsyncLLM:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.scheduler.max_model_len
-        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
-        self._streams: dict[str, _Add] = {}
+        self.model_path = engine.config.model_path
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
+        self._streams: dict[str, _Add | _Call] = {}
         self._error: BaseException | None = None
         self._stats = engine.stats()
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
@@ -60,13 +78,35 @@ class AsyncLLM:
         """Snapshot taken by the engine thread after its last step (safe to read anywhere)."""
         return self._stats
 
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.engine.validate_request(prompt_token_ids, params)  # pure: safe off the engine thread
+
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         if not self.alive:
             raise EngineDeadError("the engine has stopped") from self._error
-        self.engine.validate_request(prompt_token_ids, params)  # pure: safe off the engine thread
+        self.validate_request(prompt_token_ids, params)
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._inbox.put(_Add(request_id, prompt_token_ids, params, stream, asyncio.get_running_loop()))
+        async for output in self.consume(request_id, stream):
+            yield output
+
+    async def call(self, fn: Callable[[LLMEngine], T], stream_for: str | None = None,
+                   stream: asyncio.Queue[RequestOutput | BaseException] | None = None,
+                   keep_stream: Callable[[Any], bool] | None = None) -> T:
+        """Run `fn(engine)` on the engine thread (the only thread that may touch the engine)."""
+        if not self.alive:
+            raise EngineDeadError("the engine has stopped") from self._error
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        call = _Call(fn, future, loop, stream_for, stream) if keep_stream is None else \
+            _Call(fn, future, loop, stream_for, stream, keep_stream)
+        self._inbox.put(call)
+        return await future
+
+    async def consume(self, request_id: str,
+                      stream: asyncio.Queue[RequestOutput | BaseException]) -> AsyncIterator[RequestOutput]:
+        """Yield a request's outputs until it finishes; leaving early aborts it."""
         finished = False
         try:
             while not finished:
@@ -99,7 +139,8 @@ class AsyncLLM:
             logger.exception("engine loop failed")
             self._error = exc
             for add in list(self._streams.values()):
-                add.loop.call_soon_threadsafe(add.stream.put_nowait, EngineDeadError(f"engine failed: {exc}"))
+                if add.stream is not None:
+                    add.loop.call_soon_threadsafe(add.stream.put_nowait, EngineDeadError(f"engine failed: {exc}"))
             self._streams.clear()
 
     def _drain_inbox(self, block: bool) -> bool:
@@ -116,6 +157,9 @@ class AsyncLLM:
                 self.engine.abort_request(item.request_id)
                 self._streams.pop(item.request_id, None)
                 continue
+            if isinstance(item, _Call):
+                self._run_call(item)
+                continue
             try:
                 self.engine.add_request(item.request_id, item.prompt_token_ids, item.params)
             except ValueError as exc:
@@ -123,10 +167,33 @@ class AsyncLLM:
                 continue
             self._streams[item.request_id] = item
 
+    def _run_call(self, call: _Call) -> None:
+        try:
+            result = call.fn(self.engine)
+        except Exception as exc:  # noqa: BLE001 - the caller gets it, the engine carries on
+            call.loop.call_soon_threadsafe(_set_exception, call.future, exc)
+            return
+        if call.stream_for is not None and call.keep_stream(result):
+            self._streams[call.stream_for] = call
+        if isinstance(result, RequestOutput):
+            self._deliver(result)
+        call.loop.call_soon_threadsafe(_set_result, call.future, result)
+
     def _deliver(self, output: RequestOutput) -> None:
         add = self._streams.get(output.request_id)
         if add is None:
             return
         if output.finished:
             del self._streams[output.request_id]
-        add.loop.call_soon_threadsafe(add.stream.put_nowait, output)
+        if add.stream is not None:
+            add.loop.call_soon_threadsafe(add.stream.put_nowait, output)
+
+
+def _set_result(future: asyncio.Future[Any], result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

@@ -9,8 +9,8 @@ from typing import Any
 
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampler import TokenLogprobs
-from pdserve.serving.async_engine import AsyncLLM
 from pdserve.serving.completions import build_jobs
+from pdserve.serving.engine_client import EngineClient
 from pdserve.serving.errors import OpenAIError
 from pdserve.serving.generation import DeltaTracker, Job, new_request_id, run_jobs, usage_of
 from pdserve.serving.protocol import ChatCompletionRequest
@@ -35,7 +35,7 @@ def _template_message(message: dict[str, Any]) -> dict[str, Any]:
 
 
 class ChatHandler:
-    def __init__(self, client: AsyncLLM, model_name: str) -> None:
+    def __init__(self, client: EngineClient, model_name: str) -> None:
         self.client = client
         self.model_name = model_name
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampler import TokenLogprobs
-from pdserve.serving.async_engine import AsyncLLM
+from pdserve.serving.engine_client import EngineClient
 from pdserve.serving.errors import OpenAIError
 from pdserve.serving.generation import DeltaTracker, Job, new_request_id, resolve_max_tokens, run_jobs, usage_of
 from pdserve.serving.protocol import CompletionRequest
@@ -25,7 +25,7 @@ def _prompt_token_ids(body: CompletionRequest, tokenizer: Tokenizer) -> list[lis
     return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[arg-type]
 
 
-def build_jobs(client: AsyncLLM, prompts: list[list[int]], requested_max_tokens: int | None,
+def build_jobs(client: EngineClient, prompts: list[list[int]], requested_max_tokens: int | None,
                body: CompletionRequest | Any, logprobs: int | None, request_id: str) -> list[Job]:
     """Validate every prompt before anything is enqueued: bad input never costs compute."""
     jobs = []
@@ -33,7 +33,7 @@ def build_jobs(client: AsyncLLM, prompts: list[list[int]], requested_max_tokens:
         max_tokens = resolve_max_tokens(len(token_ids), requested_max_tokens, client.max_model_len)
         try:
             params = body.to_sampling_params(max_tokens, logprobs)
-            client.engine.validate_request(token_ids, params)
+            client.validate_request(token_ids, params)
         except ValueError as exc:
             raise OpenAIError(str(exc), HTTPStatus.BAD_REQUEST) from exc
         jobs.append(Job(f"{request_id}-{index}", token_ids, params))
@@ -57,7 +57,7 @@ def _logprobs_json(tokenizer: Tokenizer, entries: list[TokenLogprobs] | None, of
 
 
 class CompletionHandler:
-    def __init__(self, client: AsyncLLM, model_name: str) -> None:
+    def __init__(self, client: EngineClient, model_name: str) -> None:
         self.client = client
         self.model_name = model_name
 

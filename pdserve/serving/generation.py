@@ -12,7 +12,8 @@ from http import HTTPStatus
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.serving.async_engine import AsyncLLM, EngineDeadError
+from pdserve.serving.async_engine import EngineDeadError
+from pdserve.serving.engine_client import EngineClient
 from pdserve.serving.errors import OpenAIError
 from pdserve.serving.protocol import UsageInfo
 
@@ -45,7 +46,7 @@ class Job:
     params: SamplingParams
 
 
-async def run_jobs(client: AsyncLLM, jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def run_jobs(client: EngineClient, jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yield (job index, cumulative output) from all jobs as they arrive. Closing this iterator
     (client disconnect) closes every engine stream, which aborts their requests."""
     if len(jobs) == 1:
@@ -81,7 +82,7 @@ async def run_jobs(client: AsyncLLM, jobs: list[Job]) -> AsyncIterator[tuple[int
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _engine_stream(client: AsyncLLM, job: Job) -> AsyncIterator[RequestOutput]:
+async def _engine_stream(client: EngineClient, job: Job) -> AsyncIterator[RequestOutput]:
     try:
         async for output in client.generate(job.request_id, job.prompt_token_ids, job.params):
             yield output
