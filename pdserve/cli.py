@@ -7,6 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
+from pdserve import envs
 from pdserve.config import EngineArgs
 
 
@@ -34,6 +35,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
 
 
+def add_kv_transfer_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("KV transfer (prefill and decode roles)")
+    g.add_argument("--kv-transport", choices=["nixl", "tcp"], default=None,
+                   help="default: nixl when importable, else tcp")
+    g.add_argument("--kv-host", default="127.0.0.1", help="decode role: address the KV receiver binds")
+    g.add_argument("--kv-port", type=int, default=0, help="decode role: KV receiver port (0: any free port)")
+    g.add_argument("--kv-transfer-timeout-ms", type=int, default=None,
+                   help="time a KV hand-off may go without progress (env KV_TRANSFER_TIMEOUT_MS, default 100)")
+    g.add_argument("--kv-failure-policy", choices=["recompute", "fail"], default="recompute",
+                   help="after a timeout and one retry: prefill on the decode worker, or fail the request")
+
+
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(
         model=ns.model, dtype=ns.dtype, device=ns.device, block_size=ns.block_size, max_num_seqs=ns.max_num_seqs,
@@ -54,21 +67,59 @@ def _serve(ns: argparse.Namespace) -> int:
 
     args = engine_args_from(ns)
     try:
+        timeout_ms = ns.kv_transfer_timeout_ms or envs.kv_transfer_timeout_ms()
         engine = LLMEngine.from_engine_args(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"pdserve: {exc}", file=sys.stderr)
         return 2
     name = ns.served_model_name or (args.model or "pdserve-demo-tiny")
-    client = AsyncLLM(engine)
     cfg = engine.config
     logging.getLogger("pdserve").info(
-        "serving %s on http://%s:%d (%s, %s, %d KV blocks of %d tokens, max_model_len %d)", name, ns.host, ns.port,
-        cfg.device, str(cfg.dtype).removeprefix("torch."), cfg.cache.num_kv_blocks, cfg.cache.block_size,
-        cfg.scheduler.max_model_len)
+        "%s worker serving %s on http://%s:%d (%s, %s, %d KV blocks of %d tokens, max_model_len %d)", ns.role, name,
+        ns.host, ns.port, cfg.device, str(cfg.dtype).removeprefix("torch."), cfg.cache.num_kv_blocks,
+        cfg.cache.block_size, cfg.scheduler.max_model_len)
+    if ns.role == "colocated":
+        client = AsyncLLM(engine)
+        app = create_app(client, name)
+    else:
+        from pdserve.disagg.worker_app import build_worker
+
+        transport = ns.kv_transport or default_kv_transport()
+        options = {"host": ns.kv_host, "port": ns.kv_port} if ns.role == "decode" else {}
+        app, client, _ = build_worker(engine, ns.role, name, transport, ns.kv_failure_policy, timeout_ms / 1000,
+                                      options)
     try:
-        uvicorn.run(create_app(client, name), host=ns.host, port=ns.port, log_level=ns.log_level.lower())
+        # Workers' access logs would only show the router's polling; the router logs client requests.
+        uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower(), access_log=ns.role == "colocated")
     finally:
         client.shutdown()
+    return 0
+
+
+def default_kv_transport() -> str:
+    from pdserve.disagg.transport import nixl_available
+
+    return "nixl" if nixl_available() else "tcp"
+
+
+def _router(ns: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pdserve.disagg.router import PDClient, create_router_app
+    from pdserve.model.demo_checkpoint import default_model_dir
+    from pdserve.model.qwen3_config import Qwen3ModelConfig
+    from pdserve.tokenizer import load_tokenizer
+
+    model_dir = ns.model or str(default_model_dir())
+    try:
+        config = Qwen3ModelConfig.from_dir(model_dir)
+        client = PDClient(ns.prefill, ns.decode, load_tokenizer(model_dir), config, model_dir,
+                          ns.max_model_len or config.max_position_embeddings)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"pdserve: {exc}", file=sys.stderr)
+        return 2
+    name = ns.served_model_name or (ns.model or "pdserve-demo-tiny")
+    uvicorn.run(create_router_app(client, name), host=ns.host, port=ns.port, log_level=ns.log_level.lower())
     return 0
 
 
@@ -90,8 +141,26 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
+    serve.add_argument("--role", choices=["colocated", "prefill", "decode"], default="colocated")
     add_engine_args(serve)
+    add_kv_transfer_args(serve)
     serve.set_defaults(func=_serve)
+    router = sub.add_parser("router", help="OpenAI-compatible front of prefill and decode workers")
+    router.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill worker URLs")
+    router.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode worker URLs")
+    router.add_argument("--model", default=None, help="checkpoint dir, for the tokenizer and config")
+    router.add_argument("--served-model-name", default=None)
+    router.add_argument("--max-model-len", type=int, default=None)
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=8000)
+    router.set_defaults(func=_router)
+    up = sub.add_parser("up", help="router + prefill + decode workers on this machine, one command")
+    up.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+    up.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    up.add_argument("--port", type=int, default=8000, help="the router's port")
+    up.add_argument("--kv-transport", choices=["nixl", "tcp"], default=None)
+    up.add_argument("--model", default=None)
+    up.set_defaults(func=None)
     make = sub.add_parser("make-model", help="write a random-weight Qwen3 checkpoint (HF layout, real tokenizer)")
     make.add_argument("out", type=Path)
     make.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
@@ -101,8 +170,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    # `pdserve up` passes every flag it does not know (engine flags) on to its workers.
+    ns, extra = build_parser().parse_known_args(argv)
+    if ns.command == "up":
+        from pdserve.ops.up import run
+
+        flags = [*extra, *(["--model", ns.model] if ns.model else [])]
+        return run(ns, flags)
+    if extra:
+        build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # the router polls workers twice a second
     return int(ns.func(ns))
 
 

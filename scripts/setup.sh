@@ -10,3 +10,5 @@ fi
 # NOTE: torch first, pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
 .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q -e ".[test]"
+# NIXL (KV transfer over UCX); --no-deps so it cannot pull another torch.
+.venv/bin/python -m pip install -q --no-deps nixl-cu12

@@ -1,1 +1,1 @@
-"""Disaggregation: prefill and decode roles, KV hand-off between them."""
+"""Prefill/decode disaggregation: the KV layout handshake and the KV transports between workers."""

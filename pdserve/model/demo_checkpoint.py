@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from pdserve import envs
+
 QWEN3_VOCAB_SIZE = 151936
 
 
@@ -133,7 +135,7 @@ def write_checkpoint(out_dir: str | Path, shape: ModelShape, *, dtype: torch.dty
 
 def default_model_dir(preset: str = "tiny") -> Path:
     """The embedded default: built once into a cache directory, reused afterwards."""
-    cache = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
+    cache = Path(envs.cache_dir(str(Path.home() / ".cache" / "pdserve")))
     out = cache / f"demo-{preset}"
     if not (out / "config.json").is_file() or not (out / "tokenizer.json").is_file():
         # NOTE: written aside then renamed, so concurrent first starts never see half a checkpoint.

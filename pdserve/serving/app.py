@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from http import HTTPStatus
 from typing import Any
 
@@ -15,9 +17,11 @@ from pdserve.serving.errors import EXCEPTION_HANDLERS, OpenAIError
 from pdserve.serving.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from pdserve.serving.sse import sse_stream, unless_disconnected
 
+Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
-def create_app(client: EngineClient, model_name: str) -> FastAPI:
-    app = FastAPI(title="pdserve", exception_handlers=EXCEPTION_HANDLERS)  # type: ignore[arg-type]
+
+def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None = None) -> FastAPI:
+    app = FastAPI(title="pdserve", exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)  # type: ignore[arg-type]
     completions = CompletionHandler(client, model_name)
     chat = ChatHandler(client, model_name)
 

@@ -1,0 +1,86 @@
+"""Control-plane messages between router, prefill and decode workers (JSON over HTTP, validated
+by pydantic on arrival; never pickle)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from pdserve.engine.output import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+
+Role = Literal["prefill", "decode", "colocated"]
+
+
+class WireSamplingParams(BaseModel):
+    """SamplingParams as JSON; the receiving engine re-validates by constructing them."""
+
+    fields: dict[str, Any]
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> WireSamplingParams:
+        return cls(fields={f.name: getattr(params, f.name) for f in dataclasses.fields(params)})
+
+    def build(self) -> SamplingParams:
+        return SamplingParams(**self.fields)
+
+
+class ReserveRequest(BaseModel):
+    """router -> decode: hold blocks for this prompt before prefill starts."""
+
+    request_id: str
+    prompt_token_ids: list[int] = Field(min_length=1)
+    params: WireSamplingParams
+
+
+class ReserveReply(BaseModel):
+    """decode -> router: where the KV goes, and how much of it the decode worker already has."""
+
+    block_ids: list[int]
+    num_cached_tokens: int
+    kv_address: str
+
+
+class PrefillJob(BaseModel):
+    """router -> prefill: compute this prompt and stream its KV into the reservation."""
+
+    request_id: str
+    prompt_token_ids: list[int] = Field(min_length=1)
+    params: WireSamplingParams
+    kv_address: str
+    block_ids: list[int]
+    num_cached_tokens: int
+
+
+class WorkerInfo(BaseModel):
+    """What a worker advertises (GET /pd/info); the router's view of its pool."""
+
+    role: Role
+    model: str
+    kv_layout: dict[str, Any]
+    kv_transport: str
+    kv_address: str | None
+    ready: bool
+    num_running: int
+    num_waiting: int
+    num_free_kv_blocks: int
+    num_kv_blocks: int
+
+
+class OutputFrame(BaseModel):
+    """decode -> router, one NDJSON line per engine output (cumulative, like RequestOutput)."""
+
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @classmethod
+    def of(cls, output: RequestOutput) -> OutputFrame:
+        seq = output.outputs[0]
+        return cls(text=seq.text, token_ids=seq.token_ids, finish_reason=seq.finish_reason,
+                   stop_reason=seq.stop_reason, num_cached_tokens=output.num_cached_tokens)

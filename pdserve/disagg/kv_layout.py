@@ -1,0 +1,101 @@
+"""The KV layout descriptor two workers compare before any KV moves between them.
+
+A prefill worker may only write into a decode worker's pool when both pools agree on what a block
+*is*: same model, same element type, same block size, same per-layer shape and the same order of
+dimensions. `KVLayout` captures exactly that (the number of blocks is each pool's own business).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.disagg import wire
+
+# The engine's pool: kv_cache[layer, k|v, block, slot, kv_head, head_dim] (see engine/model_runner.py).
+POOL_LAYOUT = "layer,kv,block,slot,head,dim"
+
+_ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1}
+
+
+class KVLayoutMismatch(ValueError):
+    """Two pools disagree on a layout field; the message names the field and both values."""
+
+    def __init__(self, field: str, local: str, peer: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.local = local
+        self.peer = peer
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """What one block of one layer looks like in a pool; sent as JSON in the transport handshake.
+
+    `dtype` is the pool tensor's element type, i.e. what the bytes on the wire mean.
+    `kv_cache_dtype` is the logical KV format (vLLM's `--kv-cache-dtype`); it equals `dtype` unless
+    the pool stores a quantized format in a storage type (e.g. fp8 in uint8).
+    """
+
+    model_id: str
+    dtype: str
+    kv_cache_dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    layout: str = POOL_LAYOUT
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _ELEMENT_BYTES:
+            raise ValueError(f"unsupported KV dtype {self.dtype!r}; known: {', '.join(_ELEMENT_BYTES)}")
+        for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"KV layout {name} must be >= 1, got {getattr(self, name)}")
+
+    @classmethod
+    def from_pool(cls, model_id: str, kv_cache: torch.Tensor, kv_cache_dtype: str | None = None) -> KVLayout:
+        """Describe an engine pool of shape [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
+        if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
+            raise ValueError(f"expected a pool shaped [layers, 2, blocks, block_size, kv_heads, head_dim], "
+                             f"got {tuple(kv_cache.shape)}")
+        if not kv_cache.is_contiguous():
+            raise ValueError("the KV pool must be contiguous: transports address blocks by offset")
+        dtype = str(kv_cache.dtype).removeprefix("torch.")
+        num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        return cls(model_id, dtype, kv_cache_dtype or dtype, block_size, num_layers, num_kv_heads, head_dim)
+
+    @property
+    def element_bytes(self) -> int:
+        return _ELEMENT_BYTES[self.dtype]
+
+    @property
+    def region_bytes(self) -> int:
+        """One block of K (or of V) for one layer: kv_cache[l, kv, b] is this many contiguous bytes."""
+        return self.block_size * self.num_kv_heads * self.head_dim * self.element_bytes
+
+    @property
+    def block_bytes_per_layer(self) -> int:
+        """K and V of one block for one layer: the unit every payload is a whole multiple of."""
+        return 2 * self.region_bytes
+
+    def payload_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of one layer's payload for `num_blocks` blocks: [k|v, block, slot, head, dim]."""
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def check_compatible(self, peer: KVLayout, *, self_role: str = "local", peer_role: str = "peer") -> None:
+        """Raise KVLayoutMismatch naming the first field (in declaration order) that differs."""
+        for field in dataclasses.fields(self):
+            mine, theirs = getattr(self, field.name), getattr(peer, field.name)
+            if mine != theirs:
+                message = f"KV layout mismatch on {field.name}: {self_role} has {mine}, {peer_role} has {theirs}"
+                raise KVLayoutMismatch(field.name, str(mine), str(theirs), message)
+
+    def to_json(self) -> str:
+        return wire.dumps(self).decode()
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> KVLayout:
+        return wire.loads(cls, text)

@@ -1,0 +1,133 @@
+"""Prefill role: take a job, compute the prompt in chunks, stream each layer's KV into the decode
+worker's reservation as soon as it is computed, send the first token (and the seeded sampler's
+state) with the final message, then release the blocks once decode acknowledged everything.
+
+The streaming itself is the engine's layer observer (`KVStreamer`), called on the engine thread
+right after each layer; the transport moves the bytes on its own I/O thread meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import Counter
+from typing import Any
+
+from pdserve.disagg.control import PrefillJob
+from pdserve.disagg.kv_layout import KVLayout
+from pdserve.disagg.kv_streamer import KVStreamer
+from pdserve.disagg.transport import make_sender
+from pdserve.disagg.transport.base import KVSender
+from pdserve.disagg.transport.errors import KVTransferError
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.output import RequestOutput
+from pdserve.serving.async_engine import AsyncLLM
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillService:
+    def __init__(self, client: AsyncLLM, transport: str, layout: KVLayout, transfer_timeout_s: float,
+                 sender_options: dict[str, Any] | None = None) -> None:
+        self.client = client
+        self.transport = transport
+        self.sender_options = sender_options or {}
+        self.layout = layout
+        self.transfer_timeout_s = transfer_timeout_s
+        self.counters: Counter[str] = Counter()
+        self._senders: dict[str, KVSender] = {}  # one per decode worker address
+        self._senders_lock = threading.Lock()
+        self._destination: dict[str, KVSender] = {}  # request id -> its decode worker's sender
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self.streamer = KVStreamer(layout.block_size, layout.num_layers, self._send_layer)
+        # NOTE: set before any request exists; from now on only the engine thread calls it.
+        client.engine.layer_observer = self.streamer
+
+    def _send_layer(self, request_id: str, layer: int, src: list[int], dst: list[int]) -> None:
+        self._destination[request_id].send_layer(request_id, layer, src, dst)
+
+    def _sender(self, address: str) -> KVSender:
+        """Connected sender for a decode worker (handshake on first use; KVLayoutMismatch on a
+        layout disagreement). Blocking: call it off the event loop."""
+        with self._senders_lock:
+            sender = self._senders.get(address)
+            if sender is None:
+                sender = make_sender(self.transport, self.layout, self.client.engine.runner.kv_cache,
+                                     **self.sender_options)
+                try:
+                    sender.connect(address)
+                except BaseException:
+                    sender.close()
+                    raise
+                self._senders[address] = sender
+            return sender
+
+    async def submit(self, job: PrefillJob) -> None:
+        """Accept a job: raises ValueError (bad job) or KVLayoutMismatch/KVTransferError (decode
+        worker unusable) before anything is computed."""
+        params = job.params.build()
+        sender = await asyncio.to_thread(self._sender, job.kv_address)
+        rid = job.request_id
+        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        streamer, destination = self.streamer, self._destination
+
+        def start(engine: LLMEngine) -> None:
+            destination[rid] = sender
+            streamer.expect(rid, job.block_ids, job.num_cached_tokens)
+            try:
+                engine.add_request(rid, job.prompt_token_ids, params, prefill_only=True)
+            except BaseException:
+                streamer.forget(rid)
+                del destination[rid]
+                raise
+
+        await self.client.call(start, stream_for=rid, stream=stream, keep_stream=lambda _: True)
+        self._tasks[rid] = asyncio.create_task(self._finish(rid, sender, stream))
+
+    async def abort(self, request_id: str) -> None:
+        task = self._tasks.get(request_id)
+        if task is not None:
+            task.cancel()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._tasks)
+
+    async def _finish(self, rid: str, sender: KVSender, stream: asyncio.Queue[RequestOutput | BaseException]) -> None:
+        """Wait for the first token, send the final message, wait for decode's acknowledgement,
+        release the blocks. Whatever happens (abort, rejection, timeout), the blocks are released
+        when it ends: the lease is the transfer timeout."""
+        try:
+            final = None
+            async for output in self.client.consume(rid, stream):
+                final = output
+            if final is None or final.outputs[0].finish_reason == "abort" or not final.outputs[0].token_ids:
+                return
+            state = await self.client.call(lambda e: e.generator_state(e.scheduler.held[rid]))
+            sender.send_done(rid, final.outputs[0].token_ids[0], state or b"")
+            await sender.flush(rid, self.transfer_timeout_s)
+            self.counters["handed_off"] += 1
+        except KVTransferError as exc:
+            self.counters["failed"] += 1
+            logger.warning("request %s: %s", rid, exc)
+        finally:
+            self._tasks.pop(rid, None)
+            await asyncio.shield(self.client.call(self._cleanup_on_engine(rid)))
+
+    def _cleanup_on_engine(self, rid: str):  # type: ignore[no-untyped-def]
+        streamer, destination = self.streamer, self._destination
+
+        def cleanup(engine: LLMEngine) -> None:
+            engine.abort_request(rid)  # no-op unless the hand-off was cut short mid-prefill
+            engine.release_kv(rid)
+            streamer.forget(rid)
+            destination.pop(rid, None)
+
+        return cleanup
+
+    def close(self) -> None:
+        with self._senders_lock:
+            for sender in self._senders.values():
+                sender.close()
+            self._senders.clear()

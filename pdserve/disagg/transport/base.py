@@ -1,0 +1,251 @@
+"""The KV transport interface: a decode worker's `KVReceiver` and a prefill worker's `KVSender`.
+
+    prefill worker                                      decode worker
+    --------------                                      -------------
+                                                        receiver = make_receiver(name, layout, pool)
+    sender = make_sender(name, layout, pool)            (router learns receiver.address)
+    sender.connect(address)  ---- handshake ---->      both sides compare KVLayout, refuse a mismatch
+                                                        receiver.expect(rid, reserved_block_ids)
+    for layer in layers:
+        compute layer
+        sender.send_layer(rid, layer, src, dst) ---->  validate, write into dst -> KVProgress
+    sender.send_done(rid, first_token, extra)   ---->  -> KVDone (last event)
+    await sender.flush(rid, timeout_s)          <----  acks          await receiver.wait(rid, timeout_s)
+
+A payload is one layer's K and V for some blocks: `layout.block_bytes_per_layer` bytes per block,
+shaped [k|v, block, slot, head, dim]. Block order is the order of `dst_block_ids`.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Callable
+
+import torch
+
+from pdserve.disagg.kv_layout import KVLayout, KVLayoutMismatch
+from pdserve.disagg.transport.messages import (
+    Ack,
+    DoneHeader,
+    KVDone,
+    KVEvent,
+    KVProgress,
+    KVRejected,
+    LayerHeader,
+    Reject,
+    Welcome,
+)
+from pdserve.disagg.transport.progress import AckTracker, EventBox
+from pdserve.disagg.transport.reservations import PayloadRejected, ReservationTable
+
+_MAX_REFUSALS_KEPT = 16
+
+
+def check_pool(layout: KVLayout, kv_cache: torch.Tensor) -> None:
+    """The pool a transport is given must be the one `layout` describes."""
+    actual = KVLayout.from_pool(layout.model_id, kv_cache, layout.kv_cache_dtype)
+    actual.check_compatible(layout, self_role="pool", peer_role="layout")
+
+
+class KVReceiver(abc.ABC):
+    """Decode side: receives KV payloads into reserved blocks of the local pool.
+
+    Contract
+    - Construction binds the transport to `kv_cache` (the engine's pool, shape
+      [layers, 2, blocks, block_size, kv_heads, head_dim], contiguous) and starts listening;
+      `address` is what a prefill worker passes to `KVSender.connect`.
+    - Memory: the pool stays owned by the engine. The receiver writes only into blocks of a live
+      reservation, and only after the payload was validated (`ReservationTable`).
+    - `expect(request_id, block_ids)` is called by the decode engine's thread before the router
+      lets prefill start; those blocks are the only ones a payload of that request may write.
+    - `cancel(request_id)` (any thread) drops the reservation and pending events; later payloads
+      of the request are rejected. tcp/fake: once it returns, no write into those blocks is in
+      progress or will happen. nixl: see that module (a WRITE granted earlier may still land).
+    - `wait(request_id, timeout_s)` is a coroutine, usable from any event loop and thread: it
+      returns the request's next event: one KVProgress per accepted layer payload (in arrival
+      order, which over nixl may differ from layer order), then exactly one KVDone or KVRejected,
+      which ends the request. It raises KVTransferTimeout when no event arrives within
+      `timeout_s`, KVTransferError when the request is unknown or gets cancelled. One waiter per
+      request; a request's state is freed after its last event was taken, or on `cancel`.
+    - Every implementation runs its network I/O on its own thread (`IoThread`) except the fake,
+      which runs in the sender's calling thread. `close()` stops it; the pool is not touched after.
+    """
+
+    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor) -> None:
+        check_pool(layout, kv_cache)
+        self.layout = layout
+        self.kv_cache = kv_cache
+        self._table = ReservationTable(layout, num_blocks=kv_cache.shape[2])
+        self._events = EventBox()
+        self._refusals: list[KVLayoutMismatch] = []
+        self._refusals_lock = threading.Lock()
+
+    @property
+    @abc.abstractmethod
+    def address(self) -> str:
+        """Where prefill connects, e.g. 'tcp://127.0.0.1:5555'."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop receiving; idempotent."""
+
+    def expect(self, request_id: str, block_ids: list[int] | tuple[int, ...]) -> None:
+        self._events.open(request_id)
+        try:
+            self._table.expect(request_id, block_ids)
+        except ValueError:
+            self._events.close(request_id, "reservation refused")
+            raise
+
+    def cancel(self, request_id: str) -> None:
+        self._table.remove(request_id)
+        self._events.close(request_id, "cancelled")
+
+    async def wait(self, request_id: str, timeout_s: float) -> KVEvent:
+        return await self._events.get(request_id, timeout_s)
+
+    def reserved_request_ids(self) -> frozenset[str]:
+        """Requests that still have a reservation or undelivered events (tests: nothing left behind)."""
+        return self._table.request_ids() | self._events.request_ids()
+
+    @property
+    def refusals(self) -> tuple[KVLayoutMismatch, ...]:
+        """The most recent handshakes this receiver refused, oldest first."""
+        with self._refusals_lock:
+            return tuple(self._refusals)
+
+    # --- for implementations ---
+
+    def _handshake(self, peer_layout: KVLayout) -> Welcome:
+        """Decode's half of the layout check; the answer goes back to prefill either way."""
+        try:
+            peer_layout.check_compatible(self.layout, self_role="prefill", peer_role="decode")
+        except KVLayoutMismatch as e:
+            with self._refusals_lock:
+                self._refusals = [*self._refusals[-_MAX_REFUSALS_KEPT + 1:], e]
+            return Welcome(self.layout, str(e), b"")
+        return Welcome(self.layout, "", b"")
+
+    def _write_layer(self, header: LayerHeader, payload: torch.Tensor) -> Ack | Reject:
+        """Validate `header` against the reservation and `payload` against `header`, then copy the
+        payload (uint8, on any device) into the pool. Delivers KVProgress or KVRejected."""
+        if payload.numel() != header.num_bytes:
+            return self._reject(PayloadRejected(header.request_id, f"header announces {header.num_bytes} bytes, "
+                                                f"payload has {payload.numel()}",
+                                                self._table.is_reserved(header.request_id)))
+        return self._admit_layer(header, lambda: self._copy_into_pool(header, payload))
+
+    def _admit_layer(self, header: LayerHeader, write: Callable[[], None]) -> Ack | Reject:
+        """Validate `header`, run `write` (the copy into the pool, or nothing when the bytes already
+        landed by RDMA) under the reservation lock, deliver KVProgress."""
+        try:
+            with self._table.admit_layer(header):
+                write()
+        except PayloadRejected as e:
+            return self._reject(e)
+        self._events.put(KVProgress(header.request_id, header.layer, header.dst_block_ids))
+        return Ack(header.request_id)
+
+    def _copy_into_pool(self, header: LayerHeader, payload: torch.Tensor) -> None:
+        dtype = self.kv_cache.dtype
+        values = payload.view(dtype).view(header.shape).to(self.kv_cache.device, non_blocking=True)
+        dst = torch.tensor(header.dst_block_ids, dtype=torch.long, device=self.kv_cache.device)
+        self.kv_cache[header.layer].index_copy_(1, dst, values)
+
+    def _admit_done(self, header: DoneHeader, *, in_order: bool) -> Ack | Reject | None:
+        """The final message: KVDone now (Ack), later once layers arrive (None), or rejected."""
+        try:
+            if not self._table.admit_done(header, in_order=in_order):
+                return None
+        except PayloadRejected as e:
+            return self._reject(e)
+        return self._deliver_done(header)
+
+    def _deliver_done(self, header: DoneHeader) -> Ack:
+        self._events.put(KVDone(header.request_id, header.first_token_id, header.extra))
+        return Ack(header.request_id)
+
+    def _reject(self, error: PayloadRejected) -> Reject:
+        """A rejected payload ends its request: decode hears KVRejected, prefill a Reject."""
+        if error.request_known:
+            self._table.remove(error.request_id)
+            self._events.put(KVRejected(error.request_id, error.reason))
+        return Reject(error.request_id, error.reason)
+
+
+class KVSender(abc.ABC):
+    """Prefill side: pushes layers of KV from the local pool into a decode worker's reservation.
+
+    Contract
+    - One sender talks to one receiver: `connect(address)` (blocking, any thread except the
+      sender's own I/O thread) performs the handshake; both sides compare KVLayout and a mismatch
+      raises KVLayoutMismatch naming the field, here and on the receiver (`receiver.refusals`).
+    - `send_layer(request_id, layer, src_block_ids, dst_block_ids)` is called by the prefill
+      engine's thread right after `layer` was computed; it returns at once and the bytes move on
+      the transport's I/O thread while later layers compute. Calls for one request come in layer
+      order, then one `send_done(request_id, first_token_id, extra)`.
+    - Memory: the sender reads `src_block_ids` of its pool after `send_layer` returns, until
+      `flush(request_id)` returns or raises; the caller keeps those blocks unchanged until then.
+    - `send_layer` checks only that it can read its own source blocks (ValueError otherwise).
+      Everything about the destination (reservation, byte count, dtype, shape) is judged by the
+      receiver, the only side that knows the reservation; a rejection surfaces from `flush`.
+    - `flush(request_id, timeout_s)` is a coroutine, usable from any loop and thread: it returns
+      once everything sent for the request was acknowledged by the receiver (if `send_done` was
+      called the request is then forgotten); raises KVTransferError on a rejection or a broken
+      connection, KVTransferTimeout when no acknowledgement arrived for `timeout_s`.
+    - `close()` stops the I/O thread; outstanding requests fail.
+    """
+
+    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor) -> None:
+        check_pool(layout, kv_cache)
+        self.layout = layout
+        self.kv_cache = kv_cache
+        self._acks = AckTracker()
+
+    @abc.abstractmethod
+    def connect(self, address: str) -> None: ...
+
+    @abc.abstractmethod
+    def send_layer(self, request_id: str, layer: int, src_block_ids: list[int], dst_block_ids: list[int]) -> None: ...
+
+    @abc.abstractmethod
+    def send_done(self, request_id: str, first_token_id: int, extra: bytes = b"") -> None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    async def flush(self, request_id: str, timeout_s: float) -> None:
+        await self._acks.flush(request_id, timeout_s)
+
+    def pending_request_ids(self) -> frozenset[str]:
+        """Requests sent but not yet flushed to completion (tests: nothing left behind)."""
+        return self._acks.request_ids()
+
+    # --- for implementations ---
+
+    def _check_sources(self, layer: int, src_block_ids: list[int]) -> None:
+        num_blocks = self.kv_cache.shape[2]
+        if not 0 <= layer < self.layout.num_layers:
+            raise ValueError(f"layer {layer} out of range [0, {self.layout.num_layers})")
+        if any(not 0 <= b < num_blocks for b in src_block_ids):
+            raise ValueError(f"source block ids must be in [0, {num_blocks}), got {src_block_ids}")
+
+    def _layer_header(self, request_id: str, layer: int, num_src_blocks: int,
+                      dst_block_ids: list[int]) -> LayerHeader:
+        """Describes what the sender actually sends: `num_src_blocks` blocks' worth of bytes."""
+        return LayerHeader(request_id, layer, tuple(dst_block_ids), num_src_blocks * self.layout.block_bytes_per_layer,
+                           self.layout.dtype, self.layout.payload_shape(num_src_blocks))
+
+    def _check_welcome(self, welcome: Welcome) -> None:
+        """Prefill's half of the layout check, independent of decode's verdict."""
+        self.layout.check_compatible(welcome.layout, self_role="prefill", peer_role="decode")
+        if welcome.refusal:  # decode refused although our check passed: trust decode's message
+            raise KVLayoutMismatch("layout", "", "", welcome.refusal)
+
+    def _on_reply(self, reply: Ack | Reject) -> None:
+        if isinstance(reply, Ack):
+            self._acks.acked(reply.request_id)
+        else:
+            self._acks.failed(reply.request_id, f"rejected by decode: {reply.reason}")
+

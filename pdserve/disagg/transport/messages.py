@@ -1,0 +1,180 @@
+"""Every record a KV transport moves: events a receiver delivers to decode, and the headers that
+travel between prefill and decode. One tag per wire record (`MessageType`) so a frame or a NIXL
+notification says which record its JSON holds."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from pdserve.disagg import wire
+from pdserve.disagg.kv_layout import KVLayout
+
+# --- events a KVReceiver delivers (receiver.wait) ---
+
+
+@dataclass(frozen=True, slots=True)
+class KVProgress:
+    """Layer `layer` of these destination blocks is in the decode pool."""
+
+    request_id: str
+    layer: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class KVDone:
+    """All of the request's payloads are in the pool; the prefill worker's first token and opaque
+    extra state (e.g. the sampler's generator state) come with it. Always the request's last event."""
+
+    request_id: str
+    first_token_id: int
+    extra: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class KVRejected:
+    """A payload for this request failed validation; nothing of it reached the pool and the
+    request accepts no further payloads. Always the request's last event."""
+
+    request_id: str
+    reason: str
+
+
+KVEvent = KVProgress | KVDone | KVRejected
+
+# --- wire records ---
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """prefill -> decode, first frame of a connection. `nixl_metadata` is empty for tcp."""
+
+    layout: KVLayout
+    nixl_metadata: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    """decode -> prefill, the handshake's answer. A non-empty `refusal` means decode refused the
+    layout and closes the connection; decode's layout is sent either way so prefill checks too."""
+
+    layout: KVLayout
+    refusal: str
+    nixl_metadata: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class LayerHeader:
+    """Announces one layer's K and V for some destination blocks. The payload is `num_bytes` raw
+    bytes shaped `shape` = [k|v, block, slot, head, dim] of `dtype`, blocks in `dst_block_ids` order.
+    Over tcp the payload follows in the same frame; over nixl it travels inside Claim and Written."""
+
+    request_id: str
+    layer: int
+    dst_block_ids: tuple[int, ...]
+    num_bytes: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DoneHeader:
+    """The request's final message: decode emits KVDone once `num_layer_payloads` layer payloads of
+    the request have been accepted (over nixl, notifications may overtake each other)."""
+
+    request_id: str
+    first_token_id: int
+    extra: bytes
+    num_layer_payloads: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """decode -> prefill: one more payload (a layer or the final message) of the request was accepted."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    """decode -> prefill: a payload or claim was refused; the request is failed on decode."""
+
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """nixl only, prefill -> decode: asks for the destination addresses of one layer payload.
+    `claim_id` is unique per sender; chunked prefill may send the same layer of a request again."""
+
+    claim_id: int
+    header: LayerHeader
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """nixl only, decode -> prefill: the addresses of exactly the claimed destination regions, in
+    payload order (the K region of each block of `dst_block_ids`, then each V region), each
+    `region_bytes` long."""
+
+    request_id: str
+    claim_id: int
+    dst_addrs: tuple[int, ...]
+    region_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """nixl only, prefill -> decode: the notification of the WRITE for a granted claim."""
+
+    claim_id: int
+    header: LayerHeader
+
+
+class MessageType(enum.IntEnum):
+    HELLO = 1
+    WELCOME = 2
+    LAYER = 3
+    DONE = 4
+    ACK = 5
+    REJECT = 6
+    CLAIM = 7
+    GRANT = 8
+    WRITTEN = 9
+
+
+Message = Hello | Welcome | LayerHeader | DoneHeader | Ack | Reject | Claim | Grant | Written
+
+_RECORDS: dict[MessageType, type] = {
+    MessageType.HELLO: Hello,
+    MessageType.WELCOME: Welcome,
+    MessageType.LAYER: LayerHeader,
+    MessageType.DONE: DoneHeader,
+    MessageType.ACK: Ack,
+    MessageType.REJECT: Reject,
+    MessageType.CLAIM: Claim,
+    MessageType.GRANT: Grant,
+    MessageType.WRITTEN: Written,
+}
+
+
+_TYPES = {cls: kind for kind, cls in _RECORDS.items()}
+
+
+def message_type(message: Message) -> MessageType:
+    return _TYPES[type(message)]
+
+
+def decode_message(kind: int, data: bytes) -> Message:
+    """JSON of a record tagged `kind` -> the record; WireFormatError for anything else."""
+    try:
+        cls = _RECORDS[MessageType(kind)]
+    except ValueError as e:
+        raise wire.WireFormatError(f"unknown message type {kind}") from e
+    return wire.loads(cls, data)
+
+
+def encode_message(message: Message) -> bytes:
+    return wire.dumps(message)

@@ -1,0 +1,184 @@
+"""Cross-thread progress bookkeeping, awaitable from any event loop.
+
+`EventBox` (receiver side) queues KVProgress/KVDone/KVRejected per request for `receiver.wait`;
+`AckTracker` (sender side) counts what was sent and acknowledged per request for `sender.flush`.
+Transport threads update them; callers await them on their own loop. Both hand results across
+threads with `concurrent.futures.Future`, which any asyncio loop can wrap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
+from pdserve.disagg.transport.messages import KVDone, KVEvent, KVRejected
+
+TIMEOUT_MESSAGE = "KV cache transfer timed out"
+
+
+async def _await_future(fut: concurrent.futures.Future[object], timeout_s: float) -> bool:
+    """True when `fut` completed within `timeout_s`. Shielded: a timeout leaves `fut` alone, so a
+    result set at the same moment is not lost."""
+    try:
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), timeout_s)
+    except asyncio.TimeoutError:
+        return fut.done()
+    return True
+
+
+class EventBox:
+    """Per-request FIFO of receiver events. A request's box opens at `expect` and closes after its
+    terminal event (KVDone or KVRejected) was taken, or at `cancel`; events put to a closed box are
+    dropped (they may race with a cancel). One waiter per request at a time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queues: dict[str, deque[KVEvent]] = {}
+        self._waiters: dict[str, concurrent.futures.Future[KVEvent]] = {}
+
+    def open(self, request_id: str) -> None:
+        with self._lock:
+            self._queues[request_id] = deque()
+
+    def close(self, request_id: str, reason: str) -> None:
+        with self._lock:
+            self._queues.pop(request_id, None)
+            waiter = self._waiters.pop(request_id, None)
+        if waiter is not None:
+            waiter.set_exception(KVTransferError(f"request {request_id}: {reason}"))
+
+    def put(self, event: KVEvent) -> None:
+        rid = event.request_id
+        with self._lock:
+            if rid not in self._queues:
+                return
+            waiter = self._waiters.pop(rid, None)
+            if waiter is None:
+                self._queues[rid].append(event)
+                return
+            if isinstance(event, KVDone | KVRejected):
+                del self._queues[rid]
+        waiter.set_result(event)
+
+    async def get(self, request_id: str, timeout_s: float) -> KVEvent:
+        with self._lock:
+            queue = self._queues.get(request_id)
+            if queue is None:
+                raise KVTransferError(f"request {request_id}: no transfer expected (never, cancelled or finished)")
+            if request_id in self._waiters:
+                raise KVTransferError(f"request {request_id}: another task is already waiting for its events")
+            if queue:
+                return self._pop(request_id, queue)
+            waiter: concurrent.futures.Future[KVEvent] = concurrent.futures.Future()
+            self._waiters[request_id] = waiter
+        if not await _await_future(waiter, timeout_s):  # type: ignore[arg-type]
+            with self._lock:
+                if self._waiters.get(request_id) is waiter:
+                    del self._waiters[request_id]
+            if not waiter.done():
+                raise KVTransferTimeout(f"{TIMEOUT_MESSAGE}: no event for request {request_id} in {timeout_s:g} s")
+        return waiter.result()
+
+    def request_ids(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._queues)
+
+    def _pop(self, request_id: str, queue: deque[KVEvent]) -> KVEvent:
+        event = queue.popleft()
+        if isinstance(event, KVDone | KVRejected):
+            del self._queues[request_id]
+        return event
+
+
+@dataclass(slots=True)
+class _Outstanding:
+    num_sent: int = 0
+    num_acked: int = 0
+    num_layers_sent: int = 0
+    done_sent: bool = False
+    error: str = ""
+    last_progress_s: float = field(default_factory=time.monotonic)
+    # Resolved when the request catches up (everything sent so far acknowledged) or fails; then
+    # replaced. NOTE: not on every ack: a flush waiting on a 40-layer request wakes once, not 40 times.
+    caught_up: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
+
+    def settle_if_caught_up(self) -> None:
+        if self.error or self.num_acked >= self.num_sent:
+            self.caught_up.set_result(None)
+            self.caught_up = concurrent.futures.Future()
+
+
+class AckTracker:
+    """What a sender still waits to hear about, per request. An entry lives from the first send of
+    a request until `flush` returned or raised after its final message."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._requests: dict[str, _Outstanding] = {}
+
+    def sent_layer(self, request_id: str) -> None:
+        with self._lock:
+            entry = self._requests.setdefault(request_id, _Outstanding())
+            entry.num_sent += 1
+            entry.num_layers_sent += 1
+
+    def sent_done(self, request_id: str) -> int:
+        """Record the final message; returns how many layer payloads preceded it."""
+        with self._lock:
+            entry = self._requests.setdefault(request_id, _Outstanding())
+            entry.num_sent += 1
+            entry.done_sent = True
+            return entry.num_layers_sent
+
+    def acked(self, request_id: str) -> None:
+        with self._lock:
+            entry = self._requests.get(request_id)
+            if entry is not None:  # NOTE: late acks after a timeout or failure are ignored
+                entry.num_acked += 1
+                entry.last_progress_s = time.monotonic()
+                entry.settle_if_caught_up()
+
+    def failed(self, request_id: str, reason: str) -> None:
+        with self._lock:
+            entry = self._requests.get(request_id)
+            if entry is not None and not entry.error:
+                entry.error = reason
+                entry.settle_if_caught_up()
+
+    def fail_all(self, reason: str) -> None:
+        with self._lock:
+            request_ids = list(self._requests)
+        for request_id in request_ids:
+            self.failed(request_id, reason)
+
+    def request_ids(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._requests)
+
+    async def flush(self, request_id: str, timeout_s: float) -> None:
+        """See KVSender.flush. The timeout counts from the later of the call and the last ack."""
+        started_s = time.monotonic()
+        while True:
+            with self._lock:
+                entry = self._requests.get(request_id)
+                if entry is None:
+                    return
+                if entry.error:
+                    del self._requests[request_id]
+                    raise KVTransferError(f"request {request_id}: {entry.error}")
+                if entry.num_acked >= entry.num_sent:
+                    if entry.done_sent:
+                        del self._requests[request_id]
+                    return
+                caught_up = entry.caught_up
+                remaining_s = max(started_s, entry.last_progress_s) + timeout_s - time.monotonic()
+                if remaining_s <= 0:
+                    del self._requests[request_id]
+                    raise KVTransferTimeout(f"{TIMEOUT_MESSAGE}: no progress on request {request_id} for "
+                                            f"{timeout_s:g} s")
+            await _await_future(caught_up, remaining_s)  # type: ignore[arg-type]

@@ -1,0 +1,156 @@
+"""The decode side's reservation table: the single place that decides whether a payload may touch
+the pool. Every transport's receiver asks it, so all of them validate the same way.
+
+A reservation is the set of destination blocks one request may receive. A payload is admitted
+only if its request is reserved, every destination block is in that set (each at most once), its
+layer exists, and its byte count, dtype and shape are exactly one layer of K and V for those blocks.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from pdserve.disagg.kv_layout import KVLayout
+from pdserve.disagg.transport.messages import DoneHeader, LayerHeader
+
+
+class PayloadRejected(Exception):
+    """A payload failed validation; `reason` goes back to the sender verbatim."""
+
+    def __init__(self, request_id: str, reason: str, request_known: bool) -> None:
+        super().__init__(f"request {request_id}: {reason}")
+        self.request_id = request_id
+        self.reason = reason
+        self.request_known = request_known
+
+
+@dataclass(slots=True, eq=False)
+class Reservation:
+    """One request's destination blocks and receive progress. Transports hold it only as a token
+    (`check_layer` -> `writing`) to tell whether the request is still the same live reservation."""
+
+    block_ids: frozenset[int]
+    num_layer_payloads: int = 0
+    # nixl: the final message can overtake layer notifications; it waits here until they arrive.
+    pending_done: DoneHeader | None = None
+
+
+class ReservationTable:
+    """Thread-safe: decode's threads call expect/cancel while a transport thread admits payloads.
+    NOTE: `admit_layer` holds the lock while the caller copies into the pool, so once `cancel`
+    returns no admitted copy is still writing into that request's blocks."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int) -> None:
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self._lock = threading.Lock()
+        self._reservations: dict[str, Reservation] = {}
+
+    def expect(self, request_id: str, block_ids: list[int] | tuple[int, ...]) -> None:
+        ids = frozenset(block_ids)
+        if len(ids) != len(block_ids) or not ids:
+            raise ValueError(f"request {request_id}: reservation needs distinct block ids, got {list(block_ids)}")
+        if min(ids) < 0 or max(ids) >= self.num_blocks:
+            raise ValueError(f"request {request_id}: block ids must be in [0, {self.num_blocks})")
+        with self._lock:
+            if request_id in self._reservations:
+                raise ValueError(f"request {request_id} already has a reservation")
+            self._reservations[request_id] = Reservation(ids)
+
+    def remove(self, request_id: str) -> bool:
+        with self._lock:
+            return self._reservations.pop(request_id, None) is not None
+
+    def is_reserved(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._reservations
+
+    def request_ids(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._reservations)
+
+    def check_layer(self, header: LayerHeader) -> Reservation:
+        """Raise PayloadRejected unless `header` describes an admissible payload right now."""
+        with self._lock:
+            return self._check_layer(header)
+
+    @contextmanager
+    def writing(self, request_id: str, reservation: Reservation) -> Iterator[bool]:
+        """Yields True, holding the lock, while `reservation` is still the request's live one: bytes
+        may land in its blocks during the block. After `remove` returned it yields False."""
+        with self._lock:
+            yield self._reservations.get(request_id) is reservation
+
+    @contextmanager
+    def admit_layer(self, header: LayerHeader) -> Iterator[None]:
+        """Validate, then hold the lock while the caller writes the payload into the pool; the
+        payload counts as received once the block exits without error."""
+        with self._lock:
+            reservation = self._check_layer(header)
+            yield
+            reservation.num_layer_payloads += 1
+
+    def admit_done(self, header: DoneHeader, *, in_order: bool) -> bool:
+        """True: every layer payload announced by `header` was received, the reservation is closed.
+        False (only when not `in_order`): layer payloads are still on their way; `take_ready_done`
+        returns the header once they arrived."""
+        with self._lock:
+            reservation = self._get(header.request_id)
+            received, announced = reservation.num_layer_payloads, header.num_layer_payloads
+            if received > announced or (in_order and received != announced):
+                raise PayloadRejected(header.request_id, f"final message announces {announced} layer payloads, "
+                                      f"{received} were received", request_known=True)
+            if received < announced:
+                reservation.pending_done = header
+                return False
+            del self._reservations[header.request_id]
+            return True
+
+    def take_ready_done(self, request_id: str) -> DoneHeader | None:
+        """The request's final message if it was waiting and all its layers have now arrived."""
+        with self._lock:
+            reservation = self._reservations.get(request_id)
+            done = reservation.pending_done if reservation is not None else None
+            if done is None or reservation is None or reservation.num_layer_payloads < done.num_layer_payloads:
+                return None
+            del self._reservations[request_id]
+            return done
+
+    def _get(self, request_id: str) -> Reservation:
+        reservation = self._reservations.get(request_id)
+        if reservation is None:
+            raise PayloadRejected(request_id, "unknown request (never reserved, cancelled or finished)",
+                                  request_known=False)
+        return reservation
+
+    def _check_layer(self, header: LayerHeader) -> Reservation:
+        reservation = self._get(header.request_id)
+        problem = self._layer_problem(header, reservation)
+        if problem is not None:
+            raise PayloadRejected(header.request_id, problem, request_known=True)
+        return reservation
+
+    def _layer_problem(self, header: LayerHeader, reservation: Reservation) -> str | None:
+        layout, dst = self.layout, header.dst_block_ids
+        done = reservation.pending_done
+        if done is not None and reservation.num_layer_payloads >= done.num_layer_payloads:
+            return f"layer {header.layer} is beyond the {done.num_layer_payloads} payloads the final message announced"
+        if not 0 <= header.layer < layout.num_layers:
+            return f"layer {header.layer} out of range [0, {layout.num_layers})"
+        outside = sorted(set(dst) - reservation.block_ids)
+        if outside:
+            return f"destination blocks {outside} are not reserved for this request"
+        if len(set(dst)) != len(dst) or not dst:
+            return f"destination blocks must be distinct and non-empty, got {list(dst)}"
+        expected_bytes = len(dst) * layout.block_bytes_per_layer
+        if header.num_bytes != expected_bytes:
+            return (f"byte count {header.num_bytes} != {len(dst)} blocks x {layout.block_bytes_per_layer} "
+                    f"bytes per block and layer = {expected_bytes}")
+        if header.dtype != layout.dtype:
+            return f"dtype {header.dtype} != {layout.dtype}"
+        if header.shape != layout.payload_shape(len(dst)):
+            return f"shape {list(header.shape)} != {list(layout.payload_shape(len(dst)))}"
+        return None

@@ -1,0 +1,224 @@
+"""KV transport over plain TCP: asyncio on a private I/O thread, length-prefixed frames, no pickle.
+
+Bytes go straight between the pools and the kernel, with no copy in Python:
+- sender: a layer payload is the list of the source blocks' K and V regions in the prefill pool,
+  written with one `sendmsg` per kernel-sized chunk (the kernel gathers the regions);
+- receiver: the frame header is validated against the reservation first, then the payload is
+  read with `recvmsg_into` straight into the reserved destination regions of the decode pool.
+  Each of those syscalls holds the reservation lock and first checks the reservation is still
+  live, so once `cancel` returns no byte lands in the cancelled blocks (the rest is discarded).
+  If the connection drops mid-payload, the request's own reserved blocks hold part of a layer;
+  the layer was not acknowledged and the request fails, so no one reads them.
+A pool on an accelerator goes through host memory instead: the sender gathers the blocks
+(`index_select`) and copies them to the host, the receiver reads into a host staging tensor and
+`index_copy_`s it into the pool after the same validation.
+
+    prefill I/O thread                         decode I/O thread
+    HELLO {layout}               ------>       check layout (refuse: WELCOME{refusal}, close)
+                                 <------       WELCOME {layout}
+    LAYER {header} + payload     ------>       validate header; payload -> reserved blocks
+                                 <------       ACK | REJECT
+    DONE {first token, extra}    ------>       KVDone
+                                 <------       ACK | REJECT
+
+Why not the brief's gather + staging copy on CPU: measured on 2 CPUs with loopback, each extra
+pass over the payload costs about half a raw socket's time, and gather + `index_copy_` ran at
+0.36-0.40x a raw socket; the direct path keeps the transport near the socket's own cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.disagg.kv_layout import KVLayout
+from pdserve.disagg.transport import frames, regions
+from pdserve.disagg.transport.base import KVReceiver, KVSender
+from pdserve.disagg.transport.frames import Frame, ProtocolError
+from pdserve.disagg.transport.io_thread import IoThread
+from pdserve.disagg.transport.messages import Ack, DoneHeader, Hello, LayerHeader, Reject
+from pdserve.disagg.transport.reservations import PayloadRejected
+
+logger = logging.getLogger(__name__)
+
+_CONNECT_TIMEOUT_S = 10.0
+
+
+class TcpKVReceiver(KVReceiver):
+    """Listens on `host:port` (port 0 picks a free one). Contract: see KVReceiver."""
+
+    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, host: str = "127.0.0.1", port: int = 0) -> None:
+        super().__init__(layout, kv_cache)
+        self._listener = frames.listen(host, port)
+        self._address = f"tcp://{host}:{self._listener.getsockname()[1]}"
+        # NOTE: a payload can never exceed one layer of the whole pool; anything larger is garbage.
+        self._max_payload_bytes = kv_cache.shape[2] * layout.block_bytes_per_layer
+        self._flat = regions.pool_bytes(kv_cache) if kv_cache.device.type == "cpu" else None
+        self._io = IoThread("pdserve-kv-tcp-recv")
+        self._io.submit(self._accept_loop())
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def close(self) -> None:
+        self._io.stop()
+        self._listener.close()
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            sock, _ = await loop.sock_accept(self._listener)
+            frames.tune(sock)
+            loop.create_task(self._serve(sock))
+
+    async def _serve(self, sock: socket.socket) -> None:
+        with sock:
+            try:
+                if await frames.answer_hello(sock, lambda hello: self._handshake(hello.layout)):
+                    await self._receive_loop(sock)
+            except (ConnectionError, OSError) as e:
+                logger.info("KV connection from prefill closed: %s", e)
+            except Exception:  # a bug: drop this connection, keep serving the others
+                logger.exception("KV receiver connection handler crashed")
+
+    async def _receive_loop(self, sock: socket.socket) -> None:
+        while True:
+            frame = await frames.recv_frame(sock, self._max_payload_bytes)
+            if isinstance(frame.header, LayerHeader):
+                reply = await self._receive_layer(sock, frame, frame.header)
+            elif isinstance(frame.header, DoneHeader) and not frame.payload_len:
+                reply = self._admit_done(frame.header, in_order=True)
+                assert reply is not None, "frames arrive in order: a final message is never deferred"
+            else:
+                raise ProtocolError(f"unexpected {frame.kind.name} frame from prefill")
+            await frames.send_frame(sock, reply)
+
+    async def _receive_layer(self, sock: socket.socket, frame: Frame, header: LayerHeader) -> Ack | Reject:
+        try:
+            if header.num_bytes != frame.payload_len:
+                raise PayloadRejected(header.request_id, f"header announces {header.num_bytes} bytes, frame "
+                                      f"carries {frame.payload_len}", self._table.is_reserved(header.request_id))
+            reservation = self._table.check_layer(header)
+        except PayloadRejected as e:
+            await frames.discard(sock, frame.payload_len)
+            return self._reject(e)
+        if self._flat is None:
+            return await self._receive_staged(sock, header)
+        views = regions.payload_views(self.layout, self.kv_cache, self._flat, header.layer, header.dst_block_ids)
+        unread = await frames.recv_into_views(sock, views, lambda: self._table.writing(header.request_id, reservation))
+        if unread:
+            await frames.discard(sock, unread)
+            return Reject(header.request_id, "cancelled while its payload was arriving")
+        return self._admit_layer(header, lambda: None)  # counts it, delivers KVProgress
+
+    async def _receive_staged(self, sock: socket.socket, header: LayerHeader) -> Ack | Reject:
+        staging = torch.empty(header.num_bytes, dtype=torch.uint8)
+        await frames.recv_into(sock, memoryview(staging.numpy()))
+        return self._write_layer(header, staging)
+
+
+@dataclass(frozen=True, slots=True)
+class _LayerJob:
+    header: LayerHeader
+    src_block_ids: tuple[int, ...]
+
+
+class TcpKVSender(KVSender):
+    """Contract: see KVSender. All socket work happens on the sender's own I/O thread; jobs are sent
+    in call order over one connection, so a request's frames arrive in layer order."""
+
+    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor) -> None:
+        super().__init__(layout, kv_cache)
+        self._flat = regions.pool_bytes(kv_cache) if kv_cache.device.type == "cpu" else None
+        self._io = IoThread("pdserve-kv-tcp-send")
+        self._sock: socket.socket | None = None
+        self._jobs: asyncio.Queue[_LayerJob | DoneHeader] | None = None
+        self._broken = ""  # why the connection is gone; set once, on the I/O thread
+
+    def connect(self, address: str) -> None:
+        if self._sock is not None:
+            raise RuntimeError("this sender is already connected; use one sender per decode worker")
+        host, port = frames.parse_address(address, "tcp")
+        self._io.run(self._connect(host, port), timeout_s=_CONNECT_TIMEOUT_S)
+
+    def send_layer(self, request_id: str, layer: int, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+        self._check_sources(layer, src_block_ids)
+        header = self._layer_header(request_id, layer, len(src_block_ids), dst_block_ids)
+        self._acks.sent_layer(request_id)
+        self._enqueue(request_id, _LayerJob(header, tuple(src_block_ids)))
+
+    def send_done(self, request_id: str, first_token_id: int, extra: bytes = b"") -> None:
+        num_layers = self._acks.sent_done(request_id)
+        self._enqueue(request_id, DoneHeader(request_id, first_token_id, extra, num_layers))
+
+    def close(self) -> None:
+        self._io.stop()
+        if self._sock is not None:
+            self._sock.close()
+        self._acks.fail_all("sender closed")
+
+    def _enqueue(self, request_id: str, job: _LayerJob | DoneHeader) -> None:
+        if self._jobs is None:
+            raise RuntimeError("connect() first")
+        if self._broken:
+            self._acks.failed(request_id, self._broken)
+            return
+        self._io.call_soon(self._jobs.put_nowait, job)
+
+    async def _connect(self, host: str, port: int) -> None:
+        sock = await frames.connect(host, port)
+        try:
+            self._check_welcome(await frames.say_hello(sock, Hello(self.layout, b"")))
+        except BaseException:
+            sock.close()
+            raise
+        self._sock, self._jobs = sock, asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        loop.create_task(self._write_loop(sock, self._jobs))
+        loop.create_task(self._read_loop(sock))
+
+    async def _write_loop(self, sock: socket.socket, jobs: asyncio.Queue[_LayerJob | DoneHeader]) -> None:
+        try:
+            while True:
+                job = await jobs.get()
+                if isinstance(job, DoneHeader):
+                    await frames.send_frame(sock, job)
+                else:
+                    await frames.send_frame(sock, job.header, self._payload(job))
+        except (ConnectionError, OSError) as e:
+            self._lost(e)
+        except Exception as e:  # a bug: fail loudly rather than let every flush time out
+            logger.exception("KV sender write loop crashed")
+            self._lost(e)
+
+    def _payload(self, job: _LayerJob) -> list[memoryview]:
+        """The source blocks' regions of the pool itself, or a host copy for an accelerator pool."""
+        if self._flat is not None:
+            return regions.payload_views(self.layout, self.kv_cache, self._flat, job.header.layer, job.src_block_ids)
+        src = torch.tensor(job.src_block_ids, dtype=torch.long, device=self.kv_cache.device)
+        host = self.kv_cache[job.header.layer].index_select(1, src).cpu()
+        return [memoryview(host.view(-1).view(torch.uint8).numpy())]
+
+    async def _read_loop(self, sock: socket.socket) -> None:
+        try:
+            while True:
+                frame = await frames.recv_frame(sock, max_payload_bytes=0)
+                if not isinstance(frame.header, Ack | Reject):
+                    raise ProtocolError(f"unexpected {frame.kind.name} frame from decode")
+                self._on_reply(frame.header)
+        except (ConnectionError, OSError) as e:
+            self._lost(e)
+
+    def _lost(self, error: Exception) -> None:
+        logger.warning("KV connection to decode lost: %s", error)
+        self._broken = f"connection to decode lost ({error})"
+        self._acks.fail_all(self._broken)
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)

@@ -1,0 +1,90 @@
+"""Typed records <-> JSON for everything that crosses a process boundary. No pickle: a peer can
+only ever make us build the dataclasses named here, with fields of the declared types.
+
+Supported field types: str, int, bool, bytes (base64 text), tuple[int, ...], and nested records.
+Decoding is strict: exactly the declared keys, exactly the declared types (a bool is not an int).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import functools
+import json
+import typing
+from typing import Any, TypeVar
+
+R = TypeVar("R")
+
+
+class WireFormatError(ValueError):
+    """A peer sent JSON that does not decode into the expected record."""
+
+
+def to_json_obj(record: object) -> dict[str, Any]:
+    return {f.name: _encode(getattr(record, f.name)) for f in dataclasses.fields(record)}  # type: ignore[arg-type]
+
+
+def from_json_obj(cls: type[R], obj: object) -> R:
+    hints = _hints(cls)
+    if not isinstance(obj, dict) or set(obj) != set(hints):
+        got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+        raise WireFormatError(f"{cls.__name__}: expected keys {sorted(hints)}, got {got}")
+    return cls(**{name: _decode(hint, obj[name], f"{cls.__name__}.{name}") for name, hint in hints.items()})
+
+
+def dumps(record: object) -> bytes:
+    return json.dumps(to_json_obj(record), separators=(",", ":")).encode()
+
+
+def loads(cls: type[R], data: bytes | str) -> R:
+    try:
+        obj = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise WireFormatError(f"{cls.__name__}: not JSON ({e})") from e
+    return from_json_obj(cls, obj)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls.__name__} is not a dataclass")
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _encode(value: object) -> object:
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode("ascii")
+    if isinstance(value, tuple):
+        return list(value)
+    if dataclasses.is_dataclass(value):
+        return to_json_obj(value)
+    return value
+
+
+def _decode(hint: Any, value: object, where: str) -> object:
+    if hint is bytes:
+        return _decode_bytes(value, where)
+    if hint in (str, int, bool):
+        # NOTE: exact type check: json gives bool for true/false, and bool is a subclass of int.
+        if type(value) is not hint:
+            raise WireFormatError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
+        return value
+    if typing.get_origin(hint) is tuple:
+        if not isinstance(value, list) or any(type(v) is not int for v in value):
+            raise WireFormatError(f"{where}: expected a list of int")
+        return tuple(value)
+    if dataclasses.is_dataclass(hint):
+        return from_json_obj(hint, value)
+    raise TypeError(f"{where}: unsupported field type {hint!r}")
+
+
+def _decode_bytes(value: object, where: str) -> bytes:
+    if not isinstance(value, str):
+        raise WireFormatError(f"{where}: expected base64 text, got {type(value).__name__}")
+    try:
+        return base64.b64decode(value, validate=True)
+    except binascii.Error as e:
+        raise WireFormatError(f"{where}: invalid base64 ({e})") from e

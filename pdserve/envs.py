@@ -1,0 +1,26 @@
+"""Every environment variable pdserve reads, in one place."""
+
+from __future__ import annotations
+
+import os
+
+_DEFAULT_KV_TRANSFER_TIMEOUT_MS = 100
+
+
+def kv_transfer_timeout_ms() -> int:
+    """KV_TRANSFER_TIMEOUT_MS: how long a KV hand-off may go without progress (default 100)."""
+    raw = os.environ.get("KV_TRANSFER_TIMEOUT_MS")
+    if raw is None:
+        return _DEFAULT_KV_TRANSFER_TIMEOUT_MS
+    try:
+        value = int(raw)
+    except ValueError as exc:
+        raise ValueError(f"KV_TRANSFER_TIMEOUT_MS must be an integer number of milliseconds, got {raw!r}") from exc
+    if value < 1:
+        raise ValueError(f"KV_TRANSFER_TIMEOUT_MS must be >= 1, got {value}")
+    return value
+
+
+def cache_dir(default: str) -> str:
+    """PDSERVE_CACHE_DIR: where the demo checkpoint is built once."""
+    return os.environ.get("PDSERVE_CACHE_DIR", default)

@@ -1,0 +1,1 @@
+"""Operations: launching and supervising processes (pdserve up)."""

@@ -1,0 +1,128 @@
+"""`pdserve up`: router + prefill + decode workers as processes on this machine, one command.
+
+Starts the decode workers, then the prefill workers, then the router; splits the CPU threads
+between the workers; waits until one request has gone through end to end; prints the URL and a
+curl line. Ctrl-C (or SIGTERM) stops everything. A process that dies is reported with its exit
+status, and the rest are stopped: a half cluster is never left running silently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+
+_READY_TIMEOUT_S = 300.0
+
+
+@dataclass
+class Process:
+    name: str
+    url: str
+    popen: subprocess.Popen[bytes]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _spawn(name: str, args: list[str], port: int) -> Process:
+    cmd = [sys.executable, "-m", "pdserve.cli", *args]
+    return Process(name, f"http://127.0.0.1:{port}", subprocess.Popen(cmd, start_new_session=True))
+
+
+def _threads_per_worker(num_workers: int) -> int:
+    return max(1, (os.cpu_count() or 1) // num_workers)
+
+
+def launch(ns: argparse.Namespace, engine_flags: list[str]) -> list[Process]:
+    """Start every process; the router last, so it finds its workers."""
+    threads = str(_threads_per_worker(ns.prefill + ns.decode))
+    common = ["--log-level", ns.log_level, "serve", "--num-threads", threads, *engine_flags]
+    if ns.kv_transport:
+        common += ["--kv-transport", ns.kv_transport]
+    processes = []
+    for role, count in (("decode", ns.decode), ("prefill", ns.prefill)):
+        for index in range(count):
+            port = _free_port()
+            processes.append(_spawn(f"{role}-{index}", [*common, "--role", role, "--port", str(port)], port))
+    router_args = ["--log-level", ns.log_level, "router", "--port", str(ns.port),
+                   "--prefill", *[p.url for p in processes if p.name.startswith("prefill")],
+                   "--decode", *[p.url for p in processes if p.name.startswith("decode")]]
+    if ns.model:
+        router_args += ["--model", ns.model]
+    processes.append(_spawn("router", router_args, ns.port))
+    return processes
+
+
+def _dead(processes: list[Process]) -> list[Process]:
+    return [p for p in processes if p.popen.poll() is not None]
+
+
+def wait_ready(processes: list[Process], router_url: str) -> None:
+    """Until a completion goes through the router (raises RuntimeError if a process dies)."""
+    deadline = time.monotonic() + _READY_TIMEOUT_S
+    body = {"prompt": "Hello", "max_tokens": 2}
+    with httpx.Client(timeout=30) as http:
+        while time.monotonic() < deadline:
+            if dead := _dead(processes):
+                raise RuntimeError(", ".join(f"{p.name} exited with status {p.popen.returncode}" for p in dead))
+            try:
+                if http.post(f"{router_url}/v1/completions", json=body).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+    raise RuntimeError(f"no request went through within {_READY_TIMEOUT_S:.0f} s")
+
+
+def stop(processes: list[Process]) -> None:
+    for process in reversed(processes):
+        if process.popen.poll() is None:
+            os.killpg(process.popen.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    for process in processes:
+        try:
+            process.popen.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(process.popen.pid, signal.SIGKILL)
+
+
+def run(ns: argparse.Namespace, engine_flags: list[str]) -> int:
+    # Build the demo checkpoint once here, not concurrently in every worker.
+    if ns.model is None:
+        from pdserve.model.demo_checkpoint import default_model_dir
+
+        default_model_dir()
+    processes = launch(ns, engine_flags)
+    router_url = f"http://127.0.0.1:{ns.port}"
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        wait_ready(processes, router_url)
+        print(f"\npdserve is up: {ns.prefill} prefill + {ns.decode} decode workers behind {router_url}")
+        print(f"  workers: curl -s {router_url}/workers")
+        print(f"  try:     curl -s {router_url}/v1/chat/completions -H 'content-type: application/json' "
+              "-d '{\"messages\":[{\"role\":\"user\",\"content\":\"Hello!\"}],\"max_tokens\":32}'")
+        print("Ctrl-C stops everything.", flush=True)
+        while not (dead := _dead(processes)):
+            time.sleep(0.5)
+        for process in dead:
+            print(f"pdserve up: {process.name} ({process.url}) exited with status {process.popen.returncode}; "
+                  "stopping the others", file=sys.stderr)
+        return 1
+    except RuntimeError as exc:
+        print(f"pdserve up: {exc}; stopping", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stop(processes)

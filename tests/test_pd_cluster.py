@@ -1,0 +1,206 @@
+"""Prefill and decode workers behind the router, over real KV transports on loopback: outputs must
+equal colocated ones (greedy and seeded, streamed and not) and no worker may keep a block."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from helpers import random_prompt
+from server_fixtures import free_port, parse_sse
+
+from pdserve import LLM, SamplingParams
+from pdserve.config import EngineArgs
+from pdserve.disagg.decode_service import DecodeService, FailurePolicy
+from pdserve.disagg.prefill_service import PrefillService
+from pdserve.disagg.router import PDClient, create_router_app
+from pdserve.disagg.worker_app import build_worker
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.model.qwen3_config import Qwen3ModelConfig
+from pdserve.serving.async_engine import AsyncLLM
+from pdserve.tokenizer import load_tokenizer
+
+MODEL = "pd-test"
+PROMPTS = [random_prompt(n, seed=5000 + n) for n in (3, 40, 130, 260)]
+MAX_TOKENS = 10
+
+
+@dataclass
+class Served:
+    server: uvicorn.Server
+    thread: threading.Thread
+    url: str
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def serve(app: FastAPI) -> Served:
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    return Served(server, thread, f"http://127.0.0.1:{port}")
+
+
+@dataclass
+class Cluster:
+    router: Served
+    workers: list[tuple[Served, AsyncLLM]]
+    services: list[PrefillService | DecodeService]
+
+    def leaks(self) -> list[str]:
+        found = []
+        for served, client in self.workers:
+            engine = client.engine
+            pool = engine.scheduler.kv.pool
+            if engine.has_unfinished_requests() or engine.scheduler.held or engine.scheduler.remote:
+                found.append(f"{served.url}: requests left")
+            if pool.num_free_blocks != pool.num_blocks:
+                found.append(f"{served.url}: {pool.num_blocks - pool.num_free_blocks} blocks held")
+        return found
+
+    def wait_until_idle(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.leaks() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not self.leaks(), self.leaks()
+
+
+def start_cluster(model_dir: Path, transport: str, num_prefill: int, num_decode: int,
+                  max_num_batched_tokens: int = 64, policy: FailurePolicy = "recompute", timeout_s: float = 5.0,
+                  prefill_options: dict[str, Any] | None = None, decode_block_size: int = 16) -> Cluster:
+    workers = []
+    services: list[PrefillService | DecodeService] = []
+    urls: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for role, count in (("decode", num_decode), ("prefill", num_prefill)):
+        for _ in range(count):
+            engine = LLMEngine.from_engine_args(EngineArgs(
+                model=str(model_dir), dtype="float32", num_kv_blocks=256, max_num_batched_tokens=max_num_batched_tokens,
+                block_size=decode_block_size if role == "decode" else 16))
+            options = ({"host": "127.0.0.1", "port": 0} if transport != "fake" else {}) if role == "decode" \
+                else (prefill_options or {})
+            app, client, service = build_worker(engine, role, MODEL, transport, policy, timeout_s, options)
+            services.append(service)
+            served = serve(app)
+            workers.append((served, client))
+            urls[role].append(served.url)
+    pd = PDClient(urls["prefill"], urls["decode"], load_tokenizer(str(model_dir)),
+                  Qwen3ModelConfig.from_dir(model_dir), str(model_dir), max_model_len=1024)
+    return Cluster(serve(create_router_app(pd, MODEL)), workers, services)
+
+
+def stop_cluster(cluster: Cluster) -> None:
+    cluster.router.stop()
+    for served, client in cluster.workers:
+        served.stop()
+        client.shutdown()
+    for service in cluster.services:
+        service.close()
+
+
+@pytest.fixture(scope="module")
+def colocated(model_dirs: dict[str, Path]) -> LLM:
+    return LLM(model=str(model_dirs["tiny"]), dtype="float32", num_kv_blocks=256)
+
+
+def expected_texts(llm: LLM, params: SamplingParams) -> list[str]:
+    return [o.outputs[0].text for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+
+
+@pytest.mark.parametrize(("transport", "num_prefill", "num_decode"),
+                         [("tcp", 1, 1), ("tcp", 1, 2), ("tcp", 2, 1), ("nixl", 1, 1), ("nixl", 1, 2), ("nixl", 2, 1)],
+                         ids=["tcp-1P1D", "tcp-1P2D", "tcp-2P1D", "nixl-1P1D", "nixl-1P2D", "nixl-2P1D"])
+def test_pd_cluster_matches_colocated(model_dirs: dict[str, Path], colocated: LLM, transport: str,
+                                      num_prefill: int, num_decode: int) -> None:
+    cluster = start_cluster(model_dirs["tiny"], transport, num_prefill, num_decode)
+    try:
+        with httpx.Client(base_url=cluster.router.url, timeout=60) as http:
+            workers = http.get("/workers").json()
+            assert sorted(w["role"] for w in workers) == sorted(["prefill"] * num_prefill + ["decode"] * num_decode)
+            assert all(w["ready"] for w in workers)
+            for seed, params in ((None, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)),
+                                 (77, SamplingParams(temperature=0.9, top_k=40, seed=77, max_tokens=MAX_TOKENS,
+                                                     ignore_eos=True))):
+                want = expected_texts(colocated, params)
+                body = {"max_tokens": MAX_TOKENS, "ignore_eos": True,
+                        "temperature": params.temperature, "top_k": params.top_k, "seed": seed}
+                for prompt, text in zip(PROMPTS, want, strict=True):
+                    reply = http.post("/v1/completions", json=body | {"prompt": prompt})
+                    assert reply.status_code == 200, reply.text
+                    assert reply.json()["choices"][0]["text"] == text
+                    assert reply.json()["usage"]["completion_tokens"] == MAX_TOKENS
+                    streamed = http.post("/v1/completions", json=body | {"prompt": prompt, "stream": True})
+                    chunks = [e for e in parse_sse(streamed.text) if isinstance(e, dict)]
+                    assert "".join(c["choices"][0]["text"] for c in chunks) == text
+        cluster.wait_until_idle()
+    finally:
+        stop_cluster(cluster)
+
+
+def test_client_disconnect_mid_stream_frees_blocks_on_both_workers(model_dirs: dict[str, Path]) -> None:
+    cluster = start_cluster(model_dirs["tiny"], "tcp", 1, 1)
+    try:
+        body = {"prompt": PROMPTS[2], "max_tokens": 500, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=cluster.router.url, timeout=60) as http, \
+                http.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            received = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: {") for line in received)
+        cluster.wait_until_idle(timeout_s=5.0)
+    finally:
+        stop_cluster(cluster)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_transfer_stall_retries_once_then_applies_the_policy(model_dirs: dict[str, Path], colocated: LLM,
+                                                            policy: FailurePolicy) -> None:
+    timeout_s = 0.3
+    cluster = start_cluster(model_dirs["tiny"], "fake", 1, 1, policy=policy, timeout_s=timeout_s,
+                            prefill_options={"stall_after_layers": 1})
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        want = expected_texts(colocated, params)[1]
+        with httpx.Client(base_url=cluster.router.url, timeout=60) as http:
+            start = time.monotonic()
+            reply = http.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS,
+                                                       "ignore_eos": True, "temperature": 0})
+            elapsed = time.monotonic() - start
+        decode = next(service for service in cluster.services if isinstance(service, DecodeService))
+        assert decode.counters["timeouts"] == 2 and decode.counters["retried"] == 1
+        assert decode.counters["recomputed" if policy == "recompute" else "failed"] == 1
+        if policy == "recompute":
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["text"] == want
+        else:
+            assert reply.status_code == 503, reply.text
+            assert "KV cache transfer timed out" in reply.json()["error"]["message"]
+        # two timeout windows (the first, then the retry), plus compute
+        assert 2 * timeout_s <= elapsed < 2 * timeout_s + 5.0, elapsed
+        cluster.wait_until_idle()
+    finally:
+        stop_cluster(cluster)
+
+
+def test_kv_layout_mismatch_is_refused_with_the_field_named(model_dirs: dict[str, Path]) -> None:
+    cluster = start_cluster(model_dirs["tiny"], "tcp", 1, 1, decode_block_size=32)
+    try:
+        with httpx.Client(base_url=cluster.router.url, timeout=60) as http:
+            reply = http.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 4})
+        assert reply.status_code == 409, reply.text
+        assert "block_size" in reply.json()["error"]["message"]
+        cluster.wait_until_idle()
+    finally:
+        stop_cluster(cluster)
