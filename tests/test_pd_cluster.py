@@ -3,6 +3,7 @@ equal colocated ones (greedy and seeded, streamed and not) and no worker may kee
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from dataclasses import dataclass
@@ -201,6 +202,45 @@ def test_kv_layout_mismatch_is_refused_with_the_field_named(model_dirs: dict[str
             reply = http.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 4})
         assert reply.status_code == 409, reply.text
         assert "block_size" in reply.json()["error"]["message"]
+        cluster.wait_until_idle()
+    finally:
+        stop_cluster(cluster)
+
+
+def test_concurrent_requests_with_prefix_hits_on_both_sides(model_dirs: dict[str, Path], colocated: LLM) -> None:
+    """Mixed-length requests all at once, streamed and not; the second wave shares long prefixes
+    with the first, so decode finds them in its prefix cache (never sent again) and prefill in
+    its own (computes less)."""
+    cluster = start_cluster(model_dirs["tiny"], "tcp", 1, 1)
+    base = random_prompt(200, seed=31)
+    first_wave = [base[:n] + random_prompt(7, seed=n) for n in (40, 120, 200)] + PROMPTS
+    second_wave = [base + random_prompt(n, seed=100 + n) for n in (3, 30, 90)]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    async def run(prompts: list[list[int]]) -> list[dict[str, Any]]:
+        async with httpx.AsyncClient(base_url=cluster.router.url, timeout=120) as http:
+            async def one(index: int, prompt: list[int]) -> dict[str, Any]:
+                body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0}
+                if index % 2:
+                    reply = await http.post("/v1/completions", json=body | {"stream": True,
+                                                                          "stream_options": {"include_usage": True}})
+                    chunks = [e for e in parse_sse(reply.text) if isinstance(e, dict)]
+                    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+                    return {"text": text, "usage": chunks[-1]["usage"]}
+                reply = await http.post("/v1/completions", json=body)
+                assert reply.status_code == 200, reply.text
+                return {"text": reply.json()["choices"][0]["text"], "usage": reply.json()["usage"]}
+            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+    try:
+        for prompts in (first_wave, second_wave):
+            want = [o.outputs[0].text for o in colocated.generate([{"prompt_token_ids": p} for p in prompts], params)]
+            got = asyncio.run(run(prompts))
+            assert [g["text"] for g in got] == want
+        cached = [g["usage"]["prompt_tokens_details"]["cached_tokens"] for g in got]
+        assert all(c >= 192 for c in cached), cached  # 12 of base's blocks were on decode already
+        prefill = next(s for s in cluster.services if isinstance(s, PrefillService))
+        assert prefill.client.stats().num_prefix_hit_tokens > 0
         cluster.wait_until_idle()
     finally:
         stop_cluster(cluster)
