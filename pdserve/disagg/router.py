@@ -23,6 +23,7 @@ import httpx
 from fastapi import FastAPI
 
 from pdserve.disagg.control import OutputFrame, PrefillJob, ReserveReply, ReserveRequest, WireSamplingParams, WorkerInfo
+from pdserve.engine.llm_engine import check_request
 from pdserve.engine.output import CompletionOutput, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.qwen3_config import Qwen3ModelConfig
@@ -102,15 +103,9 @@ class PDClient:
             await asyncio.sleep(interval_s)
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len}")
+        check_request(prompt_token_ids, params, self.max_model_len, self.vocab_size)
         if params.n != 1:
             raise ValueError("n > 1 is not supported by the disaggregated router yet")
-        bad = next((t for t in [*prompt_token_ids, *params.stop_token_ids] if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:

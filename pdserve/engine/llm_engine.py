@@ -40,6 +40,23 @@ class EngineStats:
     step_time_s: float  # total wall time of steps
 
 
+def check_request(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int) -> None:
+    """Raises ValueError for a request no engine with this context window and vocabulary can run."""
+    if not prompt_token_ids:
+        raise ValueError("the prompt is empty")
+    if len(prompt_token_ids) >= max_model_len:
+        raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; max_model_len is {max_model_len}, "
+                         f"so at most {max_model_len - 1} prompt tokens fit")
+    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    # NOTE: the sampler indexes logits with stop ids (min_tokens masking); an id out of range
+    # would raise inside step() and stop the engine for everyone.
+    bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
 @dataclass(frozen=True, slots=True)
 class RemoteReservation:
     """Decode role: where a prefill worker must write a request's prompt KV."""
@@ -80,21 +97,7 @@ class LLMEngine:
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError for a request that can never run; the server answers it with a 400.
         Pure reads of frozen config: safe to call from any thread."""
-        max_len = self.config.scheduler.max_model_len
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        if len(prompt_token_ids) >= max_len:
-            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; max_model_len is {max_len}, "
-                             f"so at most {max_len - 1} prompt tokens fit")
-        vocab = self.config.model.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        # NOTE: the sampler indexes logits with stop ids (min_tokens masking); an id out of range
-        # would raise inside step() and stop the engine for everyone.
-        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
-        if bad is not None:
-            raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+        check_request(prompt_token_ids, params, self.config.scheduler.max_model_len, self.config.model.vocab_size)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, prefill_only: bool = False) -> None:
