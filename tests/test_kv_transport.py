@@ -140,6 +140,8 @@ def test_layout_from_pool_json_round_trip_and_mismatch_message() -> None:
     '"num_kv_heads":2,"head_dim":8,"layout":"x"}',                                # bool is not an int
     '{"model_id":"m","dtype":"float32","kv_cache_dtype":"float32","block_size":4,"num_layers":3,'
     '"num_kv_heads":2,"head_dim":8,"layout":"x","extra":1}',                      # unknown key
+    '{"model_id":"m","dtype":"complex64","kv_cache_dtype":"float32","block_size":4,"num_layers":3,'
+    '"num_kv_heads":2,"head_dim":8,"layout":"x"}',                                # unsupported dtype
     '[1, 2]', 'not json',
 ])
 def test_layout_json_is_parsed_strictly(text: str) -> None:
@@ -461,3 +463,16 @@ def test_tcp_receiver_survives_garbage() -> None:
         assert_nothing_left(decode.receiver)
     finally:
         decode.receiver.close()
+
+
+def test_expect_twice_keeps_the_live_request(transport: str, decode: Decode,
+                                             prefill: tuple[KVSender, torch.Tensor]) -> None:
+    sender, _ = prefill
+    decode.receiver.expect("r", [1, 2])
+    with pytest.raises(ValueError, match="already"):
+        decode.receiver.expect("r", [3])
+    sender.send_layer("r", 0, [5, 6], [1, 2])
+    sender.send_done("r", 9, b"")
+    run(sender.flush("r", TIMEOUT_S))
+    assert run(drain(decode.receiver, "r"))[-1] == KVDone("r", 9, b"")
+    assert_nothing_left(decode.receiver, sender)

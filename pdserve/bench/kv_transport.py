@@ -3,8 +3,10 @@
     python -m pdserve.bench.kv_transport [--reps 7] [--workloads small,large] [--transports tcp,nixl]
 
 Workload: the KV of one `num_tokens`-token prompt, sent layer by layer from a prefill pool into
-reserved blocks of a decode pool in another process. Source and destination blocks are scattered
-(seeded random placement in pools twice the needed size), as after a while of serving.
+reserved blocks of a decode pool in another process. Blocks are either scattered (seeded random
+placement in pools twice the needed size, as after a while of serving; the headline rows) or
+contiguous runs on both sides (fresh pools; rows marked "contiguous"), where adjacent block regions
+merge into one socket buffer / NIXL descriptor.
 - memcpy: `torch` copy of the same number of bytes, contiguous, in one process (the ceiling for
   anything that moves bytes through the CPU).
 - raw socket: `socket.sendall` / `recv_into` of the same bytes, contiguous, between the two
@@ -79,7 +81,10 @@ class KVWorkload:
         bits = torch.randint(-2**31, 2**31 - 1, (words,), dtype=torch.int32, generator=gen)
         return bits.view(getattr(torch, self.dtype)).view(shape)
 
-    def placement(self) -> tuple[list[int], list[int]]:
+    def placement(self, contiguous: bool) -> tuple[list[int], list[int]]:
+        """(source blocks, destination blocks)."""
+        if contiguous:
+            return list(range(self.num_blocks)), list(range(self.num_blocks, 2 * self.num_blocks))
         rng = random.Random(_SEED)
         blocks = range(self.pool_blocks)
         return rng.sample(blocks, self.num_blocks), rng.sample(blocks, self.num_blocks)
@@ -97,7 +102,7 @@ WORKLOADS = {
 
 def _digest(pool: torch.Tensor, block_ids: list[int]) -> str:
     blocks = pool[:, :, torch.tensor(block_ids)].contiguous()
-    return hashlib.blake2b(memoryview(blocks.view(torch.uint8).numpy())).hexdigest()
+    return hashlib.blake2b(blocks.view(-1).view(torch.uint8).numpy().data).hexdigest()
 
 
 # -- decode process --------------------------------------------------------------------------------
@@ -141,7 +146,7 @@ async def _drain(receiver: KVReceiver, request_id: str) -> str:
 
 def _raw_server(conn: multiprocessing.connection.Connection, num_bytes: int, num_runs: int) -> None:
     buffer = torch.zeros(num_bytes, dtype=torch.uint8)
-    view = memoryview(buffer.numpy())
+    view = buffer.numpy().data
     with socket.create_server(("127.0.0.1", 0)) as server:
         conn.send(server.getsockname()[1])
         peer, _ = server.accept()
@@ -169,12 +174,16 @@ def _median_s(run_once: Callable[[int], None], reps: int) -> float:
 def measure_memcpy(work: KVWorkload, reps: int) -> float:
     src = torch.randint(0, 255, (work.payload_bytes,), dtype=torch.uint8)
     dst = torch.zeros_like(src)
-    return _median_s(lambda _: dst.copy_(src), reps)
+
+    def once(_: int) -> None:
+        dst.copy_(src)
+
+    return _median_s(once, reps)
 
 
 def measure_raw_socket(conn: multiprocessing.connection.Connection, work: KVWorkload, reps: int) -> float:
     src = torch.randint(0, 255, (work.payload_bytes,), dtype=torch.uint8)
-    view = memoryview(src.numpy())
+    view = src.numpy().data
     conn.send(("raw", work.payload_bytes, reps + _NUM_WARMUP))
     port = conn.recv()
     with socket.create_connection(("127.0.0.1", port)) as sock:
@@ -191,13 +200,13 @@ def measure_raw_socket(conn: multiprocessing.connection.Connection, work: KVWork
 
 
 def measure_transport(conn: multiprocessing.connection.Connection, work: KVWorkload, pool: torch.Tensor,
-                      name: str, reps: int) -> float:
+                      name: str, reps: int, contiguous: bool = False) -> float:
     """Time from the first send_layer to flush returning; reservation and event draining untimed."""
     conn.send(("receiver", name))
     address = conn.recv()
     sender = make_sender(name, work.layout(), pool)
     sender.connect(address)
-    src, dst = work.placement()
+    src, dst = work.placement(contiguous)
     loop = asyncio.new_event_loop()
     timed: list[float] = []
 
@@ -237,6 +246,8 @@ def run_workload(work: KVWorkload, transports: list[str], reps: int) -> dict[str
         seconds = {"memcpy": measure_memcpy(work, reps), "raw socket": measure_raw_socket(conn, work, reps)}
         for name in transports:
             seconds[name] = measure_transport(conn, work, pool, name, reps)
+        for name in transports:
+            seconds[f"{name}, contiguous"] = measure_transport(conn, work, pool, name, reps, contiguous=True)
         conn.send(("stop",))
         conn.recv()
     finally:
@@ -271,10 +282,11 @@ def main(argv: list[str] | None = None) -> None:
                 [row for work, seconds in results for row in _rows(work, seconds)])
     for work, s in results:
         ratios = []
-        if "tcp" in s:
-            ratios.append(f"tcp / raw socket = {s['raw socket'] / s['tcp']:.2f} (target >= 0.7)")
-        if "nixl" in s:
-            ratios.append(f"nixl / memcpy = {s['memcpy'] / s['nixl']:.2f} (target >= 0.5)")
+        for suffix in ("", ", contiguous"):
+            if "tcp" + suffix in s:
+                ratios.append(f"tcp{suffix} / raw socket = {s['raw socket'] / s['tcp' + suffix]:.2f} (target >= 0.7)")
+            if "nixl" + suffix in s:
+                ratios.append(f"nixl{suffix} / memcpy = {s['memcpy'] / s['nixl' + suffix]:.2f} (target >= 0.5)")
         print(f"{work.name}: " + "; ".join(ratios))
 
 

@@ -165,16 +165,20 @@ class PDClient:
         raise OpenAIError("no prefill worker accepted the request", HTTPStatus.SERVICE_UNAVAILABLE)
 
     async def _stream(self, decode: Worker, request_id: str, prompt: list[int]) -> AsyncIterator[RequestOutput]:
-        async with self._http.stream("GET", f"{decode.url}/pd/stream/{request_id}") as response:
-            if response.status_code != HTTPStatus.OK:
-                raise OpenAIError(f"decode worker {decode.url} lost request {request_id}", HTTPStatus.BAD_GATEWAY)
-            async for line in response.aiter_lines():
-                if not line:
-                    continue
-                frame = OutputFrame.model_validate_json(line)
-                if frame.error is not None:
-                    raise OpenAIError(frame.error, HTTPStatus.SERVICE_UNAVAILABLE)
-                yield _request_output(request_id, prompt, frame)
+        try:
+            async with self._http.stream("GET", f"{decode.url}/pd/stream/{request_id}") as response:
+                if response.status_code != HTTPStatus.OK:
+                    raise OpenAIError(f"decode worker {decode.url} lost request {request_id}", HTTPStatus.BAD_GATEWAY)
+                async for line in response.aiter_lines():
+                    if not line:
+                        continue
+                    frame = OutputFrame.model_validate_json(line)
+                    if frame.error is not None:
+                        raise OpenAIError(frame.error, HTTPStatus.SERVICE_UNAVAILABLE)
+                    yield _request_output(request_id, prompt, frame)
+        except httpx.HTTPError as exc:
+            decode.info = None
+            raise OpenAIError(f"decode worker {decode.url} failed mid-request: {exc}", HTTPStatus.BAD_GATEWAY) from exc
 
     async def _post(self, worker: Worker, path: str, body: dict) -> httpx.Response | None:
         try:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
-import functools
 import json
 import typing
 from typing import Any, TypeVar
@@ -31,7 +30,11 @@ def from_json_obj(cls: type[R], obj: object) -> R:
     if not isinstance(obj, dict) or set(obj) != set(hints):
         got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
         raise WireFormatError(f"{cls.__name__}: expected keys {sorted(hints)}, got {got}")
-    return cls(**{name: _decode(hint, obj[name], f"{cls.__name__}.{name}") for name, hint in hints.items()})
+    fields = {name: _decode(hint, obj[name], f"{cls.__name__}.{name}") for name, hint in hints.items()}
+    try:
+        return cls(**fields)
+    except (TypeError, ValueError) as e:  # the record's own checks (__post_init__) refused it
+        raise WireFormatError(f"{cls.__name__}: {e}") from e
 
 
 def dumps(record: object) -> bytes:
@@ -46,12 +49,17 @@ def loads(cls: type[R], data: bytes | str) -> R:
     return from_json_obj(cls, obj)
 
 
-@functools.cache
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
 def _hints(cls: type) -> dict[str, Any]:
-    if not dataclasses.is_dataclass(cls):
-        raise TypeError(f"{cls.__name__} is not a dataclass")
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    """Field name -> resolved type, per record class (resolved once: annotations are strings)."""
+    if cls not in _HINTS:
+        if not dataclasses.is_dataclass(cls):
+            raise TypeError(f"{cls.__name__} is not a dataclass")
+        hints = typing.get_type_hints(cls)
+        _HINTS[cls] = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    return _HINTS[cls]
 
 
 def _encode(value: object) -> object:
@@ -76,7 +84,7 @@ def _decode(hint: Any, value: object, where: str) -> object:
         if not isinstance(value, list) or any(type(v) is not int for v in value):
             raise WireFormatError(f"{where}: expected a list of int")
         return tuple(value)
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return from_json_obj(hint, value)
     raise TypeError(f"{where}: unsupported field type {hint!r}")
 

@@ -91,6 +91,8 @@ class KVReceiver(abc.ABC):
         """Stop receiving; idempotent."""
 
     def expect(self, request_id: str, block_ids: list[int] | tuple[int, ...]) -> None:
+        # NOTE: the event box opens first, so a payload admitted right after the reservation
+        # exists always finds it; it raises, touching nothing, if the request is still live.
         self._events.open(request_id)
         try:
             self._table.expect(request_id, block_ids)

@@ -23,9 +23,10 @@ import contextlib
 import logging
 import socket
 import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 from pdserve.disagg import wire
 from pdserve.disagg.transport.messages import (
@@ -45,6 +46,7 @@ _PREFIX = struct.Struct("!4sB3xIQ")
 MAX_HEADER_BYTES = 1 << 20
 _DISCARD_CHUNK_BYTES = 1 << 20
 _MAX_BUFFERS_PER_SYSCALL = 1024  # Linux IOV_MAX
+_ACCEPT_RETRY_S = 0.1
 
 
 class ProtocolError(ConnectionError):
@@ -101,10 +103,6 @@ async def recv_into_views(sock: socket.socket, views: Sequence[memoryview],
             except (BlockingIOError, InterruptedError):
                 received = -1
         if received < 0:
-            import os
-            low = int(os.environ.get("LOWAT", "0"))
-            if low:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, max(1, min(low, pending.num_bytes())))
             await _ready(sock, writing=False)
             continue
         if received == 0:
@@ -148,7 +146,11 @@ async def _ready(sock: socket.socket, *, writing: bool) -> None:
     loop = asyncio.get_running_loop()
     ready = loop.create_future()
     add, remove = (loop.add_writer, loop.remove_writer) if writing else (loop.add_reader, loop.remove_reader)
-    add(sock.fileno(), lambda: ready.done() or ready.set_result(None))
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    add(sock.fileno(), wake)
     try:
         await ready
     finally:
@@ -196,6 +198,21 @@ def parse_address(address: str, scheme: str) -> tuple[str, int]:
     if not address.startswith(prefix) or not sep or not port.isdigit():
         raise ValueError(f"expected an address like {scheme}://host:port, got {address!r}")
     return host, int(port)
+
+
+async def accept_forever(listener: socket.socket, serve: Callable[[socket.socket], Coroutine[Any, Any, None]]) -> None:
+    """Accept connections and serve each in its own task; a failed accept (e.g. out of file
+    descriptors) is logged and retried, never fatal to the listener."""
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            sock, _ = await loop.sock_accept(listener)
+        except OSError as e:
+            logger.warning("accept failed on %s: %s", listener.getsockname(), e)
+            await asyncio.sleep(_ACCEPT_RETRY_S)
+            continue
+        tune(sock)
+        loop.create_task(serve(sock))
 
 
 def listen(host: str, port: int) -> socket.socket:

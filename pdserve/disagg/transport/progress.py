@@ -43,6 +43,8 @@ class EventBox:
 
     def open(self, request_id: str) -> None:
         with self._lock:
+            if request_id in self._queues:
+                raise ValueError(f"request {request_id} already has a transfer with undelivered events")
             self._queues[request_id] = deque()
 
     def close(self, request_id: str, reason: str) -> None:

@@ -20,7 +20,7 @@ from pdserve.disagg.kv_layout import KVLayout
 
 def pool_bytes(kv_cache: torch.Tensor) -> memoryview:
     """The whole (CPU, contiguous) pool as one flat byte view; numpy has no bfloat16, hence uint8."""
-    return memoryview(kv_cache.view(-1).view(torch.uint8).numpy())
+    return kv_cache.view(-1).view(torch.uint8).numpy().data
 
 
 def payload_views(layout: KVLayout, kv_cache: torch.Tensor, flat: memoryview, layer: int,

@@ -40,8 +40,9 @@ class Reservation:
 
 class ReservationTable:
     """Thread-safe: decode's threads call expect/cancel while a transport thread admits payloads.
-    NOTE: `admit_layer` holds the lock while the caller copies into the pool, so once `cancel`
-    returns no admitted copy is still writing into that request's blocks."""
+    NOTE: bytes land in the pool only while this lock is held and the reservation is live
+    (`admit_layer` around a copy, `writing` around each receive syscall), so once `remove` returns
+    nothing is writing into that request's blocks any more (RDMA aside, see transport/nixl.py)."""
 
     def __init__(self, layout: KVLayout, num_blocks: int) -> None:
         self.layout = layout

@@ -71,11 +71,7 @@ class TcpKVReceiver(KVReceiver):
         self._listener.close()
 
     async def _accept_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            sock, _ = await loop.sock_accept(self._listener)
-            frames.tune(sock)
-            loop.create_task(self._serve(sock))
+        await frames.accept_forever(self._listener, self._serve)
 
     async def _serve(self, sock: socket.socket) -> None:
         with sock:
@@ -93,8 +89,9 @@ class TcpKVReceiver(KVReceiver):
             if isinstance(frame.header, LayerHeader):
                 reply = await self._receive_layer(sock, frame, frame.header)
             elif isinstance(frame.header, DoneHeader) and not frame.payload_len:
-                reply = self._admit_done(frame.header, in_order=True)
-                assert reply is not None, "frames arrive in order: a final message is never deferred"
+                done_reply = self._admit_done(frame.header, in_order=True)
+                assert done_reply is not None, "frames arrive in order: a final message is never deferred"
+                reply = done_reply
             else:
                 raise ProtocolError(f"unexpected {frame.kind.name} frame from prefill")
             await frames.send_frame(sock, reply)
@@ -119,7 +116,7 @@ class TcpKVReceiver(KVReceiver):
 
     async def _receive_staged(self, sock: socket.socket, header: LayerHeader) -> Ack | Reject:
         staging = torch.empty(header.num_bytes, dtype=torch.uint8)
-        await frames.recv_into(sock, memoryview(staging.numpy()))
+        await frames.recv_into(sock, staging.numpy().data)
         return self._write_layer(header, staging)
 
 
@@ -203,7 +200,7 @@ class TcpKVSender(KVSender):
             return regions.payload_views(self.layout, self.kv_cache, self._flat, job.header.layer, job.src_block_ids)
         src = torch.tensor(job.src_block_ids, dtype=torch.long, device=self.kv_cache.device)
         host = self.kv_cache[job.header.layer].index_select(1, src).cpu()
-        return [memoryview(host.view(-1).view(torch.uint8).numpy())]
+        return [host.view(-1).view(torch.uint8).numpy().data]
 
     async def _read_loop(self, sock: socket.socket) -> None:
         try:
