@@ -12,6 +12,7 @@ import socket
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 from kv_transport_helpers import PoolSpec, RemotePrefill
@@ -196,11 +197,15 @@ def test_regions_merge_only_adjacent_blocks() -> None:
     layout = SPEC.layout(SPEC.pool(0))
     size, n = layout.region_bytes, SPEC.num_blocks
     offsets = regions.payload_offsets(layout, n, 1, [4, 5, 9])
-    assert offsets == [(2 * n + b) * size for b in (4, 5, 9)] + [(3 * n + b) * size for b in (4, 5, 9)]
-    assert regions.coalesce(offsets, size) == [(offsets[0], 2 * size), (offsets[2], size),
-                                               (offsets[3], 2 * size), (offsets[5], size)]
+    assert offsets.tolist() == [(2 * n + b) * size for b in (4, 5, 9)] + [(3 * n + b) * size for b in (4, 5, 9)]
+    spans = regions.coalesce(offsets, size)
+    assert spans.starts.tolist() == [offsets[0], offsets[2], offsets[3], offsets[5]]
+    assert spans.lengths.tolist() == [2 * size, size, 2 * size, size]
     # a pair merges only when both sides continue the previous pair
-    assert regions.coalesce_pairs([0, 8, 16, 24], [80, 88, 0, 40], 8) == [(0, 80, 16), (16, 0, 8), (24, 40, 8)]
+    local, remote = regions.coalesce_pairs(np.array([0, 8, 16, 24]), np.array([80, 88, 0, 40]), 8)
+    assert (local.starts.tolist(), remote.starts.tolist(), local.lengths.tolist()) == ([0, 16, 24], [80, 0, 40],
+                                                                                        [16, 8, 8])
+    assert remote.lengths.tolist() == local.lengths.tolist()
 
 
 def test_recv_stops_landing_bytes_when_the_guard_refuses() -> None:

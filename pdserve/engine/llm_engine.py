@@ -189,6 +189,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
 
+    def has_runnable_requests(self) -> bool:
+        """Whether `step()` has anything to do. False while the only requests are reservations
+        waiting for their KV: they become runnable through `complete_remote`/`prefill_locally`."""
+        scheduler = self.scheduler
+        return bool(scheduler.running or scheduler.waiting or scheduler.swapped)
+
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduling step + one model forward. Returns a cumulative snapshot for every

@@ -130,7 +130,9 @@ class AsyncLLM:
     def _loop(self) -> None:
         try:
             while True:
-                if not self._drain_inbox(block=not self.engine.has_unfinished_requests()):
+                # NOTE: blocking while idle, and while only KV reservations wait: spinning on empty
+                # steps would hold the GIL against the event loop and the KV transport's thread.
+                if not self._drain_inbox(block=not self.engine.has_runnable_requests()):
                     return
                 for output in self.engine.step():
                     self._deliver(output)

@@ -108,10 +108,9 @@ def _memory(kv_cache: torch.Tensor) -> tuple[str, int]:
     return "VRAM", kv_cache.device.index or 0
 
 
-def _region_addrs(kv_cache: torch.Tensor, layout: KVLayout, layer: int, block_ids: tuple[int, ...]) -> list[int]:
+def _region_addrs(kv_cache: torch.Tensor, layout: KVLayout, layer: int, block_ids: tuple[int, ...]) -> np.ndarray:
     """Addresses of kv_cache[layer, 0, b] for b in block_ids, then of kv_cache[layer, 1, b]."""
-    base = kv_cache.data_ptr()
-    return [base + offset for offset in regions.payload_offsets(layout, kv_cache.shape[2], layer, block_ids)]
+    return kv_cache.data_ptr() + regions.payload_offsets(layout, kv_cache.shape[2], layer, block_ids)
 
 
 class _Poller:
@@ -250,7 +249,7 @@ class NixlKVReceiver(KVReceiver):
             return self._reject(e)
         self._grants[(peer, claim.claim_id)] = header
         addrs = _region_addrs(self.kv_cache, self.layout, header.layer, header.dst_block_ids)
-        return Grant(header.request_id, claim.claim_id, tuple(addrs), self.layout.region_bytes)
+        return Grant(header.request_id, claim.claim_id, tuple(addrs.tolist()), self.layout.region_bytes)
 
     def _on_written(self, peer: str, written: Written) -> None:
         header = written.header
@@ -397,9 +396,9 @@ class NixlKVSender(KVSender):
         if len(grant.dst_addrs) != len(local) or grant.region_bytes != self.layout.region_bytes:
             self._acks.failed(header.request_id, "decode granted regions that do not match the claim")
             return
-        spans = regions.coalesce_pairs(local, list(grant.dst_addrs), self.layout.region_bytes)
+        src, dst = regions.coalesce_pairs(local, np.asarray(grant.dst_addrs, dtype=np.int64), self.layout.region_bytes)
         try:
-            handle = self._agent.initialize_xfer("WRITE", self._descs(spans, 0), self._descs(spans, 1), self._peer,
+            handle = self._agent.initialize_xfer("WRITE", self._descs(src), self._descs(dst), self._peer,
                                                  _encode_notif(Written(grant.claim_id, header)))
             state = self._agent.transfer(handle)
         except Exception as e:  # NOTE: the bindings raise their own exception classes (nixl*Error)
@@ -411,11 +410,11 @@ class NixlKVSender(KVSender):
         else:
             self._in_flight.append(_InFlight(header.request_id, handle))
 
-    def _descs(self, spans: list[tuple[int, int, int]], side: int) -> Any:
-        """NIXL descriptors (address, length, device) of the local (side 0) or remote (1) spans."""
-        rows = np.empty((len(spans), 3), dtype=np.uint64)
-        rows[:, 0] = [span[side] for span in spans]
-        rows[:, 1] = [span[2] for span in spans]
+    def _descs(self, spans: regions.Spans) -> Any:
+        """NIXL descriptors: rows of (address, length, device id)."""
+        rows = np.empty((len(spans.starts), 3), dtype=np.uint64)
+        rows[:, 0] = spans.starts
+        rows[:, 1] = spans.lengths
         rows[:, 2] = self._device_id  # NOTE: decode's device id is assumed equal (one GPU per worker)
         return self._agent.get_xfer_descs(rows, self._mem_type)
 

@@ -9,13 +9,55 @@ region of `layout.region_bytes`. A payload for blocks (b0, b1, ...) of layer l i
 
 Consecutive block ids are adjacent in memory, so their regions merge into one range: fewer
 syscall buffers (tcp) and fewer descriptors (nixl, where each costs ~3 us on loopback).
+Computed with numpy: a 4K-token layer has 512 regions and this runs once per layer per side
+(in plain Python it took ~0.7 ms per layer, a third of a 4 MiB NIXL WRITE).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from pdserve.disagg.kv_layout import KVLayout
+
+
+@dataclass(frozen=True, slots=True)
+class Spans:
+    """Byte ranges: `starts[i]` .. `starts[i] + lengths[i]` (int64 arrays of equal length)."""
+
+    starts: np.ndarray
+    lengths: np.ndarray
+
+
+def payload_offsets(layout: KVLayout, num_pool_blocks: int, layer: int,
+                    block_ids: tuple[int, ...] | list[int]) -> np.ndarray:
+    """Byte offset of each region of the payload, in payload order (int64)."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    rows = np.concatenate([(layer * 2 + kv) * num_pool_blocks + ids for kv in (0, 1)])
+    return rows * layout.region_bytes
+
+
+def coalesce(offsets: np.ndarray, size: int) -> Spans:
+    """Regions of `size` bytes at `offsets` (in order) -> ranges, adjacent regions merged."""
+    first = _run_starts(np.diff(offsets) != size, len(offsets))
+    return Spans(offsets[first], np.diff(np.append(first, len(offsets))) * size)
+
+
+def coalesce_pairs(local: np.ndarray, remote: np.ndarray, size: int) -> tuple[Spans, Spans]:
+    """Paired regions (local[i] -> remote[i]) -> paired ranges of equal lengths, merging a pair into
+    the previous one only when both sides continue it."""
+    first = _run_starts((np.diff(local) != size) | (np.diff(remote) != size), len(local))
+    lengths = np.diff(np.append(first, len(local))) * size
+    return Spans(local[first], lengths), Spans(remote[first], lengths)
+
+
+def _run_starts(breaks: np.ndarray, count: int) -> np.ndarray:
+    """Indices where a run starts, given `breaks[i]` = "element i + 1 does not continue element i"."""
+    if count == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([[0], np.flatnonzero(breaks) + 1]).astype(np.int64)
 
 
 def pool_bytes(kv_cache: torch.Tensor) -> memoryview:
@@ -26,35 +68,6 @@ def pool_bytes(kv_cache: torch.Tensor) -> memoryview:
 def payload_views(layout: KVLayout, kv_cache: torch.Tensor, flat: memoryview, layer: int,
                   block_ids: tuple[int, ...] | list[int]) -> list[memoryview]:
     """Views of a CPU pool's payload regions for these blocks, in payload order, adjacent ones merged."""
-    offsets = payload_offsets(layout, kv_cache.shape[2], layer, block_ids)
-    return [flat[start:start + length] for start, length in coalesce(offsets, layout.region_bytes)]
-
-
-def payload_offsets(layout: KVLayout, num_pool_blocks: int, layer: int,
-                    block_ids: tuple[int, ...] | list[int]) -> list[int]:
-    """Byte offset of each region of the payload, in payload order."""
-    size = layout.region_bytes
-    return [((layer * 2 + kv) * num_pool_blocks + b) * size for kv in (0, 1) for b in block_ids]
-
-
-def coalesce(offsets: list[int], size: int) -> list[tuple[int, int]]:
-    """Regions of `size` bytes at `offsets` (in order) -> (start, length) ranges, adjacent ones merged."""
-    spans: list[tuple[int, int]] = []
-    for offset in offsets:
-        if spans and spans[-1][0] + spans[-1][1] == offset:
-            spans[-1] = (spans[-1][0], spans[-1][1] + size)
-        else:
-            spans.append((offset, size))
-    return spans
-
-
-def coalesce_pairs(local: list[int], remote: list[int], size: int) -> list[tuple[int, int, int]]:
-    """Paired regions (local[i] -> remote[i]) -> (local start, remote start, length), merging a pair
-    into the previous one when both sides continue it."""
-    spans: list[tuple[int, int, int]] = []
-    for src, dst in zip(local, remote, strict=True):
-        if spans and spans[-1][0] + spans[-1][2] == src and spans[-1][1] + spans[-1][2] == dst:
-            spans[-1] = (spans[-1][0], spans[-1][1], spans[-1][2] + size)
-        else:
-            spans.append((src, dst, size))
-    return spans
+    spans = coalesce(payload_offsets(layout, kv_cache.shape[2], layer, block_ids), layout.region_bytes)
+    starts, lengths = spans.starts.tolist(), spans.lengths.tolist()
+    return [flat[start:start + length] for start, length in zip(starts, lengths, strict=True)]
