@@ -111,9 +111,7 @@ class LLMEngine:
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_request(token_ids, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        state = RequestState(request_id, prompt_text, token_ids, params.n, self.tokenizer,
-                             params.skip_special_tokens, params.logprobs is not None, params.stop,
-                             params.include_stop_str_in_output, params.min_tokens, arrival)
+        state = self._new_state(request_id, prompt_text, token_ids, params, arrival)
         children = []
         for index in range(params.n):
             child_params = params
@@ -162,9 +160,7 @@ class LLMEngine:
                           self.config.scheduler.max_model_len, device=self.config.device)
         if not self.scheduler.reserve_remote(request):
             return None
-        state = RequestState(request_id, None, list(prompt_token_ids), 1, self.tokenizer, params.skip_special_tokens,
-                             params.logprobs is not None, params.stop, params.include_stop_str_in_output,
-                             params.min_tokens, request.arrival_time)
+        state = self._new_state(request_id, None, list(prompt_token_ids), params, request.arrival_time)
         state.num_cached_tokens = request.num_cached_tokens
         self._states[request_id] = state
         self._children[request_id] = (state, 0)
@@ -215,6 +211,12 @@ class LLMEngine:
         self._schedule_time_s += (scheduled - start) + (done - executed)
         self._step_time_s += done - start
         return outputs
+
+    def _new_state(self, request_id: str, prompt_text: str | None, token_ids: list[int], params: SamplingParams,
+                   arrival_time: float) -> RequestState:
+        return RequestState(request_id, prompt_text, token_ids, params.n, self.tokenizer, params.skip_special_tokens,
+                            params.logprobs is not None, params.stop, params.include_stop_str_in_output,
+                            params.min_tokens, arrival_time)
 
     def _emit(self, updated: list[tuple[Request, TokenLogprobs | None]]) -> list[RequestOutput]:
         """Feed each request's newest token to its output state (detokenize, stop strings) and

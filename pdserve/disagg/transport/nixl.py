@@ -153,6 +153,18 @@ def _decode_notif(raw: bytes) -> Message:
     return decode_message(raw[0], raw[1:])
 
 
+def _accept_notif(peer: str, known_peer: bool, raw: bytes) -> Message | None:
+    """A notification's message, or None (logged) if it comes from a stranger or does not decode."""
+    if not known_peer:
+        logger.warning("dropped a NIXL notification from unknown agent %s", peer)
+        return None
+    try:
+        return _decode_notif(raw)
+    except wire.WireFormatError as e:
+        logger.warning("dropped an undecodable NIXL notification from %s: %s", peer, e)
+        return None
+
+
 class NixlKVReceiver(KVReceiver):
     """Contract: see KVReceiver and this module's Trust note. `address` is 'nixl://host:port', the
     TCP port of the handshake; after it, prefill talks to the NIXL agent directly."""
@@ -222,13 +234,8 @@ class NixlKVReceiver(KVReceiver):
             await poller.pause(active=bool(notifs or self._grants))
 
     def _on_notif(self, peer: str, raw: bytes) -> None:
-        if peer not in self._peers:
-            logger.warning("dropped a NIXL notification from unknown agent %s", peer)
-            return
-        try:
-            message = _decode_notif(raw)
-        except wire.WireFormatError as e:
-            logger.warning("dropped an undecodable NIXL notification from %s: %s", peer, e)
+        message = _accept_notif(peer, peer in self._peers, raw)
+        if message is None:
             return
         if isinstance(message, Claim):
             self._notify(peer, self._on_claim(peer, message))
@@ -369,13 +376,8 @@ class NixlKVSender(KVSender):
             await poller.pause(active=bool(notifs or self._claims or self._in_flight))
 
     def _on_notif(self, peer: str, raw: bytes) -> None:
-        if peer != self._peer:
-            logger.warning("dropped a NIXL notification from unknown agent %s", peer)
-            return
-        try:
-            message = _decode_notif(raw)
-        except wire.WireFormatError as e:
-            logger.warning("dropped an undecodable NIXL notification from %s: %s", peer, e)
+        message = _accept_notif(peer, peer == self._peer, raw)
+        if message is None:
             return
         if isinstance(message, Grant):
             self._write(message)
