@@ -179,8 +179,13 @@ def test_transfer_stall_retries_once_then_applies_the_policy(model_dirs: dict[st
             reply = http.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS,
                                                        "ignore_eos": True, "temperature": 0})
             elapsed = time.monotonic() - start
+            router_counters = http.get("/router/stats").json()["counters"]
         decode = next(service for service in cluster.services if isinstance(service, DecodeService))
+        prefill = next(service for service in cluster.services if isinstance(service, PrefillService))
         assert decode.counters["timeouts"] == 2 and decode.counters["retried"] == 1
+        # the retry is a second prefill attempt (new transfer id), not just a longer wait
+        assert router_counters["kv_retries"] == 1
+        assert prefill.counters["failed"] + prefill.counters["aborted"] == 2, prefill.counters
         assert decode.counters["recomputed" if policy == "recompute" else "failed"] == 1
         if policy == "recompute":
             assert reply.status_code == 200, reply.text
