@@ -408,7 +408,8 @@ class PDClient:
         try:
             await self.queue.put(job)
         except QueueUnavailable as exc:
-            raise OpenAIError(str(exc), HTTPStatus.SERVICE_UNAVAILABLE) from exc
+            self.queue_error = str(exc)
+            self._reject("queue_unavailable", str(exc), HTTPStatus.SERVICE_UNAVAILABLE)
         item = _Dispatch(job, len(job.prompt_token_ids) - job.num_cached_tokens)
         item.done.set()
         return item

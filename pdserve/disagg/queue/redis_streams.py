@@ -4,13 +4,15 @@
     group    prefill                              every prefill worker is one consumer of it
     dead     pdserve:{deployment}:prefill:dead    jobs that failed `max_deliveries` times
     aborted  pdserve:{deployment}:aborted:{tid}   set by a router when the client left (expires)
+    alive    pdserve:{deployment}:consumer:{name} each consumer's heartbeat (expires after 3 s)
 
 A consumer (`RedisJobConsumer`, in each prefill worker):
 - pulls one entry (XREADGROUP) only while its jobs in flight hold fewer prompt tokens than its
   token budget, so one giant prompt occupies one worker and the others keep pulling;
 - runs it (`PrefillService.run`) and acknowledges it (XACK + XDEL) once the hand-off ended;
-- heartbeats the entries it is working on (XCLAIM to itself, which resets their idle time), so
-  only entries of a dead or hung consumer go idle;
+- heartbeats every second: its `alive` key (routers count live consumers by these keys, the
+  prefill pool's readiness) and the entries it is working on (XCLAIM to itself, which resets
+  their idle time), so only entries of a dead or hung consumer go idle;
 - every `claim_interval_s`, XAUTOCLAIMs entries idle for longer than `claim_idle_s`. A reclaimed
   job is prefilled again from scratch as a new attempt (its KV died with its worker): the decode
   worker is told to expect the new attempt first. An entry delivered more than `max_deliveries`
@@ -43,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 GROUP = "prefill"
 _ABORTED_TTL_S = 600
-_LIVE_CONSUMER_IDLE_MS = 3000
+_ALIVE_TTL_S = 3
 
 
 class RedisKeys:
@@ -51,6 +53,7 @@ class RedisKeys:
         self.stream = f"pdserve:{deployment}:prefill"
         self.dead = f"{self.stream}:dead"
         self.aborted_prefix = f"pdserve:{deployment}:aborted:"
+        self.alive_prefix = f"pdserve:{deployment}:consumer:"
 
     def aborted(self, transfer_id: str) -> str:
         return self.aborted_prefix + transfer_id
@@ -92,12 +95,9 @@ class RedisPrefillQueue(PrefillQueue):
 
     async def num_live_consumers(self) -> int:
         try:
-            consumers = await self._redis.xinfo_consumers(self.keys.stream, GROUP)
-        except ResponseError:  # no stream or group yet: no consumer ever registered
-            return 0
+            return len([key async for key in self._redis.scan_iter(match=self.keys.alive_prefix + "*", count=100)])
         except (RedisError, OSError) as exc:
             raise QueueUnavailable(f"the prefill queue (Redis) is unreachable: {exc}") from exc
-        return sum(1 for c in consumers if int(c.get("idle", 1 << 30)) < _LIVE_CONSUMER_IDLE_MS)
 
     async def close(self) -> None:
         await self._redis.aclose()
@@ -163,6 +163,8 @@ class RedisJobConsumer:
         self.stop()
         for task in list(self._jobs.values()):
             task.cancel()
+        with contextlib.suppress(RedisError, OSError):
+            await self._redis.delete(self.keys.alive_prefix + self.name)
         await self._http.aclose()
         await self._redis.aclose()
 
@@ -177,7 +179,9 @@ class RedisJobConsumer:
                 self._start(entry_id, fields, reclaimed=False)
 
     async def _heartbeat(self) -> None:
-        """Reset the idle time of our entries, so no other consumer reclaims them while we work."""
+        """Say we are alive; reset the idle time of our entries, so no other consumer reclaims them
+        while we work."""
+        await self._redis.set(self.keys.alive_prefix + self.name, str(len(self._jobs)), ex=_ALIVE_TTL_S)
         if self._jobs:
             await self._redis.xclaim(self.keys.stream, GROUP, self.name, min_idle_time=0,
                                      message_ids=list(self._jobs), justid=True)
