@@ -40,7 +40,8 @@ def format_summary(summary: Summary, title: str = "Serving Benchmark Result") ->
         ("Total Token throughput (tok/s):", f"{summary.total_token_throughput:.2f}"),
     ]
     if summary.request_goodput is not None:
-        rows.append((f"Request goodput (req/s, {summary.slo}):", f"{summary.request_goodput:.2f}"))
+        rows.append(("Request goodput (req/s):", f"{summary.request_goodput:.2f}"))
+        rows.append(("  SLO:", str(summary.slo)))
     lines = [f"{' ' + title + ' ':=^60}"] + [f"{k:<44}{v:<16}" for k, v in rows]
     for name in LATENCY_METRICS:
         stats = summary.latency[name]
@@ -81,8 +82,11 @@ def save_json(path: Path, doc: dict[str, Any]) -> None:
 
 
 def _pyplot() -> Any:
+    import logging
+
     import matplotlib
 
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its font cache notice is not a result
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -131,8 +135,8 @@ def plot_sweep(points: Sequence[SweepPoint], out_dir: Path, x_label: str, name: 
     left.set_xlabel(x_label)
     left.set_ylabel("output tokens/s", color="tab:blue")
     right = left.twinx()
-    for metric, style in (("ttft", "s--"), ("tpot", "^--")):
-        right.plot(xs, [p.summary.latency[metric].percentiles_ms[99] for p in points], style,
+    for metric, style, color in (("ttft", "s--", "tab:red"), ("tpot", "^--", "tab:orange")):
+        right.plot(xs, [p.summary.latency[metric].percentiles_ms[99] for p in points], style, color=color,
                    label=f"P99 {metric.upper()} (ms)")
     right.set_ylabel("P99 latency (ms)")
     right.set_yscale("log")
