@@ -13,7 +13,7 @@ import pytest
 from server_fixtures import free_port, start_server
 
 from pdserve.bench.serve import workloads
-from pdserve.bench.serve.client import LoadConfig, LoadResult, _cancel_plans, run_load
+from pdserve.bench.serve.client import LoadConfig, LoadResult, cancel_plans, run_load
 from pdserve.bench.serve.metrics import summarize
 from pdserve.bench.serve.stub import StubConfig, StubThread
 from pdserve.cli import main
@@ -53,7 +53,7 @@ def test_every_request_completes_with_exact_counts(stub: StubThread, endpoint: s
 def test_cancel_rate_drops_the_planned_requests_mid_stream(stub: StubThread) -> None:
     work = workloads.random_lengths(40, 8, 10, seed=3)
     config = LoadConfig(stub.url, cancel_rate=0.5, seed=5, max_concurrency=8, progress=False)
-    plans = _cancel_plans(work, config)
+    plans = cancel_plans(work, config)
     result = asyncio.run(run_load(work, config))
     cancelled = [r for r in result.records if r.cancelled]
     assert 10 <= len(cancelled) <= 30 and sum(r.ok for r in result.records) == 40 - len(cancelled)

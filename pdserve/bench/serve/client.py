@@ -77,7 +77,9 @@ class LoadResult:
 
 
 @dataclass(frozen=True, slots=True)
-class _CancelPlan:
+class CancelPlan:
+    """When the client drops one request on purpose (both None: never)."""
+
     after_chunks: int | None = None  # streaming: drop the stream after this many content chunks
     after_s: float | None = None  # not streaming: drop the request after this delay
 
@@ -119,7 +121,7 @@ class _Failure(Exception):
 
 
 async def _stream(http: httpx.AsyncClient, path: str, body: dict[str, Any], start: float,
-                  cancel: _CancelPlan) -> tuple[list[float], dict[str, Any] | None, bool]:
+                  cancel: CancelPlan) -> tuple[list[float], dict[str, Any] | None, bool]:
     """Read an SSE response: content-chunk arrival times, the usage block, whether it was cancelled."""
     times: list[float] = []
     usage = None
@@ -154,8 +156,22 @@ def _json_or_text(raw: bytes) -> Any:
         return raw.decode(errors="replace")
 
 
+def _usage_of_reply(response: httpx.Response) -> dict[str, Any] | None:
+    payload = _json_or_text(response.content)
+    if response.status_code != 200:
+        raise _Failure(f"http_{response.status_code}", _error_message(payload))
+    if not isinstance(payload, dict) or "error" in payload:
+        raise _Failure("bad_response", _error_message(payload))
+    return payload.get("usage")
+
+
+def _failed(index: int, sent_s: float, start: float, spec: RequestSpec, kind: str, message: str) -> RequestRecord:
+    return RequestRecord(index, sent_s, time.perf_counter() - start, spec.prompt_len, 0, error_kind=kind,
+                         error=message)
+
+
 async def send_one(http: httpx.AsyncClient, index: int, spec: RequestSpec, config: LoadConfig, model: str,
-                   run_start: float, cancel: _CancelPlan) -> RequestRecord:
+                   run_start: float, cancel: CancelPlan) -> RequestRecord:
     """Send one request and time it. Never raises (except CancelledError): errors become records."""
     path = "/v1/chat/completions" if config.endpoint == "chat" else "/v1/completions"
     body = request_body(spec, config, model)
@@ -169,25 +185,18 @@ async def send_one(http: httpx.AsyncClient, index: int, spec: RequestSpec, confi
                 response = await asyncio.wait_for(http.post(path, json=body), cancel.after_s)
             except asyncio.TimeoutError:
                 return RequestRecord(index, sent_s, time.perf_counter() - start, spec.prompt_len, 0, cancelled=True)
-            payload = _json_or_text(response.content)
-            if response.status_code != 200:
-                raise _Failure(f"http_{response.status_code}", _error_message(payload))
-            if not isinstance(payload, dict) or "error" in payload:
-                raise _Failure("bad_response", _error_message(payload))
-            times, usage, cancelled = [], payload.get("usage"), False
+            times, usage, cancelled = [], _usage_of_reply(response), False
         e2e_s = time.perf_counter() - start
     except _Failure as exc:
-        return RequestRecord(index, sent_s, time.perf_counter() - start, spec.prompt_len, 0, error_kind=exc.kind,
-                             error=str(exc))
+        return _failed(index, sent_s, start, spec, exc.kind, str(exc))
     except httpx.TimeoutException as exc:
-        return RequestRecord(index, sent_s, time.perf_counter() - start, spec.prompt_len, 0, error_kind="timeout",
-                             error=repr(exc))
+        return _failed(index, sent_s, start, spec, "timeout", repr(exc))
     except httpx.TransportError as exc:
-        return RequestRecord(index, sent_s, time.perf_counter() - start, spec.prompt_len, 0,
-                             error_kind="connection", error=repr(exc))
+        return _failed(index, sent_s, start, spec, "connection", repr(exc))
     except ValueError as exc:  # a chunk that is not JSON
-        return RequestRecord(index, sent_s, time.perf_counter() - start, spec.prompt_len, 0,
-                             error_kind="bad_response", error=repr(exc))
+        return _failed(index, sent_s, start, spec, "bad_response", repr(exc))
+    except Exception as exc:  # noqa: BLE001 - one odd reply must not end a long run
+        return _failed(index, sent_s, start, spec, "other", repr(exc))
     usage = usage or {}
     output_tokens = int(usage.get("completion_tokens", len(times)))
     prompt_tokens = int(usage.get("prompt_tokens", spec.prompt_len))
@@ -196,17 +205,17 @@ async def send_one(http: httpx.AsyncClient, index: int, spec: RequestSpec, confi
                          cancelled=cancelled)
 
 
-def _cancel_plans(workload: Workload, config: LoadConfig) -> list[_CancelPlan]:
+def cancel_plans(workload: Workload, config: LoadConfig) -> list[CancelPlan]:
     """Which requests the client drops, and when; seeded, so a rerun drops the same ones."""
     rng = random.Random(config.seed + 1)
     plans = []
     for spec in workload.requests:
         if rng.random() >= config.cancel_rate:
-            plans.append(_CancelPlan())
+            plans.append(CancelPlan())
         elif config.stream:
-            plans.append(_CancelPlan(after_chunks=rng.randint(1, max(1, spec.max_tokens - 1))))
+            plans.append(CancelPlan(after_chunks=rng.randint(1, max(1, spec.max_tokens - 1))))
         else:
-            plans.append(_CancelPlan(after_s=rng.uniform(*_NON_STREAM_CANCEL_S)))
+            plans.append(CancelPlan(after_s=rng.uniform(*_NON_STREAM_CANCEL_S)))
     return plans
 
 
@@ -222,7 +231,7 @@ async def run_load(workload: Workload, config: LoadConfig) -> LoadResult:
     from tqdm import tqdm
 
     offsets = arrival_offsets_s(len(workload.requests), config.request_rate, config.burstiness, config.seed)
-    plans = _cancel_plans(workload, config)
+    plans = cancel_plans(workload, config)
     cap = config.max_concurrency or len(workload.requests) or 1
     limits = httpx.Limits(max_connections=cap, max_keepalive_connections=cap)
     timeout = httpx.Timeout(config.timeout_s, connect=min(config.timeout_s, 30.0))

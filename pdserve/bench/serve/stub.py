@@ -70,6 +70,7 @@ class StubServer:
     def __init__(self, config: StubConfig = StubConfig()) -> None:
         self._faults = itertools.cycle(config.faults)
         self.num_requests = 0
+        self.port = 0  # the bound port, once serving
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
