@@ -108,3 +108,15 @@ def test_bench_command_against_a_real_pdserve_server(model_dirs: dict[str, Path]
         server.wait_until_idle()
     finally:
         server.stop()
+
+
+def test_sweep_concurrency_ladder_against_the_stub(stub: StubThread, tmp_path: Path) -> None:
+    save = tmp_path / "sweep.json"
+    argv = ["bench", "sweep", "--url", stub.url, "--workload", "random", "--input-len", "8", "--output-len", "4",
+            "--num-prompts", "12", "--concurrencies", "1,4", "--no-progress", "--save", str(save), "--plot",
+            str(tmp_path)]
+    assert main(argv) == 0
+    doc = json.loads(save.read_text())
+    assert [(p["label"], p["completed"], p["max_concurrent_requests"]) for p in doc["points"]] == [
+        ("1", 12, 1), ("4", 12, 4)]
+    assert stub.server.num_requests == 24 and (tmp_path / "concurrency_sweep.png").stat().st_size > 0

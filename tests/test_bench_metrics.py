@@ -151,3 +151,16 @@ def test_arrivals_are_gamma_with_the_requested_rate_and_burstiness() -> None:
         diffs = [b - a for a, b in zip(gaps[1:-1], gaps[2:], strict=True)]
         assert statistics.pstdev(diffs) / statistics.fmean(diffs) == pytest.approx(cv, rel=0.1)
     assert workloads.arrival_offsets_s(5, 2.0, seed=9) == workloads.arrival_offsets_s(5, 2.0, seed=9)
+
+
+def test_compare_ratios_divide_by_the_baseline() -> None:
+    from pdserve.bench.serve.compare import SystemRun, ratio_table
+
+    slo = Slo(ttft_ms=1000)
+    base = summarize([_record(0, ttft_s=0.1, e2e_s=1.0, output_tokens=10)], 1.0, slo)  # TPOT 100 ms, 10 tok/s
+    faster = summarize([_record(0, ttft_s=0.05, e2e_s=0.5, output_tokens=10)], 0.5, slo)  # TPOT 50 ms, 20 tok/s
+    headers, rows = ratio_table([SystemRun("colocated-chunked", "2", base), SystemRun("pd", "1 x (1 + 1)", faster)])
+    assert dict(zip(headers, rows[0], strict=True))["throughput ratio"] == "1.00x"
+    row = dict(zip(headers, rows[1], strict=True))
+    assert (row["throughput ratio"], row["TTFT P99 ratio"], row["TPOT P99 ratio"], row["goodput ratio"]) == (
+        "2.00x", "0.50x", "0.50x", "2.00x")

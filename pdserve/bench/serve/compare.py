@@ -11,6 +11,11 @@ count), which is how `pdserve up` itself splits a machine (CPUs // workers per w
 router and the load client run on the same cores in every case and do no model math; the client's
 own capacity (stub server) is measured first and printed, so the table shows it was not the limit.
 
+`--max-num-batched-tokens` caps the step budget of the chunked systems (scale it with the workload:
+with prompts of at most 1000 tokens the default 2048 rarely splits one; the seed caps it so one
+huge prompt cannot monopolise a step). Without chunked prefill a whole prompt must fit one step,
+so colocated-nochunk keeps its default budget (>= max_model_len).
+
 Every system gets the same workload (same seed: same prompts, same order, same arrival times), one
 warm-up, then the measured run. The ratio table divides each system's numbers by the baseline's.
 """
@@ -56,6 +61,9 @@ def add_parser(modes: argparse._SubParsersAction) -> None:
     p.add_argument("--total-threads", type=int, default=os.cpu_count() or 1,
                    help="torch threads per system: colocated gets all, each PD worker total // (P + D)")
     p.add_argument("--engine-args", default="", help="flags for every server, e.g. '--num-kv-blocks 2048'")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="step token budget of the chunked systems (colocated-chunked, both PD roles); "
+                        "colocated-nochunk keeps its own (>= max_model_len, as it must)")
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--log-dir", type=Path, default=None, help="servers' logs (default: a temp dir)")
     p.add_argument("--skip-capacity", action="store_true", help="do not measure the client against the stub")
@@ -65,6 +73,8 @@ def add_parser(modes: argparse._SubParsersAction) -> None:
 
 
 def _launch_args(name: str, port: int, ns: argparse.Namespace, engine_args: list[str]) -> tuple[list[str], str]:
+    if ns.max_num_batched_tokens and name != "colocated-nochunk":
+        engine_args = [*engine_args, "--max-num-batched-tokens", str(ns.max_num_batched_tokens)]
     if name == "pd":
         per_worker = max(1, ns.total_threads // (ns.prefill + ns.decode))
         split = f"{per_worker} x ({ns.prefill} prefill + {ns.decode} decode)"

@@ -96,7 +96,7 @@ def _pd_sweep(ns: argparse.Namespace) -> list[SweepPoint]:
         with local.running(f"pd-{prefill}-{decode}", args, port, log_dir, ns.ready_timeout) as server:
             # NOTE: the model id comes from the cluster's /v1/models; --model is the checkpoint path here.
             config = replace(load_config(ns, server.url, max_concurrency=concurrency), model=None)
-            _, summary = run_once(work, config, ns.slo, ns.warmup)
+            _, summary = run_once(work, config, ns.slo, warmup=max(1, ns.warmup))  # a fresh cluster: warm it
         points.append(SweepPoint(f"{prefill}:{decode}", prefill + decode, summary))
     return points
 
