@@ -220,9 +220,14 @@ def cancel_plans(workload: Workload, config: LoadConfig) -> list[CancelPlan]:
 
 
 async def served_model(http: httpx.AsyncClient) -> str:
-    response = await http.get("/v1/models")
-    response.raise_for_status()
-    return str(response.json()["data"][0]["id"])
+    """The first model id of GET /v1/models (RuntimeError when the server cannot say)."""
+    try:
+        response = await http.get("/v1/models")
+        response.raise_for_status()
+        return str(response.json()["data"][0]["id"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+        url = f"{str(http.base_url).rstrip('/')}/v1/models"
+        raise RuntimeError(f"cannot read the model id from {url} ({exc!r}); pass --model") from exc
 
 
 async def run_load(workload: Workload, config: LoadConfig) -> LoadResult:

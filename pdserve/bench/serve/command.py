@@ -67,6 +67,8 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_workload(ns: argparse.Namespace) -> workloads.Workload:
+    if ns.num_prompts < 1:
+        raise ValueError("--num-prompts must be >= 1")
     as_text = ns.prompt_format == "text" or ns.endpoint == "chat"
     if ns.workload == "seed-mix":
         return workloads.seed_mix(ns.num_prompts, ns.scale, ns.output_len, ns.seed, ns.vocab_size, as_text)
@@ -109,8 +111,9 @@ def warm_up(config: LoadConfig, num_requests: int) -> None:
                                               progress=False, timeout_s=config.timeout_s)))
 
 
-def run_once(workload: workloads.Workload, config: LoadConfig, slo: Slo, warmup: int = 0) -> tuple[LoadResult,
-                                                                                                     Summary]:
+def run_once(workload: workloads.Workload, config: LoadConfig, slo: Slo,
+             warmup: int = 0) -> tuple[LoadResult, Summary]:
+    """Warm up, then one measured run of `workload`."""
     warm_up(config, warmup)
     result = asyncio.run(run_load(workload, config))
     return result, summarize(result.records, result.duration_s, slo)
