@@ -1,4 +1,4 @@
-"""`pdserve` command line: serve, make-model. Flags mirror vLLM's engine arguments."""
+"""`pdserve` command line: serve, router, up, make-model, bench. Flags mirror vLLM's engine arguments."""
 
 from __future__ import annotations
 
@@ -199,6 +199,20 @@ def _make_model(ns: argparse.Namespace) -> int:
     return 0
 
 
+def add_bench_command(sub: argparse._SubParsersAction) -> None:
+    """`pdserve bench [sweep | compare | capacity]`: the load generator (pdserve/bench/serve/)."""
+    from pdserve.bench.serve.command import add_bench_parser
+
+    def run(ns: argparse.Namespace) -> int:
+        try:
+            return int(ns.bench_run(ns))
+        except (ValueError, RuntimeError, OSError) as exc:
+            print(f"pdserve bench: {exc}", file=sys.stderr)
+            return 2
+
+    add_bench_parser(sub).set_defaults(func=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pdserve.model.demo_checkpoint import PRESETS
 
@@ -240,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     make.add_argument("--seed", type=int, default=0)
     make.set_defaults(func=_make_model)
+    add_bench_command(sub)
     return parser
 
 
