@@ -122,6 +122,23 @@ def test_prefill_sigkill_mid_load_loses_no_request(cluster: ProcessCluster, redi
     check_clean(cluster, redis_server)
 
 
+def test_two_routers_share_one_queue(cluster: ProcessCluster, redis_server: RedisServer, colocated: LLM,
+                                     model_dirs: dict[str, Path]) -> None:
+    second = start_router(model_dirs["tiny"], [], cluster.decode, queue_url=redis_server.url)
+    try:
+        prompts = [random_prompt(40 + 10 * i, seed=4000 + i) for i in range(6)]
+
+        async def run() -> list[httpx.Response]:
+            halves = await asyncio.gather(post_all(cluster.router.url, prompts[:3]), post_all(second.url, prompts[3:]))
+            return halves[0] + halves[1]
+
+        replies = asyncio.run(run())
+        assert [r.json()["choices"][0]["text"] for r in replies] == greedy_texts(colocated, prompts)
+    finally:
+        second.stop()
+    check_clean(cluster, redis_server)
+
+
 def test_poison_job_is_dead_lettered_with_an_error_to_its_client(
         cluster: ProcessCluster, redis_server: RedisServer, model_dirs: dict[str, Path],
         tmp_path: Path) -> None:
