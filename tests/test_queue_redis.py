@@ -50,11 +50,13 @@ def cluster(model_dirs: dict[str, Path], redis_server: RedisServer,
     queue = ["--queue", redis_server.url]
     decode = [spawn_worker("decode", model_dirs["tiny"], logs, DECODE_FLAGS)]
     prefill = [spawn_worker("prefill", model_dirs["tiny"], logs, PREFILL_FLAGS + queue) for _ in range(2)]
-    wait_healthy(decode + prefill)
-    router = start_router(model_dirs["tiny"], [], decode, queue_url=redis_server.url)
-    cluster = ProcessCluster(prefill, decode, router)
-    yield cluster
-    cluster.stop()
+    cluster = ProcessCluster(prefill, decode, None)  # type: ignore[arg-type]
+    try:
+        wait_healthy(decode + prefill)
+        cluster.router = start_router(model_dirs["tiny"], [], decode, queue_url=redis_server.url)
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +148,8 @@ def test_poison_job_is_dead_lettered_with_an_error_to_its_client(
     # twice; the third worker to see it finds it delivered more than --queue-max-deliveries times.
     fresh = [spawn_worker("prefill", model_dirs["tiny"], tmp_path, PREFILL_FLAGS + ["--queue", redis_server.url])
              for _ in range(2)]
+    cluster.prefill.extend(fresh)  # stopped with the cluster, whatever happens
     wait_healthy(fresh)
-    cluster.prefill.extend(fresh)
     live = [w for w in cluster.prefill if w.popen.poll() is None]
     assert len(live) == 3
 

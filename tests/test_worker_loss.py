@@ -28,10 +28,13 @@ def cluster(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
     logs = tmp_path_factory.mktemp("logs")
     decode = [spawn_worker("decode", model_dirs["tiny"], logs, FLAGS) for _ in range(2)]
     prefill = [spawn_worker("prefill", model_dirs["tiny"], logs, FLAGS) for _ in range(2)]
-    wait_healthy(decode + prefill)
-    cluster = ProcessCluster(prefill, decode, start_router(model_dirs["tiny"], prefill, decode))
-    yield cluster
-    cluster.stop()
+    cluster = ProcessCluster(prefill, decode, None)  # type: ignore[arg-type]
+    try:
+        wait_healthy(decode + prefill)
+        cluster.router = start_router(model_dirs["tiny"], prefill, decode)
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +126,8 @@ def test_sigterm_drains_a_decode_worker(cluster: ProcessCluster, colocated: LLM,
     assert drained[0].popen.wait(_EXIT_TIMEOUT_S) == 0, drained[0].tail()
     # the pool goes on without it, and a replacement joins
     replacement = spawn_worker("decode", model_dirs["tiny"], tmp_path, FLAGS)
+    cluster.decode.append(replacement)  # stopped with the cluster, whatever happens
     wait_healthy([replacement])
-    cluster.decode.append(replacement)
     cluster.router.client.decode.append(Worker(replacement.url, "decode"))
     with httpx.Client(base_url=cluster.router.url, timeout=60) as http:
         for seed in range(3):

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -67,6 +68,7 @@ class AsyncLLM:
         self._streams: dict[str, _Add | _Call] = {}
         self._error: BaseException | None = None
         self._stats = engine.stats()
+        self.last_step_s = time.monotonic()  # when the engine thread last finished a step (or idled)
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
         self._thread.start()
 
@@ -137,6 +139,7 @@ class AsyncLLM:
                 for output in self.engine.step():
                     self._deliver(output)
                 self._stats = self.engine.stats()
+                self.last_step_s = time.monotonic()
         except BaseException as exc:  # noqa: BLE001 - any engine failure must reach every waiter
             logger.exception("engine loop failed")
             self._error = exc
