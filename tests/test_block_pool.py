@@ -75,7 +75,7 @@ def test_cached_blocks_are_evicted_least_recently_freed_first() -> None:
     pool.free([c, a, d, b])  # LRU order: c, a, d, b
     pool.touch([a])  # a prefix hit revives a ...
     pool.free([a])  # ... and freeing it again makes it the most recently freed
-    assert pool.allocate(4) == [c, d, b, a]
+    assert [pool.allocate(1)[0] for _ in range(4)] == [c, d, b, a]
     assert pool.num_evictions == 4 and not pool.hash_to_block
 
 
@@ -190,7 +190,17 @@ def test_request_blocks_are_freed_tail_first() -> None:
     request = computed(kv, "a", [1, 2, 3, 4, 5, 6])
     head, middle, tail = request.block_ids
     kv.free(request)
-    assert kv.pool.allocate(3) == [tail, middle, head]
+    assert [kv.pool.allocate(1)[0] for _ in range(3)] == [tail, middle, head]
+
+
+def test_one_allocation_is_in_ascending_order() -> None:
+    """Which blocks are taken follows eviction order; the order handed out is ascending, so a
+    recycled run of adjacent blocks stays a run (one region for the KV transfer)."""
+    kv = KVCacheManager(6, block_size=2, enable_caching=True)
+    request = computed(kv, "a", list(range(1, 13)))  # all 6 blocks, cached
+    held = list(request.block_ids)
+    kv.free(request)  # tail first: the cached-free LRU order is descending
+    assert kv.pool.allocate(6) == sorted(held) == list(range(6))
 
 
 def test_swap_out_and_in_move_blocks() -> None:

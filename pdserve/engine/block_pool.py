@@ -32,6 +32,11 @@ class BlockPool:
         return self.num_blocks - self.num_free_blocks
 
     def allocate(self, count: int) -> list[int]:
+        """`count` blocks, uncached free ones first, then evicting the least recently freed. They
+        are returned in ascending id order: which blocks are taken does not change, but a request
+        then holds runs of adjacent blocks wherever the pool has them (freeing is tail first, so
+        eviction order alone would hand a recycled run out backwards), and a KV transfer moves an
+        adjacent run as one region (one iovec, one NIXL descriptor) instead of one per block."""
         if count > self.num_free_blocks:
             raise RuntimeError(f"No available block: asked for {count}, {self.num_free_blocks} free")
         blocks = []
@@ -43,6 +48,7 @@ class BlockPool:
                 self._evict(block)
             self.ref_counts[block] = 1
             blocks.append(block)
+        blocks.sort()
         return blocks
 
     def _evict(self, block: int) -> None:
