@@ -90,7 +90,8 @@ def _serve(ns: argparse.Namespace) -> int:
                                       options)
     try:
         # Workers' access logs would only show the router's polling; the router logs client requests.
-        uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower(), access_log=ns.role == "colocated")
+        uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower(), access_log=ns.role == "colocated",
+                    log_config=None)
     finally:
         client.shutdown()
     return 0
@@ -119,7 +120,8 @@ def _router(ns: argparse.Namespace) -> int:
         print(f"pdserve: {exc}", file=sys.stderr)
         return 2
     name = ns.served_model_name or (ns.model or "pdserve-demo-tiny")
-    uvicorn.run(create_router_app(client, name), host=ns.host, port=ns.port, log_level=ns.log_level.lower())
+    uvicorn.run(create_router_app(client, name), host=ns.host, port=ns.port, log_level=ns.log_level.lower(),
+                log_config=None)
     return 0
 
 
@@ -136,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-format", default="text", choices=["text", "json"],
+                        help="text lines, or one JSON object per line (time, level, logger, request_id, message)")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="OpenAI-compatible server (colocated prefill + decode)")
     serve.add_argument("--host", default="127.0.0.1")
@@ -179,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         return run(ns, flags)
     if extra:
         build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
-    logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # the router polls workers twice a second
+    from pdserve.logs import configure_logging
+
+    configure_logging(ns.log_level, ns.log_format)
     return int(ns.func(ns))
 
 

@@ -69,6 +69,15 @@ class WorkerInfo(BaseModel):
     num_kv_blocks: int
 
 
+class PhaseDurations(BaseModel):
+    """decode -> router, on a request's first output frame: the TTFT phases the workers measured
+    (see disagg/phases.py)."""
+
+    prefill_queue_s: float
+    prefill_compute_s: float
+    first_decode_step_s: float
+
+
 class OutputFrame(BaseModel):
     """decode -> router, one NDJSON line per engine output (cumulative, like RequestOutput)."""
 
@@ -78,6 +87,7 @@ class OutputFrame(BaseModel):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    phases: PhaseDurations | None = None  # first frame with tokens only, when the KV came from prefill
 
     @classmethod
     def of(cls, output: RequestOutput) -> OutputFrame:

@@ -20,11 +20,13 @@ from functools import partial
 from typing import Literal
 
 from pdserve.disagg.control import OutputFrame, ReserveReply, ReserveRequest
+from pdserve.disagg.phases import TransferMeter, generator_state_of
 from pdserve.disagg.transport.base import KVReceiver
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.disagg.transport.messages import KVDone, KVRejected
 from pdserve.engine.llm_engine import LLMEngine, RemoteReservation
 from pdserve.engine.output import RequestOutput
+from pdserve.logs import bind_request_id
 from pdserve.serving.async_engine import AsyncLLM
 
 logger = logging.getLogger(__name__)
@@ -42,10 +44,12 @@ class DecodeService:
         self.counters: Counter[str] = Counter()  # completed, retried, recomputed, failed, rejected
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._watchers: dict[str, asyncio.Task[None]] = {}
+        self.transfers = TransferMeter(receiver.layout)  # per-transfer duration/bytes, TTFT phases
 
     async def reserve(self, body: ReserveRequest) -> ReserveReply | None:
         """None when the pool has no room now. Raises ValueError for a request that can never run."""
         rid, prompt, params = body.request_id, body.prompt_token_ids, body.params.build()
+        bind_request_id(rid)
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already reserved")
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -72,7 +76,7 @@ class DecodeService:
             raise KeyError(request_id)
         try:
             async for output in self.client.consume(request_id, stream):
-                yield OutputFrame.of(output)
+                yield self.transfers.annotate(request_id, OutputFrame.of(output))
         except KVTransferError as exc:
             yield OutputFrame(error=str(exc), finish_reason="abort")
         finally:
@@ -87,6 +91,7 @@ class DecodeService:
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
+        self.transfers.forget(request_id)
         watcher = self._watchers.pop(request_id, None)
         if watcher is not None and watcher is not asyncio.current_task():
             watcher.cancel()
@@ -97,6 +102,7 @@ class DecodeService:
         while True:
             try:
                 event = await self.receiver.wait(rid, self.transfer_timeout_s)
+                self.transfers.on_event(rid, event)
             except KVTransferTimeout:
                 self.counters["timeouts"] += 1
                 logger.warning("KV cache transfer timed out: request %s, no progress for %.0f ms%s", rid,
@@ -134,4 +140,4 @@ class DecodeService:
 
 
 def _complete(engine: LLMEngine, rid: str, done: KVDone) -> RequestOutput:
-    return engine.complete_remote(rid, done.first_token_id, done.extra or None)
+    return engine.complete_remote(rid, done.first_token_id, generator_state_of(done.extra))

@@ -17,11 +17,13 @@ from typing import Any
 from pdserve.disagg.control import PrefillJob
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.kv_streamer import KVStreamer
+from pdserve.disagg.phases import pack_done_extra
 from pdserve.disagg.transport import make_sender
 from pdserve.disagg.transport.base import KVSender
 from pdserve.disagg.transport.errors import KVTransferError
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.output import RequestOutput
+from pdserve.logs import bind_request_id
 from pdserve.serving.async_engine import AsyncLLM
 
 logger = logging.getLogger(__name__)
@@ -66,6 +68,7 @@ class PrefillService:
     async def submit(self, job: PrefillJob) -> None:
         """Accept a job: raises ValueError (bad job) or KVLayoutMismatch/KVTransferError (decode
         worker unusable) before anything is computed."""
+        bind_request_id(job.request_id)
         params = job.params.build()
         sender = await asyncio.to_thread(self._sender, job.kv_address)
         rid = job.request_id
@@ -105,7 +108,7 @@ class PrefillService:
             if final is None or final.outputs[0].finish_reason == "abort" or not final.outputs[0].token_ids:
                 return
             state = await self.client.call(lambda e: e.generator_state(e.scheduler.held[rid]))
-            sender.send_done(rid, final.outputs[0].token_ids[0], state or b"")
+            sender.send_done(rid, final.outputs[0].token_ids[0], pack_done_extra(state, final.metrics))
             await sender.flush(rid, self.transfer_timeout_s)
             self.counters["handed_off"] += 1
         except KVTransferError as exc:

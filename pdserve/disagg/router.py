@@ -23,6 +23,7 @@ import httpx
 from fastapi import FastAPI
 
 from pdserve.disagg.control import OutputFrame, PrefillJob, ReserveReply, ReserveRequest, WireSamplingParams, WorkerInfo
+from pdserve.disagg.phases import current_trace
 from pdserve.engine.llm_engine import check_request
 from pdserve.engine.output import CompletionOutput, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
@@ -116,6 +117,7 @@ class PDClient:
         try:
             # NOTE: a reservation always leaves prefill at least one token (the one that samples).
             prefill = await self._dispatch(request_id, prompt_token_ids, params, reply)
+            current_trace().mark_dispatched()
             async for output in self._stream(decode, request_id, prompt_token_ids):
                 finished = output.finished
                 yield output
@@ -175,6 +177,8 @@ class PDClient:
                     frame = OutputFrame.model_validate_json(line)
                     if frame.error is not None:
                         raise OpenAIError(frame.error, HTTPStatus.SERVICE_UNAVAILABLE)
+                    if frame.phases is not None:
+                        current_trace().record(frame.phases)
                     yield _request_output(request_id, prompt, frame)
         except httpx.HTTPError as exc:
             decode.info = None
@@ -212,7 +216,7 @@ def create_router_app(client: PDClient, model_name: str) -> FastAPI:
             watcher.cancel()
             await client.close()
 
-    app = create_app(client, model_name, lifespan)
+    app = create_app(client, model_name, lifespan, role="router")
 
     @app.get("/workers")
     async def workers() -> list[dict[str, object]]:

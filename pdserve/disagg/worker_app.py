@@ -28,12 +28,14 @@ from pdserve.disagg.transport.errors import KVTransferError
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.serving.async_engine import AsyncLLM
 from pdserve.serving.errors import EXCEPTION_HANDLERS, error_response
+from pdserve.serving.metrics import instrument_engine_app
 
 
 def create_worker_app(client: AsyncLLM, role: Role, model_name: str, layout: KVLayout, transport: str,
                       service: PrefillService | DecodeService) -> FastAPI:
     app = FastAPI(title=f"pdserve {role} worker", exception_handlers=EXCEPTION_HANDLERS)  # type: ignore[arg-type]
     kv_address = service.receiver.address if isinstance(service, DecodeService) else None
+    instrument_engine_app(app, client, model_name, role, service)  # GET /metrics (serving/metrics.py)
 
     @app.get("/health")
     async def health() -> JSONResponse:

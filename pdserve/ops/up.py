@@ -47,7 +47,8 @@ def _threads_per_worker(num_workers: int) -> int:
 def launch(ns: argparse.Namespace, engine_flags: list[str]) -> list[Process]:
     """Start every process; the router last, so it finds its workers."""
     threads = str(_threads_per_worker(ns.prefill + ns.decode))
-    common = ["--log-level", ns.log_level, "serve", "--num-threads", threads, *engine_flags]
+    logs = ["--log-level", ns.log_level, "--log-format", ns.log_format]
+    common = [*logs, "serve", "--num-threads", threads, *engine_flags]
     if ns.kv_transport:
         common += ["--kv-transport", ns.kv_transport]
     processes = []
@@ -55,7 +56,7 @@ def launch(ns: argparse.Namespace, engine_flags: list[str]) -> list[Process]:
         for index in range(count):
             port = _free_port()
             processes.append(_spawn(f"{role}-{index}", [*common, "--role", role, "--port", str(port)], port))
-    router_args = ["--log-level", ns.log_level, "router", "--port", str(ns.port),
+    router_args = [*logs, "router", "--port", str(ns.port),
                    "--prefill", *[p.url for p in processes if p.name.startswith("prefill")],
                    "--decode", *[p.url for p in processes if p.name.startswith("decode")]]
     if ns.model:
