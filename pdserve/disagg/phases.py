@@ -1,7 +1,7 @@
 """The TTFT phase breakdown of a disaggregated request, carried back to the router on the messages
 that already flow:
 
-    router       arrival ──(router queue: reserve + dispatch)──► prefill accepted the job
+    router       arrival ──(router queue: until decode blocks are reserved)──► job sent to prefill
     prefill      job in ──(prefill queue)──► first scheduled ──(prefill compute)──► first token sampled
                  └─ queue and compute durations ride in the final KV message's `extra` (`pack_done_extra`)
     decode       KVDone received ──(first decode step)──► first token emitted
@@ -117,11 +117,11 @@ class RequestTrace:
     request (`start_trace`), so PDClient marks it without a handle passed down."""
 
     arrival_time: float
-    dispatched_time: float | None = None  # a prefill worker accepted the job: the router queue ends
+    left_router_time: float | None = None  # reserved on decode, the job about to go to prefill
     phases: PhaseDurations | None = None
 
-    def mark_dispatched(self) -> None:
-        self.dispatched_time = time.monotonic()
+    def mark_left_router(self) -> None:
+        self.left_router_time = time.monotonic()
 
     def record(self, phases: PhaseDurations) -> None:
         self.phases = phases

@@ -116,8 +116,8 @@ class PDClient:
         finished = False
         try:
             # NOTE: a reservation always leaves prefill at least one token (the one that samples).
+            current_trace().mark_left_router()
             prefill = await self._dispatch(request_id, prompt_token_ids, params, reply)
-            current_trace().mark_dispatched()
             async for output in self._stream(decode, request_id, prompt_token_ids):
                 finished = output.finished
                 yield output

@@ -79,7 +79,7 @@ class ServerMetrics:
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Arrival to last token of finished requests (s)",
                         REQUEST_BUCKETS)
         self.queue = hist("vllm:request_queue_time_seconds",
-                          "Time waiting before first scheduled (router: until a prefill worker took the job) (s)",
+                          "Arrival to first scheduled (router: to reserved on decode, job sent on) (s)",
                           QUEUE_BUCKETS)
         self.prompt_tokens = count("vllm:prompt_tokens", "Prompt tokens of requests that produced a first token")
         self.generation_tokens = count("vllm:generation_tokens", "Generated tokens")
@@ -117,9 +117,9 @@ class ServerMetrics:
             self.transfer_rate.observe(record.num_bytes / record.duration_s)
 
     def observe_phases(self, trace: RequestTrace, ttft_s: float) -> None:
-        if trace.dispatched_time is None or trace.phases is None:
+        if trace.left_router_time is None or trace.phases is None:
             return  # no KV hand-off (e.g. decode recomputed the prompt): no breakdown
-        router_queue = trace.dispatched_time - trace.arrival_time
+        router_queue = trace.left_router_time - trace.arrival_time
         p = trace.phases
         rest = ttft_s - router_queue - p.prefill_queue_s - p.prefill_compute_s - p.first_decode_step_s
         for phase, value in zip(TTFT_PHASES, (router_queue, p.prefill_queue_s, p.prefill_compute_s, max(0.0, rest),
@@ -151,9 +151,9 @@ class RequestObserver:
     def num_in_flight(self) -> int:
         return len(self._requests)
 
-    def num_dispatched(self) -> int:
-        """Router: requests a prefill worker has taken (the rest wait in the router)."""
-        return sum(1 for p in list(self._requests.values()) if p.trace and p.trace.dispatched_time is not None)
+    def num_sent_on(self) -> int:
+        """Router: requests sent on to the workers (the rest wait in the router)."""
+        return sum(1 for p in list(self._requests.values()) if p.trace and p.trace.left_router_time is not None)
 
     def start(self, request_id: str, arrival_time: float, trace: RequestTrace | None = None) -> None:
         if len(self._requests) >= _MAX_TRACKED:
@@ -199,8 +199,8 @@ class RequestObserver:
     def _on_first_token(self, progress: _Progress, output: RequestOutput, ttft: float) -> None:
         m = self.metrics
         if progress.trace is not None:  # router
-            if progress.trace.dispatched_time is not None:
-                m.queue.observe(progress.trace.dispatched_time - progress.arrival_time)
+            if progress.trace.left_router_time is not None:
+                m.queue.observe(progress.trace.left_router_time - progress.arrival_time)
             m.observe_phases(progress.trace, ttft)
             return
         scheduled = output.metrics.first_scheduled_time if output.metrics is not None else None
@@ -292,11 +292,11 @@ class _StatsCollector(Collector):
     def _router_series(self, gauge: Callable[[str, str, float], GaugeMetricFamily]) -> Iterator[GaugeMetricFamily]:
         assert self.router is not None
         in_flight = self.router.observer.num_in_flight
-        dispatched = self.router.observer.num_dispatched()
-        yield gauge("vllm:num_requests_running", "Router: requests a prefill worker has taken, not finished",
-                    dispatched)
-        yield gauge("vllm:num_requests_waiting", "Router: requests not yet taken by a prefill worker",
-                    in_flight - dispatched)
+        sent_on = self.router.observer.num_sent_on()
+        yield gauge("vllm:num_requests_running", "Router: requests sent on to the workers, not finished",
+                    sent_on)
+        yield gauge("vllm:num_requests_waiting", "Router: requests waiting in the router (no decode reservation yet)",
+                    in_flight - sent_on)
         ready = GaugeMetricFamily("pdserve:workers_ready", "Workers in the router's pool that answer and are ready",
                                   labels=[*self.metrics.labels, "worker_role"])
         for role in ("prefill", "decode"):
