@@ -181,6 +181,7 @@ def test_colocated_metrics_preemption_and_allocation_failures(model_dirs: dict[s
         assert metrics.value("vllm:kv_cache_usage_perc") == 0.0
         assert metrics.value("vllm:num_requests_running") == 0
         assert metrics.value("pdserve:rejections_total", code="400", reason="invalid_request") == 1
+        assert metrics.value("pdserve:cannot_allocate_total") == 1
         messages = [r for r in caplog.records if r.name.startswith("pdserve")]
         no_block = [r for r in messages if r.getMessage().startswith("No available block")]
         assert no_block and all(getattr(r, "request_id", "-") != "-" for r in no_block)

@@ -36,6 +36,7 @@ class EngineStats:
     num_prefix_hit_tokens: int
     num_evictions: int
     num_no_available_block: int  # preemptions for lack of blocks + refused reservations
+    num_cannot_allocate: int  # requests refused because they could never fit the pool
     num_remote_waiting: int  # decode role: reservations waiting for their KV
     num_prefill_tokens: int  # prompt tokens computed here (prefix hits and received KV excluded)
     num_batch_prefill_requests: int  # the last step's batch: requests with a prefill chunk
@@ -279,6 +280,7 @@ class LLMEngine:
             num_prefix_hit_tokens=kv.num_prefix_hits,
             num_evictions=kv.pool.num_evictions,
             num_no_available_block=self.scheduler.num_no_available_block,
+            num_cannot_allocate=self.scheduler.num_cannot_allocate,
             num_remote_waiting=len(self.scheduler.remote),
             num_prefill_tokens=self._num_prefill_tokens,
             num_batch_prefill_requests=batch[0],

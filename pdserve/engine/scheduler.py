@@ -60,12 +60,14 @@ class Scheduler:
         self.held: dict[str, Request] = {}  # prefill role: finished, blocks kept until released
         self.num_preemptions = 0
         self.num_no_available_block = 0  # events logged as "No available block" (alert rules match it)
+        self.num_cannot_allocate = 0  # requests refused as "Cannot allocate for request" (never fit)
 
     def _check_fits(self, request: Request) -> None:
         needed = -(-request.max_total_tokens // self.kv.block_size)
         if needed > self.kv.pool.num_blocks:
             message = (f"Cannot allocate for request {request.request_id}: it may need {needed} KV blocks, "
                        f"the pool has {self.kv.pool.num_blocks}")
+            self.num_cannot_allocate += 1
             logger.warning(message, extra={"request_id": request.request_id})
             raise ValueError(message)
 

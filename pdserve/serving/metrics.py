@@ -327,6 +327,8 @@ def _engine_series(s: EngineStats, gauge: Callable[..., GaugeMetricFamily],
     yield counter("pdserve:kv_block_evictions", "Cached KV blocks evicted from the prefix cache", s.num_evictions)
     yield counter("pdserve:no_available_block", "Events logged as `No available block` (preemption, refused "
                   "reservation)", s.num_no_available_block)
+    yield counter("pdserve:cannot_allocate", "Requests refused as `Cannot allocate for request` (larger than the "
+                  "pool)", s.num_cannot_allocate)
 
 
 def _service_series(c: MutableMapping[str, int], role: str, labels: dict[str, str],
