@@ -16,6 +16,7 @@ from metrics_helpers import Scrape, scrape
 from server_fixtures import start_server
 from test_pd_cluster import Cluster, start_cluster, stop_cluster
 
+from pdserve.logs import RequestIdFilter
 from pdserve.serving.metrics import TTFT_PHASES
 
 MAX_TOKENS = 6
@@ -128,7 +129,10 @@ def test_error_responses_are_counted_by_reason(cluster: Cluster) -> None:
         assert after.value(name, code=code, reason=reason) - before.value(name, code=code, reason=reason) == 1
 
 
-def test_transfer_timeouts_are_counted(model_dirs: dict[str, Path]) -> None:
+def test_transfer_timeouts_are_counted(model_dirs: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
+    """...and logged with the stable message, on lines that name the request."""
+    caplog.set_level(logging.WARNING, logger="pdserve")
+    caplog.handler.addFilter(RequestIdFilter())
     cluster = start_cluster(model_dirs["tiny"], "fake", 1, 1, policy="recompute", timeout_s=0.2,
                             prefill_options={"stall_after_layers": 1})
     try:
@@ -146,6 +150,9 @@ def test_transfer_timeouts_are_counted(model_dirs: dict[str, Path]) -> None:
         # The client got its answer; with no hand-off there is no phase breakdown to report.
         assert router.value("vllm:e2e_request_latency_seconds_count") == 1
         assert router.value("pdserve:ttft_phase_seconds_count") == 0
+        timed_out = [r for r in caplog.records if r.getMessage().startswith("KV cache transfer timed out")]
+        assert len(timed_out) == 2
+        assert all(r.request_id.startswith("cmpl-") and r.request_id in r.getMessage() for r in timed_out)
     finally:
         stop_cluster(cluster)
 
