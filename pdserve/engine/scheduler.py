@@ -21,6 +21,7 @@ from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
+_NO_BLOCK_LOG_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_no_available_block = 0  # events logged as "No available block" (alert rules match it)
         self.num_cannot_allocate = 0  # requests refused as "Cannot allocate for request" (never fit)
+        self._no_block_logged_at = float("-inf")
 
     def _check_fits(self, request: Request) -> None:
         needed = -(-request.max_total_tokens // self.kv.block_size)
@@ -125,11 +127,17 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _no_available_block(self, request: Request, action: str) -> None:
-        """Count and log the stable message `No available block` (alert rules match it)."""
+        """Count and log the stable message `No available block` (alert rules match it). At most one
+        line a second: under pressure this happens every step, and the router retries refused
+        reservations every 50 ms; the counter (`pdserve:no_available_block_total`) sees them all."""
         self.num_no_available_block += 1
-        logger.warning("No available block for request %s: %d of %d KV blocks free; %s", request.request_id,
-                       self.kv.pool.num_free_blocks, self.kv.pool.num_blocks, action,
-                       extra={"request_id": request.request_id})
+        now = time.monotonic()
+        if now - self._no_block_logged_at < _NO_BLOCK_LOG_INTERVAL_S:
+            return
+        self._no_block_logged_at = now
+        logger.warning("No available block for request %s: %d of %d KV blocks free; %s (%d such events so far)",
+                       request.request_id, self.kv.pool.num_free_blocks, self.kv.pool.num_blocks, action,
+                       self.num_no_available_block, extra={"request_id": request.request_id})
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
