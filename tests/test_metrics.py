@@ -152,7 +152,8 @@ def test_transfer_timeouts_are_counted(model_dirs: dict[str, Path], caplog: pyte
         assert router.value("pdserve:ttft_phase_seconds_count") == 0
         timed_out = [r for r in caplog.records if r.getMessage().startswith("KV cache transfer timed out")]
         assert len(timed_out) == 2
-        assert all(r.request_id.startswith("cmpl-") and r.request_id in r.getMessage() for r in timed_out)
+        ids = [getattr(r, "request_id", "-") for r in timed_out]
+        assert all(rid.startswith("cmpl-") and rid in r.getMessage() for rid, r in zip(ids, timed_out, strict=True))
     finally:
         stop_cluster(cluster)
 

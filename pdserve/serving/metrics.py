@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -55,7 +55,8 @@ _MAX_TRACKED = 65536  # bound on per-request state (requests whose end was never
 class ServiceCounters(Protocol):
     """PrefillService / DecodeService: what the metrics read from them."""
 
-    counters: MutableMapping[str, int]
+    @property
+    def counters(self) -> Mapping[str, int]: ...
 
 
 class ServerMetrics:
@@ -331,22 +332,25 @@ def _engine_series(s: EngineStats, gauge: Callable[..., GaugeMetricFamily],
                   "pool)", s.num_cannot_allocate)
 
 
-def _service_series(c: MutableMapping[str, int], role: str, labels: dict[str, str],
+def _service_series(counts: Mapping[str, int], role: str, labels: dict[str, str],
                     counter: Callable[..., CounterMetricFamily]) -> Iterator[CounterMetricFamily]:
+    def c(name: str) -> int:
+        return counts.get(name, 0)
+
     failures = CounterMetricFamily("pdserve:kv_transfer_failures", "KV hand-offs that failed, by reason",
                                    labels=[*labels, "reason"])
     if role == "decode":
         yield counter("pdserve:kv_transfer_timeouts", "Timeout windows without progress (`KV cache transfer "
-                      "timed out` lines)", c["timeouts"])
-        yield counter("pdserve:kv_transfer_retries", "Hand-offs waited on once more after a timeout", c["retried"])
+                      "timed out` lines)", c("timeouts"))
+        yield counter("pdserve:kv_transfer_retries", "Hand-offs waited on once more after a timeout", c("retried"))
         yield counter("pdserve:kv_recomputations", "Prompts recomputed on decode after a failed hand-off",
-                      c["recomputed"])
-        yield counter("pdserve:kv_transfers_completed", "Hand-offs completed", c["completed"])
-        failures.add_metric([*labels.values(), "timeout"], c["timeouts"] - c["retried"])
-        failures.add_metric([*labels.values(), "rejected"], c["rejected"])
+                      c("recomputed"))
+        yield counter("pdserve:kv_transfers_completed", "Hand-offs completed", c("completed"))
+        failures.add_metric([*labels.values(), "timeout"], c("timeouts") - c("retried"))
+        failures.add_metric([*labels.values(), "rejected"], c("rejected"))
     else:
-        yield counter("pdserve:kv_transfers_completed", "Hand-offs acknowledged by decode", c["handed_off"])
-        failures.add_metric([*labels.values(), "send"], c["failed"])
+        yield counter("pdserve:kv_transfers_completed", "Hand-offs acknowledged by decode", c("handed_off"))
+        failures.add_metric([*labels.values(), "send"], c("failed"))
     yield failures
 
 
@@ -415,6 +419,6 @@ def instrument_router_app(app: FastAPI, client: EngineClient, model_name: str) -
     """The router: latencies as the client sees them, the TTFT breakdown, the pool's readiness."""
     metrics = ServerMetrics(model_name, "router")
     observer = RequestObserver(metrics)
-    workers = getattr(client, "workers", lambda: [])
+    workers: Callable[[], list[dict[str, Any]]] = getattr(client, "workers", list)
     install_metrics(app, metrics, router=RouterView(observer, workers))
     return ObservedClient(client, observer), metrics
