@@ -1,11 +1,17 @@
-"""`pdserve` command line: serve, make-model. Flags mirror vLLM's engine arguments."""
+"""`pdserve` command line: serve, router, up, make-model, bench. Flags mirror vLLM's engine arguments."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from types import FrameType
+
+import uvicorn
 
 from pdserve import envs
 from pdserve.config import EngineArgs
@@ -47,6 +53,35 @@ def add_kv_transfer_args(parser: argparse.ArgumentParser) -> None:
                    help="after a timeout and one retry: prefill on the decode worker, or fail the request")
 
 
+def add_queue_args(parser: argparse.ArgumentParser, role: str) -> None:
+    g = parser.add_argument_group("prefill queue")
+    g.add_argument("--queue", default="memory",
+                   help="'memory' (the router's own FIFO) or redis://host:port/db (Redis Streams, shared by "
+                        "every router and prefill worker)")
+    g.add_argument("--queue-deployment", default="default", help="Redis key namespace: one stream per deployment")
+    if role != "router":
+        g.add_argument("--queue-claim-idle-s", type=float, default=5.0,
+                       help="prefill: re-deliver a job whose consumer went silent this long")
+        g.add_argument("--queue-max-deliveries", type=int, default=3,
+                       help="prefill: dead-letter a job after this many deliveries")
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    from pdserve.disagg.router import DECODE_POLICIES
+
+    g = parser.add_argument_group("router")
+    g.add_argument("--decode-policy", choices=DECODE_POLICIES, default="least-loaded",
+                   help="which decode worker gets a request")
+    g.add_argument("--pd-threshold", type=int, default=0,
+                   help="prompts whose part not cached on the chosen decode worker is shorter than this many "
+                        "tokens are prefilled there (0: always disaggregate)")
+    g.add_argument("--max-queued-requests", type=int, default=512,
+                   help="requests admitted and waiting for their first token; beyond: 429")
+    g.add_argument("--max-queued-tokens", type=int, default=1 << 20, help="their prompt tokens; beyond: 429")
+    g.add_argument("--reserve-deadline-s", type=float, default=30.0,
+                   help="how long a request waits for KV room on a decode worker before a 503")
+
+
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(
         model=ns.model, dtype=ns.dtype, device=ns.device, block_size=ns.block_size, max_num_seqs=ns.max_num_seqs,
@@ -59,8 +94,6 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 
 
 def _serve(ns: argparse.Namespace) -> int:
-    import uvicorn
-
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.serving.app import create_app
     from pdserve.serving.async_engine import AsyncLLM
@@ -78,23 +111,56 @@ def _serve(ns: argparse.Namespace) -> int:
         "%s worker serving %s on http://%s:%d (%s, %s, %d KV blocks of %d tokens, max_model_len %d)", ns.role, name,
         ns.host, ns.port, cfg.device, str(cfg.dtype).removeprefix("torch."), cfg.cache.num_kv_blocks,
         cfg.cache.block_size, cfg.scheduler.max_model_len)
+    on_exit: Callable[[], None] | None = None
     if ns.role == "colocated":
         client = AsyncLLM(engine)
         app = create_app(client, name)
     else:
-        from pdserve.disagg.worker_app import build_worker
+        from pdserve.disagg.worker_app import build_worker, drain
 
         transport = ns.kv_transport or default_kv_transport()
         options = {"host": ns.kv_host, "port": ns.kv_port} if ns.role == "decode" else {}
-        app, client, _ = build_worker(engine, ns.role, name, transport, ns.kv_failure_policy, timeout_ms / 1000,
-                                      options)
+        queue_url = ns.queue if ns.role == "prefill" and ns.queue != "memory" else None
+        queue_options = {"deployment": ns.queue_deployment, "claim_idle_s": ns.queue_claim_idle_s,
+                         "max_deliveries": ns.queue_max_deliveries}
+        app, client, service = build_worker(engine, ns.role, name, transport, ns.kv_failure_policy, timeout_ms / 1000,
+                                            options, queue_url, queue_options)
+        on_exit = partial(drain, service, getattr(service, "consumer", None))
     try:
         # Workers' access logs would only show the router's polling; the router logs client requests.
-        uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower(), access_log=ns.role == "colocated",
-                    log_config=None)
+        _run_server(app, ns, access_log=ns.role == "colocated", on_exit=on_exit)
     finally:
         client.shutdown()
     return 0
+
+
+def _run_server(app: object, ns: argparse.Namespace, access_log: bool = True,
+                on_exit: Callable[[], None] | None = None) -> None:
+    # NOTE: log_config=None: uvicorn's records go to the root handler (configure_logging: text or
+    # JSON lines, request id), not to uvicorn's own formatters.
+    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower(),  # type: ignore[arg-type]
+                            access_log=access_log, log_config=None)
+    # NOTE: uvicorn re-raises the signal that stopped it once it has shut down gracefully; with
+    # no-op handlers installed first, that ends here and the process exits 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    _DrainingServer(config, on_exit).run()
+
+
+class _DrainingServer(uvicorn.Server):
+    """SIGTERM/SIGINT: first stop taking work (`on_exit`), then uvicorn's graceful shutdown, which
+    waits for the requests in flight (decode streams, prefill hand-offs) to finish."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None] | None) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._on_exit is not None:
+            logging.getLogger("pdserve").info("draining: finishing the requests in flight, taking no new ones")
+            self._on_exit()
+            self._on_exit = None
+        super().handle_exit(sig, frame)
 
 
 def default_kv_transport() -> str:
@@ -104,8 +170,6 @@ def default_kv_transport() -> str:
 
 
 def _router(ns: argparse.Namespace) -> int:
-    import uvicorn
-
     from pdserve.disagg.router import PDClient, create_router_app
     from pdserve.model.demo_checkpoint import default_model_dir
     from pdserve.model.qwen3_config import Qwen3ModelConfig
@@ -113,15 +177,19 @@ def _router(ns: argparse.Namespace) -> int:
 
     model_dir = ns.model or str(default_model_dir())
     try:
+        from pdserve.disagg.queue import make_queue
+
         config = Qwen3ModelConfig.from_dir(model_dir)
-        client = PDClient(ns.prefill, ns.decode, load_tokenizer(model_dir), config, model_dir,
-                          ns.max_model_len or config.max_position_embeddings)
+        queue = make_queue(ns.queue, deployment=ns.queue_deployment) if ns.queue != "memory" else None
+        client = PDClient(ns.prefill or [], ns.decode, load_tokenizer(model_dir), config, model_dir,
+                          ns.max_model_len or config.max_position_embeddings, ns.reserve_deadline_s, queue=queue,
+                          decode_policy=ns.decode_policy, pd_threshold=ns.pd_threshold,
+                          max_queued_requests=ns.max_queued_requests, max_queued_tokens=ns.max_queued_tokens)
     except (ValueError, FileNotFoundError) as exc:
         print(f"pdserve: {exc}", file=sys.stderr)
         return 2
     name = ns.served_model_name or (ns.model or "pdserve-demo-tiny")
-    uvicorn.run(create_router_app(client, name), host=ns.host, port=ns.port, log_level=ns.log_level.lower(),
-                log_config=None)
+    _run_server(create_router_app(client, name), ns)
     return 0
 
 
@@ -131,6 +199,20 @@ def _make_model(ns: argparse.Namespace) -> int:
     out = write_checkpoint(ns.out, PRESETS[ns.preset], seed=ns.seed)
     print(f"wrote random-weight Qwen3 ({ns.preset}) to {out}; its text output is random")
     return 0
+
+
+def add_bench_command(sub: argparse._SubParsersAction) -> None:
+    """`pdserve bench [sweep | compare | capacity]`: the load generator (pdserve/bench/serve/)."""
+    from pdserve.bench.serve.command import add_bench_parser
+
+    def run(ns: argparse.Namespace) -> int:
+        try:
+            return int(ns.bench_run(ns))
+        except (ValueError, RuntimeError, OSError) as exc:
+            print(f"pdserve bench: {exc}", file=sys.stderr)
+            return 2
+
+    add_bench_parser(sub).set_defaults(func=run)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,14 +231,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     add_kv_transfer_args(serve)
     serve.set_defaults(func=_serve)
+    add_queue_args(serve, role="worker")
     router = sub.add_parser("router", help="OpenAI-compatible front of prefill and decode workers")
-    router.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill worker URLs")
+    router.add_argument("--prefill", nargs="+", default=[], metavar="URL",
+                        help="prefill worker URLs (optional with a Redis queue: its consumers are the prefill pool)")
     router.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode worker URLs")
     router.add_argument("--model", default=None, help="checkpoint dir, for the tokenizer and config")
     router.add_argument("--served-model-name", default=None)
     router.add_argument("--max-model-len", type=int, default=None)
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=8000)
+    add_queue_args(router, role="router")
+    add_router_args(router)
     router.set_defaults(func=_router)
     up = sub.add_parser("up", help="router + prefill + decode workers on this machine, one command")
     up.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
@@ -164,12 +250,15 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8000, help="the router's port")
     up.add_argument("--kv-transport", choices=["nixl", "tcp"], default=None)
     up.add_argument("--model", default=None)
+    add_queue_args(up, role="up")
+    add_router_args(up)
     up.set_defaults(func=None)
     make = sub.add_parser("make-model", help="write a random-weight Qwen3 checkpoint (HF layout, real tokenizer)")
     make.add_argument("out", type=Path)
     make.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     make.add_argument("--seed", type=int, default=0)
     make.set_defaults(func=_make_model)
+    add_bench_command(sub)
     return parser
 
 

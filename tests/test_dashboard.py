@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 from helpers import random_prompt
+from pd_fixtures import Cluster, start_cluster, stop_cluster
 from server_fixtures import free_port
-from test_pd_cluster import Cluster, start_cluster, stop_cluster
 
 from pdserve.serving.dashboard import percentiles_ms
 

@@ -13,8 +13,8 @@ import httpx
 import pytest
 from helpers import random_prompt
 from metrics_helpers import Scrape, scrape
+from pd_fixtures import Cluster, start_cluster, stop_cluster
 from server_fixtures import start_server
-from test_pd_cluster import Cluster, start_cluster, stop_cluster
 
 from pdserve.logs import RequestIdFilter
 from pdserve.serving.metrics import TTFT_PHASES

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from helpers import random_prompt
 from metrics_helpers import scrape
-from test_pd_cluster import start_cluster, stop_cluster
+from pd_fixtures import start_cluster, stop_cluster
 
 ASSETS = Path(__file__).resolve().parent.parent / "deploy" / "observability"
 ROLES = ("router", "prefill", "decode")

@@ -4,112 +4,22 @@ equal colocated ones (greedy and seeded, streamed and not) and no worker may kee
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from fastapi import FastAPI
 from helpers import random_prompt
-from server_fixtures import free_port, parse_sse
+from pd_fixtures import start_cluster, stop_cluster
+from server_fixtures import parse_sse
 
 from pdserve import LLM, SamplingParams
-from pdserve.config import EngineArgs
 from pdserve.disagg.decode_service import DecodeService, FailurePolicy
 from pdserve.disagg.prefill_service import PrefillService
-from pdserve.disagg.router import PDClient, create_router_app
-from pdserve.disagg.worker_app import build_worker
-from pdserve.engine.llm_engine import LLMEngine
-from pdserve.model.qwen3_config import Qwen3ModelConfig
-from pdserve.serving.async_engine import AsyncLLM
-from pdserve.tokenizer import load_tokenizer
 
-MODEL = "pd-test"
 PROMPTS = [random_prompt(n, seed=5000 + n) for n in (3, 40, 130, 260)]
 MAX_TOKENS = 10
-
-
-@dataclass
-class Served:
-    server: uvicorn.Server
-    thread: threading.Thread
-    url: str
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
-def serve(app: FastAPI) -> Served:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    return Served(server, thread, f"http://127.0.0.1:{port}")
-
-
-@dataclass
-class Cluster:
-    router: Served
-    workers: list[tuple[Served, AsyncLLM]]
-    services: list[PrefillService | DecodeService]
-
-    def leaks(self) -> list[str]:
-        found = []
-        for served, client in self.workers:
-            engine = client.engine
-            pool = engine.scheduler.kv.pool
-            if engine.has_unfinished_requests() or engine.scheduler.held or engine.scheduler.remote:
-                found.append(f"{served.url}: requests left")
-            if pool.num_free_blocks != pool.num_blocks:
-                found.append(f"{served.url}: {pool.num_blocks - pool.num_free_blocks} blocks held")
-        return found
-
-    def wait_until_idle(self, timeout_s: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.leaks() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not self.leaks(), self.leaks()
-
-
-def start_cluster(model_dir: Path, transport: str, num_prefill: int, num_decode: int,
-                  max_num_batched_tokens: int = 64, policy: FailurePolicy = "recompute", timeout_s: float = 5.0,
-                  prefill_options: dict[str, Any] | None = None, decode_block_size: int = 16) -> Cluster:
-    workers = []
-    services: list[PrefillService | DecodeService] = []
-    urls: dict[str, list[str]] = {"prefill": [], "decode": []}
-    for role, count in (("decode", num_decode), ("prefill", num_prefill)):
-        for _ in range(count):
-            engine = LLMEngine.from_engine_args(EngineArgs(
-                model=str(model_dir), dtype="float32", num_kv_blocks=256, max_num_batched_tokens=max_num_batched_tokens,
-                block_size=decode_block_size if role == "decode" else 16))
-            options = ({"host": "127.0.0.1", "port": 0} if transport != "fake" else {}) if role == "decode" \
-                else (prefill_options or {})
-            app, client, service = build_worker(engine, role, MODEL, transport, policy, timeout_s, options)
-            services.append(service)
-            served = serve(app)
-            workers.append((served, client))
-            urls[role].append(served.url)
-    pd = PDClient(urls["prefill"], urls["decode"], load_tokenizer(str(model_dir)),
-                  Qwen3ModelConfig.from_dir(model_dir), str(model_dir), max_model_len=1024)
-    return Cluster(serve(create_router_app(pd, MODEL)), workers, services)
-
-
-def stop_cluster(cluster: Cluster) -> None:
-    cluster.router.stop()
-    for served, client in cluster.workers:
-        served.stop()
-        client.shutdown()
-    for service in cluster.services:
-        service.close()
 
 
 @pytest.fixture(scope="module")
@@ -179,8 +89,13 @@ def test_transfer_stall_retries_once_then_applies_the_policy(model_dirs: dict[st
             reply = http.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS,
                                                        "ignore_eos": True, "temperature": 0})
             elapsed = time.monotonic() - start
+            router_counters = http.get("/router/stats").json()["counters"]
         decode = next(service for service in cluster.services if isinstance(service, DecodeService))
+        prefill = next(service for service in cluster.services if isinstance(service, PrefillService))
         assert decode.counters["timeouts"] == 2 and decode.counters["retried"] == 1
+        # the retry is a second prefill attempt (new transfer id), not just a longer wait
+        assert router_counters["kv_retries"] == 1
+        assert prefill.counters["failed"] + prefill.counters["aborted"] == 2, prefill.counters
         assert decode.counters["recomputed" if policy == "recompute" else "failed"] == 1
         if policy == "recompute":
             assert reply.status_code == 200, reply.text

@@ -27,10 +27,19 @@ class WireSamplingParams(BaseModel):
         return SamplingParams(**self.fields)
 
 
+def transfer_id(request_id: str, attempt: int) -> str:
+    """The id one prefill attempt of a request goes by, on the prefill worker and on the wire. A
+    retried or re-delivered request gets a new attempt, so a late payload of an earlier attempt
+    can never be counted as part of the current one."""
+    return f"{request_id}@{attempt}"
+
+
 class ReserveRequest(BaseModel):
-    """router -> decode: hold blocks for this prompt before prefill starts."""
+    """router -> decode: hold blocks for this prompt before prefill starts; the KV receiver expects
+    `transfer_id` (attempt 0 of the request)."""
 
     request_id: str
+    transfer_id: str
     prompt_token_ids: list[int] = Field(min_length=1)
     params: WireSamplingParams
 
@@ -44,14 +53,39 @@ class ReserveReply(BaseModel):
 
 
 class PrefillJob(BaseModel):
-    """router -> prefill: compute this prompt and stream its KV into the reservation."""
+    """router -> prefill (directly, or through the shared queue): compute this prompt and stream
+    its KV into the reservation. `transfer_id` names this attempt; `decode_url` is the decode
+    worker holding the reservation (a consumer that gives up on the job tells it why)."""
 
     request_id: str
+    transfer_id: str
+    decode_url: str = ""
     prompt_token_ids: list[int] = Field(min_length=1)
     params: WireSamplingParams
     kv_address: str
     block_ids: list[int]
     num_cached_tokens: int
+
+
+class Retarget(BaseModel):
+    """router/queue consumer -> decode: the reservation now expects this attempt's transfer id
+    (the previous attempt is cancelled: its late payloads are rejected)."""
+
+    transfer_id: str
+
+
+class FailJob(BaseModel):
+    """queue consumer -> decode: this request cannot be prefilled; end it with this error."""
+
+    reason: str
+
+
+class HandOff(BaseModel):
+    """prefill -> router: how one prefill job ended (the reply to POST /pd/prefill)."""
+
+    transfer_id: str
+    status: Literal["handed_off", "failed", "aborted"]
+    reason: str = ""
 
 
 class WorkerInfo(BaseModel):
@@ -67,6 +101,8 @@ class WorkerInfo(BaseModel):
     num_waiting: int
     num_free_kv_blocks: int
     num_kv_blocks: int
+    max_num_batched_tokens: int = 0
+    draining: bool = False
 
 
 class PhaseDurations(BaseModel):
@@ -87,6 +123,8 @@ class OutputFrame(BaseModel):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    # decode -> router: the transfer made no progress for a timeout; prefill it again (new attempt)
+    kv_retry: bool = False
     phases: PhaseDurations | None = None  # first frame with tokens only, when the KV came from prefill
 
     @classmethod

@@ -1,13 +1,18 @@
 """Decode role: reserve blocks for a request, receive its KV from a prefill worker, decode on.
 
-    router --POST /pd/reserve-->  reserve_remote on the engine thread; receiver.expect(blocks)
+    router --POST /pd/reserve-->  reserve_remote on the engine thread; receiver.expect(transfer id, blocks)
     prefill worker ==KV layers==>  receiver (validated, written into the reserved blocks)
     KVDone(first token, generator state) -> complete_remote: the first token is emitted at once
     router <--GET /pd/stream---   one NDJSON OutputFrame per engine output until finished
 
-A transfer that makes no progress for `transfer_timeout_s` is waited on once more (the retry),
-then the failure policy applies: "recompute" prefills here, "fail" ends the request with an error.
-Each case is counted and logged with the stable message `KV cache transfer timed out`.
+Time without progress: the clock starts with the transfer's first payload. Before it the job is
+queued for or computing on a prefill worker, which the router and the queue watch (a lost
+prefill worker's job is prefilled again, as a new attempt: POST /pd/retarget). Once payloads flow,
+a gap of `transfer_timeout_s` is a timeout: the first one asks the router for a new attempt (the
+retry: an OutputFrame with `kv_retry`) and keeps listening to the old one until the new one is
+set; a second timeout applies the failure policy: "recompute" prefills here, "fail" ends the
+request with an error. Each case is counted and logged with the stable message
+`KV cache transfer timed out`.
 """
 
 from __future__ import annotations
@@ -34,6 +39,14 @@ logger = logging.getLogger(__name__)
 FailurePolicy = Literal["recompute", "fail"]
 
 
+class _RetrySignal:
+    """Queued into a request's output stream: tell the router to prefill it again."""
+
+
+_RETRY = _RetrySignal()
+StreamItem = RequestOutput | BaseException | _RetrySignal
+
+
 class DecodeService:
     def __init__(self, client: AsyncLLM, receiver: KVReceiver, failure_policy: FailurePolicy,
                  transfer_timeout_s: float) -> None:
@@ -41,45 +54,105 @@ class DecodeService:
         self.receiver = receiver
         self.failure_policy = failure_policy
         self.transfer_timeout_s = transfer_timeout_s
-        self.counters: Counter[str] = Counter()  # completed, retried, recomputed, failed, rejected
-        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self.counters: Counter[str] = Counter()  # completed, timeouts, retried, recomputed, failed, rejected
+        self.draining = False
+        self._streams: dict[str, asyncio.Queue[StreamItem]] = {}
+        self._blocks: dict[str, tuple[int, ...]] = {}  # request id -> its reserved blocks
+        self._transfers: dict[str, str] = {}  # request id -> the transfer id the receiver expects
         self._watchers: dict[str, asyncio.Task[None]] = {}
+        self._retried: set[str] = set()  # requests that already asked for their one retry
         self.transfers = TransferMeter(receiver.layout)  # per-transfer duration/bytes, TTFT phases
 
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
     async def reserve(self, body: ReserveRequest) -> ReserveReply | None:
-        """None when the pool has no room now. Raises ValueError for a request that can never run."""
-        rid, prompt, params = body.request_id, body.prompt_token_ids, body.params.build()
+        """None when the pool has no room now (or the worker drains). Raises ValueError for a
+        request that can never run."""
+        rid, tid, prompt, params = body.request_id, body.transfer_id, body.prompt_token_ids, body.params.build()
         bind_request_id(rid)
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already reserved")
-        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        if self.draining:
+            return None
+        stream: asyncio.Queue[StreamItem] = asyncio.Queue()
         receiver = self.receiver
 
         def reserve_on_engine(engine: LLMEngine) -> RemoteReservation | None:
             reservation = engine.reserve_remote(rid, prompt, params)
             if reservation is not None:
-                receiver.expect(rid, list(reservation.block_ids))  # before prefill can possibly send
+                receiver.expect(tid, list(reservation.block_ids))  # before prefill can possibly send
             return reservation
 
-        reservation = await self.client.call(reserve_on_engine, stream_for=rid, stream=stream)
+        reservation = await self.client.call(reserve_on_engine, stream_for=rid, stream=stream)  # type: ignore[arg-type]
         if reservation is None:
             return None
         self._streams[rid] = stream
-        self._watchers[rid] = asyncio.create_task(self._watch(rid))
+        self._blocks[rid] = tuple(reservation.block_ids)
+        self._transfers[rid] = tid
+        self._watchers[rid] = asyncio.create_task(self._watch(rid, tid))
         return ReserveReply(block_ids=list(reservation.block_ids), num_cached_tokens=reservation.num_cached_tokens,
                             kv_address=self.receiver.address)
+
+    def retarget(self, request_id: str, transfer_id: str) -> bool:
+        """Expect a new attempt's KV (same blocks); the current attempt is cancelled. False when
+        the request is not waiting for KV any more (finished, aborted, or already recomputing)."""
+        bind_request_id(request_id)  # the new watcher's log lines name the request
+        old = self._transfers.get(request_id)
+        if old is None:
+            return False
+        if old == transfer_id:
+            return True
+        self.receiver.cancel(old)
+        self.receiver.expect(transfer_id, list(self._blocks[request_id]))
+        self._transfers[request_id] = transfer_id
+        watcher = self._watchers.pop(request_id, None)
+        if watcher is not None:
+            watcher.cancel()
+        self._watchers[request_id] = asyncio.create_task(self._watch(request_id, transfer_id))
+        logger.info("request %s: expecting KV from attempt %s", request_id, transfer_id)
+        return True
+
+    async def fail(self, request_id: str, reason: str) -> bool:
+        """End a request that is still waiting for its KV with an error (e.g. its prefill job was
+        dead-lettered). False when it is not waiting any more."""
+        if request_id not in self._transfers:
+            return False
+        self.counters["failed"] += 1
+        self._end_with_error(request_id, reason)
+        return True
+
+    async def prefill_here(self, request_id: str) -> bool:
+        """Conditional disaggregation: this worker computes the (short) uncached rest itself."""
+        if request_id not in self._transfers:
+            return False
+        self._stop_receiving(request_id)
+        self.counters["prefilled_locally"] += 1
+        await self.client.call(lambda e: e.prefill_locally(request_id))
+        return True
 
     async def stream(self, request_id: str) -> AsyncIterator[OutputFrame]:
         """The request's outputs; leaving early (router gone) aborts it and frees its blocks."""
         stream = self._streams.get(request_id)
         if stream is None:
             raise KeyError(request_id)
+        finished = False
         try:
-            async for output in self.client.consume(request_id, stream):
-                yield self.transfers.annotate(request_id, OutputFrame.of(output))
-        except KVTransferError as exc:
-            yield OutputFrame(error=str(exc), finish_reason="abort")
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, _RetrySignal):
+                    yield OutputFrame(kv_retry=True)
+                    continue
+                if isinstance(item, BaseException):
+                    finished = True
+                    yield OutputFrame(error=str(item), finish_reason="abort")
+                    return
+                finished = item.finished
+                yield self.transfers.annotate(request_id, OutputFrame.of(item))
         finally:
+            if not finished:
+                self.client.abort(request_id)
             self._forget(request_id)
 
     async def abort(self, request_id: str) -> None:
@@ -89,32 +162,48 @@ class DecodeService:
     def close(self) -> None:
         self.receiver.close()
 
-    def _forget(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-        self.transfers.forget(request_id)
+    def _stop_receiving(self, request_id: str) -> None:
+        tid = self._transfers.pop(request_id, None)
+        if tid is not None:
+            self.receiver.cancel(tid)
         watcher = self._watchers.pop(request_id, None)
         if watcher is not None and watcher is not asyncio.current_task():
             watcher.cancel()
-        self.receiver.cancel(request_id)
 
-    async def _watch(self, rid: str) -> None:
-        retried = False
+    def _forget(self, request_id: str) -> None:
+        self._stop_receiving(request_id)
+        self._streams.pop(request_id, None)
+        self._blocks.pop(request_id, None)
+        self._retried.discard(request_id)
+        self.transfers.forget(request_id)
+
+    async def _watch(self, rid: str, tid: str) -> None:
+        started = False
         while True:
             try:
-                event = await self.receiver.wait(rid, self.transfer_timeout_s)
+                # NOTE: no transfer clock before the first payload: the job may be queued for, or
+                # computing on, a prefill worker; the router and the queue watch those.
+                event = await self.receiver.wait(tid, self.transfer_timeout_s if started else _LIVENESS_POLL_S)
                 self.transfers.on_event(rid, event)
             except KVTransferTimeout:
+                if not started:
+                    continue
                 self.counters["timeouts"] += 1
-                logger.warning("KV cache transfer timed out: request %s, no progress for %.0f ms%s", rid,
-                               1000 * self.transfer_timeout_s, "" if retried else "; waiting once more")
-                if not retried:
-                    retried = True
+                logger.warning("KV cache transfer timed out: request %s (%s), no progress for %.0f ms%s", rid, tid,
+                               1000 * self.transfer_timeout_s,
+                               "" if rid in self._retried else "; asking for a new attempt")
+                if rid not in self._retried:
+                    self._retried.add(rid)
                     self.counters["retried"] += 1
+                    stream = self._streams.get(rid)
+                    if stream is not None:
+                        stream.put_nowait(_RETRY)
                     continue
                 await self._apply_failure_policy(rid, "KV cache transfer timed out")
                 return
             except KVTransferError:
-                return  # cancelled: the request was aborted
+                return  # cancelled: the request was aborted or retargeted
+            started = True
             if isinstance(event, KVRejected):
                 self.counters["rejected"] += 1
                 logger.warning("KV payload rejected for request %s: %s", rid, event.reason)
@@ -122,21 +211,30 @@ class DecodeService:
                 return
             if isinstance(event, KVDone):
                 self.counters["completed"] += 1
+                self._transfers.pop(rid, None)
+                self._watchers.pop(rid, None)
                 await self.client.call(partial(_complete, rid=rid, done=event))
                 return
 
     async def _apply_failure_policy(self, rid: str, reason: str) -> None:
-        self.receiver.cancel(rid)
+        self._stop_receiving(rid)
         if self.failure_policy == "recompute":
             self.counters["recomputed"] += 1
             logger.warning("request %s: %s; prefilling it on this decode worker", rid, reason)
             await self.client.call(lambda e: e.prefill_locally(rid))
             return
         self.counters["failed"] += 1
+        self._end_with_error(rid, reason)
+
+    def _end_with_error(self, rid: str, reason: str) -> None:
+        self._stop_receiving(rid)
         stream = self._streams.get(rid)
         self.client.abort(rid)
         if stream is not None:
             stream.put_nowait(KVTransferError(f"request {rid}: {reason}"))
+
+
+_LIVENESS_POLL_S = 1.0
 
 
 def _complete(engine: LLMEngine, rid: str, done: KVDone) -> RequestOutput:

@@ -1,7 +1,7 @@
 """The TTFT phase breakdown of a disaggregated request, carried back to the router on the messages
 that already flow:
 
-    router       arrival ──(router queue: until decode blocks are reserved)──► job sent to prefill
+    router       arrival ──(router queue: reservation on decode, the router's FIFO)──► job sent to prefill
     prefill      job in ──(prefill queue)──► first scheduled ──(prefill compute)──► first token sampled
                  └─ queue and compute durations ride in the final KV message's `extra` (`pack_done_extra`)
     decode       KVDone received ──(first decode step)──► first token emitted
@@ -121,7 +121,10 @@ class RequestTrace:
     phases: PhaseDurations | None = None
 
     def mark_left_router(self) -> None:
-        self.left_router_time = time.monotonic()
+        """The job went to a prefill worker (or onto the shared queue, or decode prefills it).
+        The first time counts: a later attempt (retry, resume) does not move it."""
+        if self.left_router_time is None:
+            self.left_router_time = time.monotonic()
 
     def record(self, phases: PhaseDurations) -> None:
         self.phases = phases

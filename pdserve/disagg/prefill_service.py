@@ -2,6 +2,10 @@
 worker's reservation as soon as it is computed, send the first token (and the seeded sampler's
 state) with the final message, then release the blocks once decode acknowledged everything.
 
+Each job is one attempt (`job.transfer_id`): the id the engine, the streamer and the transport use
+here, so a retried request never collides with its earlier attempt. `run` returns how the
+hand-off ended (`HandOff`), which is what the router, or the queue consumer, acknowledges.
+
 The streaming itself is the engine's layer observer (`KVStreamer`), called on the engine thread
 right after each layer; the transport moves the bytes on its own I/O thread meanwhile.
 """
@@ -14,7 +18,7 @@ import threading
 from collections import Counter
 from typing import Any
 
-from pdserve.disagg.control import PrefillJob
+from pdserve.disagg.control import HandOff, PrefillJob
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.kv_streamer import KVStreamer
 from pdserve.disagg.phases import pack_done_extra
@@ -41,7 +45,10 @@ class PrefillService:
         self._senders: dict[str, KVSender] = {}  # one per decode worker address
         self._senders_lock = threading.Lock()
         self._destination: dict[str, KVSender] = {}  # request id -> its decode worker's sender
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._tasks: dict[str, asyncio.Task[HandOff]] = {}
+        self._tokens: dict[str, int] = {}  # transfer id -> prompt tokens still to compute
+        self.draining = False
+        self.consumer: Any = None  # the Redis queue consumer feeding this service, if any
         self.streamer = KVStreamer(layout.block_size, layout.num_layers, self._send_layer)
         # NOTE: set before any request exists; from now on only the engine thread calls it.
         client.engine.layer_observer = self.streamer
@@ -65,13 +72,21 @@ class PrefillService:
                 self._senders[address] = sender
             return sender
 
-    async def submit(self, job: PrefillJob) -> None:
+    async def run(self, job: PrefillJob) -> HandOff:
+        """Accept a job and wait until its hand-off ended. Raises ValueError (bad job) or
+        KVLayoutMismatch/KVTransferError (decode worker unusable) before anything is computed."""
+        task = await self.submit(job)
+        return await asyncio.shield(task)
+
+    async def submit(self, job: PrefillJob) -> asyncio.Task[HandOff]:
         """Accept a job: raises ValueError (bad job) or KVLayoutMismatch/KVTransferError (decode
-        worker unusable) before anything is computed."""
+        worker unusable) before anything is computed. The task ends with the hand-off."""
         bind_request_id(job.request_id)
         params = job.params.build()
+        rid = job.transfer_id
+        if rid in self._tasks:
+            raise ValueError(f"attempt {rid!r} is already running here")
         sender = await asyncio.to_thread(self._sender, job.kv_address)
-        rid = job.request_id
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         streamer, destination = self.streamer, self._destination
 
@@ -86,10 +101,12 @@ class PrefillService:
                 raise
 
         await self.client.call(start, stream_for=rid, stream=stream, keep_stream=lambda _: True)
-        self._tasks[rid] = asyncio.create_task(self._finish(rid, sender, stream))
+        self._tokens[rid] = len(job.prompt_token_ids) - job.num_cached_tokens
+        task = self._tasks[rid] = asyncio.create_task(self._finish(rid, sender, stream))
+        return task
 
-    async def abort(self, request_id: str) -> None:
-        task = self._tasks.get(request_id)
+    async def abort(self, transfer_id: str) -> None:
+        task = self._tasks.get(transfer_id)
         if task is not None:
             task.cancel()
 
@@ -97,7 +114,13 @@ class PrefillService:
     def num_in_flight(self) -> int:
         return len(self._tasks)
 
-    async def _finish(self, rid: str, sender: KVSender, stream: asyncio.Queue[RequestOutput | BaseException]) -> None:
+    @property
+    def num_in_flight_tokens(self) -> int:
+        """Prompt tokens of the jobs taken and not yet handed off (what a queue consumer budgets)."""
+        return sum(self._tokens.values())
+
+    async def _finish(self, rid: str, sender: KVSender, stream: asyncio.Queue[RequestOutput | BaseException]
+                      ) -> HandOff:
         """Wait for the first token, send the final message, wait for decode's acknowledgement,
         release the blocks. Whatever happens (abort, rejection, timeout), the blocks are released
         when it ends: the lease is the transfer timeout."""
@@ -106,16 +129,23 @@ class PrefillService:
             async for output in self.client.consume(rid, stream):
                 final = output
             if final is None or final.outputs[0].finish_reason == "abort" or not final.outputs[0].token_ids:
-                return
+                return HandOff(transfer_id=rid, status="aborted")
+            self._tokens.pop(rid, None)
             state = await self.client.call(lambda e: e.generator_state(e.scheduler.held[rid]))
             sender.send_done(rid, final.outputs[0].token_ids[0], pack_done_extra(state, final.metrics))
             await sender.flush(rid, self.transfer_timeout_s)
             self.counters["handed_off"] += 1
+            return HandOff(transfer_id=rid, status="handed_off")
         except KVTransferError as exc:
             self.counters["failed"] += 1
             logger.warning("request %s: %s", rid, exc)
+            return HandOff(transfer_id=rid, status="failed", reason=str(exc))
+        except asyncio.CancelledError:
+            self.counters["aborted"] += 1
+            return HandOff(transfer_id=rid, status="aborted")
         finally:
             self._tasks.pop(rid, None)
+            self._tokens.pop(rid, None)
             await asyncio.shield(self.client.call(self._cleanup_on_engine(rid)))
 
     def _cleanup_on_engine(self, rid: str):  # type: ignore[no-untyped-def]

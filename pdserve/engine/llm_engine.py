@@ -11,6 +11,7 @@ import torch
 
 from pdserve.config import EngineArgs, EngineConfig, create_engine_config
 from pdserve.engine.host_memory import keep_large_allocations_on_heap
+from pdserve.engine.kv_cache_manager import hash_block
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.output import RequestOutput, RequestState
 from pdserve.engine.request import Request, RequestStatus
@@ -173,6 +174,20 @@ class LLMEngine:
         self._states[request_id] = state
         self._children[request_id] = (state, 0)
         return RemoteReservation(tuple(request.block_ids), request.num_cached_tokens)
+
+    def num_cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
+        """How many leading tokens of this prompt the prefix cache holds now (read-only; what a
+        prefix-affinity router compares across workers)."""
+        kv = self.scheduler.kv
+        if not kv.pool.enable_caching:
+            return 0
+        bs, parent, hits = kv.block_size, b"", 0
+        for start in range(0, (len(prompt_token_ids) - 1) // bs * bs, bs):
+            parent = hash_block(parent, prompt_token_ids[start:start + bs])
+            if kv.pool.lookup(parent) is None:
+                break
+            hits += bs
+        return hits
 
     def complete_remote(self, request_id: str, first_token_id: int,
                         generator_state: bytes | None = None) -> RequestOutput:

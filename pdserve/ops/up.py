@@ -51,14 +51,23 @@ def launch(ns: argparse.Namespace, engine_flags: list[str]) -> list[Process]:
     common = [*logs, "serve", "--num-threads", threads, *engine_flags]
     if ns.kv_transport:
         common += ["--kv-transport", ns.kv_transport]
+    queue = ["--queue", ns.queue, "--queue-deployment", ns.queue_deployment]
     processes = []
     for role, count in (("decode", ns.decode), ("prefill", ns.prefill)):
         for index in range(count):
             port = _free_port()
-            processes.append(_spawn(f"{role}-{index}", [*common, "--role", role, "--port", str(port)], port))
+            role_args = ["--role", role, "--port", str(port)]
+            if role == "prefill":
+                role_args += [*queue, "--queue-claim-idle-s", str(ns.queue_claim_idle_s),
+                              "--queue-max-deliveries", str(ns.queue_max_deliveries)]
+            processes.append(_spawn(f"{role}-{index}", [*common, *role_args], port))
     router_args = [*logs, "router", "--port", str(ns.port),
                    "--prefill", *[p.url for p in processes if p.name.startswith("prefill")],
-                   "--decode", *[p.url for p in processes if p.name.startswith("decode")]]
+                   "--decode", *[p.url for p in processes if p.name.startswith("decode")], *queue,
+                   "--decode-policy", ns.decode_policy, "--pd-threshold", str(ns.pd_threshold),
+                   "--max-queued-requests", str(ns.max_queued_requests),
+                   "--max-queued-tokens", str(ns.max_queued_tokens),
+                   "--reserve-deadline-s", str(ns.reserve_deadline_s)]
     if ns.model:
         router_args += ["--model", ns.model]
     processes.append(_spawn("router", router_args, ns.port))

@@ -19,7 +19,7 @@ from pdserve.serving.engine_client import EngineClient
 from pdserve.serving.errors import EXCEPTION_HANDLERS, OpenAIError
 from pdserve.serving.metrics import instrument_engine_app, instrument_router_app
 from pdserve.serving.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from pdserve.serving.sse import sse_stream, unless_disconnected
+from pdserve.serving.sse import sse_stream, started, unless_disconnected
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
@@ -41,24 +41,24 @@ def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None 
             raise OpenAIError(f"The model `{requested}` does not exist. This server serves `{model_name}`.",
                               HTTPStatus.NOT_FOUND, "model")
 
-    def respond(handler: CompletionHandler | ChatHandler, body: Any, raw: Request) -> Any:
+    async def respond(handler: CompletionHandler | ChatHandler, body: Any, raw: Request) -> Any:
         check_model(body.model)
         request_id, jobs = handler.prepare(body)
         bind_request_id(request_id)
         if body.stream:
-            return StreamingResponse(sse_stream(handler.stream(body, request_id, jobs)),
+            # NOTE: the first chunk is awaited before the response starts, so an error until then
+            # (queue full, no worker, no KV room) still gets its own HTTP status, not a 200.
+            return StreamingResponse(sse_stream(await started(raw, handler.stream(body, request_id, jobs))),
                                      media_type="text/event-stream")
-        return unless_disconnected(raw, handler.full(body, request_id, jobs))
+        return JSONResponse(await unless_disconnected(raw, handler.full(body, request_id, jobs)))
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Any:
-        result = respond(completions, body, raw)
-        return result if isinstance(result, StreamingResponse) else JSONResponse(await result)
+        return await respond(completions, body, raw)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Any:
-        result = respond(chat, body, raw)
-        return result if isinstance(result, StreamingResponse) else JSONResponse(await result)
+        return await respond(chat, body, raw)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:

@@ -74,11 +74,12 @@ class ChatHandler:
             return {"id": request_id, "object": "chat.completion.chunk", "created": created,
                     "model": self.model_name, "choices": choices, **extra}
 
-        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None} for i in range(body.n)])
         tracker = DeltaTracker(body.n)
         final: RequestOutput | None = None
         async for _, output in run_jobs(self.client, jobs):
+            if final is None:  # NOTE: with the first output, so errors before it keep their status
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for i in range(body.n)])
             final = output
             for delta in tracker.deltas(0, output):
                 yield chunk([{"index": delta.index, "delta": {"content": delta.text} if delta.text else {},

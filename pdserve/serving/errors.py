@@ -20,11 +20,13 @@ _TYPES = {
 
 
 class OpenAIError(Exception):
-    def __init__(self, message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST, param: str | None = None) -> None:
+    def __init__(self, message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
+        self.headers = headers  # e.g. Retry-After on a 429
 
 
 class ClientDisconnected(Exception):
@@ -40,13 +42,14 @@ def error_body(message: str, status: HTTPStatus, param: str | None = None) -> di
                       "code": int(status)}}
 
 
-def error_response(message: str, status: HTTPStatus, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param), status_code=int(status))
+def error_response(message: str, status: HTTPStatus, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=int(status), headers=headers)
 
 
 async def _openai_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, OpenAIError)
-    return error_response(exc.message, exc.status, exc.param)
+    return error_response(exc.message, exc.status, exc.param, exc.headers)
 
 
 async def _validation_error(_: Request, exc: Exception) -> JSONResponse:

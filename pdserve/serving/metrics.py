@@ -80,7 +80,7 @@ class ServerMetrics:
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Arrival to last token of finished requests (s)",
                         REQUEST_BUCKETS)
         self.queue = hist("vllm:request_queue_time_seconds",
-                          "Arrival to first scheduled (router: to reserved on decode, job sent on) (s)",
+                          "Arrival to first scheduled (router: until the prefill job leaves the router) (s)",
                           QUEUE_BUCKETS)
         self.prompt_tokens = count("vllm:prompt_tokens", "Prompt tokens of requests that produced a first token")
         self.generation_tokens = count("vllm:generation_tokens", "Generated tokens")
@@ -261,6 +261,7 @@ class RouterView:
 
     observer: RequestObserver
     workers: Callable[[], list[dict[str, Any]]]
+    stats: Callable[[], dict[str, Any]] | None = None  # PDClient.stats(): admission queue, counters
 
 
 class _StatsCollector(Collector):
@@ -296,7 +297,7 @@ class _StatsCollector(Collector):
         sent_on = self.router.observer.num_sent_on()
         yield gauge("vllm:num_requests_running", "Router: requests sent on to the workers, not finished",
                     sent_on)
-        yield gauge("vllm:num_requests_waiting", "Router: requests waiting in the router (no decode reservation yet)",
+        yield gauge("vllm:num_requests_waiting", "Router: requests whose prefill job has not left the router",
                     in_flight - sent_on)
         ready = GaugeMetricFamily("pdserve:workers_ready", "Workers in the router's pool that answer and are ready",
                                   labels=[*self.metrics.labels, "worker_role"])
@@ -304,6 +305,33 @@ class _StatsCollector(Collector):
             count = sum(1 for w in self.router.workers() if w["role"] == role and w["ready"])
             ready.add_metric([*self.metrics.labels.values(), role], count)
         yield ready
+        if self.router.stats is not None:
+            yield from _router_stats_series(self.router.stats(), self.metrics.labels, gauge)
+
+
+def _router_stats_series(stats: dict[str, Any], labels: dict[str, str],
+                         gauge: Callable[[str, str, float], GaugeMetricFamily]
+                         ) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """PDClient.stats(): admission queue and the router's own event counters."""
+    yield gauge("pdserve:router_queued_requests", "Router: admitted requests whose first token is not out yet",
+                stats.get("queued_requests", 0))
+    yield gauge("pdserve:router_queued_tokens", "Router: prompt tokens of those requests",
+                stats.get("queued_tokens", 0))
+    yield gauge("pdserve:router_dispatch_pending", "Router: prefill jobs in the router's own FIFO (memory queue)",
+                stats.get("dispatch_pending", 0))
+    counters: dict[str, int] = stats.get("counters", {})
+    rejections = CounterMetricFamily("pdserve:router_rejections", "Router: requests refused, by admission reason",
+                                     labels=[*labels, "reason"])
+    for reason in ("invalid", "queue_full", "no_prefill_worker", "no_decode_worker", "no_kv_room",
+                   "queue_unavailable"):
+        rejections.add_metric([*labels.values(), reason], counters.get(f"rejected_{reason}", 0))
+    yield rejections
+    events = CounterMetricFamily("pdserve:router_events", "Router: kv_retries (new prefill attempts after a stalled "
+                                 "transfer), redispatched, resumed (on another decode worker), prefilled_on_decode",
+                                 labels=[*labels, "event"])
+    for event in ("kv_retries", "redispatched", "resumed", "prefilled_on_decode"):
+        events.add_metric([*labels.values(), event], counters.get(event, 0))
+    yield events
 
 
 def _engine_series(s: EngineStats, gauge: Callable[..., GaugeMetricFamily],
@@ -346,6 +374,8 @@ def _service_series(counts: Mapping[str, int], role: str, labels: dict[str, str]
         yield counter("pdserve:kv_recomputations", "Prompts recomputed on decode after a failed hand-off",
                       c("recomputed"))
         yield counter("pdserve:kv_transfers_completed", "Hand-offs completed", c("completed"))
+        yield counter("pdserve:decode_local_prefills", "Short uncached prompts decode prefilled itself (conditional "
+                      "disaggregation)", c("prefilled_locally"))
         failures.add_metric([*labels.values(), "timeout"], c("timeouts") - c("retried"))
         failures.add_metric([*labels.values(), "rejected"], c("rejected"))
     else:
@@ -420,5 +450,5 @@ def instrument_router_app(app: FastAPI, client: EngineClient, model_name: str) -
     metrics = ServerMetrics(model_name, "router")
     observer = RequestObserver(metrics)
     workers: Callable[[], list[dict[str, Any]]] = getattr(client, "workers", list)
-    install_metrics(app, metrics, router=RouterView(observer, workers))
+    install_metrics(app, metrics, router=RouterView(observer, workers, getattr(client, "stats", None)))
     return ObservedClient(client, observer), metrics

@@ -33,6 +33,27 @@ async def sse_stream(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str
     yield "data: [DONE]\n\n"
 
 
+async def started(request: Request, chunks: AsyncIterator[T]) -> AsyncIterator[T]:
+    """`chunks` with its first item already produced (or its error raised), watching for a client
+    that leaves meanwhile (a request may wait in a queue before its first token)."""
+
+    async def first() -> tuple[bool, T | None]:
+        try:
+            return True, await anext(chunks)
+        except StopAsyncIteration:
+            return False, None
+
+    has_first, head = await unless_disconnected(request, first())
+
+    async def rest() -> AsyncIterator[T]:
+        if has_first:
+            yield head  # type: ignore[misc]
+            async for chunk in chunks:
+                yield chunk
+
+    return rest()
+
+
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Await `work`, cancelling it (which aborts its engine requests) if the client goes away.
 

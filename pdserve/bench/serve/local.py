@@ -1,0 +1,109 @@
+"""Servers that `pdserve bench sweep` and `compare` launch themselves: a colocated `pdserve serve`
+or a `pdserve up` cluster, as a child process on a free port, ready once a completion goes through.
+
+Each child gets its own process group and log file; `stop` sends SIGINT to the group (what `pdserve
+up` handles as Ctrl-C: it stops its workers), then SIGKILL if it lingers, so no run leaves a
+server behind for the next one to compete with.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+_STOP_TIMEOUT_S = 30.0
+
+
+@dataclass
+class LocalServer:
+    name: str
+    url: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log_tail(self, num_chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-num_chars:]
+        except OSError:
+            return ""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def up_threads_per_worker(num_workers: int) -> int:
+    """The torch threads `pdserve up` gives each worker by default (CPUs // workers, at least 1)."""
+    from pdserve.ops.up import _threads_per_worker
+
+    return _threads_per_worker(num_workers)
+
+
+def colocated_args(port: int, num_threads: int, chunked_prefill: bool, engine_args: list[str]) -> list[str]:
+    chunked = "--enable-chunked-prefill" if chunked_prefill else "--no-enable-chunked-prefill"
+    return ["serve", "--port", str(port), "--num-threads", str(num_threads), chunked, *engine_args]
+
+
+def pd_args(port: int, num_prefill: int, num_decode: int, threads_per_worker: int, engine_args: list[str]) -> list[str]:
+    # NOTE: `pdserve up` passes unknown flags to every worker after its own `--num-threads`, so this
+    # one wins over up's cpu_count // workers split.
+    return ["up", "--port", str(port), "--prefill", str(num_prefill), "--decode", str(num_decode),
+            "--num-threads", str(threads_per_worker), *engine_args]
+
+
+def start(name: str, cli_args: list[str], port: int, log_dir: Path) -> LocalServer:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", *cli_args]
+    with log_path.open("w") as log:  # a file, not a pipe: nobody would drain a pipe
+        popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return LocalServer(name, f"http://127.0.0.1:{port}", popen, log_path)
+
+
+def wait_ready(server: LocalServer, timeout_s: float) -> None:
+    """Until one completion goes through (raises RuntimeError, with the log's tail, if the process dies)."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        while time.monotonic() < deadline:
+            if server.popen.poll() is not None:
+                raise RuntimeError(f"{server.name} exited with status {server.popen.returncode}:\n"
+                                   f"{server.log_tail()}")
+            try:
+                if http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2}).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+    raise RuntimeError(f"{server.name} served nothing within {timeout_s:.0f} s:\n{server.log_tail()}")
+
+
+def stop(server: LocalServer) -> None:
+    if server.popen.poll() is None:
+        os.killpg(server.popen.pid, signal.SIGINT)
+    try:
+        server.popen.wait(_STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.popen.pid, signal.SIGKILL)
+        server.popen.wait()
+
+
+@contextmanager
+def running(name: str, cli_args: list[str], port: int, log_dir: Path, ready_timeout_s: float) -> Iterator[LocalServer]:
+    server = start(name, cli_args, port, log_dir)
+    try:
+        wait_ready(server, ready_timeout_s)
+        yield server
+    finally:
+        stop(server)

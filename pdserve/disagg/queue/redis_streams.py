@@ -1,0 +1,276 @@
+"""The prefill queue on Redis Streams: routers produce, prefill workers consume.
+
+    stream   pdserve:{deployment}:prefill         one entry per prefill attempt: {"job": PrefillJob JSON}
+    group    prefill                              every prefill worker is one consumer of it
+    dead     pdserve:{deployment}:prefill:dead    jobs that failed `max_deliveries` times
+    aborted  pdserve:{deployment}:aborted:{tid}   set by a router when the client left (expires)
+    alive    pdserve:{deployment}:consumer:{name} each consumer's heartbeat (expires after 3 s)
+
+A consumer (`RedisJobConsumer`, in each prefill worker):
+- pulls one entry (XREADGROUP) only while its jobs in flight hold fewer prompt tokens than its
+  token budget, so one giant prompt occupies one worker and the others keep pulling;
+- runs it (`PrefillService.run`) and acknowledges it (XACK + XDEL) once the hand-off ended;
+- heartbeats every second: its `alive` key (routers count live consumers by these keys, the
+  prefill pool's readiness) and the entries it is working on (XCLAIM to itself, which resets
+  their idle time), so only entries of a dead or hung consumer go idle;
+- every `claim_interval_s`, XAUTOCLAIMs entries idle for longer than `claim_idle_s`. A reclaimed
+  job is prefilled again from scratch as a new attempt (its KV died with its worker): the decode
+  worker is told to expect the new attempt first. An entry delivered more than `max_deliveries`
+  times goes to the dead-letter stream and its decode worker ends the request with an error;
+- skips an aborted attempt without computing it.
+Redis unreachable: the consumer logs it, retries every second and carries on when it is back;
+routers answer 503 meanwhile (`put` raises QueueUnavailable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from http import HTTPStatus
+
+import httpx
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError, ResponseError
+
+from pdserve.disagg.control import FailJob, PrefillJob, Retarget
+from pdserve.disagg.kv_layout import KVLayoutMismatch
+from pdserve.disagg.prefill_service import PrefillService
+from pdserve.disagg.queue.base import PrefillQueue, QueueUnavailable, next_attempt
+from pdserve.disagg.transport.errors import KVTransferError
+
+logger = logging.getLogger(__name__)
+
+GROUP = "prefill"
+_ABORTED_TTL_S = 600
+_ALIVE_TTL_S = 3
+
+
+class RedisKeys:
+    def __init__(self, deployment: str) -> None:
+        self.stream = f"pdserve:{deployment}:prefill"
+        self.dead = f"{self.stream}:dead"
+        self.aborted_prefix = f"pdserve:{deployment}:aborted:"
+        self.alive_prefix = f"pdserve:{deployment}:consumer:"
+
+    def aborted(self, transfer_id: str) -> str:
+        return self.aborted_prefix + transfer_id
+
+
+def connect(url: str) -> aioredis.Redis:
+    return aioredis.Redis.from_url(url, socket_connect_timeout=2.0, socket_timeout=5.0, decode_responses=True)
+
+
+async def ensure_group(client: aioredis.Redis, stream: str) -> None:
+    try:
+        await client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    except ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+class RedisPrefillQueue(PrefillQueue):
+    """Router side."""
+
+    def __init__(self, url: str, deployment: str = "default") -> None:
+        self.url = url
+        self.keys = RedisKeys(deployment)
+        self._redis = connect(url)
+        self._group_ready = False
+
+    async def put(self, job: PrefillJob) -> None:
+        try:
+            if not self._group_ready:
+                await ensure_group(self._redis, self.keys.stream)
+                self._group_ready = True
+            await self._redis.xadd(self.keys.stream, {"job": job.model_dump_json()})
+        except (RedisError, OSError) as exc:
+            raise QueueUnavailable(f"the prefill queue (Redis) is unreachable: {exc}") from exc
+
+    async def cancel(self, transfer_id: str) -> None:
+        with contextlib.suppress(RedisError, OSError):
+            await self._redis.set(self.keys.aborted(transfer_id), "1", ex=_ABORTED_TTL_S)
+
+    async def num_live_consumers(self) -> int:
+        try:
+            return len([key async for key in self._redis.scan_iter(match=self.keys.alive_prefix + "*", count=100)])
+        except (RedisError, OSError) as exc:
+            raise QueueUnavailable(f"the prefill queue (Redis) is unreachable: {exc}") from exc
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+
+class RedisJobConsumer:
+    """Prefill worker side: feeds `service` from the shared stream (see the module docstring)."""
+
+    def __init__(self, service: PrefillService, url: str, deployment: str = "default", *,
+                 token_budget: int | None = None, max_jobs: int = 64, claim_idle_s: float = 5.0,
+                 claim_interval_s: float = 1.0, max_deliveries: int = 3, block_ms: int = 500) -> None:
+        self.service = service
+        self.keys = RedisKeys(deployment)
+        self.name = f"{socket.gethostname()}-{os.getpid()}-{id(self):x}"
+        self.token_budget = token_budget or service.client.engine.config.scheduler.max_num_batched_tokens
+        self.max_jobs = max_jobs
+        self.claim_idle_ms = int(claim_idle_s * 1000)
+        self.claim_interval_s = claim_interval_s
+        self.max_deliveries = max_deliveries
+        self.block_ms = block_ms
+        self.counters: dict[str, int] = {"taken": 0, "reclaimed": 0, "dead_lettered": 0, "skipped_aborted": 0}
+        self._redis = connect(url)
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0))
+        self._jobs: dict[str, asyncio.Task[None]] = {}  # entry id -> task
+        self._stopping = asyncio.Event()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._jobs)
+
+    async def run(self) -> None:
+        """Until `stop`: pull, reclaim, heartbeat. Then wait for the jobs in flight."""
+        next_claim = 0.0
+        loop = asyncio.get_running_loop()
+        connected = False
+        while not self._stopping.is_set():
+            try:
+                if not connected:
+                    await ensure_group(self._redis, self.keys.stream)
+                    connected = True
+                    logger.info("prefill consumer %s pulling from %s", self.name, self.keys.stream)
+                if loop.time() >= next_claim:
+                    next_claim = loop.time() + self.claim_interval_s
+                    await self._heartbeat()
+                    await self._reclaim()
+                if self._has_room():
+                    await self._pull()
+                else:
+                    await asyncio.sleep(0.02)
+            except (RedisError, OSError) as exc:
+                if connected:
+                    logger.warning("prefill queue (Redis) unreachable: %s; retrying", exc)
+                connected = False
+                await asyncio.sleep(1.0)
+        if self._jobs:
+            await asyncio.gather(*self._jobs.values(), return_exceptions=True)
+
+    def stop(self) -> None:
+        """Stop pulling (drain): jobs in flight still finish and are acknowledged."""
+        self._stopping.set()
+
+    async def close(self) -> None:
+        self.stop()
+        for task in list(self._jobs.values()):
+            task.cancel()
+        with contextlib.suppress(RedisError, OSError):
+            await self._redis.delete(self.keys.alive_prefix + self.name)
+        await self._http.aclose()
+        await self._redis.aclose()
+
+    def _has_room(self) -> bool:
+        return len(self._jobs) < self.max_jobs and self.service.num_in_flight_tokens < self.token_budget
+
+    async def _pull(self) -> None:
+        reply = await self._redis.xreadgroup(GROUP, self.name, {self.keys.stream: ">"}, count=1, block=self.block_ms)
+        for _, entries in reply or []:
+            for entry_id, fields in entries:
+                self.counters["taken"] += 1
+                self._start(entry_id, fields, reclaimed=False)
+
+    async def _heartbeat(self) -> None:
+        """Say we are alive; reset the idle time of our entries, so no other consumer reclaims them
+        while we work."""
+        await self._redis.set(self.keys.alive_prefix + self.name, str(len(self._jobs)), ex=_ALIVE_TTL_S)
+        if self._jobs:
+            await self._redis.xclaim(self.keys.stream, GROUP, self.name, min_idle_time=0,
+                                     message_ids=list(self._jobs), justid=True)
+
+    async def _reclaim(self) -> None:
+        _, entries, _ = await self._redis.xautoclaim(self.keys.stream, GROUP, self.name,
+                                                     min_idle_time=self.claim_idle_ms, start_id="0-0", count=16)
+        for entry_id, fields in entries:
+            if entry_id in self._jobs or fields is None:
+                continue
+            pending = await self._redis.xpending_range(self.keys.stream, GROUP, min=entry_id, max=entry_id, count=1)
+            deliveries = int(pending[0]["times_delivered"]) if pending else 1
+            if deliveries > self.max_deliveries:
+                await self._dead_letter(entry_id, fields, deliveries)
+                continue
+            self.counters["reclaimed"] += 1
+            logger.warning("re-delivering prefill job %s (delivery %d): its consumer went silent", entry_id, deliveries)
+            self._start(entry_id, fields, reclaimed=True)
+
+    def _start(self, entry_id: str, fields: dict[str, str], reclaimed: bool) -> None:
+        self._jobs[entry_id] = asyncio.create_task(self._handle(entry_id, fields, reclaimed))
+
+    async def _handle(self, entry_id: str, fields: dict[str, str], reclaimed: bool) -> None:
+        try:
+            job = PrefillJob.model_validate_json(fields["job"])
+        except (KeyError, ValueError) as exc:
+            logger.error("dropping unreadable prefill job %s: %s", entry_id, exc)
+            await self._ack(entry_id)
+            self._jobs.pop(entry_id, None)
+            return
+        try:
+            if await self._redis.exists(self.keys.aborted(job.transfer_id)):
+                self.counters["skipped_aborted"] += 1
+                logger.info("request %s was aborted; skipping its prefill job", job.request_id)
+            else:
+                if reclaimed:
+                    job = await self._retarget(job)
+                if job is not None:
+                    await self._run(job)
+            await self._ack(entry_id)
+        except (RedisError, OSError) as exc:  # not acknowledged: it will be re-delivered
+            logger.warning("prefill job %s not acknowledged: %s", entry_id, exc)
+        finally:
+            self._jobs.pop(entry_id, None)
+
+    async def _run(self, job: PrefillJob) -> None:
+        try:
+            hand_off = await self.service.run(job)
+        except (ValueError, KVLayoutMismatch) as exc:  # permanent: retrying cannot help
+            await self._fail(job, f"prefill refused the job: {exc}")
+            return
+        except (KVTransferError, OSError) as exc:
+            logger.warning("request %s: decode worker's KV receiver unreachable: %s", job.request_id, exc)
+            return
+        if hand_off.status == "failed":
+            logger.warning("request %s: hand-off failed: %s", job.request_id, hand_off.reason)
+
+    async def _retarget(self, job: PrefillJob) -> PrefillJob | None:
+        """A re-delivered job is a new attempt: the decode worker must expect it first."""
+        job = next_attempt(job)
+        try:
+            reply = await self._http.post(f"{job.decode_url}/pd/retarget/{job.request_id}",
+                                          json=Retarget(transfer_id=job.transfer_id).model_dump())
+        except httpx.HTTPError as exc:
+            logger.warning("request %s: decode worker unreachable (%s); dropping the job", job.request_id, exc)
+            return None
+        if reply.status_code != HTTPStatus.OK:
+            logger.info("request %s no longer waits for KV; dropping the re-delivered job", job.request_id)
+            return None
+        return job
+
+    async def _dead_letter(self, entry_id: str, fields: dict[str, str], deliveries: int) -> None:
+        self.counters["dead_lettered"] += 1
+        reason = f"prefill job failed {deliveries - 1} deliveries; dead-lettered"
+        logger.error("prefill job %s: %s", entry_id, reason)
+        await self._redis.xadd(self.keys.dead, {**fields, "entry_id": entry_id, "reason": reason})
+        await self._ack(entry_id)
+        with contextlib.suppress(KeyError, ValueError):
+            await self._fail(PrefillJob.model_validate_json(fields["job"]), reason)
+
+    async def _fail(self, job: PrefillJob, reason: str) -> None:
+        if not job.decode_url:
+            return
+        with contextlib.suppress(httpx.HTTPError):
+            await self._http.post(f"{job.decode_url}/pd/fail/{job.request_id}",
+                                  json=FailJob(reason=reason).model_dump())
+
+    async def _ack(self, entry_id: str) -> None:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.xack(self.keys.stream, GROUP, entry_id)
+            pipe.xdel(self.keys.stream, entry_id)
+            await pipe.execute()

@@ -1,0 +1,116 @@
+"""Thread-based PD clusters for tests: prefill and decode workers (uvicorn on threads, engines on
+their own threads) and the router, all in this process, over real KV transports on loopback, so
+tests can look inside every engine and service."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from server_fixtures import free_port
+
+from pdserve.config import EngineArgs
+from pdserve.disagg.decode_service import DecodeService, FailurePolicy
+from pdserve.disagg.prefill_service import PrefillService
+from pdserve.disagg.router import PDClient, create_router_app
+from pdserve.disagg.worker_app import build_worker
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.model.qwen3_config import Qwen3ModelConfig
+from pdserve.serving.async_engine import AsyncLLM
+from pdserve.tokenizer import load_tokenizer
+
+MODEL = "pd-test"
+
+
+@dataclass
+class Served:
+    server: uvicorn.Server
+    thread: threading.Thread
+    url: str
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def serve(app: FastAPI) -> Served:
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    return Served(server, thread, f"http://127.0.0.1:{port}")
+
+
+@dataclass
+class Cluster:
+    router: Served
+    workers: list[tuple[Served, AsyncLLM]]
+    services: list[PrefillService | DecodeService]
+    pd: PDClient
+
+    def service(self, kind: type[PrefillService] | type[DecodeService], index: int = 0) -> Any:
+        return [s for s in self.services if isinstance(s, kind)][index]
+
+    def leaks(self) -> list[str]:
+        found = []
+        for served, client in self.workers:
+            engine = client.engine
+            pool = engine.scheduler.kv.pool
+            if engine.has_unfinished_requests() or engine.scheduler.held or engine.scheduler.remote:
+                found.append(f"{served.url}: requests left")
+            if pool.num_free_blocks != pool.num_blocks:
+                found.append(f"{served.url}: {pool.num_blocks - pool.num_free_blocks} blocks held")
+        return found
+
+    def wait_until_idle(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.leaks() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not self.leaks(), self.leaks()
+
+
+def start_cluster(model_dir: Path, transport: str, num_prefill: int, num_decode: int,
+                  max_num_batched_tokens: int = 64, policy: FailurePolicy = "recompute", timeout_s: float = 5.0,
+                  prefill_options: dict[str, Any] | None = None, decode_block_size: int = 16,
+                  decode_kv_blocks: int = 256, **router_options: Any) -> Cluster:
+    workers = []
+    services: list[PrefillService | DecodeService] = []
+    urls: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for role, count in (("decode", num_decode), ("prefill", num_prefill)):
+        for _ in range(count):
+            engine = LLMEngine.from_engine_args(EngineArgs(
+                model=str(model_dir), dtype="float32", num_kv_blocks=decode_kv_blocks if role == "decode" else 256,
+                max_num_batched_tokens=max_num_batched_tokens,
+                block_size=decode_block_size if role == "decode" else 16))
+            options = ({"host": "127.0.0.1", "port": 0} if transport != "fake" else {}) if role == "decode" \
+                else (prefill_options or {})
+            app, client, service = build_worker(engine, role, MODEL, transport, policy, timeout_s, options)
+            services.append(service)
+            served = serve(app)
+            workers.append((served, client))
+            urls[role].append(served.url)
+    pd = PDClient(urls["prefill"], urls["decode"], load_tokenizer(str(model_dir)),
+                  Qwen3ModelConfig.from_dir(model_dir), str(model_dir), max_model_len=1024, **router_options)
+    router = serve(create_router_app(pd, MODEL))
+    deadline = time.monotonic() + 10
+    while not pd.alive and time.monotonic() < deadline:  # the router's first poll of its workers
+        time.sleep(0.02)
+    return Cluster(router, workers, services, pd)
+
+
+def stop_cluster(cluster: Cluster) -> None:
+    cluster.router.stop()
+    for served, client in cluster.workers:
+        served.stop()
+        client.shutdown()
+    for service in cluster.services:
+        service.close()

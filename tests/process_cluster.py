@@ -1,0 +1,196 @@
+"""Workers as real processes (`pdserve serve --role …`), so tests can SIGKILL or SIGTERM them, a
+real `redis-server` on a free port, and the router in this process (its counters are readable).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+import uvicorn
+from server_fixtures import free_port
+
+from pdserve.disagg.queue import make_queue
+from pdserve.disagg.router import PDClient, create_router_app
+from pdserve.model.qwen3_config import Qwen3ModelConfig
+from pdserve.tokenizer import load_tokenizer
+
+MODEL = "pd-proc"
+_START_TIMEOUT_S = 120.0
+
+
+@dataclass
+class RedisServer:
+    url: str
+    port: int
+    process: subprocess.Popen[bytes]
+    workdir: Path
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url, decode_responses=True)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(10)
+
+    def start(self) -> None:
+        """(Re)start on the same port, empty (no persistence)."""
+        self.process = _redis_process(self.port, self.workdir)
+        _wait_redis(self.url)
+
+
+def _redis_process(port: int, workdir: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(workdir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _wait_redis(url: str) -> None:
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            redis.Redis.from_url(url).ping()
+            return
+        except redis.RedisError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def start_redis(workdir: Path) -> RedisServer:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (apt-get install -y redis-server; .ci/run installs it)")
+    port = free_port()
+    server = RedisServer(f"redis://127.0.0.1:{port}/0", port, _redis_process(port, workdir), workdir)
+    _wait_redis(server.url)
+    return server
+
+
+@dataclass
+class WorkerProcess:
+    role: str
+    url: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def stats(self) -> dict:
+        return httpx.get(f"{self.url}/pd/stats", timeout=5).json()
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.popen.poll() is None:
+            os.kill(self.popen.pid, sig)
+
+    def tail(self) -> str:
+        return self.log.read_text()[-3000:] if self.log.exists() else ""
+
+
+def spawn_worker(role: str, model_dir: Path, log_dir: Path, flags: list[str]) -> WorkerProcess:
+    port = free_port()
+    log = log_dir / f"{role}-{port}.log"
+    cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "INFO", "serve", "--role", role, "--port", str(port),
+           "--model", str(model_dir), "--dtype", "float32", "--num-threads", "1", "--kv-transport", "tcp", *flags]
+    with log.open("w") as out:
+        popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    return WorkerProcess(role, f"http://127.0.0.1:{port}", popen, log)
+
+
+def wait_healthy(workers: list[WorkerProcess]) -> None:
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    for worker in workers:
+        while True:
+            assert worker.popen.poll() is None, f"{worker.role} worker exited:\n{worker.tail()}"
+            try:
+                if httpx.get(f"{worker.url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"{worker.role} worker did not start:\n{worker.tail()}"
+            time.sleep(0.2)
+
+
+@dataclass
+class InProcessRouter:
+    client: PDClient
+    server: uvicorn.Server
+    thread: threading.Thread
+    url: str
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def start_router(model_dir: Path, prefill: list[WorkerProcess], decode: list[WorkerProcess],
+                 queue_url: str | None = None, deployment: str = "default", **options: object) -> InProcessRouter:
+    queue = make_queue(queue_url, deployment=deployment) if queue_url else None
+    client = PDClient([w.url for w in prefill], [w.url for w in decode], load_tokenizer(str(model_dir)),
+                      Qwen3ModelConfig.from_dir(model_dir), str(model_dir), 1024, queue=queue,
+                      **options)  # type: ignore[arg-type]
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_router_app(client, MODEL), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline
+        time.sleep(0.02)
+    router = InProcessRouter(client, server, thread, f"http://127.0.0.1:{port}")
+    wait_router_ready(router)
+    return router
+
+
+def wait_router_ready(router: InProcessRouter, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not router.client.alive:
+        assert time.monotonic() < deadline, router.client.workers()
+        time.sleep(0.1)
+
+
+@dataclass
+class ProcessCluster:
+    prefill: list[WorkerProcess]
+    decode: list[WorkerProcess]
+    router: InProcessRouter
+    extra: list[WorkerProcess] = field(default_factory=list)
+
+    def stop(self) -> None:
+        self.router.stop()
+        for worker in self.prefill + self.decode + self.extra:
+            worker.kill(signal.SIGKILL)
+            worker.popen.wait(10)
+
+    def held_blocks(self) -> dict[str, int]:
+        """KV blocks in use on every live worker (prefix-cached free blocks do not count)."""
+        held = {}
+        for worker in self.prefill + self.decode:
+            if worker.popen.poll() is None:
+                info = httpx.get(f"{worker.url}/pd/info", timeout=5).json()
+                held[worker.url] = info["num_kv_blocks"] - info["num_free_kv_blocks"]
+        return held
+
+    def wait_until_idle(self, timeout_s: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while any(self.held_blocks().values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(self.held_blocks().values()), self.held_blocks()
+
+
+def pending_entries(server: RedisServer, deployment: str = "default") -> int:
+    """Entries delivered to a consumer of the prefill group and not acknowledged."""
+    client = server.client()
+    stream = f"pdserve:{deployment}:prefill"
+    if not client.exists(stream):
+        return 0
+    return sum(int(g["pending"]) for g in client.xinfo_groups(stream))

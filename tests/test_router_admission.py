@@ -1,0 +1,151 @@
+"""The router's admission (429 / 503 / 400, counted by reason), its decode-selection policies and
+conditional disaggregation, on thread-based clusters with the in-memory prefill queue."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from helpers import random_prompt
+from pd_fixtures import MODEL, serve, start_cluster, stop_cluster
+from server_fixtures import free_port
+
+from pdserve import LLM, SamplingParams
+from pdserve.disagg.control import ReserveRequest, WireSamplingParams
+from pdserve.disagg.decode_service import DecodeService
+from pdserve.disagg.prefill_service import PrefillService
+from pdserve.disagg.router import PDClient, create_router_app
+from pdserve.model.qwen3_config import Qwen3ModelConfig
+from pdserve.tokenizer import load_tokenizer
+
+MAX_TOKENS = 6
+GREEDY = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def colocated(model_dirs: dict[str, Path]) -> LLM:
+    return LLM(model=str(model_dirs["tiny"]), dtype="float32", num_kv_blocks=256)
+
+
+def greedy_text(llm: LLM, prompt: list[int]) -> str:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].text
+
+
+def test_queue_bound_gives_exactly_the_expected_429s(model_dirs: dict[str, Path], colocated: LLM) -> None:
+    # A 64-block decode pool filled by two reservations whose KV never comes: every routed request
+    # waits for room (it is "queued"), so admission sees a deterministic queue.
+    cluster = start_cluster(model_dirs["tiny"], "tcp", 1, 1, decode_kv_blocks=64, max_queued_requests=3)
+    decode_url = cluster.workers[0][0].url
+    prompts = [random_prompt(60, seed=700 + i) for i in range(5)]
+    try:
+        with httpx.Client(timeout=30) as http:
+            for i in range(2):
+                hold = ReserveRequest(request_id=f"hold-{i}", transfer_id=f"hold-{i}@0",
+                                      prompt_token_ids=random_prompt(500, seed=i),
+                                      params=WireSamplingParams.of(SamplingParams(max_tokens=1)))
+                assert http.post(f"{decode_url}/pd/reserve", json=hold.model_dump()).status_code == 200
+
+        async def run() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=cluster.router.url, timeout=60) as client:
+                tasks = [asyncio.create_task(client.post("/v1/completions", json=GREEDY | {"prompt": p}))
+                         for p in prompts]
+                deadline = time.monotonic() + 20
+                while sum(t.done() for t in tasks) < 2 or cluster.pd.num_queued < 3:
+                    assert time.monotonic() < deadline, (cluster.pd.stats(), [t.done() for t in tasks])
+                    await asyncio.sleep(0.02)
+                rejected = [t.result() for t in tasks if t.done()]
+                assert [r.status_code for r in rejected] == [429, 429], [r.text for r in rejected]
+                assert all(r.headers["retry-after"] == "1" for r in rejected)
+                assert all(r.json()["error"]["type"] == "rate_limit_error" for r in rejected)
+                for i in range(2):  # room again: the three queued requests go through
+                    await client.post(f"{decode_url}/pd/abort/hold-{i}")
+                return [await t for t in tasks]
+
+        replies = asyncio.run(run())
+        ok = [(p, r) for p, r in zip(prompts, replies, strict=True) if r.status_code == 200]
+        assert len(ok) == 3 and sum(r.status_code == 429 for r in replies) == 2
+        for prompt, reply in ok:
+            assert reply.json()["choices"][0]["text"] == greedy_text(colocated, prompt)
+        assert cluster.pd.counters["rejected_queue_full"] == 2
+        assert cluster.pd.num_queued == 0 and cluster.pd.num_queued_tokens == 0
+        cluster.wait_until_idle()
+    finally:
+        stop_cluster(cluster)
+
+
+def test_prompt_too_long_is_a_400_before_anything_is_queued(model_dirs: dict[str, Path]) -> None:
+    cluster = start_cluster(model_dirs["tiny"], "tcp", 1, 1)
+    try:
+        with httpx.Client(base_url=cluster.router.url, timeout=30) as http:
+            for stream in (False, True):
+                reply = http.post("/v1/completions", json={"prompt": random_prompt(1100, seed=1), "stream": stream})
+                assert reply.status_code == 400, reply.text
+                assert "maximum context length" in reply.json()["error"]["message"]
+        decode = cluster.service(DecodeService)
+        assert not decode.counters and decode.num_in_flight == 0  # nothing was reserved
+        assert cluster.pd.num_queued == 0
+    finally:
+        stop_cluster(cluster)
+
+
+def test_no_ready_worker_is_a_503_streamed_or_not(model_dirs: dict[str, Path]) -> None:
+    model_dir = model_dirs["tiny"]
+    nowhere = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    client = PDClient(nowhere[:1], nowhere[1:], load_tokenizer(str(model_dir)), Qwen3ModelConfig.from_dir(model_dir),
+                      str(model_dir), 1024)
+    router = serve(create_router_app(client, MODEL))
+    try:
+        with httpx.Client(base_url=router.url, timeout=30) as http:
+            for stream in (False, True):
+                reply = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": stream})
+                assert reply.status_code == 503, reply.text
+                assert reply.json()["error"]["type"] == "service_unavailable"
+            assert http.get("/health").status_code == 503
+        assert client.counters["rejected_no_prefill_worker"] == 2
+    finally:
+        router.stop()
+
+
+@pytest.mark.parametrize("policy", ["round-robin", "prefix-affinity"])
+def test_decode_selection_policy(model_dirs: dict[str, Path], colocated: LLM, policy: str) -> None:
+    cluster = start_cluster(model_dirs["tiny"], "tcp", 1, 2, decode_policy=policy)
+    shared = random_prompt(256, seed=42)
+    prompts = [shared + random_prompt(20, seed=900 + i) for i in range(4)]
+    try:
+        cached = []
+        with httpx.Client(base_url=cluster.router.url, timeout=60) as http:
+            for prompt in prompts:
+                reply = http.post("/v1/completions", json=GREEDY | {"prompt": prompt})
+                assert reply.status_code == 200, reply.text
+                assert reply.json()["choices"][0]["text"] == greedy_text(colocated, prompt)
+                cached.append(reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        served = sorted(cluster.service(DecodeService, i).counters["completed"] for i in range(2))
+        if policy == "round-robin":
+            assert served == [2, 2]
+        else:  # every request goes where the shared prefix already is, and hits it there
+            assert served == [0, 4]
+            assert cached[0] == 0 and all(c == 256 for c in cached[1:]), cached
+        cluster.wait_until_idle()
+    finally:
+        stop_cluster(cluster)
+
+
+def test_short_uncached_rest_is_prefilled_on_decode(model_dirs: dict[str, Path], colocated: LLM) -> None:
+    cluster = start_cluster(model_dirs["tiny"], "tcp", 1, 1, pd_threshold=64)
+    short, long = random_prompt(40, seed=1), random_prompt(260, seed=2)
+    try:
+        with httpx.Client(base_url=cluster.router.url, timeout=60) as http:
+            for prompt in (short, long, long):  # the second `long` finds 256 tokens cached on decode
+                reply = http.post("/v1/completions", json=GREEDY | {"prompt": prompt})
+                assert reply.status_code == 200, reply.text
+                assert reply.json()["choices"][0]["text"] == greedy_text(colocated, prompt)
+        assert cluster.pd.counters["prefilled_on_decode"] == 2
+        assert cluster.service(DecodeService).counters["prefilled_locally"] == 2
+        assert cluster.service(PrefillService).counters["handed_off"] == 1
+        cluster.wait_until_idle()
+    finally:
+        stop_cluster(cluster)
