@@ -123,10 +123,17 @@ def test_error_responses_are_counted_by_reason(cluster: Cluster) -> None:
     with httpx.Client(base_url=router, timeout=30) as http:
         assert http.post("/v1/completions", json={"prompt": random_prompt(2000, seed=1)}).status_code == 400
         assert http.post("/v1/completions", json={"prompt": [1, 2], "model": "nope"}).status_code == 404
+        assert http.post("/v1/completions", json={"prompt": [10**9], "max_tokens": 2}).status_code == 400
     after = scrape(router)
-    for code, reason in (("400", "invalid_request"), ("404", "not_found")):
-        name = "pdserve:rejections_total"
-        assert after.value(name, code=code, reason=reason) - before.value(name, code=code, reason=reason) == 1
+    name = "pdserve:rejections_total"
+    for code, reason, count in (("400", "invalid_request", 2), ("404", "not_found", 1)):
+        assert after.value(name, code=code, reason=reason) - before.value(name, code=code, reason=reason) == count
+    # ...and the router's own admission reasons: only the out-of-vocabulary prompt reached its
+    # validation (the handler's length check refuses the too-long one first).
+    name = "pdserve:router_rejections_total"
+    assert after.value(name, reason="invalid") - before.value(name, reason="invalid") == 1
+    assert after.value(name) - before.value(name) == 1
+    assert after.value("pdserve:router_queued_requests") == 0 and after.value("pdserve:router_dispatch_pending") == 0
 
 
 def test_transfer_timeouts_are_counted(model_dirs: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
