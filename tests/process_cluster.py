@@ -166,7 +166,8 @@ class ProcessCluster:
     extra: list[WorkerProcess] = field(default_factory=list)
 
     def stop(self) -> None:
-        self.router.stop()
+        if self.router is not None:
+            self.router.stop()
         for worker in self.prefill + self.decode + self.extra:
             worker.kill(signal.SIGKILL)
             worker.popen.wait(10)

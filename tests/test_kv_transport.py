@@ -417,6 +417,34 @@ def test_flush_and_wait_time_out_on_a_stall() -> None:
     assert_nothing_left(decode.receiver, sender)
 
 
+def test_keepalives_push_the_wait_timeout_back() -> None:
+    """A `touch` (the prefill worker still computing) restarts the no-progress clock; without one
+    the wait times out as usual."""
+    decode = Decode("fake")
+    decode.receiver.expect("r", [1, 2])
+    timeout_s = 0.2
+
+    async def touch_for(duration_s: float) -> None:
+        end = time.monotonic() + duration_s
+        while time.monotonic() < end:
+            decode.receiver.touch("r")
+            await asyncio.sleep(timeout_s / 4)
+
+    async def scenario() -> float:
+        start = time.monotonic()
+        keepalive = asyncio.create_task(touch_for(0.6))
+        with pytest.raises(KVTransferTimeout):
+            await decode.receiver.wait("r", timeout_s)
+        await keepalive
+        return time.monotonic() - start
+
+    elapsed = run(scenario())
+    assert 0.6 + timeout_s - 0.1 <= elapsed < 0.6 + timeout_s + 0.2, elapsed  # touched for 0.6 s, then the timeout
+    decode.receiver.touch("unknown")  # no-op
+    decode.receiver.cancel("r")
+    assert_nothing_left(decode.receiver)
+
+
 # -- the tcp wire itself ---------------------------------------------------------------------------
 def test_tcp_frame_whose_payload_disagrees_with_its_header_is_rejected() -> None:
     """A hand-made frame: the header announces one block's bytes, the frame carries 8 bytes more."""

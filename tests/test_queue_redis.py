@@ -50,11 +50,13 @@ def cluster(model_dirs: dict[str, Path], redis_server: RedisServer,
     queue = ["--queue", redis_server.url]
     decode = [spawn_worker("decode", model_dirs["tiny"], logs, DECODE_FLAGS)]
     prefill = [spawn_worker("prefill", model_dirs["tiny"], logs, PREFILL_FLAGS + queue) for _ in range(2)]
-    wait_healthy(decode + prefill)
-    router = start_router(model_dirs["tiny"], [], decode, queue_url=redis_server.url)
-    cluster = ProcessCluster(prefill, decode, router)
-    yield cluster
-    cluster.stop()
+    cluster = ProcessCluster(prefill, decode, None)  # type: ignore[arg-type]
+    try:
+        wait_healthy(decode + prefill)
+        cluster.router = start_router(model_dirs["tiny"], [], decode, queue_url=redis_server.url)
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +124,23 @@ def test_prefill_sigkill_mid_load_loses_no_request(cluster: ProcessCluster, redi
     check_clean(cluster, redis_server)
 
 
+def test_two_routers_share_one_queue(cluster: ProcessCluster, redis_server: RedisServer, colocated: LLM,
+                                     model_dirs: dict[str, Path]) -> None:
+    second = start_router(model_dirs["tiny"], [], cluster.decode, queue_url=redis_server.url)
+    try:
+        prompts = [random_prompt(40 + 10 * i, seed=4000 + i) for i in range(6)]
+
+        async def run() -> list[httpx.Response]:
+            halves = await asyncio.gather(post_all(cluster.router.url, prompts[:3]), post_all(second.url, prompts[3:]))
+            return halves[0] + halves[1]
+
+        replies = asyncio.run(run())
+        assert [r.json()["choices"][0]["text"] for r in replies] == greedy_texts(colocated, prompts)
+    finally:
+        second.stop()
+    check_clean(cluster, redis_server)
+
+
 def test_poison_job_is_dead_lettered_with_an_error_to_its_client(
         cluster: ProcessCluster, redis_server: RedisServer, model_dirs: dict[str, Path],
         tmp_path: Path) -> None:
@@ -129,8 +148,8 @@ def test_poison_job_is_dead_lettered_with_an_error_to_its_client(
     # twice; the third worker to see it finds it delivered more than --queue-max-deliveries times.
     fresh = [spawn_worker("prefill", model_dirs["tiny"], tmp_path, PREFILL_FLAGS + ["--queue", redis_server.url])
              for _ in range(2)]
+    cluster.prefill.extend(fresh)  # stopped with the cluster, whatever happens
     wait_healthy(fresh)
-    cluster.prefill.extend(fresh)
     live = [w for w in cluster.prefill if w.popen.poll() is None]
     assert len(live) == 3
 

@@ -8,7 +8,8 @@
 Time without progress: the clock starts with the transfer's first payload. Before it the job is
 queued for or computing on a prefill worker, which the router and the queue watch (a lost
 prefill worker's job is prefilled again, as a new attempt: POST /pd/retarget). Once payloads flow,
-a gap of `transfer_timeout_s` is a timeout: the first one asks the router for a new attempt (the
+a gap of `transfer_timeout_s` with neither a payload nor a keepalive (POST /pd/alive: the prefill
+worker is still computing the attempt) is a timeout: the first one asks the router for a new attempt (the
 retry: an OutputFrame with `kv_retry`) and keeps listening to the old one until the new one is
 set; a second timeout applies the failure policy: "recompute" prefills here, "fail" ends the
 request with an error. Each case is counted and logged with the stable message
@@ -113,6 +114,13 @@ class DecodeService:
         self._watchers[request_id] = asyncio.create_task(self._watch(request_id, transfer_id))
         logger.info("request %s: expecting KV from attempt %s", request_id, transfer_id)
         return True
+
+    def touch(self, transfer_ids: list[str]) -> None:
+        """Keepalives from prefill workers: these attempts are still being computed."""
+        current = set(self._transfers.values())
+        for tid in transfer_ids:
+            if tid in current:
+                self.receiver.touch(tid)
 
     async def fail(self, request_id: str, reason: str) -> bool:
         """End a request that is still waiting for its KV with an error (e.g. its prefill job was

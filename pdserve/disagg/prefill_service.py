@@ -2,6 +2,11 @@
 worker's reservation as soon as it is computed, send the first token (and the seeded sampler's
 state) with the final message, then release the blocks once decode acknowledged everything.
 
+While it holds a job, the service tells the job's decode worker every `transfer_timeout_s / 2`
+that the attempt is still being worked on (POST /pd/alive): a KV transfer's time without progress
+counts compute gaps out, which on a CPU can exceed the timeout between two layers of a chunk. It
+stops saying so if the engine thread has not finished a step for `_ENGINE_STUCK_S`.
+
 Each job is one attempt (`job.transfer_id`): the id the engine, the streamer and the transport use
 here, so a retried request never collides with its earlier attempt. `run` returns how the
 hand-off ended (`HandOff`), which is what the router, or the queue consumer, acknowledges.
@@ -13,10 +18,14 @@ right after each layer; the transport moves the bytes on its own I/O thread mean
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
+import time
 from collections import Counter
 from typing import Any
+
+import httpx
 
 from pdserve.disagg.control import HandOff, PrefillJob
 from pdserve.disagg.kv_layout import KVLayout
@@ -31,6 +40,7 @@ from pdserve.logs import bind_request_id
 from pdserve.serving.async_engine import AsyncLLM
 
 logger = logging.getLogger(__name__)
+_ENGINE_STUCK_S = 30.0
 
 
 class PrefillService:
@@ -47,6 +57,9 @@ class PrefillService:
         self._destination: dict[str, KVSender] = {}  # request id -> its decode worker's sender
         self._tasks: dict[str, asyncio.Task[HandOff]] = {}
         self._tokens: dict[str, int] = {}  # transfer id -> prompt tokens still to compute
+        self._decode_urls: dict[str, str] = {}  # transfer id -> the decode worker it streams to
+        self._keepalive: asyncio.Task[None] | None = None
+        self._http: httpx.AsyncClient | None = None
         self.draining = False
         self.consumer: Any = None  # the Redis queue consumer feeding this service, if any
         self.streamer = KVStreamer(layout.block_size, layout.num_layers, self._send_layer)
@@ -102,8 +115,28 @@ class PrefillService:
 
         await self.client.call(start, stream_for=rid, stream=stream, keep_stream=lambda _: True)
         self._tokens[rid] = len(job.prompt_token_ids) - job.num_cached_tokens
+        if job.decode_url:
+            self._decode_urls[rid] = job.decode_url
         task = self._tasks[rid] = asyncio.create_task(self._finish(rid, sender, stream))
+        if self._keepalive is None or self._keepalive.done():
+            self._keepalive = asyncio.create_task(self._keep_alive())
         return task
+
+    async def _keep_alive(self) -> None:
+        """While jobs are in flight: POST /pd/alive {transfer ids} to their decode workers."""
+        if self._http is None:
+            self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.transfer_timeout_s))
+        period_s = self.transfer_timeout_s / 2
+        while self._tasks:
+            await asyncio.sleep(period_s)
+            if time.monotonic() - self.client.last_step_s > _ENGINE_STUCK_S:
+                continue  # a stuck engine must not keep decode waiting forever
+            by_decode: dict[str, list[str]] = {}
+            for tid, url in list(self._decode_urls.items()):
+                by_decode.setdefault(url, []).append(tid)
+            for url, tids in by_decode.items():
+                with contextlib.suppress(httpx.HTTPError):
+                    await self._http.post(f"{url}/pd/alive", json={"transfer_ids": tids})
 
     async def abort(self, transfer_id: str) -> None:
         task = self._tasks.get(transfer_id)
@@ -146,6 +179,7 @@ class PrefillService:
         finally:
             self._tasks.pop(rid, None)
             self._tokens.pop(rid, None)
+            self._decode_urls.pop(rid, None)
             await asyncio.shield(self.client.call(self._cleanup_on_engine(rid)))
 
     def _cleanup_on_engine(self, rid: str):  # type: ignore[no-untyped-def]
@@ -160,6 +194,8 @@ class PrefillService:
         return cleanup
 
     def close(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive.cancel()
         with self._senders_lock:
             for sender in self._senders.values():
                 sender.close()

@@ -6,6 +6,7 @@
     decode:  POST /pd/reserve  ReserveRequest -> ReserveReply | 503 (no room now, or draining) | 400
              POST /pd/prefix   {"prompt_token_ids": [...]} -> {"num_cached_tokens": n} (prefix affinity)
              GET  /pd/stream/{id}  NDJSON OutputFrames until the request finishes
+             POST /pd/alive    {"transfer_ids": [...]}: keepalives from prefill workers computing them
              POST /pd/retarget/{id}  Retarget: expect a new prefill attempt | 404
              POST /pd/prefill_here/{id}  compute the (short) uncached rest here | 404
              POST /pd/fail/{id}  FailJob: end a request still waiting for KV with an error | 404
@@ -106,6 +107,11 @@ def _add_decode_routes(app: FastAPI, service: DecodeService) -> None:
         prompt = body.get("prompt_token_ids") or []
         cached = await service.client.call(lambda e: e.num_cached_prefix_tokens(prompt))
         return JSONResponse({"num_cached_tokens": cached})
+
+    @app.post("/pd/alive")
+    async def alive(body: dict[str, list[str]]) -> JSONResponse:
+        service.touch(body.get("transfer_ids") or [])
+        return JSONResponse({})
 
     @app.post("/pd/retarget/{request_id}")
     async def retarget(request_id: str, body: Retarget) -> Response:

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -70,6 +71,7 @@ class AsyncLLM:
         # Called on the engine thread with every output delivered (and an aborted request's last
         # snapshot): the metrics' observer (serving/metrics.py). Set before requests arrive.
         self.output_listener: Callable[[RequestOutput], None] | None = None
+        self.last_step_s = time.monotonic()  # when the engine thread last finished a step (or idled)
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
         self._thread.start()
 
@@ -140,6 +142,7 @@ class AsyncLLM:
                 for output in self.engine.step():
                     self._deliver(output)
                 self._stats = self.engine.stats()
+                self.last_step_s = time.monotonic()
         except BaseException as exc:  # noqa: BLE001 - any engine failure must reach every waiter
             logger.exception("engine loop failed")
             self._error = exc

@@ -65,8 +65,8 @@ class KVReceiver(abc.ABC):
     - `wait(request_id, timeout_s)` is a coroutine, usable from any event loop and thread: it
       returns the request's next event: one KVProgress per accepted layer payload (in arrival
       order, which over nixl may differ from layer order), then exactly one KVDone or KVRejected,
-      which ends the request. It raises KVTransferTimeout when no event arrives within
-      `timeout_s`, KVTransferError when the request is unknown or gets cancelled. One waiter per
+      which ends the request. It raises KVTransferTimeout when no event (and no `touch`) arrives
+      within `timeout_s`, KVTransferError when the request is unknown or gets cancelled. One waiter per
       request; a request's state is freed after its last event was taken, or on `cancel`.
     - Every implementation runs its network I/O on its own thread (`IoThread`) except the fake,
       which runs in the sender's calling thread. `close()` stops it; the pool is not touched after.
@@ -106,6 +106,11 @@ class KVReceiver(abc.ABC):
 
     async def wait(self, request_id: str, timeout_s: float) -> KVEvent:
         return await self._events.get(request_id, timeout_s)
+
+    def touch(self, request_id: str) -> None:
+        """A keepalive for the request (its prefill worker is still computing it, outside this
+        transport): a `wait` on it counts its timeout from now."""
+        self._events.touch(request_id)
 
     def reserved_request_ids(self) -> frozenset[str]:
         """Requests that still have a reservation or undelivered events (tests: nothing left behind)."""

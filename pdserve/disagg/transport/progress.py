@@ -40,6 +40,7 @@ class EventBox:
         self._lock = threading.Lock()
         self._queues: dict[str, deque[KVEvent]] = {}
         self._waiters: dict[str, concurrent.futures.Future[KVEvent]] = {}
+        self._touched: dict[str, float] = {}  # request id -> when the sender last said it is alive
 
     def open(self, request_id: str) -> None:
         with self._lock:
@@ -47,9 +48,17 @@ class EventBox:
                 raise ValueError(f"request {request_id} already has a transfer with undelivered events")
             self._queues[request_id] = deque()
 
+    def touch(self, request_id: str) -> None:
+        """The sender says the request is still being worked on (a keepalive): a `get` waiting on
+        it counts its timeout from now. No-op for a request with no open box."""
+        with self._lock:
+            if request_id in self._queues:
+                self._touched[request_id] = time.monotonic()
+
     def close(self, request_id: str, reason: str) -> None:
         with self._lock:
             self._queues.pop(request_id, None)
+            self._touched.pop(request_id, None)
             waiter = self._waiters.pop(request_id, None)
         if waiter is not None:
             waiter.set_exception(KVTransferError(f"request {request_id}: {reason}"))
@@ -65,6 +74,7 @@ class EventBox:
                 return
             if isinstance(event, KVDone | KVRejected):
                 del self._queues[rid]
+                self._touched.pop(rid, None)
         waiter.set_result(event)
 
     async def get(self, request_id: str, timeout_s: float) -> KVEvent:
@@ -78,13 +88,21 @@ class EventBox:
                 return self._pop(request_id, queue)
             waiter: concurrent.futures.Future[KVEvent] = concurrent.futures.Future()
             self._waiters[request_id] = waiter
-        if not await _await_future(waiter, timeout_s):  # type: ignore[arg-type]
+        started_s = time.monotonic()
+        while True:
             with self._lock:
+                remaining_s = max(started_s, self._touched.get(request_id, 0.0)) + timeout_s - time.monotonic()
+            if remaining_s > 0 and await _await_future(waiter, remaining_s):  # type: ignore[arg-type]
+                return waiter.result()
+            with self._lock:
+                remaining_s = max(started_s, self._touched.get(request_id, 0.0)) + timeout_s - time.monotonic()
+                if remaining_s > 0 and not waiter.done():
+                    continue  # touched meanwhile: wait on
                 if self._waiters.get(request_id) is waiter:
                     del self._waiters[request_id]
             if not waiter.done():
                 raise KVTransferTimeout(f"{TIMEOUT_MESSAGE}: no event for request {request_id} in {timeout_s:g} s")
-        return waiter.result()
+            return waiter.result()
 
     def request_ids(self) -> frozenset[str]:
         with self._lock:
@@ -94,6 +112,7 @@ class EventBox:
         event = queue.popleft()
         if isinstance(event, KVDone | KVRejected):
             del self._queues[request_id]
+            self._touched.pop(request_id, None)
         return event
 
 

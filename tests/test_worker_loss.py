@@ -1,0 +1,182 @@
+"""Workers as processes behind the router (in-memory prefill queue): SIGTERM drains a worker (what
+it has in flight finishes, it exits 0), SIGKILL of a decode worker mid-stream resumes the request
+on another decode worker with no duplicated and no missing token, and with no decode worker left
+the client gets an in-band error, then [DONE]."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from helpers import random_prompt
+from process_cluster import ProcessCluster, WorkerProcess, spawn_worker, start_router, wait_healthy
+
+from pdserve import LLM, SamplingParams
+from pdserve.disagg.router import Worker
+
+FLAGS = ["--num-kv-blocks", "512", "--max-num-batched-tokens", "16"]
+_EXIT_TIMEOUT_S = 30
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessCluster]:
+    logs = tmp_path_factory.mktemp("logs")
+    decode = [spawn_worker("decode", model_dirs["tiny"], logs, FLAGS) for _ in range(2)]
+    prefill = [spawn_worker("prefill", model_dirs["tiny"], logs, FLAGS) for _ in range(2)]
+    cluster = ProcessCluster(prefill, decode, None)  # type: ignore[arg-type]
+    try:
+        wait_healthy(decode + prefill)
+        cluster.router = start_router(model_dirs["tiny"], prefill, decode)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def colocated(model_dirs: dict[str, Path]) -> LLM:
+    return LLM(model=str(model_dirs["tiny"]), dtype="float32", num_kv_blocks=512)
+
+
+def greedy_text(llm: LLM, prompt: list[int], max_tokens: int) -> str:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].text
+
+
+def busy(workers: list[WorkerProcess]) -> WorkerProcess:
+    """The live worker that has a request in flight (waits for one)."""
+    deadline = time.monotonic() + 20
+    while True:
+        for worker in workers:
+            if worker.popen.poll() is None and worker.stats()["in_flight"]:
+                return worker
+        assert time.monotonic() < deadline, "no worker took the request"
+        time.sleep(0.01)
+
+
+def stream_events(url: str, prompt: list[int], max_tokens: int, on_tokens: int, action) -> list[object]:  # type: ignore[no-untyped-def]
+    """Stream a greedy completion; call `action()` once `on_tokens` text chunks arrived."""
+    events: list[object] = []
+    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.Client(base_url=url, timeout=120) as http, http.stream("POST", "/v1/completions", json=body) as reply:
+        assert reply.status_code == 200
+        chunks = 0
+        for line in reply.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line.removeprefix("data: ")
+            if data == "[DONE]":
+                events.append("[DONE]")
+                continue
+            event = httpx.Response(200, content=data).json()
+            events.append(event)
+            if event.get("choices"):
+                chunks += 1
+                if chunks == on_tokens:
+                    action()
+    return events
+
+
+def text_of(events: list[object]) -> str:
+    return "".join(e["choices"][0]["text"] for e in events if isinstance(e, dict) and e.get("choices"))
+
+
+def test_a_hung_worker_leaves_the_pool_within_seconds_and_comes_back(cluster: ProcessCluster) -> None:
+    def ready(worker: WorkerProcess) -> bool:
+        return next(w.ready for w in cluster.router.client.prefill + cluster.router.client.decode
+                    if w.url == worker.url)
+
+    def wait(worker: WorkerProcess, state: bool) -> float:
+        start = time.monotonic()
+        while ready(worker) != state:
+            assert time.monotonic() - start < 5.0, f"still ready={not state} after 5 s"
+            time.sleep(0.05)
+        return time.monotonic() - start
+
+    hung = cluster.prefill[0]
+    hung.kill(signal.SIGSTOP)
+    try:
+        wait(hung, False)
+        with httpx.Client(base_url=cluster.router.url, timeout=60) as http:  # served by the other one
+            assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    finally:
+        hung.kill(signal.SIGCONT)
+    wait(hung, True)
+    cluster.wait_until_idle()
+
+
+def test_sigterm_drains_a_decode_worker(cluster: ProcessCluster, colocated: LLM, model_dirs: dict[str, Path],
+                                        tmp_path: Path) -> None:
+    prompt = random_prompt(40, seed=11)
+    drained: list[WorkerProcess] = []
+
+    def drain() -> None:
+        victim = busy(cluster.decode)
+        victim.kill(signal.SIGTERM)
+        drained.append(victim)
+
+    events = stream_events(cluster.router.url, prompt, 120, 5, drain)
+    assert text_of(events) == greedy_text(colocated, prompt, 120)  # the request in flight finished
+    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 120
+    assert drained[0].popen.wait(_EXIT_TIMEOUT_S) == 0, drained[0].tail()
+    # the pool goes on without it, and a replacement joins
+    replacement = spawn_worker("decode", model_dirs["tiny"], tmp_path, FLAGS)
+    cluster.decode.append(replacement)  # stopped with the cluster, whatever happens
+    wait_healthy([replacement])
+    cluster.router.client.decode.append(Worker(replacement.url, "decode"))
+    with httpx.Client(base_url=cluster.router.url, timeout=60) as http:
+        for seed in range(3):
+            reply = http.post("/v1/completions", json={"prompt": random_prompt(30, seed=seed), "max_tokens": 4})
+            assert reply.status_code == 200, reply.text
+    cluster.wait_until_idle()
+
+
+def test_sigterm_drains_a_prefill_worker(cluster: ProcessCluster, colocated: LLM) -> None:
+    prompt = random_prompt(900, seed=12)  # 57 steps of 16 tokens: caught mid-prefill
+    with httpx.Client(base_url=cluster.router.url, timeout=120) as http:
+        result: dict[str, httpx.Response] = {}
+        request = threading.Thread(target=lambda: result.setdefault("reply", http.post(
+            "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "ignore_eos": True, "temperature": 0})))
+        request.start()
+        victim = busy(cluster.prefill)
+        victim.kill(signal.SIGTERM)
+        request.join(120)
+    assert result["reply"].status_code == 200, result["reply"].text
+    assert result["reply"].json()["choices"][0]["text"] == greedy_text(colocated, prompt, 6)
+    assert victim.popen.wait(_EXIT_TIMEOUT_S) == 0, victim.tail()
+    cluster.wait_until_idle()
+
+
+def test_decode_sigkill_mid_stream_resumes_on_another_worker(cluster: ProcessCluster, colocated: LLM) -> None:
+    prompt = random_prompt(50, seed=13)
+    resumed_before = cluster.router.client.counters["resumed"]
+    killed: list[WorkerProcess] = []
+
+    def kill() -> None:
+        victim = busy(cluster.decode)
+        victim.kill(signal.SIGKILL)
+        killed.append(victim)
+
+    events = stream_events(cluster.router.url, prompt, 150, 10, kill)
+    assert text_of(events) == greedy_text(colocated, prompt, 150)  # nothing missing, nothing twice
+    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 150
+    assert cluster.router.client.counters["resumed"] == resumed_before + 1
+    killed[0].popen.wait(10)
+    cluster.wait_until_idle()
+
+
+def test_no_decode_worker_left_is_an_in_band_error_then_done(cluster: ProcessCluster) -> None:
+    def kill_all() -> None:
+        for worker in cluster.decode:
+            worker.kill(signal.SIGKILL)
+
+    events = stream_events(cluster.router.url, random_prompt(20, seed=14), 150, 3, kill_all)
+    assert events[-1] == "[DONE]"
+    error = events[-2]
+    assert isinstance(error, dict) and "error" in error, events[-3:]
+    assert error["error"]["code"] in (502, 503)
