@@ -136,8 +136,10 @@ def _serve(ns: argparse.Namespace) -> int:
 
 def _run_server(app: object, ns: argparse.Namespace, access_log: bool = True,
                 on_exit: Callable[[], None] | None = None) -> None:
+    # NOTE: log_config=None: uvicorn's records go to the root handler (configure_logging: text or
+    # JSON lines, request id), not to uvicorn's own formatters.
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower(),  # type: ignore[arg-type]
-                            access_log=access_log)
+                            access_log=access_log, log_config=None)
     # NOTE: uvicorn re-raises the signal that stopped it once it has shut down gracefully; with
     # no-op handlers installed first, that ends here and the process exits 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -218,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-format", default="text", choices=["text", "json"],
+                        help="text lines, or one JSON object per line (time, level, logger, request_id, message)")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="OpenAI-compatible server (colocated prefill + decode)")
     serve.add_argument("--host", default="127.0.0.1")
@@ -268,8 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         return run(ns, flags)
     if extra:
         build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
-    logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # the router polls workers twice a second
+    from pdserve.logs import configure_logging
+
+    configure_logging(ns.log_level, ns.log_format)
     return int(ns.func(ns))
 
 

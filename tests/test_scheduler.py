@@ -292,3 +292,22 @@ def test_randomized_workload_against_kv_oracle(config: str) -> None:
         assert scheduler.kv.num_prefix_hits > 0
     assert scheduler.num_preemptions > 0
     assert_scheduler_clean(scheduler)
+
+
+def test_block_shortages_are_counted_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """`No available block` on a refused reservation and on a preemption (one line a second at
+    most; the counter sees every event); `Cannot allocate for request` for one that never fits."""
+    scheduler = make_scheduler(num_blocks=4, block_size=4)
+    with pytest.raises(ValueError, match="Cannot allocate for request big"):
+        scheduler.add_request(make_request("big", 10, max_tokens=10))
+    assert scheduler.num_cannot_allocate == 1
+    assert scheduler.reserve_remote(make_request("r1", 12, max_tokens=1))
+    assert not scheduler.reserve_remote(make_request("r2", 8, max_tokens=1))
+    assert not scheduler.reserve_remote(make_request("r3", 8, max_tokens=1))
+    assert scheduler.num_no_available_block == 2
+    lines = [r for r in caplog.records if r.getMessage().startswith("No available block")]
+    # the second refusal came within the same second: counted, not logged
+    assert len(lines) == 1 and lines[0].__dict__.get("request_id") == "r2"
+    assert any(r.getMessage().startswith("Cannot allocate for request big") for r in caplog.records)
+    scheduler.abort("r1")
+    assert_scheduler_clean(scheduler)

@@ -105,6 +105,15 @@ class WorkerInfo(BaseModel):
     draining: bool = False
 
 
+class PhaseDurations(BaseModel):
+    """decode -> router, on a request's first output frame: the TTFT phases the workers measured
+    (see disagg/phases.py)."""
+
+    prefill_queue_s: float
+    prefill_compute_s: float
+    first_decode_step_s: float
+
+
 class OutputFrame(BaseModel):
     """decode -> router, one NDJSON line per engine output (cumulative, like RequestOutput)."""
 
@@ -116,6 +125,7 @@ class OutputFrame(BaseModel):
     error: str | None = None
     # decode -> router: the transfer made no progress for a timeout; prefill it again (new attempt)
     kv_retry: bool = False
+    phases: PhaseDurations | None = None  # first frame with tokens only, when the KV came from prefill
 
     @classmethod
     def of(cls, output: RequestOutput) -> OutputFrame:

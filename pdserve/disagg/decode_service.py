@@ -26,11 +26,13 @@ from functools import partial
 from typing import Literal
 
 from pdserve.disagg.control import OutputFrame, ReserveReply, ReserveRequest
+from pdserve.disagg.phases import TransferMeter, generator_state_of
 from pdserve.disagg.transport.base import KVReceiver
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.disagg.transport.messages import KVDone, KVRejected
 from pdserve.engine.llm_engine import LLMEngine, RemoteReservation
 from pdserve.engine.output import RequestOutput
+from pdserve.logs import bind_request_id
 from pdserve.serving.async_engine import AsyncLLM
 
 logger = logging.getLogger(__name__)
@@ -60,6 +62,7 @@ class DecodeService:
         self._transfers: dict[str, str] = {}  # request id -> the transfer id the receiver expects
         self._watchers: dict[str, asyncio.Task[None]] = {}
         self._retried: set[str] = set()  # requests that already asked for their one retry
+        self.transfers = TransferMeter(receiver.layout)  # per-transfer duration/bytes, TTFT phases
 
     @property
     def num_in_flight(self) -> int:
@@ -69,6 +72,7 @@ class DecodeService:
         """None when the pool has no room now (or the worker drains). Raises ValueError for a
         request that can never run."""
         rid, tid, prompt, params = body.request_id, body.transfer_id, body.prompt_token_ids, body.params.build()
+        bind_request_id(rid)
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already reserved")
         if self.draining:
@@ -95,6 +99,7 @@ class DecodeService:
     def retarget(self, request_id: str, transfer_id: str) -> bool:
         """Expect a new attempt's KV (same blocks); the current attempt is cancelled. False when
         the request is not waiting for KV any more (finished, aborted, or already recomputing)."""
+        bind_request_id(request_id)  # the new watcher's log lines name the request
         old = self._transfers.get(request_id)
         if old is None:
             return False
@@ -152,7 +157,7 @@ class DecodeService:
                     yield OutputFrame(error=str(item), finish_reason="abort")
                     return
                 finished = item.finished
-                yield OutputFrame.of(item)
+                yield self.transfers.annotate(request_id, OutputFrame.of(item))
         finally:
             if not finished:
                 self.client.abort(request_id)
@@ -178,6 +183,7 @@ class DecodeService:
         self._streams.pop(request_id, None)
         self._blocks.pop(request_id, None)
         self._retried.discard(request_id)
+        self.transfers.forget(request_id)
 
     async def _watch(self, rid: str, tid: str) -> None:
         started = False
@@ -186,6 +192,7 @@ class DecodeService:
                 # NOTE: no transfer clock before the first payload: the job may be queued for, or
                 # computing on, a prefill worker; the router and the queue watch those.
                 event = await self.receiver.wait(tid, self.transfer_timeout_s if started else _LIVENESS_POLL_S)
+                self.transfers.on_event(rid, event)
             except KVTransferTimeout:
                 if not started:
                     continue
@@ -239,4 +246,4 @@ _LIVENESS_POLL_S = 1.0
 
 
 def _complete(engine: LLMEngine, rid: str, done: KVDone) -> RequestOutput:
-    return engine.complete_remote(rid, done.first_token_id, done.extra or None)
+    return engine.complete_remote(rid, done.first_token_id, generator_state_of(done.extra))

@@ -30,11 +30,13 @@ import httpx
 from pdserve.disagg.control import HandOff, PrefillJob
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.kv_streamer import KVStreamer
+from pdserve.disagg.phases import pack_done_extra
 from pdserve.disagg.transport import make_sender
 from pdserve.disagg.transport.base import KVSender
 from pdserve.disagg.transport.errors import KVTransferError
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.output import RequestOutput
+from pdserve.logs import bind_request_id
 from pdserve.serving.async_engine import AsyncLLM
 
 logger = logging.getLogger(__name__)
@@ -92,6 +94,7 @@ class PrefillService:
     async def submit(self, job: PrefillJob) -> asyncio.Task[HandOff]:
         """Accept a job: raises ValueError (bad job) or KVLayoutMismatch/KVTransferError (decode
         worker unusable) before anything is computed. The task ends with the hand-off."""
+        bind_request_id(job.request_id)
         params = job.params.build()
         rid = job.transfer_id
         if rid in self._tasks:
@@ -162,7 +165,7 @@ class PrefillService:
                 return HandOff(transfer_id=rid, status="aborted")
             self._tokens.pop(rid, None)
             state = await self.client.call(lambda e: e.generator_state(e.scheduler.held[rid]))
-            sender.send_done(rid, final.outputs[0].token_ids[0], state or b"")
+            sender.send_done(rid, final.outputs[0].token_ids[0], pack_done_extra(state, final.metrics))
             await sender.flush(rid, self.transfer_timeout_s)
             self.counters["handed_off"] += 1
             return HandOff(transfer_id=rid, status="handed_off")

@@ -49,6 +49,7 @@ from pdserve.disagg.control import (
     WorkerInfo,
     transfer_id,
 )
+from pdserve.disagg.phases import RequestTrace, current_trace
 from pdserve.disagg.queue import PrefillQueue, QueueUnavailable, next_attempt
 from pdserve.engine.llm_engine import check_request
 from pdserve.engine.output import CompletionOutput, RequestOutput
@@ -93,6 +94,7 @@ class _Dispatch:
     worker: Worker | None = None
     cancelled: bool = False
     refusal: OpenAIError | None = None  # the prefill worker refused the job (its status and message)
+    trace: RequestTrace = field(default_factory=current_trace)  # the request's TTFT phases (metrics)
 
 
 class MemoryDispatcher:
@@ -147,6 +149,7 @@ class MemoryDispatcher:
                     continue
                 self._pending.remove(item)
                 item.worker = worker
+                item.trace.mark_left_router()
                 worker.in_flight += 1
                 worker.in_flight_tokens += item.num_tokens
                 task = asyncio.create_task(self._push(item, worker))
@@ -375,6 +378,7 @@ class PDClient:
         try:
             if len(prompt) - reply.num_cached_tokens < self.pd_threshold:
                 self.counters["prefilled_on_decode"] += 1
+                current_trace().mark_left_router()
                 answer = await self.post(decode, f"/pd/prefill_here/{rid}", {})
                 if answer is None or answer.status_code != HTTPStatus.OK:
                     raise _DecodeLost(f"decode worker {decode.url} did not take the prefill")
@@ -392,6 +396,8 @@ class PDClient:
                     if dispatch is not None and dispatch.refusal is not None:
                         raise dispatch.refusal
                     raise OpenAIError(frame.error, HTTPStatus.SERVICE_UNAVAILABLE)
+                if frame.phases is not None:
+                    current_trace().record(frame.phases)
                 output = _request_output(rid, prompt, frame)
                 finished = output.finished
                 yield output
@@ -407,6 +413,7 @@ class PDClient:
             return self._dispatcher.submit(job)
         try:
             await self.queue.put(job)
+            current_trace().mark_left_router()
         except QueueUnavailable as exc:
             self.queue_error = str(exc)
             self._reject("queue_unavailable", str(exc), HTTPStatus.SERVICE_UNAVAILABLE)
@@ -534,7 +541,7 @@ def create_router_app(client: PDClient, model_name: str) -> FastAPI:
             watcher.cancel()
             await client.close()
 
-    app = create_app(client, model_name, lifespan)
+    app = create_app(client, model_name, lifespan, role="router")
 
     @app.get("/workers")
     async def workers() -> list[dict[str, object]]:

@@ -42,6 +42,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.serving.app import Lifespan
 from pdserve.serving.async_engine import AsyncLLM
 from pdserve.serving.errors import EXCEPTION_HANDLERS, error_response
+from pdserve.serving.metrics import instrument_engine_app
 
 if TYPE_CHECKING:
     from pdserve.disagg.queue.redis_streams import RedisJobConsumer
@@ -52,6 +53,7 @@ def create_worker_app(client: AsyncLLM, role: Role, model_name: str, layout: KVL
     app = FastAPI(title=f"pdserve {role} worker", exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
                   lifespan=lifespan)
     kv_address = service.receiver.address if isinstance(service, DecodeService) else None
+    instrument_engine_app(app, client, model_name, role, service)  # GET /metrics (serving/metrics.py)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -36,6 +36,12 @@ class EngineStats:
     num_prefix_query_tokens: int
     num_prefix_hit_tokens: int
     num_evictions: int
+    num_no_available_block: int  # preemptions for lack of blocks + refused reservations
+    num_cannot_allocate: int  # requests refused because they could never fit the pool
+    num_remote_waiting: int  # decode role: reservations waiting for their KV
+    num_prefill_tokens: int  # prompt tokens computed here (prefix hits and received KV excluded)
+    num_batch_prefill_requests: int  # the last step's batch: requests with a prefill chunk
+    num_batch_prefill_tokens: int  # ... and the tokens of those chunks
     num_steps: int
     schedule_time_s: float  # total time in schedule() + update() bookkeeping
     step_time_s: float  # total wall time of steps
@@ -87,6 +93,8 @@ class LLMEngine:
         self._num_steps = 0
         self._schedule_time_s = 0.0
         self._step_time_s = 0.0
+        self._num_prefill_tokens = 0
+        self._last_prefill_batch = (0, 0)  # (requests, tokens) with a prefill chunk in the last step
         self.layer_observer: LayerObserver | None = None
 
     @classmethod
@@ -215,6 +223,7 @@ class LLMEngine:
         if out.is_empty:
             return []
         scheduled = time.perf_counter()
+        self._count_prefill(out.chunks)
         observer = self.layer_observer
         layer_done = None if observer is None else (lambda layer: observer(layer, out.chunks))
         sampled = self.runner.execute(out, layer_done)
@@ -226,6 +235,13 @@ class LLMEngine:
         self._schedule_time_s += (scheduled - start) + (done - executed)
         self._step_time_s += done - start
         return outputs
+
+    def _count_prefill(self, chunks: list[ScheduledChunk]) -> None:
+        # NOTE: a chunk below the prompt's end is prefill; so is recomputation after preemption,
+        # whose num_computed_tokens restarted at 0.
+        prefill = [c.num_new_tokens for c in chunks if c.request.num_computed_tokens < c.request.num_prompt_tokens]
+        self._last_prefill_batch = (len(prefill), sum(prefill))
+        self._num_prefill_tokens += sum(prefill)
 
     def _new_state(self, request_id: str, prompt_text: str | None, token_ids: list[int], params: SamplingParams,
                    arrival_time: float) -> RequestState:
@@ -247,6 +263,8 @@ class LLMEngine:
             if request.status.finished:
                 state.finish(index, request.status, request.stop_reason)
                 del self._children[request.request_id]
+            if state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = request.first_scheduled_time
             if request.num_cached_tokens:
                 state.num_cached_tokens = request.num_cached_tokens
             touched[state.request_id] = state
@@ -263,6 +281,8 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         kv = self.scheduler.kv
+        # NOTE: "current batch" means now: an idle engine has none, whatever its last step was.
+        batch = self._last_prefill_batch if self.has_runnable_requests() else (0, 0)
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -274,6 +294,12 @@ class LLMEngine:
             num_prefix_query_tokens=kv.num_prefix_queries,
             num_prefix_hit_tokens=kv.num_prefix_hits,
             num_evictions=kv.pool.num_evictions,
+            num_no_available_block=self.scheduler.num_no_available_block,
+            num_cannot_allocate=self.scheduler.num_cannot_allocate,
+            num_remote_waiting=len(self.scheduler.remote),
+            num_prefill_tokens=self._num_prefill_tokens,
+            num_batch_prefill_requests=batch[0],
+            num_batch_prefill_tokens=batch[1],
             num_steps=self._num_steps,
             schedule_time_s=self._schedule_time_s,
             step_time_s=self._step_time_s,

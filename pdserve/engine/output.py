@@ -27,7 +27,10 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestMetrics:
+    """Monotonic timestamps of one request in this engine (serving/metrics turns them into histograms)."""
+
     arrival_time: float
+    first_scheduled_time: float | None = None  # left the waiting queue (decode role: blocks reserved)
     first_token_time: float | None = None
     finished_time: float | None = None
 

@@ -10,6 +10,7 @@ Integer bookkeeping only. Each step:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -18,6 +19,9 @@ from dataclasses import dataclass, field
 from pdserve.config import CacheConfig, SchedulerConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+_NO_BLOCK_LOG_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,12 +60,18 @@ class Scheduler:
         self.remote: dict[str, Request] = {}  # decode role: reserved, awaiting KV from prefill
         self.held: dict[str, Request] = {}  # prefill role: finished, blocks kept until released
         self.num_preemptions = 0
+        self.num_no_available_block = 0  # events logged as "No available block" (alert rules match it)
+        self.num_cannot_allocate = 0  # requests refused as "Cannot allocate for request" (never fit)
+        self._no_block_logged_at = float("-inf")
 
     def _check_fits(self, request: Request) -> None:
         needed = -(-request.max_total_tokens // self.kv.block_size)
         if needed > self.kv.pool.num_blocks:
-            raise ValueError(f"Cannot allocate for request {request.request_id}: it may need {needed} KV blocks, "
-                             f"the pool has {self.kv.pool.num_blocks}")
+            message = (f"Cannot allocate for request {request.request_id}: it may need {needed} KV blocks, "
+                       f"the pool has {self.kv.pool.num_blocks}")
+            self.num_cannot_allocate += 1
+            logger.warning(message, extra={"request_id": request.request_id})
+            raise ValueError(message)
 
     def add_request(self, request: Request) -> None:
         self._check_fits(request)
@@ -101,6 +111,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.num_preemptions += 1
+        self._no_available_block(request, f"preempting it ({self.config.preemption_mode})")
         request.num_preemptions += 1
         # NOTE: victims come off the tail of `running`, which this step has not scheduled yet.
         out.preempted_ids.append(request.request_id)
@@ -114,6 +125,19 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
+
+    def _no_available_block(self, request: Request, action: str) -> None:
+        """Count and log the stable message `No available block` (alert rules match it). At most one
+        line a second: under pressure this happens every step, and the router retries refused
+        reservations every 50 ms; the counter (`pdserve:no_available_block_total`) sees them all."""
+        self.num_no_available_block += 1
+        now = time.monotonic()
+        if now - self._no_block_logged_at < _NO_BLOCK_LOG_INTERVAL_S:
+            return
+        self._no_block_logged_at = now
+        logger.warning("No available block for request %s: %d of %d KV blocks free; %s (%d such events so far)",
+                       request.request_id, self.kv.pool.num_free_blocks, self.kv.pool.num_blocks, action,
+                       self.num_no_available_block, extra={"request_id": request.request_id})
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -212,6 +236,7 @@ class Scheduler:
         request.num_computed_tokens = len(hits) * self.kv.block_size
         if not self.kv.allocate(request, request.num_prompt_tokens - request.num_computed_tokens, hits):
             request.num_computed_tokens = 0
+            self._no_available_block(request, "reservation refused")
             return False
         request.num_cached_tokens = request.num_computed_tokens
         request.first_scheduled_time = time.monotonic()

@@ -47,7 +47,8 @@ def _threads_per_worker(num_workers: int) -> int:
 def launch(ns: argparse.Namespace, engine_flags: list[str]) -> list[Process]:
     """Start every process; the router last, so it finds its workers."""
     threads = str(_threads_per_worker(ns.prefill + ns.decode))
-    common = ["--log-level", ns.log_level, "serve", "--num-threads", threads, *engine_flags]
+    logs = ["--log-level", ns.log_level, "--log-format", ns.log_format]
+    common = [*logs, "serve", "--num-threads", threads, *engine_flags]
     if ns.kv_transport:
         common += ["--kv-transport", ns.kv_transport]
     queue = ["--queue", ns.queue, "--queue-deployment", ns.queue_deployment]
@@ -60,7 +61,7 @@ def launch(ns: argparse.Namespace, engine_flags: list[str]) -> list[Process]:
                 role_args += [*queue, "--queue-claim-idle-s", str(ns.queue_claim_idle_s),
                               "--queue-max-deliveries", str(ns.queue_max_deliveries)]
             processes.append(_spawn(f"{role}-{index}", [*common, *role_args], port))
-    router_args = ["--log-level", ns.log_level, "router", "--port", str(ns.port),
+    router_args = [*logs, "router", "--port", str(ns.port),
                    "--prefill", *[p.url for p in processes if p.name.startswith("prefill")],
                    "--decode", *[p.url for p in processes if p.name.startswith("decode")], *queue,
                    "--decode-policy", ns.decode_policy, "--pd-threshold", str(ns.pd_threshold),

@@ -5,23 +5,34 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from pdserve.logs import bind_request_id
+from pdserve.serving.async_engine import AsyncLLM
 from pdserve.serving.chat import ChatHandler
 from pdserve.serving.completions import CompletionHandler
+from pdserve.serving.dashboard import install_dashboard
 from pdserve.serving.engine_client import EngineClient
 from pdserve.serving.errors import EXCEPTION_HANDLERS, OpenAIError
+from pdserve.serving.metrics import instrument_engine_app, instrument_router_app
 from pdserve.serving.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from pdserve.serving.sse import sse_stream, started, unless_disconnected
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
 
-def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None = None) -> FastAPI:
+def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None = None,
+               role: Literal["colocated", "router"] = "colocated") -> FastAPI:
+    """`role="router"`: `client` is the PD router's; adds its metrics and the live dashboard."""
     app = FastAPI(title="pdserve", exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)  # type: ignore[arg-type]
+    if role == "router":
+        client, metrics = instrument_router_app(app, client, model_name)
+        install_dashboard(app, metrics, client.inner)
+    elif isinstance(client, AsyncLLM):
+        instrument_engine_app(app, client, model_name, "colocated")
     completions = CompletionHandler(client, model_name)
     chat = ChatHandler(client, model_name)
 
@@ -33,6 +44,7 @@ def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None 
     async def respond(handler: CompletionHandler | ChatHandler, body: Any, raw: Request) -> Any:
         check_model(body.model)
         request_id, jobs = handler.prepare(body)
+        bind_request_id(request_id)
         if body.stream:
             # NOTE: the first chunk is awaited before the response starts, so an error until then
             # (queue full, no worker, no KV room) still gets its own HTTP status, not a 200.

@@ -68,6 +68,9 @@ class AsyncLLM:
         self._streams: dict[str, _Add | _Call] = {}
         self._error: BaseException | None = None
         self._stats = engine.stats()
+        # Called on the engine thread with every output delivered (and an aborted request's last
+        # snapshot): the metrics' observer (serving/metrics.py). Set before requests arrive.
+        self.output_listener: Callable[[RequestOutput], None] | None = None
         self.last_step_s = time.monotonic()  # when the engine thread last finished a step (or idled)
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
         self._thread.start()
@@ -159,8 +162,10 @@ class AsyncLLM:
             if item is None:
                 return False
             if isinstance(item, _Abort):
-                self.engine.abort_request(item.request_id)
+                aborted = self.engine.abort_request(item.request_id)
                 self._streams.pop(item.request_id, None)
+                if aborted is not None and self.output_listener is not None:
+                    self.output_listener(aborted)
                 continue
             if isinstance(item, _Call):
                 self._run_call(item)
@@ -185,6 +190,8 @@ class AsyncLLM:
         call.loop.call_soon_threadsafe(_set_result, call.future, result)
 
     def _deliver(self, output: RequestOutput) -> None:
+        if self.output_listener is not None:
+            self.output_listener(output)
         add = self._streams.get(output.request_id)
         if add is None:
             return

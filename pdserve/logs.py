@@ -1,0 +1,72 @@
+"""Logging setup: the request id on every record that concerns a request, text or JSON lines.
+
+A request id reaches a record in one of two ways:
+  - `bind_request_id(rid)` in the asyncio task that handles the request (HTTP handler, prefill job,
+    decode reservation); tasks it creates inherit it, since asyncio copies the context;
+  - `extra={"request_id": rid}` on the call, for code that runs for many requests at once (the
+    engine thread's scheduler).
+Records that concern no request carry `request_id = "-"`.
+
+Alert rules match stable message prefixes, so keep these texts as they are:
+`KV cache transfer timed out`, `No available block`, `Cannot allocate for request`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import time
+from typing import Literal
+
+LogFormat = Literal["text", "json"]
+
+_request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("pdserve_request_id", default=None)
+_TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"
+
+
+def bind_request_id(request_id: str) -> None:
+    """Every record logged from this task (and the tasks it creates from now on) names `request_id`."""
+    _request_id.set(request_id)
+
+
+def current_request_id() -> str | None:
+    return _request_id.get()
+
+
+class RequestIdFilter(logging.Filter):
+    """Sets `record.request_id`, unless the call passed one in `extra`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "request_id", None) is None:
+            record.request_id = _request_id.get() or "-"
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time (RFC 3339, UTC), level, logger, request_id, message[, exc]."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "request_id": getattr(record, "request_id", "-"),
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def configure_logging(level: str = "INFO", log_format: LogFormat = "text") -> None:
+    """Root handler for the process (CLI entry points call this once)."""
+    handler = logging.StreamHandler()
+    handler.addFilter(RequestIdFilter())
+    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(_TEXT_FORMAT))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # the router polls workers twice a second

@@ -1,0 +1,96 @@
+"""The router's live page: `GET /dashboard` (one self-contained HTML file, no external resources)
+polls `GET /dashboard/data`, which this module assembles from the router's own metrics and each
+worker's `/metrics` (scraped on demand, 1 s timeout each, so a dead worker shows as unreachable
+instead of stalling the page). Rates (tokens/s, bytes/s) are computed by the page from successive
+counter readings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+from fastapi.responses import HTMLResponse
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.serving.metrics import ServerMetrics
+
+_PAGE = Path(__file__).with_name("dashboard.html")
+_SCRAPE_TIMEOUT_S = 1.0
+# Worker series the page shows: sample name -> key in the JSON (summed over label sets).
+_WORKER_SERIES = {
+    "vllm:num_requests_running": "num_running",
+    "vllm:num_requests_waiting": "num_waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:prompt_tokens_total": "prompt_tokens_total",
+    "vllm:generation_tokens_total": "generation_tokens_total",
+    "pdserve:prefill_tokens_total": "prefill_tokens_total",
+    "pdserve:kv_transfer_bytes_total": "kv_transfer_bytes_total",
+    "pdserve:kv_transfer_timeouts_total": "kv_transfer_timeouts_total",
+    "vllm:num_preemptions_total": "num_preemptions_total",
+}
+
+
+def percentiles_ms(values: list[float]) -> dict[str, float | None]:
+    """Nearest-rank P50/P90/P99 of recent latencies, in milliseconds."""
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    ordered = sorted(values)
+
+    def rank(q: float) -> float:
+        return round(1000 * ordered[min(len(ordered) - 1, max(0, int(q * len(ordered) + 0.999999) - 1))], 3)
+
+    return {"p50": rank(0.5), "p90": rank(0.9), "p99": rank(0.99)}
+
+
+def parse_worker_metrics(text: str) -> dict[str, float]:
+    values = dict.fromkeys(_WORKER_SERIES.values(), 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = _WORKER_SERIES.get(sample.name)
+            if key is not None:
+                values[key] += sample.value
+    return values
+
+
+def install_dashboard(app: FastAPI, metrics: ServerMetrics, pd_client: Any) -> None:
+    """`pd_client` lists the pool (`workers()`: role, url, ready)."""
+
+    def router_value(name: str) -> float:
+        return metrics.registry.get_sample_value(name, metrics.labels) or 0.0
+
+    async def scrape(http: httpx.AsyncClient, worker: dict[str, Any]) -> dict[str, Any]:
+        entry = {"role": worker["role"], "url": worker["url"], "ready": worker["ready"], "reachable": False}
+        try:
+            reply = await http.get(f"{worker['url']}/metrics")
+            reply.raise_for_status()
+        except httpx.HTTPError:
+            return entry
+        return entry | {"reachable": True} | parse_worker_metrics(reply.text)
+
+    @app.get("/dashboard", include_in_schema=False)
+    async def dashboard() -> HTMLResponse:
+        return HTMLResponse(_PAGE.read_text(encoding="utf-8"))
+
+    @app.get("/dashboard/data", include_in_schema=False)
+    async def dashboard_data() -> dict[str, Any]:
+        async with httpx.AsyncClient(timeout=_SCRAPE_TIMEOUT_S) as http:
+            workers = await asyncio.gather(*(scrape(http, w) for w in pd_client.workers()))
+        return {
+            "time": time.time(),
+            "model": metrics.model_name,
+            "router": {
+                "num_running": router_value("vllm:num_requests_running"),
+                "num_waiting": router_value("vllm:num_requests_waiting"),
+                "prompt_tokens_total": router_value("vllm:prompt_tokens_total"),
+                "generation_tokens_total": router_value("vllm:generation_tokens_total"),
+                "finished_requests_total": router_value("vllm:e2e_request_latency_seconds_count"),
+                "ttft_ms": percentiles_ms(list(metrics.recent_ttft_s)),
+                "tpot_ms": percentiles_ms(list(metrics.recent_tpot_s)),
+            },
+            "workers": list(workers),
+        }

@@ -1,0 +1,454 @@
+"""The one place where pdserve's plain stats become Prometheus metrics (`GET /metrics`).
+
+Every server (router, colocated, prefill, decode) gets its own `CollectorRegistry` (tests run
+several servers in one process) and labels every series with `model_name` and `role`. Two kinds:
+
+  - histograms and live counters, observed as requests produce outputs (`RequestObserver`): on
+    workers from the engine thread's deliveries (`AsyncLLM.output_listener`), on the router from
+    the outputs the client receives (`ObservedClient`), so the router's latencies are the client's;
+  - gauges and running totals read from `EngineStats` / service counters at scrape time
+    (`_StatsCollector`): nothing to keep in sync, and a scrape never touches the engine thread.
+
+Names and units follow vLLM (`vllm:*`); disaggregation-specific series use `pdserve:*`. The README's
+"Metrics" section lists them all; `deploy/observability/` queries them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from fastapi import FastAPI
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from pdserve.disagg.phases import RequestTrace, TransferRecord, start_trace
+from pdserve.engine.llm_engine import EngineStats
+from pdserve.engine.output import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.serving.engine_client import EngineClient
+from pdserve.tokenizer import Tokenizer
+
+ServerRole = Literal["router", "colocated", "prefill", "decode"]
+
+# vLLM's buckets (seconds), so dashboards built for vLLM read pdserve the same way.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0, 1920.0, 7680.0)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BYTES_BUCKETS = tuple(float(4**k) for k in range(5, 18))  # 1 KiB .. 16 GiB
+THROUGHPUT_BUCKETS = tuple(float(10**k) for k in range(5, 12))  # 100 kB/s .. 100 GB/s
+TTFT_PHASES = ("router_queue", "prefill_queue", "prefill_compute", "transfer", "first_decode_step")
+_RECENT = 512  # latencies kept for the live dashboard's percentiles
+_MAX_TRACKED = 65536  # bound on per-request state (requests whose end was never observed)
+
+
+class ServiceCounters(Protocol):
+    """PrefillService / DecodeService: what the metrics read from them."""
+
+    @property
+    def counters(self) -> Mapping[str, int]: ...
+
+
+class ServerMetrics:
+    """The metric objects of one server; `registry` is what `GET /metrics` renders."""
+
+    def __init__(self, model_name: str, role: ServerRole) -> None:
+        self.model_name, self.role = model_name, role
+        self.registry = CollectorRegistry()
+        labels = ["model_name", "role"]
+        self.labels = {"model_name": model_name, "role": role}
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(**self.labels)
+
+        def count(name: str, doc: str) -> Any:
+            return Counter(name, doc, labels, registry=self.registry).labels(**self.labels)
+
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token (s)", TTFT_BUCKETS)
+        self.itl = hist("vllm:inter_token_latency_seconds", "Time between successive outputs of a request (s)",
+                        ITL_BUCKETS)
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Arrival to last token of finished requests (s)",
+                        REQUEST_BUCKETS)
+        self.queue = hist("vllm:request_queue_time_seconds",
+                          "Arrival to first scheduled (router: until the prefill job leaves the router) (s)",
+                          QUEUE_BUCKETS)
+        self.prompt_tokens = count("vllm:prompt_tokens", "Prompt tokens of requests that produced a first token")
+        self.generation_tokens = count("vllm:generation_tokens", "Generated tokens")
+        self.rejections = Counter("pdserve:rejections", "Error responses by HTTP status and reason",
+                                  [*labels, "code", "reason"], registry=self.registry)
+        if role in ("prefill", "colocated"):
+            self.prefill_queue = hist("pdserve:prefill_queue_time_seconds",
+                                      "Prefill: job arrival to first scheduled (s)", QUEUE_BUCKETS)
+        if role in ("decode", "colocated"):
+            self.tpot = hist("pdserve:decode_time_per_output_token_seconds",
+                             "Decode: (last token - first token) / (tokens - 1) of finished requests (s)",
+                             ITL_BUCKETS)
+        if role == "decode":
+            self.transfer_s = hist("pdserve:kv_transfer_duration_seconds",
+                                   "KV hand-off: first payload received to the final message (s)", TRANSFER_BUCKETS)
+            self.transfer_bytes = hist("pdserve:kv_transfer_size_bytes", "KV bytes received per hand-off",
+                                       BYTES_BUCKETS)
+            self.transfer_bytes_total = count("pdserve:kv_transfer_bytes", "KV bytes received")
+            self.transfer_rate = hist("pdserve:kv_transfer_throughput_bytes_per_second",
+                                      "Bytes / duration of each hand-off that moved any", THROUGHPUT_BUCKETS)
+        if role == "router":
+            phases = Histogram("pdserve:ttft_phase_seconds",
+                               "TTFT breakdown per request: router_queue, prefill_queue, prefill_compute, "
+                               "transfer (rest: hand-off tail + hops), first_decode_step (s)",
+                               [*labels, "phase"], buckets=TTFT_BUCKETS, registry=self.registry)
+            self.phases = {p: phases.labels(**self.labels, phase=p) for p in TTFT_PHASES}
+        self.recent_ttft_s: deque[float] = deque(maxlen=_RECENT)
+        self.recent_tpot_s: deque[float] = deque(maxlen=_RECENT)
+
+    def observe_transfer(self, record: TransferRecord) -> None:
+        self.transfer_s.observe(record.duration_s)
+        self.transfer_bytes.observe(record.num_bytes)
+        self.transfer_bytes_total.inc(record.num_bytes)
+        if record.num_bytes and record.duration_s > 0:
+            self.transfer_rate.observe(record.num_bytes / record.duration_s)
+
+    def observe_phases(self, trace: RequestTrace, ttft_s: float) -> None:
+        if trace.left_router_time is None or trace.phases is None:
+            return  # no KV hand-off (e.g. decode recomputed the prompt): no breakdown
+        router_queue = trace.left_router_time - trace.arrival_time
+        p = trace.phases
+        rest = ttft_s - router_queue - p.prefill_queue_s - p.prefill_compute_s - p.first_decode_step_s
+        for phase, value in zip(TTFT_PHASES, (router_queue, p.prefill_queue_s, p.prefill_compute_s, max(0.0, rest),
+                                              p.first_decode_step_s), strict=True):
+            self.phases[phase].observe(max(0.0, value))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+@dataclass(slots=True)
+class _Progress:
+    arrival_time: float
+    num_tokens: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    trace: RequestTrace | None = None
+
+
+class RequestObserver:
+    """Turns a request's cumulative outputs into histogram observations and token counts.
+    Single-threaded per instance (a worker's engine thread, or the router's event loop)."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self._requests: dict[str, _Progress] = {}
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._requests)
+
+    def num_sent_on(self) -> int:
+        """Router: requests sent on to the workers (the rest wait in the router)."""
+        return sum(1 for p in list(self._requests.values()) if p.trace and p.trace.left_router_time is not None)
+
+    def start(self, request_id: str, arrival_time: float, trace: RequestTrace | None = None) -> None:
+        if len(self._requests) >= _MAX_TRACKED:
+            self._requests.pop(next(iter(self._requests)))
+        self._requests[request_id] = _Progress(arrival_time, trace=trace)
+
+    def on_output(self, output: RequestOutput) -> None:
+        progress = self._requests.get(output.request_id)
+        if progress is None:
+            if _aborted(output):
+                return
+            arrival = output.metrics.arrival_time if output.metrics is not None else time.monotonic()
+            self.start(output.request_id, arrival)
+            progress = self._requests[output.request_id]
+        now = time.monotonic()
+        num_tokens = sum(len(seq.token_ids) for seq in output.outputs)
+        new = num_tokens - progress.num_tokens
+        if new > 0:
+            self._on_tokens(progress, output, new, now)
+        if output.finished:
+            self._on_finished(progress, output, now)
+            del self._requests[output.request_id]
+
+    def forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def _on_tokens(self, progress: _Progress, output: RequestOutput, new: int, now: float) -> None:
+        m = self.metrics
+        if progress.first_token_time is None:
+            first = output.metrics.first_token_time if output.metrics and output.metrics.first_token_time else now
+            progress.first_token_time = first
+            ttft = first - progress.arrival_time
+            m.ttft.observe(ttft)
+            m.recent_ttft_s.append(ttft)
+            m.prompt_tokens.inc(len(output.prompt_token_ids))
+            self._on_first_token(progress, output, ttft)
+        else:
+            m.itl.observe(now - (progress.last_token_time or now))
+        progress.last_token_time = now
+        progress.num_tokens += new
+        m.generation_tokens.inc(new)
+
+    def _on_first_token(self, progress: _Progress, output: RequestOutput, ttft: float) -> None:
+        m = self.metrics
+        if progress.trace is not None:  # router
+            if progress.trace.left_router_time is not None:
+                m.queue.observe(progress.trace.left_router_time - progress.arrival_time)
+            m.observe_phases(progress.trace, ttft)
+            return
+        scheduled = output.metrics.first_scheduled_time if output.metrics is not None else None
+        if scheduled is not None:
+            m.queue.observe(scheduled - progress.arrival_time)
+            if m.role in ("prefill", "colocated"):
+                m.prefill_queue.observe(scheduled - progress.arrival_time)
+
+    def _on_finished(self, progress: _Progress, output: RequestOutput, now: float) -> None:
+        if _aborted(output) or progress.first_token_time is None:
+            return
+        m = self.metrics
+        m.e2e.observe(now - progress.arrival_time)
+        if progress.num_tokens > 1 and progress.last_token_time is not None:
+            tpot = (progress.last_token_time - progress.first_token_time) / (progress.num_tokens - 1)
+            m.recent_tpot_s.append(tpot)
+            if m.role in ("decode", "colocated"):
+                m.tpot.observe(tpot)
+
+
+def _aborted(output: RequestOutput) -> bool:
+    return any(seq.finish_reason == "abort" for seq in output.outputs)
+
+
+class ObservedClient:
+    """Router: the PD client seen through a `RequestObserver` (EngineClient by delegation)."""
+
+    def __init__(self, inner: EngineClient, observer: RequestObserver) -> None:
+        self.inner = inner
+        self.observer = observer
+        self.tokenizer: Tokenizer = inner.tokenizer
+        self.max_model_len = inner.max_model_len
+        self.model_path = inner.model_path
+
+    @property
+    def alive(self) -> bool:
+        return self.inner.alive
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.inner.validate_request(prompt_token_ids, params)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        trace = start_trace()
+        self.observer.start(request_id, trace.arrival_time, trace)
+        try:
+            async for output in self.inner.generate(request_id, prompt_token_ids, params):
+                self.observer.on_output(output)
+                yield output
+        finally:
+            self.observer.forget(request_id)
+
+
+@dataclass(slots=True)
+class RouterView:
+    """What the router's scrape-time series read: its in-flight requests and its pool."""
+
+    observer: RequestObserver
+    workers: Callable[[], list[dict[str, Any]]]
+    stats: Callable[[], dict[str, Any]] | None = None  # PDClient.stats(): admission queue, counters
+
+
+class _StatsCollector(Collector):
+    """Scrape-time series from `EngineStats` (workers), service counters, and the router's view."""
+
+    def __init__(self, metrics: ServerMetrics, stats: Callable[[], EngineStats] | None,
+                 service: ServiceCounters | None, router: RouterView | None) -> None:
+        self.metrics, self.stats, self.service, self.router = metrics, stats, service, router
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        labels = self.metrics.labels
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=list(labels))
+            family.add_metric(list(labels.values()), value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=list(labels))
+            family.add_metric(list(labels.values()), value)
+            return family
+
+        if self.router is not None:
+            yield from self._router_series(gauge)
+        if self.stats is not None:
+            yield from _engine_series(self.stats(), gauge, counter)
+        if self.service is not None:
+            yield from _service_series(self.service.counters, self.metrics.role, labels, counter)
+
+    def _router_series(self, gauge: Callable[[str, str, float], GaugeMetricFamily]) -> Iterator[GaugeMetricFamily]:
+        assert self.router is not None
+        in_flight = self.router.observer.num_in_flight
+        sent_on = self.router.observer.num_sent_on()
+        yield gauge("vllm:num_requests_running", "Router: requests sent on to the workers, not finished",
+                    sent_on)
+        yield gauge("vllm:num_requests_waiting", "Router: requests whose prefill job has not left the router",
+                    in_flight - sent_on)
+        ready = GaugeMetricFamily("pdserve:workers_ready", "Workers in the router's pool that answer and are ready",
+                                  labels=[*self.metrics.labels, "worker_role"])
+        for role in ("prefill", "decode"):
+            count = sum(1 for w in self.router.workers() if w["role"] == role and w["ready"])
+            ready.add_metric([*self.metrics.labels.values(), role], count)
+        yield ready
+        if self.router.stats is not None:
+            yield from _router_stats_series(self.router.stats(), self.metrics.labels, gauge)
+
+
+def _router_stats_series(stats: dict[str, Any], labels: dict[str, str],
+                         gauge: Callable[[str, str, float], GaugeMetricFamily]
+                         ) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """PDClient.stats(): admission queue and the router's own event counters."""
+    yield gauge("pdserve:router_queued_requests", "Router: admitted requests whose first token is not out yet",
+                stats.get("queued_requests", 0))
+    yield gauge("pdserve:router_queued_tokens", "Router: prompt tokens of those requests",
+                stats.get("queued_tokens", 0))
+    yield gauge("pdserve:router_dispatch_pending", "Router: prefill jobs in the router's own FIFO (memory queue)",
+                stats.get("dispatch_pending", 0))
+    counters: dict[str, int] = stats.get("counters", {})
+    rejections = CounterMetricFamily("pdserve:router_rejections", "Router: requests refused, by admission reason",
+                                     labels=[*labels, "reason"])
+    for reason in ("invalid", "queue_full", "no_prefill_worker", "no_decode_worker", "no_kv_room",
+                   "queue_unavailable"):
+        rejections.add_metric([*labels.values(), reason], counters.get(f"rejected_{reason}", 0))
+    yield rejections
+    events = CounterMetricFamily("pdserve:router_events", "Router: kv_retries (new prefill attempts after a stalled "
+                                 "transfer), redispatched, resumed (on another decode worker), prefilled_on_decode",
+                                 labels=[*labels, "event"])
+    for event in ("kv_retries", "redispatched", "resumed", "prefilled_on_decode"):
+        events.add_metric([*labels.values(), event], counters.get(event, 0))
+    yield events
+
+
+def _engine_series(s: EngineStats, gauge: Callable[..., GaugeMetricFamily],
+                   counter: Callable[..., CounterMetricFamily]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    yield gauge("vllm:num_requests_running", "Requests in the running batch", s.num_running)
+    yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled (prefill: the prefill queue)",
+                s.num_waiting + s.num_swapped)
+    yield gauge("vllm:kv_cache_usage_perc", "KV cache usage: fraction of blocks in use (1 = full)", s.kv_cache_usage)
+    yield counter("vllm:num_preemptions", "Preemptions", s.num_preemptions)
+    yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.num_prefix_query_tokens)
+    yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", s.num_prefix_hit_tokens)
+    yield gauge("pdserve:prefill_queue_size", "Requests waiting for prefill", s.num_waiting)
+    yield gauge("pdserve:prefill_batch_requests", "Requests with a prefill chunk in the last step",
+                s.num_batch_prefill_requests)
+    yield gauge("pdserve:prefill_batch_tokens", "Prefill tokens in the last step", s.num_batch_prefill_tokens)
+    yield counter("pdserve:prefill_tokens", "Prompt tokens computed (prefix hits and received KV excluded)",
+                  s.num_prefill_tokens)
+    yield gauge("pdserve:decode_active_requests", "Requests decoding (the running batch)", s.num_running)
+    yield gauge("pdserve:decode_reserved_requests", "Decode: reservations waiting for their KV", s.num_remote_waiting)
+    yield gauge("pdserve:kv_blocks_total", "KV blocks in the pool", s.num_kv_blocks)
+    yield gauge("pdserve:kv_blocks_free", "Free KV blocks", s.num_free_kv_blocks)
+    yield counter("pdserve:kv_block_evictions", "Cached KV blocks evicted from the prefix cache", s.num_evictions)
+    yield counter("pdserve:no_available_block", "Events logged as `No available block` (preemption, refused "
+                  "reservation)", s.num_no_available_block)
+    yield counter("pdserve:cannot_allocate", "Requests refused as `Cannot allocate for request` (larger than the "
+                  "pool)", s.num_cannot_allocate)
+
+
+def _service_series(counts: Mapping[str, int], role: str, labels: dict[str, str],
+                    counter: Callable[..., CounterMetricFamily]) -> Iterator[CounterMetricFamily]:
+    def c(name: str) -> int:
+        return counts.get(name, 0)
+
+    failures = CounterMetricFamily("pdserve:kv_transfer_failures", "KV hand-offs that failed, by reason",
+                                   labels=[*labels, "reason"])
+    if role == "decode":
+        yield counter("pdserve:kv_transfer_timeouts", "Timeout windows without progress (`KV cache transfer "
+                      "timed out` lines)", c("timeouts"))
+        yield counter("pdserve:kv_transfer_retries", "Hand-offs waited on once more after a timeout", c("retried"))
+        yield counter("pdserve:kv_recomputations", "Prompts recomputed on decode after a failed hand-off",
+                      c("recomputed"))
+        yield counter("pdserve:kv_transfers_completed", "Hand-offs completed", c("completed"))
+        yield counter("pdserve:decode_local_prefills", "Short uncached prompts decode prefilled itself (conditional "
+                      "disaggregation)", c("prefilled_locally"))
+        failures.add_metric([*labels.values(), "timeout"], c("timeouts") - c("retried"))
+        failures.add_metric([*labels.values(), "rejected"], c("rejected"))
+    else:
+        yield counter("pdserve:kv_transfers_completed", "Hand-offs acknowledged by decode", c("handed_off"))
+        failures.add_metric([*labels.values(), "send"], c("failed"))
+    yield failures
+
+
+# -- rejections: error responses by status and reason --------------------------------------------
+
+_REASONS = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 409: "kv_layout_mismatch",
+            413: "too_large", 429: "too_many_requests", 499: "client_closed", 500: "internal_error",
+            502: "worker_failed", 503: "unavailable", 504: "timeout"}
+
+
+def rejection_reason(path: str, status: int) -> str:
+    if status == 503 and path == "/pd/reserve":
+        return "no_available_block"
+    return _REASONS.get(status, "other")
+
+
+class RejectionCounter:
+    """ASGI middleware: counts every error response (status >= 400) by code and reason."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counting_send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                status = int(message["status"])
+                self.metrics.rejections.labels(**self.metrics.labels, code=str(status),
+                                               reason=rejection_reason(scope.get("path", ""), status)).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+# -- wiring -----------------------------------------------------------------------------------
+
+def install_metrics(app: FastAPI, metrics: ServerMetrics, stats: Callable[[], EngineStats] | None = None,
+                    service: ServiceCounters | None = None, router: RouterView | None = None) -> None:
+    """`GET /metrics`, the rejection counter and the scrape-time collector on `app`."""
+    metrics.registry.register(_StatsCollector(metrics, stats, service, router))
+    app.add_middleware(RejectionCounter, metrics=metrics)  # type: ignore[arg-type]
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def instrument_engine_app(app: FastAPI, engine: Any, model_name: str, role: ServerRole,
+                          service: ServiceCounters | None = None) -> ServerMetrics:
+    """A worker (colocated, prefill, decode): observe the engine thread's outputs, read its stats.
+    `engine` is the worker's AsyncLLM."""
+    metrics = ServerMetrics(model_name, role)
+    observer = RequestObserver(metrics)
+    engine.output_listener = observer.on_output
+    transfers = getattr(service, "transfers", None)
+    if transfers is not None:
+        transfers.listener = metrics.observe_transfer
+    install_metrics(app, metrics, engine.stats, service)
+    return metrics
+
+
+def instrument_router_app(app: FastAPI, client: EngineClient, model_name: str) -> tuple[ObservedClient, ServerMetrics]:
+    """The router: latencies as the client sees them, the TTFT breakdown, the pool's readiness."""
+    metrics = ServerMetrics(model_name, "router")
+    observer = RequestObserver(metrics)
+    workers: Callable[[], list[dict[str, Any]]] = getattr(client, "workers", list)
+    install_metrics(app, metrics, router=RouterView(observer, workers, getattr(client, "stats", None)))
+    return ObservedClient(client, observer), metrics
