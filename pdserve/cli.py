@@ -250,6 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8000, help="the router's port")
     up.add_argument("--kv-transport", choices=["nixl", "tcp"], default=None)
     up.add_argument("--model", default=None)
+    up.add_argument("--prefill-threads", type=int, default=None,
+                    help="torch threads per prefill worker (default: CPUs // workers)")
+    up.add_argument("--decode-threads", type=int, default=None,
+                    help="torch threads per decode worker (default: CPUs // workers)")
     add_queue_args(up, role="up")
     add_router_args(up)
     up.set_defaults(func=None)

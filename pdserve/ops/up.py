@@ -46,9 +46,10 @@ def _threads_per_worker(num_workers: int) -> int:
 
 def launch(ns: argparse.Namespace, engine_flags: list[str]) -> list[Process]:
     """Start every process; the router last, so it finds its workers."""
-    threads = str(_threads_per_worker(ns.prefill + ns.decode))
+    even = _threads_per_worker(ns.prefill + ns.decode)
+    threads = {"prefill": ns.prefill_threads or even, "decode": ns.decode_threads or even}
     logs = ["--log-level", ns.log_level, "--log-format", ns.log_format]
-    common = [*logs, "serve", "--num-threads", threads, *engine_flags]
+    common = [*logs, "serve"]
     if ns.kv_transport:
         common += ["--kv-transport", ns.kv_transport]
     queue = ["--queue", ns.queue, "--queue-deployment", ns.queue_deployment]
@@ -56,7 +57,8 @@ def launch(ns: argparse.Namespace, engine_flags: list[str]) -> list[Process]:
     for role, count in (("decode", ns.decode), ("prefill", ns.prefill)):
         for index in range(count):
             port = _free_port()
-            role_args = ["--role", role, "--port", str(port)]
+            # NOTE: a --num-threads among the engine flags comes later and wins, for every worker
+            role_args = ["--num-threads", str(threads[role]), *engine_flags, "--role", role, "--port", str(port)]
             if role == "prefill":
                 role_args += [*queue, "--queue-claim-idle-s", str(ns.queue_claim_idle_s),
                               "--queue-max-deliveries", str(ns.queue_max_deliveries)]

@@ -66,6 +66,7 @@ class LoadConfig:
     seed: int = 0
     timeout_s: float = 600.0
     progress: bool = True
+    ignore_eos: bool = True  # vLLM's extra field; servers that refuse unknown fields need it off
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +86,12 @@ class CancelPlan:
 
 
 def request_body(spec: RequestSpec, config: LoadConfig, model: str) -> dict[str, Any]:
-    """The JSON body: exact output length (`ignore_eos` + `max_tokens`, vLLM's extra field), greedy."""
-    body: dict[str, Any] = {"model": model, "max_tokens": spec.max_tokens, "ignore_eos": True,
-                            "temperature": 0.0, "stream": config.stream}
+    """The JSON body: exact output length (`ignore_eos` + `max_tokens`, vLLM's extra field), greedy.
+    Without `ignore_eos` (`--no-ignore-eos`) a request may end early at an end-of-sequence token."""
+    body: dict[str, Any] = {"model": model, "max_tokens": spec.max_tokens, "temperature": 0.0,
+                            "stream": config.stream}
+    if config.ignore_eos:
+        body["ignore_eos"] = True
     if config.stream:
         body["stream_options"] = {"include_usage": True}
     if config.endpoint == "chat":
@@ -128,7 +132,7 @@ async def _stream(http: httpx.AsyncClient, path: str, body: dict[str, Any], star
     async with http.stream("POST", path, json=body) as response:
         if response.status_code != 200:
             raise _Failure(f"http_{response.status_code}", _error_message(_json_or_text(await response.aread())))
-        done = False
+        done = finished = False
         async for line in response.aiter_lines():
             if not line.startswith("data:"):
                 continue
@@ -144,7 +148,10 @@ async def _stream(http: httpx.AsyncClient, path: str, body: dict[str, Any], star
                 if cancel.after_chunks is not None and len(times) >= cancel.after_chunks:
                     return times, usage, True
             usage = chunk.get("usage") or usage
-        if not done:
+            finished = finished or any(c.get("finish_reason") for c in chunk.get("choices") or ())
+        # NOTE: some servers (transformers serve) end the stream without [DONE]; a closed stream
+        # whose choice finished is complete, one that just stops is not.
+        if not done and not finished:
             raise _Failure("incomplete", f"stream ended without [DONE] after {len(times)} content chunks")
     return times, usage, False
 

@@ -53,6 +53,9 @@ def add_load_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 Poisson, <1 burstier, >1 steadier")
     g.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
                    help="stream (needed for TTFT, TPOT, ITL); --no-stream measures E2E only, like the seed's client")
+    g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="send vLLM's ignore_eos so outputs have exactly max_tokens tokens (off for servers that "
+                        "reject unknown fields, e.g. transformers serve)")
     g.add_argument("--cancel-rate", type=float, default=0.0, help="share of requests the client drops mid-way")
     g.add_argument("--seed", type=int, default=0, help="workload, arrivals and cancellations")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
@@ -100,7 +103,7 @@ def load_config(ns: argparse.Namespace, url: str, max_concurrency: int | None = 
     return LoadConfig(base_url=url.rstrip("/"), model=ns.model, endpoint=ns.endpoint, stream=ns.stream,
                       max_concurrency=max_concurrency or ns.max_concurrency, request_rate=ns.request_rate,
                       burstiness=ns.burstiness, cancel_rate=ns.cancel_rate, seed=ns.seed, timeout_s=ns.timeout,
-                      progress=not ns.no_progress)
+                      progress=not ns.no_progress, ignore_eos=ns.ignore_eos)
 
 
 def warm_up(config: LoadConfig, num_requests: int) -> None:
@@ -108,7 +111,8 @@ def warm_up(config: LoadConfig, num_requests: int) -> None:
     if num_requests > 0:
         work = workloads.random_lengths(num_requests, 16, 4, seed=config.seed + 7919, vocab_size=1000)
         asyncio.run(run_load(work, LoadConfig(config.base_url, config.model, config.endpoint, config.stream,
-                                              progress=False, timeout_s=config.timeout_s)))
+                                              progress=False, timeout_s=config.timeout_s,
+                                              ignore_eos=config.ignore_eos)))
 
 
 def run_once(workload: workloads.Workload, config: LoadConfig, slo: Slo,
