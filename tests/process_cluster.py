@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-import uvicorn
+from pd_fixtures import Served, serve
 from server_fixtures import free_port
 
 from pdserve.disagg.queue import make_queue
@@ -122,13 +121,14 @@ def wait_healthy(workers: list[WorkerProcess]) -> None:
 @dataclass
 class InProcessRouter:
     client: PDClient
-    server: uvicorn.Server
-    thread: threading.Thread
-    url: str
+    served: Served
+
+    @property
+    def url(self) -> str:
+        return self.served.url
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+        self.served.stop()
 
 
 def start_router(model_dir: Path, prefill: list[WorkerProcess], decode: list[WorkerProcess],
@@ -137,16 +137,7 @@ def start_router(model_dir: Path, prefill: list[WorkerProcess], decode: list[Wor
     client = PDClient([w.url for w in prefill], [w.url for w in decode], load_tokenizer(str(model_dir)),
                       Qwen3ModelConfig.from_dir(model_dir), str(model_dir), 1024, queue=queue,
                       **options)  # type: ignore[arg-type]
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_router_app(client, MODEL), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline
-        time.sleep(0.02)
-    router = InProcessRouter(client, server, thread, f"http://127.0.0.1:{port}")
+    router = InProcessRouter(client, serve(create_router_app(client, MODEL)))
     wait_router_ready(router)
     return router
 
