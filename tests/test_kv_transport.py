@@ -394,6 +394,33 @@ def test_cancel_then_late_payload_rejected(transport: str, decode: Decode,
     assert_nothing_left(decode.receiver, sender)
 
 
+def test_released_request_is_never_sent_and_never_completes(transport: str, decode: Decode,
+                                                            prefill: tuple[KVSender, torch.Tensor]) -> None:
+    """After `release` (the prefill worker gave up and frees the blocks), nothing of the request is
+    sent any more: above all not its final message, so decode never completes it on partial KV."""
+    sender, _ = prefill
+    decode.receiver.expect("r", [2, 4])
+    before = decode.pool.clone()
+    run(sender.release("r"))
+    for layer in range(SPEC.num_layers):
+        sender.send_layer("r", layer, [7, 8], [2, 4])
+    sender.send_done("r", 5, b"")
+    with pytest.raises(KVTransferTimeout):
+        run(sender.flush("r", 0.3))
+    with pytest.raises(KVTransferTimeout):
+        run(decode.receiver.wait("r", 0.3))
+    assert torch.equal(decode.pool, before)
+    decode.receiver.cancel("r")
+    # the sender still works for other requests
+    decode.receiver.expect("s", [5])
+    sender.send_layer("s", 0, [9], [5])
+    sender.send_done("s", 1, b"")
+    run(sender.flush("s", TIMEOUT_S))
+    assert run(decode.receiver.wait("s", TIMEOUT_S)) == KVProgress("s", 0, (5,))
+    assert isinstance(run(decode.receiver.wait("s", TIMEOUT_S)), KVDone)
+    assert_nothing_left(decode.receiver, sender)
+
+
 def test_flush_and_wait_time_out_on_a_stall() -> None:
     decode = Decode("fake")
     pool = SPEC.pool(PREFILL_SEED)

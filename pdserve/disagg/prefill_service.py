@@ -59,7 +59,6 @@ class PrefillService:
         self._tokens: dict[str, int] = {}  # transfer id -> prompt tokens still to compute
         self._decode_urls: dict[str, str] = {}  # transfer id -> the decode worker it streams to
         self._keepalive: asyncio.Task[None] | None = None
-        self._http: httpx.AsyncClient | None = None
         self.draining = False
         self.consumer: Any = None  # the Redis queue consumer feeding this service, if any
         self.streamer = KVStreamer(layout.block_size, layout.num_layers, self._send_layer)
@@ -124,9 +123,11 @@ class PrefillService:
 
     async def _keep_alive(self) -> None:
         """While jobs are in flight: POST /pd/alive {transfer ids} to their decode workers."""
-        if self._http is None:
-            self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.transfer_timeout_s))
         period_s = self.transfer_timeout_s / 2
+        async with httpx.AsyncClient(timeout=httpx.Timeout(self.transfer_timeout_s)) as http:
+            await self._send_keepalives(http, period_s)
+
+    async def _send_keepalives(self, http: httpx.AsyncClient, period_s: float) -> None:
         while self._tasks:
             await asyncio.sleep(period_s)
             if time.monotonic() - self.client.last_step_s > _ENGINE_STUCK_S:
@@ -136,7 +137,7 @@ class PrefillService:
                 by_decode.setdefault(url, []).append(tid)
             for url, tids in by_decode.items():
                 with contextlib.suppress(httpx.HTTPError):
-                    await self._http.post(f"{url}/pd/alive", json={"transfer_ids": tids})
+                    await http.post(f"{url}/pd/alive", json={"transfer_ids": tids})
 
     async def abort(self, transfer_id: str) -> None:
         task = self._tasks.get(transfer_id)
@@ -180,7 +181,18 @@ class PrefillService:
             self._tasks.pop(rid, None)
             self._tokens.pop(rid, None)
             self._decode_urls.pop(rid, None)
-            await asyncio.shield(self.client.call(self._cleanup_on_engine(rid)))
+            await asyncio.shield(self._release(rid, sender))
+
+    async def _release(self, rid: str, sender: KVSender) -> None:
+        """Free the attempt's blocks, but only once the transport no longer reads them: after a
+        failed or abandoned hand-off, a send still queued must not read blocks that another
+        request reuses (decode would get wrong KV and never know)."""
+        try:
+            await sender.release(rid)
+        except KVTransferError as exc:  # a send stuck reading them: better to leak than to corrupt
+            logger.error("request %s: not freeing its KV blocks: %s", rid, exc)
+            return
+        await self.client.call(self._cleanup_on_engine(rid))
 
     def _cleanup_on_engine(self, rid: str):  # type: ignore[no-untyped-def]
         streamer, destination = self.streamer, self._destination

@@ -24,6 +24,7 @@ One request:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import itertools
 import logging
@@ -54,6 +55,7 @@ from pdserve.disagg.queue import PrefillQueue, QueueUnavailable, next_attempt
 from pdserve.engine.llm_engine import check_request
 from pdserve.engine.output import CompletionOutput, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.logs import bind_request_id
 from pdserve.model.qwen3_config import Qwen3ModelConfig
 from pdserve.serving.app import create_app
 from pdserve.serving.errors import OpenAIError
@@ -117,7 +119,9 @@ class MemoryDispatcher:
 
     def submit(self, job: PrefillJob) -> _Dispatch:
         if self._task is None:
-            self._task = asyncio.create_task(self._loop())
+            # NOTE: in a fresh context: a task copies its creator's, and this one serves every
+            # request (its log lines must not carry the first request's id)
+            self._task = contextvars.Context().run(asyncio.create_task, self._loop())
         item = _Dispatch(job, len(job.prompt_token_ids) - job.num_cached_tokens)
         self._pending.append(item)
         self._wakeup.set()
@@ -163,6 +167,7 @@ class MemoryDispatcher:
         return min(fits, key=lambda w: (w.in_flight_tokens, w.in_flight), default=None)
 
     async def _push(self, item: _Dispatch, worker: Worker) -> None:
+        bind_request_id(item.job.request_id)
         requeue = False
         try:
             reply = await self._client.post(worker, "/pd/prefill", item.job.model_dump())

@@ -19,12 +19,16 @@ shaped [k|v, block, slot, head, dim]. Block order is the order of `dst_block_ids
 from __future__ import annotations
 
 import abc
+import asyncio
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
 
 from pdserve.disagg.kv_layout import KVLayout, KVLayoutMismatch
+from pdserve.disagg.transport.errors import KVTransferError
 from pdserve.disagg.transport.messages import (
     Ack,
     DoneHeader,
@@ -40,6 +44,9 @@ from pdserve.disagg.transport.progress import AckTracker, EventBox
 from pdserve.disagg.transport.reservations import PayloadRejected, ReservationTable
 
 _MAX_REFUSALS_KEPT = 16
+_MAX_ABANDONED_KEPT = 4096
+_RELEASE_TIMEOUT_S = 30.0
+_RELEASE_POLL_S = 0.001
 
 
 def check_pool(layout: KVLayout, kv_cache: torch.Tensor) -> None:
@@ -201,6 +208,11 @@ class KVSender(abc.ABC):
       once everything sent for the request was acknowledged by the receiver (if `send_done` was
       called the request is then forgotten); raises KVTransferError on a rejection or a broken
       connection, KVTransferTimeout when no acknowledgement arrived for `timeout_s`.
+    - `release(request_id)` is a coroutine the caller awaits before it frees (and may reuse) the
+      request's source blocks, after `flush` raised or when it gives up on a request: sends of
+      the request that have not started never will (nor will its final message, so decode never
+      completes a request whose KV may be partial), and it returns once no send is reading those
+      blocks. After a successful `flush` it returns at once.
     - `close()` stops the I/O thread; outstanding requests fail.
     """
 
@@ -209,6 +221,8 @@ class KVSender(abc.ABC):
         self.layout = layout
         self.kv_cache = kv_cache
         self._acks = AckTracker()
+        self._abandoned: OrderedDict[str, None] = OrderedDict()  # released request ids, most recent last
+        self._abandoned_lock = threading.Lock()
 
     @abc.abstractmethod
     def connect(self, address: str) -> None: ...
@@ -225,11 +239,35 @@ class KVSender(abc.ABC):
     async def flush(self, request_id: str, timeout_s: float) -> None:
         await self._acks.flush(request_id, timeout_s)
 
+    async def release(self, request_id: str) -> None:
+        with self._abandoned_lock:
+            self._abandoned[request_id] = None
+            while len(self._abandoned) > _MAX_ABANDONED_KEPT:
+                self._abandoned.popitem(last=False)
+        self._acks.failed(request_id, "released by the caller")
+        deadline = time.monotonic() + _RELEASE_TIMEOUT_S
+        while self._reading(request_id):
+            if time.monotonic() > deadline:
+                raise KVTransferError(f"request {request_id}: a send still reads its blocks after "
+                                      f"{_RELEASE_TIMEOUT_S:g} s")
+            await asyncio.sleep(_RELEASE_POLL_S)
+
     def pending_request_ids(self) -> frozenset[str]:
         """Requests sent but not yet flushed to completion (tests: nothing left behind)."""
         return self._acks.request_ids()
 
     # --- for implementations ---
+
+    def _abandoned_request(self, request_id: str) -> bool:
+        """Released: nothing more of it may be sent. NOTE: implementations mark a send as started
+        (what `_reading` reports) before asking this, and `release` asks `_reading` after marking:
+        either the send sees the release, or the release waits for the send."""
+        with self._abandoned_lock:
+            return request_id in self._abandoned
+
+    def _reading(self, request_id: str) -> bool:
+        """Whether a send of the request is reading its source blocks right now."""
+        return False
 
     def _check_sources(self, layer: int, src_block_ids: list[int]) -> None:
         num_blocks = self.kv_cache.shape[2]

@@ -75,7 +75,7 @@ class FakeKVSender(KVSender):
         peer = self._connected()
         self._check_sources(layer, src_block_ids)
         self._acks.sent_layer(request_id)
-        if self._stalled(request_id, count=True):
+        if self._abandoned_request(request_id) or self._stalled(request_id, count=True):
             return
         header = self._layer_header(request_id, layer, len(src_block_ids), dst_block_ids)
         src = torch.tensor(src_block_ids, dtype=torch.long, device=self.kv_cache.device)
@@ -85,7 +85,7 @@ class FakeKVSender(KVSender):
     def send_done(self, request_id: str, first_token_id: int, extra: bytes = b"") -> None:
         peer = self._connected()
         num_layers = self._acks.sent_done(request_id)
-        if self._stalled(request_id, count=False):
+        if self._abandoned_request(request_id) or self._stalled(request_id, count=False):
             return
         with self._lock:
             self._num_layers_sent.pop(request_id, None)

@@ -314,7 +314,8 @@ class NixlKVSender(KVSender):
         self._peer = ""
         self._claim_ids = itertools.count()
         self._claims: dict[int, _PendingClaim] = {}   # I/O thread only
-        self._in_flight: list[_InFlight] = []          # I/O thread only
+        self._in_flight: list[_InFlight] = []          # I/O thread writes; `_reading` reads a copy
+        self._writing = ""  # the request whose WRITE is being posted now
 
     def connect(self, address: str) -> None:
         if self._peer:
@@ -393,6 +394,18 @@ class NixlKVSender(KVSender):
         if pending is None:
             logger.warning("grant for unknown claim %d of request %s", grant.claim_id, grant.request_id)
             return
+        header = pending.header
+        self._writing = header.request_id  # NOTE: before the check; see _abandoned_request
+        try:
+            if not self._abandoned_request(header.request_id):
+                self._post_write(grant, pending)
+        finally:
+            self._writing = ""
+
+    def _reading(self, request_id: str) -> bool:
+        return self._writing == request_id or any(f.request_id == request_id for f in list(self._in_flight))
+
+    def _post_write(self, grant: Grant, pending: _PendingClaim) -> None:
         header = pending.header
         local = _region_addrs(self.kv_cache, self.layout, header.layer, pending.src_block_ids)
         if len(grant.dst_addrs) != len(local) or grant.region_bytes != self.layout.region_bytes:

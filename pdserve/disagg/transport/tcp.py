@@ -138,6 +138,7 @@ class TcpKVSender(KVSender):
         self._sock: socket.socket | None = None
         self._jobs: asyncio.Queue[_LayerJob | DoneHeader] | None = None
         self._broken = ""  # why the connection is gone; set once, on the I/O thread
+        self._sending = ""  # the request whose frame the write loop is writing now
 
     def connect(self, address: str) -> None:
         if self._sock is not None:
@@ -185,15 +186,25 @@ class TcpKVSender(KVSender):
         try:
             while True:
                 job = await jobs.get()
-                if isinstance(job, DoneHeader):
-                    await frames.send_frame(sock, job)
-                else:
-                    await frames.send_frame(sock, job.header, self._payload(job))
+                rid = job.request_id if isinstance(job, DoneHeader) else job.header.request_id
+                self._sending = rid  # NOTE: before the check; see _abandoned_request
+                try:
+                    if self._abandoned_request(rid):
+                        continue  # released: its blocks may hold another request's KV by now
+                    if isinstance(job, DoneHeader):
+                        await frames.send_frame(sock, job)
+                    else:
+                        await frames.send_frame(sock, job.header, self._payload(job))
+                finally:
+                    self._sending = ""
         except (ConnectionError, OSError) as e:
             self._lost(e)
         except Exception as e:  # a bug: fail loudly rather than let every flush time out
             logger.exception("KV sender write loop crashed")
             self._lost(e)
+
+    def _reading(self, request_id: str) -> bool:
+        return self._sending == request_id
 
     def _payload(self, job: _LayerJob) -> list[memoryview]:
         """The source blocks' regions of the pool itself, or a host copy for an accelerator pool."""
