@@ -32,6 +32,8 @@ def test_up_serves_then_stops_everything_on_ctrl_c(model_dirs: dict[str, Path], 
             reply = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
             assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
         os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)  # an impatient second Ctrl-C must not orphan a worker
         assert proc.wait(timeout=30) == 0
         children = subprocess.run(["pgrep", "-f", f"--port {port}"], capture_output=True, text=True).stdout.split()
         assert not [c for c in children if int(c) != proc.pid], children

@@ -9,6 +9,7 @@ status, and the rest are stopped: a half cluster is never left running silently.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -98,15 +99,28 @@ def wait_ready(processes: list[Process], router_url: str) -> None:
 
 
 def stop(processes: list[Process]) -> None:
+    """SIGTERM every process (workers drain), SIGKILL what is left after 15 s. A second Ctrl-C
+    (or SIGTERM) meanwhile skips the wait; it never interrupts the cleanup itself, which would
+    leave workers running with nobody to stop them."""
+    force = False
+
+    def hurry(*_: object) -> None:
+        nonlocal force
+        force = True
+
+    signal.signal(signal.SIGINT, hurry)
+    signal.signal(signal.SIGTERM, hurry)
     for process in reversed(processes):
         if process.popen.poll() is None:
             os.killpg(process.popen.pid, signal.SIGTERM)
     deadline = time.monotonic() + 15
+    while not force and time.monotonic() < deadline and any(p.popen.poll() is None for p in processes):
+        time.sleep(0.05)
     for process in processes:
-        try:
-            process.popen.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(process.popen.pid, signal.SIGKILL)
+        if process.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.popen.pid, signal.SIGKILL)
+            process.popen.wait()
 
 
 def run(ns: argparse.Namespace, engine_flags: list[str]) -> int:
@@ -117,7 +131,19 @@ def run(ns: argparse.Namespace, engine_flags: list[str]) -> int:
         default_model_dir()
     processes = launch(ns, engine_flags)
     router_url = f"http://127.0.0.1:{ns.port}"
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    stopping = False
+
+    def interrupt(*_: object) -> None:
+        """Ctrl-C / SIGTERM: unwind to the cleanup once; a second one before `stop` takes over
+        must not interrupt the cleanup."""
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            raise KeyboardInterrupt
+
+    # NOTE: SIGINT explicitly too: a shell that starts us in the background leaves it ignored
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     try:
         wait_ready(processes, router_url)
         print(f"\npdserve is up: {ns.prefill} prefill + {ns.decode} decode workers behind {router_url}")
