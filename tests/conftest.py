@@ -56,6 +56,12 @@ def llm_factory(model_dirs: dict[str, Path]) -> Iterator[Callable[..., LLM]]:
     cache.clear()
 
 
+@pytest.fixture(scope="session")
+def colocated(llm_factory: Callable[..., LLM]) -> LLM:
+    """The colocated engine on the `tiny` model: the reference every PD and router test compares to."""
+    return llm_factory("tiny")
+
+
 class HFReference:
     """transformers' Qwen3 in float32: greedy continuations and logits, cached per (model, prompt)."""
 

@@ -41,6 +41,11 @@ def generate_token_ids(llm: LLM, prompts: Sequence[list[int]],
     return [out.outputs[0].token_ids for out in llm.generate(token_prompts(prompts), params)]
 
 
+def generate_texts(llm: LLM, prompts: Sequence[list[int]], params: SamplingParams) -> list[str]:
+    """The texts a reference engine gives these token prompts (what a served answer must equal)."""
+    return [out.outputs[0].text for out in llm.generate(token_prompts(prompts), params)]
+
+
 # -- model-free scheduler pieces -------------------------------------------------------------------
 def make_scheduler(num_blocks: int, block_size: int = 4, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
                    max_model_len: int = 1024, enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,

@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import random_prompt
+from helpers import generate_texts, random_prompt
 from pd_fixtures import start_cluster, stop_cluster
 from server_fixtures import parse_sse
 
@@ -20,15 +20,6 @@ from pdserve.disagg.prefill_service import PrefillService
 
 PROMPTS = [random_prompt(n, seed=5000 + n) for n in (3, 40, 130, 260)]
 MAX_TOKENS = 10
-
-
-@pytest.fixture(scope="module")
-def colocated(model_dirs: dict[str, Path]) -> LLM:
-    return LLM(model=str(model_dirs["tiny"]), dtype="float32", num_kv_blocks=256)
-
-
-def expected_texts(llm: LLM, params: SamplingParams) -> list[str]:
-    return [o.outputs[0].text for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
 
 
 @pytest.mark.parametrize(("transport", "num_prefill", "num_decode"),
@@ -45,7 +36,7 @@ def test_pd_cluster_matches_colocated(model_dirs: dict[str, Path], colocated: LL
             for seed, params in ((None, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)),
                                  (77, SamplingParams(temperature=0.9, top_k=40, seed=77, max_tokens=MAX_TOKENS,
                                                      ignore_eos=True))):
-                want = expected_texts(colocated, params)
+                want = generate_texts(colocated, PROMPTS, params)
                 body = {"max_tokens": MAX_TOKENS, "ignore_eos": True,
                         "temperature": params.temperature, "top_k": params.top_k, "seed": seed}
                 for prompt, text in zip(PROMPTS, want, strict=True):
@@ -83,7 +74,7 @@ def test_transfer_stall_retries_once_then_applies_the_policy(model_dirs: dict[st
                             prefill_options={"stall_after_layers": 1})
     try:
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        want = expected_texts(colocated, params)[1]
+        want = generate_texts(colocated, PROMPTS, params)[1]
         with httpx.Client(base_url=cluster.router.url, timeout=60) as http:
             start = time.monotonic()
             reply = http.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS,
@@ -149,7 +140,7 @@ def test_concurrent_requests_with_prefix_hits_on_both_sides(model_dirs: dict[str
 
     try:
         for prompts in (first_wave, second_wave):
-            want = [o.outputs[0].text for o in colocated.generate([{"prompt_token_ids": p} for p in prompts], params)]
+            want = generate_texts(colocated, prompts, params)
             got = asyncio.run(run(prompts))
             assert [g["text"] for g in got] == want
         cached = [g["usage"]["prompt_tokens_details"]["cached_tokens"] for g in got]

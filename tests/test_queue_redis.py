@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import random_prompt
+from helpers import generate_texts, greedy, random_prompt
 from process_cluster import (
     ProcessCluster,
     RedisServer,
@@ -25,7 +25,7 @@ from process_cluster import (
     wait_healthy,
 )
 
-from pdserve import LLM, SamplingParams
+from pdserve import LLM
 
 MAX_TOKENS = 8
 GREEDY = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0}
@@ -59,14 +59,8 @@ def cluster(model_dirs: dict[str, Path], redis_server: RedisServer,
         cluster.stop()
 
 
-@pytest.fixture(scope="module")
-def colocated(model_dirs: dict[str, Path]) -> LLM:
-    return LLM(model=str(model_dirs["tiny"]), dtype="float32", num_kv_blocks=512)
-
-
 def greedy_texts(llm: LLM, prompts: list[list[int]]) -> list[str]:
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    return [o.outputs[0].text for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    return generate_texts(llm, prompts, greedy(MAX_TOKENS))
 
 
 def holding(workers: list[WorkerProcess]) -> list[WorkerProcess]:

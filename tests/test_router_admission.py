@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import random_prompt
+from helpers import generate_texts, greedy, random_prompt
 from pd_fixtures import MODEL, serve, start_cluster, stop_cluster
 from server_fixtures import free_port
 
@@ -25,14 +25,8 @@ MAX_TOKENS = 6
 GREEDY = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0}
 
 
-@pytest.fixture(scope="module")
-def colocated(model_dirs: dict[str, Path]) -> LLM:
-    return LLM(model=str(model_dirs["tiny"]), dtype="float32", num_kv_blocks=256)
-
-
 def greedy_text(llm: LLM, prompt: list[int]) -> str:
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    return llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].text
+    return generate_texts(llm, [prompt], greedy(MAX_TOKENS))[0]
 
 
 def test_queue_bound_gives_exactly_the_expected_429s(model_dirs: dict[str, Path], colocated: LLM) -> None:

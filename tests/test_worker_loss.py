@@ -13,10 +13,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import random_prompt
+from helpers import generate_texts, greedy, random_prompt
 from process_cluster import ProcessCluster, WorkerProcess, spawn_worker, start_router, wait_healthy
 
-from pdserve import LLM, SamplingParams
+from pdserve import LLM
 from pdserve.disagg.router import Worker
 
 FLAGS = ["--num-kv-blocks", "512", "--max-num-batched-tokens", "16"]
@@ -37,14 +37,8 @@ def cluster(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
         cluster.stop()
 
 
-@pytest.fixture(scope="module")
-def colocated(model_dirs: dict[str, Path]) -> LLM:
-    return LLM(model=str(model_dirs["tiny"]), dtype="float32", num_kv_blocks=512)
-
-
 def greedy_text(llm: LLM, prompt: list[int], max_tokens: int) -> str:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].text
+    return generate_texts(llm, [prompt], greedy(max_tokens))[0]
 
 
 def busy(workers: list[WorkerProcess]) -> WorkerProcess:
@@ -56,6 +50,13 @@ def busy(workers: list[WorkerProcess]) -> WorkerProcess:
                 return worker
         assert time.monotonic() < deadline, "no worker took the request"
         time.sleep(0.01)
+
+
+def signal_busy(workers: list[WorkerProcess], sig: int) -> WorkerProcess:
+    """Send `sig` to the worker that has a request in flight (waits for one); returns it."""
+    victim = busy(workers)
+    victim.kill(sig)
+    return victim
 
 
 def stream_events(url: str, prompt: list[int], max_tokens: int, on_tokens: int, action) -> list[object]:  # type: ignore[no-untyped-def]
@@ -115,12 +116,8 @@ def test_sigterm_drains_a_decode_worker(cluster: ProcessCluster, colocated: LLM,
     prompt = random_prompt(40, seed=11)
     drained: list[WorkerProcess] = []
 
-    def drain() -> None:
-        victim = busy(cluster.decode)
-        victim.kill(signal.SIGTERM)
-        drained.append(victim)
-
-    events = stream_events(cluster.router.url, prompt, 120, 5, drain)
+    events = stream_events(cluster.router.url, prompt, 120, 5,
+                           lambda: drained.append(signal_busy(cluster.decode, signal.SIGTERM)))
     assert text_of(events) == greedy_text(colocated, prompt, 120)  # the request in flight finished
     assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 120
     assert drained[0].popen.wait(_EXIT_TIMEOUT_S) == 0, drained[0].tail()
@@ -143,8 +140,7 @@ def test_sigterm_drains_a_prefill_worker(cluster: ProcessCluster, colocated: LLM
         request = threading.Thread(target=lambda: result.setdefault("reply", http.post(
             "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "ignore_eos": True, "temperature": 0})))
         request.start()
-        victim = busy(cluster.prefill)
-        victim.kill(signal.SIGTERM)
+        victim = signal_busy(cluster.prefill, signal.SIGTERM)
         request.join(120)
     assert result["reply"].status_code == 200, result["reply"].text
     assert result["reply"].json()["choices"][0]["text"] == greedy_text(colocated, prompt, 6)
@@ -157,12 +153,8 @@ def test_decode_sigkill_mid_stream_resumes_on_another_worker(cluster: ProcessClu
     resumed_before = cluster.router.client.counters["resumed"]
     killed: list[WorkerProcess] = []
 
-    def kill() -> None:
-        victim = busy(cluster.decode)
-        victim.kill(signal.SIGKILL)
-        killed.append(victim)
-
-    events = stream_events(cluster.router.url, prompt, 150, 10, kill)
+    events = stream_events(cluster.router.url, prompt, 150, 10,
+                           lambda: killed.append(signal_busy(cluster.decode, signal.SIGKILL)))
     assert text_of(events) == greedy_text(colocated, prompt, 150)  # nothing missing, nothing twice
     assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 150
     assert cluster.router.client.counters["resumed"] == resumed_before + 1

@@ -116,11 +116,10 @@ class DecodeService:
         return True
 
     def touch(self, transfer_ids: list[str]) -> None:
-        """Keepalives from prefill workers: these attempts are still being computed."""
-        current = set(self._transfers.values())
+        """Keepalives from prefill workers: these attempts are still being computed. The receiver
+        ignores ids it does not expect (finished, cancelled or superseded attempts)."""
         for tid in transfer_ids:
-            if tid in current:
-                self.receiver.touch(tid)
+            self.receiver.touch(tid)
 
     async def fail(self, request_id: str, reason: str) -> bool:
         """End a request that is still waiting for its KV with an error (e.g. its prefill job was

@@ -91,12 +91,16 @@ class _Dispatch:
     """One prefill job in the router's own queue, from submission to hand-off."""
 
     job: PrefillJob
-    num_tokens: int
-    done: asyncio.Event = field(default_factory=asyncio.Event)
+    done: bool = False  # handed off, refused, or cancelled: nothing more to do for it
     worker: Worker | None = None
     cancelled: bool = False
     refusal: OpenAIError | None = None  # the prefill worker refused the job (its status and message)
     trace: RequestTrace = field(default_factory=current_trace)  # the request's TTFT phases (metrics)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt tokens the prefill worker computes (what its token budget is charged)."""
+        return len(self.job.prompt_token_ids) - self.job.num_cached_tokens
 
 
 class MemoryDispatcher:
@@ -122,7 +126,7 @@ class MemoryDispatcher:
             # NOTE: in a fresh context: a task copies its creator's, and this one serves every
             # request (its log lines must not carry the first request's id)
             self._task = contextvars.Context().run(asyncio.create_task, self._loop())
-        item = _Dispatch(job, len(job.prompt_token_ids) - job.num_cached_tokens)
+        item = _Dispatch(job)
         self._pending.append(item)
         self._wakeup.set()
         return item
@@ -134,8 +138,8 @@ class MemoryDispatcher:
         item.cancelled = True
         if item in self._pending:
             self._pending.remove(item)
-            item.done.set()
-        elif item.worker is not None and not item.done.is_set():
+            item.done = True
+        elif item.worker is not None and not item.done:
             await self._client.post(item.worker, f"/pd/abort/{item.job.transfer_id}", {})
 
     async def close(self) -> None:
@@ -188,13 +192,14 @@ class MemoryDispatcher:
             worker.in_flight -= 1
             worker.in_flight_tokens -= item.num_tokens
             self._wakeup.set()
-        if requeue and await self._client.retarget(item.job, next_attempt(item.job)):
+        retry = next_attempt(item.job)
+        if requeue and await self._client.retarget(item.job, retry):
             self._client.counters["redispatched"] += 1
-            item.job, item.worker = next_attempt(item.job), None
+            item.job, item.worker = retry, None
             self._pending.appendleft(item)
             self._wakeup.set()
             return
-        item.done.set()
+        item.done = True
 
 
 class PDClient:
@@ -392,9 +397,10 @@ class PDClient:
             async for frame in self._stream(decode, rid):
                 if frame.kv_retry:
                     self.counters["kv_retries"] += 1
-                    if dispatch is not None and await self.retarget(job, next_attempt(job)):
+                    retry = next_attempt(job)
+                    if dispatch is not None and await self.retarget(job, retry):
                         await self._cancel(dispatch)
-                        job = next_attempt(job)
+                        job = retry
                         dispatch = await self._dispatch(job)
                     continue
                 if frame.error is not None:
@@ -422,9 +428,7 @@ class PDClient:
         except QueueUnavailable as exc:
             self.queue_error = str(exc)
             self._reject("queue_unavailable", str(exc), HTTPStatus.SERVICE_UNAVAILABLE)
-        item = _Dispatch(job, len(job.prompt_token_ids) - job.num_cached_tokens)
-        item.done.set()
-        return item
+        return _Dispatch(job, done=True)
 
     async def _cancel(self, dispatch: _Dispatch) -> None:
         if self.queue is not None:
