@@ -12,6 +12,8 @@ reserved blocks of a decode pool in another process. Three placements of its blo
 Adjacent block regions merge into one socket buffer / NIXL descriptor.
 - memcpy: `torch` copy of the same number of bytes, contiguous, in one process (the ceiling for
   anything that moves bytes through the CPU).
+Every buffer, pools and baselines alike, is host memory as the engine allocates its pool
+(`host_memory.zeroed_pages`: transparent huge pages where the kernel allows them).
 - raw socket: `socket.sendall` / `recv_into` of the same bytes, contiguous, between the two
   processes over loopback, then a 1-byte ack (the ceiling for any socket transport).
 - tcp / nixl: `send_layer` for every layer + `send_done`, timed until `flush` returns, i.e. decode
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import math
 import multiprocessing
 import multiprocessing.connection
 import random
@@ -39,6 +42,7 @@ from pdserve.bench.common import hardware_line, print_table
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.transport import KVReceiver, make_receiver, make_sender, nixl_available
 from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.host_memory import zeroed_pages
 
 _SEED = 0
 _NUM_WARMUP = 2
@@ -77,14 +81,19 @@ class KVWorkload:
         return KVLayout("bench", self.dtype, self.dtype, self.block_size, self.num_layers, self.num_kv_heads,
                         self.head_dim)
 
-    def pool(self, seed: int) -> torch.Tensor:
-        """Random bits (every page touched), shaped like the engine's pool."""
-        shape = (self.num_layers, 2, self.pool_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        numel = shape[0] * shape[1] * shape[2] * shape[3] * shape[4] * shape[5]
-        words = numel * self.layout().element_bytes // 4
-        gen = torch.Generator().manual_seed(seed)
-        bits = torch.randint(-2**31, 2**31 - 1, (words,), dtype=torch.int32, generator=gen)
-        return bits.view(getattr(torch, self.dtype)).view(shape)
+    @property
+    def pool_shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.pool_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def pool(self, seed: int | None) -> torch.Tensor:
+        """A pool allocated as the engine allocates its own (huge pages), shaped like it; random bits
+        (every page touched) or, with no seed, zeros (every page touched as well)."""
+        pool = _buffer(math.prod(self.pool_shape) * self.layout().element_bytes)
+        if seed is None:
+            pool.fill_(0)
+        else:
+            pool.view(torch.int32).random_(generator=torch.Generator().manual_seed(seed))
+        return pool.view(getattr(torch, self.dtype)).view(self.pool_shape)
 
     def placement(self, kind: str) -> tuple[list[int], list[int]]:
         """(source blocks, destination blocks) for placement `kind` (see the module docstring)."""
@@ -125,6 +134,18 @@ WORKLOADS = {
 }
 
 
+def _buffer(num_bytes: int) -> torch.Tensor:
+    """Every buffer of this benchmark, baselines included, is host memory of the kind the engine's
+    pool is (`zeroed_pages`), so the ratios compare transports, not allocators."""
+    return zeroed_pages(num_bytes)
+
+
+def _random_bytes(num_bytes: int) -> torch.Tensor:
+    data = _buffer(num_bytes)
+    data.view(torch.int32).random_(generator=torch.Generator().manual_seed(_SEED))
+    return data
+
+
 def _digest(pool: torch.Tensor, block_ids: list[int]) -> str:
     blocks = pool[:, :, torch.tensor(block_ids)].contiguous()
     return hashlib.blake2b(blocks.view(-1).view(torch.uint8).numpy().data).hexdigest()
@@ -134,7 +155,7 @@ def _digest(pool: torch.Tensor, block_ids: list[int]) -> str:
 def _decode_main(conn: multiprocessing.connection.Connection, work: KVWorkload) -> None:
     """Decode side, driven by the parent over `conn`: one command at a time."""
     torch.set_num_threads(1)
-    pool = torch.zeros(work.pool(0).shape, dtype=getattr(torch, work.dtype))  # zeros: pages touched
+    pool = work.pool(None)
     receiver: KVReceiver | None = None
     loop = asyncio.new_event_loop()
     while True:
@@ -170,7 +191,8 @@ async def _drain(receiver: KVReceiver, request_id: str) -> str:
 
 
 def _raw_server(conn: multiprocessing.connection.Connection, num_bytes: int, num_runs: int) -> None:
-    buffer = torch.zeros(num_bytes, dtype=torch.uint8)
+    buffer = _buffer(num_bytes)
+    buffer.fill_(0)
     view = buffer.numpy().data
     with socket.create_server(("127.0.0.1", 0)) as server:
         conn.send(server.getsockname()[1])
@@ -197,8 +219,9 @@ def _median_s(run_once: Callable[[int], None], reps: int) -> float:
 
 
 def measure_memcpy(work: KVWorkload, reps: int) -> float:
-    src = torch.randint(0, 255, (work.payload_bytes,), dtype=torch.uint8)
-    dst = torch.zeros_like(src)
+    src = _random_bytes(work.payload_bytes)
+    dst = _buffer(work.payload_bytes)
+    dst.fill_(0)
 
     def once(_: int) -> None:
         dst.copy_(src)
@@ -207,8 +230,7 @@ def measure_memcpy(work: KVWorkload, reps: int) -> float:
 
 
 def measure_raw_socket(conn: multiprocessing.connection.Connection, work: KVWorkload, reps: int) -> float:
-    src = torch.randint(0, 255, (work.payload_bytes,), dtype=torch.uint8)
-    view = src.numpy().data
+    view = _random_bytes(work.payload_bytes).numpy().data
     conn.send(("raw", work.payload_bytes, reps + _NUM_WARMUP))
     port = conn.recv()
     with socket.create_connection(("127.0.0.1", port)) as sock:

@@ -6,6 +6,12 @@ workspaces, prefill activations) fault in their pages again. On the VMs we measu
 ~20-30% of a decode step. Keeping large blocks on the heap and not trimming it removes the faults;
 the price is that freed memory is kept for reuse instead of returned to the OS (what tcmalloc,
 which vLLM recommends for CPU serving, does too).
+
+Long-lived large buffers (the KV pool) come from `zeroed_pages`: an anonymous mapping on
+transparent huge pages. The KV transports move a pool's blocks with the kernel (socket copies;
+NIXL/UCX's process_vm_writev on one host), which walks and pins the pool page by page: with 2 MiB
+pages instead of 4 KiB ones a 256 MiB NIXL hand-off here took 63 ms instead of 96 ms (memcpy 46 vs
+52 ms), and the model's reads of the pool miss the TLB less.
 """
 
 from __future__ import annotations
@@ -13,6 +19,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import mmap
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +29,7 @@ _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
 _SETTINGS = ((_M_MMAP_THRESHOLD, 1 << 30), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 64 << 20))
+HUGE_PAGE_BYTES = 2 << 20  # x86-64 and arm64 (4 KiB base pages) transparent huge page size
 
 
 def keep_large_allocations_on_heap() -> bool:
@@ -35,3 +45,19 @@ def keep_large_allocations_on_heap() -> bool:
     if not accepted:
         logger.info("glibc mallopt refused; large CPU temporaries will be re-faulted each step")
     return accepted
+
+
+def zeroed_pages(num_bytes: int) -> torch.Tensor:
+    """`num_bytes` of zeroed host memory (uint8) from an anonymous mapping, 2 MiB-aligned and
+    advised for transparent huge pages (used where the kernel's THP mode is `always` or `madvise`;
+    elsewhere they stay 4 KiB pages). Pages read as zero and are committed only when first written.
+    The tensor keeps the mapping alive."""
+    mapping = mmap.mmap(-1, num_bytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # NOTE: Linux only; a refusal (THP compiled out) is harmless
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError as e:
+            logger.debug("madvise(MADV_HUGEPAGE) refused: %s", e)
+    start = -whole.data_ptr() % HUGE_PAGE_BYTES
+    return whole[start:start + num_bytes]

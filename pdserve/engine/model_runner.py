@@ -13,12 +13,12 @@ Flattened batch for chunks [A: 3 new tokens from position 5], [B: 1 decode at po
 from __future__ import annotations
 
 import math
-import mmap
 from collections.abc import Callable
 
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.engine.host_memory import zeroed_pages
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, TokenLogprobs
 from pdserve.engine.scheduler import SchedulerOutput
@@ -140,9 +140,9 @@ def _zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     block 0); masking gives the slots past a sequence's end weight 0, but 0 * NaN is NaN, so no slot
     may ever hold stale NaN/Inf bytes from reused memory. Slots only ever receive model K/V or
     copies of other slots, so starting from zeros keeps every slot finite.
-    On CPU the zeros come from an anonymous mmap: pages read as zero and are committed by the OS
-    only as blocks are first written."""
+    On CPU the zeros come from an anonymous mapping on huge pages (`host_memory.zeroed_pages`):
+    pages read as zero and are committed by the OS only as blocks are first written."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.frombuffer(mmap.mmap(-1, num_bytes), dtype=dtype).view(shape)
+    return zeroed_pages(num_bytes).view(dtype).view(shape)
