@@ -536,3 +536,21 @@ def test_expect_twice_keeps_the_live_request(transport: str, decode: Decode,
     run(sender.flush("r", TIMEOUT_S))
     assert run(drain(decode.receiver, "r"))[-1] == KVDone("r", 9, b"")
     assert_nothing_left(decode.receiver, sender)
+
+
+def test_transport_benchmark_runs_every_method_in_rounds_and_checks_the_bytes() -> None:
+    """`python -m pdserve.bench.kv_transport` on a tiny workload: every method timed once per round,
+    baselines also alone, and each transport's final transfer verified byte for byte (it raises
+    otherwise)."""
+    from pdserve.bench import kv_transport as bench
+
+    work = bench.KVWorkload("tiny", num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", block_size=16,
+                            num_tokens=256)
+    transports = ["tcp", "nixl"] if nixl_available() else ["tcp"]
+    seconds = bench.run_workload(work, transports, reps=2)
+    expected = {"memcpy, alone", "raw socket, alone", "memcpy", "raw socket"} | {
+        f"{name}, {placement}" for name in transports for placement in bench.PLACEMENTS}
+    assert set(seconds) == expected
+    assert all(len(times) == 2 and min(times) > 0 for times in seconds.values())
+    assert bench.ratio(seconds, "memcpy", "memcpy") == 1.0
+    assert len(bench._verdicts(seconds)) == len(transports) * len(bench.PLACEMENTS)

@@ -18,7 +18,15 @@ Every buffer, pools and baselines alike, is host memory as the engine allocates 
   processes over loopback, then a 1-byte ack (the ceiling for any socket transport).
 - tcp / nixl: `send_layer` for every layer + `send_done`, timed until `flush` returns, i.e. decode
   acknowledged every payload as written into its pool.
-Each row is the median of `--reps` runs after warm-up runs; both processes use one torch thread.
+Measured in rounds: each round runs every method once, back to back, `--reps` rounds after warm-up
+rounds. A row's time is the median over rounds; its ratios are medians of the per-round ratios, so
+a slow spell of a shared machine slows a method and its baseline alike instead of skewing the
+ratio. The baselines also run alone first (back to back, nothing in between: their best case),
+and each transport's verdict line gives both ratios. After the rounds, every transport moves the
+KV once more into zeroed blocks, which must then equal the source. Both processes use one torch
+thread and are not pinned: over loopback the kernel copies faster when the scheduler may run
+sender and receiver on one core (pinned to two cores, the raw socket took ~135 ms for 256 MiB
+instead of ~85).
 """
 
 from __future__ import annotations
@@ -33,14 +41,13 @@ import random
 import socket
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from pdserve.bench.common import hardware_line, print_table
 from pdserve.disagg.kv_layout import KVLayout
-from pdserve.disagg.transport import KVReceiver, make_receiver, make_sender, nixl_available
+from pdserve.disagg.transport import KVReceiver, KVSender, make_receiver, make_sender, nixl_available
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.host_memory import zeroed_pages
 
@@ -48,6 +55,7 @@ _SEED = 0
 _NUM_WARMUP = 2
 _FLUSH_TIMEOUT_S = 60.0
 PLACEMENTS = ("served", "scattered", "contiguous")
+BASELINES = ("memcpy", "raw socket")
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +119,7 @@ class KVWorkload:
         pool = BlockPool(self.pool_blocks, enable_caching=True)
         live: list[list[int]] = []
         for n in range(num_requests):
-            need = rng.randint(1, 1024 // self.block_size)
+            need = rng.randint(1, min(1024 // self.block_size, self.pool_blocks // 3))
             while live and (pool.num_free_blocks < need or pool.num_used_blocks > self.pool_blocks // 3):
                 blocks = live.pop(rng.randrange(len(live)))
                 pool.free(blocks[::-1])  # tail first, as the engine frees
@@ -153,32 +161,30 @@ def _digest(pool: torch.Tensor, block_ids: list[int]) -> str:
 
 # -- decode process --------------------------------------------------------------------------------
 def _decode_main(conn: multiprocessing.connection.Connection, work: KVWorkload) -> None:
-    """Decode side, driven by the parent over `conn`: one command at a time."""
+    """Decode side, driven by the parent over `conn`: one command at a time. One receiver per
+    transport, all on the same pool."""
     torch.set_num_threads(1)
     pool = work.pool(None)
-    receiver: KVReceiver | None = None
+    receivers: dict[str, KVReceiver] = {}
     loop = asyncio.new_event_loop()
     while True:
         command, *args = conn.recv()
         if command == "stop":
-            if receiver is not None:
+            for receiver in receivers.values():
                 receiver.close()
             conn.send(None)
             return
-        if command == "raw":
-            _raw_server(conn, *args)
-        elif command == "receiver":
-            if receiver is not None:
-                receiver.close()
-            receiver = make_receiver(args[0], work.layout(), pool)
-            conn.send(receiver.address)
+        if command == "receiver":
+            receivers[args[0]] = make_receiver(args[0], work.layout(), pool)
+            conn.send(receivers[args[0]].address)
         elif command == "expect":
-            assert receiver is not None
-            receiver.expect(*args)
+            receivers[args[0]].expect(*args[1:])
             conn.send(None)
         elif command == "drain":
-            assert receiver is not None
-            conn.send(loop.run_until_complete(_drain(receiver, args[0])))
+            conn.send(loop.run_until_complete(_drain(receivers[args[0]], args[1])))
+        elif command == "clear":
+            pool[:, :, torch.tensor(args[0])] = 0
+            conn.send(None)
         elif command == "digest":
             conn.send(_digest(pool, args[0]))
 
@@ -190,110 +196,144 @@ async def _drain(receiver: KVReceiver, request_id: str) -> str:
             return type(event).__name__
 
 
-def _raw_server(conn: multiprocessing.connection.Connection, num_bytes: int, num_runs: int) -> None:
+def _raw_main(conn: multiprocessing.connection.Connection, num_bytes: int) -> None:
+    """The raw socket's receiving end, in a process of its own (no other threads, nothing else
+    running): receive `num_bytes` and answer one byte, until the peer closes."""
+    server = socket.create_server(("127.0.0.1", 0))
+    conn.send(server.getsockname()[1])
     buffer = _buffer(num_bytes)
     buffer.fill_(0)
     view = buffer.numpy().data
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        conn.send(server.getsockname()[1])
+    with server:
         peer, _ = server.accept()
-        with peer:
-            for _ in range(num_runs):
-                received = 0
-                while received < num_bytes:
-                    received += peer.recv_into(view[received:], num_bytes - received)
-                peer.sendall(b"k")
-    conn.send(None)
+    with peer:
+        while True:
+            received = 0
+            while received < num_bytes:
+                n = peer.recv_into(view[received:], num_bytes - received)
+                if n == 0:
+                    return
+                received += n
+            peer.sendall(b"k")
 
 
 # -- measurements (prefill process) ----------------------------------------------------------------
-def _median_s(run_once: Callable[[int], None], reps: int) -> float:
-    for i in range(_NUM_WARMUP):
-        run_once(-1 - i)
-    times = []
-    for i in range(reps):
-        start = time.perf_counter()
-        run_once(i)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+class _Memcpy:
+    def __init__(self, work: KVWorkload) -> None:
+        self._src = _random_bytes(work.payload_bytes)
+        self._dst = _buffer(work.payload_bytes)
+        self._dst.fill_(0)
+
+    def once(self, _: str) -> None:
+        self._dst.copy_(self._src)
+
+    def close(self) -> None:
+        pass
 
 
-def measure_memcpy(work: KVWorkload, reps: int) -> float:
-    src = _random_bytes(work.payload_bytes)
-    dst = _buffer(work.payload_bytes)
-    dst.fill_(0)
+class _RawSocket:
+    def __init__(self, work: KVWorkload) -> None:
+        self._view = _random_bytes(work.payload_bytes).numpy().data
+        ctx = multiprocessing.get_context("spawn")
+        conn, child = ctx.Pipe()
+        self._process = ctx.Process(target=_raw_main, args=(child, work.payload_bytes), daemon=True)
+        self._process.start()
+        self._sock = socket.create_connection(("127.0.0.1", conn.recv()))
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    def once(_: int) -> None:
-        dst.copy_(src)
+    def once(self, _: str) -> None:
+        self._sock.sendall(self._view)
+        if self._sock.recv(1) != b"k":
+            raise RuntimeError("raw socket peer went away")
 
-    return _median_s(once, reps)
-
-
-def measure_raw_socket(conn: multiprocessing.connection.Connection, work: KVWorkload, reps: int) -> float:
-    view = _random_bytes(work.payload_bytes).numpy().data
-    conn.send(("raw", work.payload_bytes, reps + _NUM_WARMUP))
-    port = conn.recv()
-    with socket.create_connection(("127.0.0.1", port)) as sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-        def once(_: int) -> None:
-            sock.sendall(view)
-            if sock.recv(1) != b"k":
-                raise RuntimeError("raw socket peer went away")
-
-        median = _median_s(once, reps)
-    conn.recv()
-    return median
+    def close(self) -> None:
+        self._sock.close()
+        self._process.join(30)
 
 
-def measure_transport(conn: multiprocessing.connection.Connection, work: KVWorkload, pool: torch.Tensor,
-                      name: str, reps: int, placement: str) -> float:
-    """Time from the first send_layer to flush returning; reservation and event draining untimed."""
-    conn.send(("receiver", name))
-    address = conn.recv()
-    sender = make_sender(name, work.layout(), pool)
-    sender.connect(address)
-    src, dst = work.placement(placement)
-    loop = asyncio.new_event_loop()
-    timed: list[float] = []
+class _Transport:
+    """`send_layer` for every layer + `send_done`, until `flush` returns. Reserving the blocks
+    (`expect`) and draining decode's events happen outside `once`, untimed."""
 
-    def once(i: int) -> None:
-        rid = f"{name}-{i}"
-        conn.send(("expect", rid, dst))
-        conn.recv()
-        start = time.perf_counter()
-        for layer in range(work.num_layers):
-            sender.send_layer(rid, layer, src, dst)
-        sender.send_done(rid, 0, b"")
-        loop.run_until_complete(sender.flush(rid, _FLUSH_TIMEOUT_S))
-        timed.append(time.perf_counter() - start)
-        conn.send(("drain", rid))
-        if conn.recv() != "KVDone":
-            raise RuntimeError(f"{name}: request {rid} did not end with KVDone")
+    def __init__(self, conn: multiprocessing.connection.Connection, work: KVWorkload, pool: torch.Tensor,
+                 name: str, sender: KVSender, placement: str) -> None:
+        self._conn, self._work, self._pool, self.name = conn, work, pool, name
+        self.src, self.dst = work.placement(placement)
+        self._sender = sender
+        self._loop = asyncio.new_event_loop()
 
-    try:
-        _median_s(once, reps)
-    finally:
-        sender.close()
-        loop.close()
-    conn.send(("digest", dst))
-    if conn.recv() != _digest(pool, src):
-        raise RuntimeError(f"{name}: decode's blocks differ from prefill's")
-    return statistics.median(timed[_NUM_WARMUP:])
+    def expect(self, rid: str) -> None:
+        self._conn.send(("expect", self.name, rid, self.dst))
+        self._conn.recv()
+
+    def once(self, rid: str) -> None:
+        for layer in range(self._work.num_layers):
+            self._sender.send_layer(rid, layer, self.src, self.dst)
+        self._sender.send_done(rid, 0, b"")
+        self._loop.run_until_complete(self._sender.flush(rid, _FLUSH_TIMEOUT_S))
+
+    def drain(self, rid: str) -> None:
+        self._conn.send(("drain", self.name, rid))
+        if self._conn.recv() != "KVDone":
+            raise RuntimeError(f"{self.name}: request {rid} did not end with KVDone")
+
+    def check(self, rid: str) -> None:
+        """One more transfer into zeroed destination blocks; they must then equal the source."""
+        self._conn.send(("clear", self.dst))
+        self._conn.recv()
+        self.expect(rid)
+        self.once(rid)
+        self.drain(rid)
+        self._conn.send(("digest", self.dst))
+        if self._conn.recv() != _digest(self._pool, self.src):
+            raise RuntimeError(f"{self.name}: decode's blocks differ from prefill's")
+
+    def close(self) -> None:
+        self._loop.close()
 
 
-def run_workload(work: KVWorkload, transports: list[str], reps: int) -> dict[str, float]:
-    """Seconds per transfer, by method."""
+def run_workload(work: KVWorkload, transports: list[str], reps: int) -> dict[str, list[float]]:
+    """Seconds per transfer, by method, one entry per round. Every round runs every method once,
+    back to back, so a slow spell of the (shared) machine hits all of them alike."""
     ctx = multiprocessing.get_context("spawn")
     conn, child = ctx.Pipe()
     decode = ctx.Process(target=_decode_main, args=(child, work), daemon=True)
     decode.start()
+    methods: dict[str, _Memcpy | _RawSocket | _Transport] = {}
+    senders: dict[str, KVSender] = {}
     try:
         pool = work.pool(_SEED)
-        seconds = {"memcpy": measure_memcpy(work, reps), "raw socket": measure_raw_socket(conn, work, reps)}
+        methods["memcpy"] = _Memcpy(work)
+        methods["raw socket"] = _RawSocket(work)
+        for name in transports:  # one sender per transport, as a prefill worker has per decode worker
+            conn.send(("receiver", name))
+            senders[name] = make_sender(name, work.layout(), pool)
+            senders[name].connect(conn.recv())
         for placement in PLACEMENTS:
             for name in transports:
-                seconds[f"{name}, {placement}"] = measure_transport(conn, work, pool, name, reps, placement)
+                methods[f"{name}, {placement}"] = _Transport(conn, work, pool, name, senders[name], placement)
+        seconds: dict[str, list[float]] = {f"{method}, alone": _alone(methods[method], reps)
+                                           for method in BASELINES}
+        seconds.update({method: [] for method in methods})
+        for round_ in range(-_NUM_WARMUP, reps):
+            for method, runner in methods.items():
+                rid = f"{method}-{round_}"
+                if isinstance(runner, _Transport):
+                    runner.expect(rid)
+                start = time.perf_counter()
+                runner.once(rid)
+                elapsed = time.perf_counter() - start
+                if isinstance(runner, _Transport):
+                    runner.drain(rid)
+                if round_ >= 0:
+                    seconds[method].append(elapsed)
+        for method, runner in methods.items():
+            if isinstance(runner, _Transport):
+                runner.check(f"{method}-check")
+        for runner in methods.values():
+            runner.close()
+        for sender in senders.values():
+            sender.close()
         conn.send(("stop",))
         conn.recv()
     finally:
@@ -303,11 +343,45 @@ def run_workload(work: KVWorkload, transports: list[str], reps: int) -> dict[str
     return seconds
 
 
-def _rows(work: KVWorkload, seconds: dict[str, float]) -> list[list[str]]:
-    gbps = {m: work.payload_bytes / s / 1e9 for m, s in seconds.items()}
-    return [[work.name, method, f"{work.payload_bytes / 2**20:.0f}", f"{s * 1e3:.2f}", f"{gbps[method]:.2f}",
-             f"{gbps[method] / gbps['memcpy']:.2f}", f"{gbps[method] / gbps['raw socket']:.2f}"]
-            for method, s in seconds.items()]
+def _alone(runner: _Memcpy | _RawSocket, reps: int) -> list[float]:
+    """A baseline run back to back, nothing else in between: its best conditions."""
+    times = []
+    for i in range(-_NUM_WARMUP, reps):
+        start = time.perf_counter()
+        runner.once("")
+        if i >= 0:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def ratio(seconds: dict[str, list[float]], baseline: str, method: str) -> float:
+    """Median over rounds of (baseline time / method time) in the same round: > 1 is faster."""
+    return statistics.median(b / m for b, m in zip(seconds[baseline], seconds[method], strict=True))
+
+
+def _rows(work: KVWorkload, seconds: dict[str, list[float]]) -> list[list[str]]:
+    rows = []
+    for method, times in seconds.items():
+        median_s = statistics.median(times)
+        paired = not method.endswith(", alone")
+        ratios = [ratio(seconds, base, method) if paired else statistics.median(seconds[base]) / median_s
+                  for base in BASELINES]
+        rows.append([work.name, method, f"{work.payload_bytes / 2**20:.0f}", f"{median_s * 1e3:.2f}",
+                     f"{work.payload_bytes / median_s / 1e9:.2f}", *(f"{r:.2f}" for r in ratios)])
+    return rows
+
+
+def _verdicts(seconds: dict[str, list[float]]) -> list[str]:
+    """Each transport against its target's baseline: paired rounds, and the baseline's median alone."""
+    out = []
+    for placement in PLACEMENTS:
+        for name, base in (("tcp", "raw socket"), ("nixl", "memcpy")):
+            method = f"{name}, {placement}"
+            if method in seconds:
+                alone = statistics.median(seconds[f"{base}, alone"]) / statistics.median(seconds[method])
+                out.append(f"{name} {placement} / {base} = {ratio(seconds, base, method):.2f} (vs {base} alone: "
+                           f"{alone:.2f})")
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -327,13 +401,7 @@ def main(argv: list[str] | None = None) -> None:
     print_table(["workload", "method", "MiB", "median ms", "GB/s", "vs memcpy", "vs raw socket"],
                 [row for work, seconds in results for row in _rows(work, seconds)])
     for work, s in results:
-        ratios = []
-        for placement in PLACEMENTS:
-            if f"tcp, {placement}" in s:
-                ratios.append(f"tcp {placement} / raw socket = {s['raw socket'] / s[f'tcp, {placement}']:.2f}")
-            if f"nixl, {placement}" in s:
-                ratios.append(f"nixl {placement} / memcpy = {s['memcpy'] / s[f'nixl, {placement}']:.2f}")
-        print(f"{work.name} (targets: tcp >= 0.7 x raw socket, nixl >= 0.5 x memcpy): " + "; ".join(ratios))
+        print(f"{work.name} (targets: tcp >= 0.7 x raw socket, nixl >= 0.5 x memcpy): " + "; ".join(_verdicts(s)))
 
 
 if __name__ == "__main__":
