@@ -554,3 +554,35 @@ def test_transport_benchmark_runs_every_method_in_rounds_and_checks_the_bytes() 
     assert all(len(times) == 2 and min(times) > 0 for times in seconds.values())
     assert bench.ratio(seconds, "memcpy", "memcpy") == 1.0
     assert len(bench._verdicts(seconds)) == len(transports) * len(bench.PLACEMENTS)
+
+
+@pytest.mark.skipif(not nixl_available(), reason="nixl_cu12 is not installed")
+def test_nixl_never_writes_on_a_stale_grant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Late writes (nixl module docstring): a grant that arrives more than GRANT_MAX_AGE_S after
+    its claim fails the request and writes nothing, so decode's quarantine of cancelled blocks
+    (`late_write_window_s`, longer than that) bounds when granted bytes can land."""
+    from pdserve.disagg.transport import nixl
+
+    decode = Decode("nixl")
+    pool = SPEC.pool(PREFILL_SEED)
+    sender = make_sender("nixl", SPEC.layout(pool), pool)
+    try:
+        sender.connect(decode.receiver.address)
+        assert decode.receiver.late_write_window_s == nixl.LATE_WRITE_WINDOW_S > nixl.GRANT_MAX_AGE_S
+        monkeypatch.setattr(nixl, "GRANT_MAX_AGE_S", -1.0)  # every grant is too late
+        decode.receiver.expect("r", [2, 4])
+        sender.send_layer("r", 0, [7, 8], [2, 4])
+        with pytest.raises(KVTransferError, match="grant for layer 0 came .* after the claim"):
+            run(sender.flush("r", TIMEOUT_S))
+        assert decode.untouched()
+        decode.receiver.cancel("r")
+        assert_nothing_left(decode.receiver, sender)
+    finally:
+        sender.close()
+        decode.receiver.close()
+
+
+@pytest.mark.parametrize("transport", ["fake", "tcp"])
+def test_a_synchronous_cancel_leaves_no_late_write_window(decode: Decode) -> None:
+    """tcp and fake stop every write before `cancel` returns: decode may reuse the blocks at once."""
+    assert decode.receiver.late_write_window_s == 0.0

@@ -139,3 +139,35 @@ def test_failed_hand_off_is_recomputed_on_decode(llm_factory: Callable[..., LLM]
     assert final is not None and final.outputs[0].token_ids == expected
     for llm in (colocated, prefill, decode):
         assert_no_leak(llm)
+
+
+def test_an_idle_engine_loop_frees_quarantined_blocks_when_due(model_dirs: dict) -> None:
+    """A decode engine over nixl keeps a cancelled reservation's blocks out of reuse for a while
+    (`Scheduler.remote_kv_quarantine_s`); its thread must give them back when that ends even
+    if nothing else happens (it sleeps while idle)."""
+    import asyncio
+    import time
+
+    from pdserve.config import EngineArgs
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.serving.async_engine import AsyncLLM
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(model_dirs["tiny"]), dtype="float32", num_kv_blocks=64))
+    engine.scheduler.remote_kv_quarantine_s = 0.5
+    client = AsyncLLM(engine)
+    try:
+        async def reserve_then_abort() -> None:
+            assert await client.call(lambda e: e.reserve_remote("r", random_prompt(100, seed=1), greedy(4)))
+            client.abort("r")
+            await client.call(lambda e: None)  # the abort was applied before this runs
+
+        asyncio.run(reserve_then_abort())
+        held = 64 - client.stats().num_free_kv_blocks
+        assert held == 7  # 100 prompt tokens in blocks of 16, quarantined
+        deadline = time.monotonic() + 5
+        while client.stats().num_free_kv_blocks < 64 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.stats().num_free_kv_blocks == 64
+        assert time.monotonic() - (deadline - 5) >= 0.4  # not before the quarantine ended
+    finally:
+        client.shutdown()

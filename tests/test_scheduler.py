@@ -311,3 +311,35 @@ def test_block_shortages_are_counted_and_logged(caplog: pytest.LogCaptureFixture
     assert any(r.getMessage().startswith("Cannot allocate for request big") for r in caplog.records)
     scheduler.abort("r1")
     assert_scheduler_clean(scheduler)
+
+
+def test_cancelled_remote_kv_blocks_are_quarantined_then_freed() -> None:
+    """Decode over a transport whose writes can land after a cancel (nixl): the blocks of a
+    reservation that ends before its KV arrived (abort, or recompute after a failed hand-off) stay
+    out of reuse for `remote_kv_quarantine_s`, then return to the pool."""
+    import time
+
+    scheduler = make_scheduler(num_blocks=8, block_size=4)
+    scheduler.remote_kv_quarantine_s = 0.3
+    assert scheduler.reserve_remote(make_request("a", 12, max_tokens=2))
+    assert scheduler.reserve_remote(make_request("b", 12, max_tokens=2))
+    scheduler.abort("a")
+    scheduler.recompute_remote("b")  # b must now compute its 12 tokens here: 3 blocks
+    assert scheduler.kv.pool.num_free_blocks == 2  # a's and b's 6 blocks are held, not free
+    assert scheduler.kv.release_quarantined() == pytest.approx(0.3, abs=0.1)
+    assert fake_step(scheduler).chunks == []  # b cannot have its (or a's) old blocks yet
+    assert not scheduler.reserve_remote(make_request("c", 12, max_tokens=1))
+    time.sleep(0.35)
+    out = fake_step(scheduler)  # releases what is due, then schedules b's recompute
+    assert [(c.request.request_id, c.num_new_tokens) for c in out.chunks] == [("b", 12)]
+    assert scheduler.kv.release_quarantined() is None
+    scheduler.abort("b")
+    assert_scheduler_clean(scheduler)
+
+
+def test_without_quarantine_cancelled_remote_kv_blocks_free_at_once() -> None:
+    scheduler = make_scheduler(num_blocks=8, block_size=4)
+    assert scheduler.reserve_remote(make_request("a", 12, max_tokens=2))
+    scheduler.abort("a")
+    assert scheduler.kv.release_quarantined() is None
+    assert_scheduler_clean(scheduler)

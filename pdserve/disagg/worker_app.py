@@ -195,6 +195,8 @@ def build_worker(engine: LLMEngine, role: Role, model_name: str, transport: str,
     service: PrefillService | DecodeService
     if role == "decode":
         receiver = make_receiver(transport, layout, kv_cache, **(transport_options or {}))
+        # NOTE: set before any request arrives; only the engine thread reads it afterwards
+        engine.scheduler.remote_kv_quarantine_s = receiver.late_write_window_s
         service = DecodeService(client, receiver, failure_policy, transfer_timeout_s)
     else:
         service = PrefillService(client, transport, layout, transfer_timeout_s, transport_options)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import time
 from array import array
+from collections import deque
 from collections.abc import Sequence
 
 from pdserve.engine.block_pool import BlockPool
@@ -27,6 +29,8 @@ class KVCacheManager:
         self.swap = SwapSpace(num_swap_blocks)
         self.num_prefix_queries = 0  # prompt tokens looked up
         self.num_prefix_hits = 0  # of which found cached
+        # (when, blocks): blocks held back from reuse until `when` (time.monotonic()); see free_after
+        self._quarantine: deque[tuple[float, list[int]]] = deque()
 
     def update_block_hashes(self, request: Request, num_tokens: int) -> None:
         """Extend `request.block_hashes` to cover every full block within its first `num_tokens`."""
@@ -83,6 +87,24 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         self.pool.free(request.block_ids[::-1])
         request.block_ids = []
+
+    def free_after(self, request: Request, delay_s: float) -> None:
+        """Free `request`'s blocks, but keep them from reuse (still counted as used) for `delay_s`:
+        for blocks a peer may still write into after the request let go of them (a KV transfer
+        by one-sided RDMA that was cancelled). Callers pass the same delay every time, so the
+        quarantine stays in release order."""
+        if delay_s <= 0:
+            self.free(request)
+            return
+        self._quarantine.append((time.monotonic() + delay_s, request.block_ids[::-1]))
+        request.block_ids = []
+
+    def release_quarantined(self) -> float | None:
+        """Free every block whose quarantine is over; seconds until the next one ends, or None."""
+        now = time.monotonic()
+        while self._quarantine and self._quarantine[0][0] <= now:
+            self.pool.free(self._quarantine.popleft()[1])
+        return self._quarantine[0][0] - now if self._quarantine else None
 
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
         """Move `request`'s blocks to CPU swap blocks. Returns (device block, swap block) pairs to

@@ -205,6 +205,11 @@ class LLMEngine:
         the prompt itself (and samples the first token with the request's own generator)."""
         self.scheduler.recompute_remote(request_id)
 
+    def release_quarantined_blocks(self) -> float | None:
+        """Free blocks whose quarantine ended (`Scheduler.remote_kv_quarantine_s`); seconds until
+        the next one ends, None when none is held. `step()` does this too; an idle loop calls it."""
+        return self.scheduler.kv.release_quarantined()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
 

@@ -59,6 +59,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.remote: dict[str, Request] = {}  # decode role: reserved, awaiting KV from prefill
         self.held: dict[str, Request] = {}  # prefill role: finished, blocks kept until released
+        # decode role: how long the blocks of a reservation that ends before its KV arrived stay
+        # out of reuse; set from the KV receiver (`late_write_window_s`: nixl > 0, tcp 0)
+        self.remote_kv_quarantine_s = 0.0
         self.num_preemptions = 0
         self.num_no_available_block = 0  # events logged as "No available block" (alert rules match it)
         self.num_cannot_allocate = 0  # requests refused as "Cannot allocate for request" (never fit)
@@ -83,6 +86,7 @@ class Scheduler:
         return len(self.requests)
 
     def schedule(self) -> SchedulerOutput:
+        self.kv.release_quarantined()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
@@ -212,6 +216,7 @@ class Scheduler:
             self.kv.drop_swapped(request)
         elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
             del self.remote[request.request_id]
+            self.kv.free_after(request, self.remote_kv_quarantine_s)  # a peer may still be writing
         if request.hold_blocks and status != RequestStatus.FINISHED_ABORTED:
             self.held[request.request_id] = request
         else:
@@ -232,6 +237,7 @@ class Scheduler:
         `request.num_computed_tokens` says how many prompt tokens need no transfer. False, changing
         nothing, when the pool has no room."""
         self._check_fits(request)
+        self.kv.release_quarantined()
         hits = self.kv.find_cached_prefix(request)
         request.num_computed_tokens = len(hits) * self.kv.block_size
         if not self.kv.allocate(request, request.num_prompt_tokens - request.num_computed_tokens, hits):
@@ -248,10 +254,12 @@ class Scheduler:
 
     def recompute_remote(self, request_id: str) -> None:
         """The hand-off failed (timeout, peer gone): compute the prompt here instead. The reserved
-        blocks, possibly half written, are freed; blocks that were prefix hits stay indexed, so
-        the normal waiting path finds them again. Goes to the front of the waiting queue."""
+        blocks, possibly half written, are freed after `remote_kv_quarantine_s` (a late write of
+        the failed transfer must not land in blocks given to anyone else, this request's recompute
+        included); blocks that were prefix hits stay indexed, so the normal waiting path finds
+        them again. Goes to the front of the waiting queue."""
         request = self.remote.pop(request_id)
-        self.kv.free(request)
+        self.kv.free_after(request, self.remote_kv_quarantine_s)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)

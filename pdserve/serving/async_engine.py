@@ -137,7 +137,9 @@ class AsyncLLM:
             while True:
                 # NOTE: blocking while idle, and while only KV reservations wait: spinning on empty
                 # steps would hold the GIL against the event loop and the KV transport's thread.
-                if not self._drain_inbox(block=not self.engine.has_runnable_requests()):
+                # Quarantined KV blocks bound the wait, so they return to the pool when due.
+                next_release_s = self.engine.release_quarantined_blocks()
+                if not self._drain_inbox(block=not self.engine.has_runnable_requests(), timeout_s=next_release_s):
                     return
                 for output in self.engine.step():
                     self._deliver(output)
@@ -151,11 +153,12 @@ class AsyncLLM:
                     add.loop.call_soon_threadsafe(add.stream.put_nowait, EngineDeadError(f"engine failed: {exc}"))
             self._streams.clear()
 
-    def _drain_inbox(self, block: bool) -> bool:
-        """Apply queued adds/aborts; False on shutdown."""
+    def _drain_inbox(self, block: bool, timeout_s: float | None = None) -> bool:
+        """Apply queued adds/aborts, waiting for the first up to `timeout_s` (None: forever) when
+        `block`; False on shutdown."""
         while True:
             try:
-                item = self._inbox.get(block=block, timeout=None)
+                item = self._inbox.get(block=block, timeout=timeout_s if block else None)
             except queue.Empty:
                 return True
             block = False

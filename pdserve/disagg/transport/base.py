@@ -93,6 +93,13 @@ class KVReceiver(abc.ABC):
     def address(self) -> str:
         """Where prefill connects, e.g. 'tcp://127.0.0.1:5555'."""
 
+    @property
+    def late_write_window_s(self) -> float:
+        """How long after `cancel` bytes of the cancelled transfer may still land in its blocks:
+        decode keeps those blocks out of reuse that long. 0 when `cancel` stops every write before
+        it returns (tcp, fake); see nixl."""
+        return 0.0
+
     @abc.abstractmethod
     def close(self) -> None:
         """Stop receiving; idempotent."""

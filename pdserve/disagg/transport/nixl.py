@@ -24,8 +24,17 @@ dtype, shape), and prefill learns no other destination address. But RDMA is one-
 registration in the agent metadata authorizes writes anywhere in decode's pool (UCX keys cover
 a whole registration; NIXL refuses only addresses outside it). A prefill that ignores the protocol
 could therefore write outside its grants, and a WRITE granted before `cancel` may still land in
-the cancelled blocks; keep cancelled blocks out of reuse until the sender's flush timed out or a
-lease expired. Peers are trusted cluster members, as in vLLM/Dynamo.
+the cancelled blocks (see Late writes). Peers are trusted cluster members, as in vLLM/Dynamo.
+
+Late writes. A WRITE posted before prefill hears of a cancel lands after decode let go of the
+blocks. Two rules bound when that can happen, with no clock shared between hosts: prefill posts a
+WRITE only within `GRANT_MAX_AGE_S` of sending its claim (a grant that arrives later fails the
+request instead), and decode's grant exists only after that claim was sent, so no granted byte
+lands later than `GRANT_MAX_AGE_S` + the WRITE's own duration after a cancel. Decode keeps the
+blocks of a reservation cancelled before its KV arrived out of reuse for `late_write_window_s`
+(`LATE_WRITE_WINDOW_S`, which leaves seconds of margin for the WRITE), so they never hold another
+request's KV when such a write lands. Not covered: a prefill process frozen (SIGSTOP, a hung host)
+between that check and the WRITE itself, for longer than the margin.
 
 NIXL calls are confined to the I/O thread (the agent runs with NIXL_THREAD_SYNC_NONE). The agent's
 own progress thread is disabled: on a 2-core machine it busy-spins a core and cut loopback
@@ -84,6 +93,9 @@ _CONNECT_TIMEOUT_S = 10.0
 _ACTIVE_WINDOW_S = 0.005
 _ACTIVE_NAP_S = 0.00005
 _IDLE_POLL_S = 0.001
+# Late writes (module docstring): claims are granted within milliseconds; 2 s is far beyond that.
+GRANT_MAX_AGE_S = 2.0
+LATE_WRITE_WINDOW_S = GRANT_MAX_AGE_S + 3.0
 
 
 def _new_agent(role: str) -> Any:
@@ -185,6 +197,10 @@ class NixlKVReceiver(KVReceiver):
     @property
     def address(self) -> str:
         return self._address
+
+    @property
+    def late_write_window_s(self) -> float:
+        return LATE_WRITE_WINDOW_S
 
     def cancel(self, request_id: str) -> None:
         super().cancel(request_id)
@@ -293,6 +309,7 @@ def _agent_name(name: bytes | str) -> str:
 class _PendingClaim:
     header: LayerHeader
     src_block_ids: tuple[int, ...]
+    claimed_at_s: float = 0.0  # time.monotonic() when the claim went out
 
 
 @dataclass(frozen=True, slots=True)
@@ -366,7 +383,7 @@ class NixlKVSender(KVSender):
 
     def _claim(self, pending: _PendingClaim) -> None:
         claim_id = next(self._claim_ids)
-        self._claims[claim_id] = pending
+        self._claims[claim_id] = replace(pending, claimed_at_s=time.monotonic())
         self._notify(Claim(claim_id, pending.header))
 
     async def _poll_loop(self) -> None:
@@ -395,6 +412,11 @@ class NixlKVSender(KVSender):
             logger.warning("grant for unknown claim %d of request %s", grant.claim_id, grant.request_id)
             return
         header = pending.header
+        age_s = time.monotonic() - pending.claimed_at_s
+        if age_s > GRANT_MAX_AGE_S:
+            self._acks.failed(header.request_id, f"decode's grant for layer {header.layer} came {age_s:.1f} s after "
+                              f"the claim (limit {GRANT_MAX_AGE_S:g} s): not writing, decode may have moved on")
+            return
         self._writing = header.request_id  # NOTE: before the check; see _abandoned_request
         try:
             if not self._abandoned_request(header.request_id):
