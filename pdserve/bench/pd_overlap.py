@@ -81,6 +81,11 @@ def main() -> None:
     args = EngineArgs(model=model_dir, dtype="float32", kv_cache_memory="1GiB", enable_prefix_caching=False,
                       max_num_batched_tokens=ns.max_num_batched_tokens, max_model_len=ns.prompt_len + 16)
     p, d = LLMEngine.from_engine_args(args), LLMEngine.from_engine_args(args)
+    for engine in (p, d):
+        # NOTE: the pools are committed lazily (engine/host_memory.py) and every run takes blocks
+        # no run used before, so without this every run would time first-touch page faults
+        # (~1 ms per MiB here), not the steady state of a server whose pool has been used.
+        engine.runner.kv_cache.fill_(0)
     layout = KVLayout.from_pool("bench", p.runner.kv_cache)
     receiver = make_receiver(ns.transport, layout, d.runner.kv_cache, host="127.0.0.1", port=0)
     sender = make_sender(ns.transport, layout, p.runner.kv_cache)
