@@ -163,11 +163,11 @@ def test_an_idle_engine_loop_frees_quarantined_blocks_when_due(model_dirs: dict)
 
         asyncio.run(reserve_then_abort())
         held = 64 - client.stats().num_free_kv_blocks
-        assert held == 7  # 100 prompt tokens in blocks of 16, quarantined
+        assert held == client.stats().num_quarantined_kv_blocks == 7  # 100 prompt tokens, blocks of 16
         deadline = time.monotonic() + 5
         while client.stats().num_free_kv_blocks < 64 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert client.stats().num_free_kv_blocks == 64
+        assert client.stats().num_free_kv_blocks == 64 and client.stats().num_quarantined_kv_blocks == 0
         assert time.monotonic() - (deadline - 5) >= 0.4  # not before the quarantine ended
     finally:
         client.shutdown()

@@ -99,6 +99,10 @@ class KVCacheManager:
         self._quarantine.append((time.monotonic() + delay_s, request.block_ids[::-1]))
         request.block_ids = []
 
+    @property
+    def num_quarantined_blocks(self) -> int:
+        return sum(len(blocks) for _, blocks in self._quarantine)
+
     def release_quarantined(self) -> float | None:
         """Free every block whose quarantine is over; seconds until the next one ends, or None."""
         now = time.monotonic()

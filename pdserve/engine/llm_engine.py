@@ -31,6 +31,7 @@ class EngineStats:
     num_swapped: int
     num_kv_blocks: int
     num_free_kv_blocks: int
+    num_quarantined_kv_blocks: int  # decode role: held after a cancelled one-sided transfer (nixl)
     kv_cache_usage: float
     num_preemptions: int
     num_prefix_query_tokens: int
@@ -294,6 +295,7 @@ class LLMEngine:
             num_swapped=len(self.scheduler.swapped),
             num_kv_blocks=kv.pool.num_blocks,
             num_free_kv_blocks=kv.pool.num_free_blocks,
+            num_quarantined_kv_blocks=kv.num_quarantined_blocks,
             kv_cache_usage=kv.usage,
             num_preemptions=self.scheduler.num_preemptions,
             num_prefix_query_tokens=kv.num_prefix_queries,

@@ -353,6 +353,8 @@ def _engine_series(s: EngineStats, gauge: Callable[..., GaugeMetricFamily],
     yield gauge("pdserve:decode_reserved_requests", "Decode: reservations waiting for their KV", s.num_remote_waiting)
     yield gauge("pdserve:kv_blocks_total", "KV blocks in the pool", s.num_kv_blocks)
     yield gauge("pdserve:kv_blocks_free", "Free KV blocks", s.num_free_kv_blocks)
+    yield gauge("pdserve:kv_blocks_quarantined", "KV blocks kept from reuse after a cancelled nixl hand-off "
+                "(a late WRITE may still land)", s.num_quarantined_kv_blocks)
     yield counter("pdserve:kv_block_evictions", "Cached KV blocks evicted from the prefix cache", s.num_evictions)
     yield counter("pdserve:no_available_block", "Events logged as `No available block` (preemption, refused "
                   "reservation)", s.num_no_available_block)
