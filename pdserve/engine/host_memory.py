@@ -11,7 +11,7 @@ Long-lived large buffers (the KV pool) come from `zeroed_pages`: an anonymous ma
 transparent huge pages. The KV transports move a pool's blocks with the kernel (socket copies;
 NIXL/UCX's process_vm_writev on one host), which walks and pins the pool page by page: with 2 MiB
 pages instead of 4 KiB ones a 256 MiB NIXL hand-off here took 63 ms instead of 96 ms (memcpy 46 vs
-52 ms), and the model's reads of the pool miss the TLB less. The price: where the kernel's THP
+52 ms); the engine's own speed did not change. The price: where the kernel's THP
 `defrag` setting is `madvise` (a common default), the first write to each 2 MiB of the pool may
 stall on memory compaction when free memory is fragmented; this happens once per 2 MiB, as blocks
 are first used.
