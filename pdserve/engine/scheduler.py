@@ -216,7 +216,8 @@ class Scheduler:
             self.kv.drop_swapped(request)
         elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
             del self.remote[request.request_id]
-            self.kv.free_after(request, self.remote_kv_quarantine_s)  # a peer may still be writing
+            # a peer may still be writing: quarantined, so the free below finds no blocks left
+            self.kv.free_after(request, self.remote_kv_quarantine_s)
         if request.hold_blocks and status != RequestStatus.FINISHED_ABORTED:
             self.held[request.request_id] = request
         else:

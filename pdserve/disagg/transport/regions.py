@@ -70,18 +70,16 @@ def payload_views(layout: KVLayout, kv_cache: torch.Tensor, flat: memoryview, la
                   block_ids: tuple[int, ...] | list[int]) -> list[memoryview]:
     """Views of a CPU pool's payload regions for these blocks, in payload order, adjacent ones merged."""
     num_pool_blocks = kv_cache.shape[2]
-    starts, lengths = _layer0_spans(layout.region_bytes, num_pool_blocks, tuple(block_ids))
-    shift = layer * 2 * num_pool_blocks * layout.region_bytes  # where layer `layer` starts
+    starts, lengths = _layer0_spans(layout, num_pool_blocks, tuple(block_ids))
+    shift = int(payload_offsets(layout, num_pool_blocks, layer, (0,))[0])  # where layer `layer` starts
     return [flat[shift + start:shift + start + length] for start, length in zip(starts, lengths, strict=True)]
 
 
 @functools.lru_cache(maxsize=256)
-def _layer0_spans(region_bytes: int, num_pool_blocks: int, block_ids: tuple[int, ...]
+def _layer0_spans(layout: KVLayout, num_pool_blocks: int, block_ids: tuple[int, ...]
                   ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The merged ranges of these blocks' payload in layer 0, as plain ints. Every layer of a chunk
     moves the same blocks, so each side computes them once per chunk, not once per layer (this
     took ~0.1 ms per call, on the critical path of every layer of a small payload)."""
-    ids = np.asarray(block_ids, dtype=np.int64)
-    offsets = np.concatenate([kv * num_pool_blocks + ids for kv in (0, 1)]) * region_bytes
-    spans = coalesce(offsets, region_bytes)
+    spans = coalesce(payload_offsets(layout, num_pool_blocks, 0, block_ids), layout.region_bytes)
     return tuple(spans.starts.tolist()), tuple(spans.lengths.tolist())
