@@ -16,7 +16,6 @@ Also here: `TransferMeter`, the decode side's per-transfer duration and byte cou
 
 from __future__ import annotations
 
-import contextvars
 import struct
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from pdserve.disagg.control import OutputFrame, PhaseDurations
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.transport.messages import KVDone, KVProgress
 from pdserve.engine.output import RequestMetrics
+from pdserve.serving.trace import TransferRecord
 
 # NOTE: `extra` was the bare generator state before; the magic tells the two apart, so a worker
 # without phases (older, or none measured) still interoperates.
@@ -53,14 +53,6 @@ def unpack_done_extra(extra: bytes) -> tuple[bytes | None, tuple[float, float] |
 
 def generator_state_of(extra: bytes) -> bytes | None:
     return unpack_done_extra(extra)[0]
-
-
-@dataclass(frozen=True, slots=True)
-class TransferRecord:
-    """One finished hand-off, as the decode worker saw it."""
-
-    duration_s: float  # first payload received -> KVDone (0 when every block was a prefix hit)
-    num_bytes: int
 
 
 @dataclass(slots=True)
@@ -109,36 +101,3 @@ class TransferMeter:
 
     def forget(self, rid: str) -> None:
         self._transfers.pop(rid, None)
-
-
-@dataclass(slots=True)
-class RequestTrace:
-    """Router: what it learns about one request besides its outputs. Bound to the task serving the
-    request (`start_trace`), so PDClient marks it without a handle passed down."""
-
-    arrival_time: float
-    left_router_time: float | None = None  # reserved on decode, the job about to go to prefill
-    phases: PhaseDurations | None = None
-
-    def mark_left_router(self) -> None:
-        """The job went to a prefill worker (or onto the shared queue, or decode prefills it).
-        The first time counts: a later attempt (retry, resume) does not move it."""
-        if self.left_router_time is None:
-            self.left_router_time = time.monotonic()
-
-    def record(self, phases: PhaseDurations) -> None:
-        self.phases = phases
-
-
-_trace: contextvars.ContextVar[RequestTrace | None] = contextvars.ContextVar("pdserve_trace", default=None)
-
-
-def start_trace() -> RequestTrace:
-    trace = RequestTrace(time.monotonic())
-    _trace.set(trace)
-    return trace
-
-
-def current_trace() -> RequestTrace:
-    """The trace bound to this task, or a throwaway one (PDClient used without metrics)."""
-    return _trace.get() or RequestTrace(time.monotonic())

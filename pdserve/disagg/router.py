@@ -50,7 +50,6 @@ from pdserve.disagg.control import (
     WorkerInfo,
     transfer_id,
 )
-from pdserve.disagg.phases import RequestTrace, current_trace
 from pdserve.disagg.queue import PrefillQueue, QueueUnavailable, next_attempt
 from pdserve.engine.llm_engine import check_request
 from pdserve.engine.output import CompletionOutput, RequestOutput
@@ -59,6 +58,7 @@ from pdserve.logs import bind_request_id
 from pdserve.model.qwen3_config import Qwen3ModelConfig
 from pdserve.serving.app import create_app
 from pdserve.serving.errors import OpenAIError
+from pdserve.serving.trace import RequestTrace, TTFTPhases, current_trace
 from pdserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -408,7 +408,8 @@ class PDClient:
                         raise dispatch.refusal
                     raise OpenAIError(frame.error, HTTPStatus.SERVICE_UNAVAILABLE)
                 if frame.phases is not None:
-                    current_trace().record(frame.phases)
+                    current_trace().record(TTFTPhases(frame.phases.prefill_queue_s, frame.phases.prefill_compute_s,
+                                                      frame.phases.first_decode_step_s))
                 output = _request_output(rid, prompt, frame)
                 finished = output.finished
                 yield output

@@ -27,11 +27,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pdserve.disagg.phases import RequestTrace, TransferRecord, start_trace
 from pdserve.engine.llm_engine import EngineStats
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.serving.engine_client import EngineClient
+from pdserve.serving.trace import RequestTrace, TransferRecord, start_trace
 from pdserve.tokenizer import Tokenizer
 
 ServerRole = Literal["router", "colocated", "prefill", "decode"]
