@@ -80,6 +80,24 @@ class FailJob(BaseModel):
     reason: str
 
 
+class PrefixQuery(BaseModel):
+    """router -> decode (prefix-affinity policy): how much of this prompt do you cache?"""
+
+    prompt_token_ids: list[int]
+
+
+class PrefixReply(BaseModel):
+    """decode -> router: leading prompt tokens its prefix cache holds now."""
+
+    num_cached_tokens: int
+
+
+class Keepalive(BaseModel):
+    """prefill -> decode: these attempts are still being computed (POST /pd/alive)."""
+
+    transfer_ids: list[str]
+
+
 class HandOff(BaseModel):
     """prefill -> router: how one prefill job ended (the reply to POST /pd/prefill)."""
 

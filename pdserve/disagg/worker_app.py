@@ -32,7 +32,17 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.disagg.control import FailJob, PrefillJob, ReserveRequest, Retarget, Role, WorkerInfo
+from pdserve.disagg.control import (
+    FailJob,
+    Keepalive,
+    PrefillJob,
+    PrefixQuery,
+    PrefixReply,
+    ReserveRequest,
+    Retarget,
+    Role,
+    WorkerInfo,
+)
 from pdserve.disagg.decode_service import DecodeService, FailurePolicy
 from pdserve.disagg.kv_layout import KVLayout, KVLayoutMismatch
 from pdserve.disagg.prefill_service import PrefillService
@@ -103,14 +113,14 @@ def _add_decode_routes(app: FastAPI, service: DecodeService) -> None:
         return JSONResponse(reply.model_dump())
 
     @app.post("/pd/prefix")
-    async def prefix(body: dict[str, list[int]]) -> JSONResponse:
-        prompt = body.get("prompt_token_ids") or []
+    async def prefix(body: PrefixQuery) -> PrefixReply:
+        prompt = body.prompt_token_ids
         cached = await service.client.call(lambda e: e.num_cached_prefix_tokens(prompt))
-        return JSONResponse({"num_cached_tokens": cached})
+        return PrefixReply(num_cached_tokens=cached)
 
     @app.post("/pd/alive")
-    async def alive(body: dict[str, list[str]]) -> JSONResponse:
-        service.touch(body.get("transfer_ids") or [])
+    async def alive(body: Keepalive) -> JSONResponse:
+        service.touch(body.transfer_ids)
         return JSONResponse({})
 
     @app.post("/pd/retarget/{request_id}")
