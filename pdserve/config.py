@@ -6,8 +6,8 @@ Knob names follow vLLM's so users' habits carry over.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 
@@ -205,3 +205,102 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         seed=args.seed,
         num_threads=args.num_threads,
     )
+
+
+def knob(default: Any, help: str) -> Any:  # noqa: A002 - argparse's name for it
+    """A config field whose `help` becomes the CLI flag's help (cli.py generates flags from fields)."""
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("mutable defaults are not allowed: use a tuple")
+    return field(default=default, metadata={"help": help})
+
+
+DecodePolicyName = Literal["least-loaded", "round-robin", "prefix-affinity"]
+DECODE_POLICIES: tuple[DecodePolicyName, ...] = ("least-loaded", "round-robin", "prefix-affinity")
+
+
+@dataclass(frozen=True, slots=True)
+class QueueArgs:
+    """The prefill job queue, as routers and prefill workers see it (`--queue*` flags)."""
+
+    queue: str = knob("memory", "'memory' (the router's own FIFO) or redis://host:port/db (Redis Streams, shared "
+                                "by every router and prefill worker)")
+    queue_deployment: str = knob("default", "Redis key namespace: one stream per deployment")
+
+    def validate(self) -> None:
+        if self.queue != "memory" and not self.queue.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"--queue must be 'memory' or a redis:// URL, got {self.queue!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """Everything the PD router needs besides the model (tokenizer, context window)."""
+
+    prefill: tuple[str, ...] = knob((), "prefill worker URLs (optional with a Redis queue: its consumers are "
+                                        "the prefill pool)")
+    decode: tuple[str, ...] = knob((), "decode worker URLs")
+    queue: QueueArgs = field(default_factory=QueueArgs)
+    decode_policy: DecodePolicyName = knob("least-loaded", "which decode worker gets a request")
+    pd_threshold: int = knob(0, "prompts whose part not cached on the chosen decode worker is shorter than this "
+                                "many tokens are prefilled there (0: always disaggregate)")
+    max_queued_requests: int = knob(512, "requests admitted and waiting for their first token; beyond: 429")
+    max_queued_tokens: int = knob(1 << 20, "their prompt tokens; beyond: 429")
+    reserve_deadline_s: float = knob(30.0, "how long a request waits for KV room on a decode worker before a 503")
+    max_resumes: int = knob(2, "times a request moves to another decode worker after losing its own")
+
+    def validate(self) -> None:
+        self.queue.validate()
+        checks = [
+            (bool(self.decode), "the router needs decode workers"),
+            (bool(self.prefill) or self.queue.queue != "memory",
+             "the router needs prefill workers, or a shared (Redis) queue whose consumers are the prefill pool"),
+            (self.decode_policy in DECODE_POLICIES,
+             f"decode policy must be one of {DECODE_POLICIES}, got {self.decode_policy!r}"),
+            (self.pd_threshold >= 0, "pd_threshold must be >= 0"),
+            (self.max_queued_requests >= 1, "max_queued_requests must be >= 1"),
+            (self.max_queued_tokens >= 1, "max_queued_tokens must be >= 1"),
+            (self.reserve_deadline_s > 0, "reserve_deadline_s must be > 0"),
+            (self.max_resumes >= 0, "max_resumes must be >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """A prefill or decode worker's disaggregation settings (its engine has `EngineArgs`)."""
+
+    role: Literal["prefill", "decode"] = knob("decode", "which half of a request this worker computes")
+    kv_transport: Literal["nixl", "tcp"] | None = knob(None, "default: nixl when importable, else tcp")
+    kv_host: str = knob("127.0.0.1", "decode role: address the KV receiver binds")
+    kv_port: int = knob(0, "decode role: KV receiver port (0: any free port)")
+    kv_transfer_timeout_ms: int | None = knob(
+        None, "time a KV hand-off may go without progress (env KV_TRANSFER_TIMEOUT_MS, default 100)")
+    kv_failure_policy: Literal["recompute", "fail"] = knob(
+        "recompute", "after a timeout and one retry: prefill on the decode worker, or fail the request")
+    queue: QueueArgs = field(default_factory=QueueArgs)
+    queue_claim_idle_s: float = knob(5.0, "prefill: re-deliver a job whose consumer went silent this long")
+    queue_max_deliveries: int = knob(3, "prefill: dead-letter a job after this many deliveries")
+
+    def validate(self) -> None:
+        self.queue.validate()
+        checks = [
+            (self.role in ("prefill", "decode"), f"role must be prefill or decode, got {self.role!r}"),
+            (self.kv_transport in (None, "nixl", "tcp"), "kv_transport must be nixl or tcp"),
+            (0 <= self.kv_port < 65536, "kv_port must be in [0, 65535]"),
+            (self.kv_transfer_timeout_ms is None or self.kv_transfer_timeout_ms >= 1,
+             "kv_transfer_timeout_ms must be >= 1"),
+            (self.kv_failure_policy in ("recompute", "fail"), "kv_failure_policy must be recompute or fail"),
+            (self.queue_claim_idle_s > 0, "queue_claim_idle_s must be > 0"),
+            (self.queue_max_deliveries >= 1, "queue_max_deliveries must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def transfer_timeout_s(self) -> float:
+        """The flag, else the environment (envs.py), in seconds."""
+        from pdserve import envs
+
+        return (self.kv_transfer_timeout_ms or envs.kv_transfer_timeout_ms()) / 1000
