@@ -1,0 +1,79 @@
+"""What the PD router shows of itself: its pool (`WorkerView`) and its admission queue and counters
+(`RouterStats`), as frozen snapshots.
+
+They live here, not in `disagg/`, because `serving/` reads them (metrics, the dashboard) and must
+not import `disagg/`: the router (`disagg/router.py`) fills them in and satisfies `RouterState`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+WorkerRole = Literal["prefill", "decode"]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """What a worker last advertised (GET /pd/info)."""
+
+    num_running: int
+    num_waiting: int
+    num_free_kv_blocks: int
+    num_kv_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """One worker of the router's pool. Field order is GET /workers' JSON order."""
+
+    role: WorkerRole
+    url: str
+    ready: bool  # answers GET /pd/info and says it is ready (not draining, engine alive)
+    in_flight: int  # this router's requests (decode) or jobs (prefill) on it now
+    draining: bool
+    load: WorkerLoad | None  # None while it does not answer
+
+
+@dataclass(frozen=True, slots=True)
+class Rejections:
+    """Requests the router refused since it started, by reason (GET /router/stats: `rejected_<reason>`)."""
+
+    invalid: int = 0  # 400: can never run (too long, token ids out of the vocabulary, n > 1)
+    queue_full: int = 0  # 429: too many requests (or prompt tokens) admitted and waiting
+    no_prefill_worker: int = 0  # 503: no ready prefill worker (or no live queue consumer)
+    no_decode_worker: int = 0  # 503: no ready decode worker
+    no_kv_room: int = 0  # 503: no decode worker had room before the reserve deadline
+    queue_unavailable: int = 0  # 503: the shared queue (Redis) is unreachable
+
+
+@dataclass(frozen=True, slots=True)
+class RouterEvents:
+    """What else the router did since it started."""
+
+    kv_retries: int = 0  # new prefill attempts after a decode worker reported a stalled transfer
+    redispatched: int = 0  # jobs queued again after their prefill worker was lost or drained (memory queue)
+    resumed: int = 0  # requests moved to another decode worker after losing theirs
+    prefilled_on_decode: int = 0  # conditional disaggregation: the decode worker prefilled the rest itself
+
+
+@dataclass(frozen=True, slots=True)
+class RouterStats:
+    """The router's admission queue, prefill queue and counters (GET /router/stats)."""
+
+    queued_requests: int  # admitted, first token not out yet
+    queued_tokens: int  # their prompt tokens
+    dispatch_pending: int  # prefill jobs waiting in the router's own FIFO (memory queue; 0 for Redis)
+    queue: Literal["memory", "redis"]
+    live_queue_consumers: int  # Redis: prefill workers pulling from the shared queue (0 for memory)
+    queue_error: str  # why the queue is unreachable; "" when it is fine
+    rejections: Rejections
+    events: RouterEvents
+
+
+class RouterState(Protocol):
+    """What serving/ (metrics, dashboard) reads from the PD router. Called on the event loop."""
+
+    def workers(self) -> list[WorkerView]: ...
+
+    def stats(self) -> RouterStats: ...
