@@ -67,7 +67,7 @@ def add_queue_args(parser: argparse.ArgumentParser, role: str) -> None:
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
-    from pdserve.disagg.router import DECODE_POLICIES
+    from pdserve.config import DECODE_POLICIES
 
     g = parser.add_argument_group("router")
     g.add_argument("--decode-policy", choices=DECODE_POLICIES, default="least-loaded",
@@ -170,26 +170,28 @@ def default_kv_transport() -> str:
 
 
 def _router(ns: argparse.Namespace) -> int:
-    from pdserve.disagg.router import PDClient, create_router_app
+    from pdserve.config import QueueArgs, RouterConfig
+    from pdserve.disagg.router import PDRouter
+    from pdserve.disagg.router_app import create_router_app
     from pdserve.model.demo_checkpoint import default_model_dir
     from pdserve.model.qwen3_config import Qwen3ModelConfig
     from pdserve.tokenizer import load_tokenizer
 
     model_dir = ns.model or str(default_model_dir())
     try:
-        from pdserve.disagg.queue import make_queue
-
-        config = Qwen3ModelConfig.from_dir(model_dir)
-        queue = make_queue(ns.queue, deployment=ns.queue_deployment) if ns.queue != "memory" else None
-        client = PDClient(ns.prefill or [], ns.decode, load_tokenizer(model_dir), config, model_dir,
-                          ns.max_model_len or config.max_position_embeddings, ns.reserve_deadline_s, queue=queue,
-                          decode_policy=ns.decode_policy, pd_threshold=ns.pd_threshold,
-                          max_queued_requests=ns.max_queued_requests, max_queued_tokens=ns.max_queued_tokens)
+        model = Qwen3ModelConfig.from_dir(model_dir)
+        config = RouterConfig(
+            prefill=tuple(ns.prefill or ()), decode=tuple(ns.decode), queue=QueueArgs(ns.queue, ns.queue_deployment),
+            decode_policy=ns.decode_policy, pd_threshold=ns.pd_threshold, max_queued_requests=ns.max_queued_requests,
+            max_queued_tokens=ns.max_queued_tokens, reserve_deadline_s=ns.reserve_deadline_s)
+        config.validate()
+        router = PDRouter.from_config(config, load_tokenizer(model_dir), model, model_dir,
+                                      ns.max_model_len or model.max_position_embeddings)
     except (ValueError, FileNotFoundError) as exc:
         print(f"pdserve: {exc}", file=sys.stderr)
         return 2
     name = ns.served_model_name or (ns.model or "pdserve-demo-tiny")
-    _run_server(create_router_app(client, name), ns)
+    _run_server(create_router_app(router, name), ns)
     return 0
 
 

@@ -14,10 +14,11 @@ import uvicorn
 from fastapi import FastAPI
 from server_fixtures import free_port
 
-from pdserve.config import EngineArgs
+from pdserve.config import EngineArgs, RouterConfig
 from pdserve.disagg.decode_service import DecodeService, FailurePolicy
 from pdserve.disagg.prefill_service import PrefillService
-from pdserve.disagg.router import PDClient, create_router_app
+from pdserve.disagg.router import PDRouter
+from pdserve.disagg.router_app import create_router_app
 from pdserve.disagg.worker_app import build_worker
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.model.qwen3_config import Qwen3ModelConfig
@@ -55,7 +56,7 @@ class Cluster:
     router: Served
     workers: list[tuple[Served, AsyncLLM]]
     services: list[PrefillService | DecodeService]
-    pd: PDClient
+    pd: PDRouter
 
     def service(self, kind: type[PrefillService] | type[DecodeService], index: int = 0) -> Any:
         return [s for s in self.services if isinstance(s, kind)][index]
@@ -98,8 +99,9 @@ def start_cluster(model_dir: Path, transport: str, num_prefill: int, num_decode:
             served = serve(app)
             workers.append((served, client))
             urls[role].append(served.url)
-    pd = PDClient(urls["prefill"], urls["decode"], load_tokenizer(str(model_dir)),
-                  Qwen3ModelConfig.from_dir(model_dir), str(model_dir), max_model_len=1024, **router_options)
+    config = RouterConfig(prefill=tuple(urls["prefill"]), decode=tuple(urls["decode"]), **router_options)
+    pd = PDRouter.from_config(config, load_tokenizer(str(model_dir)), Qwen3ModelConfig.from_dir(model_dir),
+                              str(model_dir), max_model_len=1024)
     router = serve(create_router_app(pd, MODEL))
     deadline = time.monotonic() + 10
     while not pd.alive and time.monotonic() < deadline:  # the router's first poll of its workers

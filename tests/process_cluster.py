@@ -12,6 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -19,8 +20,9 @@ import redis
 from pd_fixtures import Served, serve
 from server_fixtures import free_port
 
-from pdserve.disagg.queue import make_queue
-from pdserve.disagg.router import PDClient, create_router_app
+from pdserve.config import QueueArgs, RouterConfig
+from pdserve.disagg.router import PDRouter
+from pdserve.disagg.router_app import create_router_app
 from pdserve.model.qwen3_config import Qwen3ModelConfig
 from pdserve.tokenizer import load_tokenizer
 
@@ -120,7 +122,7 @@ def wait_healthy(workers: list[WorkerProcess]) -> None:
 
 @dataclass
 class InProcessRouter:
-    client: PDClient
+    client: PDRouter
     served: Served
 
     @property
@@ -132,11 +134,11 @@ class InProcessRouter:
 
 
 def start_router(model_dir: Path, prefill: list[WorkerProcess], decode: list[WorkerProcess],
-                 queue_url: str | None = None, deployment: str = "default", **options: object) -> InProcessRouter:
-    queue = make_queue(queue_url, deployment=deployment) if queue_url else None
-    client = PDClient([w.url for w in prefill], [w.url for w in decode], load_tokenizer(str(model_dir)),
-                      Qwen3ModelConfig.from_dir(model_dir), str(model_dir), 1024, queue=queue,
-                      **options)  # type: ignore[arg-type]
+                 queue_url: str | None = None, deployment: str = "default", **options: Any) -> InProcessRouter:
+    config = RouterConfig(prefill=tuple(w.url for w in prefill), decode=tuple(w.url for w in decode),
+                          queue=QueueArgs(queue_url or "memory", deployment), **options)
+    client = PDRouter.from_config(config, load_tokenizer(str(model_dir)), Qwen3ModelConfig.from_dir(model_dir),
+                                  str(model_dir), 1024)
     router = InProcessRouter(client, serve(create_router_app(client, MODEL)))
     wait_router_ready(router)
     return router

@@ -179,7 +179,7 @@ def test_redis_down_for_10_s_gives_503s_then_recovers_without_restart(
             statuses.append(reply.status_code)
             assert reply.status_code == 503, reply.text
             time.sleep(0.5)
-        assert cluster.router.client.counters["rejected_queue_unavailable"] >= len(statuses) > 5
+        assert cluster.router.client.stats().rejections.queue_unavailable >= len(statuses) > 5
         redis_server.start()
         deadline = time.monotonic() + 20
         while (reply := http.post("/v1/completions", json=GREEDY | {"prompt": prompt})).status_code != 200:

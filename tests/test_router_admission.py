@@ -14,10 +14,12 @@ from pd_fixtures import MODEL, serve, start_cluster, stop_cluster
 from server_fixtures import free_port
 
 from pdserve import LLM, SamplingParams
+from pdserve.config import RouterConfig
 from pdserve.disagg.control import ReserveRequest, WireSamplingParams
 from pdserve.disagg.decode_service import DecodeService
 from pdserve.disagg.prefill_service import PrefillService
-from pdserve.disagg.router import PDClient, create_router_app
+from pdserve.disagg.router import PDRouter
+from pdserve.disagg.router_app import create_router_app
 from pdserve.model.qwen3_config import Qwen3ModelConfig
 from pdserve.tokenizer import load_tokenizer
 
@@ -48,7 +50,7 @@ def test_queue_bound_gives_exactly_the_expected_429s(model_dirs: dict[str, Path]
                 tasks = [asyncio.create_task(client.post("/v1/completions", json=GREEDY | {"prompt": p}))
                          for p in prompts]
                 deadline = time.monotonic() + 20
-                while sum(t.done() for t in tasks) < 2 or cluster.pd.num_queued < 3:
+                while sum(t.done() for t in tasks) < 2 or cluster.pd.stats().queued_requests < 3:
                     assert time.monotonic() < deadline, (cluster.pd.stats(), [t.done() for t in tasks])
                     await asyncio.sleep(0.02)
                 rejected = [t.result() for t in tasks if t.done()]
@@ -64,8 +66,9 @@ def test_queue_bound_gives_exactly_the_expected_429s(model_dirs: dict[str, Path]
         assert len(ok) == 3 and sum(r.status_code == 429 for r in replies) == 2
         for prompt, reply in ok:
             assert reply.json()["choices"][0]["text"] == greedy_text(colocated, prompt)
-        assert cluster.pd.counters["rejected_queue_full"] == 2
-        assert cluster.pd.num_queued == 0 and cluster.pd.num_queued_tokens == 0
+        stats = cluster.pd.stats()
+        assert stats.rejections.queue_full == 2
+        assert stats.queued_requests == 0 and stats.queued_tokens == 0
         cluster.wait_until_idle()
     finally:
         stop_cluster(cluster)
@@ -81,7 +84,7 @@ def test_prompt_too_long_is_a_400_before_anything_is_queued(model_dirs: dict[str
                 assert "maximum context length" in reply.json()["error"]["message"]
         decode = cluster.service(DecodeService)
         assert not decode.counters and decode.num_in_flight == 0  # nothing was reserved
-        assert cluster.pd.num_queued == 0
+        assert cluster.pd.stats().queued_requests == 0
     finally:
         stop_cluster(cluster)
 
@@ -89,8 +92,9 @@ def test_prompt_too_long_is_a_400_before_anything_is_queued(model_dirs: dict[str
 def test_no_ready_worker_is_a_503_streamed_or_not(model_dirs: dict[str, Path]) -> None:
     model_dir = model_dirs["tiny"]
     nowhere = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
-    client = PDClient(nowhere[:1], nowhere[1:], load_tokenizer(str(model_dir)), Qwen3ModelConfig.from_dir(model_dir),
-                      str(model_dir), 1024)
+    client = PDRouter.from_config(RouterConfig(prefill=tuple(nowhere[:1]), decode=tuple(nowhere[1:])),
+                                  load_tokenizer(str(model_dir)), Qwen3ModelConfig.from_dir(model_dir), str(model_dir),
+                                  1024)
     router = serve(create_router_app(client, MODEL))
     try:
         with httpx.Client(base_url=router.url, timeout=30) as http:
@@ -99,7 +103,7 @@ def test_no_ready_worker_is_a_503_streamed_or_not(model_dirs: dict[str, Path]) -
                 assert reply.status_code == 503, reply.text
                 assert reply.json()["error"]["type"] == "service_unavailable"
             assert http.get("/health").status_code == 503
-        assert client.counters["rejected_no_prefill_worker"] == 2
+        assert client.stats().rejections.no_prefill_worker == 2
     finally:
         router.stop()
 
@@ -137,7 +141,7 @@ def test_short_uncached_rest_is_prefilled_on_decode(model_dirs: dict[str, Path],
                 reply = http.post("/v1/completions", json=GREEDY | {"prompt": prompt})
                 assert reply.status_code == 200, reply.text
                 assert reply.json()["choices"][0]["text"] == greedy_text(colocated, prompt)
-        assert cluster.pd.counters["prefilled_on_decode"] == 2
+        assert cluster.pd.stats().events.prefilled_on_decode == 2
         assert cluster.service(DecodeService).counters["prefilled_locally"] == 2
         assert cluster.service(PrefillService).counters["handed_off"] == 1
         cluster.wait_until_idle()

@@ -17,7 +17,6 @@ from helpers import generate_texts, greedy, random_prompt
 from process_cluster import ProcessCluster, WorkerProcess, spawn_worker, start_router, wait_healthy
 
 from pdserve import LLM
-from pdserve.disagg.router import Worker
 
 FLAGS = ["--num-kv-blocks", "512", "--max-num-batched-tokens", "16"]
 _EXIT_TIMEOUT_S = 30
@@ -89,8 +88,7 @@ def text_of(events: list[object]) -> str:
 
 def test_a_hung_worker_leaves_the_pool_within_seconds_and_comes_back(cluster: ProcessCluster) -> None:
     def ready(worker: WorkerProcess) -> bool:
-        return next(w.ready for w in cluster.router.client.prefill + cluster.router.client.decode
-                    if w.url == worker.url)
+        return next(w.ready for w in cluster.router.client.workers() if w.url == worker.url)
 
     def wait(worker: WorkerProcess, state: bool) -> float:
         start = time.monotonic()
@@ -125,7 +123,7 @@ def test_sigterm_drains_a_decode_worker(cluster: ProcessCluster, colocated: LLM,
     replacement = spawn_worker("decode", model_dirs["tiny"], tmp_path, FLAGS)
     cluster.decode.append(replacement)  # stopped with the cluster, whatever happens
     wait_healthy([replacement])
-    cluster.router.client.decode.append(Worker(replacement.url, "decode"))
+    cluster.router.client.pool.set_members("decode", [w.url for w in cluster.decode])
     with httpx.Client(base_url=cluster.router.url, timeout=60) as http:
         for seed in range(3):
             reply = http.post("/v1/completions", json={"prompt": random_prompt(30, seed=seed), "max_tokens": 4})
@@ -150,14 +148,14 @@ def test_sigterm_drains_a_prefill_worker(cluster: ProcessCluster, colocated: LLM
 
 def test_decode_sigkill_mid_stream_resumes_on_another_worker(cluster: ProcessCluster, colocated: LLM) -> None:
     prompt = random_prompt(50, seed=13)
-    resumed_before = cluster.router.client.counters["resumed"]
+    resumed_before = cluster.router.client.stats().events.resumed
     killed: list[WorkerProcess] = []
 
     events = stream_events(cluster.router.url, prompt, 150, 10,
                            lambda: killed.append(signal_busy(cluster.decode, signal.SIGKILL)))
     assert text_of(events) == greedy_text(colocated, prompt, 150)  # nothing missing, nothing twice
     assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 150
-    assert cluster.router.client.counters["resumed"] == resumed_before + 1
+    assert cluster.router.client.stats().events.resumed == resumed_before + 1
     killed[0].popen.wait(10)
     cluster.wait_until_idle()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from http import HTTPStatus
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -17,20 +17,23 @@ from pdserve.serving.completions import CompletionHandler
 from pdserve.serving.dashboard import install_dashboard
 from pdserve.serving.engine_client import EngineClient
 from pdserve.serving.errors import EXCEPTION_HANDLERS, OpenAIError
-from pdserve.serving.metrics import instrument_engine_app, instrument_router_app
+from pdserve.serving.metrics import instrument_engine_app
 from pdserve.serving.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from pdserve.serving.router_metrics import instrument_router_app
+from pdserve.serving.router_stats import RouterState
 from pdserve.serving.sse import sse_stream, started, unless_disconnected
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
 
 def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None = None,
-               role: Literal["colocated", "router"] = "colocated") -> FastAPI:
-    """`role="router"`: `client` is the PD router's; adds its metrics and the live dashboard."""
+               router: RouterState | None = None) -> FastAPI:
+    """`router`: `client` is the PD router (disagg/router_app.py), whose pool and stats this reads
+    for the router's metrics and the live dashboard."""
     app = FastAPI(title="pdserve", exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)  # type: ignore[arg-type]
-    if role == "router":
-        client, metrics = instrument_router_app(app, client, model_name)
-        install_dashboard(app, metrics, client.inner)
+    if router is not None:
+        client, metrics = instrument_router_app(app, client, router, model_name)
+        install_dashboard(app, metrics, router)
     elif isinstance(client, AsyncLLM):
         instrument_engine_app(app, client, model_name, "colocated")
     completions = CompletionHandler(client, model_name)

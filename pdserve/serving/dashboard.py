@@ -18,6 +18,7 @@ from fastapi.responses import HTMLResponse
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.serving.metrics import ServerMetrics
+from pdserve.serving.router_stats import RouterState, WorkerView
 
 _PAGE = Path(__file__).with_name("dashboard.html")
 _SCRAPE_TIMEOUT_S = 1.0
@@ -57,16 +58,16 @@ def parse_worker_metrics(text: str) -> dict[str, float]:
     return values
 
 
-def install_dashboard(app: FastAPI, metrics: ServerMetrics, pd_client: Any) -> None:
-    """`pd_client` lists the pool (`workers()`: role, url, ready)."""
+def install_dashboard(app: FastAPI, metrics: ServerMetrics, router: RouterState) -> None:
+    """`router` lists the pool (`workers()`)."""
 
     def router_value(name: str) -> float:
         return metrics.registry.get_sample_value(name, metrics.labels) or 0.0
 
-    async def scrape(http: httpx.AsyncClient, worker: dict[str, Any]) -> dict[str, Any]:
-        entry = {"role": worker["role"], "url": worker["url"], "ready": worker["ready"], "reachable": False}
+    async def scrape(http: httpx.AsyncClient, worker: WorkerView) -> dict[str, Any]:
+        entry = {"role": worker.role, "url": worker.url, "ready": worker.ready, "reachable": False}
         try:
-            reply = await http.get(f"{worker['url']}/metrics")
+            reply = await http.get(f"{worker.url}/metrics")
             reply.raise_for_status()
         except httpx.HTTPError:
             return entry
@@ -79,7 +80,7 @@ def install_dashboard(app: FastAPI, metrics: ServerMetrics, pd_client: Any) -> N
     @app.get("/dashboard/data", include_in_schema=False)
     async def dashboard_data() -> dict[str, Any]:
         async with httpx.AsyncClient(timeout=_SCRAPE_TIMEOUT_S) as http:
-            workers = await asyncio.gather(*(scrape(http, w) for w in pd_client.workers()))
+            workers = await asyncio.gather(*(scrape(http, w) for w in router.workers()))
         return {
             "time": time.time(),
             "model": metrics.model_name,

@@ -5,7 +5,7 @@ several servers in one process) and labels every series with `model_name` and `r
 
   - histograms and live counters, observed as requests produce outputs (`RequestObserver`): on
     workers from the engine thread's deliveries (`AsyncLLM.output_listener`), on the router from
-    the outputs the client receives (`ObservedClient`), so the router's latencies are the client's;
+    the outputs the client receives (`router_metrics.ObservedClient`), so the router's latencies are the client's;
   - gauges and running totals read from `EngineStats` / service counters at scrape time
     (`_StatsCollector`): nothing to keep in sync, and a scrape never touches the engine thread.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -29,10 +29,7 @@ from prometheus_client.registry import Collector
 
 from pdserve.engine.llm_engine import EngineStats
 from pdserve.engine.output import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.serving.engine_client import EngineClient
-from pdserve.serving.trace import RequestTrace, TransferRecord, start_trace
-from pdserve.tokenizer import Tokenizer
+from pdserve.serving.trace import RequestTrace, TransferRecord
 
 ServerRole = Literal["router", "colocated", "prefill", "decode"]
 
@@ -226,50 +223,13 @@ def _aborted(output: RequestOutput) -> bool:
     return any(seq.finish_reason == "abort" for seq in output.outputs)
 
 
-class ObservedClient:
-    """Router: the PD client seen through a `RequestObserver` (EngineClient by delegation)."""
-
-    def __init__(self, inner: EngineClient, observer: RequestObserver) -> None:
-        self.inner = inner
-        self.observer = observer
-        self.tokenizer: Tokenizer = inner.tokenizer
-        self.max_model_len = inner.max_model_len
-        self.model_path = inner.model_path
-
-    @property
-    def alive(self) -> bool:
-        return self.inner.alive
-
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.inner.validate_request(prompt_token_ids, params)
-
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        trace = start_trace()
-        self.observer.start(request_id, trace.arrival_time, trace)
-        try:
-            async for output in self.inner.generate(request_id, prompt_token_ids, params):
-                self.observer.on_output(output)
-                yield output
-        finally:
-            self.observer.forget(request_id)
-
-
-@dataclass(slots=True)
-class RouterView:
-    """What the router's scrape-time series read: its in-flight requests and its pool."""
-
-    observer: RequestObserver
-    workers: Callable[[], list[dict[str, Any]]]
-    stats: Callable[[], dict[str, Any]] | None = None  # PDClient.stats(): admission queue, counters
-
-
 class _StatsCollector(Collector):
-    """Scrape-time series from `EngineStats` (workers), service counters, and the router's view."""
+    """Scrape-time series from `EngineStats` (workers) and service counters (the router's are in
+    router_metrics.py)."""
 
     def __init__(self, metrics: ServerMetrics, stats: Callable[[], EngineStats] | None,
-                 service: ServiceCounters | None, router: RouterView | None) -> None:
-        self.metrics, self.stats, self.service, self.router = metrics, stats, service, router
+                 service: ServiceCounters | None) -> None:
+        self.metrics, self.stats, self.service = metrics, stats, service
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         labels = self.metrics.labels
@@ -284,54 +244,10 @@ class _StatsCollector(Collector):
             family.add_metric(list(labels.values()), value)
             return family
 
-        if self.router is not None:
-            yield from self._router_series(gauge)
         if self.stats is not None:
             yield from _engine_series(self.stats(), gauge, counter)
         if self.service is not None:
             yield from _service_series(self.service.counters, self.metrics.role, labels, counter)
-
-    def _router_series(self, gauge: Callable[[str, str, float], GaugeMetricFamily]) -> Iterator[GaugeMetricFamily]:
-        assert self.router is not None
-        in_flight = self.router.observer.num_in_flight
-        sent_on = self.router.observer.num_sent_on()
-        yield gauge("vllm:num_requests_running", "Router: requests sent on to the workers, not finished",
-                    sent_on)
-        yield gauge("vllm:num_requests_waiting", "Router: requests whose prefill job has not left the router",
-                    in_flight - sent_on)
-        ready = GaugeMetricFamily("pdserve:workers_ready", "Workers in the router's pool that answer and are ready",
-                                  labels=[*self.metrics.labels, "worker_role"])
-        for role in ("prefill", "decode"):
-            count = sum(1 for w in self.router.workers() if w["role"] == role and w["ready"])
-            ready.add_metric([*self.metrics.labels.values(), role], count)
-        yield ready
-        if self.router.stats is not None:
-            yield from _router_stats_series(self.router.stats(), self.metrics.labels, gauge)
-
-
-def _router_stats_series(stats: dict[str, Any], labels: dict[str, str],
-                         gauge: Callable[[str, str, float], GaugeMetricFamily]
-                         ) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-    """PDClient.stats(): admission queue and the router's own event counters."""
-    yield gauge("pdserve:router_queued_requests", "Router: admitted requests whose first token is not out yet",
-                stats.get("queued_requests", 0))
-    yield gauge("pdserve:router_queued_tokens", "Router: prompt tokens of those requests",
-                stats.get("queued_tokens", 0))
-    yield gauge("pdserve:router_dispatch_pending", "Router: prefill jobs in the router's own FIFO (memory queue)",
-                stats.get("dispatch_pending", 0))
-    counters: dict[str, int] = stats.get("counters", {})
-    rejections = CounterMetricFamily("pdserve:router_rejections", "Router: requests refused, by admission reason",
-                                     labels=[*labels, "reason"])
-    for reason in ("invalid", "queue_full", "no_prefill_worker", "no_decode_worker", "no_kv_room",
-                   "queue_unavailable"):
-        rejections.add_metric([*labels.values(), reason], counters.get(f"rejected_{reason}", 0))
-    yield rejections
-    events = CounterMetricFamily("pdserve:router_events", "Router: kv_retries (new prefill attempts after a stalled "
-                                 "transfer), redispatched, resumed (on another decode worker), prefilled_on_decode",
-                                 labels=[*labels, "event"])
-    for event in ("kv_retries", "redispatched", "resumed", "prefilled_on_decode"):
-        events.add_metric([*labels.values(), event], counters.get(event, 0))
-    yield events
 
 
 def _engine_series(s: EngineStats, gauge: Callable[..., GaugeMetricFamily],
@@ -423,9 +339,9 @@ class RejectionCounter:
 # -- wiring -----------------------------------------------------------------------------------
 
 def install_metrics(app: FastAPI, metrics: ServerMetrics, stats: Callable[[], EngineStats] | None = None,
-                    service: ServiceCounters | None = None, router: RouterView | None = None) -> None:
+                    service: ServiceCounters | None = None) -> None:
     """`GET /metrics`, the rejection counter and the scrape-time collector on `app`."""
-    metrics.registry.register(_StatsCollector(metrics, stats, service, router))
+    metrics.registry.register(_StatsCollector(metrics, stats, service))
     app.add_middleware(RejectionCounter, metrics=metrics)  # type: ignore[arg-type]
 
     @app.get("/metrics", include_in_schema=False)
@@ -445,12 +361,3 @@ def instrument_engine_app(app: FastAPI, engine: Any, model_name: str, role: Serv
         transfers.listener = metrics.observe_transfer
     install_metrics(app, metrics, engine.stats, service)
     return metrics
-
-
-def instrument_router_app(app: FastAPI, client: EngineClient, model_name: str) -> tuple[ObservedClient, ServerMetrics]:
-    """The router: latencies as the client sees them, the TTFT breakdown, the pool's readiness."""
-    metrics = ServerMetrics(model_name, "router")
-    observer = RequestObserver(metrics)
-    workers: Callable[[], list[dict[str, Any]]] = getattr(client, "workers", list)
-    install_metrics(app, metrics, router=RouterView(observer, workers, getattr(client, "stats", None)))
-    return ObservedClient(client, observer), metrics

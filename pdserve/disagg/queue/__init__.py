@@ -1,17 +1,25 @@
 """The prefill job queue between routers and prefill workers (see base.py for the contract)."""
 
-from pdserve.disagg.queue.base import PrefillQueue, QueueUnavailable, next_attempt
+from __future__ import annotations
 
-__all__ = ["PrefillQueue", "QueueUnavailable", "make_queue", "next_attempt"]
+from pdserve.config import QueueArgs
+from pdserve.disagg.client import WorkerClient
+from pdserve.disagg.pool import WorkerPool
+from pdserve.disagg.queue.base import PrefillQueue, PrefillTicket, QueueStats, QueueUnavailable, Refusal, next_attempt
+from pdserve.disagg.queue.memory import MemoryPrefillQueue
+
+__all__ = ["MemoryPrefillQueue", "PrefillQueue", "PrefillTicket", "QueueStats", "QueueUnavailable", "Refusal",
+           "make_queue", "next_attempt"]
 
 
-def make_queue(url: str | None, **options: object) -> PrefillQueue | None:
-    """None for the in-memory default (the router pushes to its prefill workers itself); a Redis
-    Streams queue for `redis://host:port/db`."""
-    if not url or url == "memory":
-        return None
-    if url.startswith(("redis://", "rediss://", "unix://")):
-        from pdserve.disagg.queue.redis_streams import RedisPrefillQueue
+def make_queue(args: QueueArgs, pool: WorkerPool, client: WorkerClient) -> PrefillQueue:
+    """The router's queue: its own FIFO pushed to `pool`'s prefill workers through `client`
+    ('memory'), or a Redis Streams queue shared with other routers (`redis://host:port/db`)."""
+    args.validate()
+    if args.queue == "memory":
+        return MemoryPrefillQueue(pool, client)
+    # NOTE: imported here: that module also holds the prefill workers' consumer (and imports their
+    # service), which a router on the memory queue never needs.
+    from pdserve.disagg.queue.redis_streams import RedisPrefillQueue
 
-        return RedisPrefillQueue(url, **options)  # type: ignore[arg-type]
-    raise ValueError(f"--queue must be 'memory' or a redis:// URL, got {url!r}")
+    return RedisPrefillQueue(args.queue, args.queue_deployment)

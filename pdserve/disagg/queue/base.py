@@ -1,8 +1,8 @@
 """Prefill job queue: how a request's prefill job gets from a router to a prefill worker.
 
-Two implementations:
-- in memory (the embedded default, `router.MemoryDispatcher`): the router keeps a FIFO and pushes
-  each job to a prefill worker whose token budget has room (POST /pd/prefill, which answers once
+Two implementations, chosen by `QueueArgs.queue` (`make_queue`):
+- in memory (`memory.py`, the embedded default): the router keeps a FIFO and pushes each job to a
+  prefill worker of its pool whose token budget has room (POST /pd/prefill, which answers once
   the hand-off ended). One router.
 - Redis Streams (`--queue redis://host:port/db`, `redis_streams.py`): routers XADD jobs to one
   stream; every prefill worker is a consumer of one consumer group and pulls only what its token
@@ -17,8 +17,11 @@ without compute.
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass, field
+from typing import Literal
 
 from pdserve.disagg.control import PrefillJob, transfer_id
+from pdserve.serving.trace import RequestTrace, current_trace
 
 
 class QueueUnavailable(RuntimeError):
@@ -31,20 +34,76 @@ def next_attempt(job: PrefillJob) -> PrefillJob:
     return job.model_copy(update={"transfer_id": transfer_id(job.request_id, attempt)})
 
 
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A prefill worker refused a job for good (bad job, KV layout mismatch): the client gets
+    this status and message rather than the decode worker's generic error."""
+
+    status: int
+    message: str
+
+
+@dataclass(slots=True, eq=False)  # NOTE: compared by identity: a queue finds its own tickets
+class PrefillTicket:
+    """One prefill attempt put on a queue, as the router that put it follows it."""
+
+    job: PrefillJob  # the memory queue swaps in the new attempt when it re-queues the job
+    trace: RequestTrace = field(default_factory=current_trace)  # the request's TTFT phases (metrics)
+    refusal: Refusal | None = None  # set if a prefill worker refused the job (memory queue only)
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStats:
+    kind: Literal["memory", "redis"]
+    num_pending: int  # jobs waiting in this router (memory); 0 for a shared queue
+    num_live_consumers: int  # prefill workers pulling from a shared queue; 0 for memory
+    num_redispatched: int  # jobs re-queued by this router after their prefill worker was lost or drained
+    error: str  # why the queue is unreachable; "" when it is fine
+
+
 class PrefillQueue(abc.ABC):
-    """Router side of a shared queue (Redis). Consumers live in the prefill workers."""
+    """Router side of the prefill queue. One per router, used from its event loop only.
+
+    The router calls `put` once per prefill attempt, after reserving the prompt's blocks on a
+    decode worker (the job names that reservation), and keeps the ticket; `cancel` when the
+    attempt is superseded (a stalled transfer is retried) or the request ends early; `refresh`
+    after each poll of its worker pool (every 0.5 s), and reads `ready`/`error` to admit requests.
+    The ticket's trace is marked when the job leaves this router (`mark_left_router`).
+
+    Failures: `put` raises QueueUnavailable when the backing store cannot be reached (the router
+    answers 503); everything else is best effort and never raises. A job the prefill side gives
+    up on is ended on its decode worker (POST /pd/fail), which ends the request's stream with an
+    error; when the client must see the prefill worker's own status instead, the queue sets
+    `ticket.refusal` before that.
+    """
 
     @abc.abstractmethod
-    async def put(self, job: PrefillJob) -> None:
-        """Enqueue; raises QueueUnavailable when the store is unreachable."""
+    async def put(self, job: PrefillJob) -> PrefillTicket:
+        """Queue one attempt; raises QueueUnavailable."""
 
     @abc.abstractmethod
-    async def cancel(self, transfer_id: str) -> None:
-        """The request was aborted: a consumer that has not started this attempt skips it."""
+    async def cancel(self, ticket: PrefillTicket) -> None:
+        """Drop this attempt: not started, it is skipped without compute; started, it is aborted
+        where it runs (memory) or left to finish and be rejected by decode (Redis)."""
 
     @abc.abstractmethod
-    async def num_live_consumers(self) -> int:
-        """Prefill workers that pulled (or heartbeat) recently; raises QueueUnavailable."""
+    async def refresh(self) -> None:
+        """The pool was just polled: take another look (jobs that fit nowhere before, the count of
+        live consumers, whether the store is back)."""
+
+    @property
+    @abc.abstractmethod
+    def ready(self) -> bool:
+        """Some prefill worker can take jobs now (as of the last `refresh`)."""
+
+    @property
+    @abc.abstractmethod
+    def error(self) -> str:
+        """Why the queue is unreachable; "" when it is fine."""
 
     @abc.abstractmethod
-    async def close(self) -> None: ...
+    def stats(self) -> QueueStats: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop; jobs not handed off yet are dropped (their requests end with the router)."""

@@ -29,16 +29,15 @@ import contextlib
 import logging
 import os
 import socket
-from http import HTTPStatus
 
-import httpx
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from pdserve.disagg.control import FailJob, PrefillJob, Retarget
+from pdserve.disagg.client import WorkerClient, WorkerUnreachable
+from pdserve.disagg.control import PrefillJob
 from pdserve.disagg.kv_layout import KVLayoutMismatch
 from pdserve.disagg.prefill_service import PrefillService
-from pdserve.disagg.queue.base import PrefillQueue, QueueUnavailable, next_attempt
+from pdserve.disagg.queue.base import PrefillQueue, PrefillTicket, QueueStats, QueueUnavailable, next_attempt
 from pdserve.disagg.transport.errors import KVTransferError
 
 logger = logging.getLogger(__name__)
@@ -72,32 +71,53 @@ async def ensure_group(client: aioredis.Redis, stream: str) -> None:
 
 
 class RedisPrefillQueue(PrefillQueue):
-    """Router side."""
+    """Router side: XADD each attempt; readiness is the count of live consumers (their `alive`
+    keys), taken at each `refresh`."""
 
     def __init__(self, url: str, deployment: str = "default") -> None:
         self.url = url
         self.keys = RedisKeys(deployment)
         self._redis = connect(url)
         self._group_ready = False
+        self._num_live_consumers = 0
+        self._error = ""
 
-    async def put(self, job: PrefillJob) -> None:
+    @property
+    def ready(self) -> bool:
+        return not self._error and self._num_live_consumers > 0
+
+    @property
+    def error(self) -> str:
+        return self._error
+
+    def stats(self) -> QueueStats:
+        return QueueStats("redis", 0, self._num_live_consumers, 0, self._error)
+
+    async def put(self, job: PrefillJob) -> PrefillTicket:
+        ticket = PrefillTicket(job)
         try:
             if not self._group_ready:
                 await ensure_group(self._redis, self.keys.stream)
                 self._group_ready = True
             await self._redis.xadd(self.keys.stream, {"job": job.model_dump_json()})
         except (RedisError, OSError) as exc:
-            raise QueueUnavailable(f"the prefill queue (Redis) is unreachable: {exc}") from exc
+            self._error = f"the prefill queue (Redis) is unreachable: {exc}"
+            raise QueueUnavailable(self._error) from exc
+        ticket.trace.mark_left_router()
+        return ticket
 
-    async def cancel(self, transfer_id: str) -> None:
+    async def cancel(self, ticket: PrefillTicket) -> None:
         with contextlib.suppress(RedisError, OSError):
-            await self._redis.set(self.keys.aborted(transfer_id), "1", ex=_ABORTED_TTL_S)
+            await self._redis.set(self.keys.aborted(ticket.job.transfer_id), "1", ex=_ABORTED_TTL_S)
 
-    async def num_live_consumers(self) -> int:
+    async def refresh(self) -> None:
+        """Count live consumers; the error clears only here, once Redis answers again."""
         try:
-            return len([key async for key in self._redis.scan_iter(match=self.keys.alive_prefix + "*", count=100)])
+            keys = self._redis.scan_iter(match=self.keys.alive_prefix + "*", count=100)
+            self._num_live_consumers = len([key async for key in keys])
+            self._error = ""
         except (RedisError, OSError) as exc:
-            raise QueueUnavailable(f"the prefill queue (Redis) is unreachable: {exc}") from exc
+            self._error = f"the prefill queue (Redis) is unreachable: {exc}"
 
     async def close(self) -> None:
         await self._redis.aclose()
@@ -120,7 +140,7 @@ class RedisJobConsumer:
         self.block_ms = block_ms
         self.counters: dict[str, int] = {"taken": 0, "reclaimed": 0, "dead_lettered": 0, "skipped_aborted": 0}
         self._redis = connect(url)
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0))
+        self._workers = WorkerClient(timeout_s=10.0)
         self._jobs: dict[str, asyncio.Task[None]] = {}  # entry id -> task
         self._stopping = asyncio.Event()
 
@@ -165,7 +185,7 @@ class RedisJobConsumer:
             task.cancel()
         with contextlib.suppress(RedisError, OSError):
             await self._redis.delete(self.keys.alive_prefix + self.name)
-        await self._http.aclose()
+        await self._workers.close()
         await self._redis.aclose()
 
     def _has_room(self) -> bool:
@@ -243,12 +263,11 @@ class RedisJobConsumer:
         """A re-delivered job is a new attempt: the decode worker must expect it first."""
         job = next_attempt(job)
         try:
-            reply = await self._http.post(f"{job.decode_url}/pd/retarget/{job.request_id}",
-                                          json=Retarget(transfer_id=job.transfer_id).model_dump())
-        except httpx.HTTPError as exc:
-            logger.warning("request %s: decode worker unreachable (%s); dropping the job", job.request_id, exc)
+            expecting = await self._workers.retarget(job.decode_url, job.request_id, job.transfer_id)
+        except WorkerUnreachable as exc:
+            logger.warning("request %s: decode worker unreachable (%s); dropping the job", job.request_id, exc.cause)
             return None
-        if reply.status_code != HTTPStatus.OK:
+        if not expecting:
             logger.info("request %s no longer waits for KV; dropping the re-delivered job", job.request_id)
             return None
         return job
@@ -265,9 +284,8 @@ class RedisJobConsumer:
     async def _fail(self, job: PrefillJob, reason: str) -> None:
         if not job.decode_url:
             return
-        with contextlib.suppress(httpx.HTTPError):
-            await self._http.post(f"{job.decode_url}/pd/fail/{job.request_id}",
-                                  json=FailJob(reason=reason).model_dump())
+        with contextlib.suppress(WorkerUnreachable):
+            await self._workers.fail(job.decode_url, job.request_id, reason)
 
     async def _ack(self, entry_id: str) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:

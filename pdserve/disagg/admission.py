@@ -1,0 +1,86 @@
+"""The router's decisions before anything is queued, and their counts by reason.
+
+- a request that can never run (prompt too long, token ids out of the vocabulary, n > 1): 400;
+- the queue's store unreachable, no ready prefill worker (or live consumer), no ready decode
+  worker: 503;
+- more than `max_queued_requests` requests (or `max_queued_tokens` prompt tokens) admitted and
+  still waiting for their first token: 429 with Retry-After.
+Later refusals of an admitted request (no KV room before the deadline, the queue lost) are
+counted here too (`reject`), so every refusal has one reason.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from http import HTTPStatus
+from typing import Literal, NoReturn
+
+from pdserve.config import RouterConfig
+from pdserve.disagg.pool import WorkerPool
+from pdserve.disagg.queue import PrefillQueue
+from pdserve.engine.llm_engine import check_request
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.serving.errors import OpenAIError
+from pdserve.serving.router_stats import Rejections
+
+RejectReason = Literal["invalid", "queue_full", "no_prefill_worker", "no_decode_worker", "no_kv_room",
+                       "queue_unavailable"]
+_RETRY_AFTER_S = 1
+
+
+class Admission:
+    """Admits requests into the router's queue (admitted, first token not out yet) and counts
+    refusals. Reads the pool's and the queue's readiness; owns only its counts."""
+
+    def __init__(self, config: RouterConfig, pool: WorkerPool, queue: PrefillQueue, max_model_len: int,
+                 vocab_size: int) -> None:
+        self._max_queued_requests = config.max_queued_requests
+        self._max_queued_tokens = config.max_queued_tokens
+        self._pool = pool
+        self._queue = queue
+        self._max_model_len = max_model_len
+        self._vocab_size = vocab_size
+        self._rejected: Counter[RejectReason] = Counter()
+        self.num_queued = 0
+        self.num_queued_tokens = 0
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError (the handlers' 400) for a request that can never run."""
+        try:
+            check_request(prompt_token_ids, params, self._max_model_len, self._vocab_size)
+            if params.n != 1:
+                raise ValueError("n > 1 is not supported by the disaggregated router yet")
+        except ValueError:
+            self._rejected["invalid"] += 1
+            raise
+
+    def admit(self, num_tokens: int) -> None:
+        """Into the queue, or an OpenAIError (503, 429). Pair with one `release`."""
+        if self._queue.error:
+            self.reject("queue_unavailable", self._queue.error, HTTPStatus.SERVICE_UNAVAILABLE)
+        if not self._queue.ready:
+            self.reject("no_prefill_worker", "no prefill worker is ready", HTTPStatus.SERVICE_UNAVAILABLE)
+        if not self._pool.any_ready("decode"):
+            self.reject("no_decode_worker", "no decode worker is ready", HTTPStatus.SERVICE_UNAVAILABLE)
+        if self.num_queued + 1 > self._max_queued_requests or \
+                (self.num_queued and self.num_queued_tokens + num_tokens > self._max_queued_tokens):
+            self.reject("queue_full", f"the router's queue is full ({self.num_queued} requests, "
+                        f"{self.num_queued_tokens} prompt tokens waiting); retry later", HTTPStatus.TOO_MANY_REQUESTS)
+        self.num_queued += 1
+        self.num_queued_tokens += num_tokens
+
+    def release(self, num_tokens: int) -> None:
+        """The request's first token is out, or it ended before that."""
+        self.num_queued -= 1
+        self.num_queued_tokens -= num_tokens
+
+    def reject(self, reason: RejectReason, message: str, status: HTTPStatus) -> NoReturn:
+        self._rejected[reason] += 1
+        retry = {"Retry-After": str(_RETRY_AFTER_S)} if status == HTTPStatus.TOO_MANY_REQUESTS else None
+        raise OpenAIError(message, status, headers=retry)
+
+    def rejections(self) -> Rejections:
+        r = self._rejected
+        return Rejections(invalid=r["invalid"], queue_full=r["queue_full"], no_prefill_worker=r["no_prefill_worker"],
+                          no_decode_worker=r["no_decode_worker"], no_kv_room=r["no_kv_room"],
+                          queue_unavailable=r["queue_unavailable"])

@@ -1,0 +1,111 @@
+"""The router's workers: who they are (membership), whether they answer and are ready (GET /pd/info,
+polled: the heartbeat), and their load (what they advertise, plus what this router has on them).
+
+Membership changes only through `WorkerPool.set_members`: today the router's configured URLs set
+it once; a membership source (DNS, registration) would call it again with the new list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Iterable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from pdserve.disagg.client import WorkerClient, WorkerUnreachable
+from pdserve.disagg.control import WorkerInfo
+from pdserve.serving.router_stats import WorkerLoad, WorkerRole, WorkerView
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class Worker:
+    """One worker as the router sees it. `info` is its last GET /pd/info answer (None while it
+    does not answer); the in-flight counts are this router's own work on it, kept by whoever
+    sends the work (router: decode requests; memory queue: prefill jobs)."""
+
+    url: str
+    role: WorkerRole
+    info: WorkerInfo | None = None
+    in_flight: int = 0
+    in_flight_tokens: int = 0  # prefill: prompt tokens of the jobs pushed to it and not yet handed off
+
+    @property
+    def ready(self) -> bool:
+        return self.info is not None and self.info.ready
+
+    def mark_unreachable(self, exc: WorkerUnreachable) -> None:
+        """A call to it failed: it leaves the pool until its next /pd/info answer."""
+        logger.warning("%s worker %s unreachable: %r", self.role, self.url, exc.cause)
+        self.info = None
+
+    def view(self) -> WorkerView:
+        info = self.info
+        load = None if info is None else WorkerLoad(info.num_running, info.num_waiting, info.num_free_kv_blocks,
+                                                     info.num_kv_blocks)
+        return WorkerView(self.role, self.url, self.ready, self.in_flight, bool(info and info.draining), load)
+
+
+async def reach(worker: Worker, call: Awaitable[T]) -> T | None:
+    """`call` (a WorkerClient call to `worker`), or None when the worker cannot be reached, which
+    takes it out of the pool at once rather than at the next poll."""
+    try:
+        return await call
+    except WorkerUnreachable as exc:
+        worker.mark_unreachable(exc)
+        return None
+
+
+class WorkerPool:
+    """Prefill and decode workers by role. Single-threaded (the router's event loop)."""
+
+    def __init__(self, client: WorkerClient, prefill: Iterable[str], decode: Iterable[str]) -> None:
+        self._client = client
+        self._members: dict[WorkerRole, list[Worker]] = {"prefill": [], "decode": []}
+        self.set_members("prefill", prefill)
+        self.set_members("decode", decode)
+
+    def set_members(self, role: WorkerRole, urls: Iterable[str]) -> None:
+        """The workers of `role` are now these. A worker already known keeps its state (readiness,
+        in-flight counts); a new one is not ready until it answers a poll; one left out is
+        forgotten (what it still runs finishes, and its counts go with it)."""
+        known = {w.url: w for w in self._members[role]}
+        self._members[role] = [known.get(url) or Worker(url, role) for url in (u.rstrip("/") for u in urls)]
+
+    def members(self, role: WorkerRole) -> list[Worker]:
+        return list(self._members[role])
+
+    def ready(self, role: WorkerRole) -> list[Worker]:
+        return [w for w in self._members[role] if w.ready]
+
+    def any_ready(self, role: WorkerRole) -> bool:
+        return any(w.ready for w in self._members[role])
+
+    def find(self, role: WorkerRole, url: str) -> Worker | None:
+        return next((w for w in self._members[role] if w.url == url), None)
+
+    def views(self) -> list[WorkerView]:
+        return [w.view() for w in self._members["prefill"] + self._members["decode"]]
+
+    async def refresh(self) -> None:
+        """Poll every worker's /pd/info (role, layout, readiness, load). A worker that does not
+        answer within 2 s leaves the pool until it answers again."""
+        await asyncio.gather(*(self._poll(w) for w in self._members["prefill"] + self._members["decode"]))
+
+    async def _poll(self, worker: Worker) -> None:
+        try:
+            info = await self._client.info(worker.url)
+        except WorkerUnreachable as exc:
+            if worker.info is not None:
+                logger.warning("%s worker %s left the pool: %s", worker.role, worker.url, exc.reason)
+            worker.info = None
+            return
+        if info.role != worker.role:
+            logger.error("worker %s is a %s worker, listed as %s", worker.url, info.role, worker.role)
+            info = info.model_copy(update={"ready": False})
+        if worker.info is None:
+            logger.info("%s worker %s is in the pool", worker.role, worker.url)
+        worker.info = info

@@ -1,0 +1,157 @@
+"""The in-memory prefill queue (the embedded default): a FIFO in the router, pushed to the prefill
+workers of its pool (POST /pd/prefill, answered once the hand-off ended).
+
+A worker takes a job when it holds none, or when the job fits into its `max_num_batched_tokens`
+beside what it holds. Jobs are taken in order, but a job that fits nowhere yet does not hold back
+smaller ones behind it. A worker lost (or draining) with a job: the job is queued again at the
+front as a new attempt, the decode worker told first. A worker that refuses a job for good: the
+decode worker ends the request, and the ticket carries the refusal to the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from pdserve.disagg.client import WorkerClient, WorkerRefused
+from pdserve.disagg.control import PrefillJob
+from pdserve.disagg.pool import Worker, WorkerPool, reach
+from pdserve.disagg.queue.base import PrefillQueue, PrefillTicket, QueueStats, Refusal, next_attempt
+from pdserve.logs import bind_request_id
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class _Dispatch(PrefillTicket):
+    """A ticket of this queue, from `put` to hand-off."""
+
+    done: bool = False  # handed off, refused, or cancelled: nothing more to do for it
+    worker: Worker | None = None  # where it is being computed
+    cancelled: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt tokens the prefill worker computes (what its token budget is charged)."""
+        return len(self.job.prompt_token_ids) - self.job.num_cached_tokens
+
+
+class MemoryPrefillQueue(PrefillQueue):
+    """See the module docstring. Needs the router's pool (whom to push to) and a client."""
+
+    def __init__(self, pool: WorkerPool, client: WorkerClient) -> None:
+        self._pool = pool
+        self._client = client
+        self._pending: deque[_Dispatch] = deque()
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._running: set[asyncio.Task[None]] = set()
+        self._num_redispatched = 0
+
+    @property
+    def ready(self) -> bool:
+        return self._pool.any_ready("prefill")
+
+    @property
+    def error(self) -> str:
+        return ""
+
+    def stats(self) -> QueueStats:
+        return QueueStats("memory", len(self._pending), 0, self._num_redispatched, "")
+
+    async def put(self, job: PrefillJob) -> PrefillTicket:
+        if self._task is None:
+            # NOTE: in a fresh context: a task copies its creator's, and this one serves every
+            # request (its log lines must not carry the first request's id)
+            self._task = contextvars.Context().run(asyncio.create_task, self._loop())
+        item = _Dispatch(job)
+        self._pending.append(item)
+        self._wakeup.set()
+        return item
+
+    async def refresh(self) -> None:
+        self._wakeup.set()
+
+    async def cancel(self, ticket: PrefillTicket) -> None:
+        if not isinstance(ticket, _Dispatch):
+            raise TypeError("not a ticket of this queue")
+        ticket.cancelled = True
+        if ticket in self._pending:
+            self._pending.remove(ticket)
+            ticket.done = True
+        elif ticket.worker is not None and not ticket.done:
+            await reach(ticket.worker, self._client.abort(ticket.worker.url, ticket.job.transfer_id))
+
+    async def close(self) -> None:
+        for task in [self._task, *self._running]:
+            if task is not None:
+                task.cancel()
+
+    async def _loop(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            for item in list(self._pending):
+                worker = self._pick(item.num_tokens)
+                if worker is None:
+                    continue
+                self._pending.remove(item)
+                item.worker = worker
+                item.trace.mark_left_router()
+                worker.in_flight += 1
+                worker.in_flight_tokens += item.num_tokens
+                task = asyncio.create_task(self._push(item, worker))
+                self._running.add(task)
+                task.add_done_callback(self._running.discard)
+
+    def _pick(self, num_tokens: int) -> Worker | None:
+        fits = [w for w in self._pool.ready("prefill") if w.in_flight_tokens == 0 or
+                w.in_flight_tokens + num_tokens <= max(w.info.max_num_batched_tokens if w.info else 0, 1)]
+        return min(fits, key=lambda w: (w.in_flight_tokens, w.in_flight), default=None)
+
+    async def _push(self, item: _Dispatch, worker: Worker) -> None:
+        bind_request_id(item.job.request_id)
+        try:
+            requeue = await self._send(item, worker)
+        finally:
+            worker.in_flight -= 1
+            worker.in_flight_tokens -= item.num_tokens
+            self._wakeup.set()
+        retry = next_attempt(item.job)
+        if requeue and await self._retarget(item.job, retry):
+            self._num_redispatched += 1
+            item.job, item.worker = retry, None
+            self._pending.appendleft(item)
+            self._wakeup.set()
+            return
+        item.done = True
+
+    async def _send(self, item: _Dispatch, worker: Worker) -> bool:
+        """The job on `worker`; True when it must go to another one (this one is gone, with
+        whatever KV it computed, or draining) and the request is still on."""
+        try:
+            hand_off = await reach(worker, self._client.prefill(worker.url, item.job))
+        except WorkerRefused as exc:
+            logger.warning("request %s: prefill refused the job: %s", item.job.request_id, exc.message)
+            item.refusal = Refusal(exc.status, exc.message)
+            await self._fail(item.job, f"prefill refused the job: {exc.message}")
+            return False
+        if hand_off is None:
+            return not item.cancelled
+        if hand_off.status == "failed":
+            logger.warning("request %s: hand-off failed: %s", item.job.request_id, hand_off.reason)
+        return False
+
+    async def _retarget(self, old: PrefillJob, new: PrefillJob) -> bool:
+        """Tell the decode worker to expect `new` instead of `old`; False if it no longer waits."""
+        decode = self._pool.find("decode", old.decode_url)
+        return decode is not None and bool(
+            await reach(decode, self._client.retarget(decode.url, old.request_id, new.transfer_id)))
+
+    async def _fail(self, job: PrefillJob, reason: str) -> None:
+        decode = self._pool.find("decode", job.decode_url)
+        if decode is not None:
+            await reach(decode, self._client.fail(decode.url, job.request_id, reason))

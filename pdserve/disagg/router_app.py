@@ -1,0 +1,53 @@
+"""The router's HTTP app: the OpenAI API of serving/app.py over the PD router (with its metrics
+and live dashboard), plus GET /workers (the pool) and GET /router/stats (queue and counters)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from pdserve.disagg.router import PDRouter
+from pdserve.serving.app import create_app
+from pdserve.serving.router_stats import RouterStats
+
+
+def create_router_app(router: PDRouter, model_name: str) -> FastAPI:
+    """The app; its lifespan polls the pool (until shutdown), then closes the router."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await router.refresh()
+        watcher = asyncio.create_task(router.watch())
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            await router.close()
+
+    app = create_app(router, model_name, lifespan, router=router)
+
+    @app.get("/workers")
+    async def workers() -> JSONResponse:
+        return JSONResponse([dataclasses.asdict(w) for w in router.workers()])
+
+    @app.get("/router/stats")
+    async def stats() -> JSONResponse:
+        return JSONResponse(stats_json(router.stats()))
+
+    return app
+
+
+def stats_json(stats: RouterStats) -> dict[str, object]:
+    """GET /router/stats' body. NOTE: `counters` lists only the counters that moved (as it always
+    has: it was a Counter), named `rejected_<reason>` and by event."""
+    counters = {f"rejected_{reason}": n for reason, n in dataclasses.asdict(stats.rejections).items()}
+    counters |= dataclasses.asdict(stats.events)
+    return {"queued_requests": stats.queued_requests, "queued_tokens": stats.queued_tokens,
+            "dispatch_pending": stats.dispatch_pending, "queue": stats.queue,
+            "live_queue_consumers": stats.live_queue_consumers, "queue_error": stats.queue_error,
+            "counters": {name: n for name, n in counters.items() if n}}

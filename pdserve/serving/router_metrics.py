@@ -1,0 +1,114 @@
+"""The router's metrics: latencies as the client sees them (`ObservedClient` feeds metrics.py's
+`RequestObserver` from the outputs the client receives) and scrape-time series of the router
+itself (`RouterCollector`: requests waiting or sent on, the pool's readiness, admission queue,
+rejections and events, read from `RouterState`)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+from fastapi import FastAPI
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from pdserve.engine.output import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.serving.engine_client import EngineClient
+from pdserve.serving.metrics import RequestObserver, ServerMetrics, install_metrics
+from pdserve.serving.router_stats import RouterState, RouterStats
+from pdserve.serving.trace import start_trace
+from pdserve.tokenizer import Tokenizer
+
+
+class ObservedClient:
+    """Router: the PD router seen through a `RequestObserver` (EngineClient by delegation)."""
+
+    def __init__(self, inner: EngineClient, observer: RequestObserver) -> None:
+        self.inner = inner
+        self.observer = observer
+        self.tokenizer: Tokenizer = inner.tokenizer
+        self.max_model_len = inner.max_model_len
+        self.model_path = inner.model_path
+
+    @property
+    def alive(self) -> bool:
+        return self.inner.alive
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.inner.validate_request(prompt_token_ids, params)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        trace = start_trace()
+        self.observer.start(request_id, trace.arrival_time, trace)
+        try:
+            async for output in self.inner.generate(request_id, prompt_token_ids, params):
+                self.observer.on_output(output)
+                yield output
+        finally:
+            self.observer.forget(request_id)
+
+
+class RouterCollector(Collector):
+    """Scrape-time series of the router: its in-flight requests (`observer`) and `state`."""
+
+    def __init__(self, metrics: ServerMetrics, observer: RequestObserver, state: RouterState) -> None:
+        self.metrics, self.observer, self.state = metrics, observer, state
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        labels = self.metrics.labels
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=list(labels))
+            family.add_metric(list(labels.values()), value)
+            return family
+
+        in_flight = self.observer.num_in_flight
+        sent_on = self.observer.num_sent_on()
+        yield gauge("vllm:num_requests_running", "Router: requests sent on to the workers, not finished",
+                    sent_on)
+        yield gauge("vllm:num_requests_waiting", "Router: requests whose prefill job has not left the router",
+                    in_flight - sent_on)
+        ready = GaugeMetricFamily("pdserve:workers_ready", "Workers in the router's pool that answer and are ready",
+                                  labels=[*labels, "worker_role"])
+        workers = self.state.workers()
+        for role in ("prefill", "decode"):
+            ready.add_metric([*labels.values(), role], sum(1 for w in workers if w.role == role and w.ready))
+        yield ready
+        stats = self.state.stats()
+        yield gauge("pdserve:router_queued_requests", "Router: admitted requests whose first token is not out yet",
+                    stats.queued_requests)
+        yield gauge("pdserve:router_queued_tokens", "Router: prompt tokens of those requests", stats.queued_tokens)
+        yield gauge("pdserve:router_dispatch_pending", "Router: prefill jobs in the router's own FIFO (memory queue)",
+                    stats.dispatch_pending)
+        yield from _counter_series(stats, labels)
+
+
+def _counter_series(stats: RouterStats, labels: dict[str, str]) -> Iterator[CounterMetricFamily]:
+    r = stats.rejections
+    rejections = CounterMetricFamily("pdserve:router_rejections", "Router: requests refused, by admission reason",
+                                     labels=[*labels, "reason"])
+    for reason, count in (("invalid", r.invalid), ("queue_full", r.queue_full),
+                          ("no_prefill_worker", r.no_prefill_worker), ("no_decode_worker", r.no_decode_worker),
+                          ("no_kv_room", r.no_kv_room), ("queue_unavailable", r.queue_unavailable)):
+        rejections.add_metric([*labels.values(), reason], count)
+    yield rejections
+    e = stats.events
+    events = CounterMetricFamily("pdserve:router_events", "Router: kv_retries (new prefill attempts after a stalled "
+                                 "transfer), redispatched, resumed (on another decode worker), prefilled_on_decode",
+                                 labels=[*labels, "event"])
+    for event, count in (("kv_retries", e.kv_retries), ("redispatched", e.redispatched), ("resumed", e.resumed),
+                         ("prefilled_on_decode", e.prefilled_on_decode)):
+        events.add_metric([*labels.values(), event], count)
+    yield events
+
+
+def instrument_router_app(app: FastAPI, client: EngineClient, router: RouterState,
+                          model_name: str) -> tuple[ObservedClient, ServerMetrics]:
+    """The router: latencies as the client sees them (`client`, the router as the handlers call
+    it), the TTFT breakdown, the pool's readiness and the router's stats (`router`)."""
+    metrics = ServerMetrics(model_name, "router")
+    observer = RequestObserver(metrics)
+    metrics.registry.register(RouterCollector(metrics, observer, router))
+    install_metrics(app, metrics)
+    return ObservedClient(client, observer), metrics
