@@ -26,7 +26,7 @@ from functools import partial
 from typing import Literal
 
 from pdserve.disagg.control import OutputFrame, ReserveReply, ReserveRequest
-from pdserve.disagg.phases import TransferMeter, generator_state_of
+from pdserve.disagg.phases import TransferMeter
 from pdserve.disagg.transport.base import KVReceiver
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.disagg.transport.messages import KVDone, KVRejected
@@ -245,4 +245,4 @@ _LIVENESS_POLL_S = 1.0
 
 
 def _complete(engine: LLMEngine, rid: str, done: KVDone) -> RequestOutput:
-    return engine.complete_remote(rid, done.first_token_id, generator_state_of(done.extra))
+    return engine.complete_remote(rid, done.first_token_id, done.generator_state)

@@ -30,7 +30,7 @@ import httpx
 from pdserve.disagg.control import HandOff, PrefillJob
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.kv_streamer import KVStreamer
-from pdserve.disagg.phases import pack_done_extra
+from pdserve.disagg.phases import PrefillPhases
 from pdserve.disagg.transport import make_sender
 from pdserve.disagg.transport.base import KVSender
 from pdserve.disagg.transport.errors import KVTransferError
@@ -166,7 +166,10 @@ class PrefillService:
                 return HandOff(transfer_id=rid, status="aborted")
             self._tokens.pop(rid, None)
             state = await self.client.call(lambda e: e.generator_state(e.scheduler.held[rid]))
-            sender.send_done(rid, final.outputs[0].token_ids[0], pack_done_extra(state, final.metrics))
+            phases = PrefillPhases.of(final.metrics)
+            sender.send_done(rid, final.outputs[0].token_ids[0], state,
+                             prefill_queue_s=None if phases is None else phases.queue_s,
+                             prefill_compute_s=None if phases is None else phases.compute_s)
             await sender.flush(rid, self.transfer_timeout_s)
             self.counters["handed_off"] += 1
             return HandOff(transfer_id=rid, status="handed_off")

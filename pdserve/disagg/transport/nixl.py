@@ -11,7 +11,7 @@ exchanges layouts and agent metadata; after it, everything travels as NIXL notif
     WRITE src regions -> granted addrs, notification WRITTEN {claim id, header}
                                        ------>    must match an open grant -> KVProgress
          <------ ACK | REJECT
-    DONE {first token, extra, n}       ------>    KVDone once n layers arrived (notifications
+    DONE {first token, state, n}       ------>    KVDone once n layers arrived (notifications
          <------ ACK | REJECT                     may overtake each other)
 
 Layout: a layer payload is 2 * len(blocks) regions of `layout.region_bytes` (see `regions`); a
@@ -261,11 +261,13 @@ class NixlKVSender(KVSender):
         self._acks.sent_layer(request_id)
         self._io.call_soon(self._claim, _PendingClaim(header, tuple(src_block_ids)))
 
-    def send_done(self, request_id: str, first_token_id: int, extra: bytes = b"") -> None:
+    def send_done(self, request_id: str, first_token_id: int, generator_state: bytes | None = None, *,
+                  prefill_queue_s: float | None = None, prefill_compute_s: float | None = None) -> None:
         if not self._peer:
             raise RuntimeError("connect() first")
         num_layers = self._acks.sent_done(request_id)
-        self._io.call_soon(self._notify, DoneHeader(request_id, first_token_id, extra, num_layers))
+        self._io.call_soon(self._notify, DoneHeader(request_id, first_token_id, num_layers, generator_state,
+                                                    prefill_queue_s, prefill_compute_s))
 
     def close(self) -> None:
         if not self._io.running:
