@@ -94,9 +94,9 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 
 
 def _serve(ns: argparse.Namespace) -> int:
+    from pdserve.engine.async_llm import AsyncLLM
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.serving.app import create_app
-    from pdserve.serving.async_engine import AsyncLLM
 
     args = engine_args_from(ns)
     try:

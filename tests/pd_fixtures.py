@@ -19,9 +19,9 @@ from pdserve.disagg.decode_service import DecodeService, FailurePolicy
 from pdserve.disagg.prefill_service import PrefillService
 from pdserve.disagg.router import PDClient, create_router_app
 from pdserve.disagg.worker_app import build_worker
+from pdserve.engine.async_llm import AsyncLLM
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.model.qwen3_config import Qwen3ModelConfig
-from pdserve.serving.async_engine import AsyncLLM
 from pdserve.tokenizer import load_tokenizer
 
 MODEL = "pd-test"

@@ -22,7 +22,6 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator
-from functools import partial
 from typing import Literal
 
 from pdserve.disagg.control import OutputFrame, ReserveReply, ReserveRequest
@@ -30,10 +29,11 @@ from pdserve.disagg.phases import TransferMeter
 from pdserve.disagg.transport.base import KVReceiver
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.disagg.transport.messages import KVDone, KVRejected
-from pdserve.engine.llm_engine import LLMEngine, RemoteReservation
+from pdserve.engine.async_llm import AsyncLLM
+from pdserve.engine.commands import CompleteRemote, PrefillLocally, ReserveRemote
+from pdserve.engine.llm_engine import RemoteReservation
 from pdserve.engine.output import RequestOutput
 from pdserve.logs import bind_request_id
-from pdserve.serving.async_engine import AsyncLLM
 
 logger = logging.getLogger(__name__)
 
@@ -71,22 +71,19 @@ class DecodeService:
     async def reserve(self, body: ReserveRequest) -> ReserveReply | None:
         """None when the pool has no room now (or the worker drains). Raises ValueError for a
         request that can never run."""
-        rid, tid, prompt, params = body.request_id, body.transfer_id, body.prompt_token_ids, body.params.build()
+        rid, tid = body.request_id, body.transfer_id
         bind_request_id(rid)
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already reserved")
         if self.draining:
             return None
         stream: asyncio.Queue[StreamItem] = asyncio.Queue()
-        receiver = self.receiver
 
-        def reserve_on_engine(engine: LLMEngine) -> RemoteReservation | None:
-            reservation = engine.reserve_remote(rid, prompt, params)
-            if reservation is not None:
-                receiver.expect(tid, list(reservation.block_ids))  # before prefill can possibly send
-            return reservation
+        def expect_transfer(reservation: RemoteReservation) -> None:
+            self.receiver.expect(tid, list(reservation.block_ids))
 
-        reservation = await self.client.call(reserve_on_engine, stream_for=rid, stream=stream)  # type: ignore[arg-type]
+        reservation = await self.client.send(
+            ReserveRemote(rid, body.prompt_token_ids, body.params.build(), on_reserved=expect_transfer), stream)
         if reservation is None:
             return None
         self._streams[rid] = stream
@@ -136,7 +133,7 @@ class DecodeService:
             return False
         self._stop_receiving(request_id)
         self.counters["prefilled_locally"] += 1
-        await self.client.call(lambda e: e.prefill_locally(request_id))
+        await self.client.send(PrefillLocally(request_id))
         return True
 
     async def stream(self, request_id: str) -> AsyncIterator[OutputFrame]:
@@ -220,7 +217,7 @@ class DecodeService:
                 self.counters["completed"] += 1
                 self._transfers.pop(rid, None)
                 self._watchers.pop(rid, None)
-                await self.client.call(partial(_complete, rid=rid, done=event))
+                await self.client.send(CompleteRemote(rid, event.first_token_id, event.generator_state))
                 return
 
     async def _apply_failure_policy(self, rid: str, reason: str) -> None:
@@ -228,7 +225,7 @@ class DecodeService:
         if self.failure_policy == "recompute":
             self.counters["recomputed"] += 1
             logger.warning("request %s: %s; prefilling it on this decode worker", rid, reason)
-            await self.client.call(lambda e: e.prefill_locally(rid))
+            await self.client.send(PrefillLocally(rid))
             return
         self.counters["failed"] += 1
         self._end_with_error(rid, reason)
@@ -242,7 +239,3 @@ class DecodeService:
 
 
 _LIVENESS_POLL_S = 1.0
-
-
-def _complete(engine: LLMEngine, rid: str, done: KVDone) -> RequestOutput:
-    return engine.complete_remote(rid, done.first_token_id, done.generator_state)

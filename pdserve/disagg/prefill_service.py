@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from functools import partial
 from typing import Any
 
 import httpx
@@ -34,10 +35,9 @@ from pdserve.disagg.phases import PrefillPhases
 from pdserve.disagg.transport import make_sender
 from pdserve.disagg.transport.base import KVSender
 from pdserve.disagg.transport.errors import KVTransferError
-from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.output import RequestOutput
+from pdserve.engine.async_llm import AsyncLLM, OutputStream
+from pdserve.engine.commands import AddPrefillOnly, GeneratorState, ReleaseKV
 from pdserve.logs import bind_request_id
-from pdserve.serving.async_engine import AsyncLLM
 
 logger = logging.getLogger(__name__)
 _ENGINE_STUCK_S = 30.0
@@ -54,7 +54,7 @@ class PrefillService:
         self.counters: Counter[str] = Counter()
         self._senders: dict[str, KVSender] = {}  # one per decode worker address
         self._senders_lock = threading.Lock()
-        self._destination: dict[str, KVSender] = {}  # request id -> its decode worker's sender
+        self._destination: dict[str, KVSender] = {}  # request id -> its decode worker's sender (engine thread)
         self._tasks: dict[str, asyncio.Task[HandOff]] = {}
         self._tokens: dict[str, int] = {}  # transfer id -> prompt tokens still to compute
         self._decode_urls: dict[str, str] = {}  # transfer id -> the decode worker it streams to
@@ -99,20 +99,10 @@ class PrefillService:
         if rid in self._tasks:
             raise ValueError(f"attempt {rid!r} is already running here")
         sender = await asyncio.to_thread(self._sender, job.kv_address)
-        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        streamer, destination = self.streamer, self._destination
-
-        def start(engine: LLMEngine) -> None:
-            destination[rid] = sender
-            streamer.expect(rid, job.block_ids, job.num_cached_tokens)
-            try:
-                engine.add_request(rid, job.prompt_token_ids, params, prefill_only=True)
-            except BaseException:
-                streamer.forget(rid)
-                del destination[rid]
-                raise
-
-        await self.client.call(start, stream_for=rid, stream=stream, keep_stream=lambda _: True)
+        stream: OutputStream = asyncio.Queue()
+        await self.client.send(AddPrefillOnly(rid, job.prompt_token_ids, params,
+                                              before=partial(self._attach, rid, sender, job),
+                                              if_refused=partial(self._detach, rid)), stream)
         self._tokens[rid] = len(job.prompt_token_ids) - job.num_cached_tokens
         if job.decode_url:
             self._decode_urls[rid] = job.decode_url
@@ -120,6 +110,16 @@ class PrefillService:
         if self._keepalive is None or self._keepalive.done():
             self._keepalive = asyncio.create_task(self._keep_alive())
         return task
+
+    def _attach(self, rid: str, sender: KVSender, job: PrefillJob) -> None:
+        """Engine thread: where the attempt's KV goes."""
+        self._destination[rid] = sender
+        self.streamer.expect(rid, job.block_ids, job.num_cached_tokens)
+
+    def _detach(self, rid: str) -> None:
+        """Engine thread."""
+        self.streamer.forget(rid)
+        self._destination.pop(rid, None)
 
     async def _keep_alive(self) -> None:
         """While jobs are in flight: POST /pd/alive {transfer ids} to their decode workers."""
@@ -153,8 +153,7 @@ class PrefillService:
         """Prompt tokens of the jobs taken and not yet handed off (what a queue consumer budgets)."""
         return sum(self._tokens.values())
 
-    async def _finish(self, rid: str, sender: KVSender, stream: asyncio.Queue[RequestOutput | BaseException]
-                      ) -> HandOff:
+    async def _finish(self, rid: str, sender: KVSender, stream: OutputStream) -> HandOff:
         """Wait for the first token, send the final message, wait for decode's acknowledgement,
         release the blocks. Whatever happens (abort, rejection, timeout), the blocks are released
         when it ends: the lease is the transfer timeout."""
@@ -165,7 +164,7 @@ class PrefillService:
             if final is None or final.outputs[0].finish_reason == "abort" or not final.outputs[0].token_ids:
                 return HandOff(transfer_id=rid, status="aborted")
             self._tokens.pop(rid, None)
-            state = await self.client.call(lambda e: e.generator_state(e.scheduler.held[rid]))
+            state = await self.client.send(GeneratorState(rid))
             phases = PrefillPhases.of(final.metrics)
             sender.send_done(rid, final.outputs[0].token_ids[0], state,
                              prefill_queue_s=None if phases is None else phases.queue_s,
@@ -195,18 +194,9 @@ class PrefillService:
         except KVTransferError as exc:  # a send stuck reading them: better to leak than to corrupt
             logger.error("request %s: not freeing its KV blocks: %s", rid, exc)
             return
-        await self.client.call(self._cleanup_on_engine(rid))
-
-    def _cleanup_on_engine(self, rid: str):  # type: ignore[no-untyped-def]
-        streamer, destination = self.streamer, self._destination
-
-        def cleanup(engine: LLMEngine) -> None:
-            engine.abort_request(rid)  # no-op unless the hand-off was cut short mid-prefill
-            engine.release_kv(rid)
-            streamer.forget(rid)
-            destination.pop(rid, None)
-
-        return cleanup
+        # NOTE: the request is stopped (if cut short mid-prefill) and its blocks freed before the
+        # streamer forgets it, on the engine thread: no step streams a request it has forgotten.
+        await self.client.send(ReleaseKV(rid, after=partial(self._detach, rid)))
 
     def close(self) -> None:
         if self._keepalive is not None:

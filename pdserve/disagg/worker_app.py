@@ -48,9 +48,10 @@ from pdserve.disagg.kv_layout import KVLayout, KVLayoutMismatch
 from pdserve.disagg.prefill_service import PrefillService
 from pdserve.disagg.transport import make_receiver
 from pdserve.disagg.transport.errors import KVTransferError
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.async_llm import AsyncLLM
+from pdserve.engine.commands import CachedPrefixTokens
+from pdserve.engine.llm_engine import KVTransferSetup, LLMEngine
 from pdserve.serving.app import Lifespan
-from pdserve.serving.async_engine import AsyncLLM
 from pdserve.serving.errors import EXCEPTION_HANDLERS, error_response
 from pdserve.serving.metrics import instrument_engine_app
 
@@ -115,7 +116,7 @@ def _add_decode_routes(app: FastAPI, service: DecodeService) -> None:
     @app.post("/pd/prefix")
     async def prefix(body: PrefixQuery) -> PrefixReply:
         prompt = body.prompt_token_ids
-        cached = await service.client.call(lambda e: e.num_cached_prefix_tokens(prompt))
+        cached = await service.client.send(CachedPrefixTokens(prompt))
         return PrefixReply(num_cached_tokens=cached)
 
     @app.post("/pd/alive")
@@ -201,14 +202,14 @@ def build_worker(engine: LLMEngine, role: Role, model_name: str, transport: str,
     (`RedisJobConsumer`, started with the app, drained and awaited when the app stops)."""
     kv_cache = engine.runner.kv_cache
     layout = KVLayout.from_pool(model_name, kv_cache)
-    client = AsyncLLM(engine)
     service: PrefillService | DecodeService
     if role == "decode":
         receiver = make_receiver(transport, layout, kv_cache, **(transport_options or {}))
-        # NOTE: set before any request arrives; only the engine thread reads it afterwards
-        engine.scheduler.remote_kv_quarantine_s = receiver.late_write_window_s
+        # NOTE: the quarantine must be known before the engine thread starts: only it reads it then
+        client = AsyncLLM(engine, KVTransferSetup(remote_kv_quarantine_s=receiver.late_write_window_s))
         service = DecodeService(client, receiver, failure_policy, transfer_timeout_s)
     else:
+        client = AsyncLLM(engine)
         service = PrefillService(client, transport, layout, transfer_timeout_s, transport_options)
     lifespan = None
     if queue_url and isinstance(service, PrefillService):
