@@ -14,7 +14,7 @@ import uvicorn
 from fastapi import FastAPI
 from server_fixtures import free_port
 
-from pdserve.config import EngineArgs
+from pdserve.config import EngineArgs, WorkerConfig
 from pdserve.disagg.decode_service import DecodeService, FailurePolicy
 from pdserve.disagg.prefill_service import PrefillService
 from pdserve.disagg.router import PDClient, create_router_app
@@ -91,12 +91,12 @@ def start_cluster(model_dir: Path, transport: str, num_prefill: int, num_decode:
                 model=str(model_dir), dtype="float32", num_kv_blocks=decode_kv_blocks if role == "decode" else 256,
                 max_num_batched_tokens=max_num_batched_tokens,
                 block_size=decode_block_size if role == "decode" else 16))
-            options = ({"host": "127.0.0.1", "port": 0} if transport != "fake" else {}) if role == "decode" \
-                else (prefill_options or {})
-            app, client, service = build_worker(engine, role, MODEL, transport, policy, timeout_s, options)
-            services.append(service)
-            served = serve(app)
-            workers.append((served, client))
+            config = WorkerConfig(role=role, kv_transport=transport, kv_failure_policy=policy,
+                                  kv_transfer_timeout_ms=round(timeout_s * 1000))
+            worker = build_worker(engine, config, MODEL, sender_options=prefill_options)
+            services.append(worker.service)
+            served = serve(worker.app)
+            workers.append((served, worker.client))
             urls[role].append(served.url)
     pd = PDClient(urls["prefill"], urls["decode"], load_tokenizer(str(model_dir)),
                   Qwen3ModelConfig.from_dir(model_dir), str(model_dir), max_model_len=1024, **router_options)

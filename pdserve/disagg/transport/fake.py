@@ -25,9 +25,11 @@ _next_id = itertools.count()
 
 
 class FakeKVReceiver(KVReceiver):
-    """Contract: see KVReceiver. `address` is 'fake://N', valid inside this process only."""
+    """Contract: see KVReceiver. `address` is 'fake://N', valid inside this process only; `host`
+    and `port` are accepted like the real receivers' (so a worker makes any receiver the same
+    way) and ignored."""
 
-    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor) -> None:
+    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, host: str = "", port: int = 0) -> None:
         super().__init__(layout, kv_cache)
         self._address = f"fake://{next(_next_id)}"
         self._closed = False
