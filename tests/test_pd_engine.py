@@ -172,3 +172,36 @@ def test_an_idle_engine_loop_frees_quarantined_blocks_when_due(model_dirs: dict)
         assert time.monotonic() - (deadline - 5) >= 0.4  # not before the quarantine ended
     finally:
         client.shutdown()
+
+
+def test_engine_commands_reply_typed_and_route_outputs(model_dirs: dict) -> None:
+    """Commands cross to the engine thread and their results come back; a refused one raises in
+    its sender and the engine carries on; a reservation's stream gets the output that
+    CompleteRemote produces, and nothing is left behind."""
+    import asyncio
+
+    from pdserve.config import EngineArgs
+    from pdserve.engine.async_llm import AsyncLLM, OutputStream
+    from pdserve.engine.commands import CachedPrefixTokens, CompleteRemote, ReserveRemote
+    from pdserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(model_dirs["tiny"]), dtype="float32", num_kv_blocks=64))
+    client = AsyncLLM(engine)
+    prompt = random_prompt(40, seed=2)
+    try:
+        async def reserve_complete() -> None:
+            stream: OutputStream = asyncio.Queue()
+            reservation = await client.send(ReserveRemote("r", prompt, greedy(1)), stream)
+            assert reservation is not None and len(reservation.block_ids) == 3
+            with pytest.raises(ValueError, match="already in use"):
+                await client.send(ReserveRemote("r", prompt, greedy(1)))
+            output = await client.send(CompleteRemote("r", 7))
+            assert output.finished and output.outputs[0].token_ids == [7]  # prefill's token was the last
+            assert await stream.get() is output
+            assert await client.send(CachedPrefixTokens(prompt)) == 32  # its two full blocks stay cached
+
+        asyncio.run(reserve_complete())
+        assert client.alive and not engine.has_unfinished_requests()
+        assert engine.scheduler.kv.pool.num_free_blocks == 64
+    finally:
+        client.shutdown()

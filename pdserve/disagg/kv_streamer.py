@@ -29,15 +29,11 @@ class _Target:
     send_layer: SendLayer  # to the request's decode worker
 
 
-def _no_destination(request_id: str, layer: int, src: list[int], dst: list[int]) -> None:
-    raise RuntimeError(f"request {request_id}: no KV destination (pass send_layer to expect)")
-
-
 class KVStreamer:
     """An `LLMEngine.layer_observer` for the prefill role. Engine thread only: `expect` and `forget`
     are called there too (between steps), so a request's target never changes mid-step."""
 
-    def __init__(self, block_size: int, num_layers: int, send_layer: SendLayer = _no_destination) -> None:
+    def __init__(self, block_size: int, num_layers: int, send_layer: SendLayer | None = None) -> None:
         """`send_layer`: where requests go unless `expect` names their own (one decode peer)."""
         self.block_size = block_size
         self.last_layer = num_layers - 1
@@ -51,8 +47,10 @@ class KVStreamer:
         decode worker already holds."""
         if num_cached_on_decode % self.block_size:
             raise ValueError("the decode worker's cached prefix must be whole blocks")
-        self._targets[request_id] = _Target(tuple(dst_block_ids), num_cached_on_decode,
-                                            send_layer or self.send_layer)
+        send = send_layer or self.send_layer
+        if send is None:
+            raise ValueError(f"request {request_id}: no KV destination (pass send_layer)")
+        self._targets[request_id] = _Target(tuple(dst_block_ids), num_cached_on_decode, send)
 
     def forget(self, request_id: str) -> None:
         self._targets.pop(request_id, None)

@@ -107,6 +107,8 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[R] = loop.create_future()
         self._inbox.put(_Envelope(command, loop, future, sink))
+        if self._error is not None:  # it died meanwhile, perhaps after failing what it found queued
+            self._fail_queued(self._error)
         return await future
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
@@ -166,6 +168,10 @@ class AsyncLLM:
         for stream in self._streams.values():
             stream.put(EngineDeadError(f"engine failed: {exc}"))
         self._streams.clear()
+        self._fail_queued(exc)
+
+    def _fail_queued(self, exc: BaseException) -> None:
+        """Commands the dead engine will never apply: their senders get EngineDeadError."""
         while True:
             try:
                 envelope = self._inbox.get_nowait()
