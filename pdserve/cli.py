@@ -7,14 +7,12 @@ import logging
 import signal
 import sys
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from types import FrameType
 
 import uvicorn
 
-from pdserve import envs
-from pdserve.config import EngineArgs
+from pdserve.config import EngineArgs, QueueArgs, WorkerConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -93,14 +91,25 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     )
 
 
+def worker_config_from(ns: argparse.Namespace) -> WorkerConfig:
+    """Raises ValueError for an invalid setting (the environment's included)."""
+    config = WorkerConfig(role=ns.role, kv_transport=ns.kv_transport, kv_host=ns.kv_host, kv_port=ns.kv_port,
+                          kv_transfer_timeout_ms=ns.kv_transfer_timeout_ms, kv_failure_policy=ns.kv_failure_policy,
+                          queue=QueueArgs(ns.queue, ns.queue_deployment),
+                          queue_claim_idle_s=ns.queue_claim_idle_s, queue_max_deliveries=ns.queue_max_deliveries)
+    config.validate()
+    _ = config.transfer_timeout_s  # reads KV_TRANSFER_TIMEOUT_MS when the flag is unset
+    return config
+
+
 def _serve(ns: argparse.Namespace) -> int:
+    from pdserve.engine.async_llm import AsyncLLM
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.serving.app import create_app
-    from pdserve.serving.async_engine import AsyncLLM
 
     args = engine_args_from(ns)
     try:
-        timeout_ms = ns.kv_transfer_timeout_ms or envs.kv_transfer_timeout_ms()
+        worker_config = None if ns.role == "colocated" else worker_config_from(ns)
         engine = LLMEngine.from_engine_args(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"pdserve: {exc}", file=sys.stderr)
@@ -112,20 +121,14 @@ def _serve(ns: argparse.Namespace) -> int:
         ns.host, ns.port, cfg.device, str(cfg.dtype).removeprefix("torch."), cfg.cache.num_kv_blocks,
         cfg.cache.block_size, cfg.scheduler.max_model_len)
     on_exit: Callable[[], None] | None = None
-    if ns.role == "colocated":
+    if worker_config is None:  # colocated
         client = AsyncLLM(engine)
         app = create_app(client, name)
     else:
-        from pdserve.disagg.worker_app import build_worker, drain
+        from pdserve.disagg.worker_app import build_worker
 
-        transport = ns.kv_transport or default_kv_transport()
-        options = {"host": ns.kv_host, "port": ns.kv_port} if ns.role == "decode" else {}
-        queue_url = ns.queue if ns.role == "prefill" and ns.queue != "memory" else None
-        queue_options = {"deployment": ns.queue_deployment, "claim_idle_s": ns.queue_claim_idle_s,
-                         "max_deliveries": ns.queue_max_deliveries}
-        app, client, service = build_worker(engine, ns.role, name, transport, ns.kv_failure_policy, timeout_ms / 1000,
-                                            options, queue_url, queue_options)
-        on_exit = partial(drain, service, getattr(service, "consumer", None))
+        worker = build_worker(engine, worker_config, name)
+        app, client, on_exit = worker.app, worker.client, worker.drain
     try:
         # Workers' access logs would only show the router's polling; the router logs client requests.
         _run_server(app, ns, access_log=ns.role == "colocated", on_exit=on_exit)
@@ -161,12 +164,6 @@ class _DrainingServer(uvicorn.Server):
             self._on_exit()
             self._on_exit = None
         super().handle_exit(sig, frame)
-
-
-def default_kv_transport() -> str:
-    from pdserve.disagg.transport import nixl_available
-
-    return "nixl" if nixl_available() else "tcp"
 
 
 def _router(ns: argparse.Namespace) -> int:

@@ -49,10 +49,12 @@ def generate_texts(llm: LLM, prompts: Sequence[list[int]], params: SamplingParam
 # -- model-free scheduler pieces -------------------------------------------------------------------
 def make_scheduler(num_blocks: int, block_size: int = 4, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
                    max_model_len: int = 1024, enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
-                   num_swap_blocks: int = 0, preemption_mode: str = "recompute") -> Scheduler:
+                   num_swap_blocks: int = 0, preemption_mode: str = "recompute",
+                   remote_kv_quarantine_s: float = 0.0) -> Scheduler:
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, enable_chunked_prefill,
                             "swap" if preemption_mode == "swap" else "recompute")
-    return Scheduler(sched, CacheConfig(block_size, num_blocks, num_swap_blocks, enable_prefix_caching))
+    return Scheduler(sched, CacheConfig(block_size, num_blocks, num_swap_blocks, enable_prefix_caching),
+                     remote_kv_quarantine_s)
 
 
 def make_request(request_id: str, prompt_token_ids: Sequence[int] | int, max_tokens: int = 4,

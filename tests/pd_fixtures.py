@@ -14,15 +14,15 @@ import uvicorn
 from fastapi import FastAPI
 from server_fixtures import free_port
 
-from pdserve.config import EngineArgs, RouterConfig
+from pdserve.config import EngineArgs, RouterConfig, WorkerConfig
 from pdserve.disagg.decode_service import DecodeService, FailurePolicy
 from pdserve.disagg.prefill_service import PrefillService
 from pdserve.disagg.router import PDRouter
 from pdserve.disagg.router_app import create_router_app
 from pdserve.disagg.worker_app import build_worker
+from pdserve.engine.async_llm import AsyncLLM
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.model.qwen3_config import Qwen3ModelConfig
-from pdserve.serving.async_engine import AsyncLLM
 from pdserve.tokenizer import load_tokenizer
 
 MODEL = "pd-test"
@@ -92,12 +92,12 @@ def start_cluster(model_dir: Path, transport: str, num_prefill: int, num_decode:
                 model=str(model_dir), dtype="float32", num_kv_blocks=decode_kv_blocks if role == "decode" else 256,
                 max_num_batched_tokens=max_num_batched_tokens,
                 block_size=decode_block_size if role == "decode" else 16))
-            options = ({"host": "127.0.0.1", "port": 0} if transport != "fake" else {}) if role == "decode" \
-                else (prefill_options or {})
-            app, client, service = build_worker(engine, role, MODEL, transport, policy, timeout_s, options)
-            services.append(service)
-            served = serve(app)
-            workers.append((served, client))
+            config = WorkerConfig(role=role, kv_transport=transport, kv_failure_policy=policy,
+                                  kv_transfer_timeout_ms=round(timeout_s * 1000))
+            worker = build_worker(engine, config, MODEL, sender_options=prefill_options)
+            services.append(worker.service)
+            served = serve(worker.app)
+            workers.append((served, worker.client))
             urls[role].append(served.url)
     config = RouterConfig(prefill=tuple(urls["prefill"]), decode=tuple(urls["decode"]), **router_options)
     pd = PDRouter.from_config(config, load_tokenizer(str(model_dir)), Qwen3ModelConfig.from_dir(model_dir),

@@ -83,11 +83,12 @@ def test_transfer_stall_retries_once_then_applies_the_policy(model_dirs: dict[st
             router_counters = http.get("/router/stats").json()["counters"]
         decode = next(service for service in cluster.services if isinstance(service, DecodeService))
         prefill = next(service for service in cluster.services if isinstance(service, PrefillService))
-        assert decode.counters["timeouts"] == 2 and decode.counters["retried"] == 1
+        decode_stats, prefill_stats = decode.stats(), prefill.stats()
+        assert decode_stats.timeouts == 2 and decode_stats.retried == 1
         # the retry is a second prefill attempt (new transfer id), not just a longer wait
         assert router_counters["kv_retries"] == 1
-        assert prefill.counters["failed"] + prefill.counters["aborted"] == 2, prefill.counters
-        assert decode.counters["recomputed" if policy == "recompute" else "failed"] == 1
+        assert prefill_stats.failed + prefill_stats.aborted == 2, prefill_stats
+        assert (decode_stats.recomputed if policy == "recompute" else decode_stats.failed) == 1
         if policy == "recompute":
             assert reply.status_code == 200, reply.text
             assert reply.json()["choices"][0]["text"] == want

@@ -11,6 +11,7 @@ from helpers import assert_no_leak, greedy, random_prompt
 
 from pdserve import LLM, SamplingParams
 from pdserve.disagg.kv_streamer import KVStreamer
+from pdserve.engine.llm_engine import KVTransferSetup
 from pdserve.engine.output import RequestOutput
 
 PROMPTS = [random_prompt(n, seed=7000 + n) for n in (1, 15, 16, 17, 90, 300)]
@@ -29,7 +30,7 @@ def pd_generate(prefill: LLM, decode: LLM, prompts: list[list[int]],
         d.runner.kv_cache[layer, :, dst] = p.runner.kv_cache[layer, :, src]
 
     streamer = KVStreamer(p.config.cache.block_size, layers, send_layer)
-    p.layer_observer = streamer
+    p.configure_kv_transfer(KVTransferSetup(layer_observer=streamer))
     finals: dict[str, RequestOutput] = {}
     cached: list[int] = []
     try:
@@ -42,15 +43,15 @@ def pd_generate(prefill: LLM, decode: LLM, prompts: list[list[int]],
         while p.has_unfinished_requests() or d.has_unfinished_requests():
             for out in p.step():
                 assert out.finished and len(out.outputs[0].token_ids) == 1
-                held = p.scheduler.held[out.request_id]
-                first = d.complete_remote(out.request_id, out.outputs[0].token_ids[0], p.generator_state(held))
+                state = p.generator_state(out.request_id)
+                first = d.complete_remote(out.request_id, out.outputs[0].token_ids[0], state)
                 p.release_kv(out.request_id)
                 streamer.forget(out.request_id)
                 if first.finished:
                     finals[first.request_id] = first
             finals |= {out.request_id: out for out in d.step() if out.finished}
     finally:
-        p.layer_observer = None
+        p.configure_kv_transfer(KVTransferSetup())
     return [finals[f"pd-{i}"].outputs[0].token_ids for i in range(len(prompts))], cached
 
 
@@ -124,13 +125,13 @@ def test_failed_hand_off_is_recomputed_on_decode(llm_factory: Callable[..., LLM]
 
     streamer = KVStreamer(16, p.config.model.num_hidden_layers, send_first_layer_only)
     streamer.expect("f", reservation.block_ids, reservation.num_cached_tokens)
-    p.layer_observer = streamer
+    p.configure_kv_transfer(KVTransferSetup(layer_observer=streamer))
     try:
         p.add_request("f", PROMPTS[5], params, prefill_only=True)
         while p.has_unfinished_requests():
             p.step()
     finally:
-        p.layer_observer = None
+        p.configure_kv_transfer(KVTransferSetup())
     p.release_kv("f")  # the lease of a hand-off nobody acknowledged
     d.prefill_locally("f")
     final = None
@@ -143,23 +144,23 @@ def test_failed_hand_off_is_recomputed_on_decode(llm_factory: Callable[..., LLM]
 
 def test_an_idle_engine_loop_frees_quarantined_blocks_when_due(model_dirs: dict) -> None:
     """A decode engine over nixl keeps a cancelled reservation's blocks out of reuse for a while
-    (`Scheduler.remote_kv_quarantine_s`); its thread must give them back when that ends even
+    (`KVTransferSetup.remote_kv_quarantine_s`); its thread must give them back when that ends even
     if nothing else happens (it sleeps while idle)."""
     import asyncio
     import time
 
     from pdserve.config import EngineArgs
+    from pdserve.engine.async_llm import AsyncLLM
+    from pdserve.engine.commands import CachedPrefixTokens, ReserveRemote
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.serving.async_engine import AsyncLLM
 
     engine = LLMEngine.from_engine_args(EngineArgs(model=str(model_dirs["tiny"]), dtype="float32", num_kv_blocks=64))
-    engine.scheduler.remote_kv_quarantine_s = 0.5
-    client = AsyncLLM(engine)
+    client = AsyncLLM(engine, KVTransferSetup(remote_kv_quarantine_s=0.5))
     try:
         async def reserve_then_abort() -> None:
-            assert await client.call(lambda e: e.reserve_remote("r", random_prompt(100, seed=1), greedy(4)))
+            assert await client.send(ReserveRemote("r", random_prompt(100, seed=1), greedy(4)))
             client.abort("r")
-            await client.call(lambda e: None)  # the abort was applied before this runs
+            await client.send(CachedPrefixTokens([1]))  # the abort was applied before this runs
 
         asyncio.run(reserve_then_abort())
         held = 64 - client.stats().num_free_kv_blocks
@@ -169,5 +170,38 @@ def test_an_idle_engine_loop_frees_quarantined_blocks_when_due(model_dirs: dict)
             time.sleep(0.05)
         assert client.stats().num_free_kv_blocks == 64 and client.stats().num_quarantined_kv_blocks == 0
         assert time.monotonic() - (deadline - 5) >= 0.4  # not before the quarantine ended
+    finally:
+        client.shutdown()
+
+
+def test_engine_commands_reply_typed_and_route_outputs(model_dirs: dict) -> None:
+    """Commands cross to the engine thread and their results come back; a refused one raises in
+    its sender and the engine carries on; a reservation's stream gets the output that
+    CompleteRemote produces, and nothing is left behind."""
+    import asyncio
+
+    from pdserve.config import EngineArgs
+    from pdserve.engine.async_llm import AsyncLLM, OutputStream
+    from pdserve.engine.commands import CachedPrefixTokens, CompleteRemote, ReserveRemote
+    from pdserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(model_dirs["tiny"]), dtype="float32", num_kv_blocks=64))
+    client = AsyncLLM(engine)
+    prompt = random_prompt(40, seed=2)
+    try:
+        async def reserve_complete() -> None:
+            stream: OutputStream = asyncio.Queue()
+            reservation = await client.send(ReserveRemote("r", prompt, greedy(1)), stream)
+            assert reservation is not None and len(reservation.block_ids) == 3
+            with pytest.raises(ValueError, match="already in use"):
+                await client.send(ReserveRemote("r", prompt, greedy(1)))
+            output = await client.send(CompleteRemote("r", 7))
+            assert output.finished and output.outputs[0].token_ids == [7]  # prefill's token was the last
+            assert await stream.get() is output
+            assert await client.send(CachedPrefixTokens(prompt)) == 32  # its two full blocks stay cached
+
+        asyncio.run(reserve_complete())
+        assert client.alive and not engine.has_unfinished_requests()
+        assert engine.scheduler.kv.pool.num_free_blocks == 64
     finally:
         client.shutdown()

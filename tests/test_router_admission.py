@@ -21,6 +21,7 @@ from pdserve.disagg.prefill_service import PrefillService
 from pdserve.disagg.router import PDRouter
 from pdserve.disagg.router_app import create_router_app
 from pdserve.model.qwen3_config import Qwen3ModelConfig
+from pdserve.serving.worker_stats import DecodeStats
 from pdserve.tokenizer import load_tokenizer
 
 MAX_TOKENS = 6
@@ -83,7 +84,7 @@ def test_prompt_too_long_is_a_400_before_anything_is_queued(model_dirs: dict[str
                 assert reply.status_code == 400, reply.text
                 assert "maximum context length" in reply.json()["error"]["message"]
         decode = cluster.service(DecodeService)
-        assert not decode.counters and decode.num_in_flight == 0  # nothing was reserved
+        assert decode.stats() == DecodeStats() and decode.num_in_flight == 0  # nothing was reserved
         assert cluster.pd.stats().queued_requests == 0
     finally:
         stop_cluster(cluster)
@@ -121,7 +122,7 @@ def test_decode_selection_policy(model_dirs: dict[str, Path], colocated: LLM, po
                 assert reply.status_code == 200, reply.text
                 assert reply.json()["choices"][0]["text"] == greedy_text(colocated, prompt)
                 cached.append(reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
-        served = sorted(cluster.service(DecodeService, i).counters["completed"] for i in range(2))
+        served = sorted(cluster.service(DecodeService, i).stats().completed for i in range(2))
         if policy == "round-robin":
             assert served == [2, 2]
         else:  # every request goes where the shared prefix already is, and hits it there
@@ -142,8 +143,8 @@ def test_short_uncached_rest_is_prefilled_on_decode(model_dirs: dict[str, Path],
                 assert reply.status_code == 200, reply.text
                 assert reply.json()["choices"][0]["text"] == greedy_text(colocated, prompt)
         assert cluster.pd.stats().events.prefilled_on_decode == 2
-        assert cluster.service(DecodeService).counters["prefilled_locally"] == 2
-        assert cluster.service(PrefillService).counters["handed_off"] == 1
+        assert cluster.service(DecodeService).stats().prefilled_locally == 2
+        assert cluster.service(PrefillService).stats().handed_off == 1
         cluster.wait_until_idle()
     finally:
         stop_cluster(cluster)

@@ -319,8 +319,7 @@ def test_cancelled_remote_kv_blocks_are_quarantined_then_freed() -> None:
     out of reuse for `remote_kv_quarantine_s`, then return to the pool."""
     import time
 
-    scheduler = make_scheduler(num_blocks=8, block_size=4)
-    scheduler.remote_kv_quarantine_s = 0.3
+    scheduler = make_scheduler(num_blocks=8, block_size=4, remote_kv_quarantine_s=0.3)
     assert scheduler.reserve_remote(make_request("a", 12, max_tokens=2))
     assert scheduler.reserve_remote(make_request("b", 12, max_tokens=2))
     scheduler.abort("a")

@@ -150,3 +150,21 @@ class OutputFrame(BaseModel):
         seq = output.outputs[0]
         return cls(text=seq.text, token_ids=seq.token_ids, finish_reason=seq.finish_reason,
                    stop_reason=seq.stop_reason, num_cached_tokens=output.num_cached_tokens)
+
+
+class ConsumerReport(BaseModel):
+    """A prefill worker's queue consumer, in GET /pd/stats: what it did (counters), holds now."""
+
+    consumer: str
+    in_flight: int
+    counters: dict[str, int]
+
+
+class WorkerStatsReply(BaseModel):
+    """worker -> anyone (GET /pd/stats): what its service did (counters) and holds now."""
+
+    role: Role
+    in_flight: int
+    draining: bool
+    counters: dict[str, int]
+    queue: ConsumerReport | None = None

@@ -14,30 +14,37 @@ retry: an OutputFrame with `kv_retry`) and keeps listening to the old one until 
 set; a second timeout applies the failure policy: "recompute" prefills here, "fail" ends the
 request with an error. Each case is counted and logged with the stable message
 `KV cache transfer timed out`.
+
+State: one `_Reserved` record per request (`_requests`, keyed by request id), created when the
+reservation succeeds and removed when the request's stream ends or it is aborted. Only the KV
+receiver knows a transfer by its attempt's id (`_Reserved.transfer_id`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
-from collections.abc import AsyncIterator
-from functools import partial
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Literal
 
 from pdserve.disagg.control import OutputFrame, ReserveReply, ReserveRequest
-from pdserve.disagg.phases import TransferMeter, generator_state_of
+from pdserve.disagg.phases import TransferMeter
 from pdserve.disagg.transport.base import KVReceiver
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.disagg.transport.messages import KVDone, KVRejected
-from pdserve.engine.llm_engine import LLMEngine, RemoteReservation
+from pdserve.engine.async_llm import AsyncLLM
+from pdserve.engine.commands import CachedPrefixTokens, CompleteRemote, PrefillLocally, ReserveRemote
+from pdserve.engine.llm_engine import RemoteReservation
 from pdserve.engine.output import RequestOutput
 from pdserve.logs import bind_request_id
-from pdserve.serving.async_engine import AsyncLLM
+from pdserve.serving.trace import TransferRecord
+from pdserve.serving.worker_stats import DecodeStats
 
 logger = logging.getLogger(__name__)
 
 FailurePolicy = Literal["recompute", "fail"]
+_LIVENESS_POLL_S = 1.0
 
 
 class _RetrySignal:
@@ -48,70 +55,99 @@ _RETRY = _RetrySignal()
 StreamItem = RequestOutput | BaseException | _RetrySignal
 
 
+@dataclass(slots=True)
+class _Reserved:
+    """One request from its reservation until its stream ends. Event-loop only."""
+
+    stream: asyncio.Queue[StreamItem]  # engine outputs, retry signals, or the error that ends it
+    block_ids: tuple[int, ...]  # its reservation in this pool: where every attempt's KV goes
+    transfer_id: str | None  # the attempt the KV receiver expects; None once not waiting for KV
+    watcher: asyncio.Task[None] | None = None  # follows that attempt's KV events
+    retried: bool = False  # it already asked for its one retry
+
+
+@dataclass(slots=True)
+class _Counts:
+    completed: int = 0
+    timeouts: int = 0
+    retried: int = 0
+    recomputed: int = 0
+    failed: int = 0
+    rejected: int = 0
+    prefilled_locally: int = 0
+
+
 class DecodeService:
     def __init__(self, client: AsyncLLM, receiver: KVReceiver, failure_policy: FailurePolicy,
-                 transfer_timeout_s: float) -> None:
+                 transfer_timeout_s: float, on_transfer: Callable[[TransferRecord], None] | None = None) -> None:
+        """`on_transfer` gets each finished transfer's duration and size (the metrics)."""
         self.client = client
         self.receiver = receiver
         self.failure_policy = failure_policy
         self.transfer_timeout_s = transfer_timeout_s
-        self.counters: Counter[str] = Counter()  # completed, timeouts, retried, recomputed, failed, rejected
         self.draining = False
-        self._streams: dict[str, asyncio.Queue[StreamItem]] = {}
-        self._blocks: dict[str, tuple[int, ...]] = {}  # request id -> its reserved blocks
-        self._transfers: dict[str, str] = {}  # request id -> the transfer id the receiver expects
-        self._watchers: dict[str, asyncio.Task[None]] = {}
-        self._retried: set[str] = set()  # requests that already asked for their one retry
-        self.transfers = TransferMeter(receiver.layout)  # per-transfer duration/bytes, TTFT phases
+        self._requests: dict[str, _Reserved] = {}  # request id -> its record
+        self._counts = _Counts()
+        self._meter = TransferMeter(receiver.layout, on_transfer)  # per-transfer duration/bytes, TTFT phases
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._streams)
+        return len(self._requests)
+
+    def stats(self) -> DecodeStats:
+        c = self._counts
+        return DecodeStats(completed=c.completed, timeouts=c.timeouts, retried=c.retried, recomputed=c.recomputed,
+                           failed=c.failed, rejected=c.rejected, prefilled_locally=c.prefilled_locally,
+                           in_flight=self.num_in_flight)
 
     async def reserve(self, body: ReserveRequest) -> ReserveReply | None:
         """None when the pool has no room now (or the worker drains). Raises ValueError for a
         request that can never run."""
-        rid, tid, prompt, params = body.request_id, body.transfer_id, body.prompt_token_ids, body.params.build()
+        rid, tid = body.request_id, body.transfer_id
         bind_request_id(rid)
-        if rid in self._streams:
+        if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already reserved")
         if self.draining:
             return None
         stream: asyncio.Queue[StreamItem] = asyncio.Queue()
-        receiver = self.receiver
 
-        def reserve_on_engine(engine: LLMEngine) -> RemoteReservation | None:
-            reservation = engine.reserve_remote(rid, prompt, params)
-            if reservation is not None:
-                receiver.expect(tid, list(reservation.block_ids))  # before prefill can possibly send
-            return reservation
+        def expect_transfer(reservation: RemoteReservation) -> None:
+            # NOTE: on the engine thread, as the blocks are reserved: the receiver expects the
+            # transfer before the router hears of the reservation, so before prefill can send.
+            self.receiver.expect(tid, list(reservation.block_ids))
 
-        reservation = await self.client.call(reserve_on_engine, stream_for=rid, stream=stream)  # type: ignore[arg-type]
+        reservation = await self.client.send(
+            ReserveRemote(rid, body.prompt_token_ids, body.params.build(), on_reserved=expect_transfer), stream)
         if reservation is None:
             return None
-        self._streams[rid] = stream
-        self._blocks[rid] = tuple(reservation.block_ids)
-        self._transfers[rid] = tid
-        self._watchers[rid] = asyncio.create_task(self._watch(rid, tid))
+        record = self._requests[rid] = _Reserved(stream, reservation.block_ids, tid)
+        record.watcher = asyncio.create_task(self._watch(rid, tid))
         return ReserveReply(block_ids=list(reservation.block_ids), num_cached_tokens=reservation.num_cached_tokens,
                             kv_address=self.receiver.address)
+
+    async def cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
+        """Leading tokens of this prompt the prefix cache holds now (prefix-affinity routing)."""
+        return await self.client.send(CachedPrefixTokens(prompt_token_ids))
+
+    def _waiting_for_kv(self, request_id: str) -> _Reserved | None:
+        record = self._requests.get(request_id)
+        return record if record is not None and record.transfer_id is not None else None
 
     def retarget(self, request_id: str, transfer_id: str) -> bool:
         """Expect a new attempt's KV (same blocks); the current attempt is cancelled. False when
         the request is not waiting for KV any more (finished, aborted, or already recomputing)."""
         bind_request_id(request_id)  # the new watcher's log lines name the request
-        old = self._transfers.get(request_id)
-        if old is None:
+        record = self._waiting_for_kv(request_id)
+        if record is None or record.transfer_id is None:
             return False
-        if old == transfer_id:
+        if record.transfer_id == transfer_id:
             return True
-        self.receiver.cancel(old)
-        self.receiver.expect(transfer_id, list(self._blocks[request_id]))
-        self._transfers[request_id] = transfer_id
-        watcher = self._watchers.pop(request_id, None)
-        if watcher is not None:
-            watcher.cancel()
-        self._watchers[request_id] = asyncio.create_task(self._watch(request_id, transfer_id))
+        self.receiver.cancel(record.transfer_id)
+        self.receiver.expect(transfer_id, list(record.block_ids))
+        record.transfer_id = transfer_id
+        if record.watcher is not None:
+            record.watcher.cancel()
+        record.watcher = asyncio.create_task(self._watch(request_id, transfer_id))
         logger.info("request %s: expecting KV from attempt %s", request_id, transfer_id)
         return True
 
@@ -124,30 +160,30 @@ class DecodeService:
     async def fail(self, request_id: str, reason: str) -> bool:
         """End a request that is still waiting for its KV with an error (e.g. its prefill job was
         dead-lettered). False when it is not waiting any more."""
-        if request_id not in self._transfers:
+        if self._waiting_for_kv(request_id) is None:
             return False
-        self.counters["failed"] += 1
+        self._counts.failed += 1
         self._end_with_error(request_id, reason)
         return True
 
     async def prefill_here(self, request_id: str) -> bool:
         """Conditional disaggregation: this worker computes the (short) uncached rest itself."""
-        if request_id not in self._transfers:
+        if self._waiting_for_kv(request_id) is None:
             return False
         self._stop_receiving(request_id)
-        self.counters["prefilled_locally"] += 1
-        await self.client.call(lambda e: e.prefill_locally(request_id))
+        self._counts.prefilled_locally += 1
+        await self.client.send(PrefillLocally(request_id))
         return True
 
     async def stream(self, request_id: str) -> AsyncIterator[OutputFrame]:
         """The request's outputs; leaving early (router gone) aborts it and frees its blocks."""
-        stream = self._streams.get(request_id)
-        if stream is None:
+        record = self._requests.get(request_id)
+        if record is None:
             raise KeyError(request_id)
         finished = False
         try:
             while not finished:
-                item = await stream.get()
+                item = await record.stream.get()
                 if isinstance(item, _RetrySignal):
                     yield OutputFrame(kv_retry=True)
                     continue
@@ -156,7 +192,7 @@ class DecodeService:
                     yield OutputFrame(error=str(item), finish_reason="abort")
                     return
                 finished = item.finished
-                yield self.transfers.annotate(request_id, OutputFrame.of(item))
+                yield self._meter.annotate(request_id, OutputFrame.of(item))
         finally:
             if not finished:
                 self.client.abort(request_id)
@@ -170,19 +206,20 @@ class DecodeService:
         self.receiver.close()
 
     def _stop_receiving(self, request_id: str) -> None:
-        tid = self._transfers.pop(request_id, None)
-        if tid is not None:
-            self.receiver.cancel(tid)
-        watcher = self._watchers.pop(request_id, None)
-        if watcher is not None and watcher is not asyncio.current_task():
-            watcher.cancel()
+        record = self._requests.get(request_id)
+        if record is None:
+            return
+        if record.transfer_id is not None:
+            self.receiver.cancel(record.transfer_id)
+            record.transfer_id = None
+        if record.watcher is not None and record.watcher is not asyncio.current_task():
+            record.watcher.cancel()
+        record.watcher = None
 
     def _forget(self, request_id: str) -> None:
         self._stop_receiving(request_id)
-        self._streams.pop(request_id, None)
-        self._blocks.pop(request_id, None)
-        self._retried.discard(request_id)
-        self.transfers.forget(request_id)
+        self._requests.pop(request_id, None)
+        self._meter.forget(request_id)
 
     async def _watch(self, rid: str, tid: str) -> None:
         started = False
@@ -191,20 +228,11 @@ class DecodeService:
                 # NOTE: no transfer clock before the first payload: the job may be queued for, or
                 # computing on, a prefill worker; the router and the queue watch those.
                 event = await self.receiver.wait(tid, self.transfer_timeout_s if started else _LIVENESS_POLL_S)
-                self.transfers.on_event(rid, event)
+                self._meter.on_event(rid, event)
             except KVTransferTimeout:
                 if not started:
                     continue
-                self.counters["timeouts"] += 1
-                logger.warning("KV cache transfer timed out: request %s (%s), no progress for %.0f ms%s", rid, tid,
-                               1000 * self.transfer_timeout_s,
-                               "" if rid in self._retried else "; asking for a new attempt")
-                if rid not in self._retried:
-                    self._retried.add(rid)
-                    self.counters["retried"] += 1
-                    stream = self._streams.get(rid)
-                    if stream is not None:
-                        stream.put_nowait(_RETRY)
+                if self._retry_once(rid, tid):
                     continue
                 await self._apply_failure_policy(rid, "KV cache transfer timed out")
                 return
@@ -212,37 +240,50 @@ class DecodeService:
                 return  # cancelled: the request was aborted or retargeted
             started = True
             if isinstance(event, KVRejected):
-                self.counters["rejected"] += 1
+                self._counts.rejected += 1
                 logger.warning("KV payload rejected for request %s: %s", rid, event.reason)
                 await self._apply_failure_policy(rid, f"KV transfer rejected: {event.reason}")
                 return
             if isinstance(event, KVDone):
-                self.counters["completed"] += 1
-                self._transfers.pop(rid, None)
-                self._watchers.pop(rid, None)
-                await self.client.call(partial(_complete, rid=rid, done=event))
+                await self._complete(rid, event)
                 return
+
+    def _retry_once(self, rid: str, tid: str) -> bool:
+        """A timeout: the first asks the router for a new attempt (True: keep listening meanwhile)."""
+        self._counts.timeouts += 1
+        record = self._requests.get(rid)
+        retry = record is None or not record.retried
+        logger.warning("KV cache transfer timed out: request %s (%s), no progress for %.0f ms%s", rid, tid,
+                       1000 * self.transfer_timeout_s, "; asking for a new attempt" if retry else "")
+        if not retry:
+            return False
+        self._counts.retried += 1
+        if record is not None:
+            record.retried = True
+            record.stream.put_nowait(_RETRY)
+        return True
+
+    async def _complete(self, rid: str, done: KVDone) -> None:
+        self._counts.completed += 1
+        record = self._requests.get(rid)
+        if record is not None:
+            record.transfer_id = None  # received: nothing to cancel any more
+            record.watcher = None
+        await self.client.send(CompleteRemote(rid, done.first_token_id, done.generator_state))
 
     async def _apply_failure_policy(self, rid: str, reason: str) -> None:
         self._stop_receiving(rid)
         if self.failure_policy == "recompute":
-            self.counters["recomputed"] += 1
+            self._counts.recomputed += 1
             logger.warning("request %s: %s; prefilling it on this decode worker", rid, reason)
-            await self.client.call(lambda e: e.prefill_locally(rid))
+            await self.client.send(PrefillLocally(rid))
             return
-        self.counters["failed"] += 1
+        self._counts.failed += 1
         self._end_with_error(rid, reason)
 
     def _end_with_error(self, rid: str, reason: str) -> None:
         self._stop_receiving(rid)
-        stream = self._streams.get(rid)
+        record = self._requests.get(rid)
         self.client.abort(rid)
-        if stream is not None:
-            stream.put_nowait(KVTransferError(f"request {rid}: {reason}"))
-
-
-_LIVENESS_POLL_S = 1.0
-
-
-def _complete(engine: LLMEngine, rid: str, done: KVDone) -> RequestOutput:
-    return engine.complete_remote(rid, done.first_token_id, generator_state_of(done.extra))
+        if record is not None:
+            record.stream.put_nowait(KVTransferError(f"request {rid}: {reason}"))

@@ -26,23 +26,31 @@ SendLayer = Callable[[str, int, list[int], list[int]], None]
 class _Target:
     dst_block_ids: tuple[int, ...]
     sent_tokens: int  # tokens whose KV (all layers) has been handed to the transport
+    send_layer: SendLayer  # to the request's decode worker
 
 
 class KVStreamer:
-    """An `LLMEngine.layer_observer` for the prefill role."""
+    """An `LLMEngine.layer_observer` for the prefill role. Engine thread only: `expect` and `forget`
+    are called there too (between steps), so a request's target never changes mid-step."""
 
-    def __init__(self, block_size: int, num_layers: int, send_layer: SendLayer) -> None:
+    def __init__(self, block_size: int, num_layers: int, send_layer: SendLayer | None = None) -> None:
+        """`send_layer`: where requests go unless `expect` names their own (one decode peer)."""
         self.block_size = block_size
         self.last_layer = num_layers - 1
         self.send_layer = send_layer
         self._targets: dict[str, _Target] = {}
 
-    def expect(self, request_id: str, dst_block_ids: Sequence[int], num_cached_on_decode: int) -> None:
-        """Stream `request_id` into `dst_block_ids`, skipping the first `num_cached_on_decode`
-        tokens (a multiple of the block size) that the decode worker already holds."""
+    def expect(self, request_id: str, dst_block_ids: Sequence[int], num_cached_on_decode: int,
+               send_layer: SendLayer | None = None) -> None:
+        """Stream `request_id` into `dst_block_ids` through `send_layer` (default: the streamer's),
+        skipping the first `num_cached_on_decode` tokens (a multiple of the block size) that the
+        decode worker already holds."""
         if num_cached_on_decode % self.block_size:
             raise ValueError("the decode worker's cached prefix must be whole blocks")
-        self._targets[request_id] = _Target(tuple(dst_block_ids), num_cached_on_decode)
+        send = send_layer or self.send_layer
+        if send is None:
+            raise ValueError(f"request {request_id}: no KV destination (pass send_layer)")
+        self._targets[request_id] = _Target(tuple(dst_block_ids), num_cached_on_decode, send)
 
     def forget(self, request_id: str) -> None:
         self._targets.pop(request_id, None)
@@ -57,7 +65,7 @@ class KVStreamer:
             first = target.sent_tokens // self.block_size
             last = (computed_end - 1) // self.block_size
             if last >= first:
-                self.send_layer(request.request_id, layer, request.block_ids[first:last + 1],
-                                list(target.dst_block_ids[first:last + 1]))
+                target.send_layer(request.request_id, layer, request.block_ids[first:last + 1],
+                                  list(target.dst_block_ids[first:last + 1]))
             if layer == self.last_layer:
                 target.sent_tokens = computed_end

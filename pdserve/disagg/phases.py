@@ -3,7 +3,7 @@ that already flow:
 
     router       arrival ──(router queue: reservation on decode, the router's FIFO)──► job sent to prefill
     prefill      job in ──(prefill queue)──► first scheduled ──(prefill compute)──► first token sampled
-                 └─ queue and compute durations ride in the final KV message's `extra` (`pack_done_extra`)
+                 └─ queue and compute durations ride in the final KV message (KVDone.prefill_*_s)
     decode       KVDone received ──(first decode step)──► first token emitted
                  └─ all three ride in the request's first output frame (`OutputFrame.phases`)
     router       transfer = TTFT − the four phases above: the part of the KV hand-off not hidden
@@ -16,7 +16,6 @@ Also here: `TransferMeter`, the decode side's per-transfer duration and byte cou
 
 from __future__ import annotations
 
-import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,32 +26,28 @@ from pdserve.disagg.transport.messages import KVDone, KVProgress
 from pdserve.engine.output import RequestMetrics
 from pdserve.serving.trace import TransferRecord
 
-# NOTE: `extra` was the bare generator state before; the magic tells the two apart, so a worker
-# without phases (older, or none measured) still interoperates.
-_MAGIC = b"PDP1"
-_PHASES = struct.Struct("<dd")  # prefill queue s, prefill compute s
 
+@dataclass(frozen=True, slots=True)
+class PrefillPhases:
+    """Prefill: how long a prompt waited to be scheduled, then took until its first token."""
 
-def pack_done_extra(generator_state: bytes | None, metrics: RequestMetrics | None) -> bytes:
-    """Prefill: the final KV message's `extra` = phases (when measured) + the seeded generator's state."""
-    state = generator_state or b""
-    if metrics is None or metrics.first_scheduled_time is None or metrics.first_token_time is None:
-        return state
-    queue_s = metrics.first_scheduled_time - metrics.arrival_time
-    compute_s = metrics.first_token_time - metrics.first_scheduled_time
-    return _MAGIC + _PHASES.pack(queue_s, compute_s) + state
+    queue_s: float
+    compute_s: float
 
+    @classmethod
+    def of(cls, metrics: RequestMetrics | None) -> PrefillPhases | None:
+        """None when not measured."""
+        if metrics is None or metrics.first_scheduled_time is None or metrics.first_token_time is None:
+            return None
+        return cls(metrics.first_scheduled_time - metrics.arrival_time,
+                   metrics.first_token_time - metrics.first_scheduled_time)
 
-def unpack_done_extra(extra: bytes) -> tuple[bytes | None, tuple[float, float] | None]:
-    """Decode: (generator state or None, (prefill queue s, prefill compute s) or None)."""
-    if not extra.startswith(_MAGIC):
-        return extra or None, None
-    queue_s, compute_s = _PHASES.unpack_from(extra, len(_MAGIC))
-    return extra[len(_MAGIC) + _PHASES.size:] or None, (queue_s, compute_s)
-
-
-def generator_state_of(extra: bytes) -> bytes | None:
-    return unpack_done_extra(extra)[0]
+    @classmethod
+    def from_done(cls, done: KVDone) -> PrefillPhases | None:
+        """Decode: the phases prefill sent with its final message, if it sent them."""
+        if done.prefill_queue_s is None or done.prefill_compute_s is None:
+            return None
+        return cls(done.prefill_queue_s, done.prefill_compute_s)
 
 
 @dataclass(slots=True)
@@ -60,13 +55,13 @@ class _Transfer:
     first_payload_time: float | None = None
     num_bytes: int = 0
     done_time: float | None = None
-    prefill: tuple[float, float] | None = None  # (queue s, compute s) from prefill's final message
+    prefill: PrefillPhases | None = None  # from prefill's final message
 
 
 @dataclass(slots=True)
 class TransferMeter:
     """Decode role: watches each request's KV events; each finished transfer goes to `listener` (the
-    metrics, when installed), the phases to the request's first output frame (`annotate`).
+    worker's metrics), the phases to the request's first output frame (`annotate`).
     Event-loop only (DecodeService's watcher and stream)."""
 
     layout: KVLayout
@@ -82,7 +77,7 @@ class TransferMeter:
             transfer.num_bytes += len(event.block_ids) * self.layout.block_bytes_per_layer
         elif isinstance(event, KVDone):
             transfer.done_time = now
-            transfer.prefill = unpack_done_extra(event.extra)[1]
+            transfer.prefill = PrefillPhases.from_done(event)
             start = transfer.first_payload_time if transfer.first_payload_time is not None else now
             if self.listener is not None:
                 self.listener(TransferRecord(now - start, transfer.num_bytes))
@@ -93,8 +88,8 @@ class TransferMeter:
         transfer = self._transfers.get(rid)
         if transfer is None or transfer.done_time is None or transfer.prefill is None or not frame.token_ids:
             return frame
-        queue_s, compute_s = transfer.prefill
-        frame.phases = PhaseDurations(prefill_queue_s=queue_s, prefill_compute_s=compute_s,
+        frame.phases = PhaseDurations(prefill_queue_s=transfer.prefill.queue_s,
+                                      prefill_compute_s=transfer.prefill.compute_s,
                                       first_decode_step_s=time.monotonic() - transfer.done_time)
         transfer.prefill = None
         return frame

@@ -8,11 +8,14 @@ counts compute gaps out, which on a CPU can exceed the timeout between two layer
 stops saying so if the engine thread has not finished a step for `_ENGINE_STUCK_S`.
 
 Each job is one attempt (`job.transfer_id`): the id the engine, the streamer and the transport use
-here, so a retried request never collides with its earlier attempt. `run` returns how the
-hand-off ended (`HandOff`), which is what the router, or the queue consumer, acknowledges.
+here, so a retried request never collides with its earlier attempt. One `_Attempt` record per
+attempt (`_attempts`, keyed by transfer id), created when the engine took the job and removed when
+its hand-off ended. `run` returns how the hand-off ended (`HandOff`), which is what the router, or
+the queue consumer, acknowledges.
 
 The streaming itself is the engine's layer observer (`KVStreamer`), called on the engine thread
-right after each layer; the transport moves the bytes on its own I/O thread meanwhile.
+right after each layer; the transport moves the bytes on its own I/O thread meanwhile. Where an
+attempt's KV goes (its sender, its decode blocks) lives in the streamer, on the engine thread.
 """
 
 from __future__ import annotations
@@ -20,69 +23,69 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
-from collections import Counter
-from typing import Any
+from dataclasses import dataclass
+from functools import partial
 
 import httpx
 
 from pdserve.disagg.control import HandOff, PrefillJob
-from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.kv_streamer import KVStreamer
-from pdserve.disagg.phases import pack_done_extra
-from pdserve.disagg.transport import make_sender
+from pdserve.disagg.phases import PrefillPhases
+from pdserve.disagg.sender_pool import SenderPool
 from pdserve.disagg.transport.base import KVSender
 from pdserve.disagg.transport.errors import KVTransferError
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.async_llm import AsyncLLM, OutputStream
+from pdserve.engine.commands import AddPrefillOnly, GeneratorState, ReleaseKV
 from pdserve.engine.output import RequestOutput
 from pdserve.logs import bind_request_id
-from pdserve.serving.async_engine import AsyncLLM
+from pdserve.serving.worker_stats import PrefillStats
 
 logger = logging.getLogger(__name__)
 _ENGINE_STUCK_S = 30.0
 
 
+@dataclass(slots=True)
+class _Attempt:
+    """One prefill attempt, from the engine taking it until its hand-off ended. Event-loop only."""
+
+    task: asyncio.Task[HandOff]  # computes it, hands it off, releases its blocks
+    decode_url: str  # the decode worker expecting it, told it is alive ("": nobody to tell)
+    num_uncomputed_tokens: int  # prompt tokens still to compute (0 once the first token is out)
+
+
+@dataclass(slots=True)
+class _Counts:
+    handed_off: int = 0
+    failed: int = 0
+    aborted: int = 0
+
+
 class PrefillService:
-    def __init__(self, client: AsyncLLM, transport: str, layout: KVLayout, transfer_timeout_s: float,
-                 sender_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, client: AsyncLLM, streamer: KVStreamer, senders: SenderPool,
+                 transfer_timeout_s: float) -> None:
+        """`streamer` must be `client`'s engine's layer observer (`KVTransferSetup`)."""
         self.client = client
-        self.transport = transport
-        self.sender_options = sender_options or {}
-        self.layout = layout
+        self.streamer = streamer
+        self.senders = senders
         self.transfer_timeout_s = transfer_timeout_s
-        self.counters: Counter[str] = Counter()
-        self._senders: dict[str, KVSender] = {}  # one per decode worker address
-        self._senders_lock = threading.Lock()
-        self._destination: dict[str, KVSender] = {}  # request id -> its decode worker's sender
-        self._tasks: dict[str, asyncio.Task[HandOff]] = {}
-        self._tokens: dict[str, int] = {}  # transfer id -> prompt tokens still to compute
-        self._decode_urls: dict[str, str] = {}  # transfer id -> the decode worker it streams to
-        self._keepalive: asyncio.Task[None] | None = None
         self.draining = False
-        self.consumer: Any = None  # the Redis queue consumer feeding this service, if any
-        self.streamer = KVStreamer(layout.block_size, layout.num_layers, self._send_layer)
-        # NOTE: set before any request exists; from now on only the engine thread calls it.
-        client.engine.layer_observer = self.streamer
+        self._attempts: dict[str, _Attempt] = {}  # transfer id -> its record
+        self._counts = _Counts()
+        self._keepalive: asyncio.Task[None] | None = None
 
-    def _send_layer(self, request_id: str, layer: int, src: list[int], dst: list[int]) -> None:
-        self._destination[request_id].send_layer(request_id, layer, src, dst)
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._attempts)
 
-    def _sender(self, address: str) -> KVSender:
-        """Connected sender for a decode worker (handshake on first use; KVLayoutMismatch on a
-        layout disagreement). Blocking: call it off the event loop."""
-        with self._senders_lock:
-            sender = self._senders.get(address)
-            if sender is None:
-                sender = make_sender(self.transport, self.layout, self.client.engine.runner.kv_cache,
-                                     **self.sender_options)
-                try:
-                    sender.connect(address)
-                except BaseException:
-                    sender.close()
-                    raise
-                self._senders[address] = sender
-            return sender
+    @property
+    def num_in_flight_tokens(self) -> int:
+        """Prompt tokens of the jobs taken and not yet handed off (what a queue consumer budgets)."""
+        return sum(attempt.num_uncomputed_tokens for attempt in self._attempts.values())
+
+    def stats(self) -> PrefillStats:
+        c = self._counts
+        return PrefillStats(handed_off=c.handed_off, failed=c.failed, aborted=c.aborted, in_flight=self.num_in_flight)
 
     async def run(self, job: PrefillJob) -> HandOff:
         """Accept a job and wait until its hand-off ended. Raises ValueError (bad job) or
@@ -95,28 +98,20 @@ class PrefillService:
         worker unusable) before anything is computed. The task ends with the hand-off."""
         bind_request_id(job.request_id)
         params = job.params.build()
-        rid = job.transfer_id
-        if rid in self._tasks:
-            raise ValueError(f"attempt {rid!r} is already running here")
-        sender = await asyncio.to_thread(self._sender, job.kv_address)
-        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        streamer, destination = self.streamer, self._destination
-
-        def start(engine: LLMEngine) -> None:
-            destination[rid] = sender
-            streamer.expect(rid, job.block_ids, job.num_cached_tokens)
-            try:
-                engine.add_request(rid, job.prompt_token_ids, params, prefill_only=True)
-            except BaseException:
-                streamer.forget(rid)
-                del destination[rid]
-                raise
-
-        await self.client.call(start, stream_for=rid, stream=stream, keep_stream=lambda _: True)
-        self._tokens[rid] = len(job.prompt_token_ids) - job.num_cached_tokens
-        if job.decode_url:
-            self._decode_urls[rid] = job.decode_url
-        task = self._tasks[rid] = asyncio.create_task(self._finish(rid, sender, stream))
+        tid = job.transfer_id
+        if tid in self._attempts:
+            raise ValueError(f"attempt {tid!r} is already running here")
+        sender = await asyncio.to_thread(self.senders.get, job.kv_address)
+        stream: OutputStream = asyncio.Queue()
+        # NOTE: the streamer learns where the attempt's KV goes on the engine thread just before the
+        # engine takes the request, and forgets it there after its blocks are released (`_release`):
+        # every layer the engine computes of it is streamed, and never after it is forgotten.
+        await self.client.send(AddPrefillOnly(
+            tid, job.prompt_token_ids, params,
+            before=partial(self.streamer.expect, tid, job.block_ids, job.num_cached_tokens, sender.send_layer),
+            if_refused=partial(self.streamer.forget, tid)), stream)
+        task = asyncio.create_task(self._finish(tid, sender, stream))
+        self._attempts[tid] = _Attempt(task, job.decode_url, len(job.prompt_token_ids) - job.num_cached_tokens)
         if self._keepalive is None or self._keepalive.done():
             self._keepalive = asyncio.create_task(self._keep_alive())
         return task
@@ -128,87 +123,71 @@ class PrefillService:
             await self._send_keepalives(http, period_s)
 
     async def _send_keepalives(self, http: httpx.AsyncClient, period_s: float) -> None:
-        while self._tasks:
+        while self._attempts:
             await asyncio.sleep(period_s)
             if time.monotonic() - self.client.last_step_s > _ENGINE_STUCK_S:
                 continue  # a stuck engine must not keep decode waiting forever
             by_decode: dict[str, list[str]] = {}
-            for tid, url in list(self._decode_urls.items()):
-                by_decode.setdefault(url, []).append(tid)
+            for tid, attempt in list(self._attempts.items()):
+                if attempt.decode_url:
+                    by_decode.setdefault(attempt.decode_url, []).append(tid)
             for url, tids in by_decode.items():
                 with contextlib.suppress(httpx.HTTPError):
                     await http.post(f"{url}/pd/alive", json={"transfer_ids": tids})
 
     async def abort(self, transfer_id: str) -> None:
-        task = self._tasks.get(transfer_id)
-        if task is not None:
-            task.cancel()
+        attempt = self._attempts.get(transfer_id)
+        if attempt is not None:
+            attempt.task.cancel()
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._tasks)
-
-    @property
-    def num_in_flight_tokens(self) -> int:
-        """Prompt tokens of the jobs taken and not yet handed off (what a queue consumer budgets)."""
-        return sum(self._tokens.values())
-
-    async def _finish(self, rid: str, sender: KVSender, stream: asyncio.Queue[RequestOutput | BaseException]
-                      ) -> HandOff:
+    async def _finish(self, tid: str, sender: KVSender, stream: OutputStream) -> HandOff:
         """Wait for the first token, send the final message, wait for decode's acknowledgement,
         release the blocks. Whatever happens (abort, rejection, timeout), the blocks are released
         when it ends: the lease is the transfer timeout."""
         try:
             final = None
-            async for output in self.client.consume(rid, stream):
+            async for output in self.client.consume(tid, stream):
                 final = output
             if final is None or final.outputs[0].finish_reason == "abort" or not final.outputs[0].token_ids:
-                return HandOff(transfer_id=rid, status="aborted")
-            self._tokens.pop(rid, None)
-            state = await self.client.call(lambda e: e.generator_state(e.scheduler.held[rid]))
-            sender.send_done(rid, final.outputs[0].token_ids[0], pack_done_extra(state, final.metrics))
-            await sender.flush(rid, self.transfer_timeout_s)
-            self.counters["handed_off"] += 1
-            return HandOff(transfer_id=rid, status="handed_off")
+                return HandOff(transfer_id=tid, status="aborted")
+            await self._hand_off(tid, sender, final)
+            self._counts.handed_off += 1
+            return HandOff(transfer_id=tid, status="handed_off")
         except KVTransferError as exc:
-            self.counters["failed"] += 1
-            logger.warning("request %s: %s", rid, exc)
-            return HandOff(transfer_id=rid, status="failed", reason=str(exc))
+            self._counts.failed += 1
+            logger.warning("request %s: %s", tid, exc)
+            return HandOff(transfer_id=tid, status="failed", reason=str(exc))
         except asyncio.CancelledError:
-            self.counters["aborted"] += 1
-            return HandOff(transfer_id=rid, status="aborted")
+            self._counts.aborted += 1
+            return HandOff(transfer_id=tid, status="aborted")
         finally:
-            self._tasks.pop(rid, None)
-            self._tokens.pop(rid, None)
-            self._decode_urls.pop(rid, None)
-            await asyncio.shield(self._release(rid, sender))
+            self._attempts.pop(tid, None)
+            await asyncio.shield(self._release(tid, sender))
 
-    async def _release(self, rid: str, sender: KVSender) -> None:
+    async def _hand_off(self, tid: str, sender: KVSender, final: RequestOutput) -> None:
+        """The first token is out: send the final message, wait until decode acknowledged it all."""
+        attempt = self._attempts.get(tid)
+        if attempt is not None:
+            attempt.num_uncomputed_tokens = 0
+        state = await self.client.send(GeneratorState(tid))
+        phases = PrefillPhases.of(final.metrics)
+        sender.send_done(tid, final.outputs[0].token_ids[0], state,
+                         prefill_queue_s=None if phases is None else phases.queue_s,
+                         prefill_compute_s=None if phases is None else phases.compute_s)
+        await sender.flush(tid, self.transfer_timeout_s)
+
+    async def _release(self, tid: str, sender: KVSender) -> None:
         """Free the attempt's blocks, but only once the transport no longer reads them: after a
         failed or abandoned hand-off, a send still queued must not read blocks that another
         request reuses (decode would get wrong KV and never know)."""
         try:
-            await sender.release(rid)
+            await sender.release(tid)
         except KVTransferError as exc:  # a send stuck reading them: better to leak than to corrupt
-            logger.error("request %s: not freeing its KV blocks: %s", rid, exc)
+            logger.error("request %s: not freeing its KV blocks: %s", tid, exc)
             return
-        await self.client.call(self._cleanup_on_engine(rid))
-
-    def _cleanup_on_engine(self, rid: str):  # type: ignore[no-untyped-def]
-        streamer, destination = self.streamer, self._destination
-
-        def cleanup(engine: LLMEngine) -> None:
-            engine.abort_request(rid)  # no-op unless the hand-off was cut short mid-prefill
-            engine.release_kv(rid)
-            streamer.forget(rid)
-            destination.pop(rid, None)
-
-        return cleanup
+        await self.client.send(ReleaseKV(tid, after=partial(self.streamer.forget, tid)))
 
     def close(self) -> None:
         if self._keepalive is not None:
             self._keepalive.cancel()
-        with self._senders_lock:
-            for sender in self._senders.values():
-                sender.close()
-            self._senders.clear()
+        self.senders.close()

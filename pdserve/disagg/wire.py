@@ -1,8 +1,9 @@
 """Typed records <-> JSON for everything that crosses a process boundary. No pickle: a peer can
 only ever make us build the dataclasses named here, with fields of the declared types.
 
-Supported field types: str, int, bool, bytes (base64 text), tuple[int, ...], and nested records.
-Decoding is strict: exactly the declared keys, exactly the declared types (a bool is not an int).
+Supported field types: str, int, bool, float (finite), bytes (base64 text), tuple[int, ...], nested
+records, and `X | None` of these (null). Decoding is strict: exactly the declared keys, exactly the
+declared types (a bool is not an int; an int is a float).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import base64
 import binascii
 import dataclasses
 import json
+import math
+import types
 import typing
 from typing import Any, TypeVar
 
@@ -77,6 +80,11 @@ def _encode(value: object) -> object:
 
 
 def _decode(hint: Any, value: object, where: str) -> object:
+    optional = _optional_of(hint)
+    if optional is not None:
+        return None if value is None else _decode(optional, value, where)
+    if hint is float:
+        return _decode_float(value, where)
     if hint is bytes:
         return _decode_bytes(value, where)
     if hint in (str, int, bool):
@@ -92,6 +100,23 @@ def _decode(hint: Any, value: object, where: str) -> object:
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return from_json_obj(hint, value)
     raise TypeError(f"{where}: unsupported field type {hint!r}")
+
+
+def _optional_of(hint: Any) -> Any:
+    """X for a hint `X | None`, else None."""
+    if typing.get_origin(hint) not in (typing.Union, types.UnionType):
+        return None
+    others = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+    if len(others) != 1 or len(typing.get_args(hint)) != 2:
+        raise TypeError(f"unsupported union {hint!r}: only X | None")
+    return others[0]
+
+
+def _decode_float(value: object, where: str) -> float:
+    # NOTE: json gives an int for a whole number written without a point; bool is not a number here
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise WireFormatError(f"{where}: expected a finite number, got {value!r}")
+    return float(value)
 
 
 def _decode_bytes(value: object, where: str) -> bytes:

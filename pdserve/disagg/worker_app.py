@@ -15,8 +15,11 @@
                                mismatch) | 502 (decode unreachable) | 503 (draining)
              POST /pd/abort/{transfer id}
 
-Draining (SIGTERM, see `drain`): /pd/info says `draining`, so routers stop sending work, new
-reservations and jobs get 503, and what is in flight finishes.
+Draining (SIGTERM, see `Worker.drain`): /pd/info says `draining`, so routers stop sending work,
+new reservations and jobs get 503, and what is in flight finishes.
+
+`build_worker` wires one worker from its engine and `WorkerConfig`; the role's routes are in
+worker_routes.py.
 """
 
 from __future__ import annotations
@@ -24,46 +27,115 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse
 
-from pdserve.disagg.control import (
-    FailJob,
-    Keepalive,
-    PrefillJob,
-    PrefixQuery,
-    PrefixReply,
-    ReserveRequest,
-    Retarget,
-    Role,
-    WorkerInfo,
-)
-from pdserve.disagg.decode_service import DecodeService, FailurePolicy
-from pdserve.disagg.kv_layout import KVLayout, KVLayoutMismatch
+from pdserve.config import WorkerConfig
+from pdserve.disagg.control import ConsumerReport, Role, WorkerInfo, WorkerStatsReply
+from pdserve.disagg.decode_service import DecodeService
+from pdserve.disagg.kv_layout import KVLayout
+from pdserve.disagg.kv_streamer import KVStreamer
 from pdserve.disagg.prefill_service import PrefillService
-from pdserve.disagg.transport import make_receiver
-from pdserve.disagg.transport.errors import KVTransferError
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.disagg.sender_pool import SenderPool
+from pdserve.disagg.transport import make_receiver, nixl_available
+from pdserve.disagg.worker_routes import add_decode_routes, add_prefill_routes
+from pdserve.engine.async_llm import AsyncLLM
+from pdserve.engine.llm_engine import KVTransferSetup, LLMEngine
 from pdserve.serving.app import Lifespan
-from pdserve.serving.async_engine import AsyncLLM
-from pdserve.serving.errors import EXCEPTION_HANDLERS, error_response
-from pdserve.serving.metrics import instrument_engine_app
+from pdserve.serving.errors import EXCEPTION_HANDLERS
+from pdserve.serving.metrics import ServerMetrics, install_engine_metrics
 
 if TYPE_CHECKING:
     from pdserve.disagg.queue.redis_streams import RedisJobConsumer
 
 
-def create_worker_app(client: AsyncLLM, role: Role, model_name: str, layout: KVLayout, transport: str,
-                      service: PrefillService | DecodeService, lifespan: Lifespan | None = None) -> FastAPI:
-    app = FastAPI(title=f"pdserve {role} worker", exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
-                  lifespan=lifespan)
+@dataclass(frozen=True, slots=True)
+class Worker:
+    """One prefill or decode worker, as `build_worker` wires it."""
+
+    app: FastAPI
+    client: AsyncLLM  # the engine thread
+    service: PrefillService | DecodeService
+    consumer: RedisJobConsumer | None = None  # prefill with a Redis queue: what feeds `service`
+
+    def drain(self) -> None:
+        """Stop taking work (SIGTERM): routers see `draining` and stop sending; new reservations
+        and jobs get 503; a queue consumer stops pulling. What is in flight finishes."""
+        self.service.draining = True
+        if self.consumer is not None:
+            self.consumer.stop()
+
+
+def build_worker(engine: LLMEngine, config: WorkerConfig, model_name: str, *,
+                 sender_options: Mapping[str, object] | None = None) -> Worker:
+    """Engine thread + KV transport + control-plane app for one prefill or decode worker.
+    `sender_options` go to each KV sender (tests: the fake transport's `stall_after_layers`). A
+    prefill worker whose `config.queue` is Redis pulls its jobs from the shared queue
+    (`RedisJobConsumer`, started with the app, drained and awaited when the app stops)."""
+    layout = KVLayout.from_pool(model_name, engine.runner.kv_cache)
+    transport = config.kv_transport or ("nixl" if nixl_available() else "tcp")
+    metrics = ServerMetrics(model_name, config.role)
+    service: PrefillService | DecodeService
+    consumer = None
+    if config.role == "decode":
+        receiver = make_receiver(transport, layout, engine.runner.kv_cache, host=config.kv_host, port=config.kv_port)
+        # NOTE: the quarantine must be known before the engine thread starts: only it reads it then
+        client = AsyncLLM(engine, KVTransferSetup(remote_kv_quarantine_s=receiver.late_write_window_s))
+        service = DecodeService(client, receiver, config.kv_failure_policy, config.transfer_timeout_s,
+                                on_transfer=metrics.observe_transfer)
+    else:
+        streamer = KVStreamer(layout.block_size, layout.num_layers)
+        client = AsyncLLM(engine, KVTransferSetup(layer_observer=streamer))
+        senders = SenderPool(transport, layout, engine.runner.kv_cache, sender_options)
+        service = PrefillService(client, streamer, senders, config.transfer_timeout_s)
+        consumer = _queue_consumer(service, config)
+    app = FastAPI(title=f"pdserve {config.role} worker", exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
+                  lifespan=None if consumer is None else _consuming(consumer))
+    install_engine_metrics(app, client, metrics, service.stats)  # GET /metrics (serving/metrics.py)
+    worker = Worker(app, client, service, consumer)
+    _add_common_routes(worker, config.role, model_name, layout, transport)
+    if isinstance(service, DecodeService):
+        add_decode_routes(app, service)
+    else:
+        add_prefill_routes(app, service)
+    return worker
+
+
+def _queue_consumer(service: PrefillService, config: WorkerConfig) -> RedisJobConsumer | None:
+    if config.queue.queue == "memory":
+        return None
+    from pdserve.disagg.queue.redis_streams import RedisJobConsumer
+
+    return RedisJobConsumer(service, config.queue.queue, config.queue.queue_deployment,
+                            claim_idle_s=config.queue_claim_idle_s, max_deliveries=config.queue_max_deliveries)
+
+
+def _consuming(consumer: RedisJobConsumer) -> Lifespan:
+    """The app's lifespan: the consumer pulls while the app serves; stopping drains it."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(consumer.run())
+        try:
+            yield
+        finally:
+            consumer.stop()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await consumer.close()
+
+    return lifespan
+
+
+def _add_common_routes(worker: Worker, role: Role, model_name: str, layout: KVLayout, transport: str) -> None:
+    client, service, app = worker.client, worker.service, worker.app
     kv_address = service.receiver.address if isinstance(service, DecodeService) else None
-    instrument_engine_app(app, client, model_name, role, service)  # GET /metrics (serving/metrics.py)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -84,149 +156,15 @@ def create_worker_app(client: AsyncLLM, role: Role, model_name: str, layout: KVL
     @app.get("/pd/stats")
     async def stats() -> JSONResponse:
         """What this worker's service did (counters), and what it holds now."""
-        consumer = getattr(service, "consumer", None)
-        return JSONResponse({"role": role, "in_flight": service.num_in_flight, "draining": service.draining,
-                             "counters": dict(service.counters),
-                             "queue": None if consumer is None else {"consumer": consumer.name,
-                                                                     "in_flight": consumer.num_in_flight,
-                                                                     "counters": dict(consumer.counters)}})
-
-    if isinstance(service, DecodeService):
-        _add_decode_routes(app, service)
-    else:
-        _add_prefill_routes(app, service)
-    return app
+        return JSONResponse(_stats_reply(worker, role).model_dump())
 
 
-def _add_decode_routes(app: FastAPI, service: DecodeService) -> None:
-    @app.post("/pd/reserve")
-    async def reserve(body: ReserveRequest) -> Response:
-        try:
-            reply = await service.reserve(body)
-        except ValueError as exc:
-            return error_response(str(exc), HTTPStatus.BAD_REQUEST)
-        if reply is None:
-            if service.draining:
-                return error_response("this decode worker is draining", HTTPStatus.SERVICE_UNAVAILABLE)
-            return error_response("No available block: the KV pool has no room for this request now",
-                                  HTTPStatus.SERVICE_UNAVAILABLE)
-        return JSONResponse(reply.model_dump())
-
-    @app.post("/pd/prefix")
-    async def prefix(body: PrefixQuery) -> PrefixReply:
-        prompt = body.prompt_token_ids
-        cached = await service.client.call(lambda e: e.num_cached_prefix_tokens(prompt))
-        return PrefixReply(num_cached_tokens=cached)
-
-    @app.post("/pd/alive")
-    async def alive(body: Keepalive) -> JSONResponse:
-        service.touch(body.transfer_ids)
-        return JSONResponse({})
-
-    @app.post("/pd/retarget/{request_id}")
-    async def retarget(request_id: str, body: Retarget) -> Response:
-        if not service.retarget(request_id, body.transfer_id):
-            return error_response(f"request {request_id!r} is not waiting for KV", HTTPStatus.NOT_FOUND)
-        return JSONResponse({"expecting": body.transfer_id})
-
-    @app.post("/pd/prefill_here/{request_id}")
-    async def prefill_here(request_id: str) -> Response:
-        if not await service.prefill_here(request_id):
-            return error_response(f"request {request_id!r} is not waiting for KV", HTTPStatus.NOT_FOUND)
-        return JSONResponse({"prefilling": request_id})
-
-    @app.post("/pd/fail/{request_id}")
-    async def fail(request_id: str, body: FailJob) -> Response:
-        if not await service.fail(request_id, body.reason):
-            return error_response(f"request {request_id!r} is not waiting for KV", HTTPStatus.NOT_FOUND)
-        return JSONResponse({"failed": request_id})
-
-    @app.get("/pd/stream/{request_id}")
-    async def stream(request_id: str) -> Response:
-        try:
-            frames = service.stream(request_id)
-            first = await anext(frames)
-        except (KeyError, StopAsyncIteration):
-            return error_response(f"unknown request {request_id!r}", HTTPStatus.NOT_FOUND)
-
-        async def lines() -> AsyncIterator[str]:
-            yield first.model_dump_json() + "\n"
-            async for frame in frames:
-                yield frame.model_dump_json() + "\n"
-
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
-
-    @app.post("/pd/abort/{request_id}")
-    async def abort(request_id: str) -> JSONResponse:
-        await service.abort(request_id)
-        return JSONResponse({"aborted": request_id})
-
-
-def _add_prefill_routes(app: FastAPI, service: PrefillService) -> None:
-    @app.post("/pd/prefill")
-    async def prefill(job: PrefillJob) -> Response:
-        if service.draining:
-            return error_response("this prefill worker is draining", HTTPStatus.SERVICE_UNAVAILABLE)
-        try:
-            hand_off = await service.run(job)
-        except KVLayoutMismatch as exc:
-            return error_response(str(exc), HTTPStatus.CONFLICT)
-        except ValueError as exc:
-            return error_response(str(exc), HTTPStatus.BAD_REQUEST)
-        except (KVTransferError, OSError) as exc:
-            return error_response(f"cannot reach the decode worker's KV receiver: {exc}", HTTPStatus.BAD_GATEWAY)
-        return JSONResponse(hand_off.model_dump())
-
-    @app.post("/pd/abort/{request_id}")
-    async def abort(request_id: str) -> JSONResponse:
-        await service.abort(request_id)
-        return JSONResponse({"aborted": request_id})
-
-
-def drain(service: PrefillService | DecodeService, consumer: RedisJobConsumer | None = None) -> None:
-    """Stop taking work (SIGTERM): routers see `draining` and stop sending; new reservations and
-    jobs get 503; a queue consumer stops pulling. What is in flight finishes."""
-    service.draining = True
-    if consumer is not None:
-        consumer.stop()
-
-
-def build_worker(engine: LLMEngine, role: Role, model_name: str, transport: str, failure_policy: FailurePolicy,
-                 transfer_timeout_s: float, transport_options: dict[str, Any] | None = None,
-                 queue_url: str | None = None, queue_options: dict[str, Any] | None = None,
-                 ) -> tuple[FastAPI, AsyncLLM, PrefillService | DecodeService]:
-    """Engine thread + KV transport + control-plane app for one prefill or decode worker.
-    `transport_options` go to the receiver (decode: e.g. host, port) or to each sender (prefill).
-    A prefill worker given `queue_url` (redis://…) pulls its jobs from the shared queue
-    (`RedisJobConsumer`, started with the app, drained and awaited when the app stops)."""
-    kv_cache = engine.runner.kv_cache
-    layout = KVLayout.from_pool(model_name, kv_cache)
-    client = AsyncLLM(engine)
-    service: PrefillService | DecodeService
-    if role == "decode":
-        receiver = make_receiver(transport, layout, kv_cache, **(transport_options or {}))
-        # NOTE: set before any request arrives; only the engine thread reads it afterwards
-        engine.scheduler.remote_kv_quarantine_s = receiver.late_write_window_s
-        service = DecodeService(client, receiver, failure_policy, transfer_timeout_s)
-    else:
-        service = PrefillService(client, transport, layout, transfer_timeout_s, transport_options)
-    lifespan = None
-    if queue_url and isinstance(service, PrefillService):
-        from pdserve.disagg.queue.redis_streams import RedisJobConsumer
-
-        consumer = RedisJobConsumer(service, queue_url, **(queue_options or {}))
-        service.consumer = consumer
-
-        @asynccontextmanager
-        async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-            task = asyncio.create_task(consumer.run())
-            try:
-                yield
-            finally:
-                consumer.stop()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                await consumer.close()
-
-    app = create_worker_app(client, role, model_name, layout, transport, service, lifespan)
-    return app, client, service
+def _stats_reply(worker: Worker, role: Role) -> WorkerStatsReply:
+    stats = worker.service.stats()
+    queue = None
+    if worker.consumer is not None:
+        consumed = worker.consumer.stats()
+        queue = ConsumerReport(consumer=worker.consumer.name, in_flight=consumed.in_flight,
+                               counters=consumed.counters())
+    return WorkerStatsReply(role=role, in_flight=stats.in_flight, draining=worker.service.draining,
+                            counters=stats.counters(), queue=queue)

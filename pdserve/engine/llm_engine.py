@@ -77,6 +77,16 @@ class RemoteReservation:
 LayerObserver = Callable[[int, list[ScheduledChunk]], None]
 
 
+@dataclass(frozen=True, slots=True)
+class KVTransferSetup:
+    """How a disaggregated worker's KV transport hooks into its engine (`configure_kv_transfer`)."""
+
+    layer_observer: LayerObserver | None = None  # prefill role: streams each layer's KV as it is computed
+    # decode role: how long the blocks of a reservation that ends before its KV arrived stay out of
+    # reuse: the KV receiver's `late_write_window_s`
+    remote_kv_quarantine_s: float = 0.0
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer) -> None:
         self.config = config
@@ -96,14 +106,20 @@ class LLMEngine:
         self._step_time_s = 0.0
         self._num_prefill_tokens = 0
         self._last_prefill_batch = (0, 0)  # (requests, tokens) with a prefill chunk in the last step
-        self.layer_observer: LayerObserver | None = None
+        self.layer_observer: LayerObserver | None = None  # see configure_kv_transfer
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         config = create_engine_config(args)
         return cls(config, load_tokenizer(config.model_path))
 
-    # -- requests -----------------------------------------------------------------------------
+    def configure_kv_transfer(self, setup: KVTransferSetup) -> None:
+        """Hook a worker's KV transport in. The transport binds to this engine's pool, so it exists
+        only after the engine: call this once it does, before the engine thread starts (`AsyncLLM`
+        does); from then on only that thread reads these."""
+        self.layer_observer = setup.layer_observer
+        self.scheduler.remote_kv_quarantine_s = setup.remote_kv_quarantine_s
+
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError for a request that can never run; the server answers it with a 400.
         Pure reads of frozen config: safe to call from any thread."""
@@ -153,8 +169,9 @@ class LLMEngine:
         return state.snapshot()
 
     def release_kv(self, request_id: str) -> None:
-        """Prefill role: the hand-off of a `prefill_only` request is acknowledged (or its lease
-        expired): free its blocks."""
+        """Prefill role: the hand-off of a `prefill_only` request ended (acknowledged, failed, its
+        lease expired, or cut short while computing): stop it if it still runs, free its blocks."""
+        self.abort_request(request_id)
         self.scheduler.release(request_id)
 
     def reserve_remote(self, request_id: str, prompt_token_ids: list[int],
@@ -220,7 +237,6 @@ class LLMEngine:
         scheduler = self.scheduler
         return bool(scheduler.running or scheduler.waiting or scheduler.swapped)
 
-    # -- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduling step + one model forward. Returns a cumulative snapshot for every
         request that produced a token (or finished) during the step."""
@@ -280,10 +296,11 @@ class LLMEngine:
                 del self._states[output.request_id]
         return outputs
 
-    @staticmethod
-    def generator_state(request: Request) -> bytes | None:
-        """Prefill role: the seeded generator's state after the first token, for the decode side."""
-        return None if request.generator is None else bytes(request.generator.get_state().cpu().numpy())
+    def generator_state(self, request_id: str) -> bytes | None:
+        """Prefill role: the seeded generator's state after the first token of a finished
+        `prefill_only` request whose blocks are still held, for the decode side (None: unseeded)."""
+        generator = self.scheduler.held[request_id].generator
+        return None if generator is None else bytes(generator.get_state().cpu().numpy())
 
     def stats(self) -> EngineStats:
         kv = self.scheduler.kv

@@ -49,7 +49,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, sched: SchedulerConfig, cache: CacheConfig) -> None:
+    """Decode role (`reserve_remote`, `complete_remote`, `recompute_remote`): requests whose prompt
+    KV a prefill worker computes wait in `remote` with their blocks reserved.
+
+    `remote_kv_quarantine_s` (decode role): how long the blocks of a reservation that ends before
+    its KV arrived stay out of reuse; the KV receiver's `late_write_window_s` (nixl > 0, tcp 0)."""
+
+    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, remote_kv_quarantine_s: float = 0.0) -> None:
         self.config = sched
         self.kv = KVCacheManager(cache.num_kv_blocks, cache.block_size, cache.enable_prefix_caching,
                                  cache.num_swap_blocks)
@@ -59,9 +65,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.remote: dict[str, Request] = {}  # decode role: reserved, awaiting KV from prefill
         self.held: dict[str, Request] = {}  # prefill role: finished, blocks kept until released
-        # decode role: how long the blocks of a reservation that ends before its KV arrived stay
-        # out of reuse; set from the KV receiver (`late_write_window_s`: nixl > 0, tcp 0)
-        self.remote_kv_quarantine_s = 0.0
+        self.remote_kv_quarantine_s = remote_kv_quarantine_s
         self.num_preemptions = 0
         self.num_no_available_block = 0  # events logged as "No available block" (alert rules match it)
         self.num_cannot_allocate = 0  # requests refused as "Cannot allocate for request" (never fit)
@@ -231,7 +235,6 @@ class Scheduler:
         if request is not None:
             self.kv.free(request)
 
-    # -- decode role: KV computed elsewhere -----------------------------------------------------
     def reserve_remote(self, request: Request) -> bool:
         """Reserve blocks for the whole prompt of `request`, whose KV a prefill worker will write.
         Leading blocks already in the prefix cache are taken as they are: on return,

@@ -10,8 +10,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from pdserve.engine.async_llm import AsyncLLM
 from pdserve.logs import bind_request_id
-from pdserve.serving.async_engine import AsyncLLM
 from pdserve.serving.chat import ChatHandler
 from pdserve.serving.completions import CompletionHandler
 from pdserve.serving.dashboard import install_dashboard

@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from http import HTTPStatus
 
+from pdserve.engine.async_llm import EngineDeadError
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.serving.async_engine import EngineDeadError
 from pdserve.serving.engine_client import EngineClient
 from pdserve.serving.errors import OpenAIError
 from pdserve.serving.protocol import UsageInfo

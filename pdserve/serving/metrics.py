@@ -6,8 +6,9 @@ several servers in one process) and labels every series with `model_name` and `r
   - histograms and live counters, observed as requests produce outputs (`RequestObserver`): on
     workers from the engine thread's deliveries (`AsyncLLM.output_listener`), on the router from
     the outputs the client receives (`router_metrics.ObservedClient`), so the router's latencies are the client's;
-  - gauges and running totals read from `EngineStats` / service counters at scrape time
-    (`_StatsCollector`): nothing to keep in sync, and a scrape never touches the engine thread.
+  - gauges and running totals read from `EngineStats` / a worker service's stats
+    (`DecodeStats`, `PrefillStats`) at scrape time (`_StatsCollector`): nothing to keep in sync,
+    and a scrape never touches the engine thread.
 
 Names and units follow vLLM (`vllm:*`); disaggregation-specific series use `pdserve:*`. The README's
 "Metrics" section lists them all; `deploy/observability/` queries them.
@@ -17,9 +18,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.responses import Response
@@ -27,9 +28,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pdserve.engine.async_llm import AsyncLLM
 from pdserve.engine.llm_engine import EngineStats
 from pdserve.engine.output import RequestOutput
 from pdserve.serving.trace import RequestTrace, TransferRecord
+from pdserve.serving.worker_stats import DecodeStats, ServiceStats
 
 ServerRole = Literal["router", "colocated", "prefill", "decode"]
 
@@ -47,13 +50,6 @@ THROUGHPUT_BUCKETS = tuple(float(10**k) for k in range(5, 12))  # 100 kB/s .. 10
 TTFT_PHASES = ("router_queue", "prefill_queue", "prefill_compute", "transfer", "first_decode_step")
 _RECENT = 512  # latencies kept for the live dashboard's percentiles
 _MAX_TRACKED = 65536  # bound on per-request state (requests whose end was never observed)
-
-
-class ServiceCounters(Protocol):
-    """PrefillService / DecodeService: what the metrics read from them."""
-
-    @property
-    def counters(self) -> Mapping[str, int]: ...
 
 
 class ServerMetrics:
@@ -228,8 +224,8 @@ class _StatsCollector(Collector):
     router_metrics.py)."""
 
     def __init__(self, metrics: ServerMetrics, stats: Callable[[], EngineStats] | None,
-                 service: ServiceCounters | None) -> None:
-        self.metrics, self.stats, self.service = metrics, stats, service
+                 service_stats: Callable[[], ServiceStats] | None) -> None:
+        self.metrics, self.stats, self.service_stats = metrics, stats, service_stats
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         labels = self.metrics.labels
@@ -246,8 +242,8 @@ class _StatsCollector(Collector):
 
         if self.stats is not None:
             yield from _engine_series(self.stats(), gauge, counter)
-        if self.service is not None:
-            yield from _service_series(self.service.counters, self.metrics.role, labels, counter)
+        if self.service_stats is not None:
+            yield from _service_series(self.service_stats(), labels, counter)
 
 
 def _engine_series(s: EngineStats, gauge: Callable[..., GaugeMetricFamily],
@@ -278,31 +274,26 @@ def _engine_series(s: EngineStats, gauge: Callable[..., GaugeMetricFamily],
                   "pool)", s.num_cannot_allocate)
 
 
-def _service_series(counts: Mapping[str, int], role: str, labels: dict[str, str],
+def _service_series(stats: ServiceStats, labels: dict[str, str],
                     counter: Callable[..., CounterMetricFamily]) -> Iterator[CounterMetricFamily]:
-    def c(name: str) -> int:
-        return counts.get(name, 0)
-
     failures = CounterMetricFamily("pdserve:kv_transfer_failures", "KV hand-offs that failed, by reason",
                                    labels=[*labels, "reason"])
-    if role == "decode":
+    if isinstance(stats, DecodeStats):
         yield counter("pdserve:kv_transfer_timeouts", "Timeout windows without progress (`KV cache transfer "
-                      "timed out` lines)", c("timeouts"))
-        yield counter("pdserve:kv_transfer_retries", "Hand-offs waited on once more after a timeout", c("retried"))
+                      "timed out` lines)", stats.timeouts)
+        yield counter("pdserve:kv_transfer_retries", "Hand-offs waited on once more after a timeout", stats.retried)
         yield counter("pdserve:kv_recomputations", "Prompts recomputed on decode after a failed hand-off",
-                      c("recomputed"))
-        yield counter("pdserve:kv_transfers_completed", "Hand-offs completed", c("completed"))
+                      stats.recomputed)
+        yield counter("pdserve:kv_transfers_completed", "Hand-offs completed", stats.completed)
         yield counter("pdserve:decode_local_prefills", "Short uncached prompts decode prefilled itself (conditional "
-                      "disaggregation)", c("prefilled_locally"))
-        failures.add_metric([*labels.values(), "timeout"], c("timeouts") - c("retried"))
-        failures.add_metric([*labels.values(), "rejected"], c("rejected"))
+                      "disaggregation)", stats.prefilled_locally)
+        failures.add_metric([*labels.values(), "timeout"], stats.timeouts - stats.retried)
+        failures.add_metric([*labels.values(), "rejected"], stats.rejected)
     else:
-        yield counter("pdserve:kv_transfers_completed", "Hand-offs acknowledged by decode", c("handed_off"))
-        failures.add_metric([*labels.values(), "send"], c("failed"))
+        yield counter("pdserve:kv_transfers_completed", "Hand-offs acknowledged by decode", stats.handed_off)
+        failures.add_metric([*labels.values(), "send"], stats.failed)
     yield failures
 
-
-# -- rejections: error responses by status and reason --------------------------------------------
 
 _REASONS = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 409: "kv_layout_mismatch",
             413: "too_large", 429: "too_many_requests", 499: "client_closed", 500: "internal_error",
@@ -336,12 +327,10 @@ class RejectionCounter:
         await self.app(scope, receive, counting_send)
 
 
-# -- wiring -----------------------------------------------------------------------------------
-
 def install_metrics(app: FastAPI, metrics: ServerMetrics, stats: Callable[[], EngineStats] | None = None,
-                    service: ServiceCounters | None = None) -> None:
+                    service_stats: Callable[[], ServiceStats] | None = None) -> None:
     """`GET /metrics`, the rejection counter and the scrape-time collector on `app`."""
-    metrics.registry.register(_StatsCollector(metrics, stats, service))
+    metrics.registry.register(_StatsCollector(metrics, stats, service_stats))
     app.add_middleware(RejectionCounter, metrics=metrics)  # type: ignore[arg-type]
 
     @app.get("/metrics", include_in_schema=False)
@@ -349,15 +338,17 @@ def install_metrics(app: FastAPI, metrics: ServerMetrics, stats: Callable[[], En
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-def instrument_engine_app(app: FastAPI, engine: Any, model_name: str, role: ServerRole,
-                          service: ServiceCounters | None = None) -> ServerMetrics:
-    """A worker (colocated, prefill, decode): observe the engine thread's outputs, read its stats.
-    `engine` is the worker's AsyncLLM."""
+def instrument_engine_app(app: FastAPI, engine: AsyncLLM, model_name: str, role: ServerRole) -> ServerMetrics:
+    """A colocated worker: observe the engine thread's outputs, read its stats."""
     metrics = ServerMetrics(model_name, role)
-    observer = RequestObserver(metrics)
-    engine.output_listener = observer.on_output
-    transfers = getattr(service, "transfers", None)
-    if transfers is not None:
-        transfers.listener = metrics.observe_transfer
-    install_metrics(app, metrics, engine.stats, service)
+    install_engine_metrics(app, engine, metrics)
     return metrics
+
+
+def install_engine_metrics(app: FastAPI, engine: AsyncLLM, metrics: ServerMetrics,
+                           service_stats: Callable[[], ServiceStats] | None = None) -> None:
+    """A worker whose `metrics` exist before its app (a PD worker's service reports transfers to
+    them): observe the engine thread's outputs, read its stats and its service's."""
+    engine.output_listener = RequestObserver(metrics).on_output
+    install_metrics(app, metrics, engine.stats, service_stats)
+

@@ -29,6 +29,7 @@ import contextlib
 import logging
 import os
 import socket
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
@@ -123,6 +124,30 @@ class RedisPrefillQueue(PrefillQueue):
         await self._redis.aclose()
 
 
+@dataclass(frozen=True, slots=True)
+class ConsumerStats:
+    """What a consumer did since it started, plus `in_flight` (now)."""
+
+    taken: int = 0  # entries pulled (XREADGROUP)
+    reclaimed: int = 0  # entries of a silent consumer re-delivered here (XAUTOCLAIM)
+    dead_lettered: int = 0  # entries delivered more than `max_deliveries` times
+    skipped_aborted: int = 0  # entries whose request was aborted before they ran
+    in_flight: int = 0  # entries being worked on
+
+    def counters(self) -> dict[str, int]:
+        """The counts (everything but `in_flight`), by name: the `/pd/stats` body."""
+        return {"taken": self.taken, "reclaimed": self.reclaimed, "dead_lettered": self.dead_lettered,
+                "skipped_aborted": self.skipped_aborted}
+
+
+@dataclass(slots=True)
+class _Counts:
+    taken: int = 0
+    reclaimed: int = 0
+    dead_lettered: int = 0
+    skipped_aborted: int = 0
+
+
 class RedisJobConsumer:
     """Prefill worker side: feeds `service` from the shared stream (see the module docstring)."""
 
@@ -138,7 +163,7 @@ class RedisJobConsumer:
         self.claim_interval_s = claim_interval_s
         self.max_deliveries = max_deliveries
         self.block_ms = block_ms
-        self.counters: dict[str, int] = {"taken": 0, "reclaimed": 0, "dead_lettered": 0, "skipped_aborted": 0}
+        self._counts = _Counts()
         self._redis = connect(url)
         self._workers = WorkerClient(timeout_s=10.0)
         self._jobs: dict[str, asyncio.Task[None]] = {}  # entry id -> task
@@ -147,6 +172,11 @@ class RedisJobConsumer:
     @property
     def num_in_flight(self) -> int:
         return len(self._jobs)
+
+    def stats(self) -> ConsumerStats:
+        c = self._counts
+        return ConsumerStats(taken=c.taken, reclaimed=c.reclaimed, dead_lettered=c.dead_lettered,
+                             skipped_aborted=c.skipped_aborted, in_flight=self.num_in_flight)
 
     async def run(self) -> None:
         """Until `stop`: pull, reclaim, heartbeat. Then wait for the jobs in flight."""
@@ -195,7 +225,7 @@ class RedisJobConsumer:
         reply = await self._redis.xreadgroup(GROUP, self.name, {self.keys.stream: ">"}, count=1, block=self.block_ms)
         for _, entries in reply or []:
             for entry_id, fields in entries:
-                self.counters["taken"] += 1
+                self._counts.taken += 1
                 self._start(entry_id, fields, reclaimed=False)
 
     async def _heartbeat(self) -> None:
@@ -217,7 +247,7 @@ class RedisJobConsumer:
             if deliveries > self.max_deliveries:
                 await self._dead_letter(entry_id, fields, deliveries)
                 continue
-            self.counters["reclaimed"] += 1
+            self._counts.reclaimed += 1
             logger.warning("re-delivering prefill job %s (delivery %d): its consumer went silent", entry_id, deliveries)
             self._start(entry_id, fields, reclaimed=True)
 
@@ -234,7 +264,7 @@ class RedisJobConsumer:
             return
         try:
             if await self._redis.exists(self.keys.aborted(job.transfer_id)):
-                self.counters["skipped_aborted"] += 1
+                self._counts.skipped_aborted += 1
                 logger.info("request %s was aborted; skipping its prefill job", job.request_id)
             else:
                 if reclaimed:
@@ -273,7 +303,7 @@ class RedisJobConsumer:
         return job
 
     async def _dead_letter(self, entry_id: str, fields: dict[str, str], deliveries: int) -> None:
-        self.counters["dead_lettered"] += 1
+        self._counts.dead_lettered += 1
         reason = f"prefill job failed {deliveries - 1} deliveries; dead-lettered"
         logger.error("prefill job %s: %s", entry_id, reason)
         await self._redis.xadd(self.keys.dead, {**fields, "entry_id": entry_id, "reason": reason})

@@ -9,7 +9,7 @@
     for layer in layers:
         compute layer
         sender.send_layer(rid, layer, src, dst) ---->  validate, write into dst -> KVProgress
-    sender.send_done(rid, first_token, extra)   ---->  -> KVDone (last event)
+    sender.send_done(rid, first_token, ...)    ---->  -> KVDone (last event)
     await sender.flush(rid, timeout_s)          <----  acks          await receiver.wait(rid, timeout_s)
 
 A payload is one layer's K and V for some blocks: `layout.block_bytes_per_layer` bytes per block,
@@ -32,7 +32,6 @@ from pdserve.disagg.transport.errors import KVTransferError
 from pdserve.disagg.transport.messages import (
     Ack,
     DoneHeader,
-    KVDone,
     KVEvent,
     KVProgress,
     KVRejected,
@@ -77,6 +76,7 @@ class KVReceiver(abc.ABC):
       request; a request's state is freed after its last event was taken, or on `cancel`.
     - Every implementation runs its network I/O on its own thread (`IoThread`) except the fake,
       which runs in the sender's calling thread. `close()` stops it; the pool is not touched after.
+    - Underscore methods are the implementations' shared steps (handshake, admission), not API.
     """
 
     def __init__(self, layout: KVLayout, kv_cache: torch.Tensor) -> None:
@@ -136,8 +136,6 @@ class KVReceiver(abc.ABC):
         with self._refusals_lock:
             return tuple(self._refusals)
 
-    # --- for implementations ---
-
     def _handshake(self, peer_layout: KVLayout) -> Welcome:
         """Decode's half of the layout check; the answer goes back to prefill either way."""
         try:
@@ -184,7 +182,7 @@ class KVReceiver(abc.ABC):
         return self._deliver_done(header)
 
     def _deliver_done(self, header: DoneHeader) -> Ack:
-        self._events.put(KVDone(header.request_id, header.first_token_id, header.extra))
+        self._events.put(header.event())
         return Ack(header.request_id)
 
     def _reject(self, error: PayloadRejected) -> Reject:
@@ -205,7 +203,7 @@ class KVSender(abc.ABC):
     - `send_layer(request_id, layer, src_block_ids, dst_block_ids)` is called by the prefill
       engine's thread right after `layer` was computed; it returns at once and the bytes move on
       the transport's I/O thread while later layers compute. Calls for one request come in layer
-      order, then one `send_done(request_id, first_token_id, extra)`.
+      order, then one `send_done(request_id, first_token_id, ...)` (the fields of KVDone).
     - Memory: the sender reads `src_block_ids` of its pool after `send_layer` returns, until
       `flush(request_id)` returns or raises; the caller keeps those blocks unchanged until then.
     - `send_layer` checks only that it can read its own source blocks (ValueError otherwise).
@@ -221,6 +219,7 @@ class KVSender(abc.ABC):
       completes a request whose KV may be partial), and it returns once no send is reading those
       blocks. After a successful `flush` it returns at once.
     - `close()` stops the I/O thread; outstanding requests fail.
+    - Underscore methods are the implementations' shared steps (checks, headers, acks), not API.
     """
 
     def __init__(self, layout: KVLayout, kv_cache: torch.Tensor) -> None:
@@ -238,7 +237,8 @@ class KVSender(abc.ABC):
     def send_layer(self, request_id: str, layer: int, src_block_ids: list[int], dst_block_ids: list[int]) -> None: ...
 
     @abc.abstractmethod
-    def send_done(self, request_id: str, first_token_id: int, extra: bytes = b"") -> None: ...
+    def send_done(self, request_id: str, first_token_id: int, generator_state: bytes | None = None, *,
+                  prefill_queue_s: float | None = None, prefill_compute_s: float | None = None) -> None: ...
 
     @abc.abstractmethod
     def close(self) -> None: ...
@@ -262,8 +262,6 @@ class KVSender(abc.ABC):
     def pending_request_ids(self) -> frozenset[str]:
         """Requests sent but not yet flushed to completion (tests: nothing left behind)."""
         return self._acks.request_ids()
-
-    # --- for implementations ---
 
     def _abandoned_request(self, request_id: str) -> bool:
         """Released: nothing more of it may be sent. NOTE: implementations mark a send as started

@@ -25,9 +25,11 @@ _next_id = itertools.count()
 
 
 class FakeKVReceiver(KVReceiver):
-    """Contract: see KVReceiver. `address` is 'fake://N', valid inside this process only."""
+    """Contract: see KVReceiver. `address` is 'fake://N', valid inside this process only; `host`
+    and `port` are accepted like the real receivers' (so a worker makes any receiver the same
+    way) and ignored."""
 
-    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor) -> None:
+    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, host: str = "", port: int = 0) -> None:
         super().__init__(layout, kv_cache)
         self._address = f"fake://{next(_next_id)}"
         self._closed = False
@@ -82,14 +84,16 @@ class FakeKVSender(KVSender):
         payload = self.kv_cache[layer].index_select(1, src).reshape(-1).view(torch.uint8)
         self._on_reply(peer.accept_layer(header, payload))
 
-    def send_done(self, request_id: str, first_token_id: int, extra: bytes = b"") -> None:
+    def send_done(self, request_id: str, first_token_id: int, generator_state: bytes | None = None, *,
+                  prefill_queue_s: float | None = None, prefill_compute_s: float | None = None) -> None:
         peer = self._connected()
         num_layers = self._acks.sent_done(request_id)
         if self._abandoned_request(request_id) or self._stalled(request_id, count=False):
             return
         with self._lock:
             self._num_layers_sent.pop(request_id, None)
-        self._on_reply(peer.accept_done(DoneHeader(request_id, first_token_id, extra, num_layers)))
+        self._on_reply(peer.accept_done(DoneHeader(request_id, first_token_id, num_layers, generator_state,
+                                                   prefill_queue_s, prefill_compute_s)))
 
     def close(self) -> None:
         self._peer = None

@@ -1,6 +1,6 @@
-"""Every record a KV transport moves: events a receiver delivers to decode, and the headers that
-travel between prefill and decode. One tag per wire record (`MessageType`) so a frame or a NIXL
-notification says which record its JSON holds."""
+"""Every record a KV transport moves: the events a receiver delivers to decode (`KVEvent`), then
+the wire records that travel between prefill and decode (`Message`). One tag per wire record
+(`MessageType`) so a frame or a NIXL notification says which record its JSON holds."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ from dataclasses import dataclass
 
 from pdserve.disagg import wire
 from pdserve.disagg.kv_layout import KVLayout
-
-# --- events a KVReceiver delivers (receiver.wait) ---
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,12 +22,15 @@ class KVProgress:
 
 @dataclass(frozen=True, slots=True)
 class KVDone:
-    """All of the request's payloads are in the pool; the prefill worker's first token and opaque
-    extra state (e.g. the sampler's generator state) come with it. Always the request's last event."""
+    """All of the request's payloads are in the pool; the prefill worker's first token comes with
+    it, with its sampler's generator state (None: unseeded) and how long the prompt waited for and
+    took to compute on prefill (None: not measured). Always the request's last event."""
 
     request_id: str
     first_token_id: int
-    extra: bytes
+    generator_state: bytes | None = None
+    prefill_queue_s: float | None = None
+    prefill_compute_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,8 +43,6 @@ class KVRejected:
 
 
 KVEvent = KVProgress | KVDone | KVRejected
-
-# --- wire records ---
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,13 +79,20 @@ class LayerHeader:
 
 @dataclass(frozen=True, slots=True)
 class DoneHeader:
-    """The request's final message: decode emits KVDone once `num_layer_payloads` layer payloads of
-    the request have been accepted (over nixl, notifications may overtake each other)."""
+    """The request's final message: decode emits KVDone (the same fields) once `num_layer_payloads`
+    layer payloads of the request have been accepted (over nixl, notifications may overtake each
+    other)."""
 
     request_id: str
     first_token_id: int
-    extra: bytes
     num_layer_payloads: int
+    generator_state: bytes | None = None
+    prefill_queue_s: float | None = None
+    prefill_compute_s: float | None = None
+
+    def event(self) -> KVDone:
+        return KVDone(self.request_id, self.first_token_id, self.generator_state, self.prefill_queue_s,
+                      self.prefill_compute_s)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ A pool on an accelerator goes through host memory instead: the sender gathers th
                                  <------       WELCOME {layout}
     LAYER {header} + payload     ------>       validate header; payload -> reserved blocks
                                  <------       ACK | REJECT
-    DONE {first token, extra}    ------>       KVDone
+    DONE {first token, state...} ------>       KVDone
                                  <------       ACK | REJECT
 
 Why not gather into a contiguous buffer + receive into staging + `index_copy_` on CPU too: on
@@ -152,9 +152,11 @@ class TcpKVSender(KVSender):
         self._acks.sent_layer(request_id)
         self._enqueue(request_id, _LayerJob(header, tuple(src_block_ids)))
 
-    def send_done(self, request_id: str, first_token_id: int, extra: bytes = b"") -> None:
+    def send_done(self, request_id: str, first_token_id: int, generator_state: bytes | None = None, *,
+                  prefill_queue_s: float | None = None, prefill_compute_s: float | None = None) -> None:
         num_layers = self._acks.sent_done(request_id)
-        self._enqueue(request_id, DoneHeader(request_id, first_token_id, extra, num_layers))
+        self._enqueue(request_id, DoneHeader(request_id, first_token_id, num_layers, generator_state,
+                                             prefill_queue_s, prefill_compute_s))
 
     def close(self) -> None:
         self._io.stop()

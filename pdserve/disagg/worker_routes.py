@@ -1,0 +1,115 @@
+"""The `/pd/*` routes of each worker role (paths, bodies and status codes: see worker_app.py)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve.disagg.control import FailJob, Keepalive, PrefillJob, PrefixQuery, PrefixReply, ReserveRequest, Retarget
+from pdserve.disagg.decode_service import DecodeService
+from pdserve.disagg.kv_layout import KVLayoutMismatch
+from pdserve.disagg.prefill_service import PrefillService
+from pdserve.disagg.transport.errors import KVTransferError
+from pdserve.serving.errors import error_response
+
+
+def add_decode_routes(app: FastAPI, service: DecodeService) -> None:
+    _add_reservation_routes(app, service)
+    _add_attempt_routes(app, service)
+    _add_stream_routes(app, service)
+
+
+def _add_reservation_routes(app: FastAPI, service: DecodeService) -> None:
+    """Reserving blocks, and what a router asks before it reserves."""
+
+    @app.post("/pd/reserve")
+    async def reserve(body: ReserveRequest) -> Response:
+        try:
+            reply = await service.reserve(body)
+        except ValueError as exc:
+            return error_response(str(exc), HTTPStatus.BAD_REQUEST)
+        if reply is None:
+            if service.draining:
+                return error_response("this decode worker is draining", HTTPStatus.SERVICE_UNAVAILABLE)
+            return error_response("No available block: the KV pool has no room for this request now",
+                                  HTTPStatus.SERVICE_UNAVAILABLE)
+        return JSONResponse(reply.model_dump())
+
+    @app.post("/pd/prefix")
+    async def prefix(body: PrefixQuery) -> PrefixReply:
+        return PrefixReply(num_cached_tokens=await service.cached_prefix_tokens(body.prompt_token_ids))
+
+
+def _add_attempt_routes(app: FastAPI, service: DecodeService) -> None:
+    """A reservation waiting for its KV: which prefill attempt it expects, or what to do instead."""
+
+    @app.post("/pd/alive")
+    async def alive(body: Keepalive) -> JSONResponse:
+        service.touch(body.transfer_ids)
+        return JSONResponse({})
+
+    @app.post("/pd/retarget/{request_id}")
+    async def retarget(request_id: str, body: Retarget) -> Response:
+        if not service.retarget(request_id, body.transfer_id):
+            return error_response(f"request {request_id!r} is not waiting for KV", HTTPStatus.NOT_FOUND)
+        return JSONResponse({"expecting": body.transfer_id})
+
+    @app.post("/pd/prefill_here/{request_id}")
+    async def prefill_here(request_id: str) -> Response:
+        if not await service.prefill_here(request_id):
+            return error_response(f"request {request_id!r} is not waiting for KV", HTTPStatus.NOT_FOUND)
+        return JSONResponse({"prefilling": request_id})
+
+    @app.post("/pd/fail/{request_id}")
+    async def fail(request_id: str, body: FailJob) -> Response:
+        if not await service.fail(request_id, body.reason):
+            return error_response(f"request {request_id!r} is not waiting for KV", HTTPStatus.NOT_FOUND)
+        return JSONResponse({"failed": request_id})
+
+
+def _add_stream_routes(app: FastAPI, service: DecodeService) -> None:
+    """A reserved request's outputs, and its end."""
+
+    @app.get("/pd/stream/{request_id}")
+    async def stream(request_id: str) -> Response:
+        try:
+            frames = service.stream(request_id)
+            first = await anext(frames)
+        except (KeyError, StopAsyncIteration):
+            return error_response(f"unknown request {request_id!r}", HTTPStatus.NOT_FOUND)
+
+        async def lines() -> AsyncIterator[str]:
+            yield first.model_dump_json() + "\n"
+            async for frame in frames:
+                yield frame.model_dump_json() + "\n"
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    @app.post("/pd/abort/{request_id}")
+    async def abort(request_id: str) -> JSONResponse:
+        await service.abort(request_id)
+        return JSONResponse({"aborted": request_id})
+
+
+def add_prefill_routes(app: FastAPI, service: PrefillService) -> None:
+    @app.post("/pd/prefill")
+    async def prefill(job: PrefillJob) -> Response:
+        if service.draining:
+            return error_response("this prefill worker is draining", HTTPStatus.SERVICE_UNAVAILABLE)
+        try:
+            hand_off = await service.run(job)
+        except KVLayoutMismatch as exc:
+            return error_response(str(exc), HTTPStatus.CONFLICT)
+        except ValueError as exc:
+            return error_response(str(exc), HTTPStatus.BAD_REQUEST)
+        except (KVTransferError, OSError) as exc:
+            return error_response(f"cannot reach the decode worker's KV receiver: {exc}", HTTPStatus.BAD_GATEWAY)
+        return JSONResponse(hand_off.model_dump())
+
+    @app.post("/pd/abort/{request_id}")
+    async def abort(request_id: str) -> JSONResponse:
+        await service.abort(request_id)
+        return JSONResponse({"aborted": request_id})

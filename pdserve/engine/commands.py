@@ -1,0 +1,195 @@
+"""What the event loop asks of the engine thread (`AsyncLLM.send`): one message per operation.
+
+Each command is applied on the engine thread, between two steps, by one named `LLMEngine` method,
+and its result comes back to the caller typed: `await llm.send(ReserveRemote(...))` is a
+`RemoteReservation | None`. A command also says what it does to the output streams:
+
+    stream_of(result)  the request whose outputs go to the caller's stream from now on
+    closes()           the request whose stream ends here (nothing more is delivered to it)
+    emitted(result)    an output the command produced, delivered like a step's outputs
+
+Hooks (`Hook`, `on_reserved`) run on the engine thread at a fixed point of a command: bookkeeping
+of a service that must be ordered with the engine's own change (each says why in a NOTE).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from pdserve.engine.llm_engine import LLMEngine, RemoteReservation
+from pdserve.engine.output import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+
+R = TypeVar("R")
+Hook = Callable[[], None]
+
+
+def _no_hook() -> None:
+    pass
+
+
+def _ignore_reservation(reservation: RemoteReservation) -> None:
+    pass
+
+
+class Command(abc.ABC, Generic[R]):
+    """Contract: `apply` runs on the engine thread only, between steps; an exception it raises
+    goes to the caller and the engine carries on. The other methods are pure."""
+
+    __slots__ = ()
+
+    @abc.abstractmethod
+    def apply(self, engine: LLMEngine) -> R: ...
+
+    def stream_of(self, result: R) -> str | None:
+        return None
+
+    def closes(self) -> str | None:
+        return None
+
+    def emitted(self, result: R) -> RequestOutput | None:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class AddRequest(Command[None]):
+    """Start a request (colocated serving); its outputs go to the caller's stream."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+    def apply(self, engine: LLMEngine) -> None:
+        engine.add_request(self.request_id, self.prompt_token_ids, self.params)
+
+    def stream_of(self, result: None) -> str | None:
+        return self.request_id
+
+
+@dataclass(frozen=True, slots=True)
+class AddPrefillOnly(Command[None]):
+    """Prefill role: compute the prompt, sample the first token, finish, and keep the blocks until
+    `ReleaseKV`. The outputs go to the caller's stream."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    before: Hook = _no_hook  # e.g. tell the layer observer where this request's KV goes
+    if_refused: Hook = _no_hook  # undoes `before` when the engine refuses the request
+
+    def apply(self, engine: LLMEngine) -> None:
+        # NOTE: `before` runs on this thread before the request exists, so no step can compute a
+        # layer of it that the layer observer would not stream.
+        self.before()
+        try:
+            engine.add_request(self.request_id, self.prompt_token_ids, self.params, prefill_only=True)
+        except BaseException:
+            self.if_refused()
+            raise
+
+    def stream_of(self, result: None) -> str | None:
+        return self.request_id
+
+
+@dataclass(frozen=True, slots=True)
+class ReserveRemote(Command[RemoteReservation | None]):
+    """Decode role: reserve blocks for a prompt a prefill worker computes; None when the pool has
+    no room now. Once reserved, the request's outputs go to the caller's stream."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    on_reserved: Callable[[RemoteReservation], None] = _ignore_reservation
+
+    def apply(self, engine: LLMEngine) -> RemoteReservation | None:
+        reservation = engine.reserve_remote(self.request_id, self.prompt_token_ids, self.params)
+        if reservation is not None:
+            # NOTE: e.g. the KV receiver starts expecting the transfer here, before the caller
+            # learns of the reservation, so before prefill can possibly send a byte.
+            self.on_reserved(reservation)
+        return reservation
+
+    def stream_of(self, result: RemoteReservation | None) -> str | None:
+        return None if result is None else self.request_id
+
+
+@dataclass(frozen=True, slots=True)
+class CompleteRemote(Command[RequestOutput]):
+    """Decode role: the prompt's KV is in the reserved blocks; the output with prefill's first
+    token goes out at once."""
+
+    request_id: str
+    first_token_id: int
+    generator_state: bytes | None = None
+
+    def apply(self, engine: LLMEngine) -> RequestOutput:
+        return engine.complete_remote(self.request_id, self.first_token_id, self.generator_state)
+
+    def emitted(self, result: RequestOutput) -> RequestOutput | None:
+        return result
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillLocally(Command[None]):
+    """Decode role: the KV will not come (or is not worth sending): compute the prompt here."""
+
+    request_id: str
+
+    def apply(self, engine: LLMEngine) -> None:
+        engine.prefill_locally(self.request_id)
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseKV(Command[None]):
+    """Prefill role: the hand-off ended; stop the request if it still runs and free its blocks."""
+
+    request_id: str
+    after: Hook = _no_hook  # e.g. the layer observer forgets the request
+
+    def apply(self, engine: LLMEngine) -> None:
+        engine.release_kv(self.request_id)
+        # NOTE: after the release, so the layer observer never meets a request it has forgotten.
+        self.after()
+
+    def closes(self) -> str | None:
+        return self.request_id
+
+
+@dataclass(frozen=True, slots=True)
+class Abort(Command[RequestOutput | None]):
+    """End a request wherever it is and free its blocks; its last snapshot reaches the output
+    listener (metrics), not the stream, which closes."""
+
+    request_id: str
+
+    def apply(self, engine: LLMEngine) -> RequestOutput | None:
+        return engine.abort_request(self.request_id)
+
+    def closes(self) -> str | None:
+        return self.request_id
+
+    def emitted(self, result: RequestOutput | None) -> RequestOutput | None:
+        return result
+
+
+@dataclass(frozen=True, slots=True)
+class CachedPrefixTokens(Command[int]):
+    """How many leading tokens of this prompt the prefix cache holds now."""
+
+    prompt_token_ids: list[int]
+
+    def apply(self, engine: LLMEngine) -> int:
+        return engine.num_cached_prefix_tokens(self.prompt_token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class GeneratorState(Command[bytes | None]):
+    """Prefill role: the seeded generator's state after a finished request's first token."""
+
+    request_id: str
+
+    def apply(self, engine: LLMEngine) -> bytes | None:
+        return engine.generator_state(self.request_id)

@@ -1,0 +1,44 @@
+"""What a disaggregated worker's service has done, as plain records: `DecodeService.stats()` and
+`PrefillService.stats()` (disagg/) return them; `serving/metrics.py` reads them by attribute and
+`GET /pd/stats` shows them. Here, not in disagg/, so serving never imports disagg."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeStats:
+    """Counts since start, plus `in_flight` (now)."""
+
+    completed: int = 0  # hand-offs whose KV arrived whole
+    timeouts: int = 0  # timeout windows without progress (`KV cache transfer timed out` lines)
+    retried: int = 0  # hand-offs waited on once more, as a new prefill attempt, after a timeout
+    recomputed: int = 0  # prompts recomputed here after a failed hand-off (policy "recompute")
+    failed: int = 0  # requests ended with an error (policy "fail", or a dead-lettered job)
+    rejected: int = 0  # hand-offs whose payload the KV receiver refused
+    prefilled_locally: int = 0  # short uncached prompts prefilled here (conditional disaggregation)
+    in_flight: int = 0  # requests reserved and not yet finished
+
+    def counters(self) -> dict[str, int]:
+        """The counts (everything but `in_flight`), by name: the `/pd/stats` body."""
+        return {"completed": self.completed, "timeouts": self.timeouts, "retried": self.retried,
+                "recomputed": self.recomputed, "failed": self.failed, "rejected": self.rejected,
+                "prefilled_locally": self.prefilled_locally}
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillStats:
+    """Counts since start, plus `in_flight` (now)."""
+
+    handed_off: int = 0  # attempts whose KV decode acknowledged
+    failed: int = 0  # attempts whose transfer failed (rejected, timed out, connection lost)
+    aborted: int = 0  # attempts cut short (the router or the queue gave up on them)
+    in_flight: int = 0  # attempts taken and not yet handed off
+
+    def counters(self) -> dict[str, int]:
+        """The counts (everything but `in_flight`), by name: the `/pd/stats` body."""
+        return {"handed_off": self.handed_off, "failed": self.failed, "aborted": self.aborted}
+
+
+ServiceStats = DecodeStats | PrefillStats
