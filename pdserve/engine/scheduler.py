@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from pdserve.config import CacheConfig, SchedulerConfig
@@ -49,10 +49,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, sched: SchedulerConfig, cache: CacheConfig) -> None:
+    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = sched
         self.kv = KVCacheManager(cache.num_kv_blocks, cache.block_size, cache.enable_prefix_caching,
-                                 cache.num_swap_blocks)
+                                 cache.num_swap_blocks, clock)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
