@@ -36,11 +36,7 @@ blocks of a reservation cancelled before its KV arrived out of reuse for `late_w
 request's KV when such a write lands. Not covered: a prefill process frozen (SIGSTOP, a hung host)
 between that check and the WRITE itself, for longer than the margin.
 
-NIXL calls are confined to the I/O thread (the agent runs with NIXL_THREAD_SYNC_NONE). The agent's
-own progress thread is disabled: on a 2-core machine it busy-spins a core and cut loopback
-throughput from ~4 to ~1 GB/s; the I/O thread polls instead (notifications, transfer states).
-On one host UCX moves the bytes with CMA (process_vm_writev) inside `transfer()`, on the prefill
-I/O thread; the bindings release the GIL meanwhile, so the engine thread keeps computing.
+The agent itself (threading, polling, notifications, descriptors) is in nixl_agent.py.
 """
 
 from __future__ import annotations
@@ -49,18 +45,14 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
 import socket
 import time
-import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from pdserve.disagg import wire
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.transport import frames, regions
 from pdserve.disagg.transport.base import KVReceiver, KVSender
@@ -76,105 +68,27 @@ from pdserve.disagg.transport.messages import (
     Reject,
     Welcome,
     Written,
-    decode_message,
-    encode_message,
-    message_type,
+)
+from pdserve.disagg.transport.nixl_agent import (
+    Poller,
+    accept_notif,
+    agent_name,
+    conn_info_metadata,
+    encode_notif,
+    memory_kind,
+    new_agent,
+    poll_notifs,
+    region_addrs,
+    xfer_descs,
 )
 from pdserve.disagg.transport.reservations import PayloadRejected
 
 logger = logging.getLogger(__name__)
 
 _CONNECT_TIMEOUT_S = 10.0
-# Polling: NIXL's Python API offers no file descriptor to wait on, so the I/O thread polls. While
-# work is in flight, and for a short window after the last activity when replies are due, it polls
-# every ~50 us: a blocking nap, because asyncio rounds any timer below 1 ms up to 1 ms and a pure
-# spin starves the peer process when both share a core. Otherwise it polls every millisecond, so a
-# quiet worker costs ~no CPU and a new request waits at most ~1 ms to be noticed.
-_ACTIVE_WINDOW_S = 0.005
-_ACTIVE_NAP_S = 0.00005
-_IDLE_POLL_S = 0.001
 # Late writes (module docstring): claims are granted within milliseconds; 2 s is far beyond that.
 GRANT_MAX_AGE_S = 2.0
 LATE_WRITE_WINDOW_S = GRANT_MAX_AGE_S + 3.0
-
-
-def _new_agent(role: str) -> Any:
-    from nixl_cu12._api import nixl_agent, nixl_agent_config
-
-    name = f"pdserve-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
-                                              backends=["UCX"]))
-
-
-def _conn_info_metadata(agent: Any) -> bytes:
-    """Our agent's connection info without any memory registration (decode only replies to us)."""
-    from nixl_cu12 import _bindings  # type: ignore[attr-defined]
-
-    return agent.get_partial_agent_metadata(_bindings.nixlRegDList(_bindings.DRAM_SEG), inc_conn_info=True)
-
-
-def _memory(kv_cache: torch.Tensor) -> tuple[str, int]:
-    """NIXL memory type and device id of the pool."""
-    if kv_cache.device.type == "cpu":
-        return "DRAM", 0
-    return "VRAM", kv_cache.device.index or 0
-
-
-def _region_addrs(kv_cache: torch.Tensor, layout: KVLayout, layer: int, block_ids: tuple[int, ...]) -> np.ndarray:
-    """Addresses of kv_cache[layer, 0, b] for b in block_ids, then of kv_cache[layer, 1, b]."""
-    return kv_cache.data_ptr() + regions.payload_offsets(layout, kv_cache.shape[2], layer, block_ids)
-
-
-class _Poller:
-    """Decides how long the I/O thread pauses between two polls (see _ACTIVE_WINDOW_S)."""
-
-    def __init__(self) -> None:
-        self._last_activity = 0.0
-
-    async def pause(self, active: bool) -> None:
-        now = time.monotonic()
-        if active:
-            self._last_activity = now
-        if now - self._last_activity < _ACTIVE_WINDOW_S:
-            time.sleep(_ACTIVE_NAP_S)  # NOTE: blocks this loop for 50 us; it only serves NIXL here
-            await asyncio.sleep(0)
-        else:
-            await asyncio.sleep(_IDLE_POLL_S)
-
-
-def _poll_notifs(agent: Any, handle: Callable[[str, bytes], None]) -> int:
-    """Hand every new notification to `handle`; returns how many there were. NOTE: also what
-    progresses UCX on this agent (no progress thread)."""
-    notifs = agent.get_new_notifs()
-    for peer, messages in notifs.items():
-        for raw in messages:
-            try:
-                handle(peer, raw)
-            except Exception:  # a bug must not kill the poll loop: every transfer would hang
-                logger.exception("failed to handle a NIXL notification from %s", peer)
-    return sum(len(messages) for messages in notifs.values())
-
-
-def _encode_notif(message: Message) -> bytes:
-    return bytes([message_type(message)]) + encode_message(message)
-
-
-def _decode_notif(raw: bytes) -> Message:
-    if not raw:
-        raise wire.WireFormatError("empty notification")
-    return decode_message(raw[0], raw[1:])
-
-
-def _accept_notif(peer: str, known_peer: bool, raw: bytes) -> Message | None:
-    """A notification's message, or None (logged) if it comes from a stranger or does not decode."""
-    if not known_peer:
-        logger.warning("dropped a NIXL notification from unknown agent %s", peer)
-        return None
-    try:
-        return _decode_notif(raw)
-    except wire.WireFormatError as e:
-        logger.warning("dropped an undecodable NIXL notification from %s: %s", peer, e)
-        return None
 
 
 class NixlKVReceiver(KVReceiver):
@@ -186,7 +100,7 @@ class NixlKVReceiver(KVReceiver):
         self._listener = frames.listen(host, port)
         self._address = f"nixl://{host}:{self._listener.getsockname()[1]}"
         self._io = IoThread("pdserve-kv-nixl-recv")
-        self._agent = self._io.call(_new_agent, "decode")
+        self._agent = self._io.call(new_agent, "decode")
         self._registration = self._io.call(self._agent.register_memory, kv_cache)
         self._metadata: bytes = self._io.call(self._agent.get_agent_metadata)
         self._peers: set[str] = set()                       # I/O thread only
@@ -238,19 +152,19 @@ class NixlKVReceiver(KVReceiver):
             return welcome
         # NOTE: load prefill's connection info before answering, so our first reply can reach it.
         try:
-            self._peers.add(_agent_name(self._agent.add_remote_agent(hello.nixl_metadata)))
+            self._peers.add(agent_name(self._agent.add_remote_agent(hello.nixl_metadata)))
         except Exception as e:  # NOTE: the bindings raise their own exception classes (nixl*Error)
             return replace(welcome, refusal=f"unusable NIXL agent metadata: {e!r}")
         return replace(welcome, nixl_metadata=self._metadata)
 
     async def _poll_loop(self) -> None:
-        poller = _Poller()
+        poller = Poller()
         while True:
-            notifs = _poll_notifs(self._agent, self._on_notif)
+            notifs = poll_notifs(self._agent, self._on_notif)
             await poller.pause(active=bool(notifs or self._grants))
 
     def _on_notif(self, peer: str, raw: bytes) -> None:
-        message = _accept_notif(peer, peer in self._peers, raw)
+        message = accept_notif(peer, peer in self._peers, raw)
         if message is None:
             return
         if isinstance(message, Claim):
@@ -271,7 +185,7 @@ class NixlKVReceiver(KVReceiver):
         except PayloadRejected as e:
             return self._reject(e)
         self._grants[(peer, claim.claim_id)] = header
-        addrs = _region_addrs(self.kv_cache, self.layout, header.layer, header.dst_block_ids)
+        addrs = region_addrs(self.kv_cache, self.layout, header.layer, header.dst_block_ids)
         return Grant(header.request_id, claim.claim_id, tuple(addrs.tolist()), self.layout.region_bytes)
 
     def _on_written(self, peer: str, written: Written) -> None:
@@ -297,12 +211,7 @@ class NixlKVReceiver(KVReceiver):
             del self._grants[key]
 
     def _notify(self, peer: str, message: Message) -> None:
-        self._agent.send_notif(peer, _encode_notif(message))
-
-
-def _agent_name(name: bytes | str) -> str:
-    # NOTE: add_remote_agent returns the name as bytes, get_new_notifs keys it as str.
-    return name.decode() if isinstance(name, bytes) else name
+        self._agent.send_notif(peer, encode_notif(message))
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,9 +234,9 @@ class NixlKVSender(KVSender):
     def __init__(self, layout: KVLayout, kv_cache: torch.Tensor) -> None:
         super().__init__(layout, kv_cache)
         self._io = IoThread("pdserve-kv-nixl-send")
-        self._agent = self._io.call(_new_agent, "prefill")
+        self._agent = self._io.call(new_agent, "prefill")
         self._registration = self._io.call(self._agent.register_memory, kv_cache)
-        self._mem_type, self._device_id = _memory(kv_cache)
+        self._mem_type, self._device_id = memory_kind(kv_cache)
         self._peer = ""
         self._claim_ids = itertools.count()
         self._claims: dict[int, _PendingClaim] = {}   # I/O thread only
@@ -373,9 +282,9 @@ class NixlKVSender(KVSender):
 
     async def _connect(self, host: str, port: int) -> None:
         with await frames.connect(host, port) as sock:
-            welcome = await frames.say_hello(sock, Hello(self.layout, _conn_info_metadata(self._agent)))
+            welcome = await frames.say_hello(sock, Hello(self.layout, conn_info_metadata(self._agent)))
         self._check_welcome(welcome)
-        self._peer = _agent_name(self._agent.add_remote_agent(welcome.nixl_metadata))
+        self._peer = agent_name(self._agent.add_remote_agent(welcome.nixl_metadata))
         # Start UCX wire-up now rather than inside the first request's first WRITE (~30 ms here);
         # the poll loop progresses it.
         self._agent.make_connection(self._peer)
@@ -387,14 +296,14 @@ class NixlKVSender(KVSender):
         self._notify(Claim(claim_id, pending.header))
 
     async def _poll_loop(self) -> None:
-        poller = _Poller()
+        poller = Poller()
         while True:
-            notifs = _poll_notifs(self._agent, self._on_notif)
+            notifs = poll_notifs(self._agent, self._on_notif)
             self._check_in_flight()
             await poller.pause(active=bool(notifs or self._claims or self._in_flight))
 
     def _on_notif(self, peer: str, raw: bytes) -> None:
-        message = _accept_notif(peer, peer == self._peer, raw)
+        message = accept_notif(peer, peer == self._peer, raw)
         if message is None:
             return
         if isinstance(message, Grant):
@@ -429,14 +338,14 @@ class NixlKVSender(KVSender):
 
     def _post_write(self, grant: Grant, pending: _PendingClaim) -> None:
         header = pending.header
-        local = _region_addrs(self.kv_cache, self.layout, header.layer, pending.src_block_ids)
+        local = region_addrs(self.kv_cache, self.layout, header.layer, pending.src_block_ids)
         if len(grant.dst_addrs) != len(local) or grant.region_bytes != self.layout.region_bytes:
             self._acks.failed(header.request_id, "decode granted regions that do not match the claim")
             return
         src, dst = regions.coalesce_pairs(local, np.asarray(grant.dst_addrs, dtype=np.int64), self.layout.region_bytes)
         try:
             handle = self._agent.initialize_xfer("WRITE", self._descs(src), self._descs(dst), self._peer,
-                                                 _encode_notif(Written(grant.claim_id, header)))
+                                                 encode_notif(Written(grant.claim_id, header)))
             state = self._agent.transfer(handle)
         except Exception as e:  # NOTE: the bindings raise their own exception classes (nixl*Error)
             self._acks.failed(header.request_id, f"NIXL WRITE failed to start: {e!r}")
@@ -448,12 +357,8 @@ class NixlKVSender(KVSender):
             self._in_flight.append(_InFlight(header.request_id, handle))
 
     def _descs(self, spans: regions.Spans) -> Any:
-        """NIXL descriptors: rows of (address, length, device id)."""
-        rows = np.empty((len(spans.starts), 3), dtype=np.uint64)
-        rows[:, 0] = spans.starts
-        rows[:, 1] = spans.lengths
-        rows[:, 2] = self._device_id  # NOTE: decode's device id is assumed equal (one GPU per worker)
-        return self._agent.get_xfer_descs(rows, self._mem_type)
+        # NOTE: decode's device id is assumed equal to ours (one GPU per worker)
+        return xfer_descs(self._agent, spans, self._mem_type, self._device_id)
 
     def _check_in_flight(self) -> None:
         still: list[_InFlight] = []
@@ -472,5 +377,5 @@ class NixlKVSender(KVSender):
             del self._claims[claim_id]
 
     def _notify(self, message: Message) -> None:
-        self._agent.send_notif(self._peer, _encode_notif(message))
+        self._agent.send_notif(self._peer, encode_notif(message))
 
