@@ -12,6 +12,7 @@ from pathlib import Path
 from types import FrameType
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from pdserve import envs
 from pdserve.config import EngineArgs
@@ -134,11 +135,11 @@ def _serve(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _run_server(app: object, ns: argparse.Namespace, access_log: bool = True,
+def _run_server(app: ASGIApp, ns: argparse.Namespace, access_log: bool = True,
                 on_exit: Callable[[], None] | None = None) -> None:
     # NOTE: log_config=None: uvicorn's records go to the root handler (configure_logging: text or
     # JSON lines, request id), not to uvicorn's own formatters.
-    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower(),  # type: ignore[arg-type]
+    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower(),
                             access_log=access_log, log_config=None)
     # NOTE: uvicorn re-raises the signal that stopped it once it has shut down gracefully; with
     # no-op handlers installed first, that ends here and the process exits 0.

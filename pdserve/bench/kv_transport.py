@@ -303,8 +303,8 @@ def run_workload(work: KVWorkload, transports: list[str], reps: int) -> dict[str
     senders: dict[str, KVSender] = {}
     try:
         pool = work.pool(_SEED)
-        methods["memcpy"] = _Memcpy(work)
-        methods["raw socket"] = _RawSocket(work)
+        baselines: dict[str, _Memcpy | _RawSocket] = {"memcpy": _Memcpy(work), "raw socket": _RawSocket(work)}
+        methods.update(baselines)
         for name in transports:  # one sender per transport, as a prefill worker has per decode worker
             conn.send(("receiver", name))
             senders[name] = make_sender(name, work.layout(), pool)
@@ -312,7 +312,7 @@ def run_workload(work: KVWorkload, transports: list[str], reps: int) -> dict[str
         for placement in PLACEMENTS:
             for name in transports:
                 methods[f"{name}, {placement}"] = _Transport(conn, work, pool, name, senders[name], placement)
-        seconds: dict[str, list[float]] = {f"{method}, alone": _alone(methods[method], reps)
+        seconds: dict[str, list[float]] = {f"{method}, alone": _alone(baselines[method], reps)
                                            for method in BASELINES}
         seconds.update({method: [] for method in methods})
         for round_ in range(-_NUM_WARMUP, reps):
