@@ -21,6 +21,8 @@ from pdserve.disagg.router import PDClient, create_router_app
 from pdserve.model.qwen3_config import Qwen3ModelConfig
 from pdserve.tokenizer import load_tokenizer
 
+pytestmark = pytest.mark.slow  # every test starts a cluster
+
 MAX_TOKENS = 6
 GREEDY = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0}
 

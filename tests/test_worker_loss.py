@@ -19,6 +19,8 @@ from process_cluster import ProcessCluster, WorkerProcess, spawn_worker, start_r
 from pdserve import LLM
 from pdserve.disagg.router import Worker
 
+pytestmark = pytest.mark.slow  # workers as processes, killed and replaced
+
 FLAGS = ["--num-kv-blocks", "512", "--max-num-batched-tokens", "16"]
 _EXIT_TIMEOUT_S = 30
 
