@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 # NOTE: where the servers listen unless told otherwise (serve, router; up's router)
 _HOST = "127.0.0.1"
 _PORT = 8000
+_DEMO_MODEL_NAME = "pdserve-demo-tiny"  # the served model id when no --model (or name) is given
 
 
 def _serve(ns: argparse.Namespace) -> int:
@@ -43,7 +44,7 @@ def _serve(ns: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"pdserve: {exc}", file=sys.stderr)
         return 2
-    name = ns.served_model_name or (args.model or "pdserve-demo-tiny")
+    name = ns.served_model_name or (args.model or _DEMO_MODEL_NAME)
     cfg = engine.config
     logging.getLogger("pdserve").info(
         "%s worker serving %s on http://%s:%d (%s, %s, %d KV blocks of %d tokens, max_model_len %d)", ns.role, name,
@@ -144,7 +145,7 @@ def _router(ns: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"pdserve: {exc}", file=sys.stderr)
         return 2
-    name = ns.served_model_name or (ns.model or "pdserve-demo-tiny")
+    name = ns.served_model_name or (ns.model or _DEMO_MODEL_NAME)
     _run_server(create_router_app(client, name), ns)
     return 0
 
