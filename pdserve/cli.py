@@ -1,4 +1,8 @@
-"""`pdserve` command line: serve, router, up, make-model, bench. Flags mirror vLLM's engine arguments."""
+"""`pdserve` command line: serve, router, up, make-model, bench. Flags mirror vLLM's engine arguments.
+
+The engine, worker and router flags are generated from their configs (config.py, config_flags.py);
+this module adds only what belongs to a command itself (where to listen, how many workers).
+"""
 
 from __future__ import annotations
 
@@ -9,139 +13,85 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
+from starlette.types import ASGIApp
 
-from pdserve.config import EngineArgs, QueueArgs, WorkerConfig
+from pdserve.config import EngineArgs, RouterConfig, WorkerConfig
+from pdserve.config_flags import add_config_args, config_from_args
 
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    d = EngineArgs()
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="Hugging Face Qwen3 checkpoint directory (default: a random-weight demo model built once)")
-    g.add_argument("--dtype", default=d.dtype, help="auto, float32, bfloat16 or float16")
-    g.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N]")
-    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="max sequences running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
-    g.add_argument("--max-model-len", type=int, default=None, help="context window (prompt + output)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching)
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                   default=d.enable_chunked_prefill)
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="override the KV pool size in blocks")
-    g.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (CPU default 2GiB)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
-    g.add_argument("--swap-space", type=float, default=d.swap_space, help="CPU swap space for preemption, GiB")
-    g.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None,
-                   help="default: swap when --swap-space > 0, else recompute")
-    g.add_argument("--seed", type=int, default=d.seed)
-    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+if TYPE_CHECKING:
+    from pdserve.disagg.router import PDRouter
+    from pdserve.engine.llm_engine import LLMEngine
 
 
-def add_kv_transfer_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("KV transfer (prefill and decode roles)")
-    g.add_argument("--kv-transport", choices=["nixl", "tcp"], default=None,
-                   help="default: nixl when importable, else tcp")
-    g.add_argument("--kv-host", default="127.0.0.1", help="decode role: address the KV receiver binds")
-    g.add_argument("--kv-port", type=int, default=0, help="decode role: KV receiver port (0: any free port)")
-    g.add_argument("--kv-transfer-timeout-ms", type=int, default=None,
-                   help="time a KV hand-off may go without progress (env KV_TRANSFER_TIMEOUT_MS, default 100)")
-    g.add_argument("--kv-failure-policy", choices=["recompute", "fail"], default="recompute",
-                   help="after a timeout and one retry: prefill on the decode worker, or fail the request")
-
-
-def add_queue_args(parser: argparse.ArgumentParser, role: str) -> None:
-    g = parser.add_argument_group("prefill queue")
-    g.add_argument("--queue", default="memory",
-                   help="'memory' (the router's own FIFO) or redis://host:port/db (Redis Streams, shared by "
-                        "every router and prefill worker)")
-    g.add_argument("--queue-deployment", default="default", help="Redis key namespace: one stream per deployment")
-    if role != "router":
-        g.add_argument("--queue-claim-idle-s", type=float, default=5.0,
-                       help="prefill: re-deliver a job whose consumer went silent this long")
-        g.add_argument("--queue-max-deliveries", type=int, default=3,
-                       help="prefill: dead-letter a job after this many deliveries")
-
-
-def add_router_args(parser: argparse.ArgumentParser) -> None:
-    from pdserve.config import DECODE_POLICIES
-
-    g = parser.add_argument_group("router")
-    g.add_argument("--decode-policy", choices=DECODE_POLICIES, default="least-loaded",
-                   help="which decode worker gets a request")
-    g.add_argument("--pd-threshold", type=int, default=0,
-                   help="prompts whose part not cached on the chosen decode worker is shorter than this many "
-                        "tokens are prefilled there (0: always disaggregate)")
-    g.add_argument("--max-queued-requests", type=int, default=512,
-                   help="requests admitted and waiting for their first token; beyond: 429")
-    g.add_argument("--max-queued-tokens", type=int, default=1 << 20, help="their prompt tokens; beyond: 429")
-    g.add_argument("--reserve-deadline-s", type=float, default=30.0,
-                   help="how long a request waits for KV room on a decode worker before a 503")
-
-
-def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(
-        model=ns.model, dtype=ns.dtype, device=ns.device, block_size=ns.block_size, max_num_seqs=ns.max_num_seqs,
-        max_num_batched_tokens=ns.max_num_batched_tokens, max_model_len=ns.max_model_len,
-        enable_prefix_caching=ns.enable_prefix_caching, enable_chunked_prefill=ns.enable_chunked_prefill,
-        num_kv_blocks=ns.num_kv_blocks, kv_cache_memory=ns.kv_cache_memory,
-        gpu_memory_utilization=ns.gpu_memory_utilization, swap_space=ns.swap_space,
-        preemption_mode=ns.preemption_mode, seed=ns.seed, num_threads=ns.num_threads,
-    )
-
-
-def worker_config_from(ns: argparse.Namespace) -> WorkerConfig:
-    """Raises ValueError for an invalid setting (the environment's included)."""
-    config = WorkerConfig(role=ns.role, kv_transport=ns.kv_transport, kv_host=ns.kv_host, kv_port=ns.kv_port,
-                          kv_transfer_timeout_ms=ns.kv_transfer_timeout_ms, kv_failure_policy=ns.kv_failure_policy,
-                          queue=QueueArgs(ns.queue, ns.queue_deployment),
-                          queue_claim_idle_s=ns.queue_claim_idle_s, queue_max_deliveries=ns.queue_max_deliveries)
-    config.validate()
-    _ = config.transfer_timeout_s  # reads KV_TRANSFER_TIMEOUT_MS when the flag is unset
-    return config
+# NOTE: where the servers listen unless told otherwise (serve, router; up's router)
+_HOST = "127.0.0.1"
+_PORT = 8000
+_DEMO_MODEL_NAME = "pdserve-demo-tiny"  # the served model id when no --model (or name) is given
 
 
 def _serve(ns: argparse.Namespace) -> int:
-    from pdserve.engine.async_llm import AsyncLLM
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.serving.app import create_app
 
-    args = engine_args_from(ns)
+    args = config_from_args(EngineArgs, ns)
+    worker = None if ns.role == "colocated" else config_from_args(WorkerConfig, ns, role=ns.role)
     try:
-        worker_config = None if ns.role == "colocated" else worker_config_from(ns)
+        _checked_transfer_timeout_s(worker)
         engine = LLMEngine.from_engine_args(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"pdserve: {exc}", file=sys.stderr)
         return 2
-    name = ns.served_model_name or (args.model or "pdserve-demo-tiny")
+    name = ns.served_model_name or (args.model or _DEMO_MODEL_NAME)
     cfg = engine.config
     logging.getLogger("pdserve").info(
         "%s worker serving %s on http://%s:%d (%s, %s, %d KV blocks of %d tokens, max_model_len %d)", ns.role, name,
         ns.host, ns.port, cfg.device, str(cfg.dtype).removeprefix("torch."), cfg.cache.num_kv_blocks,
         cfg.cache.block_size, cfg.scheduler.max_model_len)
-    on_exit: Callable[[], None] | None = None
-    if worker_config is None:  # colocated
-        client = AsyncLLM(engine)
-        app = create_app(client, name)
+    if worker is None:
+        app, on_exit, shutdown = _colocated_app(engine, name)
     else:
-        from pdserve.disagg.worker_app import build_worker
-
-        worker = build_worker(engine, worker_config, name)
-        app, client, on_exit = worker.app, worker.client, worker.drain
+        app, on_exit, shutdown = _worker_app(engine, worker, name)
     try:
         # Workers' access logs would only show the router's polling; the router logs client requests.
-        _run_server(app, ns, access_log=ns.role == "colocated", on_exit=on_exit)
+        _run_server(app, ns, access_log=worker is None, on_exit=on_exit)
     finally:
-        client.shutdown()
+        shutdown()
     return 0
 
 
-def _run_server(app: object, ns: argparse.Namespace, access_log: bool = True,
+def _checked_transfer_timeout_s(worker: WorkerConfig | None) -> None:
+    """Validate a worker's config, the transfer timeout's environment variable included, so that a
+    bad value fails before the engine loads."""
+    if worker is not None:
+        worker.validate()
+        _ = worker.transfer_timeout_s  # reads KV_TRANSFER_TIMEOUT_MS when the flag is unset
+
+
+_Served = tuple[ASGIApp, Callable[[], None] | None, Callable[[], None]]  # app, on_exit (drain), shutdown
+
+
+def _colocated_app(engine: LLMEngine, name: str) -> _Served:
+    from pdserve.engine.async_llm import AsyncLLM
+    from pdserve.serving.app import create_app
+
+    client = AsyncLLM(engine)
+    return create_app(client, name), None, client.shutdown
+
+
+def _worker_app(engine: LLMEngine, config: WorkerConfig, name: str) -> _Served:
+    from pdserve.disagg.worker_app import build_worker
+
+    worker = build_worker(engine, config, name)
+    return worker.app, worker.drain, worker.client.shutdown
+
+
+def _run_server(app: ASGIApp, ns: argparse.Namespace, access_log: bool = True,
                 on_exit: Callable[[], None] | None = None) -> None:
     # NOTE: log_config=None: uvicorn's records go to the root handler (configure_logging: text or
     # JSON lines, request id), not to uvicorn's own formatters.
-    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower(),  # type: ignore[arg-type]
+    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower(),
                             access_log=access_log, log_config=None)
     # NOTE: uvicorn re-raises the signal that stopped it once it has shut down gracefully; with
     # no-op handlers installed first, that ends here and the process exits 0.
@@ -167,29 +117,39 @@ class _DrainingServer(uvicorn.Server):
 
 
 def _router(ns: argparse.Namespace) -> int:
-    from pdserve.config import QueueArgs, RouterConfig
-    from pdserve.disagg.router import PDRouter
     from pdserve.disagg.router_app import create_router_app
     from pdserve.model.demo_checkpoint import default_model_dir
-    from pdserve.model.qwen3_config import Qwen3ModelConfig
-    from pdserve.tokenizer import load_tokenizer
 
+    router = config_from_args(RouterConfig, ns)
     model_dir = ns.model or str(default_model_dir())
     try:
-        model = Qwen3ModelConfig.from_dir(model_dir)
-        config = RouterConfig(
-            prefill=tuple(ns.prefill or ()), decode=tuple(ns.decode), queue=QueueArgs(ns.queue, ns.queue_deployment),
-            decode_policy=ns.decode_policy, pd_threshold=ns.pd_threshold, max_queued_requests=ns.max_queued_requests,
-            max_queued_tokens=ns.max_queued_tokens, reserve_deadline_s=ns.reserve_deadline_s)
-        config.validate()
-        router = PDRouter.from_config(config, load_tokenizer(model_dir), model, model_dir,
-                                      ns.max_model_len or model.max_position_embeddings)
+        router.validate()
+        client = _router_client(router, model_dir, ns.max_model_len)
     except (ValueError, FileNotFoundError) as exc:
         print(f"pdserve: {exc}", file=sys.stderr)
         return 2
-    name = ns.served_model_name or (ns.model or "pdserve-demo-tiny")
-    _run_server(create_router_app(router, name), ns)
+    name = ns.served_model_name or (ns.model or _DEMO_MODEL_NAME)
+    _run_server(create_router_app(client, name), ns)
     return 0
+
+
+def _router_client(router: RouterConfig, model_dir: str, max_model_len: int | None) -> PDRouter:
+    from pdserve.disagg.router import PDRouter
+    from pdserve.model.qwen3_config import Qwen3ModelConfig
+    from pdserve.tokenizer import load_tokenizer
+
+    model = Qwen3ModelConfig.from_dir(model_dir)
+    return PDRouter.from_config(router, load_tokenizer(model_dir), model, model_dir,
+                                max_model_len or model.max_position_embeddings)
+
+
+def _up(ns: argparse.Namespace, engine_flags: list[str]) -> int:
+    from pdserve.ops.up import run
+
+    # NOTE: the router's worker URLs are only known once `up` has started the workers
+    router = config_from_args(RouterConfig, ns)
+    worker = config_from_args(WorkerConfig, ns)
+    return run(ns, router, worker, [*engine_flags, *(["--model", ns.model] if ns.model else [])])
 
 
 def _make_model(ns: argparse.Namespace) -> int:
@@ -214,6 +174,50 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
     add_bench_parser(sub).set_defaults(func=run)
 
 
+def _add_listen_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default=_HOST)
+    parser.add_argument("--port", type=int, default=_PORT)
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    serve = sub.add_parser("serve", help="OpenAI-compatible server (colocated prefill + decode)")
+    _add_listen_args(serve)
+    serve.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
+    # NOTE: not WorkerConfig.role: "colocated" is no worker role, it means no WorkerConfig at all
+    serve.add_argument("--role", choices=["colocated", "prefill", "decode"], default="colocated")
+    add_config_args(serve, EngineArgs, title="engine")
+    add_config_args(serve, WorkerConfig, title="worker (prefill and decode roles)", exclude=("role",))
+    serve.set_defaults(func=_serve)
+
+
+def _add_router_parser(sub: argparse._SubParsersAction) -> None:
+    router = sub.add_parser("router", help="OpenAI-compatible front of prefill and decode workers")
+    _add_listen_args(router)
+    router.add_argument("--model", default=None, help="checkpoint dir, for the tokenizer and config")
+    router.add_argument("--served-model-name", default=None)
+    router.add_argument("--max-model-len", type=int, default=None)
+    add_config_args(router, RouterConfig, title="router", required=("decode",))
+    router.set_defaults(func=_router)
+
+
+def _add_up_parser(sub: argparse._SubParsersAction) -> None:
+    up = sub.add_parser("up", help="router + prefill + decode workers on this machine, one command; flags it does "
+                                   "not know (engine flags) go to every worker")
+    # NOTE: counts here, where `router` takes URLs: other dests, so config_from_args never reads them
+    up.add_argument("--prefill", type=int, default=1, dest="num_prefill", help="number of prefill workers")
+    up.add_argument("--decode", type=int, default=1, dest="num_decode", help="number of decode workers")
+    up.add_argument("--port", type=int, default=_PORT, help="the router's port")
+    up.add_argument("--model", default=None)
+    up.add_argument("--prefill-threads", type=int, default=None,
+                    help="torch threads per prefill worker (default: CPUs // workers)")
+    up.add_argument("--decode-threads", type=int, default=None,
+                    help="torch threads per decode worker (default: CPUs // workers)")
+    add_config_args(up, RouterConfig, title="router", exclude=("prefill", "decode"))
+    # the router's group has the queue flags already; prefill and decode roles come from the counts
+    add_config_args(up, WorkerConfig, title="workers", exclude=("role", "queue"))
+    up.set_defaults(func=None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pdserve.model.demo_checkpoint import PRESETS
 
@@ -222,40 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-format", default="text", choices=["text", "json"],
                         help="text lines, or one JSON object per line (time, level, logger, request_id, message)")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="OpenAI-compatible server (colocated prefill + decode)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
-    serve.add_argument("--role", choices=["colocated", "prefill", "decode"], default="colocated")
-    add_engine_args(serve)
-    add_kv_transfer_args(serve)
-    serve.set_defaults(func=_serve)
-    add_queue_args(serve, role="worker")
-    router = sub.add_parser("router", help="OpenAI-compatible front of prefill and decode workers")
-    router.add_argument("--prefill", nargs="+", default=[], metavar="URL",
-                        help="prefill worker URLs (optional with a Redis queue: its consumers are the prefill pool)")
-    router.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode worker URLs")
-    router.add_argument("--model", default=None, help="checkpoint dir, for the tokenizer and config")
-    router.add_argument("--served-model-name", default=None)
-    router.add_argument("--max-model-len", type=int, default=None)
-    router.add_argument("--host", default="127.0.0.1")
-    router.add_argument("--port", type=int, default=8000)
-    add_queue_args(router, role="router")
-    add_router_args(router)
-    router.set_defaults(func=_router)
-    up = sub.add_parser("up", help="router + prefill + decode workers on this machine, one command")
-    up.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
-    up.add_argument("--decode", type=int, default=1, help="number of decode workers")
-    up.add_argument("--port", type=int, default=8000, help="the router's port")
-    up.add_argument("--kv-transport", choices=["nixl", "tcp"], default=None)
-    up.add_argument("--model", default=None)
-    up.add_argument("--prefill-threads", type=int, default=None,
-                    help="torch threads per prefill worker (default: CPUs // workers)")
-    up.add_argument("--decode-threads", type=int, default=None,
-                    help="torch threads per decode worker (default: CPUs // workers)")
-    add_queue_args(up, role="up")
-    add_router_args(up)
-    up.set_defaults(func=None)
+    _add_serve_parser(sub)
+    _add_router_parser(sub)
+    _add_up_parser(sub)
     make = sub.add_parser("make-model", help="write a random-weight Qwen3 checkpoint (HF layout, real tokenizer)")
     make.add_argument("out", type=Path)
     make.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
@@ -269,10 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     # `pdserve up` passes every flag it does not know (engine flags) on to its workers.
     ns, extra = build_parser().parse_known_args(argv)
     if ns.command == "up":
-        from pdserve.ops.up import run
-
-        flags = [*extra, *(["--model", ns.model] if ns.model else [])]
-        return run(ns, flags)
+        return _up(ns, extra)
     if extra:
         build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
     from pdserve.logs import configure_logging

@@ -68,26 +68,35 @@ class SchedulerConfig:
     preemption_mode: Literal["recompute", "swap"]
 
 
+def knob(default: Any, help: str) -> Any:  # noqa: A002 - argparse's name for it
+    """A config field whose `help` becomes its CLI flag's help (config_flags.py generates the flags)."""
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("mutable defaults are not allowed: use a tuple")
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True, slots=True)
 class EngineArgs:
     """What a user may set; `EngineConfig` is what the engine runs with once sizes are resolved."""
 
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    num_kv_blocks: int | None = None
-    kv_cache_memory: str | int | None = None
-    gpu_memory_utilization: float = 0.9
-    swap_space: float = 0.0
-    preemption_mode: str | None = None
-    seed: int = 0
-    num_threads: int | None = None
+    model: str | None = knob(None, "Hugging Face Qwen3 checkpoint directory (default: a random-weight demo model "
+                                   "built once)")
+    dtype: str = knob("auto", "auto, float32, bfloat16 or float16")
+    device: str = knob("auto", "auto, cpu or cuda[:N]")
+    block_size: int = knob(16, "tokens per KV block")
+    max_num_seqs: int = knob(256, "max sequences running at once")
+    max_num_batched_tokens: int | None = knob(None, "token budget of one step")
+    max_model_len: int | None = knob(None, "context window (prompt + output)")
+    enable_prefix_caching: bool = knob(True, "reuse the KV blocks of prompt prefixes seen before")
+    enable_chunked_prefill: bool = knob(True, "split long prompts over several steps, next to running decodes")
+    num_kv_blocks: int | None = knob(None, "override the KV pool size in blocks")
+    kv_cache_memory: str | int | None = knob(None, "KV pool size, e.g. 2GiB (CPU default 2GiB)")
+    gpu_memory_utilization: float = knob(0.9, "share of the GPU's memory this engine may use (CUDA only)")
+    swap_space: float = knob(0.0, "CPU swap space for preemption, GiB")
+    preemption_mode: Literal["recompute", "swap"] | None = knob(
+        None, "default: swap when --swap-space > 0, else recompute")
+    seed: int = knob(0, "seed of the sampler for requests that bring no seed of their own")
+    num_threads: int | None = knob(None, "torch CPU threads")
 
     def validate(self) -> None:
         checks = [
@@ -205,13 +214,6 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         seed=args.seed,
         num_threads=args.num_threads,
     )
-
-
-def knob(default: Any, help: str) -> Any:  # noqa: A002 - argparse's name for it
-    """A config field whose `help` becomes the CLI flag's help (cli.py generates flags from fields)."""
-    if isinstance(default, (list, dict, set)):
-        raise TypeError("mutable defaults are not allowed: use a tuple")
-    return field(default=default, metadata={"help": help})
 
 
 DecodePolicyName = Literal["least-loaded", "round-robin", "prefix-affinity"]

@@ -1,10 +1,11 @@
-"""Small builders shared by the engine tests: random prompts, model-free schedulers and requests, a
-fake-model driver for the scheduler, and the "no block, no request left behind" checks."""
+"""Small builders shared by the engine tests: random prompts, model-free schedulers and requests (with
+a fake clock), a fake-model driver for the scheduler, and the "no block, no request left behind" checks."""
 
 from __future__ import annotations
 
+import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -46,15 +47,27 @@ def generate_texts(llm: LLM, prompts: Sequence[list[int]], params: SamplingParam
     return [out.outputs[0].text for out in llm.generate(token_prompts(prompts), params)]
 
 
-# -- model-free scheduler pieces -------------------------------------------------------------------
+class FakeClock:
+    """A `time.monotonic` stand-in that moves only when told: timed logic without sleeping."""
+
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+    def advance(self, seconds: float) -> None:
+        self.now_s += seconds
+
+
 def make_scheduler(num_blocks: int, block_size: int = 4, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
                    max_model_len: int = 1024, enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
                    num_swap_blocks: int = 0, preemption_mode: str = "recompute",
-                   remote_kv_quarantine_s: float = 0.0) -> Scheduler:
+                   remote_kv_quarantine_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> Scheduler:
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, enable_chunked_prefill,
                             "swap" if preemption_mode == "swap" else "recompute")
     return Scheduler(sched, CacheConfig(block_size, num_blocks, num_swap_blocks, enable_prefix_caching),
-                     remote_kv_quarantine_s)
+                     remote_kv_quarantine_s, clock)
 
 
 def make_request(request_id: str, prompt_token_ids: Sequence[int] | int, max_tokens: int = 4,
@@ -129,7 +142,6 @@ class KVOracle:
         return out
 
 
-# -- leak checks -----------------------------------------------------------------------------------
 def assert_kv_clean(kv: KVCacheManager) -> None:
     pool = kv.pool
     assert pool.num_free_blocks == pool.num_blocks, f"{pool.num_used_blocks} KV blocks still in use"

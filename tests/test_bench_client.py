@@ -85,6 +85,7 @@ def test_timeouts_and_refused_connections_are_failures() -> None:
     assert [r.error_kind for r in refused.records] == ["connection", "connection"]
 
 
+@pytest.mark.slow  # a real server and the bench command
 def test_bench_command_against_a_real_pdserve_server(model_dirs: dict[str, Path], tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     server = start_server(model_dirs["tiny"], "tiny", dtype="float32", num_kv_blocks=128, num_threads=1)

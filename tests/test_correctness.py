@@ -44,8 +44,13 @@ def expected(hf_reference: HFReference, model: str, prompts: list[list[int]]) ->
     return [hf_reference.greedy(model, prompt, MAX_TOKENS) for prompt in prompts]
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("model", MODEL_NAMES)
+# Every config on the tiny model, the other model's variants (untied head, one KV head, shards) in
+# its default config; the rest of the cross product only in the full suite.
+GREEDY_CASES = [pytest.param(model, config, marks=[] if model == "tiny" or config == "default" else [pytest.mark.slow])
+                for model in MODEL_NAMES for config in CONFIGS]
+
+
+@pytest.mark.parametrize(("model", "config"), GREEDY_CASES)
 def test_greedy_matches_transformers(model: str, config: str, llm_factory: Callable[..., LLM],
                                      hf_reference: HFReference, monkeypatch: pytest.MonkeyPatch) -> None:
     llm = llm_factory(model, **CONFIGS[config])
@@ -154,7 +159,6 @@ def test_kv_pool_starts_zeroed_on_reused_memory(model_dirs: dict[str, Path], hf_
     assert_no_leak(llm)
 
 
-# -- lifecycle -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bad_prompt", [[], [FIRST_OUT_OF_VOCAB], list(range(5000))],
                          ids=["empty", "out-of-vocab", "longer-than-max_model_len"])
 def test_rejected_prompt_leaves_nothing_behind(llm_factory: Callable[..., LLM], hf_reference: HFReference,

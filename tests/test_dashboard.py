@@ -17,6 +17,8 @@ from server_fixtures import free_port
 
 from pdserve.serving.dashboard import percentiles_ms
 
+pytestmark = pytest.mark.slow  # a cluster, and headless Chromium
+
 _LOAD_S = 60.0  # upper bound; the load stops as soon as the page has shown what the test wants
 
 

@@ -302,6 +302,7 @@ def test_half_precision_pools(transport: str, dtype: str) -> None:
         decode.receiver.close()
 
 
+@pytest.mark.slow
 def test_transfer_crosses_processes(remote: tuple[str, RemotePrefill]) -> None:
     transport, prefill = remote
     decode = Decode(transport)
@@ -343,6 +344,7 @@ def test_layout_mismatch_refused_at_connect_on_both_sides(transport: str, decode
     assert decode.untouched()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("field", ["block_size", "dtype"])
 def test_layout_mismatch_refused_across_processes(remote: tuple[str, RemotePrefill], field: str) -> None:
     transport, prefill = remote
@@ -544,6 +546,7 @@ def test_expect_twice_keeps_the_live_request(transport: str, decode: Decode,
     assert_nothing_left(decode.receiver, sender)
 
 
+@pytest.mark.slow
 def test_transport_benchmark_runs_every_method_in_rounds_and_checks_the_bytes() -> None:
     """`python -m pdserve.bench.kv_transport` on a tiny workload: every method timed once per round,
     baselines also alone, and each transport's final transfer verified byte for byte (it raises

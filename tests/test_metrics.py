@@ -61,6 +61,7 @@ def cluster(model_dirs: dict[str, Path]) -> Any:
     stop_cluster(started)
 
 
+@pytest.mark.slow
 def test_pd_metrics_follow_the_requests(cluster: Cluster) -> None:
     urls = _urls(cluster)
     before = _scrape_all(urls)
@@ -117,6 +118,7 @@ def test_pd_metrics_follow_the_requests(cluster: Cluster) -> None:
     assert after["decode"].value("pdserve:decode_reserved_requests") == 0
 
 
+@pytest.mark.slow
 def test_error_responses_are_counted_by_reason(cluster: Cluster) -> None:
     router = cluster.router.url
     before = scrape(router)
@@ -136,6 +138,7 @@ def test_error_responses_are_counted_by_reason(cluster: Cluster) -> None:
     assert after.value("pdserve:router_queued_requests") == 0 and after.value("pdserve:router_dispatch_pending") == 0
 
 
+@pytest.mark.slow
 def test_transfer_timeouts_are_counted(model_dirs: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
     """...and logged with the stable message, on lines that name the request."""
     caplog.set_level(logging.WARNING, logger="pdserve")

@@ -91,6 +91,7 @@ def test_one_dashboard_per_role_plus_overview() -> None:
             assert panel["datasource"]["uid"] == "${datasource}" and panel["targets"], panel["title"]
 
 
+@pytest.mark.slow
 def test_every_dashboard_query_names_exported_metrics(exported: set[str]) -> None:
     for name, dashboard in dashboards().items():
         for query in dashboard_queries(dashboard):
@@ -100,6 +101,7 @@ def test_every_dashboard_query_names_exported_metrics(exported: set[str]) -> Non
             assert not missing, f"{name}: {sorted(missing)} not exported (query {query!r})"
 
 
+@pytest.mark.slow
 def test_alert_rules_are_valid_and_read_exported_metrics(exported: set[str]) -> None:
     document = rules()
     assert document["apiVersion"] == "monitoring.coreos.com/v1" and document["kind"] == "PrometheusRule"

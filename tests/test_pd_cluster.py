@@ -18,6 +18,8 @@ from pdserve import LLM, SamplingParams
 from pdserve.disagg.decode_service import DecodeService, FailurePolicy
 from pdserve.disagg.prefill_service import PrefillService
 
+pytestmark = pytest.mark.slow  # every test starts a cluster
+
 PROMPTS = [random_prompt(n, seed=5000 + n) for n in (3, 40, 130, 260)]
 MAX_TOKENS = 10
 

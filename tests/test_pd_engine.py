@@ -56,7 +56,8 @@ def pd_generate(prefill: LLM, decode: LLM, prompts: list[list[int]],
 
 
 @pytest.mark.parametrize("params", [greedy(MAX_TOKENS), SEEDED], ids=["greedy", "seeded"])
-@pytest.mark.parametrize("chunked", [False, True], ids=["whole-prompt", "chunked-64"])
+@pytest.mark.parametrize("chunked", [pytest.param(False, id="whole-prompt"),
+                                     pytest.param(True, id="chunked-64", marks=pytest.mark.slow)])
 def test_pd_matches_colocated(llm_factory: Callable[..., LLM], params: SamplingParams, chunked: bool) -> None:
     colocated = llm_factory("tiny")
     expected = [o.outputs[0].token_ids for o in colocated.generate([{"prompt_token_ids": p} for p in PROMPTS],
@@ -69,6 +70,7 @@ def test_pd_matches_colocated(llm_factory: Callable[..., LLM], params: SamplingP
         assert_no_leak(llm)
 
 
+@pytest.mark.slow
 def test_pd_prefix_hits_on_prefill_and_on_decode(llm_factory: Callable[..., LLM]) -> None:
     """The decode worker already holds the first 64 tokens (nothing of them is sent); the prefill
     worker holds the first 128 (it computes less, but must still send blocks 64..127)."""

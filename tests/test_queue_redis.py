@@ -27,6 +27,8 @@ from process_cluster import (
 
 from pdserve import LLM
 
+pytestmark = pytest.mark.slow  # a Redis server and workers as processes
+
 MAX_TOKENS = 8
 GREEDY = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0}
 # NOTE: a small step budget makes each prefill take long enough (tens of steps) to be caught mid-job.

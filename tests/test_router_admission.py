@@ -24,6 +24,8 @@ from pdserve.model.qwen3_config import Qwen3ModelConfig
 from pdserve.serving.worker_stats import DecodeStats
 from pdserve.tokenizer import load_tokenizer
 
+pytestmark = pytest.mark.slow  # every test starts a cluster
+
 MAX_TOKENS = 6
 GREEDY = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0}
 

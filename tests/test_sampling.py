@@ -43,7 +43,7 @@ def first_new_index(tokens: list[int], start: int) -> int:
     return next(i for i in range(start, len(tokens)) if tokens[i] not in tokens[:i])
 
 
-# -- seeds -----------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_seeded_sampling_is_batch_invariant(llm: LLM, chunked_llm: LLM) -> None:
     alone = generate_token_ids(llm, [PROMPT], SEEDED)[0]
     assert len(alone) == MAX_TOKENS and alone != generate_token_ids(llm, [PROMPT], greedy(MAX_TOKENS))[0]
@@ -85,7 +85,6 @@ def test_n_with_seed_gives_distinct_reproducible_completions(llm: LLM) -> None:
     assert_no_leak(llm)
 
 
-# -- lengths and stops -----------------------------------------------------------------------------
 def test_max_tokens(llm: LLM, greedy_tokens: list[int]) -> None:
     out = llm.generate(token_prompts([PROMPT]), greedy(5))[0].outputs[0]
     assert out.token_ids == greedy_tokens[:5]
@@ -198,7 +197,6 @@ def test_stop_string_across_tokens(llm: LLM, greedy_tokens: list[int]) -> None:
     assert_no_leak(llm)
 
 
-# -- logprobs --------------------------------------------------------------------------------------
 def test_logprobs_match_transformers(llm: LLM, greedy_tokens: list[int], hf_reference: HFReference) -> None:
     num_top = 5
     out = llm.generate(token_prompts([PROMPT]), greedy(MAX_TOKENS, logprobs=num_top))[0].outputs[0]
@@ -230,7 +228,6 @@ def test_logprobs_zero_and_sampled(llm: LLM) -> None:
     assert_no_leak(llm)
 
 
-# -- penalties and filters -------------------------------------------------------------------------
 def test_repetition_penalty_forbids_repeats(llm: LLM, greedy_tokens: list[int]) -> None:
     assert len(set(greedy_tokens)) < len(greedy_tokens), "the baseline should repeat itself"
     out = generate_token_ids(llm, [PROMPT], greedy(MAX_TOKENS, repetition_penalty=1e4))[0]
@@ -266,7 +263,6 @@ def test_unseeded_sampling_varies(llm: LLM) -> None:
     assert_no_leak(llm)
 
 
-# -- the sampler alone, on hand-made logits --------------------------------------------------------
 A, B, SEEN_IN_PROMPT = 1, 2, 3
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from helpers import (
     FAKE_TOKEN_ID,
+    FakeClock,
     KVOracle,
     assert_scheduler_clean,
     fake_step,
@@ -317,18 +318,20 @@ def test_cancelled_remote_kv_blocks_are_quarantined_then_freed() -> None:
     """Decode over a transport whose writes can land after a cancel (nixl): the blocks of a
     reservation that ends before its KV arrived (abort, or recompute after a failed hand-off) stay
     out of reuse for `remote_kv_quarantine_s`, then return to the pool."""
-    import time
-
-    scheduler = make_scheduler(num_blocks=8, block_size=4, remote_kv_quarantine_s=0.3)
+    clock = FakeClock()
+    scheduler = make_scheduler(num_blocks=8, block_size=4, remote_kv_quarantine_s=0.3, clock=clock)
     assert scheduler.reserve_remote(make_request("a", 12, max_tokens=2))
     assert scheduler.reserve_remote(make_request("b", 12, max_tokens=2))
     scheduler.abort("a")
     scheduler.recompute_remote("b")  # b must now compute its 12 tokens here: 3 blocks
     assert scheduler.kv.pool.num_free_blocks == 2  # a's and b's 6 blocks are held, not free
-    assert scheduler.kv.release_quarantined() == pytest.approx(0.3, abs=0.1)
+    assert scheduler.kv.release_quarantined() == pytest.approx(0.3)
     assert fake_step(scheduler).chunks == []  # b cannot have its (or a's) old blocks yet
     assert not scheduler.reserve_remote(make_request("c", 12, max_tokens=1))
-    time.sleep(0.35)
+    clock.advance(0.29)
+    assert fake_step(scheduler).chunks == []  # not yet: 10 ms of quarantine left
+    assert scheduler.kv.release_quarantined() == pytest.approx(0.01)
+    clock.advance(0.01)
     out = fake_step(scheduler)  # releases what is due, then schedules b's recompute
     assert [(c.request.request_id, c.num_new_tokens) for c in out.chunks] == [("b", 12)]
     assert scheduler.kv.release_quarantined() is None

@@ -9,9 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +16,7 @@ from typing import Any, Literal
 
 import httpx
 import pytest
-from server_fixtures import DONE, ServerHandle, free_port, parse_sse, start_server, stream_events
+from server_fixtures import DONE, ServerHandle, parse_sse, start_server, stream_events
 
 from pdserve.engine.llm import LLM, Prompt, TokensPrompt
 from pdserve.engine.output import RequestOutput
@@ -563,48 +560,3 @@ def test_concurrent_requests(server: ServerHandle, offline: LLM, tok: Tokenizer)
         assert_usage(body, len(tok.encode(prompts[i])), max_tokens[i])
         assert body["choices"][0]["finish_reason"] == "length"
         assert body["choices"][0]["text"] == greedy(offline, prompts[i], max_tokens[i]).outputs[0].text, i
-
-
-# -- the command line --------------------------------------------------------------------------
-
-def _serve_command(model_dir: Path, port: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "serve", "--model", str(model_dir),
-            "--port", str(port), "--num-kv-blocks", "64", "--dtype", "float32", "--num-threads", "1", *extra]
-
-
-def test_cli_serve_starts_serves_and_stops_on_sigint(model_dir: Path) -> None:
-    port = free_port()
-    process = subprocess.Popen(_serve_command(model_dir, port, "--served-model-name", "cli-model",
-                                              "--max-model-len", "256"),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as cli_http:
-            deadline = time.monotonic() + 60
-            while True:
-                assert process.poll() is None, process.communicate()[0]
-                try:
-                    if cli_http.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, "pdserve serve did not come up"
-                time.sleep(0.2)
-            cards = cli_http.get("/v1/models").json()["data"]
-            assert [(c["id"], c["max_model_len"]) for c in cards] == [("cli-model", 256)]
-            body = cli_http.post(COMPLETIONS, json={"model": "cli-model", "prompt": PROMPT, "max_tokens": 3,
-                                                    "ignore_eos": True}).json()
-            assert body["usage"]["completion_tokens"] == 3
-        process.send_signal(signal.SIGINT)
-        output, _ = process.communicate(timeout=20)
-        assert process.returncode == 0, output
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
-
-
-def test_cli_serve_rejects_bad_engine_args(model_dir: Path) -> None:
-    result = subprocess.run(_serve_command(model_dir, free_port(), "--max-model-len", "99999999"),
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2
-    assert "max_model_len" in result.stderr and "Traceback" not in result.stderr

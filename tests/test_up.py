@@ -10,7 +10,10 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from server_fixtures import free_port
+
+pytestmark = pytest.mark.slow  # the whole cluster as processes, through the CLI
 
 
 def test_up_serves_then_stops_everything_on_ctrl_c(model_dirs: dict[str, Path], tmp_path: Path) -> None:

@@ -18,6 +18,8 @@ from process_cluster import ProcessCluster, WorkerProcess, spawn_worker, start_r
 
 from pdserve import LLM
 
+pytestmark = pytest.mark.slow  # workers as processes, killed and replaced
+
 FLAGS = ["--num-kv-blocks", "512", "--max-num-batched-tokens", "16"]
 _EXIT_TIMEOUT_S = 30
 

@@ -33,195 +33,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
-import math
 import multiprocessing
 import multiprocessing.connection
-import random
 import socket
 import statistics
 import time
-from dataclasses import dataclass
 
 import torch
 
 from pdserve.bench.common import hardware_line, print_table
-from pdserve.disagg.kv_layout import KVLayout
-from pdserve.disagg.transport import KVReceiver, KVSender, make_receiver, make_sender, nixl_available
-from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.host_memory import zeroed_pages
+from pdserve.bench.kv_peers import FLUSH_TIMEOUT_S, decode_main, raw_socket_main
+from pdserve.bench.kv_workload import PLACEMENTS, SEED, WORKLOADS, KVWorkload, buffer, digest, random_bytes
+from pdserve.disagg.transport import KVSender, make_sender, nixl_available
 
-_SEED = 0
 _NUM_WARMUP = 2
-_FLUSH_TIMEOUT_S = 60.0
-PLACEMENTS = ("served", "scattered", "contiguous")
 BASELINES = ("memcpy", "raw socket")
 
 
-@dataclass(frozen=True, slots=True)
-class KVWorkload:
-    name: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    block_size: int
-    num_tokens: int
-
-    @property
-    def num_blocks(self) -> int:
-        return -(-self.num_tokens // self.block_size)
-
-    @property
-    def pool_blocks(self) -> int:
-        return 2 * self.num_blocks
-
-    @property
-    def payload_bytes(self) -> int:
-        return self.num_blocks * self.num_layers * self.layout().block_bytes_per_layer
-
-    def describe(self) -> str:
-        return (f"{self.name}: {self.num_tokens} tokens, {self.num_layers} layers, {self.num_kv_heads} KV heads, "
-                f"head_dim {self.head_dim}, {self.dtype}, block {self.block_size} -> "
-                f"{self.payload_bytes / 2**20:.0f} MiB in {self.num_layers} payloads of {self.num_blocks} blocks")
-
-    def layout(self) -> KVLayout:
-        return KVLayout("bench", self.dtype, self.dtype, self.block_size, self.num_layers, self.num_kv_heads,
-                        self.head_dim)
-
-    @property
-    def pool_shape(self) -> tuple[int, ...]:
-        return (self.num_layers, 2, self.pool_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-
-    def pool(self, seed: int | None) -> torch.Tensor:
-        """A pool allocated as the engine allocates its own (huge pages), shaped like it; random bits
-        (every page touched) or, with no seed, zeros (every page touched as well)."""
-        pool = _buffer(math.prod(self.pool_shape) * self.layout().element_bytes)
-        if seed is None:
-            pool.fill_(0)
-        else:
-            pool.view(torch.int32).random_(generator=torch.Generator().manual_seed(seed))
-        return pool.view(getattr(torch, self.dtype)).view(self.pool_shape)
-
-    def placement(self, kind: str) -> tuple[list[int], list[int]]:
-        """(source blocks, destination blocks) for placement `kind` (see the module docstring)."""
-        if kind == "contiguous":
-            return list(range(self.num_blocks)), list(range(self.num_blocks, 2 * self.num_blocks))
-        rng = random.Random(_SEED)
-        if kind == "scattered":
-            blocks = range(self.pool_blocks)
-            return rng.sample(blocks, self.num_blocks), rng.sample(blocks, self.num_blocks)
-        return self._served_blocks(rng), self._served_blocks(rng)
-
-    def _served_blocks(self, rng: random.Random, num_requests: int = 400) -> list[int]:
-        """The blocks the engine's allocator gives this request after `num_requests` others of 16 to
-        1024 tokens came and went (a third of the pool held by the latest of them)."""
-        pool = BlockPool(self.pool_blocks, enable_caching=True)
-        live: list[list[int]] = []
-        for n in range(num_requests):
-            need = rng.randint(1, min(1024 // self.block_size, self.pool_blocks // 3))
-            while live and (pool.num_free_blocks < need or pool.num_used_blocks > self.pool_blocks // 3):
-                blocks = live.pop(rng.randrange(len(live)))
-                pool.free(blocks[::-1])  # tail first, as the engine frees
-            blocks = pool.allocate(need)
-            for i, block in enumerate(blocks):
-                pool.cache_block(block, f"{n}:{i}".encode())
-            live.append(blocks)
-        for blocks in live:
-            pool.free(blocks[::-1])
-        return pool.allocate(self.num_blocks)
-
-
-WORKLOADS = {
-    # the `small` demo preset's KV shape, for a 4K-token prompt
-    "small": KVWorkload("small", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float32", block_size=16,
-                        num_tokens=4096),
-    # 16 layers of a Qwen3-8B-like KV shape (8 KV heads x 128, bf16), 4K tokens
-    "large": KVWorkload("large", num_layers=16, num_kv_heads=8, head_dim=128, dtype="bfloat16", block_size=16,
-                        num_tokens=4096),
-}
-
-
-def _buffer(num_bytes: int) -> torch.Tensor:
-    """Every buffer of this benchmark, baselines included, is host memory of the kind the engine's
-    pool is (`zeroed_pages`), so the ratios compare transports, not allocators."""
-    return zeroed_pages(num_bytes)
-
-
-def _random_bytes(num_bytes: int) -> torch.Tensor:
-    data = _buffer(num_bytes)
-    data.view(torch.int32).random_(generator=torch.Generator().manual_seed(_SEED))
-    return data
-
-
-def _digest(pool: torch.Tensor, block_ids: list[int]) -> str:
-    blocks = pool[:, :, torch.tensor(block_ids)].contiguous()
-    return hashlib.blake2b(blocks.view(-1).view(torch.uint8).numpy().data).hexdigest()
-
-
-# -- decode process --------------------------------------------------------------------------------
-def _decode_main(conn: multiprocessing.connection.Connection, work: KVWorkload) -> None:
-    """Decode side, driven by the parent over `conn`: one command at a time. One receiver per
-    transport, all on the same pool."""
-    torch.set_num_threads(1)
-    pool = work.pool(None)
-    receivers: dict[str, KVReceiver] = {}
-    loop = asyncio.new_event_loop()
-    while True:
-        command, *args = conn.recv()
-        if command == "stop":
-            for receiver in receivers.values():
-                receiver.close()
-            conn.send(None)
-            return
-        if command == "receiver":
-            receivers[args[0]] = make_receiver(args[0], work.layout(), pool)
-            conn.send(receivers[args[0]].address)
-        elif command == "expect":
-            receivers[args[0]].expect(*args[1:])
-            conn.send(None)
-        elif command == "drain":
-            conn.send(loop.run_until_complete(_drain(receivers[args[0]], args[1])))
-        elif command == "clear":
-            pool[:, :, torch.tensor(args[0])] = 0
-            conn.send(None)
-        elif command == "digest":
-            conn.send(_digest(pool, args[0]))
-
-
-async def _drain(receiver: KVReceiver, request_id: str) -> str:
-    while True:
-        event = await receiver.wait(request_id, _FLUSH_TIMEOUT_S)
-        if not hasattr(event, "layer"):
-            return type(event).__name__
-
-
-def _raw_main(conn: multiprocessing.connection.Connection, num_bytes: int) -> None:
-    """The raw socket's receiving end, in a process of its own (no other threads, nothing else
-    running): receive `num_bytes` and answer one byte, until the peer closes."""
-    server = socket.create_server(("127.0.0.1", 0))
-    conn.send(server.getsockname()[1])
-    buffer = _buffer(num_bytes)
-    buffer.fill_(0)
-    view = buffer.numpy().data
-    with server:
-        peer, _ = server.accept()
-    with peer:
-        while True:
-            received = 0
-            while received < num_bytes:
-                n = peer.recv_into(view[received:], num_bytes - received)
-                if n == 0:
-                    return
-                received += n
-            peer.sendall(b"k")
-
-
-# -- measurements (prefill process) ----------------------------------------------------------------
 class _Memcpy:
     def __init__(self, work: KVWorkload) -> None:
-        self._src = _random_bytes(work.payload_bytes)
-        self._dst = _buffer(work.payload_bytes)
+        self._src = random_bytes(work.payload_bytes)
+        self._dst = buffer(work.payload_bytes)
         self._dst.fill_(0)
 
     def once(self, _: str) -> None:
@@ -233,10 +65,10 @@ class _Memcpy:
 
 class _RawSocket:
     def __init__(self, work: KVWorkload) -> None:
-        self._view = _random_bytes(work.payload_bytes).numpy().data
+        self._view = random_bytes(work.payload_bytes).numpy().data
         ctx = multiprocessing.get_context("spawn")
         conn, child = ctx.Pipe()
-        self._process = ctx.Process(target=_raw_main, args=(child, work.payload_bytes), daemon=True)
+        self._process = ctx.Process(target=raw_socket_main, args=(child, work.payload_bytes), daemon=True)
         self._process.start()
         self._sock = socket.create_connection(("127.0.0.1", conn.recv()))
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -270,7 +102,7 @@ class _Transport:
         for layer in range(self._work.num_layers):
             self._sender.send_layer(rid, layer, self.src, self.dst)
         self._sender.send_done(rid, 0, b"")
-        self._loop.run_until_complete(self._sender.flush(rid, _FLUSH_TIMEOUT_S))
+        self._loop.run_until_complete(self._sender.flush(rid, FLUSH_TIMEOUT_S))
 
     def drain(self, rid: str) -> None:
         self._conn.send(("drain", self.name, rid))
@@ -285,7 +117,7 @@ class _Transport:
         self.once(rid)
         self.drain(rid)
         self._conn.send(("digest", self.dst))
-        if self._conn.recv() != _digest(self._pool, self.src):
+        if self._conn.recv() != digest(self._pool, self.src):
             raise RuntimeError(f"{self.name}: decode's blocks differ from prefill's")
 
     def close(self) -> None:
@@ -297,14 +129,14 @@ def run_workload(work: KVWorkload, transports: list[str], reps: int) -> dict[str
     back to back, so a slow spell of the (shared) machine hits all of them alike."""
     ctx = multiprocessing.get_context("spawn")
     conn, child = ctx.Pipe()
-    decode = ctx.Process(target=_decode_main, args=(child, work), daemon=True)
+    decode = ctx.Process(target=decode_main, args=(child, work), daemon=True)
     decode.start()
     methods: dict[str, _Memcpy | _RawSocket | _Transport] = {}
     senders: dict[str, KVSender] = {}
     try:
-        pool = work.pool(_SEED)
-        methods["memcpy"] = _Memcpy(work)
-        methods["raw socket"] = _RawSocket(work)
+        pool = work.pool(SEED)
+        baselines: dict[str, _Memcpy | _RawSocket] = {"memcpy": _Memcpy(work), "raw socket": _RawSocket(work)}
+        methods.update(baselines)
         for name in transports:  # one sender per transport, as a prefill worker has per decode worker
             conn.send(("receiver", name))
             senders[name] = make_sender(name, work.layout(), pool)
@@ -312,7 +144,7 @@ def run_workload(work: KVWorkload, transports: list[str], reps: int) -> dict[str
         for placement in PLACEMENTS:
             for name in transports:
                 methods[f"{name}, {placement}"] = _Transport(conn, work, pool, name, senders[name], placement)
-        seconds: dict[str, list[float]] = {f"{method}, alone": _alone(methods[method], reps)
+        seconds: dict[str, list[float]] = {f"{method}, alone": _alone(baselines[method], reps)
                                            for method in BASELINES}
         seconds.update({method: [] for method in methods})
         for round_ in range(-_NUM_WARMUP, reps):
@@ -391,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--transports", default="tcp,nixl" if nixl_available() else "tcp")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    torch.manual_seed(_SEED)
+    torch.manual_seed(SEED)
     works = [WORKLOADS[name] for name in args.workloads.split(",")]
     transports = args.transports.split(",")
     print(hardware_line())

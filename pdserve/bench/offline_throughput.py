@@ -20,6 +20,7 @@ import multiprocessing
 import random
 import time
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -73,7 +74,13 @@ def run_transformers_fresh_process(model_dir: str, work: Workload, batch_size: i
         return pool.apply(run_transformers, (model_dir, work, batch_size))
 
 
-def _hf_batch(model: torch.nn.Module, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+class _Generator(Protocol):
+    """What we call on a transformers causal LM (transformers is a test-only dependency)."""
+
+    def generate(self, **kwargs: Any) -> torch.Tensor: ...
+
+
+def _hf_batch(model: _Generator, prompts: list[list[int]], max_new: int) -> list[list[int]]:
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), _PAD_ID)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)

@@ -95,7 +95,7 @@ def build_worker(engine: LLMEngine, config: WorkerConfig, model_name: str, *,
         senders = SenderPool(transport, layout, engine.runner.kv_cache, sender_options)
         service = PrefillService(client, streamer, senders, config.transfer_timeout_s)
         consumer = _queue_consumer(service, config)
-    app = FastAPI(title=f"pdserve {config.role} worker", exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
+    app = FastAPI(title=f"pdserve {config.role} worker", exception_handlers=EXCEPTION_HANDLERS,
                   lifespan=None if consumer is None else _consuming(consumer))
     install_engine_metrics(app, client, metrics, service.stats)  # GET /metrics (serving/metrics.py)
     worker = Worker(app, client, service, consumer)

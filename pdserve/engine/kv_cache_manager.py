@@ -6,7 +6,7 @@ import hashlib
 import time
 from array import array
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.request import Request
@@ -23,13 +23,17 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, num_swap_blocks: int = 0) -> None:
+    """`clock` times the quarantine (`free_after`); tests pass a fake one instead of sleeping."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, num_swap_blocks: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.block_size = block_size
+        self._clock = clock
         self.pool = BlockPool(num_blocks, enable_caching)
         self.swap = SwapSpace(num_swap_blocks)
         self.num_prefix_queries = 0  # prompt tokens looked up
         self.num_prefix_hits = 0  # of which found cached
-        # (when, blocks): blocks held back from reuse until `when` (time.monotonic()); see free_after
+        # (when, blocks): blocks held back from reuse until `when` (on `clock`); see free_after
         self._quarantine: deque[tuple[float, list[int]]] = deque()
 
     def update_block_hashes(self, request: Request, num_tokens: int) -> None:
@@ -96,7 +100,7 @@ class KVCacheManager:
         if delay_s <= 0:
             self.free(request)
             return
-        self._quarantine.append((time.monotonic() + delay_s, request.block_ids[::-1]))
+        self._quarantine.append((self._clock() + delay_s, request.block_ids[::-1]))
         request.block_ids = []
 
     @property
@@ -105,7 +109,7 @@ class KVCacheManager:
 
     def release_quarantined(self) -> float | None:
         """Free every block whose quarantine is over; seconds until the next one ends, or None."""
-        now = time.monotonic()
+        now = self._clock()
         while self._quarantine and self._quarantine[0][0] <= now:
             self.pool.free(self._quarantine.popleft()[1])
         return self._quarantine[0][0] - now if self._quarantine else None

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from pdserve.config import EngineArgs
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing's own from Python 3.13
 
 
 class TokensPrompt(TypedDict):
@@ -61,14 +64,18 @@ class LLM:
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              add_generation_prompt: bool = True, enable_thinking: bool = True) -> list[RequestOutput]:
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = [messages] if _is_one_conversation(messages) else messages
         tokenizer = self.get_tokenizer()
         prompts: list[Prompt] = [
             tokenizer.apply_chat_template(list(conversation), add_generation_prompt=add_generation_prompt,
                                           enable_thinking=enable_thinking)
-            for conversation in conversations  # type: ignore[union-attr]
+            for conversation in conversations
         ]
         return self.generate(prompts, sampling_params)
+
+
+def _is_one_conversation(messages: list[Message] | list[list[Message]]) -> TypeIs[list[Message]]:
+    return bool(messages) and isinstance(messages[0], dict)
 
 
 def _prompt_input(prompt: Prompt) -> str | list[int]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from pdserve.config import CacheConfig, SchedulerConfig
@@ -55,10 +55,11 @@ class Scheduler:
     `remote_kv_quarantine_s` (decode role): how long the blocks of a reservation that ends before
     its KV arrived stay out of reuse; the KV receiver's `late_write_window_s` (nixl > 0, tcp 0)."""
 
-    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, remote_kv_quarantine_s: float = 0.0) -> None:
+    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, remote_kv_quarantine_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = sched
         self.kv = KVCacheManager(cache.num_kv_blocks, cache.block_size, cache.enable_prefix_caching,
-                                 cache.num_swap_blocks)
+                                 cache.num_swap_blocks, clock)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()

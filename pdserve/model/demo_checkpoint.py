@@ -108,7 +108,7 @@ def _save_shards(weights: dict[str, torch.Tensor], out: Path, max_shard_bytes: i
             size = 0
         shards[-1][name] = tensor
         size += nbytes
-    weight_map = {}
+    weight_map: dict[str, str] = {}
     for index, shard in enumerate(shards, start=1):
         file_name = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(out / file_name), metadata={"format": "pt"})

@@ -28,6 +28,9 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
+    cos: torch.Tensor  # [max_positions, head_dim] buffers, declared for the type checker
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))

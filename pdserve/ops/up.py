@@ -16,9 +16,12 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
+
+from pdserve.config import RouterConfig, WorkerConfig
+from pdserve.config_flags import to_argv
 
 _READY_TIMEOUT_S = 300.0
 
@@ -45,32 +48,25 @@ def _threads_per_worker(num_workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // num_workers)
 
 
-def launch(ns: argparse.Namespace, engine_flags: list[str]) -> list[Process]:
-    """Start every process; the router last, so it finds its workers."""
-    even = _threads_per_worker(ns.prefill + ns.decode)
+def launch(ns: argparse.Namespace, router: RouterConfig, worker: WorkerConfig,
+           engine_flags: list[str]) -> list[Process]:
+    """Start every process; the router last, so it finds its workers. `worker` is every worker's
+    config but for its role; `router`'s worker URLs are filled in here."""
+    even = _threads_per_worker(ns.num_prefill + ns.num_decode)
     threads = {"prefill": ns.prefill_threads or even, "decode": ns.decode_threads or even}
     logs = ["--log-level", ns.log_level, "--log-format", ns.log_format]
-    common = [*logs, "serve"]
-    if ns.kv_transport:
-        common += ["--kv-transport", ns.kv_transport]
-    queue = ["--queue", ns.queue, "--queue-deployment", ns.queue_deployment]
     processes = []
-    for role, count in (("decode", ns.decode), ("prefill", ns.prefill)):
+    for role, count in (("decode", ns.num_decode), ("prefill", ns.num_prefill)):
         for index in range(count):
             port = _free_port()
-            # NOTE: a --num-threads among the engine flags comes later and wins, for every worker
-            role_args = ["--num-threads", str(threads[role]), *engine_flags, "--role", role, "--port", str(port)]
-            if role == "prefill":
-                role_args += [*queue, "--queue-claim-idle-s", str(ns.queue_claim_idle_s),
-                              "--queue-max-deliveries", str(ns.queue_max_deliveries)]
-            processes.append(_spawn(f"{role}-{index}", [*common, *role_args], port))
-    router_args = [*logs, "router", "--port", str(ns.port),
-                   "--prefill", *[p.url for p in processes if p.name.startswith("prefill")],
-                   "--decode", *[p.url for p in processes if p.name.startswith("decode")], *queue,
-                   "--decode-policy", ns.decode_policy, "--pd-threshold", str(ns.pd_threshold),
-                   "--max-queued-requests", str(ns.max_queued_requests),
-                   "--max-queued-tokens", str(ns.max_queued_tokens),
-                   "--reserve-deadline-s", str(ns.reserve_deadline_s)]
+            # NOTE: later flags win: the engine flags over --num-threads (for every worker) and over
+            # the worker config; the role and port over anything in the engine flags
+            args = [*logs, "serve", "--num-threads", str(threads[role]), *to_argv(worker, exclude=("role",)),
+                    *engine_flags, "--role", role, "--port", str(port)]
+            processes.append(_spawn(f"{role}-{index}", args, port))
+    urls = {role: tuple(p.url for p in processes if p.name.startswith(role)) for role in ("prefill", "decode")}
+    router = replace(router, prefill=urls["prefill"], decode=urls["decode"])
+    router_args = [*logs, "router", "--port", str(ns.port), *to_argv(router)]
     if ns.model:
         router_args += ["--model", ns.model]
     processes.append(_spawn("router", router_args, ns.port))
@@ -123,13 +119,13 @@ def stop(processes: list[Process]) -> None:
             process.popen.wait()
 
 
-def run(ns: argparse.Namespace, engine_flags: list[str]) -> int:
+def run(ns: argparse.Namespace, router: RouterConfig, worker: WorkerConfig, engine_flags: list[str]) -> int:
     # Build the demo checkpoint once here, not concurrently in every worker.
     if ns.model is None:
         from pdserve.model.demo_checkpoint import default_model_dir
 
         default_model_dir()
-    processes = launch(ns, engine_flags)
+    processes = launch(ns, router, worker, engine_flags)
     router_url = f"http://127.0.0.1:{ns.port}"
     stopping = False
 
@@ -146,7 +142,7 @@ def run(ns: argparse.Namespace, engine_flags: list[str]) -> int:
     signal.signal(signal.SIGTERM, interrupt)
     try:
         wait_ready(processes, router_url)
-        print(f"\npdserve is up: {ns.prefill} prefill + {ns.decode} decode workers behind {router_url}")
+        print(f"\npdserve is up: {ns.num_prefill} prefill + {ns.num_decode} decode workers behind {router_url}")
         print(f"  workers: curl -s {router_url}/workers")
         print(f"  try:     curl -s {router_url}/v1/chat/completions -H 'content-type: application/json' "
               "-d '{\"messages\":[{\"role\":\"user\",\"content\":\"Hello!\"}],\"max_tokens\":32}'")

@@ -30,7 +30,7 @@ def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None 
                router: RouterState | None = None) -> FastAPI:
     """`router`: `client` is the PD router (disagg/router_app.py), whose pool and stats this reads
     for the router's metrics and the live dashboard."""
-    app = FastAPI(title="pdserve", exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)  # type: ignore[arg-type]
+    app = FastAPI(title="pdserve", exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
     if router is not None:
         client, metrics = instrument_router_app(app, client, router, model_name)
         install_dashboard(app, metrics, router)

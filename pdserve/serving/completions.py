@@ -20,9 +20,11 @@ def _prompt_token_ids(body: CompletionRequest, tokenizer: Tokenizer) -> list[lis
     prompt = body.prompt
     if isinstance(prompt, str):
         return [tokenizer.encode(prompt)]
-    if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]  # type: ignore[arg-type]
-    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[arg-type]
+    token_ids = [p for p in prompt if isinstance(p, int)]
+    if len(token_ids) == len(prompt):  # one prompt, as token ids
+        return [token_ids]
+    # NOTE: the protocol never mixes ids with prompts, so the filter only narrows the type
+    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt if not isinstance(p, int)]
 
 
 def build_jobs(client: EngineClient, prompts: list[list[int]], requested_max_tokens: int | None,

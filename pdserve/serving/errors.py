@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Coroutine
 from http import HTTPStatus
+from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -73,7 +75,8 @@ async def _client_disconnected(_: Request, exc: Exception) -> Response:
     return Response(status_code=_CLIENT_CLOSED_REQUEST)
 
 
-EXCEPTION_HANDLERS = {
+# NOTE: typed as FastAPI's `exception_handlers` parameter, so apps take it as it is.
+EXCEPTION_HANDLERS: dict[int | type[Exception], Callable[[Request, Any], Coroutine[Any, Any, Response]]] = {
     OpenAIError: _openai_error,
     ClientDisconnected: _client_disconnected,
     RequestValidationError: _validation_error,

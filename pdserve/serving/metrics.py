@@ -331,7 +331,7 @@ def install_metrics(app: FastAPI, metrics: ServerMetrics, stats: Callable[[], En
                     service_stats: Callable[[], ServiceStats] | None = None) -> None:
     """`GET /metrics`, the rejection counter and the scrape-time collector on `app`."""
     metrics.registry.register(_StatsCollector(metrics, stats, service_stats))
-    app.add_middleware(RejectionCounter, metrics=metrics)  # type: ignore[arg-type]
+    app.add_middleware(RejectionCounter, metrics=metrics)
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus_metrics() -> Response:

@@ -37,17 +37,18 @@ async def started(request: Request, chunks: AsyncIterator[T]) -> AsyncIterator[T
     """`chunks` with its first item already produced (or its error raised), watching for a client
     that leaves meanwhile (a request may wait in a queue before its first token)."""
 
-    async def first() -> tuple[bool, T | None]:
+    async def first() -> list[T]:
+        """[] when `chunks` is empty, else [its first item]."""
         try:
-            return True, await anext(chunks)
+            return [await anext(chunks)]
         except StopAsyncIteration:
-            return False, None
+            return []
 
-    has_first, head = await unless_disconnected(request, first())
+    head = await unless_disconnected(request, first())
 
     async def rest() -> AsyncIterator[T]:
-        if has_first:
-            yield head  # type: ignore[misc]
+        if head:
+            yield head[0]
             async for chunk in chunks:
                 yield chunk
 

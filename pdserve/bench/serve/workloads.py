@@ -108,7 +108,7 @@ def shared_prefix(num_requests: int, prefix_len: int, suffix_len: int, output_le
     specs = []
     for i in range(num_requests):
         prefix, suffix = prefixes[i % num_prefixes], _prompt(rng, suffix_len, vocab_size, as_text)
-        prompt = f"{prefix} {suffix}" if as_text else [*prefix, *suffix]  # type: ignore[misc]
+        prompt = f"{prefix} {suffix}" if as_text else [*prefix, *suffix]
         specs.append(RequestSpec(prompt, prefix_len + suffix_len, output_len))
     return Workload(f"shared-prefix {num_prefixes}x{prefix_len} + {suffix_len}", tuple(specs))
 

@@ -30,9 +30,11 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
+from typing import cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
+from redis.typing import EncodableT, FieldT
 
 from pdserve.disagg.client import WorkerClient, WorkerUnreachable
 from pdserve.disagg.control import PrefillJob
@@ -44,6 +46,7 @@ from pdserve.disagg.transport.errors import KVTransferError
 logger = logging.getLogger(__name__)
 
 GROUP = "prefill"
+_StreamReply = list[tuple[str, list[tuple[str, dict[str, str]]]]]
 _ABORTED_TTL_S = 600
 _ALIVE_TTL_S = 3
 
@@ -222,7 +225,10 @@ class RedisJobConsumer:
         return len(self._jobs) < self.max_jobs and self.service.num_in_flight_tokens < self.token_budget
 
     async def _pull(self) -> None:
-        reply = await self._redis.xreadgroup(GROUP, self.name, {self.keys.stream: ">"}, count=1, block=self.block_ms)
+        # NOTE: redis-py types replies loosely; with decode_responses=True this one is
+        # [(stream, [(entry id, {field: value})])], or None when the block timed out.
+        reply = cast(_StreamReply | None, await self._redis.xreadgroup(GROUP, self.name, {self.keys.stream: ">"},
+                                                                        count=1, block=self.block_ms))
         for _, entries in reply or []:
             for entry_id, fields in entries:
                 self._counts.taken += 1
@@ -267,10 +273,9 @@ class RedisJobConsumer:
                 self._counts.skipped_aborted += 1
                 logger.info("request %s was aborted; skipping its prefill job", job.request_id)
             else:
-                if reclaimed:
-                    job = await self._retarget(job)
-                if job is not None:
-                    await self._run(job)
+                attempt = await self._retarget(job) if reclaimed else job
+                if attempt is not None:
+                    await self._run(attempt)
             await self._ack(entry_id)
         except (RedisError, OSError) as exc:  # not acknowledged: it will be re-delivered
             logger.warning("prefill job %s not acknowledged: %s", entry_id, exc)
@@ -306,7 +311,10 @@ class RedisJobConsumer:
         self._counts.dead_lettered += 1
         reason = f"prefill job failed {deliveries - 1} deliveries; dead-lettered"
         logger.error("prefill job %s: %s", entry_id, reason)
-        await self._redis.xadd(self.keys.dead, {**fields, "entry_id": entry_id, "reason": reason})
+        # NOTE: copied key by key: redis-py's field type is a union, and dict keys are invariant
+        dead: dict[FieldT, EncodableT] = {key: value for key, value in fields.items()}
+        dead.update({"entry_id": entry_id, "reason": reason})
+        await self._redis.xadd(self.keys.dead, dead)
         await self._ack(entry_id)
         with contextlib.suppress(KeyError, ValueError):
             await self._fail(PrefillJob.model_validate_json(fields["job"]), reason)

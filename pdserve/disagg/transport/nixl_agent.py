@@ -41,6 +41,7 @@ def new_agent(role: str) -> Any:
 
 def conn_info_metadata(agent: Any) -> bytes:
     """Our agent's connection info without any memory registration (decode only replies to us)."""
+    # the compiled _bindings module has no stubs, so mypy cannot see it
     from nixl_cu12 import _bindings  # type: ignore[attr-defined]
 
     return agent.get_partial_agent_metadata(_bindings.nixlRegDList(_bindings.DRAM_SEG), inc_conn_info=True)

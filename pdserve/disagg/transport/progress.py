@@ -14,6 +14,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.disagg.transport.messages import KVDone, KVEvent, KVRejected
@@ -21,7 +22,7 @@ from pdserve.disagg.transport.messages import KVDone, KVEvent, KVRejected
 TIMEOUT_MESSAGE = "KV cache transfer timed out"
 
 
-async def _await_future(fut: concurrent.futures.Future[object], timeout_s: float) -> bool:
+async def _await_future(fut: concurrent.futures.Future[Any], timeout_s: float) -> bool:
     """True when `fut` completed within `timeout_s`. Shielded: a timeout leaves `fut` alone, so a
     result set at the same moment is not lost."""
     try:
@@ -92,7 +93,7 @@ class EventBox:
         while True:
             with self._lock:
                 remaining_s = max(started_s, self._touched.get(request_id, 0.0)) + timeout_s - time.monotonic()
-            if remaining_s > 0 and await _await_future(waiter, remaining_s):  # type: ignore[arg-type]
+            if remaining_s > 0 and await _await_future(waiter, remaining_s):
                 return waiter.result()
             with self._lock:
                 remaining_s = max(started_s, self._touched.get(request_id, 0.0)) + timeout_s - time.monotonic()
@@ -202,4 +203,4 @@ class AckTracker:
                     del self._requests[request_id]
                     raise KVTransferTimeout(f"{TIMEOUT_MESSAGE}: no progress on request {request_id} for "
                                             f"{timeout_s:g} s")
-            await _await_future(caught_up, remaining_s)  # type: ignore[arg-type]
+            await _await_future(caught_up, remaining_s)

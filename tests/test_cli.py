@@ -1,0 +1,186 @@
+"""The command line: flags generated from the configs (config_flags.py) and read back into them; what
+`pdserve up` hands its processes parses into the same configs; `pdserve serve` as a real process."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+import pytest
+from server_fixtures import free_port
+
+from pdserve.cli import build_parser
+from pdserve.config import EngineArgs, QueueArgs, RouterConfig, WorkerConfig, knob
+from pdserve.config_flags import add_config_args, config_from_args, flag_name, to_argv
+from pdserve.ops import up
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Inner:
+    depth_s: float = knob(1.5, "nested")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Sample:
+    name: str | None = knob(None, "optional text")
+    count: int = knob(3, "a number")
+    mode: Literal["a", "b"] = knob("a", "choices")
+    on: bool = knob(True, "a switch")
+    urls: tuple[str, ...] = knob((), "several")
+    sizes: tuple[int, ...] = knob((1, 2), "several numbers")
+    size: str | int | None = knob(None, "text or number: read as text")
+    inner: _Inner = dataclasses.field(default_factory=_Inner)
+
+
+def _parse(cls: type[Any], argv: list[str], **add: Any) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, cls, **add)
+    return parser.parse_args(argv)
+
+
+def test_each_type_maps_to_its_flag_and_back() -> None:
+    ns = _parse(_Sample, ["--name", "x", "--count", "4", "--mode", "b", "--no-on", "--urls", "u", "v",
+                          "--sizes", "5", "--size", "2GiB", "--depth-s", "0.5"])
+    assert config_from_args(_Sample, ns) == _Sample("x", 4, "b", False, ("u", "v"), (5,), "2GiB", _Inner(0.5))
+    assert config_from_args(_Sample, _parse(_Sample, [])) == _Sample()
+    with pytest.raises(SystemExit):
+        _parse(_Sample, ["--mode", "c"])
+    with pytest.raises(SystemExit):
+        _parse(_Sample, [], required=("urls",))
+
+
+def test_to_argv_rebuilds_the_config() -> None:
+    config = _Sample("x", 4, "b", False, ("u", "v"), (5,), "2GiB", _Inner(0.5))
+    assert config_from_args(_Sample, _parse(_Sample, to_argv(config))) == config
+    assert config_from_args(_Sample, _parse(_Sample, to_argv(_Sample()))) == _Sample()
+    assert "--urls" not in to_argv(_Sample()) and "--name" not in to_argv(_Sample())
+    with pytest.raises(ValueError, match="sizes"):
+        to_argv(_Sample(sizes=()))  # an empty tuple is no flag, and () is not the default
+
+
+def test_selection_and_overrides() -> None:
+    ns = _parse(_Sample, ["--count", "7"], only=("count", "mode"))
+    assert not hasattr(ns, "on")
+    assert config_from_args(_Sample, ns, mode="b") == _Sample(count=7, mode="b")
+    with pytest.raises(ValueError, match="no field"):
+        _parse(_Sample, [], exclude=("nope",))
+
+
+def _subcommand(name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+@pytest.mark.parametrize(("command", "cls", "skipped"), [
+    ("serve", EngineArgs, ()), ("serve", WorkerConfig, ("role", "queue")), ("serve", QueueArgs, ()),
+    ("router", RouterConfig, ("queue",)), ("router", QueueArgs, ()),
+    ("up", RouterConfig, ("prefill", "decode", "queue")), ("up", WorkerConfig, ("role", "queue")),
+    ("up", QueueArgs, ()),
+])
+def test_every_config_field_is_a_flag_with_the_field_default(command: str, cls: type[Any],
+                                                             skipped: tuple[str, ...]) -> None:
+    actions = {a.dest: a for a in _subcommand(command)._actions}
+    defaults = cls()
+    for field in dataclasses.fields(cls):
+        if field.name in skipped:
+            continue
+        action = actions[field.name]
+        assert flag_name(field.name) in action.option_strings
+        assert action.required or action.default == getattr(defaults, field.name), field.name
+        assert action.help, f"{field.name} has no help"
+
+
+def test_commands_build_their_configs() -> None:
+    ns = build_parser().parse_args(["router", "--decode", "http://d", "--decode-policy", "round-robin",
+                                    "--queue", "redis://r:6379/0", "--max-resumes", "5"])
+    assert config_from_args(RouterConfig, ns) == RouterConfig(
+        decode=("http://d",), decode_policy="round-robin", queue=QueueArgs("redis://r:6379/0"), max_resumes=5)
+    ns = build_parser().parse_args(["serve", "--role", "prefill", "--kv-transfer-timeout-ms", "250",
+                                    "--no-enable-prefix-caching", "--preemption-mode", "swap"])
+    assert config_from_args(WorkerConfig, ns, role=ns.role) == WorkerConfig(role="prefill", kv_transfer_timeout_ms=250)
+    assert config_from_args(EngineArgs, ns) == EngineArgs(enable_prefix_caching=False, preemption_mode="swap")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["router"])  # --decode is required
+
+
+def test_up_hands_every_process_the_configs_it_was_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `up` writes on each command line parses, in that process, into `up`'s own configs:
+    up, serve and router cannot drift apart."""
+    spawned: dict[str, list[str]] = {}
+    ports = iter(range(9001, 9100))
+
+    def spawn(name: str, args: list[str], port: int) -> up.Process:
+        spawned[name] = args
+        return up.Process(name, f"http://127.0.0.1:{port}", popen=None)  # nothing is started
+
+    monkeypatch.setattr(up, "_free_port", lambda: next(ports))
+    monkeypatch.setattr(up, "_spawn", spawn)
+    argv = ["up", "--prefill", "2", "--queue", "redis://r:6379/0", "--pd-threshold", "64", "--kv-transport", "tcp",
+            "--kv-failure-policy", "fail", "--max-num-seqs", "4"]
+    ns, engine_flags = build_parser().parse_known_args(argv)
+    router, worker = config_from_args(RouterConfig, ns), config_from_args(WorkerConfig, ns)
+    up.launch(ns, router, worker, engine_flags)
+    assert sorted(spawned) == ["decode-0", "prefill-0", "prefill-1", "router"]
+    for name in ("decode-0", "prefill-1"):
+        child = build_parser().parse_args(spawned[name])
+        assert config_from_args(WorkerConfig, child, role=child.role) == dataclasses.replace(worker, role=child.role)
+        assert (child.role, child.max_num_seqs) == (name.split("-")[0], 4)
+    child = build_parser().parse_args(spawned["router"])
+    assert config_from_args(RouterConfig, child) == dataclasses.replace(
+        router, prefill=("http://127.0.0.1:9002", "http://127.0.0.1:9003"), decode=("http://127.0.0.1:9001",))
+
+
+def _serve_command(model_dir: Path, port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "serve", "--model", str(model_dir),
+            "--port", str(port), "--num-kv-blocks", "64", "--dtype", "float32", "--num-threads", "1", *extra]
+
+
+def _wait_healthy(process: subprocess.Popen[str], http: httpx.Client, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert process.poll() is None, process.communicate()[0]
+        try:
+            if http.get("/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "pdserve serve did not come up"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_cli_serve_starts_serves_and_stops_on_sigint(model_dirs: dict[str, Path]) -> None:
+    port = free_port()
+    process = subprocess.Popen(_serve_command(model_dirs["tiny"], port, "--served-model-name", "cli-model",
+                                              "--max-model-len", "256"),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as cli_http:
+            _wait_healthy(process, cli_http)
+            cards = cli_http.get("/v1/models").json()["data"]
+            assert [(c["id"], c["max_model_len"]) for c in cards] == [("cli-model", 256)]
+            body = cli_http.post("/v1/completions", json={"model": "cli-model", "prompt": "The capital of France is",
+                                                          "max_tokens": 3, "ignore_eos": True}).json()
+            assert body["usage"]["completion_tokens"] == 3
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=20)
+        assert process.returncode == 0, output
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+
+@pytest.mark.slow
+def test_cli_serve_rejects_bad_engine_args(model_dirs: dict[str, Path]) -> None:
+    result = subprocess.run(_serve_command(model_dirs["tiny"], free_port(), "--max-model-len", "99999999"),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "max_model_len" in result.stderr and "Traceback" not in result.stderr

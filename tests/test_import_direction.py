@@ -1,0 +1,120 @@
+"""Dependencies point one way (model/tokenizer <- engine <- serving <- disagg <- ops/bench <- cli,
+an arrow reads "is imported by"): no module of pdserve imports one of a higher layer. Every import
+statement counts, at any depth: inside functions and under `if TYPE_CHECKING:` too, since a lazy
+import is still a dependency.
+
+Layers, low to high:
+    0  model/, tokenizer/, and two leaf modules every layer may use: envs.py (the environment, read
+       in one place) and logs.py (log format, request ids); they import nothing of pdserve
+    1  engine/, and the top-level modules about it: config.py (EngineArgs and the other frozen
+       configs, built at the edge and passed down), config_flags.py (CLI flags from those configs)
+       and pdserve/__init__.py (the `LLM` API, re-exported from engine/)
+    2  serving/
+    3  disagg/
+    4  ops/, bench/
+    5  cli.py
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import NamedTuple
+
+PACKAGE_DIR = Path(__file__).resolve().parent.parent / "pdserve"
+LAYERS: dict[str, int] = {
+    "model": 0, "tokenizer": 0, "envs": 0, "logs": 0,
+    "engine": 1, "config": 1, "config_flags": 1, "__init__": 1,
+    "serving": 2,
+    "disagg": 3,
+    "ops": 4, "bench": 4,
+    "cli": 5,
+}
+
+
+class Upward(NamedTuple):
+    path: str
+    line: int
+    imported: str
+    from_layer: int
+    to_layer: int
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line} imports {self.imported} (layer {self.from_layer} -> {self.to_layer})"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> int:
+    """The layer of `pdserve.X...`; the package itself is its __init__."""
+    parts = module.split(".")
+    key = parts[1] if len(parts) > 1 else "__init__"
+    if key not in LAYERS:
+        raise AssertionError(f"{module} is in no layer: add {key!r} to LAYERS (and to this module's docstring)")
+    return LAYERS[key]
+
+
+def _is_submodule(module: str) -> bool:
+    relative = Path(*module.split(".")[1:])
+    return (PACKAGE_DIR / relative).with_suffix(".py").is_file() or (PACKAGE_DIR / relative / "__init__.py").is_file()
+
+
+def imported_modules(source: str, module: str, is_package: bool = False) -> list[tuple[int, str]]:
+    """(line, module) of every pdserve module that `module`'s source imports; `from pdserve.x import
+    y` counts as pdserve.x.y when y is a module, else as pdserve.x."""
+    package = module if is_package else module.rpartition(".")[0]
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                found.append((node.lineno, candidate if base.startswith("pdserve") and _is_submodule(candidate)
+                              else base))
+    return [(line, name) for line, name in found if name == "pdserve" or name.startswith("pdserve.")]
+
+
+def upward_in(source: str, module: str, label: str, is_package: bool = False) -> list[Upward]:
+    own = layer_of(module)
+    return [Upward(label, line, imported, own, layer_of(imported))
+            for line, imported in imported_modules(source, module, is_package) if layer_of(imported) > own]
+
+
+def upward_imports(paths: list[Path]) -> list[Upward]:
+    return [upward for path in paths
+            for upward in upward_in(path.read_text(), module_name(path), str(path.relative_to(PACKAGE_DIR.parent)),
+                                    is_package=path.name == "__init__.py")]
+
+
+def _modules() -> list[Path]:
+    return sorted(PACKAGE_DIR.rglob("*.py"))
+
+
+def test_every_module_has_a_layer() -> None:
+    for path in _modules():
+        layer_of(module_name(path))
+
+
+def test_the_checker_sees_every_kind_of_import() -> None:
+    """Lazy, TYPE_CHECKING and relative imports all count; a name imported from a module is that module."""
+    source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pdserve.serving import app\n"
+              "def f():\n    import pdserve.disagg.router\n    from ..cli import main\n"
+              "from pdserve.config import EngineArgs\nfrom . import scheduler\n")
+    upward = upward_in(source, "pdserve.engine.probe", "probe.py")
+    assert [(u.line, u.imported, u.to_layer) for u in upward] == [
+        (3, "pdserve.serving.app", 2), (5, "pdserve.disagg.router", 3), (6, "pdserve.cli", 5)]
+    assert str(upward[0]) == "probe.py:3 imports pdserve.serving.app (layer 1 -> 2)"
+    assert (8, "pdserve.engine.scheduler") in imported_modules(source, "pdserve.engine.probe")
+
+
+def test_imports_point_down() -> None:
+    upward = upward_imports(_modules())
+    assert not upward, "imports against the layer order:\n" + "\n".join(map(str, upward))
