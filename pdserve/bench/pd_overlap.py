@@ -25,7 +25,7 @@ from pdserve.config import EngineArgs
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.kv_streamer import KVStreamer
 from pdserve.disagg.transport import KVReceiver, KVSender, make_receiver, make_sender
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.llm_engine import KVTransferSetup, LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.demo_checkpoint import default_model_dir
 
@@ -51,18 +51,18 @@ def _one_run(p: LLMEngine, d: LLMEngine, sender: KVSender, receiver: KVReceiver,
     receiver.expect(rid, list(reservation.block_ids))
     streamer = KVStreamer(p.config.cache.block_size, p.config.model.num_hidden_layers, sender.send_layer)
     streamer.expect(rid, reservation.block_ids, 0)
-    p.layer_observer = streamer if stream else None
+    p.configure_kv_transfer(KVTransferSetup(layer_observer=streamer if stream else None))
     start = time.perf_counter()
     first = _prefill(p, rid, prompt)
     computed = time.perf_counter()
     if not stream:
-        held = p.scheduler.held[rid]
+        held = p.held_block_ids(rid)
         for layer in range(p.config.model.num_hidden_layers):
-            sender.send_layer(rid, layer, list(held.block_ids), list(reservation.block_ids))
-    sender.send_done(rid, first, b"")
+            sender.send_layer(rid, layer, held, list(reservation.block_ids))
+    sender.send_done(rid, first)
     asyncio.run(sender.flush(rid, _FLUSH_TIMEOUT_S))
     done = time.perf_counter()
-    p.layer_observer = None
+    p.configure_kv_transfer(KVTransferSetup())
     p.release_kv(rid)
     d.abort_request(rid)
     receiver.cancel(rid)

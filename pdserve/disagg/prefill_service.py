@@ -27,8 +27,7 @@ import time
 from dataclasses import dataclass
 from functools import partial
 
-import httpx
-
+from pdserve.disagg.client import WorkerClient, WorkerError
 from pdserve.disagg.control import HandOff, PrefillJob
 from pdserve.disagg.kv_streamer import KVStreamer
 from pdserve.disagg.phases import PrefillPhases
@@ -119,10 +118,13 @@ class PrefillService:
     async def _keep_alive(self) -> None:
         """While jobs are in flight: POST /pd/alive {transfer ids} to their decode workers."""
         period_s = self.transfer_timeout_s / 2
-        async with httpx.AsyncClient(timeout=httpx.Timeout(self.transfer_timeout_s)) as http:
-            await self._send_keepalives(http, period_s)
+        decode_workers = WorkerClient(timeout_s=self.transfer_timeout_s)
+        try:
+            await self._send_keepalives(decode_workers, period_s)
+        finally:
+            await decode_workers.close()
 
-    async def _send_keepalives(self, http: httpx.AsyncClient, period_s: float) -> None:
+    async def _send_keepalives(self, decode_workers: WorkerClient, period_s: float) -> None:
         while self._attempts:
             await asyncio.sleep(period_s)
             if time.monotonic() - self.client.last_step_s > _ENGINE_STUCK_S:
@@ -132,8 +134,9 @@ class PrefillService:
                 if attempt.decode_url:
                     by_decode.setdefault(attempt.decode_url, []).append(tid)
             for url, tids in by_decode.items():
-                with contextlib.suppress(httpx.HTTPError):
-                    await http.post(f"{url}/pd/alive", json={"transfer_ids": tids})
+                # NOTE: best effort: a decode worker that does not hear it times the transfer out
+                with contextlib.suppress(WorkerError):
+                    await decode_workers.alive(url, tids)
 
     async def abort(self, transfer_id: str) -> None:
         attempt = self._attempts.get(transfer_id)

@@ -296,6 +296,10 @@ class LLMEngine:
                 del self._states[output.request_id]
         return outputs
 
+    def held_block_ids(self, request_id: str) -> list[int]:
+        """Prefill role: the blocks a finished `prefill_only` request still holds, in token order."""
+        return list(self.scheduler.held[request_id].block_ids)
+
     def generator_state(self, request_id: str) -> bytes | None:
         """Prefill role: the seeded generator's state after the first token of a finished
         `prefill_only` request whose blocks are still held, for the decode side (None: unseeded)."""
