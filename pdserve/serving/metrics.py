@@ -219,6 +219,23 @@ def _aborted(output: RequestOutput) -> bool:
     return any(seq.finish_reason == "abort" for seq in output.outputs)
 
 
+@dataclass(frozen=True, slots=True)
+class OneSample:
+    """Scrape-time metric families of one sample each, carrying a server's constant labels."""
+
+    labels: dict[str, str]
+
+    def gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(name, doc, labels=list(self.labels))
+        family.add_metric(list(self.labels.values()), value)
+        return family
+
+    def counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, doc, labels=list(self.labels))
+        family.add_metric(list(self.labels.values()), value)
+        return family
+
+
 class _StatsCollector(Collector):
     """Scrape-time series from `EngineStats` (workers) and service counters (the router's are in
     router_metrics.py)."""
@@ -228,22 +245,11 @@ class _StatsCollector(Collector):
         self.metrics, self.stats, self.service_stats = metrics, stats, service_stats
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        labels = self.metrics.labels
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(name, doc, labels=list(labels))
-            family.add_metric(list(labels.values()), value)
-            return family
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(name, doc, labels=list(labels))
-            family.add_metric(list(labels.values()), value)
-            return family
-
+        series = OneSample(self.metrics.labels)
         if self.stats is not None:
-            yield from _engine_series(self.stats(), gauge, counter)
+            yield from _engine_series(self.stats(), series.gauge, series.counter)
         if self.service_stats is not None:
-            yield from _service_series(self.service_stats(), labels, counter)
+            yield from _service_series(self.service_stats(), self.metrics.labels, series.counter)
 
 
 def _engine_series(s: EngineStats, gauge: Callable[..., GaugeMetricFamily],

@@ -14,7 +14,7 @@ from prometheus_client.registry import Collector
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.serving.engine_client import EngineClient
-from pdserve.serving.metrics import RequestObserver, ServerMetrics, install_metrics
+from pdserve.serving.metrics import OneSample, RequestObserver, ServerMetrics, install_metrics
 from pdserve.serving.router_stats import RouterState, RouterStats
 from pdserve.serving.trace import start_trace
 from pdserve.tokenizer import Tokenizer
@@ -57,11 +57,7 @@ class RouterCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         labels = self.metrics.labels
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(name, doc, labels=list(labels))
-            family.add_metric(list(labels.values()), value)
-            return family
+        gauge = OneSample(labels).gauge
 
         in_flight = self.observer.num_in_flight
         sent_on = self.observer.num_sent_on()
