@@ -220,7 +220,7 @@ class PDRouter:
                 if frame.kv_retry:
                     self._events.kv_retries += 1
                     if ticket is not None:
-                        job, ticket = await self._retry_prefill(decode, job, ticket)
+                        ticket = await self._retry_prefill(decode, ticket)
                     continue
                 if frame.error is not None:
                     if ticket is not None and ticket.refusal is not None:
@@ -251,15 +251,16 @@ class PDRouter:
         except QueueUnavailable as exc:
             self.admission.reject("queue_unavailable", str(exc), HTTPStatus.SERVICE_UNAVAILABLE)
 
-    async def _retry_prefill(self, decode: Worker, job: PrefillJob,
-                             ticket: PrefillTicket) -> tuple[PrefillJob, PrefillTicket]:
+    async def _retry_prefill(self, decode: Worker, ticket: PrefillTicket) -> PrefillTicket:
         """The transfer stalled: a new attempt, once the decode worker expects it (if it no
         longer waits for KV, the stream says how the request ends)."""
-        retry = next_attempt(job)
-        if not await reach(decode, self.client.retarget(decode.url, job.request_id, retry.transfer_id)):
-            return job, ticket
+        # NOTE: after the ticket's job, which the memory queue moves on when it re-queues the job
+        # (its worker was lost): a retry numbered from the first attempt would reuse that id.
+        retry = next_attempt(ticket.job)
+        if not await reach(decode, self.client.retarget(decode.url, retry.request_id, retry.transfer_id)):
+            return ticket
         await self.queue.cancel(ticket)
-        return retry, await self._dispatch(retry)
+        return await self._dispatch(retry)
 
     async def _frames(self, decode: Worker, request_id: str) -> AsyncIterator[OutputFrame]:
         try:
