@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 import re
 import socket
@@ -18,7 +19,7 @@ import torch
 from kv_transport_helpers import PoolSpec, RemotePrefill
 
 from pdserve.disagg import wire
-from pdserve.disagg.kv_layout import KVLayout, KVLayoutMismatch
+from pdserve.disagg.kv_layout import WIRE_VERSION, KVLayout, KVLayoutMismatch
 from pdserve.disagg.transport import (
     KVDone,
     KVProgress,
@@ -339,6 +340,21 @@ def test_layout_mismatch_refused_at_connect_on_both_sides(transport: str, decode
         assert refusal.field == field and f"mismatch on {field}: prefill has {changed[field]}" in str(refusal)
         with pytest.raises((ConnectionError, RuntimeError)):  # never connected: nothing can be sent
             sender.send_layer("r", 0, [0], [0])
+    finally:
+        sender.close()
+    assert decode.untouched()
+
+
+def test_wire_version_mismatch_refused_at_connect(transport: str, decode: Decode) -> None:
+    """A worker speaking another version of the KV frames is refused at the handshake, by name,
+    before any request could fail on a frame it cannot decode."""
+    pool = SPEC.pool(PREFILL_SEED)
+    newer = dataclasses.replace(SPEC.layout(pool), wire_version=WIRE_VERSION + 1)
+    sender = make_sender(transport, newer, pool)
+    try:
+        with pytest.raises(KVLayoutMismatch, match="KV layout mismatch on wire_version: prefill has") as e:
+            sender.connect(decode.receiver.address)
+        assert e.value.field == "wire_version" and decode.receiver.refusals[-1].field == "wire_version"
     finally:
         sender.close()
     assert decode.untouched()

@@ -17,6 +17,12 @@ from pdserve.disagg import wire
 # The engine's pool: kv_cache[layer, k|v, block, slot, kv_head, head_dim] (see engine/model_runner.py).
 POOL_LAYOUT = "layer,kv,block,slot,head,dim"
 
+# The schema of the records the KV transports exchange (transport/messages.py). Bump it with any
+# change to one of them: two workers that disagree refuse each other at the handshake, naming this
+# field, instead of failing every hand-off later on an undecodable frame. 2: KVDone carries its
+# generator state and prefill phases as fields (1 packed them into one `extra` byte string).
+WIRE_VERSION = 2
+
 _ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1}
 
 
@@ -47,6 +53,7 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     layout: str = POOL_LAYOUT
+    wire_version: int = WIRE_VERSION
 
     def __post_init__(self) -> None:
         if self.dtype not in _ELEMENT_BYTES:

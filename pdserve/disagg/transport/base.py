@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import dataclasses
 import threading
 import time
 from collections import OrderedDict
@@ -50,7 +51,9 @@ _RELEASE_POLL_S = 0.001
 
 def check_pool(layout: KVLayout, kv_cache: torch.Tensor) -> None:
     """The pool a transport is given must be the one `layout` describes."""
-    actual = KVLayout.from_pool(layout.model_id, kv_cache, layout.kv_cache_dtype)
+    # NOTE: the wire version is the peer protocol's, not the pool's: only the pool's fields are checked
+    actual = dataclasses.replace(KVLayout.from_pool(layout.model_id, kv_cache, layout.kv_cache_dtype),
+                                 wire_version=layout.wire_version)
     actual.check_compatible(layout, self_role="pool", peer_role="layout")
 
 
