@@ -260,7 +260,7 @@ class RouterConfig:
             (self.pd_threshold >= 0, "pd_threshold must be >= 0"),
             (self.max_queued_requests >= 1, "max_queued_requests must be >= 1"),
             (self.max_queued_tokens >= 1, "max_queued_tokens must be >= 1"),
-            (self.reserve_deadline_s > 0, "reserve_deadline_s must be > 0"),
+            (self.reserve_deadline_s >= 0, "reserve_deadline_s must be >= 0 (0: try each decode worker once)"),
             (self.max_resumes >= 0, "max_resumes must be >= 0"),
         ]
         for ok, message in checks:

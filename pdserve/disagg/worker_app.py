@@ -166,5 +166,7 @@ def _stats_reply(worker: Worker, role: Role) -> WorkerStatsReply:
         consumed = worker.consumer.stats()
         queue = ConsumerReport(consumer=worker.consumer.name, in_flight=consumed.in_flight,
                                counters=consumed.counters())
+    # NOTE: the service's counters that moved, as this route always listed them (the consumer's: all)
+    moved = {name: count for name, count in stats.counters().items() if count}
     return WorkerStatsReply(role=role, in_flight=stats.in_flight, draining=worker.service.draining,
-                            counters=stats.counters(), queue=queue)
+                            counters=moved, queue=queue)
