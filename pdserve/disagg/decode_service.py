@@ -23,6 +23,7 @@ receiver knows a transfer by its attempt's id (`_Reserved.transfer_id`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -95,10 +96,7 @@ class DecodeService:
         return len(self._requests)
 
     def stats(self) -> DecodeStats:
-        c = self._counts
-        return DecodeStats(completed=c.completed, timeouts=c.timeouts, retried=c.retried, recomputed=c.recomputed,
-                           failed=c.failed, rejected=c.rejected, prefilled_locally=c.prefilled_locally,
-                           in_flight=self.num_in_flight)
+        return DecodeStats(**dataclasses.asdict(self._counts), in_flight=self.num_in_flight)
 
     async def reserve(self, body: ReserveRequest) -> ReserveReply | None:
         """None when the pool has no room now (or the worker drains). Raises ValueError for a

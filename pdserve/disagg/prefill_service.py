@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -83,8 +84,7 @@ class PrefillService:
         return sum(attempt.num_uncomputed_tokens for attempt in self._attempts.values())
 
     def stats(self) -> PrefillStats:
-        c = self._counts
-        return PrefillStats(handed_off=c.handed_off, failed=c.failed, aborted=c.aborted, in_flight=self.num_in_flight)
+        return PrefillStats(**dataclasses.asdict(self._counts), in_flight=self.num_in_flight)
 
     async def run(self, job: PrefillJob) -> HandOff:
         """Accept a job and wait until its hand-off ended. Raises ValueError (bad job) or

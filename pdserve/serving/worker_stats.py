@@ -4,11 +4,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+class Counts:
+    """Base of the stats records below (and the queue consumer's): every field but `in_flight` is
+    a count since start."""
+
+    __slots__ = ()
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]  # subclasses are dataclasses
+
+    def counters(self) -> dict[str, int]:
+        """The counts, by name: the `/pd/stats` body."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "in_flight"}
 
 
 @dataclass(frozen=True, slots=True)
-class DecodeStats:
+class DecodeStats(Counts):
     """Counts since start, plus `in_flight` (now)."""
 
     completed: int = 0  # hand-offs whose KV arrived whole
@@ -20,15 +34,10 @@ class DecodeStats:
     prefilled_locally: int = 0  # short uncached prompts prefilled here (conditional disaggregation)
     in_flight: int = 0  # requests reserved and not yet finished
 
-    def counters(self) -> dict[str, int]:
-        """The counts (everything but `in_flight`), by name: the `/pd/stats` body."""
-        return {"completed": self.completed, "timeouts": self.timeouts, "retried": self.retried,
-                "recomputed": self.recomputed, "failed": self.failed, "rejected": self.rejected,
-                "prefilled_locally": self.prefilled_locally}
 
 
 @dataclass(frozen=True, slots=True)
-class PrefillStats:
+class PrefillStats(Counts):
     """Counts since start, plus `in_flight` (now)."""
 
     handed_off: int = 0  # attempts whose KV decode acknowledged
@@ -36,9 +45,6 @@ class PrefillStats:
     aborted: int = 0  # attempts cut short (the router or the queue gave up on them)
     in_flight: int = 0  # attempts taken and not yet handed off
 
-    def counters(self) -> dict[str, int]:
-        """The counts (everything but `in_flight`), by name: the `/pd/stats` body."""
-        return {"handed_off": self.handed_off, "failed": self.failed, "aborted": self.aborted}
 
 
 ServiceStats = DecodeStats | PrefillStats

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -42,6 +43,7 @@ from pdserve.disagg.kv_layout import KVLayoutMismatch
 from pdserve.disagg.prefill_service import PrefillService
 from pdserve.disagg.queue.base import PrefillQueue, PrefillTicket, QueueStats, QueueUnavailable, next_attempt
 from pdserve.disagg.transport.errors import KVTransferError
+from pdserve.serving.worker_stats import Counts
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +130,7 @@ class RedisPrefillQueue(PrefillQueue):
 
 
 @dataclass(frozen=True, slots=True)
-class ConsumerStats:
+class ConsumerStats(Counts):
     """What a consumer did since it started, plus `in_flight` (now)."""
 
     taken: int = 0  # entries pulled (XREADGROUP)
@@ -137,10 +139,6 @@ class ConsumerStats:
     skipped_aborted: int = 0  # entries whose request was aborted before they ran
     in_flight: int = 0  # entries being worked on
 
-    def counters(self) -> dict[str, int]:
-        """The counts (everything but `in_flight`), by name: the `/pd/stats` body."""
-        return {"taken": self.taken, "reclaimed": self.reclaimed, "dead_lettered": self.dead_lettered,
-                "skipped_aborted": self.skipped_aborted}
 
 
 @dataclass(slots=True)
@@ -177,9 +175,7 @@ class RedisJobConsumer:
         return len(self._jobs)
 
     def stats(self) -> ConsumerStats:
-        c = self._counts
-        return ConsumerStats(taken=c.taken, reclaimed=c.reclaimed, dead_lettered=c.dead_lettered,
-                             skipped_aborted=c.skipped_aborted, in_flight=self.num_in_flight)
+        return ConsumerStats(**dataclasses.asdict(self._counts), in_flight=self.num_in_flight)
 
     async def run(self) -> None:
         """Until `stop`: pull, reclaim, heartbeat. Then wait for the jobs in flight."""
