@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field
 
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.serving.trace import TTFTPhases
 
 Role = Literal["prefill", "decode", "colocated"]
 
@@ -123,15 +124,6 @@ class WorkerInfo(BaseModel):
     draining: bool = False
 
 
-class PhaseDurations(BaseModel):
-    """decode -> router, on a request's first output frame: the TTFT phases the workers measured
-    (see disagg/phases.py)."""
-
-    prefill_queue_s: float
-    prefill_compute_s: float
-    first_decode_step_s: float
-
-
 class OutputFrame(BaseModel):
     """decode -> router, one NDJSON line per engine output (cumulative, like RequestOutput)."""
 
@@ -143,7 +135,9 @@ class OutputFrame(BaseModel):
     error: str | None = None
     # decode -> router: the transfer made no progress for a timeout; prefill it again (new attempt)
     kv_retry: bool = False
-    phases: PhaseDurations | None = None  # first frame with tokens only, when the KV came from prefill
+    # first frame with tokens only, when the KV came from prefill: the TTFT phases the workers
+    # measured (disagg/phases.py), which the router records as they are
+    phases: TTFTPhases | None = None
 
     @classmethod
     def of(cls, output: RequestOutput) -> OutputFrame:

@@ -20,11 +20,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.disagg.control import OutputFrame, PhaseDurations
+from pdserve.disagg.control import OutputFrame
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.transport.messages import KVDone, KVProgress
 from pdserve.engine.output import RequestMetrics
-from pdserve.serving.trace import TransferRecord
+from pdserve.serving.trace import TransferRecord, TTFTPhases
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,9 +88,8 @@ class TransferMeter:
         transfer = self._transfers.get(rid)
         if transfer is None or transfer.done_time is None or transfer.prefill is None or not frame.token_ids:
             return frame
-        frame.phases = PhaseDurations(prefill_queue_s=transfer.prefill.queue_s,
-                                      prefill_compute_s=transfer.prefill.compute_s,
-                                      first_decode_step_s=time.monotonic() - transfer.done_time)
+        frame.phases = TTFTPhases(transfer.prefill.queue_s, transfer.prefill.compute_s,
+                                  first_decode_step_s=time.monotonic() - transfer.done_time)
         transfer.prefill = None
         return frame
 

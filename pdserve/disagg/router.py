@@ -51,7 +51,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.qwen3_config import Qwen3ModelConfig
 from pdserve.serving.errors import OpenAIError
 from pdserve.serving.router_stats import RouterEvents, RouterStats, WorkerView
-from pdserve.serving.trace import TTFTPhases, current_trace
+from pdserve.serving.trace import current_trace
 from pdserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -227,8 +227,7 @@ class PDRouter:
                         raise OpenAIError(ticket.refusal.message, HTTPStatus(ticket.refusal.status))
                     raise OpenAIError(frame.error, HTTPStatus.SERVICE_UNAVAILABLE)
                 if frame.phases is not None:
-                    current_trace().record(TTFTPhases(frame.phases.prefill_queue_s, frame.phases.prefill_compute_s,
-                                                      frame.phases.first_decode_step_s))
+                    current_trace().record(frame.phases)
                 output = _request_output(rid, prompt, frame)
                 finished = output.finished
                 yield output
