@@ -40,7 +40,7 @@ class Admission:
         self._queue = queue
         self._max_model_len = max_model_len
         self._vocab_size = vocab_size
-        self._rejected: Counter[RejectReason] = Counter()
+        self._rejected: Counter[str] = Counter()  # by RejectReason: the fields of Rejections
         self.num_queued = 0
         self.num_queued_tokens = 0
 
@@ -80,7 +80,4 @@ class Admission:
         raise OpenAIError(message, status, headers=retry)
 
     def rejections(self) -> Rejections:
-        r = self._rejected
-        return Rejections(invalid=r["invalid"], queue_full=r["queue_full"], no_prefill_worker=r["no_prefill_worker"],
-                          no_decode_worker=r["no_decode_worker"], no_kv_room=r["no_kv_room"],
-                          queue_unavailable=r["queue_unavailable"])
+        return Rejections(**self._rejected)  # a reason never counted keeps its 0

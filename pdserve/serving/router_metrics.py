@@ -5,6 +5,7 @@ rejections and events, read from `RouterState`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Iterator
 
 from fastapi import FastAPI
@@ -81,20 +82,15 @@ class RouterCollector(Collector):
 
 
 def _counter_series(stats: RouterStats, labels: dict[str, str]) -> Iterator[CounterMetricFamily]:
-    r = stats.rejections
     rejections = CounterMetricFamily("pdserve:router_rejections", "Router: requests refused, by admission reason",
                                      labels=[*labels, "reason"])
-    for reason, count in (("invalid", r.invalid), ("queue_full", r.queue_full),
-                          ("no_prefill_worker", r.no_prefill_worker), ("no_decode_worker", r.no_decode_worker),
-                          ("no_kv_room", r.no_kv_room), ("queue_unavailable", r.queue_unavailable)):
+    for reason, count in dataclasses.asdict(stats.rejections).items():  # one series per field
         rejections.add_metric([*labels.values(), reason], count)
     yield rejections
-    e = stats.events
     events = CounterMetricFamily("pdserve:router_events", "Router: kv_retries (new prefill attempts after a stalled "
                                  "transfer), redispatched, resumed (on another decode worker), prefilled_on_decode",
                                  labels=[*labels, "event"])
-    for event, count in (("kv_retries", e.kv_retries), ("redispatched", e.redispatched), ("resumed", e.resumed),
-                         ("prefilled_on_decode", e.prefilled_on_decode)):
+    for event, count in dataclasses.asdict(stats.events).items():
         events.add_metric([*labels.values(), event], count)
     yield events
 
