@@ -38,7 +38,7 @@ def _serve(ns: argparse.Namespace) -> int:
     args = config_from_args(EngineArgs, ns)
     worker = None if ns.role == "colocated" else config_from_args(WorkerConfig, ns, role=ns.role)
     try:
-        _checked_transfer_timeout_s(worker)
+        _validate_worker(worker)
         engine = LLMEngine.from_engine_args(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"pdserve: {exc}", file=sys.stderr)
@@ -61,7 +61,7 @@ def _serve(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _checked_transfer_timeout_s(worker: WorkerConfig | None) -> None:
+def _validate_worker(worker: WorkerConfig | None) -> None:
     """Validate a worker's config, the transfer timeout's environment variable included, so that a
     bad value fails before the engine loads."""
     if worker is not None:
