@@ -46,9 +46,9 @@ def free_port() -> int:
 
 def up_threads_per_worker(num_workers: int) -> int:
     """The torch threads `pdserve up` gives each worker by default (CPUs // workers, at least 1)."""
-    from pdserve.ops.up import _threads_per_worker
+    from pdserve.ops.threads import threads_per_worker
 
-    return _threads_per_worker(num_workers)
+    return threads_per_worker(num_workers)
 
 
 def colocated_args(port: int, num_threads: int, chunked_prefill: bool, engine_args: list[str]) -> list[str]:
