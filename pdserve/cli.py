@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -37,6 +39,8 @@ def _serve(ns: argparse.Namespace) -> int:
 
     args = config_from_args(EngineArgs, ns)
     worker = None if ns.role == "colocated" else config_from_args(WorkerConfig, ns, role=ns.role)
+    if worker is not None and worker.register and worker.advertise_url is None:
+        worker = replace(worker, advertise_url=_advertise_url(ns.host, ns.port))
     try:
         _validate_worker(worker)
         engine = LLMEngine.from_engine_args(args)
@@ -59,6 +63,14 @@ def _serve(ns: argparse.Namespace) -> int:
     finally:
         shutdown()
     return 0
+
+
+def _advertise_url(host: str, port: int) -> str:
+    """Where routers reach a worker listening on host:port: that address, or for a wildcard
+    (0.0.0.0, ::) this machine's name's address (a Kubernetes pod's IP)."""
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostbyname(socket.gethostname())
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _validate_worker(worker: WorkerConfig | None) -> None:
@@ -121,9 +133,9 @@ def _router(ns: argparse.Namespace) -> int:
     from pdserve.model.demo_checkpoint import default_model_dir
 
     router = config_from_args(RouterConfig, ns)
-    model_dir = ns.model or str(default_model_dir())
     try:
         router.validate()
+        model_dir = ns.model or str(default_model_dir())
         client = _router_client(router, model_dir, ns.max_model_len)
     except (ValueError, FileNotFoundError) as exc:
         print(f"pdserve: {exc}", file=sys.stderr)
@@ -196,7 +208,7 @@ def _add_router_parser(sub: argparse._SubParsersAction) -> None:
     router.add_argument("--model", default=None, help="checkpoint dir, for the tokenizer and config")
     router.add_argument("--served-model-name", default=None)
     router.add_argument("--max-model-len", type=int, default=None)
-    add_config_args(router, RouterConfig, title="router", required=("decode",))
+    add_config_args(router, RouterConfig, title="router")
     router.set_defaults(func=_router)
 
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from server_fixtures import free_port
 
-from pdserve.cli import build_parser
+from pdserve.cli import build_parser, main
 from pdserve.config import EngineArgs, QueueArgs, RouterConfig, WorkerConfig, knob
 from pdserve.config_flags import add_config_args, config_from_args, flag_name, to_argv
 from pdserve.ops import up
@@ -106,8 +106,19 @@ def test_commands_build_their_configs() -> None:
                                     "--no-enable-prefix-caching", "--preemption-mode", "swap"])
     assert config_from_args(WorkerConfig, ns, role=ns.role) == WorkerConfig(role="prefill", kv_transfer_timeout_ms=250)
     assert config_from_args(EngineArgs, ns) == EngineArgs(enable_prefix_caching=False, preemption_mode="swap")
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["router"])  # --decode is required
+
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["router"], "the router needs decode workers"),
+    (["router", "--prefill", "dns:p:80", "--decode", "dns:decode"], "expected dns:NAME:PORT"),
+    (["router", "--prefill", "dns:p:80", "--decode", "decode:8000"], "a worker is a URL like http://host:port"),
+    (["router", "--prefill", "dns:p:80", "--decode", "dns:d:80", "--dns-server", "x:99999"], "port out of range"),
+])
+def test_router_refuses_a_pool_it_cannot_build(argv: list[str], message: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_up_hands_every_process_the_configs_it_was_given(monkeypatch: pytest.MonkeyPatch) -> None:
