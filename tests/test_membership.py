@@ -131,8 +131,19 @@ def test_membership_combines_static_dns_and_registered_workers() -> None:
     asyncio.run(scenario())
 
 
-def test_dns_source_ignores_a_missing_record_type() -> None:
+def test_dns_source_takes_what_either_lookup_answers() -> None:
     resolver = FakeResolver()
     resolver.records["only-v6"] = {"AAAA": ["::1"]}
     source = DnsSource(DnsMember("only-v6", 9000), resolver)  # type: ignore[arg-type]
     assert asyncio.run(source.resolve()) == ["http://[::1]:9000"]
+
+    class RefusesAAAA(FakeResolver):
+        async def resolve(self, name: str, rdtype: str, **options: object) -> FakeAnswer:
+            if rdtype == "AAAA":
+                raise dns.resolver.NoNameservers()  # e.g. a server that refuses what it does not forward
+            return await super().resolve(name, rdtype, **options)
+
+    refusing = RefusesAAAA()
+    refusing.records["v4"] = {"A": ["10.1.1.1"]}
+    source = DnsSource(DnsMember("v4", 80), refusing)  # type: ignore[arg-type]
+    assert asyncio.run(source.resolve()) == ["http://10.1.1.1:80"]

@@ -85,24 +85,28 @@ class DnsSource:
         self.urls: list[str] = []
 
     async def resolve(self) -> list[str]:
-        try:
-            answers = await asyncio.gather(*(self._lookup(rdtype) for rdtype in ("A", "AAAA")))
-        except dns.exception.DNSException as exc:
+        """The workers NAME lists now: its A and AAAA records. When neither lookup gets an answer
+        (an error rather than "no such name" or "no such record"), the last answer stands."""
+        answers = await asyncio.gather(*(self._lookup(rdtype) for rdtype in ("A", "AAAA")))
+        if all(isinstance(a, dns.exception.DNSException) for a in answers):
             logger.warning("DNS lookup of %s failed, keeping its %d workers: %s", self.member.name, len(self.urls),
-                           exc)
+                           answers[0])
             return self.urls
-        urls = sorted({_url(address, self.member.port) for answer in answers for address in answer})
+        addresses = {address for answer in answers if isinstance(answer, list) for address in answer}
+        urls = sorted(_url(address, self.member.port) for address in addresses)
         if urls != self.urls:
             logger.info("dns:%s:%d now lists %d workers: %s", self.member.name, self.member.port, len(urls),
                         ", ".join(urls) or "none")
         self.urls = urls
         return urls
 
-    async def _lookup(self, rdtype: str) -> list[str]:
+    async def _lookup(self, rdtype: str) -> list[str] | dns.exception.DNSException:
         try:
             answer = await self._resolver.resolve(self.member.name, rdtype, search=True, lifetime=_DNS_TIMEOUT_S)
         except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
             return []
+        except dns.exception.DNSException as exc:
+            return exc
         return [record.address for record in answer]
 
 
