@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -38,6 +40,8 @@ def _serve(ns: argparse.Namespace) -> int:
 
     args = config_from_args(EngineArgs, ns)
     worker = None if ns.role == "colocated" else config_from_args(WorkerConfig, ns, role=ns.role)
+    if worker is not None and worker.register and worker.advertise_url is None:
+        worker = replace(worker, advertise_url=_advertise_url(ns.host, ns.port))
     try:
         _validate_worker(worker)
         engine = LLMEngine.from_engine_args(args)
@@ -60,6 +64,14 @@ def _serve(ns: argparse.Namespace) -> int:
     finally:
         shutdown()
     return 0
+
+
+def _advertise_url(host: str, port: int) -> str:
+    """Where routers reach a worker listening on host:port: that address, or for a wildcard
+    (0.0.0.0, ::) this machine's name's address (a Kubernetes pod's IP)."""
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostbyname(socket.gethostname())
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _validate_worker(worker: WorkerConfig | None) -> None:
@@ -122,9 +134,9 @@ def _router(ns: argparse.Namespace) -> int:
     from pdserve.model.demo_checkpoint import default_model_dir
 
     router = config_from_args(RouterConfig, ns)
-    model_dir = ns.model or str(default_model_dir())
     try:
         router.validate()
+        model_dir = ns.model or str(default_model_dir())
         client = _router_client(router, model_dir, ns.max_model_len)
     except (ValueError, FileNotFoundError) as exc:
         print(f"pdserve: {exc}", file=sys.stderr)
@@ -171,8 +183,8 @@ def up_plan(ns: argparse.Namespace, engine_flags: list[str]) -> tuple[UpOptions,
                         ns.prefill_threads, ns.decode_threads, ns.model,
                         ("--log-level", ns.log_level, "--log-format", ns.log_format))
     # NOTE: the router's config has no worker URLs: `up`'s workers register with it
-    router = config_from_args(RouterConfig, ns)
-    worker = config_from_args(WorkerConfig, ns)
+    router = config_from_args(RouterConfig, ns, accept_registrations=True)
+    worker = config_from_args(WorkerConfig, ns, register=(options.router_url,))
     return options, router, worker, [*engine_flags, *(["--model", ns.model] if ns.model else [])]
 
 
@@ -220,8 +232,13 @@ def _add_router_parser(sub: argparse._SubParsersAction) -> None:
     router.add_argument("--model", default=None, help="checkpoint dir, for the tokenizer and config")
     router.add_argument("--served-model-name", default=None)
     router.add_argument("--max-model-len", type=int, default=None)
-    add_config_args(router, RouterConfig, title="router", required=("decode",))
+    add_config_args(router, RouterConfig, title="router")
     router.set_defaults(func=_router)
+
+
+# NOTE: what `up` decides itself: the membership (workers register with its router), the roles
+UP_SETS_ROUTER = ("prefill", "decode", "accept_registrations", "dns_server", "dns_interval_s")
+UP_SETS_WORKER = ("role", "register", "advertise_url")
 
 
 def _add_up_parser(sub: argparse._SubParsersAction) -> None:
@@ -247,9 +264,9 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
                     help="torch threads per prefill worker (default: CPUs // workers when it starts)")
     up.add_argument("--decode-threads", type=int, default=None,
                     help="torch threads per decode worker (default: CPUs // workers when it starts)")
-    add_config_args(up, RouterConfig, title="router", exclude=("prefill", "decode"))
+    add_config_args(up, RouterConfig, title="router", exclude=UP_SETS_ROUTER)
     # the router's group has the queue flags already; prefill and decode roles come from the counts
-    add_config_args(up, WorkerConfig, title="workers", exclude=("role", "queue"))
+    add_config_args(up, WorkerConfig, title="workers", exclude=("queue", *UP_SETS_WORKER))
     up.set_defaults(func=None, up_parser=up)
 
 

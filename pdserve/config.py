@@ -216,6 +216,43 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     )
 
 
+def _is_http_url(text: str) -> bool:
+    return re.fullmatch(r"https?://[^/\s]+/?", text) is not None
+
+
+def parse_host_port(text: str, default_port: int) -> tuple[str, int]:
+    """'10.0.0.1:5353' -> ('10.0.0.1', 5353); 'dns.local' -> ('dns.local', default_port); '[::1]:53'."""
+    match = re.fullmatch(r"\[([0-9a-fA-F:.]+)\](?::(\d+))?|([^:\s\[\]]+)(?::(\d+))?", text)
+    if match is None:
+        raise ValueError(f"expected HOST[:PORT], got {text!r}")
+    host = match.group(1) or match.group(3)
+    port = int(match.group(2) or match.group(4) or default_port)
+    if not 0 < port < 65536:
+        raise ValueError(f"port out of range in {text!r}")
+    return host, port
+
+
+@dataclass(frozen=True, slots=True)
+class DnsMember:
+    """`dns:NAME:PORT`: every A/AAAA record of NAME is a worker at http://ADDRESS:PORT."""
+
+    name: str
+    port: int
+
+
+def parse_member(text: str) -> str | DnsMember:
+    """A pool member as written on the command line: a worker URL, or `dns:NAME:PORT`."""
+    if text.startswith("dns:"):
+        match = re.fullmatch(r"dns:([A-Za-z0-9_.-]+):(\d+)", text)
+        if match is None or not 0 < int(match.group(2)) < 65536:
+            raise ValueError(f"expected dns:NAME:PORT (e.g. dns:pdserve-decode.default.svc.cluster.local:8000), "
+                             f"got {text!r}")
+        return DnsMember(match.group(1), int(match.group(2)))
+    if not _is_http_url(text):
+        raise ValueError(f"a worker is a URL like http://host:port or dns:NAME:PORT, got {text!r}")
+    return text.rstrip("/")
+
+
 DecodePolicyName = Literal["least-loaded", "round-robin", "prefix-affinity"]
 DECODE_POLICIES: tuple[DecodePolicyName, ...] = ("least-loaded", "round-robin", "prefix-affinity")
 
@@ -237,9 +274,15 @@ class QueueArgs:
 class RouterConfig:
     """Everything the PD router needs besides the model (tokenizer, context window)."""
 
-    prefill: tuple[str, ...] = knob((), "prefill worker URLs (optional with a Redis queue: its consumers are "
-                                        "the prefill pool)")
-    decode: tuple[str, ...] = knob((), "decode worker URLs")
+    prefill: tuple[str, ...] = knob((), "prefill workers: URLs and/or dns:NAME:PORT (every A/AAAA record of NAME a "
+                                        "worker; optional with a Redis queue: its consumers are the prefill pool)")
+    decode: tuple[str, ...] = knob((), "decode workers: URLs and/or dns:NAME:PORT (every A/AAAA record of NAME a "
+                                       "worker, re-resolved every --dns-interval-s)")
+    accept_registrations: bool = knob(False, "let workers join the pool by POST /pd/register (their --register flag)")
+    registration_ttl_s: float = knob(10.0, "a registered worker silent this long is forgotten (workers re-announce "
+                                           "every 2 s)")
+    dns_server: str = knob("", "HOST[:PORT] of the DNS server for dns: members (default: the system's resolver)")
+    dns_interval_s: float = knob(2.0, "how often dns: members are resolved again")
     queue: QueueArgs = field(default_factory=QueueArgs)
     decode_policy: DecodePolicyName = knob("least-loaded", "which decode worker gets a request")
     pd_threshold: int = knob(0, "prompts whose part not cached on the chosen decode worker is shorter than this "
@@ -252,9 +295,13 @@ class RouterConfig:
     def validate(self) -> None:
         self.queue.validate()
         checks = [
-            (bool(self.decode), "the router needs decode workers"),
-            (bool(self.prefill) or self.queue.queue != "memory",
-             "the router needs prefill workers, or a shared (Redis) queue whose consumers are the prefill pool"),
+            (bool(self.decode) or self.accept_registrations,
+             "the router needs decode workers (--decode URL or dns:NAME:PORT, or --accept-registrations)"),
+            (bool(self.prefill) or self.queue.queue != "memory" or self.accept_registrations,
+             "the router needs prefill workers (--prefill, --accept-registrations), or a shared (Redis) queue whose "
+             "consumers are the prefill pool"),
+            (self.registration_ttl_s > 0, "registration_ttl_s must be > 0"),
+            (self.dns_interval_s > 0, "dns_interval_s must be > 0"),
             (self.decode_policy in DECODE_POLICIES,
              f"decode policy must be one of {DECODE_POLICIES}, got {self.decode_policy!r}"),
             (self.pd_threshold >= 0, "pd_threshold must be >= 0"),
@@ -266,6 +313,10 @@ class RouterConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        for member in (*self.prefill, *self.decode):
+            parse_member(member)
+        if self.dns_server:
+            parse_host_port(self.dns_server, 53)
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,6 +332,9 @@ class WorkerConfig:
     kv_failure_policy: Literal["recompute", "fail"] = knob(
         "recompute", "after a timeout and one retry: prefill on the decode worker, or fail the request")
     queue: QueueArgs = field(default_factory=QueueArgs)
+    register: tuple[str, ...] = knob((), "router URLs to join (POST /pd/register once serving, again every 2 s; "
+                                         "leave on drain)")
+    advertise_url: str | None = knob(None, "the URL routers reach this worker at (default http://HOST:PORT)")
     queue_claim_idle_s: float = knob(5.0, "prefill: re-deliver a job whose consumer went silent this long")
     queue_max_deliveries: int = knob(3, "prefill: dead-letter a job after this many deliveries")
 
@@ -295,6 +349,9 @@ class WorkerConfig:
             (self.kv_failure_policy in ("recompute", "fail"), "kv_failure_policy must be recompute or fail"),
             (self.queue_claim_idle_s > 0, "queue_claim_idle_s must be > 0"),
             (self.queue_max_deliveries >= 1, "queue_max_deliveries must be >= 1"),
+            (all(_is_http_url(u) for u in self.register), "--register takes router URLs like http://host:port"),
+            (self.advertise_url is None or _is_http_url(self.advertise_url),
+             "--advertise-url must be a URL like http://host:port"),
         ]
         for ok, message in checks:
             if not ok:

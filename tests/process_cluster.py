@@ -96,14 +96,16 @@ class WorkerProcess:
         return self.log.read_text()[-3000:] if self.log.exists() else ""
 
 
-def spawn_worker(role: str, model_dir: Path, log_dir: Path, flags: list[str]) -> WorkerProcess:
-    port = free_port()
-    log = log_dir / f"{role}-{port}.log"
-    cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "INFO", "serve", "--role", role, "--port", str(port),
-           "--model", str(model_dir), "--dtype", "float32", "--num-threads", "1", "--kv-transport", "tcp", *flags]
+def spawn_worker(role: str, model_dir: Path, log_dir: Path, flags: list[str], host: str = "127.0.0.1",
+                 port: int | None = None) -> WorkerProcess:
+    port = port or free_port()
+    log = log_dir / f"{role}-{host}-{port}.log"
+    cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "INFO", "serve", "--role", role, "--host", host,
+           "--port", str(port), "--model", str(model_dir), "--dtype", "float32", "--num-threads", "1",
+           "--kv-transport", "tcp", "--kv-host", host, *flags]
     with log.open("w") as out:
         popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    return WorkerProcess(role, f"http://127.0.0.1:{port}", popen, log)
+    return WorkerProcess(role, f"http://{host}:{port}", popen, log)
 
 
 def wait_healthy(workers: list[WorkerProcess]) -> None:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from server_fixtures import free_port
 
-from pdserve.cli import build_parser, main, up_plan
+from pdserve.cli import UP_SETS_ROUTER, UP_SETS_WORKER, build_parser, main, up_plan
 from pdserve.config import EngineArgs, QueueArgs, RouterConfig, WorkerConfig, knob
 from pdserve.config_flags import add_config_args, config_from_args, flag_name, to_argv
 from pdserve.ops import up
@@ -81,7 +81,7 @@ def _subcommand(name: str) -> argparse.ArgumentParser:
 @pytest.mark.parametrize(("command", "cls", "skipped"), [
     ("serve", EngineArgs, ()), ("serve", WorkerConfig, ("role", "queue")), ("serve", QueueArgs, ()),
     ("router", RouterConfig, ("queue",)), ("router", QueueArgs, ()),
-    ("up", RouterConfig, ("prefill", "decode", "queue")), ("up", WorkerConfig, ("role", "queue")),
+    ("up", RouterConfig, ("queue", *UP_SETS_ROUTER)), ("up", WorkerConfig, ("queue", *UP_SETS_WORKER)),
     ("up", QueueArgs, ()),
 ])
 def test_every_config_field_is_a_flag_with_the_field_default(command: str, cls: type[Any],
@@ -106,8 +106,19 @@ def test_commands_build_their_configs() -> None:
                                     "--no-enable-prefix-caching", "--preemption-mode", "swap"])
     assert config_from_args(WorkerConfig, ns, role=ns.role) == WorkerConfig(role="prefill", kv_transfer_timeout_ms=250)
     assert config_from_args(EngineArgs, ns) == EngineArgs(enable_prefix_caching=False, preemption_mode="swap")
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["router"])  # --decode is required
+
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["router"], "the router needs decode workers"),
+    (["router", "--prefill", "dns:p:80", "--decode", "dns:decode"], "expected dns:NAME:PORT"),
+    (["router", "--prefill", "dns:p:80", "--decode", "decode:8000"], "a worker is a URL like http://host:port"),
+    (["router", "--prefill", "dns:p:80", "--decode", "dns:d:80", "--dns-server", "x:99999"], "port out of range"),
+])
+def test_router_refuses_a_pool_it_cannot_build(argv: list[str], message: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_up_hands_every_process_the_configs_it_was_given() -> None:
@@ -124,10 +135,10 @@ def test_up_hands_every_process_the_configs_it_was_given() -> None:
         child = build_parser().parse_args(spawned[3:])
         assert config_from_args(WorkerConfig, child, role=child.role) == dataclasses.replace(worker, role=role)
         assert (child.role, child.port, child.max_num_seqs, child.num_threads) == (role, 9001, 4, 1)
-        assert spawned[spawned.index("--register") + 1] == "http://127.0.0.1:8100"
     child = build_parser().parse_args(commands("router", 8100, 3)[3:])
     assert config_from_args(RouterConfig, child) == router and child.port == 8100
-    assert router.prefill == router.decode == () and router.queue.queue == "redis://r:6379/0"
+    assert router.prefill == router.decode == () and router.accept_registrations
+    assert router.queue.queue == "redis://r:6379/0" and worker.register == ("http://127.0.0.1:8100",)
     assert options.supervisor_port == 8101 and options.prefill == up.Replicas(2, 2)
 
 

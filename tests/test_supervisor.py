@@ -246,7 +246,8 @@ def _options(**overrides: object) -> UpOptions:
 
 
 def test_each_worker_gets_the_cores_split_over_the_pool_it_joins() -> None:
-    commands = CommandLines(_options(), RouterConfig(), WorkerConfig(), ("--max-num-seqs", "4"), cpus=8)
+    router, worker = RouterConfig(accept_registrations=True), WorkerConfig(register=("http://127.0.0.1:8000",))
+    commands = CommandLines(_options(), router, worker, ("--max-num-seqs", "4"), cpus=8)
 
     def threads(argv: list[str]) -> int:
         return int(argv[argv.index("--num-threads") + 1])
@@ -256,8 +257,8 @@ def test_each_worker_gets_the_cores_split_over_the_pool_it_joins() -> None:
     assert worker[worker.index("--register") + 1] == "http://127.0.0.1:8000"
     assert worker[worker.index("--port") + 1] == "9002" and worker[worker.index("--role") + 1] == "decode"
     assert worker.index("--max-num-seqs") > worker.index("--num-threads")  # engine flags win
-    router = commands("router", 8000, 3)
-    assert "--accept-registrations" in router and "--decode" not in router and "--prefill" not in router
+    argv = commands("router", 8000, 3)
+    assert "--accept-registrations" in argv and "--decode" not in argv and "--prefill" not in argv
     fixed = CommandLines(_options(prefill_threads=3), RouterConfig(), WorkerConfig(), (), cpus=8)
     assert threads(fixed("prefill", 9001, 6)) == 3 and threads(fixed("decode", 9002, 6)) == 1
     assert threads_per_worker(3, cpus=2) == 1 and threads_per_worker(1, cpus=16) == 16

@@ -122,6 +122,14 @@ class WorkerInfo(BaseModel):
     num_kv_blocks: int
     max_num_batched_tokens: int = 0
     draining: bool = False
+    instance_id: str = ""  # new at each start: a worker back at the same URL is another instance
+
+
+class Registration(BaseModel):
+    """worker -> router (POST /pd/register, again every few seconds; POST /pd/deregister on drain)."""
+
+    role: Literal["prefill", "decode"]
+    url: str = Field(pattern=r"^https?://[^/\s]+/?$")
 
 
 class OutputFrame(BaseModel):

@@ -1,8 +1,8 @@
 """The router's workers: who they are (membership), whether they answer and are ready (GET /pd/info,
 polled: the heartbeat), and their load (what they advertise, plus what this router has on them).
 
-Membership changes only through `WorkerPool.set_members`: today the router's configured URLs set
-it once; a membership source (DNS, registration) would call it again with the new list.
+Membership changes only through `WorkerPool.set_members`, which membership.py calls with the union
+of its sources (static URLs, DNS names, registrations) before each poll.
 """
 
 from __future__ import annotations
@@ -32,10 +32,15 @@ class Worker:
     info: WorkerInfo | None = None
     in_flight: int = 0
     in_flight_tokens: int = 0  # prefill: prompt tokens of the jobs pushed to it and not yet handed off
+    member: bool = True  # False once no membership source lists it: it finishes this router's work, gets no more
 
     @property
     def ready(self) -> bool:
-        return self.info is not None and self.info.ready
+        return self.member and self.info is not None and self.info.ready
+
+    @property
+    def busy(self) -> bool:
+        return self.in_flight > 0 or self.in_flight_tokens > 0
 
     def mark_unreachable(self, exc: WorkerUnreachable) -> None:
         """A call to it failed: it leaves the pool until its next /pd/info answer."""
@@ -62,7 +67,7 @@ async def reach(worker: Worker, call: Awaitable[T]) -> T | None:
 class WorkerPool:
     """Prefill and decode workers by role. Single-threaded (the router's event loop)."""
 
-    def __init__(self, client: WorkerClient, prefill: Iterable[str], decode: Iterable[str]) -> None:
+    def __init__(self, client: WorkerClient, prefill: Iterable[str] = (), decode: Iterable[str] = ()) -> None:
         self._client = client
         self._members: dict[WorkerRole, list[Worker]] = {"prefill": [], "decode": []}
         self.set_members("prefill", prefill)
@@ -70,10 +75,20 @@ class WorkerPool:
 
     def set_members(self, role: WorkerRole, urls: Iterable[str]) -> None:
         """The workers of `role` are now these. A worker already known keeps its state (readiness,
-        in-flight counts); a new one is not ready until it answers a poll; one left out is
-        forgotten (what it still runs finishes, and its counts go with it)."""
+        in-flight counts); a new one is not ready until it answers a poll; one left out gets no
+        new work and is forgotten once this router has nothing left on it (a decode worker's
+        streams, a prefill worker's jobs), so that work can still reach it until it ends."""
         known = {w.url: w for w in self._members[role]}
-        self._members[role] = [known.get(url) or Worker(url, role) for url in (u.rstrip("/") for u in urls)]
+        listed = list(dict.fromkeys(url.rstrip("/") for url in urls))  # NOTE: a worker listed twice is one
+        members = [known.pop(url) if url in known else Worker(url, role) for url in listed]
+        for worker in members:
+            worker.member = True
+        leaving = [w for w in known.values() if w.busy]
+        for worker in leaving:
+            if worker.member:
+                logger.info("%s worker %s left the membership; finishing its work", role, worker.url)
+            worker.member = False
+        self._members[role] = members + leaving
 
     def members(self, role: WorkerRole) -> list[Worker]:
         return list(self._members[role])
@@ -106,6 +121,11 @@ class WorkerPool:
         if info.role != worker.role:
             logger.error("worker %s is a %s worker, listed as %s", worker.url, info.role, worker.role)
             info = info.model_copy(update={"ready": False})
-        if worker.info is None:
+        if worker.info is not None and info.instance_id != worker.info.instance_id:
+            logger.info("%s worker %s restarted (instance %s)", worker.role, worker.url, info.instance_id)
+        if info.ready and not worker.ready:
             logger.info("%s worker %s is in the pool", worker.role, worker.url)
+        elif worker.ready and not info.ready:
+            logger.info("%s worker %s left the pool: %s", worker.role, worker.url,
+                        "draining" if info.draining else "not ready")
         worker.info = info

@@ -43,6 +43,7 @@ from pdserve.disagg.control import (
     WireSamplingParams,
     transfer_id,
 )
+from pdserve.disagg.membership import Membership, Registry
 from pdserve.disagg.policy import DecodePolicy, make_decode_policy
 from pdserve.disagg.pool import Worker, WorkerPool, reach
 from pdserve.disagg.queue import PrefillQueue, PrefillTicket, QueueUnavailable, make_queue, next_attempt
@@ -77,13 +78,15 @@ class PDRouter:
     RouterState serving/ reads (serving/router_stats.py). Used from one event loop."""
 
     def __init__(self, config: RouterConfig, tokenizer: Tokenizer, model_config: Qwen3ModelConfig, model_path: str,
-                 max_model_len: int, *, pool: WorkerPool, queue: PrefillQueue, client: WorkerClient) -> None:
+                 max_model_len: int, *, pool: WorkerPool, queue: PrefillQueue, client: WorkerClient,
+                 membership: Membership | None = None) -> None:
         config.validate()
         self.config = config
         self.tokenizer = tokenizer
         self.model_path = model_path
         self.max_model_len = max_model_len
         self.pool = pool
+        self.membership = membership or Membership(pool, config)
         self.queue = queue
         self.client = client
         self.admission = Admission(config, pool, queue, max_model_len, model_config.vocab_size)
@@ -93,13 +96,17 @@ class PDRouter:
     @classmethod
     def from_config(cls, config: RouterConfig, tokenizer: Tokenizer, model_config: Qwen3ModelConfig,
                     model_path: str, max_model_len: int) -> PDRouter:
-        """The router with its client, pool (`config`'s URLs) and queue (`config.queue`)."""
+        """The router with its client, pool (`config`'s members: URLs, DNS names, registrations)
+        and queue (`config.queue`)."""
         # NOTE: no read timeout: a prefill job's POST answers once its hand-off ended, a stream
         # lasts as long as its request.
         client = WorkerClient(timeout_s=None, connect_timeout_s=_CONNECT_TIMEOUT_S)
-        pool = WorkerPool(client, config.prefill, config.decode)
+        pool = WorkerPool(client)
+        registry = Registry(config.registration_ttl_s) if config.accept_registrations else None
+        membership = Membership(pool, config, registry=registry)
         queue = make_queue(config.queue, pool, client)
-        return cls(config, tokenizer, model_config, model_path, max_model_len, pool=pool, queue=queue, client=client)
+        return cls(config, tokenizer, model_config, model_path, max_model_len, pool=pool, queue=queue, client=client,
+                   membership=membership)
 
     @property
     def alive(self) -> bool:
@@ -118,7 +125,9 @@ class PDRouter:
                            rejections=self.admission.rejections(), events=events)
 
     async def refresh(self) -> None:
-        """Poll the pool (the heartbeat), then let the queue take another look at it."""
+        """Update the membership, poll the pool (the heartbeat), then let the queue take another
+        look at it."""
+        await self.membership.refresh()
         await self.pool.refresh()
         await self.queue.refresh()
 
@@ -154,11 +163,12 @@ class PDRouter:
         """The request on one decode worker after another, until it finishes."""
         sent_tokens: list[int] = []
         sent_text = ""
-        lost: set[str] = set()
+        lost: set[tuple[str, str]] = set()  # (url, instance id) of the decode workers that lost it
         for resume in range(self.config.max_resumes + 1):
             sub_id = request_id if resume == 0 else f"{request_id}~{resume}"
             sub_prompt, sub_params = prompt + sent_tokens, _continuation(params, len(sent_tokens))
             decode, reply = await self._reserve(sub_id, sub_prompt, sub_params, lost)
+            instance = _instance(decode)
             last: RequestOutput | None = None
             try:
                 async for output in self._serve_on(decode, sub_id, sub_prompt, sub_params, reply):
@@ -169,7 +179,7 @@ class PDRouter:
                         output.finished, output.num_cached_tokens)
                 return
             except _DecodeLost as exc:
-                lost.add(decode.url)
+                lost.add(instance)
                 if last is not None:
                     sent_tokens, sent_text = sent_tokens + last.outputs[0].token_ids, sent_text + last.outputs[0].text
                 if resume == self.config.max_resumes:
@@ -179,15 +189,18 @@ class PDRouter:
                                len(sent_tokens))
 
     async def _reserve(self, request_id: str, prompt: list[int], params: SamplingParams,
-                       exclude: set[str]) -> tuple[Worker, ReserveReply]:
-        """Blocks for the prompt on the first decode worker (in the policy's order) with room."""
+                       exclude: set[tuple[str, str]]) -> tuple[Worker, ReserveReply]:
+        """Blocks for the prompt on the first decode worker (in the policy's order) with room, none
+        of the instances in `exclude` (which lost it before). A request that resumes waits for a
+        decode worker (a restarted one, a new one) until the deadline; a new one gets a 503 at once
+        when none is ready."""
         request = ReserveRequest(request_id=request_id, transfer_id=transfer_id(request_id, 0),
                                  prompt_token_ids=prompt, params=WireSamplingParams.of(params))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.reserve_deadline_s
         while True:
-            candidates = [w for w in self.pool.ready("decode") if w.url not in exclude]
-            if not candidates:
+            candidates = [w for w in self.pool.ready("decode") if _instance(w) not in exclude]
+            if not candidates and (not exclude or loop.time() > deadline):
                 self.admission.reject("no_decode_worker", "no decode worker is ready", HTTPStatus.SERVICE_UNAVAILABLE)
             for worker in await self.policy.order(candidates, prompt):
                 try:
@@ -276,6 +289,11 @@ class PDRouter:
         if ticket is not None:
             await self.queue.cancel(ticket)
         await reach(decode, self.client.abort(decode.url, request_id))
+
+
+def _instance(worker: Worker) -> tuple[str, str]:
+    """Which process a worker is: its URL and the instance id of its last /pd/info answer."""
+    return worker.url, worker.info.instance_id if worker.info is not None else ""
 
 
 def _continuation(params: SamplingParams, num_sent: int) -> SamplingParams:

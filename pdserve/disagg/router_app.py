@@ -1,5 +1,6 @@
 """The router's HTTP app: the OpenAI API of serving/app.py over the PD router (with its metrics
-and live dashboard), plus GET /workers (the pool) and GET /router/stats (queue and counters)."""
+and live dashboard), plus GET /workers (the pool), GET /router/stats (queue and counters) and
+POST /pd/register, /pd/deregister (workers joining and leaving; with --accept-registrations)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from http import HTTPStatus
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
+from pdserve.disagg.control import Registration
 from pdserve.disagg.router import PDRouter
 from pdserve.serving.app import create_app
+from pdserve.serving.errors import error_response
 from pdserve.serving.router_stats import RouterStats
 
 
@@ -39,7 +43,27 @@ def create_router_app(router: PDRouter, model_name: str) -> FastAPI:
     async def stats() -> JSONResponse:
         return JSONResponse(stats_json(router.stats()))
 
+    _add_registration_routes(app, router)
     return app
+
+
+def _add_registration_routes(app: FastAPI, router: PDRouter) -> None:
+    registry = router.membership.registry
+    refused = ("this router does not accept registrations (start it with --accept-registrations)",
+               HTTPStatus.FORBIDDEN)
+
+    @app.post("/pd/register")
+    async def register(body: Registration) -> Response:
+        if registry is None:
+            return error_response(*refused)
+        registry.register(body.role, body.url)
+        return JSONResponse({"registered": body.url})
+
+    @app.post("/pd/deregister")
+    async def deregister(body: Registration) -> Response:
+        if registry is None:
+            return error_response(*refused)
+        return JSONResponse({"deregistered": registry.deregister(body.url)})
 
 
 def stats_json(stats: RouterStats) -> dict[str, object]:

@@ -16,7 +16,8 @@
              POST /pd/abort/{transfer id}
 
 Draining (SIGTERM, see `Worker.drain`): /pd/info says `draining`, so routers stop sending work,
-new reservations and jobs get 503, and what is in flight finishes.
+new reservations and jobs get 503, and what is in flight finishes. A worker with `--register`
+routers announces itself to them while it serves (registrar.py) and leaves when it drains.
 
 `build_worker` wires one worker from its engine and `WorkerConfig`; the role's routes are in
 worker_routes.py.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import uuid
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -42,6 +44,7 @@ from pdserve.disagg.decode_service import DecodeService
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.kv_streamer import KVStreamer
 from pdserve.disagg.prefill_service import PrefillService
+from pdserve.disagg.registrar import Registrar
 from pdserve.disagg.sender_pool import SenderPool
 from pdserve.disagg.transport import make_receiver, nixl_available
 from pdserve.disagg.worker_routes import add_decode_routes, add_prefill_routes
@@ -63,6 +66,7 @@ class Worker:
     client: AsyncLLM  # the engine thread
     service: PrefillService | DecodeService
     consumer: RedisJobConsumer | None = None  # prefill with a Redis queue: what feeds `service`
+    registrar: Registrar | None = None  # with --register: announces the worker to its routers
 
     def drain(self) -> None:
         """Stop taking work (SIGTERM): routers see `draining` and stop sending; new reservations
@@ -95,10 +99,15 @@ def build_worker(engine: LLMEngine, config: WorkerConfig, model_name: str, *,
         senders = SenderPool(transport, layout, engine.runner.kv_cache, sender_options)
         service = PrefillService(client, streamer, senders, config.transfer_timeout_s)
         consumer = _queue_consumer(service, config)
+    registrar = None
+    if config.register:
+        if config.advertise_url is None:
+            raise ValueError("a worker with --register needs the URL routers reach it at (--advertise-url)")
+        registrar = Registrar(config.register, config.role, config.advertise_url, lambda: service.draining)
     app = FastAPI(title=f"pdserve {config.role} worker", exception_handlers=EXCEPTION_HANDLERS,
-                  lifespan=None if consumer is None else _consuming(consumer))
+                  lifespan=_background(consumer, registrar))
     install_engine_metrics(app, client, metrics, service.stats)  # GET /metrics (serving/metrics.py)
-    worker = Worker(app, client, service, consumer)
+    worker = Worker(app, client, service, consumer, registrar)
     _add_common_routes(worker, config.role, model_name, layout, transport)
     if isinstance(service, DecodeService):
         add_decode_routes(app, service)
@@ -116,25 +125,33 @@ def _queue_consumer(service: PrefillService, config: WorkerConfig) -> RedisJobCo
                             claim_idle_s=config.queue_claim_idle_s, max_deliveries=config.queue_max_deliveries)
 
 
-def _consuming(consumer: RedisJobConsumer) -> Lifespan:
-    """The app's lifespan: the consumer pulls while the app serves; stopping drains it."""
+def _background(consumer: RedisJobConsumer | None, registrar: Registrar | None) -> Lifespan:
+    """The app's lifespan: the queue consumer pulls and the registrar announces while the app
+    serves; stopping drains the consumer and ends the registrar (which deregisters)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(consumer.run())
+        consuming = None if consumer is None else asyncio.create_task(consumer.run())
+        announcing = None if registrar is None else asyncio.create_task(registrar.run())
         try:
             yield
         finally:
-            consumer.stop()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            await consumer.close()
+            if announcing is not None:
+                announcing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await announcing
+            if consumer is not None and consuming is not None:
+                consumer.stop()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await consuming
+                await consumer.close()
 
     return lifespan
 
 
 def _add_common_routes(worker: Worker, role: Role, model_name: str, layout: KVLayout, transport: str) -> None:
     client, service, app = worker.client, worker.service, worker.app
+    instance_id = uuid.uuid4().hex[:12]
     kv_address = service.receiver.address if isinstance(service, DecodeService) else None
 
     @app.get("/health")
@@ -151,7 +168,7 @@ def _add_common_routes(worker: Worker, role: Role, model_name: str, layout: KVLa
                           num_running=stats.num_running, num_waiting=stats.num_waiting,
                           num_free_kv_blocks=stats.num_free_kv_blocks, num_kv_blocks=stats.num_kv_blocks,
                           max_num_batched_tokens=client.engine.config.scheduler.max_num_batched_tokens,
-                          draining=service.draining)
+                          draining=service.draining, instance_id=instance_id)
 
     @app.get("/pd/stats")
     async def stats() -> JSONResponse:

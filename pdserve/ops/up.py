@@ -88,8 +88,8 @@ class CommandLines:
     and a `--num-threads` among the engine flags overrides both)."""
 
     options: UpOptions
-    router: RouterConfig
-    worker: WorkerConfig
+    router: RouterConfig  # no worker URLs, accepts registrations: any worker can come and go
+    worker: WorkerConfig  # registers with the router (its role is each slot's)
     engine_flags: tuple[str, ...]  # every worker's, after up's own (so they win); --model included
     cpus: int
 
@@ -97,14 +97,13 @@ class CommandLines:
         head = [sys.executable, "-m", "pdserve.cli", *self.options.log_flags]
         if role == "router":
             model = ["--model", self.options.model] if self.options.model else []
-            # NOTE: no worker URLs: workers register themselves, so any of them can come and go
-            return [*head, "router", "--port", str(port), *to_argv(self.router), *model, "--accept-registrations"]
+            return [*head, "router", "--port", str(port), *to_argv(self.router), *model]
         explicit = self.options.prefill_threads if role == "prefill" else self.options.decode_threads
         threads = explicit or threads_per_worker(num_workers, self.cpus)
         # NOTE: later flags win: the engine flags over --num-threads and over the worker config; the
-        # role, port and registration over anything in the engine flags
+        # role and port over anything in the engine flags
         return [*head, "serve", "--num-threads", str(threads), *to_argv(self.worker, exclude=("role",)),
-                *self.engine_flags, "--role", role, "--port", str(port), "--register", self.options.router_url]
+                *self.engine_flags, "--role", role, "--port", str(port)]
 
 
 def read_pool(http: httpx.Client, router_url: str) -> list[PoolEntry] | None:

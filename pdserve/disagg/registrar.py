@@ -1,0 +1,88 @@
+"""A worker's side of registration (`--register http://ROUTER`): once its own server answers,
+POST /pd/register to every router, again every `interval_s` (the heartbeat: a router that
+restarted relearns its workers within one interval), and POST /pd/deregister when the worker
+starts draining. Registration only makes a worker a member: the router still sends it nothing
+until its GET /pd/info says ready (membership.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+import httpx
+
+from pdserve.disagg.control import Registration
+from pdserve.serving.router_stats import WorkerRole
+
+logger = logging.getLogger(__name__)
+_TIMEOUT_S = 2.0
+_TICK_S = 0.1
+
+
+class Registrar:
+    def __init__(self, routers: tuple[str, ...], role: WorkerRole, url: str, draining: Callable[[], bool], *,
+                 interval_s: float = 2.0) -> None:
+        self._routers = [r.rstrip("/") for r in routers]
+        self._body = Registration(role=role, url=url).model_dump()
+        self._url = url.rstrip("/")
+        self._draining = draining
+        self._interval_s = interval_s
+        self._answering: dict[str, bool] = {}  # router -> did it take the last announcement
+
+    async def run(self) -> None:
+        """Until cancelled; deregisters once draining starts (or on cancel, best effort)."""
+        async with httpx.AsyncClient(timeout=_TIMEOUT_S) as http:
+            try:
+                await self._until_serving(http)
+                while not self._draining():
+                    await asyncio.gather(*(self._announce(http, router) for router in self._routers))
+                    await self._sleep(self._interval_s)
+            finally:
+                await self._leave(http)
+
+    async def _sleep(self, seconds: float) -> None:
+        """`seconds`, or less once draining starts."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + seconds
+        while not self._draining() and loop.time() < end:
+            await asyncio.sleep(_TICK_S)
+
+    async def _until_serving(self, http: httpx.AsyncClient) -> None:
+        """Until this worker answers at the URL it advertises (so no router polls it before it
+        listens, and a wrong --advertise-url shows up in the log)."""
+        warned = False
+        while not self._draining():
+            try:
+                if (await http.get(f"{self._url}/health")).status_code == 200:
+                    return
+            except httpx.HTTPError as exc:
+                if not warned:
+                    logger.info("waiting to answer at %s before registering (%r)", self._url, exc)
+                    warned = True
+            await self._sleep(0.2)
+
+    async def _announce(self, http: httpx.AsyncClient, router: str) -> None:
+        try:
+            reply = await http.post(f"{router}/pd/register", json=self._body)
+            ok, why = reply.status_code == 200, f"HTTP {reply.status_code}: {reply.text[:200]}"
+        except httpx.HTTPError as exc:
+            ok, why = False, repr(exc)
+        if ok != self._answering.get(router):
+            if ok:
+                logger.info("registered with router %s as %s worker %s", router, self._body["role"], self._url)
+            else:
+                logger.warning("router %s did not take the registration: %s", router, why)
+        self._answering[router] = ok
+
+    async def _leave(self, http: httpx.AsyncClient) -> None:
+        async def one(router: str) -> None:
+            with contextlib.suppress(httpx.HTTPError):
+                await http.post(f"{router}/pd/deregister", json=self._body)
+
+        if any(self._answering.values()):
+            await asyncio.gather(*(one(r) for r, ok in self._answering.items() if ok))
+            logger.info("deregistered from %d router(s)", sum(self._answering.values()))
+            self._answering.clear()
