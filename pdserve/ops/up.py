@@ -246,10 +246,8 @@ def run(options: UpOptions, router: RouterConfig, worker: WorkerConfig, engine_f
         monitor.start()
         wait_ready(supervisor, options.router_url)
         _banner(options, f"http://{HOST}:{options.supervisor_port}/metrics" if metrics else None)
-        while not (why := supervisor.hopeless()):
-            time.sleep(0.5)
-        print(f"pdserve up: {why}; stopping", file=sys.stderr)
-        return 1
+        _serve_until_interrupted(supervisor)
+        return 0
     except RuntimeError as exc:
         print(f"pdserve up: {exc}; stopping", file=sys.stderr)
         return 1
@@ -261,6 +259,17 @@ def run(options: UpOptions, router: RouterConfig, worker: WorkerConfig, engine_f
         supervisor.stop(hurried=lambda: interrupts.hurry)
         if metrics is not None:
             metrics.shutdown()
+
+
+def _serve_until_interrupted(supervisor: Supervisor) -> None:
+    """Sleep: the monitor does the work. A role whose every slot failed is said once, and the rest
+    stays up (the autoscaler, if on, starts new slots up to the role's minimum)."""
+    said = None
+    while True:
+        if (why := supervisor.hopeless()) and why != said:
+            logger.error("pdserve up: %s: the deployment cannot serve until that is fixed (Ctrl-C stops it)", why)
+        said = why
+        time.sleep(0.5)
 
 
 def _serve_metrics(registry: CollectorRegistry, port: int) -> WSGIServer | None:
