@@ -19,7 +19,8 @@ One request:
      `kv_retry` frame (the transfer stalled) makes a new prefill attempt. A decode worker lost
      mid-stream: the request resumes on another one, prefilled over prompt + tokens already sent,
      so the client sees no duplicated and no missing token (exact for greedy decoding; a sampled
-     continuation is a fresh sample). No decode worker left: the error reaches the client.
+     continuation is a fresh sample). No decode worker left: it waits for one (restarted, new) until
+     `reserve_deadline_s`, then the error reaches the client.
   Leaving early (client gone) aborts the request on every worker, which frees every block.
 """
 
