@@ -96,6 +96,18 @@ _COLOURED_PIXELS = """((top, bottom) => {
 })"""
 
 
+def _check_tables(browser: Any) -> None:
+    """After load: both workers listed ready, latencies shown, KV usage as a percentage."""
+    rows = browser.evaluate("document.querySelectorAll('#workers tbody tr').length")
+    assert rows == 2
+    states = browser.evaluate("[...document.querySelectorAll('#workers tbody tr td:nth-child(3)')]"
+                              ".map(td => td.textContent)")
+    assert states == ["ready", "ready"]
+    assert browser.evaluate("document.getElementById('ttft').textContent") != "– / – / –"
+    kv = browser.evaluate("document.querySelector('#workers tbody tr:nth-child(2) td:nth-child(6)').textContent")
+    assert kv.strip().endswith("%"), kv
+
+
 def _check_replica_chart(browser: Any) -> None:
     """The ready workers per role, one point per poll, drawn as two lines (below the legend)."""
     assert browser.evaluate("document.getElementById('replicas-now').textContent") == "prefill 1 · decode 1"
@@ -152,14 +164,7 @@ def test_dashboard_in_headless_chromium(cluster: Cluster) -> None:
         assert not load.failures, load.failures[:2]
         assert finished() >= start + 3, "the page's finished-request count did not follow the load"
         assert any(t > 0 for t in seen_tps), f"output tokens/s never moved: {seen_tps}"
-        rows = browser.evaluate("document.querySelectorAll('#workers tbody tr').length")
-        assert rows == 2
-        states = browser.evaluate("[...document.querySelectorAll('#workers tbody tr td:nth-child(3)')]"
-                                  ".map(td => td.textContent)")
-        assert states == ["ready", "ready"]
-        assert browser.evaluate("document.getElementById('ttft').textContent") != "– / – / –"
-        kv = browser.evaluate("document.querySelector('#workers tbody tr:nth-child(2) td:nth-child(6)').textContent")
-        assert kv.strip().endswith("%"), kv
+        _check_tables(browser)
         _check_replica_chart(browser)
         browser.pump(0.5)
         assert browser.errors == [], browser.errors

@@ -101,19 +101,23 @@ class ServerMetrics:
             self.transfer_rate = hist("pdserve:kv_transfer_throughput_bytes_per_second",
                                       "Bytes / duration of each hand-off that moved any", THROUGHPUT_BUCKETS)
         if role == "router":
-            phases = Histogram("pdserve:ttft_phase_seconds",
-                               "TTFT breakdown per request: router_queue, prefill_queue, prefill_compute, "
-                               "transfer (rest: hand-off tail + hops), first_decode_step (s)",
-                               [*labels, "phase"], buckets=TTFT_BUCKETS, registry=self.registry)
-            self.phases = {p: phases.labels(**self.labels, phase=p) for p in TTFT_PHASES}
-            self.queue_latency = hist("pdserve:prefill_queue_latency_seconds",
-                                      "Router: arrival to prefill start (the router_queue + prefill_queue phases) "
-                                      "of requests handed off (s)", QUEUE_LATENCY_BUCKETS)
-            self.request_tpot = hist("pdserve:request_time_per_output_token_seconds",
-                                     "Router: (last token - first token) / (tokens - 1) of finished requests, as "
-                                     "the client saw them (s)", TPOT_BUCKETS)
+            self._add_router_histograms(hist)
         self.recent_ttft_s: deque[float] = deque(maxlen=_RECENT)
         self.recent_tpot_s: deque[float] = deque(maxlen=_RECENT)
+
+    def _add_router_histograms(self, hist: Callable[[str, str, tuple[float, ...]], Any]) -> None:
+        """The TTFT breakdown, and the latencies the autoscaler reads (pdserve/ops/signals.py)."""
+        phases = Histogram("pdserve:ttft_phase_seconds",
+                           "TTFT breakdown per request: router_queue, prefill_queue, prefill_compute, "
+                           "transfer (rest: hand-off tail + hops), first_decode_step (s)",
+                           [*self.labels, "phase"], buckets=TTFT_BUCKETS, registry=self.registry)
+        self.phases = {p: phases.labels(**self.labels, phase=p) for p in TTFT_PHASES}
+        self.queue_latency = hist("pdserve:prefill_queue_latency_seconds",
+                                  "Router: arrival to prefill start (the router_queue + prefill_queue phases) of "
+                                  "requests handed off (s)", QUEUE_LATENCY_BUCKETS)
+        self.request_tpot = hist("pdserve:request_time_per_output_token_seconds",
+                                 "Router: (last token - first token) / (tokens - 1) of finished requests, as the "
+                                 "client saw them (s)", TPOT_BUCKETS)
 
     def observe_transfer(self, record: TransferRecord) -> None:
         self.transfer_s.observe(record.duration_s)
