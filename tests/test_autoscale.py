@@ -5,6 +5,7 @@ is a log line and a metric."""
 
 from __future__ import annotations
 
+import argparse
 import bisect
 import re
 from dataclasses import dataclass, field, replace
@@ -13,6 +14,7 @@ from datetime import datetime
 import pytest
 from prometheus_client import CollectorRegistry
 
+from pdserve.config_flags import add_config_args, config_from_args, to_argv
 from pdserve.ops.autoscale import AutoscaleConfig, Autoscaler, Decision, HistogramSnapshot, Role, Signals
 
 BOUNDS: dict[Role, tuple[int, int]] = {"prefill": (1, 3), "decode": (1, 4)}
@@ -294,3 +296,16 @@ def test_metrics_count_every_decision_and_show_the_desired_size() -> None:
     assert run.metric("pdserve:autoscaler_decisions_total", role="decode", direction="out",
                       reason="tpot_p99") is None
     assert len(run.decisions) == 4
+
+
+def test_every_knob_is_a_flag_and_survives_the_command_line() -> None:
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, AutoscaleConfig)
+    config = config_from_args(AutoscaleConfig, parser.parse_args(
+        ["--autoscale-window-s", "5", "--decode-tpot-target-ms", "80", "--prewarm", "08:00-10:00=decode:2",
+         "22:00-02:00=prefill:2"]))
+    assert config == replace(AutoscaleConfig(), autoscale_window_s=5, decode_tpot_target_ms=80,
+                             prewarm=("08:00-10:00=decode:2", "22:00-02:00=prefill:2"))
+    assert config_from_args(AutoscaleConfig, parser.parse_args(to_argv(config))) == config
+    assert config_from_args(AutoscaleConfig, parser.parse_args([])) == AutoscaleConfig()
+    assert "--scale-in-cooldown-s" in parser.format_help() and "--prefill-queue-low" in parser.format_help()
