@@ -60,9 +60,11 @@ from pdserve.config import knob
 from pdserve.ops.prewarm import PrewarmRule, parse_prewarm, prewarm_minimum
 from pdserve.ops.signals import ROLES, HistogramSnapshot, Role, Signals, mean, quantile
 
-__all__ = ["AutoscaleConfig", "Autoscaler", "Decision", "HistogramSnapshot", "Role", "Signals"]
+__all__ = ["AutoscaleConfig", "Autoscaler", "Decision", "HistogramSnapshot", "Reason", "Role", "Signals"]
 
 Direction = Literal["out", "in"]
+Reason = Literal["queue_depth", "queue_latency", "running_per_worker", "tpot_p99", "tpot_avg", "idle", "prewarm",
+                 "bounds"]
 _STALE_S = 5.0  # a window whose newest reading is older than this decides nothing
 
 
@@ -122,7 +124,7 @@ class Decision:
     current: int
     desired: int
     direction: Direction
-    reason: str  # for metrics: queue_depth | queue_latency | running_per_worker | tpot_p99 | tpot_avg | idle | ...
+    reason: Reason  # the rule, a label of pdserve:autoscaler_decisions_total
     detail: str  # for people: "running/instance 17.5 > 15 for 60 s"
 
     def log_line(self) -> str:
@@ -135,7 +137,7 @@ class _Proposal:
 
     direction: Direction
     desired: int
-    reason: str
+    reason: Reason
     detail: str
 
 
