@@ -121,7 +121,7 @@ class PDRouter:
         events = RouterEvents(kv_retries=self._events.kv_retries, redispatched=queue.num_redispatched,
                               resumed=self._events.resumed, prefilled_on_decode=self._events.prefilled_on_decode)
         return RouterStats(queued_requests=self.admission.num_queued, queued_tokens=self.admission.num_queued_tokens,
-                           dispatch_pending=queue.num_pending, queue=queue.kind,
+                           dispatch_pending=queue.num_pending, queue_backlog=queue.num_backlog, queue=queue.kind,
                            live_queue_consumers=queue.num_live_consumers, queue_error=queue.error,
                            rejections=self.admission.rejections(), events=events)
 
