@@ -3,7 +3,7 @@
 
 A field `max_queued_requests: int = knob(512, "help")` becomes `--max-queued-requests` (int, default
 512, that help). Types map as: `X | None` -> X; `Literal[...]` -> choices; `bool` -> `--x/--no-x`;
-`tuple[X, ...]` -> one or more values; a field whose type is itself a config dataclass (`queue:
+`tuple[X, ...]` -> one or more values, the flag repeatable; a field whose type is itself a config dataclass (`queue:
 QueueArgs`) contributes that class's flags, unprefixed.
 
     add_config_args(parser, RouterConfig)          # the flags
@@ -56,6 +56,17 @@ def _strip_none(tp: Any) -> Any:
     raise TypeError(f"no flag type for {tp}")
 
 
+class _Repeatable(argparse.Action):
+    """A tuple field's flag: `--decode A B` and `--decode A --decode B` both give (A, B); the first
+    use replaces the field's default rather than adding to it."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        current = getattr(namespace, self.dest, None)
+        earlier = () if current is None or current is self.default else tuple(current)
+        setattr(namespace, self.dest, earlier + tuple(values))
+
+
 def _argparse_kwargs(tp: Any) -> dict[str, Any]:
     """How argparse reads a value of type `tp` (strings need no `type`)."""
     tp = _strip_none(tp)
@@ -67,7 +78,7 @@ def _argparse_kwargs(tp: Any) -> dict[str, Any]:
             {"choices": choices, "type": type(choices[0])}
     if get_origin(tp) is tuple:
         item = get_args(tp)[0]
-        return {"nargs": "+"} | ({} if item is str else {"type": item})
+        return {"nargs": "+", "action": _Repeatable} | ({} if item is str else {"type": item})
     if tp in (int, float):
         return {"type": tp}
     if tp is str:

@@ -49,6 +49,8 @@ def test_each_type_maps_to_its_flag_and_back() -> None:
     ns = _parse(_Sample, ["--name", "x", "--count", "4", "--mode", "b", "--no-on", "--urls", "u", "v",
                           "--sizes", "5", "--size", "2GiB", "--depth-s", "0.5"])
     assert config_from_args(_Sample, ns) == _Sample("x", 4, "b", False, ("u", "v"), (5,), "2GiB", _Inner(0.5))
+    ns = _parse(_Sample, ["--sizes", "5", "--sizes", "6", "7"])  # repeated: the uses add up, not the default
+    assert config_from_args(_Sample, ns).sizes == (5, 6, 7)
     assert config_from_args(_Sample, _parse(_Sample, [])) == _Sample()
     with pytest.raises(SystemExit):
         _parse(_Sample, ["--mode", "c"])
@@ -102,6 +104,8 @@ def test_commands_build_their_configs() -> None:
                                     "--queue", "redis://r:6379/0", "--max-resumes", "5"])
     assert config_from_args(RouterConfig, ns) == RouterConfig(
         decode=("http://d",), decode_policy="round-robin", queue=QueueArgs("redis://r:6379/0"), max_resumes=5)
+    ns = build_parser().parse_args(["router", "--decode", "http://a", "http://b", "--decode", "dns:c:80"])
+    assert config_from_args(RouterConfig, ns).decode == ("http://a", "http://b", "dns:c:80")  # repeatable
     ns = build_parser().parse_args(["serve", "--role", "prefill", "--kv-transfer-timeout-ms", "250",
                                     "--no-enable-prefix-caching", "--preemption-mode", "swap"])
     assert config_from_args(WorkerConfig, ns, role=ns.role) == WorkerConfig(role="prefill", kv_transfer_timeout_ms=250)

@@ -72,6 +72,7 @@ def test_dashboard_data_aggregates_router_and_workers(cluster: Cluster) -> None:
     assert router["ttft_ms"]["p50"] is not None and router["tpot_ms"]["p99"] is not None
     workers = {w["role"]: w for w in after["workers"]}
     assert set(workers) == {"prefill", "decode"} and all(w["reachable"] and w["ready"] for w in workers.values())
+    assert after["ready_workers"] == {"prefill": 1, "decode": 1}
     assert workers["decode"]["kv_usage"] == 0.0  # idle again
     assert workers["decode"]["kv_transfer_bytes_total"] > before_bytes(before)
     assert workers["prefill"]["prefill_tokens_total"] >= 30
@@ -79,6 +80,44 @@ def test_dashboard_data_aggregates_router_and_workers(cluster: Cluster) -> None:
 
 def before_bytes(data: dict[str, Any]) -> float:
     return next(w["kv_transfer_bytes_total"] for w in data["workers"] if w["role"] == "decode")
+
+
+# Pixels of each role's colour (ROLE_COLORS in dashboard.html) in rows [top, bottom) of the replica chart.
+_COLOURED_PIXELS = """((top, bottom) => {
+  const canvas = document.getElementById("replicas");
+  const data = canvas.getContext("2d").getImageData(0, top, canvas.width, bottom - top).data;
+  const near = (i, rgb) => data[i + 3] > 100 && rgb.every((c, k) => Math.abs(data[i + k] - c) < 40);
+  const counts = {prefill: 0, decode: 0};
+  for (let i = 0; i < data.length; i += 4) {
+    if (near(i, [204, 119, 51])) counts.prefill += 1;
+    if (near(i, [51, 119, 170])) counts.decode += 1;
+  }
+  return counts;
+})"""
+
+
+def _check_tables(browser: Any) -> None:
+    """After load: both workers listed ready, latencies shown, KV usage as a percentage."""
+    rows = browser.evaluate("document.querySelectorAll('#workers tbody tr').length")
+    assert rows == 2
+    states = browser.evaluate("[...document.querySelectorAll('#workers tbody tr td:nth-child(3)')]"
+                              ".map(td => td.textContent)")
+    assert states == ["ready", "ready"]
+    assert browser.evaluate("document.getElementById('ttft').textContent") != "– / – / –"
+    kv = browser.evaluate("document.querySelector('#workers tbody tr:nth-child(2) td:nth-child(6)').textContent")
+    assert kv.strip().endswith("%"), kv
+
+
+def _check_replica_chart(browser: Any) -> None:
+    """The ready workers per role, one point per poll, drawn as two lines (below the legend)."""
+    assert browser.evaluate("document.getElementById('replicas-now').textContent") == "prefill 1 · decode 1"
+    assert browser.evaluate("replicaHistory.length") >= 3
+    assert browser.evaluate("replicaHistory.every(p => p.prefill === 1 && p.decode === 1)")
+    # one worker each of a scale of 0..2: both lines near the middle row (66), nothing above or below
+    middle = browser.evaluate(f"{_COLOURED_PIXELS}(60, 72)")
+    assert middle["prefill"] > 20 and middle["decode"] > 20, middle
+    for rows in ((20, 60), (72, 120)):
+        assert browser.evaluate(f"{_COLOURED_PIXELS}{rows}") == {"prefill": 0, "decode": 0}, rows
 
 
 def test_percentiles_are_nearest_rank() -> None:
@@ -125,14 +164,8 @@ def test_dashboard_in_headless_chromium(cluster: Cluster) -> None:
         assert not load.failures, load.failures[:2]
         assert finished() >= start + 3, "the page's finished-request count did not follow the load"
         assert any(t > 0 for t in seen_tps), f"output tokens/s never moved: {seen_tps}"
-        rows = browser.evaluate("document.querySelectorAll('#workers tbody tr').length")
-        assert rows == 2
-        states = browser.evaluate("[...document.querySelectorAll('#workers tbody tr td:nth-child(3)')]"
-                                  ".map(td => td.textContent)")
-        assert states == ["ready", "ready"]
-        assert browser.evaluate("document.getElementById('ttft').textContent") != "– / – / –"
-        kv = browser.evaluate("document.querySelector('#workers tbody tr:nth-child(2) td:nth-child(6)').textContent")
-        assert kv.strip().endswith("%"), kv
+        _check_tables(browser)
+        _check_replica_chart(browser)
         browser.pump(0.5)
         assert browser.errors == [], browser.errors
     finally:

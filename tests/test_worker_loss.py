@@ -32,7 +32,7 @@ def cluster(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
     cluster = ProcessCluster(prefill, decode, None)  # type: ignore[arg-type]
     try:
         wait_healthy(decode + prefill)
-        cluster.router = start_router(model_dirs["tiny"], prefill, decode)
+        cluster.router = start_router(model_dirs["tiny"], prefill, decode, accept_registrations=True)
         yield cluster
     finally:
         cluster.stop()
@@ -122,10 +122,13 @@ def test_sigterm_drains_a_decode_worker(cluster: ProcessCluster, colocated: LLM,
     assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 120
     assert drained[0].popen.wait(_EXIT_TIMEOUT_S) == 0, drained[0].tail()
     # the pool goes on without it, and a replacement joins
-    replacement = spawn_worker("decode", model_dirs["tiny"], tmp_path, FLAGS)
+    replacement = spawn_worker("decode", model_dirs["tiny"], tmp_path, FLAGS + ["--register", cluster.router.url])
     cluster.decode.append(replacement)  # stopped with the cluster, whatever happens
     wait_healthy([replacement])
-    cluster.router.client.pool.set_members("decode", [w.url for w in cluster.decode])
+    deadline = time.monotonic() + 10
+    while not any(w.url == replacement.url and w.ready for w in cluster.router.client.workers()):
+        assert time.monotonic() < deadline, "the replacement did not join by registering"
+        time.sleep(0.1)
     with httpx.Client(base_url=cluster.router.url, timeout=60) as http:
         for seed in range(3):
             reply = http.post("/v1/completions", json={"prompt": random_prompt(30, seed=seed), "max_tokens": 4})

@@ -19,7 +19,8 @@ One request:
      `kv_retry` frame (the transfer stalled) makes a new prefill attempt. A decode worker lost
      mid-stream: the request resumes on another one, prefilled over prompt + tokens already sent,
      so the client sees no duplicated and no missing token (exact for greedy decoding; a sampled
-     continuation is a fresh sample). No decode worker left: the error reaches the client.
+     continuation is a fresh sample). No decode worker left: it waits for one (restarted, new) until
+     `reserve_deadline_s`, then the error reaches the client.
   Leaving early (client gone) aborts the request on every worker, which frees every block.
 """
 
@@ -120,7 +121,7 @@ class PDRouter:
         events = RouterEvents(kv_retries=self._events.kv_retries, redispatched=queue.num_redispatched,
                               resumed=self._events.resumed, prefilled_on_decode=self._events.prefilled_on_decode)
         return RouterStats(queued_requests=self.admission.num_queued, queued_tokens=self.admission.num_queued_tokens,
-                           dispatch_pending=queue.num_pending, queue=queue.kind,
+                           dispatch_pending=queue.num_pending, queue_backlog=queue.num_backlog, queue=queue.kind,
                            live_queue_consumers=queue.num_live_consumers, queue_error=queue.error,
                            rejections=self.admission.rejections(), events=events)
 

@@ -1,8 +1,9 @@
 """The router's live page: `GET /dashboard` (one self-contained HTML file, no external resources)
 polls `GET /dashboard/data`, which this module assembles from the router's own metrics and each
 worker's `/metrics` (scraped on demand, 1 s timeout each, so a dead worker shows as unreachable
-instead of stalling the page). Rates (tokens/s, bytes/s) are computed by the page from successive
-counter readings.
+instead of stalling the page), and the ready workers per role as the router's pool sees them (the
+page charts them over time: the pool growing and shrinking). Rates (tokens/s, bytes/s) are
+computed by the page from successive counter readings.
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ def install_dashboard(app: FastAPI, metrics: ServerMetrics, router: RouterState)
 
     @app.get("/dashboard/data", include_in_schema=False)
     async def dashboard_data() -> dict[str, Any]:
+        views = router.workers()
         async with httpx.AsyncClient(timeout=_SCRAPE_TIMEOUT_S) as http:
-            workers = await asyncio.gather(*(scrape(http, w) for w in router.workers()))
+            workers = await asyncio.gather(*(scrape(http, w) for w in views))
         return {
             "time": time.time(),
             "model": metrics.model_name,
@@ -94,4 +96,6 @@ def install_dashboard(app: FastAPI, metrics: ServerMetrics, router: RouterState)
                 "tpot_ms": percentiles_ms(list(metrics.recent_tpot_s)),
             },
             "workers": list(workers),
+            "ready_workers": {role: sum(1 for w in views if w.role == role and w.ready)
+                              for role in ("prefill", "decode")},
         }

@@ -47,6 +47,12 @@ QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0,
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BYTES_BUCKETS = tuple(float(4**k) for k in range(5, 18))  # 1 KiB .. 16 GiB
 THROUGHPUT_BUCKETS = tuple(float(10**k) for k in range(5, 12))  # 100 kB/s .. 100 GB/s
+# The router's autoscaling signals (pdserve/ops/autoscale.py): the default targets (queue latency P90
+# 1.5 s, scale-in below half of it; TPOT P99 60 ms) are bucket bounds, so those decisions do not hang
+# on interpolation inside a bucket.
+QUEUE_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0,
+                         120.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 TTFT_PHASES = ("router_queue", "prefill_queue", "prefill_compute", "transfer", "first_decode_step")
 _RECENT = 512  # latencies kept for the live dashboard's percentiles
 _MAX_TRACKED = 65536  # bound on per-request state (requests whose end was never observed)
@@ -95,13 +101,23 @@ class ServerMetrics:
             self.transfer_rate = hist("pdserve:kv_transfer_throughput_bytes_per_second",
                                       "Bytes / duration of each hand-off that moved any", THROUGHPUT_BUCKETS)
         if role == "router":
-            phases = Histogram("pdserve:ttft_phase_seconds",
-                               "TTFT breakdown per request: router_queue, prefill_queue, prefill_compute, "
-                               "transfer (rest: hand-off tail + hops), first_decode_step (s)",
-                               [*labels, "phase"], buckets=TTFT_BUCKETS, registry=self.registry)
-            self.phases = {p: phases.labels(**self.labels, phase=p) for p in TTFT_PHASES}
+            self._add_router_histograms(hist)
         self.recent_ttft_s: deque[float] = deque(maxlen=_RECENT)
         self.recent_tpot_s: deque[float] = deque(maxlen=_RECENT)
+
+    def _add_router_histograms(self, hist: Callable[[str, str, tuple[float, ...]], Any]) -> None:
+        """The TTFT breakdown, and the latencies the autoscaler reads (pdserve/ops/signals.py)."""
+        phases = Histogram("pdserve:ttft_phase_seconds",
+                           "TTFT breakdown per request: router_queue, prefill_queue, prefill_compute, "
+                           "transfer (rest: hand-off tail + hops), first_decode_step (s)",
+                           [*self.labels, "phase"], buckets=TTFT_BUCKETS, registry=self.registry)
+        self.phases = {p: phases.labels(**self.labels, phase=p) for p in TTFT_PHASES}
+        self.queue_latency = hist("pdserve:prefill_queue_latency_seconds",
+                                  "Router: arrival to prefill start (the router_queue + prefill_queue phases) of "
+                                  "requests handed off (s)", QUEUE_LATENCY_BUCKETS)
+        self.request_tpot = hist("pdserve:request_time_per_output_token_seconds",
+                                 "Router: (last token - first token) / (tokens - 1) of finished requests, as the "
+                                 "client saw them (s)", TPOT_BUCKETS)
 
     def observe_transfer(self, record: TransferRecord) -> None:
         self.transfer_s.observe(record.duration_s)
@@ -119,6 +135,7 @@ class ServerMetrics:
         for phase, value in zip(TTFT_PHASES, (router_queue, p.prefill_queue_s, p.prefill_compute_s, max(0.0, rest),
                                               p.first_decode_step_s), strict=True):
             self.phases[phase].observe(max(0.0, value))
+        self.queue_latency.observe(max(0.0, router_queue) + max(0.0, p.prefill_queue_s))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -213,6 +230,8 @@ class RequestObserver:
             m.recent_tpot_s.append(tpot)
             if m.role in ("decode", "colocated"):
                 m.tpot.observe(tpot)
+            elif m.role == "router":
+                m.request_tpot.observe(tpot)
 
 
 def _aborted(output: RequestOutput) -> bool:

@@ -1,12 +1,12 @@
 """The router's metrics: latencies as the client sees them (`ObservedClient` feeds metrics.py's
 `RequestObserver` from the outputs the client receives) and scrape-time series of the router
 itself (`RouterCollector`: requests waiting or sent on, the pool's readiness, admission queue,
-rejections and events, read from `RouterState`)."""
+the autoscaler's queue depth and decode concurrency, rejections and events, read from `RouterState`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from fastapi import FastAPI
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -16,7 +16,7 @@ from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.serving.engine_client import EngineClient
 from pdserve.serving.metrics import OneSample, RequestObserver, ServerMetrics, install_metrics
-from pdserve.serving.router_stats import RouterState, RouterStats
+from pdserve.serving.router_stats import RouterState, RouterStats, WorkerView
 from pdserve.serving.trace import start_trace
 from pdserve.tokenizer import Tokenizer
 
@@ -78,7 +78,20 @@ class RouterCollector(Collector):
         yield gauge("pdserve:router_queued_tokens", "Router: prompt tokens of those requests", stats.queued_tokens)
         yield gauge("pdserve:router_dispatch_pending", "Router: prefill jobs in the router's own FIFO (memory queue)",
                     stats.dispatch_pending)
+        yield from _autoscaling_series(stats, workers, gauge)
         yield from _counter_series(stats, labels)
+
+
+def _autoscaling_series(stats: RouterStats, workers: list[WorkerView],
+                        gauge: Callable[[str, str, float], GaugeMetricFamily]) -> Iterator[GaugeMetricFamily]:
+    """What the autoscaler (pdserve/ops/autoscale.py) reads besides the two latency histograms."""
+    waiting = sum(w.load.num_waiting for w in workers if w.role == "prefill" and w.ready and w.load is not None)
+    yield gauge("pdserve:prefill_queue_depth", "Router: prefill jobs no prefill worker has started: not taken yet "
+                "(the router's FIFO, or the Redis consumer group's lag) + waiting in ready prefill workers. With "
+                "several routers on one Redis stream each counts the shared lag: take max over routers, not sum",
+                stats.queue_backlog + waiting)
+    yield gauge("pdserve:decode_running", "Router: requests in the running batch of the ready decode workers",
+                sum(w.load.num_running for w in workers if w.role == "decode" and w.ready and w.load is not None))
 
 
 def _counter_series(stats: RouterStats, labels: dict[str, str]) -> Iterator[CounterMetricFamily]:

@@ -64,6 +64,7 @@ class RouterStats:
     queued_requests: int  # admitted, first token not out yet
     queued_tokens: int  # their prompt tokens
     dispatch_pending: int  # prefill jobs waiting in the router's own FIFO (memory queue; 0 for Redis)
+    queue_backlog: int  # prefill jobs no prefill worker has taken yet: the FIFO (memory) or the group's lag (Redis)
     queue: Literal["memory", "redis"]
     live_queue_consumers: int  # Redis: prefill workers pulling from the shared queue (0 for memory)
     queue_error: str  # why the queue is unreachable; "" when it is fine

@@ -56,6 +56,7 @@ class PrefillTicket:
 class QueueStats:
     kind: Literal["memory", "redis"]
     num_pending: int  # jobs waiting in this router (memory); 0 for a shared queue
+    num_backlog: int  # jobs no prefill worker has taken yet: `num_pending` (memory), the group's lag (Redis; shared)
     num_live_consumers: int  # prefill workers pulling from a shared queue; 0 for memory
     num_redispatched: int  # jobs re-queued by this router after their prefill worker was lost or drained
     error: str  # why the queue is unreachable; "" when it is fine

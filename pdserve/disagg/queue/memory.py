@@ -60,7 +60,7 @@ class MemoryPrefillQueue(PrefillQueue):
         return ""
 
     def stats(self) -> QueueStats:
-        return QueueStats("memory", len(self._pending), 0, self._num_redispatched, "")
+        return QueueStats("memory", len(self._pending), len(self._pending), 0, self._num_redispatched, "")
 
     async def put(self, job: PrefillJob) -> PrefillTicket:
         if self._task is None:

@@ -86,6 +86,7 @@ class RedisPrefillQueue(PrefillQueue):
         self._redis = connect(url)
         self._group_ready = False
         self._num_live_consumers = 0
+        self._num_backlog = 0
         self._error = ""
 
     @property
@@ -97,7 +98,7 @@ class RedisPrefillQueue(PrefillQueue):
         return self._error
 
     def stats(self) -> QueueStats:
-        return QueueStats("redis", 0, self._num_live_consumers, 0, self._error)
+        return QueueStats("redis", 0, self._num_backlog, self._num_live_consumers, 0, self._error)
 
     async def put(self, job: PrefillJob) -> PrefillTicket:
         ticket = PrefillTicket(job)
@@ -117,13 +118,34 @@ class RedisPrefillQueue(PrefillQueue):
             await self._redis.set(self.keys.aborted(ticket.job.transfer_id), "1", ex=_ABORTED_TTL_S)
 
     async def refresh(self) -> None:
-        """Count live consumers; the error clears only here, once Redis answers again."""
+        """Count live consumers and the jobs none has taken yet; the error clears only here, once
+        Redis answers again."""
         try:
             keys = self._redis.scan_iter(match=self.keys.alive_prefix + "*", count=100)
             self._num_live_consumers = len([key async for key in keys])
+            self._num_backlog = await self._backlog()
             self._error = ""
         except (RedisError, OSError) as exc:
             self._error = f"the prefill queue (Redis) is unreachable: {exc}"
+
+    async def _backlog(self) -> int:
+        """Entries no consumer has taken yet: the group's `lag` (XINFO GROUPS, Redis >= 7). Redis
+        cannot tell the lag (nil) once entries were deleted out of order while others wait, which
+        is normal here (a short job is acknowledged before a long one); then, since every
+        acknowledged entry is deleted with its XACK, it is the stream's length less the entries
+        delivered and not acknowledged. 0 before the first job (no stream, no group)."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.xinfo_groups(self.keys.stream)
+            pipe.xlen(self.keys.stream)
+            try:
+                groups, length = await pipe.execute()
+            except ResponseError:  # no such key: nothing was ever queued
+                return 0
+        group = next((g for g in groups if g["name"] == GROUP), None)
+        if group is None:
+            return 0
+        lag = group.get("lag")
+        return int(lag) if lag is not None else max(0, int(length) - int(group["pending"]))
 
     async def close(self) -> None:
         await self._redis.aclose()
