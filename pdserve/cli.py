@@ -164,13 +164,20 @@ def _up(ns: argparse.Namespace, engine_flags: list[str]) -> int:
         ns.up_parser.error(f"--prefill {ns.num_prefill} --decode {ns.num_decode}: a MIN:MAX range needs --autoscale")
     configure_logging(ns.log_level, ns.log_format)
     options, router, worker, worker_flags = up_plan(ns, engine_flags)
+    autoscale = None
+    if ns.autoscale:
+        from pdserve.ops.autoscale import AutoscaleConfig
+
+        autoscale = config_from_args(AutoscaleConfig, ns)
     try:
         router.validate()
         _validate_worker(worker)
+        if autoscale is not None:
+            autoscale.validate()
     except ValueError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
-    return run(options, router, worker, worker_flags)
+    return run(options, router, worker, worker_flags, autoscale)
 
 
 def up_plan(ns: argparse.Namespace, engine_flags: list[str]) -> tuple[UpOptions, RouterConfig, WorkerConfig, list[str]]:
@@ -242,6 +249,7 @@ UP_SETS_WORKER = ("role", "register", "advertise_url")
 
 
 def _add_up_parser(sub: argparse._SubParsersAction) -> None:
+    from pdserve.ops.autoscale import AutoscaleConfig
     from pdserve.ops.up import Replicas
 
     up = sub.add_parser("up", help="router + prefill + decode workers on this machine, one command, kept running "
@@ -267,6 +275,7 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
     add_config_args(up, RouterConfig, title="router", exclude=UP_SETS_ROUTER)
     # the router's group has the queue flags already; prefill and decode roles come from the counts
     add_config_args(up, WorkerConfig, title="workers", exclude=("queue", *UP_SETS_WORKER))
+    add_config_args(up, AutoscaleConfig, title="autoscale (with --autoscale)")
     up.set_defaults(func=None, up_parser=up)
 
 

@@ -20,6 +20,7 @@ from pdserve.cli import UP_SETS_ROUTER, UP_SETS_WORKER, build_parser, main, up_p
 from pdserve.config import EngineArgs, QueueArgs, RouterConfig, WorkerConfig, knob
 from pdserve.config_flags import add_config_args, config_from_args, flag_name, to_argv
 from pdserve.ops import up
+from pdserve.ops.autoscale import AutoscaleConfig
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -84,7 +85,7 @@ def _subcommand(name: str) -> argparse.ArgumentParser:
     ("serve", EngineArgs, ()), ("serve", WorkerConfig, ("role", "queue")), ("serve", QueueArgs, ()),
     ("router", RouterConfig, ("queue",)), ("router", QueueArgs, ()),
     ("up", RouterConfig, ("queue", *UP_SETS_ROUTER)), ("up", WorkerConfig, ("queue", *UP_SETS_WORKER)),
-    ("up", QueueArgs, ()),
+    ("up", QueueArgs, ()), ("up", AutoscaleConfig, ()),
 ])
 def test_every_config_field_is_a_flag_with_the_field_default(command: str, cls: type[Any],
                                                              skipped: tuple[str, ...]) -> None:

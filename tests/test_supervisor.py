@@ -15,6 +15,8 @@ from helpers import FakeClock
 from prometheus_client import CollectorRegistry
 
 from pdserve.config import RouterConfig, WorkerConfig
+from pdserve.ops.autoscale import AutoscaleConfig, Autoscaler, HistogramSnapshot, Signals
+from pdserve.ops.scaling import AutoscaleLoop
 from pdserve.ops.supervisor import ChildProcess, PoolEntry, RestartPolicy, Slot, SlotRole, Supervisor
 from pdserve.ops.threads import CoreShare, threads_per_worker
 from pdserve.ops.up import CommandLines, Replicas, UpOptions, read_pool
@@ -296,3 +298,40 @@ def test_replicas_are_n_or_min_max() -> None:
     for bad in ("0", "3:1", "a", "1:", "-1:2"):
         with pytest.raises(ValueError, match="expected"):
             Replicas.parse(bad)
+
+
+def test_the_autoscaler_grows_and_drains_the_pool_through_the_supervisor(caplog: pytest.LogCaptureFixture) -> None:
+    h = Harness()
+    slots = {role: h.supervisor.add(role) for role in ("router", "prefill", "decode")}
+    config = AutoscaleConfig(autoscale_window_s=2, scale_in_cooldown_s=3)
+    autoscaler = Autoscaler(config, {"prefill": (1, 3), "decode": (1, 3)}, registry=h.registry)
+    load = {"depth": 20.0, "running": 40.0}
+
+    def read(url: str, timeout_s: float) -> Signals:
+        ready = {role: len(h.supervisor.live(role)) for role in ("prefill", "decode")}
+        return Signals(h.clock(), load["depth"], load["running"], ready, HistogramSnapshot.empty(),
+                       HistogramSnapshot.empty())
+
+    scaler = AutoscaleLoop(autoscaler, h.supervisor, "http://r", read=read, clock=h.clock)
+    caplog.set_level(logging.INFO)
+
+    def run(seconds: int) -> list[str]:
+        lines = []
+        for _ in range(seconds):
+            h.after(1)
+            lines += [d.log_line() for d in scaler.tick()]
+        return lines
+
+    assert run(3) == ["autoscale: prefill 1 -> 2: queue depth 20 > 10 for 2 s",
+                      "autoscale: decode 1 -> 3: running/instance 40 > 15 for 2 s"]
+    assert [len(h.supervisor.live(role)) for role in ("prefill", "decode")] == [2, 3]
+    assert "autoscale: decode 1 -> 3: running/instance 40 > 15 for 2 s" in caplog.text
+    load.update(depth=0, running=0)
+    lines = run(12)  # a quiet period: one worker a cooldown, until each role's minimum
+    assert [line.split(":")[1] for line in lines] == [" prefill 2 -> 1", " decode 3 -> 2", " decode 2 -> 1"]
+    assert h.supervisor.slots() == list(slots.values()), "drained workers removed, the first ones kept"
+    assert all(h.current(slot).signals == [] for slot in slots.values())
+    decisions = {(d, r): h.registry.get_sample_value("pdserve:autoscaler_decisions_total",
+                                                     {"role": r, "direction": d, "reason": reason})
+                 for d, r, reason in (("out", "prefill", "queue_depth"), ("in", "decode", "idle"))}
+    assert decisions == {("out", "prefill"): 1, ("in", "decode"): 2}

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -242,3 +243,80 @@ def test_a_killed_router_is_restarted_and_new_requests_succeed(model_dirs: dict[
         up.wait_pool(prefill=1, decode=1, timeout_s=10)
         assert {role: up.ready(role) for role in ("prefill", "decode")} == workers
         assert up.restarts() == {"router": 1, "prefill": 0, "decode": 0}
+
+
+class Load:
+    """Closed-loop clients on their own threads until stopped; every reply must be a 200."""
+
+    def __init__(self, url: str, clients: list[tuple[int, int]]) -> None:  # (prompt tokens, max tokens) each
+        self.url = url
+        self.done = threading.Event()
+        self.failures: list[str] = []
+        self.num_ok = 0
+        self.threads = [threading.Thread(target=self._client, args=(i, *c), daemon=True) for i, c in enumerate(clients)]
+        for thread in self.threads:
+            thread.start()
+
+    def _client(self, index: int, prompt_len: int, max_tokens: int) -> None:
+        seed = 1000 * index
+        with httpx.Client(timeout=120) as http:
+            while not self.done.is_set():
+                seed += 1
+                body = {"prompt": random_prompt(prompt_len, seed=seed), "max_tokens": max_tokens, "ignore_eos": True}
+                try:
+                    reply = http.post(f"{self.url}/v1/completions", json=body)
+                    ok = reply.status_code == 200
+                    why = f"{reply.status_code} {reply.text[:300]}"
+                except httpx.HTTPError as exc:
+                    ok, why = False, repr(exc)
+                if ok:
+                    self.num_ok += 1
+                else:
+                    self.failures.append(why)
+
+    def stop(self) -> None:
+        self.done.set()
+        for thread in self.threads:
+            thread.join(120)
+
+
+def test_autoscale_grows_on_a_burst_and_drains_back_without_failing_a_request(model_dirs: dict[str, Path],
+                                                                               tmp_path: Path) -> None:
+    # NOTE: windows and cooldowns of seconds; decode scales on running requests alone (TPOT targets
+    # out of reach), prefill on queue depth alone; short prompts are prefilled on decode (pd threshold)
+    rules = ["--autoscale-window-s", "3", "--scale-in-cooldown-s", "8", "--prefill-queue-target", "2",
+             "--prefill-queue-low", "1", "--prefill-queue-latency-target-s", "100", "--decode-running-high", "3",
+             "--decode-running-target", "2", "--decode-running-low", "1", "--decode-tpot-target-ms", "100000",
+             "--decode-tpot-avg-target-ms", "100000", "--pd-threshold", "64"]
+    with pdserve_up(model_dirs["tiny"], tmp_path, "--autoscale", "--prefill", "1:3", "--decode", "1:3",
+                    *rules) as up:
+        def live(role: str) -> float:
+            return sum(up.metric("pdserve:supervisor_workers", role=role, state=state)
+                       for state in ("starting", "ready", "draining"))
+
+        burst = Load(up.url, [(600, 2)] * 6 + [(16, 256)] * 10)
+        try:
+            # the new workers join the pool and take traffic while the burst lasts
+            up.wait_for("prefill and decode grown",
+                        lambda: len(up.ready("prefill")) >= 2 and len(up.ready("decode")) == 3, 90)
+        finally:
+            burst.stop()
+        trickle = Load(up.url, [(40, 4)])  # requests go on through every scale-in
+        try:
+            up.wait_for("both roles back to 1", lambda: (live("prefill"), live("decode")) == (1, 1), 90)
+            up.wait_pool(prefill=1, decode=1, timeout_s=10)
+        finally:
+            trickle.stop()
+        assert not burst.failures and not trickle.failures, (burst.failures + trickle.failures)[:5]
+        assert trickle.num_ok > 0
+        text = up.text()
+        assert re.search(r"autoscale: prefill 1 -> 2: queue depth [\d.]+ > 2 for 3 s", text)
+        assert re.search(r"autoscale: decode 1 -> 3: running/instance [\d.]+ > 3 for 3 s", text)
+        assert re.search(r"autoscale: decode 2 -> 1: running/instance [\d.]+ < 1 for 3 s", text)
+        assert re.search(r"autoscale: prefill 2 -> 1: queue depth <= 1 for 3 s", text)
+        assert up.metric("pdserve:autoscaler_decisions_total", role="decode", direction="out",
+                         reason="running_per_worker") == 1
+        assert up.metric("pdserve:autoscaler_decisions_total", role="decode", direction="in", reason="idle") == 2
+        assert up.restarts() == {"router": 0, "prefill": 0, "decode": 0}
+        drained = re.findall(r"drained and exited with status (-?\d+)", text)
+        assert len(drained) >= 3 and set(drained) == {"0"}, drained

@@ -238,7 +238,11 @@ def run(options: UpOptions, router: RouterConfig, worker: WorkerConfig, engine_f
     interrupts = _Interrupts()
     registry = CollectorRegistry()
     supervisor = start_pool(options, router, worker, engine_flags, registry)
-    scaler = None if autoscale is None else _autoscale_loop(autoscale, options, supervisor, registry)
+    try:
+        scaler = None if autoscale is None else _autoscale_loop(autoscale, options, supervisor, registry)
+    except ValueError as exc:  # e.g. a pre-warm above a role's maximum
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 2
     monitor = Monitor(supervisor, options.router_url, CoreShare(), scaler)
     metrics = None
     try:
@@ -285,9 +289,9 @@ def _serve_metrics(registry: CollectorRegistry, port: int) -> WSGIServer | None:
 
 def _autoscale_loop(config: AutoscaleConfig, options: UpOptions, supervisor: Supervisor,
                     registry: CollectorRegistry) -> AutoscaleLoop:
-    from pdserve.ops.autoscale import Autoscaler
+    from pdserve.ops.autoscale import Autoscaler, Role
     from pdserve.ops.scaling import AutoscaleLoop
 
-    bounds = {"prefill": (options.prefill.min, options.prefill.max),
-              "decode": (options.decode.min, options.decode.max)}
+    bounds: dict[Role, tuple[int, int]] = {"prefill": (options.prefill.min, options.prefill.max),
+                                           "decode": (options.decode.min, options.decode.max)}
     return AutoscaleLoop(Autoscaler(config, bounds, registry=registry), supervisor, options.router_url)
