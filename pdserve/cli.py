@@ -158,6 +158,7 @@ def _router_client(router: RouterConfig, model_dir: str, max_model_len: int | No
 
 def _up(ns: argparse.Namespace, engine_flags: list[str]) -> int:
     from pdserve.logs import configure_logging
+    from pdserve.model.qwen3_config import Qwen3ModelConfig
     from pdserve.ops.up import run
 
     if not ns.autoscale and not (ns.num_prefill.fixed and ns.num_decode.fixed):
@@ -174,7 +175,9 @@ def _up(ns: argparse.Namespace, engine_flags: list[str]) -> int:
         _validate_worker(worker)
         if autoscale is not None:
             autoscale.validate()
-    except ValueError as exc:
+        if ns.model:  # NOTE: else every process would fail on it, restarted with backoff until its slot fails
+            Qwen3ModelConfig.from_dir(ns.model)
+    except (ValueError, FileNotFoundError) as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
     return run(options, router, worker, worker_flags, autoscale)

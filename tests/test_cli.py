@@ -147,13 +147,18 @@ def test_up_hands_every_process_the_configs_it_was_given() -> None:
     assert options.supervisor_port == 8101 and options.prefill == up.Replicas(2, 2)
 
 
-def test_up_takes_min_max_only_with_autoscale(capsys: pytest.CaptureFixture[str]) -> None:
+def test_up_refuses_bad_flags_before_starting_anything(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["up", "--prefill", "1:3", "--decode", "2"])
     assert exit_.value.code == 2 and "a MIN:MAX range needs --autoscale" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["up", "--decode", "3:1"])
     assert "expected 0 < MIN <= MAX" in capsys.readouterr().err
+    # what would fail in every process fails here, before anything starts
+    assert main(["up", "--model", "/nonexistent"]) == 2
+    assert "/nonexistent/config.json not found" in capsys.readouterr().err
+    assert main(["up", "--autoscale", "--decode-running-low", "20"]) == 2
+    assert "decode_running_low" in capsys.readouterr().err
 
 
 def _serve_command(model_dir: Path, port: int, *extra: str) -> list[str]:
