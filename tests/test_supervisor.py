@@ -153,7 +153,8 @@ def test_readiness_and_work_come_from_the_routers_pool() -> None:
     assert first.state == "starting" and first.work is None
 
 
-def test_scale_in_drains_the_least_busy_worker_and_removes_it_once_it_exits() -> None:
+def test_scale_in_drains_the_least_busy_worker_and_removes_it_once_it_exits(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
     h = Harness()
     busy, idle, newest = (h.supervisor.add("decode") for _ in range(3))
     h.supervisor.tick()
@@ -169,6 +170,14 @@ def test_scale_in_drains_the_least_busy_worker_and_removes_it_once_it_exits() ->
     h.supervisor.drain(newest)
     h.supervisor.tick()
     assert h.supervisor.slots() == [busy] and h.restarts("decode") == 0
+    assert "decode-1 drained and exited with status 0; removed" in caplog.text
+    assert "decode-2 drained and exited with status -6; removed" in caplog.text
+    late = h.supervisor.add("decode")
+    h.supervisor.tick()
+    h.current(late).on_term = -15  # SIGTERM before it serves: no drain, it just ends
+    h.supervisor.drain(late)
+    h.supervisor.tick()
+    assert "decode-3 drained before it was ready (exited with status -15); removed" in caplog.text
 
 
 def test_scale_out_adds_slots_on_new_ports_and_a_drained_slot_not_started_goes_at_once() -> None:

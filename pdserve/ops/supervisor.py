@@ -126,6 +126,7 @@ class Slot:
     draining_since: float | None = None
     failed: bool = False
     ready: bool = False  # listed ready by the router (the router itself: it answers)
+    served: bool = False  # its process was listed ready at least once
     work: int | None = None  # from the router's GET /workers; None when unknown
 
     @property
@@ -252,7 +253,7 @@ class Supervisor:
         if slot.num_starts:
             self._restarts.labels(slot.role).inc()
         slot.num_starts += 1
-        slot.started_at, slot.ready, slot.work = now, False, None
+        slot.started_at, slot.ready, slot.served, slot.work = now, False, False, None
         try:
             slot.process = self._spawn(argv)
         except OSError as exc:
@@ -262,8 +263,11 @@ class Supervisor:
         slot.process, slot.ready, slot.work = None, False, None
         if slot.draining_since is not None:
             self._slots.remove(slot)
-            log = logger.info if how == "status 0" else logger.warning
-            log("%s drained and exited with %s; removed", slot.name, how)
+            if not slot.served:  # NOTE: SIGTERM before it serves ends it at once (-15): it had no work
+                logger.info("%s drained before it was ready (exited with %s); removed", slot.name, how)
+            else:
+                (logger.info if how == "status 0" else logger.warning)("%s drained and exited with %s; removed",
+                                                                      slot.name, how)
             return
         slot.exits.append(now)
         while now - slot.exits[0] > self.policy.window_s:
@@ -289,6 +293,7 @@ class Supervisor:
                     entry = listed.get(slot.url)
                     slot.ready = entry is not None and entry.ready
                     slot.work = None if entry is None else entry.work
+                slot.served = slot.served or (slot.ready and slot.process is not None)
 
     def hopeless(self) -> str | None:
         """Why the deployment cannot serve any more: every slot of a role (the router's one) failed."""
