@@ -235,7 +235,6 @@ def run(options: UpOptions, router: RouterConfig, worker: WorkerConfig, engine_f
         from pdserve.model.demo_checkpoint import default_model_dir
 
         default_model_dir()
-    interrupts = _Interrupts()
     registry = CollectorRegistry()
     supervisor = start_pool(options, router, worker, engine_flags, registry)
     try:
@@ -245,6 +244,8 @@ def run(options: UpOptions, router: RouterConfig, worker: WorkerConfig, engine_f
         return 2
     monitor = Monitor(supervisor, options.router_url, CoreShare(), scaler)
     metrics = None
+    # NOTE: no process runs before the monitor starts, inside the try: the cleanup reaches every one
+    interrupts = _Interrupts()
     try:
         metrics = _serve_metrics(registry, options.supervisor_port)
         monitor.start()
