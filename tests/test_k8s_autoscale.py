@@ -156,7 +156,8 @@ def test_every_knob_reaches_the_objects(tmp_path: Path) -> None:
     flags = ["--autoscale-window-s", "120", "--prefill-queue-target", "25", "--prefill-queue-latency-target-s", "2.5",
              "--decode-running-high", "30", "--decode-running-target", "20", "--decode-tpot-target-ms", "80",
              "--decode-tpot-avg-target-ms", "70", "--scale-in-cooldown-s", "900", "--prefill", "2:6",
-             "--decode", "3:12", "--prewarm", "07:00-09:00=decode:5"]
+             "--decode", "3:12", "--prewarm", "07:00-09:00=decode:5", "--base", "../ack",
+             "--prometheus-url", "http://prom.example:9090", "--promql-matchers", 'namespace="llm"']
     assert main(["--out", str(tmp_path), *flags]) == 0
     config = AutoscaleConfig(autoscale_window_s=120, prefill_queue_target=25, prefill_queue_latency_target_s=2.5,
                              decode_running_high=30, decode_running_target=20, decode_tpot_target_ms=80,
@@ -164,6 +165,12 @@ def test_every_knob_reaches_the_objects(tmp_path: Path) -> None:
     bounds = {"prefill": (2, 6), "decode": (3, 12)}
     check_keda(docs(tmp_path / "autoscale" / "scaledobjects.yaml"), config, bounds)
     check_hpa(load_all(tmp_path / "autoscale-hpa"), config, bounds)
+    for overlay in OVERLAYS:
+        assert docs(tmp_path / overlay / "kustomization.yaml")[0]["resources"][0] == "../ack"
+    for obj in docs(tmp_path / "autoscale" / "scaledobjects.yaml"):
+        for trigger in obj["spec"]["triggers"]:
+            assert trigger["metadata"]["serverAddress"] == "http://prom.example:9090"
+            assert 'namespace="llm"' in trigger["metadata"]["query"]
     # a prewarm that names only decode: no prefill pre-warm objects, and no "EXAMPLE" left
     assert not (tmp_path / "autoscale" / "prewarm-prefill.yaml").exists()
     assert "EXAMPLE" not in (tmp_path / "autoscale" / "prewarm-decode.yaml").read_text()
@@ -302,3 +309,11 @@ def test_overlay_renders_on_the_cpu_overlay_and_leaves_replicas_to_the_autoscale
     if overlay == "autoscale":
         cron = [t for s in scalers.values() for t in s["spec"]["triggers"] if t["type"] == "cron"]
         assert len(cron) == 2, "the pre-warm patches did not apply"
+
+
+def test_hpas_and_adapter_config_map_validate_against_kubernetes_1_30() -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    objects = [*committed("autoscale-hpa", "hpa.yaml"), *committed("autoscale-hpa", "prometheus-adapter-rules.yaml")]
+    assert sorted(o["kind"] for o in objects) == ["ConfigMap", "HorizontalPodAutoscaler", "HorizontalPodAutoscaler"]
+    for obj in objects:
+        kubernetes_validate.validate(obj, "1.30", strict=True)

@@ -2,9 +2,10 @@
 `AutoscaleConfig`, so the cluster and `pdserve up --autoscale` cannot drift:
 
     python -m pdserve.ops.k8s_autoscale [--out deploy/k8s/overlays] [--prefill MIN:MAX] [--decode MIN:MAX]
-        [--prometheus-url URL] [--timezone TZ] [--promql-matchers 'namespace="x"'] [AutoscaleConfig's flags]
+        [--prometheus-url URL] [--timezone TZ] [--promql-matchers 'namespace="x"'] [--base ../cpu]
+        [AutoscaleConfig's flags]
 
-writes two kustomize overlays on top of `../cpu` (the files under deploy/k8s/overlays/autoscale*/
+writes two kustomize overlays on top of `--base` (default `../cpu`; the files under deploy/k8s/overlays/autoscale*/
 are this output for the defaults; a test re-renders and compares):
 
     autoscale/       KEDA: one ScaledObject per role (Prometheus triggers; pre-warm as `cron`
@@ -123,6 +124,7 @@ class RenderOptions:
     prometheus_url: str = DEFAULT_PROMETHEUS_URL  # KEDA's serverAddress (the adapter has its own)
     timezone: str = "UTC"  # KEDA cron triggers (IANA name); CronHPA uses its controller's zone
     promql_matchers: str = ""  # e.g. namespace="pdserve": scopes KEDA's queries to one deployment
+    base: str = "../cpu"  # the overlay the autoscaling one builds on, relative to it
 
     @property
     def example_prewarm(self) -> bool:
@@ -277,7 +279,8 @@ def cron_hpa(options: RenderOptions, role: Role) -> Manifest | None:
 def _document(comments: Sequence[str], objects: Sequence[Any]) -> str:
     """A YAML file: the generated-file header and `comments` (paragraphs, wrapped), then one
     document per object (long strings such as queries stay on one line)."""
-    lines = [line for paragraph in (_HEADER, *comments) for line in textwrap.wrap(paragraph, _WIDTH - 2, break_on_hyphens=False)]
+    lines = [line for paragraph in (_HEADER, *comments)
+             for line in textwrap.wrap(paragraph, _WIDTH - 2, break_on_hyphens=False)]
     head = "".join(f"# {line}\n" for line in lines)
     return head + "---\n".join(_yaml(o) for o in objects)
 
@@ -290,9 +293,9 @@ def _replicas_patch() -> str:
                       "does not undo a scaling decision (the first apply over a fixed count resets it once)."], docs)
 
 
-def _kustomization(comment: str, resources: list[str], patches: list[Manifest]) -> str:
+def _kustomization(options: RenderOptions, comment: str, resources: list[str], patches: list[Manifest]) -> str:
     return _document([comment], [{"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-                                  "resources": ["../cpu", *resources], "patches": patches}])
+                                  "resources": [options.base, *resources], "patches": patches}])
 
 
 def _prewarm_comments(options: RenderOptions, form: str) -> list[str]:
@@ -322,7 +325,7 @@ def _keda_overlay(options: RenderOptions) -> dict[str, str]:
             patches.append({"path": name, "target": {"group": "keda.sh", "version": "v1alpha1",
                                                      "kind": "ScaledObject", "name": f"pdserve-{role}"}})
     files["kustomization.yaml"] = _kustomization(
-        "The cpu overlay, autoscaled by KEDA. Not with autoscale-hpa: both serve external.metrics.k8s.io.",
+        options, f"{options.base}, autoscaled by KEDA. Not with autoscale-hpa: both serve external.metrics.k8s.io.",
         ["scaledobjects.yaml"], patches)
     return {f"autoscale/{name}": text for name, text in files.items()}
 
@@ -344,7 +347,7 @@ def _hpa_overlay(options: RenderOptions) -> dict[str, str]:
             crons)
         resources.append("cronhpa.yaml")
     files["kustomization.yaml"] = _kustomization(
-        "The cpu overlay, autoscaled by HPAs on prometheus-adapter. Not with autoscale: both serve "
+        options, f"{options.base}, autoscaled by HPAs on prometheus-adapter. Not with autoscale: both serve "
         "external.metrics.k8s.io.", resources, [{"path": "replicas.yaml"}])
     return {f"autoscale-hpa/{name}": text for name, text in files.items()}
 
@@ -400,6 +403,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--promql-matchers", default="", metavar="MATCHERS",
                         help="label matchers added to KEDA's queries, e.g. 'namespace=\"pdserve\"' when one "
                              "Prometheus watches several pdserve deployments")
+    parser.add_argument("--base", default="../cpu", help="the overlay both build on, relative to them (e.g. ../ack "
+                                                         "with --out beside deploy/k8s/overlays/ack)")
     add_config_args(parser, AutoscaleConfig, title="autoscale policy (as `pdserve up --autoscale` takes it)")
     return parser
 
@@ -408,7 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     ns = parser.parse_args(argv)
     options = RenderOptions(config_from_args(AutoscaleConfig, ns), {"prefill": ns.prefill, "decode": ns.decode},
-                            ns.prometheus_url, ns.timezone, ns.promql_matchers)
+                            ns.prometheus_url, ns.timezone, ns.promql_matchers, ns.base)
     try:
         files = render(options)
     except ValueError as exc:
