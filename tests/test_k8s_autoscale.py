@@ -11,15 +11,15 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import jsonschema
 import pytest
 import yaml
 from test_observability_assets import exported, metric_names  # noqa: F401 - `exported` is a fixture
 
-from pdserve.ops.autoscale import AutoscaleConfig
-from pdserve.ops.k8s_autoscale import DEFAULT_BOUNDS, OVERLAYS, RenderOptions, main, render
+from pdserve.ops.autoscale import AutoscaleConfig, Reason
+from pdserve.ops.k8s_autoscale import DEFAULT_BOUNDS, OVERLAYS, RenderOptions, main, render, scaling_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 OVERLAYS_DIR = ROOT / "deploy" / "k8s" / "overlays"
@@ -150,6 +150,12 @@ def test_objects_carry_the_local_policy_defaults() -> None:
     assert (DEFAULTS.prefill_queue_target, DEFAULTS.prefill_queue_latency_target_s, DEFAULTS.autoscale_window_s,
             DEFAULTS.decode_running_target, DEFAULTS.decode_tpot_target_ms, DEFAULTS.decode_tpot_avg_target_ms,
             DEFAULTS.scale_in_cooldown_s) == (10, 1.5, 60, 10, 60, 50, 300)
+
+
+def test_every_scale_out_rule_of_the_local_policy_has_a_metric() -> None:
+    """A rule added to the local policy (a new Reason) fails here until it is rendered too."""
+    rendered = [m.reason for m in scaling_metrics(DEFAULTS)]
+    assert sorted(rendered) == sorted(set(get_args(Reason)) - {"idle", "prewarm", "bounds"})
 
 
 def test_every_knob_reaches_the_objects(tmp_path: Path) -> None:
