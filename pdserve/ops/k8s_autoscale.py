@@ -375,15 +375,14 @@ def write(files: dict[str, str], out: Path) -> list[Path]:
 
 
 def parse_bounds(text: str) -> tuple[int, int]:
-    """'MIN:MAX' (or 'N': a fixed size) -> (MIN, MAX), as `pdserve up --autoscale` takes them."""
-    low, colon, high = text.partition(":")
+    """'MIN:MAX' (or 'N': a fixed size) -> (MIN, MAX), read as `pdserve up --autoscale` reads them."""
+    from pdserve.ops.up import Replicas
+
     try:
-        bounds = int(low), int(high) if colon else int(low)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected N or MIN:MAX") from None
-    if not 1 <= bounds[0] <= bounds[1]:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected 1 <= MIN <= MAX")
-    return bounds
+        replicas = Replicas.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return replicas.min, replicas.max
 
 
 def _parser() -> argparse.ArgumentParser:
