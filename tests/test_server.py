@@ -167,6 +167,8 @@ class _Records(logging.Handler):
 def test_health_and_models(http: httpx.Client) -> None:
     health = http.get("/health")
     assert health.status_code == 200 and health.json() == {"status": "ok"}
+    ready = http.get("/ready")
+    assert ready.status_code == 200 and ready.json() == {"status": "ready"}
     models = http.get("/v1/models").json()
     assert models["object"] == "list"
     assert [card["id"] for card in models["data"]] == [MODEL_NAME]
