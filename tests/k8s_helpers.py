@@ -84,7 +84,9 @@ def schema_errors(obj: Obj) -> list[str]:
 @functools.cache
 def _builtin_validator(api_version: str, kind: str) -> jsonschema.Draft202012Validator | None:
     """kubernetes-validate's strict schema of one kind (its `validate`, with the schemas loaded once)."""
-    version = [v for v in kv.all_versions() if kv.major_minor(v) == KUBERNETES_VERSION][-1]
+    versions = [v for v in kv.all_versions() if kv.major_minor(v) == KUBERNETES_VERSION]
+    assert versions, f"this kubernetes-validate has no Kubernetes {KUBERNETES_VERSION} schemas: {kv.all_versions()}"
+    version = versions[-1]
     folder = f"kubernetes-json-schema/v{version}-local-strict"
     group_version = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)  # apps/v1 -> apps-v1
     try:

@@ -165,9 +165,8 @@ class _Records(logging.Handler):
 # -- discovery ---------------------------------------------------------------------------------
 
 def test_health_and_models(http: httpx.Client) -> None:
-    health = http.get("/health")
+    health, ready = http.get("/health"), http.get("/ready")
     assert health.status_code == 200 and health.json() == {"status": "ok"}
-    ready = http.get("/ready")
     assert ready.status_code == 200 and ready.json() == {"status": "ready"}
     models = http.get("/v1/models").json()
     assert models["object"] == "list"
