@@ -41,7 +41,8 @@ FIELD_REFS = {"status.podIP": "10.0.0.7", "status.hostIP": "10.0.0.1", "metadata
 
 
 def overlay_names() -> list[str]:
-    return sorted(p.name for p in OVERLAYS_DIR.iterdir() if (p / "kustomization.yaml").is_file())
+    """Every directory under deploy/k8s/overlays (one without a kustomization fails to render)."""
+    return sorted(p.name for p in OVERLAYS_DIR.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
 @functools.cache
