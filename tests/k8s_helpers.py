@@ -74,10 +74,10 @@ def schema_errors(obj: Obj) -> list[str]:
         if validator is None:
             return [f"{name_of(obj)}: Kubernetes {KUBERNETES_VERSION} has no {api_version} {kind}"]
     else:
-        validator = _crd_validators().get((api_version, kind))
+        validator = _crd_validator(api_version, kind)
         if validator is None:
-            return [f"{name_of(obj)}: custom resource {api_version} {kind} has no vendored schema in "
-                    f"{SCHEMAS_DIR.relative_to(ROOT)} (see its README.md)"]
+            return [f"{name_of(obj)}: custom resource {api_version} {kind} has no vendored schema "
+                    f"{crd_schema_path(api_version, kind).relative_to(ROOT)} (see its folder's README.md)"]
     return [f"{name_of(obj)}: {'.'.join(map(str, e.absolute_path)) or '(root)'}: {e.message[:300]}"
             for e in validator.iter_errors(obj)]
 
@@ -101,13 +101,17 @@ def _builtin_validator(api_version: str, kind: str) -> jsonschema.Draft202012Val
     return jsonschema.Draft202012Validator(schema, registry=registry)
 
 
+def crd_schema_path(api_version: str, kind: str) -> Path:
+    """deploy/k8s/schemas/<group>_<kind in lower case>.yaml: the CRD's openAPIV3Schema."""
+    return SCHEMAS_DIR / f"{api_version.partition('/')[0]}_{kind.lower()}.yaml"
+
+
 @functools.cache
-def _crd_validators() -> dict[tuple[str, str], jsonschema.Draft202012Validator]:
-    validators = {}
-    for path in sorted(SCHEMAS_DIR.glob("*.yaml")):
-        doc = yaml.safe_load(path.read_text())
-        validators[(doc["apiVersion"], doc["kind"])] = jsonschema.Draft202012Validator(strict(doc["openAPIV3Schema"]))
-    return validators
+def _crd_validator(api_version: str, kind: str) -> jsonschema.Draft202012Validator | None:
+    path = crd_schema_path(api_version, kind)
+    if not path.is_file():
+        return None
+    return jsonschema.Draft202012Validator(strict(yaml.safe_load(path.read_text())))
 
 
 def strict(schema: Obj) -> Obj:
