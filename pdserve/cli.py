@@ -26,6 +26,7 @@ from pdserve.config_flags import add_config_args, config_from_args
 if TYPE_CHECKING:
     from pdserve.disagg.router import PDRouter
     from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.ops.up import UpOptions
 
 
 # NOTE: where the servers listen unless told otherwise (serve, router; up's router)
@@ -156,12 +157,45 @@ def _router_client(router: RouterConfig, model_dir: str, max_model_len: int | No
 
 
 def _up(ns: argparse.Namespace, engine_flags: list[str]) -> int:
+    from pdserve.logs import configure_logging
+    from pdserve.model.qwen3_config import Qwen3ModelConfig
     from pdserve.ops.up import run
 
-    # NOTE: the router's worker URLs are only known once `up` has started the workers
-    router = config_from_args(RouterConfig, ns)
-    worker = config_from_args(WorkerConfig, ns)
-    return run(ns, router, worker, [*engine_flags, *(["--model", ns.model] if ns.model else [])])
+    if not ns.autoscale and not (ns.num_prefill.fixed and ns.num_decode.fixed):
+        ns.up_parser.error(f"--prefill {ns.num_prefill} --decode {ns.num_decode}: a MIN:MAX range needs --autoscale")
+    configure_logging(ns.log_level, ns.log_format)
+    options, router, worker, worker_flags = up_plan(ns, engine_flags)
+    autoscale = None
+    if ns.autoscale:
+        from pdserve.ops.autoscale import AutoscaleConfig
+
+        autoscale = config_from_args(AutoscaleConfig, ns)
+    try:
+        router.validate()
+        _validate_worker(worker)
+        if autoscale is not None:
+            autoscale.validate()
+        if ns.model:  # NOTE: else every process would fail on it, restarted with backoff until its slot fails
+            Qwen3ModelConfig.from_dir(ns.model)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 2
+    return run(options, router, worker, worker_flags, autoscale)
+
+
+def up_plan(ns: argparse.Namespace, engine_flags: list[str]) -> tuple[UpOptions, RouterConfig, WorkerConfig, list[str]]:
+    """What `pdserve up` was told: its own options, the router's and the workers' configs, and the
+    flags every worker gets after those (the engine flags it does not know, and --model)."""
+    from pdserve.ops.up import UpOptions
+
+    options = UpOptions(ns.port, ns.num_prefill, ns.num_decode,
+                        ns.port + 1 if ns.supervisor_port is None else ns.supervisor_port,
+                        ns.prefill_threads, ns.decode_threads, ns.model,
+                        ("--log-level", ns.log_level, "--log-format", ns.log_format))
+    # NOTE: the router's config has no worker URLs: `up`'s workers register with it
+    router = config_from_args(RouterConfig, ns, accept_registrations=True)
+    worker = config_from_args(WorkerConfig, ns, register=(options.router_url,))
+    return options, router, worker, [*engine_flags, *(["--model", ns.model] if ns.model else [])]
 
 
 def _make_model(ns: argparse.Namespace) -> int:
@@ -212,22 +246,51 @@ def _add_router_parser(sub: argparse._SubParsersAction) -> None:
     router.set_defaults(func=_router)
 
 
+# NOTE: what `up` decides itself: the membership (workers register with its router), the roles
+UP_SETS_ROUTER = ("prefill", "decode", "accept_registrations", "dns_server", "dns_interval_s")
+UP_SETS_WORKER = ("role", "register", "advertise_url")
+
+
 def _add_up_parser(sub: argparse._SubParsersAction) -> None:
-    up = sub.add_parser("up", help="router + prefill + decode workers on this machine, one command; flags it does "
-                                   "not know (engine flags) go to every worker")
+    from pdserve.ops.autoscale import AutoscaleConfig
+    from pdserve.ops.up import Replicas
+
+    up = sub.add_parser("up", help="router + prefill + decode workers on this machine, one command, kept running "
+                                   "(restarted when they exit); flags it does not know (engine flags) go to every "
+                                   "worker")
     # NOTE: counts here, where `router` takes URLs: other dests, so config_from_args never reads them
-    up.add_argument("--prefill", type=int, default=1, dest="num_prefill", help="number of prefill workers")
-    up.add_argument("--decode", type=int, default=1, dest="num_decode", help="number of decode workers")
+    replicas = _argparse_type(Replicas.parse)
+    up.add_argument("--prefill", type=replicas, default=Replicas(1, 1), dest="num_prefill", metavar="N|MIN:MAX",
+                    help="prefill workers: N, or MIN:MAX with --autoscale")
+    up.add_argument("--decode", type=replicas, default=Replicas(1, 1), dest="num_decode", metavar="N|MIN:MAX",
+                    help="decode workers: N, or MIN:MAX with --autoscale")
+    up.add_argument("--autoscale", action="store_true",
+                    help="grow and shrink each role within its MIN:MAX (starting at MIN) by the autoscaling rules")
     up.add_argument("--port", type=int, default=_PORT, help="the router's port")
+    up.add_argument("--supervisor-port", type=int, default=None,
+                    help="where the supervisor serves its metrics (restarts, workers by state, autoscaler); "
+                         "default: the router's port + 1; 0: not served")
     up.add_argument("--model", default=None)
     up.add_argument("--prefill-threads", type=int, default=None,
-                    help="torch threads per prefill worker (default: CPUs // workers)")
+                    help="torch threads per prefill worker (default: CPUs // workers when it starts)")
     up.add_argument("--decode-threads", type=int, default=None,
-                    help="torch threads per decode worker (default: CPUs // workers)")
-    add_config_args(up, RouterConfig, title="router", exclude=("prefill", "decode"))
+                    help="torch threads per decode worker (default: CPUs // workers when it starts)")
+    add_config_args(up, RouterConfig, title="router", exclude=UP_SETS_ROUTER)
     # the router's group has the queue flags already; prefill and decode roles come from the counts
-    add_config_args(up, WorkerConfig, title="workers", exclude=("role", "queue"))
-    up.set_defaults(func=None)
+    add_config_args(up, WorkerConfig, title="workers", exclude=("queue", *UP_SETS_WORKER))
+    add_config_args(up, AutoscaleConfig, title="autoscale (with --autoscale)")
+    up.set_defaults(func=None, up_parser=up)
+
+
+def _argparse_type(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """`parse` for argparse's `type=`: its ValueError's message becomes the usage error."""
+    def convert(text: str) -> object:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,10 +16,11 @@ import httpx
 import pytest
 from server_fixtures import free_port
 
-from pdserve.cli import build_parser, main
+from pdserve.cli import UP_SETS_ROUTER, UP_SETS_WORKER, build_parser, main, up_plan
 from pdserve.config import EngineArgs, QueueArgs, RouterConfig, WorkerConfig, knob
 from pdserve.config_flags import add_config_args, config_from_args, flag_name, to_argv
 from pdserve.ops import up
+from pdserve.ops.autoscale import AutoscaleConfig
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -83,8 +84,8 @@ def _subcommand(name: str) -> argparse.ArgumentParser:
 @pytest.mark.parametrize(("command", "cls", "skipped"), [
     ("serve", EngineArgs, ()), ("serve", WorkerConfig, ("role", "queue")), ("serve", QueueArgs, ()),
     ("router", RouterConfig, ("queue",)), ("router", QueueArgs, ()),
-    ("up", RouterConfig, ("prefill", "decode", "queue")), ("up", WorkerConfig, ("role", "queue")),
-    ("up", QueueArgs, ()),
+    ("up", RouterConfig, ("queue", *UP_SETS_ROUTER)), ("up", WorkerConfig, ("queue", *UP_SETS_WORKER)),
+    ("up", QueueArgs, ()), ("up", AutoscaleConfig, ()),
 ])
 def test_every_config_field_is_a_flag_with_the_field_default(command: str, cls: type[Any],
                                                              skipped: tuple[str, ...]) -> None:
@@ -125,31 +126,39 @@ def test_router_refuses_a_pool_it_cannot_build(argv: list[str], message: str,
     assert message in capsys.readouterr().err
 
 
-def test_up_hands_every_process_the_configs_it_was_given(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_up_hands_every_process_the_configs_it_was_given() -> None:
     """What `up` writes on each command line parses, in that process, into `up`'s own configs:
-    up, serve and router cannot drift apart."""
-    spawned: dict[str, list[str]] = {}
-    ports = iter(range(9001, 9100))
-
-    def spawn(name: str, args: list[str], port: int) -> up.Process:
-        spawned[name] = args
-        return up.Process(name, f"http://127.0.0.1:{port}", popen=None)  # nothing is started
-
-    monkeypatch.setattr(up, "_free_port", lambda: next(ports))
-    monkeypatch.setattr(up, "_spawn", spawn)
+    up, serve and router cannot drift apart. Workers register with the router, which gets no URLs."""
     argv = ["up", "--prefill", "2", "--queue", "redis://r:6379/0", "--pd-threshold", "64", "--kv-transport", "tcp",
-            "--kv-failure-policy", "fail", "--max-num-seqs", "4"]
+            "--kv-failure-policy", "fail", "--max-num-seqs", "4", "--port", "8100"]
     ns, engine_flags = build_parser().parse_known_args(argv)
-    router, worker = config_from_args(RouterConfig, ns), config_from_args(WorkerConfig, ns)
-    up.launch(ns, router, worker, engine_flags)
-    assert sorted(spawned) == ["decode-0", "prefill-0", "prefill-1", "router"]
-    for name in ("decode-0", "prefill-1"):
-        child = build_parser().parse_args(spawned[name])
-        assert config_from_args(WorkerConfig, child, role=child.role) == dataclasses.replace(worker, role=child.role)
-        assert (child.role, child.max_num_seqs) == (name.split("-")[0], 4)
-    child = build_parser().parse_args(spawned["router"])
-    assert config_from_args(RouterConfig, child) == dataclasses.replace(
-        router, prefill=("http://127.0.0.1:9002", "http://127.0.0.1:9003"), decode=("http://127.0.0.1:9001",))
+    options, router, worker, worker_flags = up_plan(ns, engine_flags)
+    commands = up.CommandLines(options, router, worker, tuple(worker_flags), cpus=4)
+    for role in ("decode", "prefill"):
+        spawned = commands(role, 9001, 3)
+        assert spawned[:3] == [sys.executable, "-m", "pdserve.cli"]
+        child = build_parser().parse_args(spawned[3:])
+        assert config_from_args(WorkerConfig, child, role=child.role) == dataclasses.replace(worker, role=role)
+        assert (child.role, child.port, child.max_num_seqs, child.num_threads) == (role, 9001, 4, 1)
+    child = build_parser().parse_args(commands("router", 8100, 3)[3:])
+    assert config_from_args(RouterConfig, child) == router and child.port == 8100
+    assert router.prefill == router.decode == () and router.accept_registrations
+    assert router.queue.queue == "redis://r:6379/0" and worker.register == ("http://127.0.0.1:8100",)
+    assert options.supervisor_port == 8101 and options.prefill == up.Replicas(2, 2)
+
+
+def test_up_refuses_bad_flags_before_starting_anything(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["up", "--prefill", "1:3", "--decode", "2"])
+    assert exit_.value.code == 2 and "a MIN:MAX range needs --autoscale" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["up", "--decode", "3:1"])
+    assert "expected 0 < MIN <= MAX" in capsys.readouterr().err
+    # what would fail in every process fails here, before anything starts
+    assert main(["up", "--model", "/nonexistent"]) == 2
+    assert "/nonexistent/config.json not found" in capsys.readouterr().err
+    assert main(["up", "--autoscale", "--decode-running-low", "20"]) == 2
+    assert "decode_running_low" in capsys.readouterr().err
 
 
 def _serve_command(model_dir: Path, port: int, *extra: str) -> list[str]:

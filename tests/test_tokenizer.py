@@ -224,3 +224,21 @@ def _is_utf8(data: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+def test_a_stream_continued_mid_character_loses_nothing(tt_tok: Tokenizer) -> None:
+    """A resumed request's text starts from the bytes of the character its first stream left
+    unfinished (pending_bytes -> utf8_prefix), so the two texts add up to the whole decode."""
+    from pdserve.tokenizer.detokenizer import pending_bytes
+
+    ids = tt_tok.encode("数据🙂 transistor 変数 Ωmega 😀😀")
+    splits = [i for i in range(1, len(ids)) if pending_bytes(tt_tok, ids[:i])]
+    assert splits, "no token of this text ends mid-character: pick another text"
+    for i in splits:
+        first = IncrementalDetokenizer(tt_tok)
+        head = "".join(first.push(t) for t in ids[:i])
+        second = IncrementalDetokenizer(tt_tok, prefix=pending_bytes(tt_tok, ids[:i]))
+        tail = "".join(second.push(t) for t in ids[i:]) + second.flush()
+        assert head + tail == tt_tok.decode(ids)
+        plain = IncrementalDetokenizer(tt_tok)  # what a resume did before: the character is lost
+        assert head + "".join(plain.push(t) for t in ids[i:]) + plain.flush() != tt_tok.decode(ids)

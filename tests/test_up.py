@@ -1,46 +1,323 @@
-"""`pdserve up` end to end: one command starts router + workers, serves, and Ctrl-C stops all."""
+"""`pdserve up` end to end, through the CLI: one command starts router + workers and serves; a
+worker or the router SIGKILLed is restarted on its port while every other process goes on and
+no request fails; Ctrl-C stops everything and orphans nothing."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from helpers import generate_texts, greedy, random_prompt
+from process_cluster import pending_entries, start_redis
+from prometheus_client.parser import text_string_to_metric_families
 from server_fixtures import free_port
+
+from pdserve import LLM
 
 pytestmark = pytest.mark.slow  # the whole cluster as processes, through the CLI
 
+# NOTE: 2 cores for everything: small pools, small prefill steps (so a prefill lasts several steps)
+FLAGS = ["--kv-transport", "tcp", "--num-kv-blocks", "512", "--dtype", "float32", "--max-num-batched-tokens", "32"]
+_START_TIMEOUT_S = 180.0
+_BACK_WITHIN_S = 60.0
 
-def test_up_serves_then_stops_everything_on_ctrl_c(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+
+@dataclass
+class Up:
+    """A running `pdserve up` (its output in `log`) and the ways a test looks into it."""
+
+    popen: subprocess.Popen[bytes]
+    log: Path
+    port: int
+    supervisor_port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def workers(self) -> list[dict[str, Any]]:
+        return list(httpx.get(f"{self.url}/workers", timeout=5).json())
+
+    def ready(self, role: str) -> list[str]:
+        try:
+            return [w["url"] for w in self.workers() if w["role"] == role and w["ready"]]
+        except (httpx.HTTPError, ValueError):
+            return []
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = httpx.get(f"http://127.0.0.1:{self.supervisor_port}/metrics", timeout=5).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    return float(sample.value)
+        raise AssertionError(f"no {name}{labels} in:\n{text}")
+
+    def restarts(self) -> dict[str, float]:
+        return {role: self.metric("pdserve:supervisor_restarts_total", role=role)
+                for role in ("router", "prefill", "decode")}
+
+    def pid(self, url: str) -> int:
+        """The process (a child of `up`) that listens at `url`."""
+        port = url.rsplit(":", 1)[1]
+        found = subprocess.run(["pgrep", "-P", str(self.popen.pid), "-f", "--", f"--port {port}( |$)"],
+                               capture_output=True, text=True).stdout.split()
+        assert len(found) == 1, (url, found)
+        return int(found[0])
+
+    def wait_for(self, what: str, check: Any, timeout_s: float) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while not (result := check()):
+            assert self.popen.poll() is None, f"pdserve up exited while waiting for {what}:\n{self.text()[-4000:]}"
+            assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f} s:\n{self.text()[-4000:]}"
+            time.sleep(0.2)
+        return result
+
+    def wait_pool(self, prefill: int, decode: int, timeout_s: float = _START_TIMEOUT_S) -> None:
+        self.wait_for(f"{prefill} prefill + {decode} decode workers ready",
+                      lambda: (len(self.ready("prefill")), len(self.ready("decode"))) == (prefill, decode), timeout_s)
+
+    def stop(self) -> None:
+        """Ctrl-C, then an impatient second one: exits 0, and no process it started is left."""
+        children = subprocess.run(["pgrep", "-P", str(self.popen.pid)], capture_output=True, text=True).stdout.split()
+        os.killpg(self.popen.pid, signal.SIGINT)
+        time.sleep(0.05)
+        os.killpg(self.popen.pid, signal.SIGINT)  # an impatient second Ctrl-C must not orphan a worker
+        assert self.popen.wait(timeout=30) == 0, self.text()[-3000:]
+        alive = [pid for pid in children if Path(f"/proc/{pid}").exists()]
+        assert not alive, (alive, self.text()[-3000:])
+
+
+@contextmanager
+def pdserve_up(model_dir: Path, tmp_path: Path, *flags: str) -> Iterator[Up]:
+    """`pdserve up` until "pdserve is up"; stopped (and checked to stop cleanly) at the end."""
     port = free_port()
     # NOTE: a file, not a pipe: workers log to the same output, and a pipe nobody drains blocks them.
     log = tmp_path / "up.log"
-    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(model_dirs["tiny"]), "--port", str(port),
-           "--kv-transport", "tcp", "--num-kv-blocks", "256", "--dtype", "float32"]
+    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(model_dir), "--port", str(port),
+           "--supervisor-port", str(free_port()), *FLAGS, *flags]
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    up = Up(popen, log, port, int(cmd[cmd.index("--supervisor-port") + 1]))
     try:
-        deadline = time.monotonic() + 180
-        while "pdserve is up" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert "pdserve is up" in log.read_text(), log.read_text()[-3000:]
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
-            workers = http.get("/workers").json()
-            assert sorted(w["role"] for w in workers) == ["decode", "prefill"] and all(w["ready"] for w in workers)
-            reply = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
-            assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
-        os.killpg(proc.pid, signal.SIGINT)
-        time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGINT)  # an impatient second Ctrl-C must not orphan a worker
-        assert proc.wait(timeout=30) == 0
-        children = subprocess.run(["pgrep", "-f", f"--port {port}"], capture_output=True, text=True).stdout.split()
-        assert not [c for c in children if int(c) != proc.pid], children
+        up.wait_for("'pdserve is up'", lambda: "pdserve is up" in up.text(), _START_TIMEOUT_S)
+        yield up
+        up.stop()
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        if popen.poll() is None:
+            os.killpg(popen.pid, signal.SIGKILL)
+            popen.wait()
+
+
+def complete(url: str, prompt: list[int], max_tokens: int) -> str:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return str(reply.json()["choices"][0]["text"])
+
+
+def stream(url: str, prompt: list[int], max_tokens: int, on_chunk: Any = None) -> str:
+    """A streamed greedy completion's text; `on_chunk(n)` after each text chunk."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True}
+    text, chunks = "", 0
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            data = line.removeprefix("data: ")
+            if not line.startswith("data: ") or data == "[DONE]":
+                continue
+            event = httpx.Response(200, content=data).json()
+            assert "error" not in event, event
+            text += event["choices"][0]["text"]
+            chunks += 1
+            if on_chunk is not None:
+                on_chunk(chunks)
+    return text
+
+
+def busy_prefill_worker(up: Up, timeout_s: float = 30.0) -> str:
+    """The URL of a prefill worker with a job in hand (polled until one has)."""
+    urls = up.ready("prefill")
+
+    def find() -> str | None:
+        for url in urls:
+            try:
+                if httpx.get(f"{url}/pd/stats", timeout=2).json()["in_flight"]:
+                    return url
+            except httpx.HTTPError:
+                pass
+        return None
+
+    return str(up.wait_for("a busy prefill worker", find, timeout_s))
+
+
+def test_up_serves_then_stops_everything_on_ctrl_c(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    with pdserve_up(model_dirs["tiny"], tmp_path) as up:
+        workers = up.workers()
+        assert sorted(w["role"] for w in workers) == ["decode", "prefill"] and all(w["ready"] for w in workers)
+        reply = httpx.post(f"{up.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=60)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
+        assert up.metric("pdserve:supervisor_workers", role="prefill", state="ready") == 1
+        assert f"supervisor: curl -s http://127.0.0.1:{up.supervisor_port}/metrics" in up.text()
+
+
+def test_a_prefill_worker_killed_mid_load_is_restarted_and_no_request_fails(
+        model_dirs: dict[str, Path], colocated: LLM, tmp_path: Path) -> None:
+    redis = start_redis(tmp_path)
+    try:
+        with pdserve_up(model_dirs["tiny"], tmp_path, "--queue", redis.url, "--prefill", "2", "--decode", "1",
+                        "--queue-claim-idle-s", "2") as up:
+            up.wait_pool(prefill=2, decode=1)
+            prompts = [random_prompt(300, seed=seed) for seed in range(12)]
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                replies = [pool.submit(complete, up.url, prompt, 6) for prompt in prompts]
+                victim = busy_prefill_worker(up)
+                os.kill(up.pid(victim), signal.SIGKILL)
+                killed_at = time.monotonic()
+                texts = [reply.result() for reply in replies]
+            assert texts == generate_texts(colocated, prompts, greedy(6))
+            assert "re-delivering prefill job" in up.text()  # it died holding a job
+            up.wait_for(f"{victim} back", lambda: victim in up.ready("prefill"), _BACK_WITHIN_S)
+            assert time.monotonic() - killed_at < _BACK_WITHIN_S
+            assert pending_entries(redis) == 0
+            assert up.restarts() == {"router": 0, "prefill": 1, "decode": 0}
+            assert re.search(r"prefill-\d \(prefill, .*\) exited with status -9; restarting in 1 s", up.text())
+    finally:
+        redis.stop()
+
+
+def test_a_decode_worker_killed_mid_stream_is_restarted_and_the_streams_resume(
+        model_dirs: dict[str, Path], colocated: LLM, tmp_path: Path) -> None:
+    with pdserve_up(model_dirs["tiny"], tmp_path, "--prefill", "1", "--decode", "1") as up:
+        up.wait_pool(prefill=1, decode=1)
+        (victim,) = up.ready("decode")
+        pid = up.pid(victim)
+        prompts = [random_prompt(40, seed=seed) for seed in range(4)]
+
+        def kill_at_5(chunks: int) -> None:
+            if chunks == 5:
+                os.kill(pid, signal.SIGKILL)
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            others = [pool.submit(stream, up.url, prompt, 120) for prompt in prompts[1:]]
+            first = stream(up.url, prompts[0], 120, kill_at_5)
+            texts = [first, *(other.result() for other in others)]
+        # no decode worker was left: the streams waited for the restarted one and went on there
+        assert texts == generate_texts(colocated, prompts, greedy(120))
+        assert up.ready("decode") == [victim] and up.pid(victim) != pid
+        assert up.restarts() == {"router": 0, "prefill": 0, "decode": 1}
+
+
+def test_a_killed_router_is_restarted_and_new_requests_succeed(model_dirs: dict[str, Path], colocated: LLM,
+                                                               tmp_path: Path) -> None:
+    with pdserve_up(model_dirs["tiny"], tmp_path, "--prefill", "1", "--decode", "1") as up:
+        up.wait_pool(prefill=1, decode=1)
+        workers = {role: up.ready(role) for role in ("prefill", "decode")}
+        os.kill(up.pid(up.url), signal.SIGKILL)
+        prompt = random_prompt(30, seed=3)
+        (expected,) = generate_texts(colocated, [prompt], greedy(8))
+
+        def served() -> bool:
+            try:
+                return complete(up.url, prompt, 8) == expected
+            except (httpx.HTTPError, AssertionError):
+                return False
+
+        up.wait_for("a request through the restarted router", served, _BACK_WITHIN_S)
+        # the workers re-registered with it: the same ones, not restarted
+        up.wait_pool(prefill=1, decode=1, timeout_s=10)
+        assert {role: up.ready(role) for role in ("prefill", "decode")} == workers
+        assert up.restarts() == {"router": 1, "prefill": 0, "decode": 0}
+
+
+class Load:
+    """Closed-loop clients on their own threads until stopped; every reply must be a 200."""
+
+    def __init__(self, url: str, clients: list[tuple[int, int]]) -> None:  # (prompt tokens, max tokens) each
+        self.url = url
+        self.done = threading.Event()
+        self.failures: list[str] = []
+        self.num_ok = 0
+        self.threads = [threading.Thread(target=self._client, args=(i, *c), daemon=True) for i, c in enumerate(clients)]
+        for thread in self.threads:
+            thread.start()
+
+    def _client(self, index: int, prompt_len: int, max_tokens: int) -> None:
+        seed = 1000 * index
+        with httpx.Client(timeout=120) as http:
+            while not self.done.is_set():
+                seed += 1
+                body = {"prompt": random_prompt(prompt_len, seed=seed), "max_tokens": max_tokens, "ignore_eos": True}
+                try:
+                    reply = http.post(f"{self.url}/v1/completions", json=body)
+                    ok = reply.status_code == 200
+                    why = f"{reply.status_code} {reply.text[:300]}"
+                except httpx.HTTPError as exc:
+                    ok, why = False, repr(exc)
+                if ok:
+                    self.num_ok += 1
+                else:
+                    self.failures.append(why)
+
+    def stop(self) -> None:
+        self.done.set()
+        for thread in self.threads:
+            thread.join(120)
+
+
+def test_autoscale_grows_on_a_burst_and_drains_back_without_failing_a_request(model_dirs: dict[str, Path],
+                                                                               tmp_path: Path) -> None:
+    # NOTE: windows and cooldowns of seconds; decode scales on running requests alone (TPOT targets
+    # out of reach), prefill on queue depth alone; short prompts are prefilled on decode (pd threshold)
+    rules = ["--autoscale-window-s", "3", "--scale-in-cooldown-s", "8", "--prefill-queue-target", "2",
+             "--prefill-queue-low", "1", "--prefill-queue-latency-target-s", "100", "--decode-running-high", "3",
+             "--decode-running-target", "2", "--decode-running-low", "1", "--decode-tpot-target-ms", "100000",
+             "--decode-tpot-avg-target-ms", "100000", "--pd-threshold", "64"]
+    with pdserve_up(model_dirs["tiny"], tmp_path, "--autoscale", "--prefill", "1:3", "--decode", "1:3",
+                    *rules) as up:
+        def live(role: str) -> float:
+            return sum(up.metric("pdserve:supervisor_workers", role=role, state=state)
+                       for state in ("starting", "ready", "draining"))
+
+        burst = Load(up.url, [(600, 2)] * 6 + [(16, 256)] * 10)
+        try:
+            # the new workers join the pool and take traffic while the burst lasts
+            up.wait_for("prefill and decode grown",
+                        lambda: len(up.ready("prefill")) >= 2 and len(up.ready("decode")) == 3, 90)
+        finally:
+            burst.stop()
+        trickle = Load(up.url, [(40, 4)])  # requests go on through every scale-in
+        try:
+            up.wait_for("both roles back to 1", lambda: (live("prefill"), live("decode")) == (1, 1), 90)
+            up.wait_pool(prefill=1, decode=1, timeout_s=10)
+        finally:
+            trickle.stop()
+        assert not burst.failures and not trickle.failures, (burst.failures + trickle.failures)[:5]
+        assert trickle.num_ok > 0
+        text = up.text()
+        assert re.search(r"autoscale: prefill 1 -> 2: queue depth [\d.]+ > 2 for 3 s", text)
+        assert re.search(r"autoscale: decode 1 -> 3: running/instance [\d.]+ > 3 for 3 s", text)
+        assert re.search(r"autoscale: decode 2 -> 1: running/instance [\d.]+ < 1 for 3 s", text)
+        assert re.search(r"autoscale: prefill 2 -> 1: queue depth <= 1 for 3 s", text)
+        assert up.metric("pdserve:autoscaler_decisions_total", role="decode", direction="out",
+                         reason="running_per_worker") == 1
+        assert up.metric("pdserve:autoscaler_decisions_total", role="decode", direction="in", reason="idle") == 2
+        assert up.restarts() == {"router": 0, "prefill": 0, "decode": 0}
+        # every worker drained after it served exited 0 (one still loading may have been drained too)
+        drained = re.findall(r"drained and exited with status (-?\d+)", text)
+        assert len(drained) >= 2 and set(drained) == {"0"}, drained

@@ -55,6 +55,7 @@ from pdserve.serving.errors import OpenAIError
 from pdserve.serving.router_stats import RouterEvents, RouterStats, WorkerView
 from pdserve.serving.trace import current_trace
 from pdserve.tokenizer import Tokenizer
+from pdserve.tokenizer.detokenizer import pending_bytes
 
 logger = logging.getLogger(__name__)
 _RESERVE_RETRY_S = 0.05
@@ -179,7 +180,9 @@ class PDRouter:
         lost: set[tuple[str, str]] = set()  # (url, instance id) of the decode workers that lost it
         for resume in range(self.config.max_resumes + 1):
             sub_id = request_id if resume == 0 else f"{request_id}~{resume}"
-            sub_prompt, sub_params = prompt + sent_tokens, _continuation(params, len(sent_tokens))
+            sub_prompt = prompt + sent_tokens
+            sub_params = _continuation(params, len(sent_tokens), pending_bytes(self.tokenizer, sent_tokens,
+                                                                                params.skip_special_tokens))
             decode, reply = await self._reserve(sub_id, sub_prompt, sub_params, lost)
             instance = _instance(decode)
             last: RequestOutput | None = None
@@ -309,12 +312,15 @@ def _instance(worker: Worker) -> tuple[str, str]:
     return worker.url, worker.info.instance_id if worker.info is not None else ""
 
 
-def _continuation(params: SamplingParams, num_sent: int) -> SamplingParams:
-    """What is left of a request after `num_sent` tokens went out (resuming on another worker)."""
+def _continuation(params: SamplingParams, num_sent: int, unfinished: bytes) -> SamplingParams:
+    """What is left of a request after `num_sent` tokens went out (resuming on another worker);
+    `unfinished`: the bytes of a character those tokens began and the next ones end, which the
+    new worker's text must start from (else that character is lost)."""
     if not num_sent:
         return params
     max_tokens = None if params.max_tokens is None else params.max_tokens - num_sent
-    return dataclasses.replace(params, max_tokens=max_tokens, min_tokens=max(0, params.min_tokens - num_sent))
+    return dataclasses.replace(params, max_tokens=max_tokens, min_tokens=max(0, params.min_tokens - num_sent),
+                               utf8_prefix=tuple(unfinished))
 
 
 def _request_output(request_id: str, prompt: list[int], frame: OutputFrame) -> RequestOutput:

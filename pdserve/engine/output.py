@@ -63,11 +63,11 @@ class RequestState:
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], n: int,
                  tokenizer: Tokenizer, skip_special_tokens: bool, want_logprobs: bool, stop: tuple[str, ...],
-                 include_stop: bool, min_tokens: int, arrival_time: float) -> None:
+                 include_stop: bool, min_tokens: int, arrival_time: float, utf8_prefix: bytes = b"") -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
-        self.sequences = [_Sequence(IncrementalDetokenizer(tokenizer, skip_special_tokens),
+        self.sequences = [_Sequence(IncrementalDetokenizer(tokenizer, skip_special_tokens, utf8_prefix),
                                     logprobs=[] if want_logprobs else None) for _ in range(n)]
         self.stop = stop
         self.include_stop = include_stop

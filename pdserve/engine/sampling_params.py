@@ -26,6 +26,9 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives per token; 0 = only the sampled one
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # NOTE: not a user knob: the bytes of an unfinished UTF-8 character the output's text starts
+    # with (the router sets it when a request resumes on another decode worker mid-character)
+    utf8_prefix: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
         # Accept lists/strings the way callers write them, store tuples (frozen, hashable).
@@ -33,6 +36,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
+        object.__setattr__(self, "utf8_prefix", tuple(int(b) for b in self.utf8_prefix or ()))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         for ok, message in self._checks():
@@ -57,6 +61,8 @@ class SamplingParams:
             (all(s for s in self.stop), "stop strings must be non-empty"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (len(self.utf8_prefix) <= 3 and all(0x80 <= b <= 0xFF for b in self.utf8_prefix),
+             "utf8_prefix holds at most the first 3 bytes of one multi-byte character"),
         ]
 
     @property

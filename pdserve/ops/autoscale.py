@@ -1,5 +1,5 @@
 """The autoscaling policy: how many prefill and decode workers the pool should have, from what the
-router sees. `pdserve up --autoscale` calls it; the same rules are meant to be rendered as KEDA/HPA
+router sees. `pdserve up --autoscale` calls it; k8s_autoscale.py renders the same rules as KEDA/HPA
 objects, so they are stated here declaratively, each with the PromQL it amounts to (`w` is
 `autoscale_window_s`, series from the router's GET /metrics; with several routers take `max` over
 routers for the depth, which each router reads whole from the shared queue).

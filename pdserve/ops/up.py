@@ -1,162 +1,298 @@
-"""`pdserve up`: router + prefill + decode workers as processes on this machine, one command.
+"""`pdserve up`: the router and the prefill and decode workers as processes on this machine, one
+command, kept running.
 
-Starts the decode workers, then the prefill workers, then the router; splits the CPU threads
-between the workers; waits until one request has gone through end to end; prints the URL and a
-curl line. Ctrl-C (or SIGTERM) stops everything. A process that dies is reported with its exit
-status, and the rest are stopped: a half cluster is never left running silently.
+Starts the router (it accepts registrations), then the workers, each of which registers with it
+once it is serving; splits the CPU threads over the workers; waits until one request has gone
+through end to end; prints the URL and a curl line. From then on the supervisor (supervisor.py)
+restarts whatever exits unexpectedly, with backoff, and never stops the rest because one died;
+with `--autoscale` the autoscaler adds and drains workers within each role's bounds. Ctrl-C (or
+SIGTERM) stops everything: workers drain, and a second one hurries that without orphaning any.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import os
+import logging
 import signal
-import socket
-import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIServer
 
 import httpx
+from prometheus_client import CollectorRegistry, start_http_server
 
 from pdserve.config import RouterConfig, WorkerConfig
 from pdserve.config_flags import to_argv
+from pdserve.ops.supervisor import HOST, PoolEntry, SlotRole, Supervisor
+from pdserve.ops.threads import CoreShare, num_cpus, threads_per_worker
+
+if TYPE_CHECKING:
+    from pdserve.ops.autoscale import AutoscaleConfig
+    from pdserve.ops.scaling import AutoscaleLoop
+
+logger = logging.getLogger(__name__)
 
 _READY_TIMEOUT_S = 300.0
 
 
-@dataclass
-class Process:
-    name: str
-    url: str
-    popen: subprocess.Popen[bytes]
+@dataclass(frozen=True, slots=True)
+class Replicas:
+    """A role's size: `N` (fixed) or `MIN:MAX` (what `--autoscale` may do)."""
+
+    min: int
+    max: int
+
+    @classmethod
+    def parse(cls, text: str) -> Replicas:
+        low, colon, high = text.partition(":")
+        try:
+            replicas = cls(int(low), int(high) if colon else int(low))
+        except ValueError:
+            raise ValueError(f"{text!r}: expected N or MIN:MAX") from None
+        if not 0 < replicas.min <= replicas.max:
+            raise ValueError(f"{text!r}: expected 0 < MIN <= MAX")
+        return replicas
+
+    @property
+    def fixed(self) -> bool:
+        return self.min == self.max
+
+    def __str__(self) -> str:
+        return str(self.min) if self.fixed else f"{self.min}:{self.max}"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+@dataclass(frozen=True, slots=True)
+class UpOptions:
+    """What `pdserve up` itself was told (the router's and workers' configs travel apart)."""
+
+    port: int  # the router's
+    prefill: Replicas
+    decode: Replicas
+    supervisor_port: int  # the supervisor's metrics; 0: none
+    prefill_threads: int | None = None  # None: CPUs // workers
+    decode_threads: int | None = None
+    model: str | None = None
+    log_flags: tuple[str, ...] = ()  # --log-level / --log-format, for every process
+
+    @property
+    def router_url(self) -> str:
+        return f"http://{HOST}:{self.port}"
 
 
-def _spawn(name: str, args: list[str], port: int) -> Process:
-    cmd = [sys.executable, "-m", "pdserve.cli", *args]
-    return Process(name, f"http://127.0.0.1:{port}", subprocess.Popen(cmd, start_new_session=True))
+@dataclass(frozen=True, slots=True)
+class CommandLines:
+    """The command line of each process `up` starts; a worker's thread count is the split of the
+    pool as it is when that worker starts (`--prefill-threads` / `--decode-threads` override it,
+    and a `--num-threads` among the engine flags overrides both)."""
+
+    options: UpOptions
+    router: RouterConfig  # no worker URLs, accepts registrations: any worker can come and go
+    worker: WorkerConfig  # registers with the router (its role is each slot's)
+    engine_flags: tuple[str, ...]  # every worker's, after up's own (so they win); --model included
+    cpus: int
+
+    def __call__(self, role: SlotRole, port: int, num_workers: int) -> list[str]:
+        head = [sys.executable, "-m", "pdserve.cli", *self.options.log_flags]
+        if role == "router":
+            model = ["--model", self.options.model] if self.options.model else []
+            return [*head, "router", "--port", str(port), *to_argv(self.router), *model]
+        explicit = self.options.prefill_threads if role == "prefill" else self.options.decode_threads
+        threads = explicit or threads_per_worker(num_workers, self.cpus)
+        # NOTE: later flags win: the engine flags over --num-threads and over the worker config; the
+        # role and port over anything in the engine flags
+        return [*head, "serve", "--num-threads", str(threads), *to_argv(self.worker, exclude=("role",)),
+                *self.engine_flags, "--role", role, "--port", str(port)]
 
 
-def _threads_per_worker(num_workers: int) -> int:
-    return max(1, (os.cpu_count() or 1) // num_workers)
+def read_pool(http: httpx.Client, router_url: str) -> list[PoolEntry] | None:
+    """The router's GET /workers as the supervisor needs it; None when the router does not answer."""
+    try:
+        reply = http.get(f"{router_url}/workers")
+        reply.raise_for_status()
+        listed: list[dict[str, Any]] = reply.json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    return [PoolEntry(w["url"], bool(w["ready"]), int(w["in_flight"]) + _engine_work(w.get("load"))) for w in listed]
 
 
-def launch(ns: argparse.Namespace, router: RouterConfig, worker: WorkerConfig,
-           engine_flags: list[str]) -> list[Process]:
-    """Start every process; the router last, so it finds its workers. `worker` is every worker's
-    config but for its role; `router`'s worker URLs are filled in here."""
-    even = _threads_per_worker(ns.num_prefill + ns.num_decode)
-    threads = {"prefill": ns.prefill_threads or even, "decode": ns.decode_threads or even}
-    logs = ["--log-level", ns.log_level, "--log-format", ns.log_format]
-    processes = []
-    for role, count in (("decode", ns.num_decode), ("prefill", ns.num_prefill)):
-        for index in range(count):
-            port = _free_port()
-            # NOTE: later flags win: the engine flags over --num-threads (for every worker) and over
-            # the worker config; the role and port over anything in the engine flags
-            args = [*logs, "serve", "--num-threads", str(threads[role]), *to_argv(worker, exclude=("role",)),
-                    *engine_flags, "--role", role, "--port", str(port)]
-            processes.append(_spawn(f"{role}-{index}", args, port))
-    urls = {role: tuple(p.url for p in processes if p.name.startswith(role)) for role in ("prefill", "decode")}
-    router = replace(router, prefill=urls["prefill"], decode=urls["decode"])
-    router_args = [*logs, "router", "--port", str(ns.port), *to_argv(router)]
-    if ns.model:
-        router_args += ["--model", ns.model]
-    processes.append(_spawn("router", router_args, ns.port))
-    return processes
+def _engine_work(load: dict[str, Any] | None) -> int:
+    return 0 if load is None else int(load["num_running"]) + int(load["num_waiting"])
 
 
-def _dead(processes: list[Process]) -> list[Process]:
-    return [p for p in processes if p.popen.poll() is not None]
+class Monitor:
+    """The loop that keeps the deployment going, on a thread of its own (signals reach only the main
+    thread, so a Ctrl-C never lands between starting a process and recording it): ticks the
+    supervisor, reads the router's pool and runs the autoscaler once a second."""
+
+    def __init__(self, supervisor: Supervisor, router_url: str, cores: CoreShare,
+                 autoscale: AutoscaleLoop | None = None, period_s: float = 0.2, poll_s: float = 1.0) -> None:
+        self._supervisor = supervisor
+        self._router_url = router_url
+        self._cores = cores
+        self._autoscale = autoscale
+        self._period_s = period_s
+        self._poll_s = poll_s
+        self._next_poll = 0.0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pdserve-up-monitor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Returns once the loop has ended: nothing is started after this."""
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=1.0) as http:
+            while not self._done.is_set():
+                try:
+                    self.step(http)
+                except Exception:  # noqa: BLE001 - the loop must outlive a bad round
+                    logger.exception("pdserve up: supervisor round failed")
+                self._done.wait(self._period_s)
+
+    def step(self, http: httpx.Client) -> None:
+        self._cores.note(self._supervisor.num_workers())
+        self._supervisor.tick()
+        if time.monotonic() < self._next_poll:
+            return
+        self._next_poll = time.monotonic() + self._poll_s
+        self._supervisor.observe_pool(read_pool(http, self._router_url))
+        if self._autoscale is not None:
+            self._autoscale.tick()
 
 
-def wait_ready(processes: list[Process], router_url: str) -> None:
-    """Until a completion goes through the router (raises RuntimeError if a process dies)."""
-    deadline = time.monotonic() + _READY_TIMEOUT_S
+def wait_ready(supervisor: Supervisor, router_url: str, timeout_s: float = _READY_TIMEOUT_S) -> None:
+    """Until a completion goes through the router (RuntimeError if a role can no longer start)."""
+    deadline = time.monotonic() + timeout_s
     body = {"prompt": "Hello", "max_tokens": 2}
     with httpx.Client(timeout=30) as http:
         while time.monotonic() < deadline:
-            if dead := _dead(processes):
-                raise RuntimeError(", ".join(f"{p.name} exited with status {p.popen.returncode}" for p in dead))
+            if why := supervisor.hopeless():
+                raise RuntimeError(why)
             try:
                 if http.post(f"{router_url}/v1/completions", json=body).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-    raise RuntimeError(f"no request went through within {_READY_TIMEOUT_S:.0f} s")
+    raise RuntimeError(f"no request went through within {timeout_s:.0f} s")
 
 
-def stop(processes: list[Process]) -> None:
-    """SIGTERM every process (workers drain), SIGKILL what is left after 15 s. A second Ctrl-C
-    (or SIGTERM) meanwhile skips the wait; it never interrupts the cleanup itself, which would
-    leave workers running with nobody to stop them."""
-    force = False
+class _Interrupts:
+    """Ctrl-C / SIGTERM: the first unwinds the main thread to the cleanup (KeyboardInterrupt); any
+    later one only hurries the cleanup, which it must never interrupt (that would orphan workers)."""
 
-    def hurry(*_: object) -> None:
-        nonlocal force
-        force = True
+    def __init__(self) -> None:
+        self.stopping = False
+        self.hurry = False
+        # NOTE: SIGINT explicitly too: a shell that starts us in the background leaves it ignored
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGTERM, self._handle)
 
-    signal.signal(signal.SIGINT, hurry)
-    signal.signal(signal.SIGTERM, hurry)
-    for process in reversed(processes):
-        if process.popen.poll() is None:
-            os.killpg(process.popen.pid, signal.SIGTERM)
-    deadline = time.monotonic() + 15
-    while not force and time.monotonic() < deadline and any(p.popen.poll() is None for p in processes):
-        time.sleep(0.05)
-    for process in processes:
-        if process.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.popen.pid, signal.SIGKILL)
-            process.popen.wait()
+    def _handle(self, *_: object) -> None:
+        if self.stopping:
+            self.hurry = True
+            return
+        self.stopping = True
+        raise KeyboardInterrupt
 
 
-def run(ns: argparse.Namespace, router: RouterConfig, worker: WorkerConfig, engine_flags: list[str]) -> int:
+def _banner(options: UpOptions, metrics_url: str | None) -> None:
+    url = options.router_url
+    print(f"\npdserve is up: {options.prefill} prefill + {options.decode} decode workers behind {url}")
+    print(f"  workers: curl -s {url}/workers")
+    if metrics_url:
+        print(f"  supervisor: curl -s {metrics_url}")
+    print(f"  try:     curl -s {url}/v1/chat/completions -H 'content-type: application/json' "
+          "-d '{\"messages\":[{\"role\":\"user\",\"content\":\"Hello!\"}],\"max_tokens\":32}'")
+    print("Ctrl-C stops everything.", flush=True)
+
+
+def start_pool(options: UpOptions, router: RouterConfig, worker: WorkerConfig, engine_flags: list[str],
+               registry: CollectorRegistry) -> Supervisor:
+    """The supervisor with the router's slot and each role's minimum (started by its first tick)."""
+    cpus = num_cpus()
+    commands = CommandLines(options, router, worker, tuple(engine_flags), cpus)
+    supervisor = Supervisor(commands, registry=registry, reserved_ports=(options.supervisor_port,))
+    supervisor.add("router", options.port)
+    for _ in range(options.decode.min):
+        supervisor.add("decode")
+    for _ in range(options.prefill.min):
+        supervisor.add("prefill")
+    return supervisor
+
+
+def run(options: UpOptions, router: RouterConfig, worker: WorkerConfig, engine_flags: list[str],
+        autoscale: AutoscaleConfig | None = None) -> int:
     # Build the demo checkpoint once here, not concurrently in every worker.
-    if ns.model is None:
+    if options.model is None:
         from pdserve.model.demo_checkpoint import default_model_dir
 
         default_model_dir()
-    processes = launch(ns, router, worker, engine_flags)
-    router_url = f"http://127.0.0.1:{ns.port}"
-    stopping = False
-
-    def interrupt(*_: object) -> None:
-        """Ctrl-C / SIGTERM: unwind to the cleanup once; a second one before `stop` takes over
-        must not interrupt the cleanup."""
-        nonlocal stopping
-        if not stopping:
-            stopping = True
-            raise KeyboardInterrupt
-
-    # NOTE: SIGINT explicitly too: a shell that starts us in the background leaves it ignored
-    signal.signal(signal.SIGINT, interrupt)
-    signal.signal(signal.SIGTERM, interrupt)
+    registry = CollectorRegistry()
+    supervisor = start_pool(options, router, worker, engine_flags, registry)
     try:
-        wait_ready(processes, router_url)
-        print(f"\npdserve is up: {ns.num_prefill} prefill + {ns.num_decode} decode workers behind {router_url}")
-        print(f"  workers: curl -s {router_url}/workers")
-        print(f"  try:     curl -s {router_url}/v1/chat/completions -H 'content-type: application/json' "
-              "-d '{\"messages\":[{\"role\":\"user\",\"content\":\"Hello!\"}],\"max_tokens\":32}'")
-        print("Ctrl-C stops everything.", flush=True)
-        while not (dead := _dead(processes)):
-            time.sleep(0.5)
-        for process in dead:
-            print(f"pdserve up: {process.name} ({process.url}) exited with status {process.popen.returncode}; "
-                  "stopping the others", file=sys.stderr)
-        return 1
+        scaler = None if autoscale is None else _autoscale_loop(autoscale, options, supervisor, registry)
+    except ValueError as exc:  # e.g. a pre-warm above a role's maximum
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 2
+    monitor = Monitor(supervisor, options.router_url, CoreShare(), scaler)
+    metrics = None
+    # NOTE: no process runs before the monitor starts, inside the try: the cleanup reaches every one
+    interrupts = _Interrupts()
+    try:
+        metrics = _serve_metrics(registry, options.supervisor_port)
+        monitor.start()
+        wait_ready(supervisor, options.router_url)
+        _banner(options, f"http://{HOST}:{options.supervisor_port}/metrics" if metrics else None)
+        _serve_until_interrupted(supervisor)
+        return 0
     except RuntimeError as exc:
         print(f"pdserve up: {exc}; stopping", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0
     finally:
-        stop(processes)
+        interrupts.stopping = True
+        monitor.stop()
+        supervisor.stop(hurried=lambda: interrupts.hurry)
+        if metrics is not None:
+            metrics.shutdown()
+
+
+def _serve_until_interrupted(supervisor: Supervisor) -> None:
+    """Sleep: the monitor does the work. A role whose every slot failed is said once, and the rest
+    stays up (the autoscaler, if on, starts new slots up to the role's minimum)."""
+    said = None
+    while True:
+        if (why := supervisor.hopeless()) and why != said:
+            logger.error("pdserve up: %s: the deployment cannot serve until that is fixed (Ctrl-C stops it)", why)
+        said = why
+        time.sleep(0.5)
+
+
+def _serve_metrics(registry: CollectorRegistry, port: int) -> WSGIServer | None:
+    """The supervisor's metrics on http://127.0.0.1:PORT/metrics (port 0: not served)."""
+    if not port:
+        return None
+    try:
+        return start_http_server(port, addr=HOST, registry=registry)[0]
+    except OSError as exc:
+        raise RuntimeError(f"cannot serve the supervisor's metrics on port {port} ({exc}); "
+                           "choose another with --supervisor-port, or 0 for none") from exc
+
+
+def _autoscale_loop(config: AutoscaleConfig, options: UpOptions, supervisor: Supervisor,
+                    registry: CollectorRegistry) -> AutoscaleLoop:
+    from pdserve.ops.autoscale import Autoscaler, Role
+    from pdserve.ops.scaling import AutoscaleLoop
+
+    bounds: dict[Role, tuple[int, int]] = {"prefill": (options.prefill.min, options.prefill.max),
+                                           "decode": (options.decode.min, options.decode.max)}
+    return AutoscaleLoop(Autoscaler(config, bounds, registry=registry), supervisor, options.router_url)

@@ -14,11 +14,13 @@ class IncrementalDetokenizer:
     decoder until the character completes; concatenated output equals `tokenizer.decode(all_ids)`.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, prefix: bytes = b"") -> None:
+        """`prefix`: the start of an unfinished character the first ids complete (a stream that
+        continues another one's output, see `pending_bytes`)."""
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._text = ""
+        self._text = self._decoder.decode(prefix)
 
     def push(self, token_id: int) -> str:
         return self._emit(self._decoder.decode(self._tokenizer.token_bytes(token_id, self._skip_special_tokens)))
@@ -34,3 +36,12 @@ class IncrementalDetokenizer:
     def _emit(self, piece: str) -> str:
         self._text += piece
         return piece
+
+
+def pending_bytes(tokenizer: Tokenizer, token_ids: list[int], skip_special_tokens: bool = True) -> bytes:
+    """The bytes of `token_ids`' unfinished last character: what an `IncrementalDetokenizer` fed
+    those ids holds back (b"" when their text ends on a whole character)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for token_id in token_ids:
+        decoder.decode(tokenizer.token_bytes(token_id, skip_special_tokens))
+    return bytes(decoder.getstate()[0])

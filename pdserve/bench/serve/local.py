@@ -46,9 +46,9 @@ def free_port() -> int:
 
 def up_threads_per_worker(num_workers: int) -> int:
     """The torch threads `pdserve up` gives each worker by default (CPUs // workers, at least 1)."""
-    from pdserve.ops.up import _threads_per_worker
+    from pdserve.ops.threads import threads_per_worker
 
-    return _threads_per_worker(num_workers)
+    return threads_per_worker(num_workers)
 
 
 def colocated_args(port: int, num_threads: int, chunked_prefill: bool, engine_args: list[str]) -> list[str]:
@@ -58,9 +58,9 @@ def colocated_args(port: int, num_threads: int, chunked_prefill: bool, engine_ar
 
 def pd_args(port: int, num_prefill: int, num_decode: int, threads_per_worker: int, engine_args: list[str]) -> list[str]:
     # NOTE: `pdserve up` passes unknown flags to every worker after its own `--num-threads`, so this
-    # one wins over up's cpu_count // workers split.
-    return ["up", "--port", str(port), "--prefill", str(num_prefill), "--decode", str(num_decode),
-            "--num-threads", str(threads_per_worker), *engine_args]
+    # one wins over up's cpu_count // workers split. No supervisor metrics: only `port` is known free.
+    return ["up", "--port", str(port), "--supervisor-port", "0", "--prefill", str(num_prefill), "--decode",
+            str(num_decode), "--num-threads", str(threads_per_worker), *engine_args]
 
 
 def start(name: str, cli_args: list[str], port: int, log_dir: Path) -> LocalServer:
