@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -105,10 +106,52 @@ def test_no_ready_worker_is_a_503_streamed_or_not(model_dirs: dict[str, Path]) -
                 reply = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": stream})
                 assert reply.status_code == 503, reply.text
                 assert reply.json()["error"]["type"] == "service_unavailable"
-            assert http.get("/health").status_code == 503
+            # alive (restarting it would bring no worker), not ready (Kubernetes sends it no client)
+            assert http.get("/health").status_code == 200
+            ready = http.get("/ready")
+            assert ready.status_code == 503 and ready.json()["reason"] == "no prefill worker is ready"
         assert client.stats().rejections.no_prefill_worker == 2
     finally:
         router.stop()
+
+
+def _until(condition: Callable[[], bool], timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_ready_routes_follow_draining_workers_and_the_pool(model_dirs: dict[str, Path]) -> None:
+    """GET /ready (Kubernetes' readiness probe) on workers and router; GET /health (liveness)
+    stays 200 throughout: nothing here is cured by a restart."""
+    cluster = start_cluster(model_dirs["tiny"], "tcp", 1, 1)
+    decode_url, prefill_url = (served.url for served, _ in cluster.workers)
+    decode = cluster.service(DecodeService)
+    try:
+        with httpx.Client(timeout=30) as http:
+            def ready(url: str) -> httpx.Response:
+                return http.get(f"{url}/ready")
+
+            assert ready(decode_url).json() == {"status": "ready", "role": "decode"}
+            assert ready(prefill_url).json() == {"status": "ready", "role": "prefill"}
+            assert ready(cluster.router.url).json() == {"status": "ready"}
+            decode.draining = True  # what SIGTERM does first (Worker.drain)
+            reply = ready(decode_url)
+            assert reply.status_code == 503 and reply.json()["reason"] == "draining"
+            assert http.get(f"{decode_url}/pd/info").json()["ready"] is False
+            _until(lambda: ready(cluster.router.url).status_code == 503)  # its next poll of the pool
+            assert ready(cluster.router.url).json() == {"status": "not ready", "reason": "no decode worker is ready"}
+            assert all(http.get(f"{url}/health").status_code == 200
+                       for url in (decode_url, prefill_url, cluster.router.url))
+            decode.draining = False
+            _until(lambda: ready(cluster.router.url).status_code == 200)
+            assert ready(decode_url).status_code == 200
+            assert http.post(f"{cluster.router.url}/v1/completions",
+                             json=GREEDY | {"prompt": "hi"}).status_code == 200
+        cluster.wait_until_idle()
+    finally:
+        stop_cluster(cluster)
 
 
 @pytest.mark.parametrize("policy", ["round-robin", "prefix-affinity"])

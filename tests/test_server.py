@@ -165,8 +165,9 @@ class _Records(logging.Handler):
 # -- discovery ---------------------------------------------------------------------------------
 
 def test_health_and_models(http: httpx.Client) -> None:
-    health = http.get("/health")
+    health, ready = http.get("/health"), http.get("/ready")
     assert health.status_code == 200 and health.json() == {"status": "ok"}
+    assert ready.status_code == 200 and ready.json() == {"status": "ready"}
     models = http.get("/v1/models").json()
     assert models["object"] == "list"
     assert [card["id"] for card in models["data"]] == [MODEL_NAME]

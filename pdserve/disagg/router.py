@@ -112,7 +112,19 @@ class PDRouter:
 
     @property
     def alive(self) -> bool:
-        return self.queue.ready and self.pool.any_ready("decode")
+        return not self.unready_reason
+
+    @property
+    def unready_reason(self) -> str:
+        """Why a request would get a 503 now ("" when none): the queue is unreachable, or no
+        prefill or no decode worker is ready (GET /ready, Kubernetes' readiness probe)."""
+        if self.queue.error:
+            return self.queue.error
+        if not self.queue.ready:
+            return "no prefill worker is ready"
+        if not self.pool.any_ready("decode"):
+            return "no decode worker is ready"
+        return ""
 
     def workers(self) -> list[WorkerView]:
         return self.pool.views()

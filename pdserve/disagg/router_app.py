@@ -15,16 +15,22 @@ from fastapi.responses import JSONResponse, Response
 
 from pdserve.disagg.control import Registration
 from pdserve.disagg.router import PDRouter
-from pdserve.serving.app import create_app
+from pdserve.serving.app import Probes, create_app
 from pdserve.serving.errors import error_response
 from pdserve.serving.router_stats import RouterStats
 
 
 def create_router_app(router: PDRouter, model_name: str) -> FastAPI:
-    """The app; its lifespan polls the pool (until shutdown), then closes the router."""
+    """The app; its lifespan polls the pool (until shutdown), then closes the router.
+
+    GET /health (liveness) is 200 while the router polls its pool: a router whose workers are all
+    gone is alive (restarting it would bring none back). GET /ready (readiness) is 200 only while
+    a request would not get a 503 for want of a queue or a ready worker (`PDRouter.unready_reason`)."""
+    watcher: asyncio.Task[None] | None = None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        nonlocal watcher
         await router.refresh()
         watcher = asyncio.create_task(router.watch())
         try:
@@ -33,7 +39,9 @@ def create_router_app(router: PDRouter, model_name: str) -> FastAPI:
             watcher.cancel()
             await router.close()
 
-    app = create_app(router, model_name, lifespan, router=router)
+    probes = Probes(live=lambda: watcher is not None and not watcher.done(),
+                    unready_reason=lambda: router.unready_reason)
+    app = create_app(router, model_name, lifespan, router=router, probes=probes)
 
     @app.get("/workers")
     async def workers() -> JSONResponse:

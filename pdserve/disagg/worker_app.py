@@ -1,6 +1,8 @@
 """HTTP control plane of a prefill or decode worker (the router is its only client).
 
-    GET  /health               200 once the model is loaded and the KV transport is up
+    GET  /health               200 while the engine thread is alive (liveness)
+    GET  /ready                200 while the worker takes work: engine alive, not draining (what
+                               /pd/info calls `ready`); else 503 {"status", "reason"} (readiness)
     GET  /pd/info              WorkerInfo: role, model, KV layout, transport address, load
     GET  /pd/stats             counters of what the worker did (hand-offs, timeouts, retries, queue)
     decode:  POST /pd/reserve  ReserveRequest -> ReserveReply | 503 (no room now, or draining) | 400
@@ -160,11 +162,22 @@ def _add_common_routes(worker: Worker, role: Role, model_name: str, layout: KVLa
             return JSONResponse({"status": "engine dead"}, status_code=int(HTTPStatus.SERVICE_UNAVAILABLE))
         return JSONResponse({"status": "ok", "role": role})
 
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """Readiness (Kubernetes' probe): the app exists only once the model is loaded and the KV
+        receiver listens (decode) or the sender pool is set up (prefill), so what is left to check
+        is the engine thread and draining."""
+        reason = _unready_reason(worker)
+        if reason:
+            return JSONResponse({"status": "not ready", "role": role, "reason": reason},
+                                status_code=int(HTTPStatus.SERVICE_UNAVAILABLE))
+        return JSONResponse({"status": "ready", "role": role})
+
     @app.get("/pd/info")
     async def info() -> WorkerInfo:
         stats = client.stats()
         return WorkerInfo(role=role, model=model_name, kv_layout=dataclasses.asdict(layout), kv_transport=transport,
-                          kv_address=kv_address, ready=client.alive and not service.draining,
+                          kv_address=kv_address, ready=not _unready_reason(worker),
                           num_running=stats.num_running, num_waiting=stats.num_waiting,
                           num_free_kv_blocks=stats.num_free_kv_blocks, num_kv_blocks=stats.num_kv_blocks,
                           max_num_batched_tokens=client.engine.config.scheduler.max_num_batched_tokens,
@@ -174,6 +187,15 @@ def _add_common_routes(worker: Worker, role: Role, model_name: str, layout: KVLa
     async def stats() -> JSONResponse:
         """What this worker's service did (counters), and what it holds now."""
         return JSONResponse(_stats_reply(worker, role).model_dump())
+
+
+def _unready_reason(worker: Worker) -> str:
+    """Why this worker must not get work now; "" when it may (GET /ready, /pd/info's `ready`)."""
+    if not worker.client.alive:
+        return "engine dead"
+    if worker.service.draining:
+        return "draining"
+    return ""
 
 
 def _stats_reply(worker: Worker, role: Role) -> WorkerStatsReply:

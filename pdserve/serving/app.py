@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
@@ -26,10 +27,24 @@ from pdserve.serving.sse import sse_stream, started, unless_disconnected
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
 
+@dataclass(frozen=True, slots=True)
+class Probes:
+    """What GET /health (liveness: False means restarting the process could help) and GET /ready
+    (readiness: why it must get no traffic now, "" when it may) answer; Kubernetes' probes."""
+
+    live: Callable[[], bool]
+    unready_reason: Callable[[], str]
+
+    @classmethod
+    def of_engine(cls, client: EngineClient) -> Probes:
+        """A server whose only part is its engine: alive and ready are the same thing."""
+        return cls(lambda: client.alive, lambda: "" if client.alive else "engine dead")
+
+
 def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None = None,
-               router: RouterState | None = None) -> FastAPI:
+               router: RouterState | None = None, probes: Probes | None = None) -> FastAPI:
     """`router`: `client` is the PD router (disagg/router_app.py), whose pool and stats this reads
-    for the router's metrics and the live dashboard."""
+    for the router's metrics and the live dashboard. `probes`: default `Probes.of_engine(client)`."""
     app = FastAPI(title="pdserve", exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
     if router is not None:
         client, metrics = instrument_router_app(app, client, router, model_name)
@@ -68,10 +83,22 @@ def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None 
         return ModelList(data=[ModelCard(id=model_name, root=client.model_path,
                                          max_model_len=client.max_model_len)])
 
+    _add_probe_routes(app, probes or Probes.of_engine(client))
+    return app
+
+
+def _add_probe_routes(app: FastAPI, probes: Probes) -> None:
+    unavailable = int(HTTPStatus.SERVICE_UNAVAILABLE)
+
     @app.get("/health")
     async def health() -> JSONResponse:
-        if not client.alive:
-            return JSONResponse({"status": "engine dead"}, status_code=int(HTTPStatus.SERVICE_UNAVAILABLE))
+        if not probes.live():
+            return JSONResponse({"status": "dead"}, status_code=unavailable)
         return JSONResponse({"status": "ok"})
 
-    return app
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        reason = probes.unready_reason()
+        if reason:
+            return JSONResponse({"status": "not ready", "reason": reason}, status_code=unavailable)
+        return JSONResponse({"status": "ready"})
