@@ -146,9 +146,14 @@ class PDRouter:
         await self.queue.refresh()
 
     async def watch(self, interval_s: float = 0.5) -> None:
-        """Keep the view of the pool fresh (readiness and load) until cancelled."""
+        """Keep the view of the pool fresh (readiness and load) until cancelled. A round that fails
+        unexpectedly is logged and the next one tried: a router that stopped watching would route
+        on a stale pool (its /health says so only if this loop ends)."""
         while True:
-            await self.refresh()
+            try:
+                await self.refresh()
+            except Exception:
+                logger.exception("refreshing the worker pool failed; trying again")
             await asyncio.sleep(interval_s)
 
     async def close(self) -> None:
