@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import sys
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -313,6 +316,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def exit_with_supervisor(poll_s: float = 1.0) -> None:
+    """A process `pdserve up` started (PDSERVE_SUPERVISOR_PID set) drains and exits once that
+    supervisor is gone, however it went (even SIGKILL, which it cannot pass on): SIGTERM to itself,
+    which a server handles as a drain."""
+    from pdserve import envs
+
+    supervisor = envs.supervisor_pid()
+    if supervisor is None:
+        return
+
+    def watch() -> None:
+        while os.getppid() == supervisor:
+            time.sleep(poll_s)
+        logging.getLogger("pdserve").warning("supervisor %d is gone: draining and exiting", supervisor)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="pdserve-supervisor-watch", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     # `pdserve up` passes every flag it does not know (engine flags) on to its workers.
     ns, extra = build_parser().parse_known_args(argv)
@@ -323,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.logs import configure_logging
 
     configure_logging(ns.log_level, ns.log_format)
+    exit_with_supervisor()
     return int(ns.func(ns))
 
 

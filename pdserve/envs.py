@@ -24,3 +24,13 @@ def kv_transfer_timeout_ms() -> int:
 def cache_dir(default: str) -> str:
     """PDSERVE_CACHE_DIR: where the demo checkpoint is built once."""
     return os.environ.get("PDSERVE_CACHE_DIR", default)
+
+
+SUPERVISOR_PID = "PDSERVE_SUPERVISOR_PID"
+
+
+def supervisor_pid() -> int | None:
+    """PDSERVE_SUPERVISOR_PID: set by `pdserve up` on its children; a child whose supervisor is
+    gone drains and exits instead of running on as an orphan nobody stops."""
+    raw = os.environ.get(SUPERVISOR_PID)
+    return int(raw) if raw and raw.isdigit() else None

@@ -5,7 +5,9 @@ clock, and a few tiny real ones for the stop semantics."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -344,3 +346,29 @@ def test_the_autoscaler_grows_and_drains_the_pool_through_the_supervisor(caplog:
                                                      {"role": r, "direction": d, "reason": reason})
                  for d, r, reason in (("out", "prefill", "queue_depth"), ("in", "decode", "idle"))}
     assert decisions == {("out", "prefill"): 1, ("in", "decode"): 2}
+
+
+def test_a_child_outlives_no_supervisor_even_a_sigkilled_one() -> None:
+    """`up`'s children watch it (PDSERVE_SUPERVISOR_PID): SIGKILL, which it cannot pass on, still
+    leaves no orphan: the child gets SIGTERM (a server drains) within about a second."""
+    child_code = ("import time; from pdserve.cli import exit_with_supervisor; "
+                  "exit_with_supervisor(poll_s=0.05); print('watching', flush=True); time.sleep(30)")
+    supervisor_code = ("import sys, time; from pdserve.ops.supervisor import ChildProcess; "
+                       f"c = ChildProcess([sys.executable, '-c', {child_code!r}]); print(c.pid, flush=True); "
+                       "time.sleep(30)")
+    supervisor = subprocess.Popen([sys.executable, "-c", supervisor_code], stdout=subprocess.PIPE, text=True)
+    assert supervisor.stdout is not None
+    child = int(supervisor.stdout.readline())
+    time.sleep(1.0)  # the child imports pdserve and starts watching
+    os.kill(child, 0)  # alive while its supervisor is
+    supervisor.kill()
+    supervisor.wait(10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    os.kill(child, signal.SIGKILL)
+    raise AssertionError("the child ran on after its supervisor was killed")

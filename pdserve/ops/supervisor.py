@@ -34,6 +34,8 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pdserve import envs
+
 logger = logging.getLogger(__name__)
 
 SlotRole = Literal["router", "prefill", "decode"]
@@ -64,7 +66,9 @@ class ChildProcess:
     decides what each child gets; signals go to the child's whole process group."""
 
     def __init__(self, argv: list[str]) -> None:
-        self.popen = subprocess.Popen(argv, start_new_session=True)
+        # NOTE: the child watches us (cli.exit_with_supervisor): even a SIGKILLed `up` leaves no orphan
+        env = {**os.environ, envs.SUPERVISOR_PID: str(os.getpid())}
+        self.popen = subprocess.Popen(argv, start_new_session=True, env=env)
         self.pid = self.popen.pid
 
     def poll(self) -> int | None:
