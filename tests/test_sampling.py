@@ -328,3 +328,26 @@ def test_seeded_rows_ignore_their_neighbours() -> None:
     alone = sample([1], [42])[0]
     assert sample([0, 1, 2], [None, 42, 7])[1] == alone
     assert sample([2, 1], [None, 42])[1] == alone
+
+
+def test_a_resumed_request_finds_a_stop_string_across_the_resume(llm: LLM, greedy_tokens: list[int]) -> None:
+    """The router resumes a request on another decode worker after the tokens its client got: the
+    text held back as a possible stop string travels with it (SamplingParams.text_prefix), so a
+    stop string that starts before the resume and ends after it still ends the output there."""
+    from pdserve.disagg.router import continuation
+
+    tokenizer = llm.get_tokenizer()
+    text = tokenizer.decode(greedy_tokens)
+    pieces = _clean_pieces(tokenizer, greedy_tokens)
+    index = next(i for i in range(1, MAX_TOKENS - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2 and
+                 text.find(pieces[i][-2:] + pieces[i + 1][:2]) == len(tokenizer.decode(greedy_tokens[:i + 1])) - 2)
+    stop = pieces[index][-2:] + pieces[index + 1][:2]
+    sent = greedy_tokens[:index + 1]  # the lost worker had made these, then died
+    made = tokenizer.decode(sent)
+    sent_text = made[:len(made) - (len(stop) - 1)]  # what its client got: the rest was held back
+    params = continuation(tokenizer, greedy(MAX_TOKENS, stop=stop), sent, sent_text)
+    assert params.text_prefix == made[len(sent_text):] and params.max_tokens == MAX_TOKENS - len(sent)
+    out = llm.generate(token_prompts([PROMPT + sent]), params)[0].outputs[0]
+    assert sent_text + out.text == text[:text.find(stop)]
+    assert out.token_ids == greedy_tokens[index + 1:index + 2] and out.stop_reason == stop
+    assert_no_leak(llm)

@@ -229,7 +229,10 @@ def _is_utf8(data: bytes) -> bool:
 def test_a_stream_continued_mid_character_loses_nothing(tt_tok: Tokenizer) -> None:
     """A resumed request's text starts from the bytes of the character its first stream left
     unfinished (pending_bytes -> utf8_prefix), so the two texts add up to the whole decode."""
-    from pdserve.tokenizer.detokenizer import pending_bytes
+    from pdserve.tokenizer.detokenizer import detokenize
+
+    def pending_bytes(tok: Tokenizer, ids: list[int]) -> bytes:
+        return detokenize(tok, ids)[1]
 
     ids = tt_tok.encode("数据🙂 transistor 変数 Ωmega 😀😀")
     splits = [i for i in range(1, len(ids)) if pending_bytes(tt_tok, ids[:i])]

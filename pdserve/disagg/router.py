@@ -55,7 +55,7 @@ from pdserve.serving.errors import OpenAIError
 from pdserve.serving.router_stats import RouterEvents, RouterStats, WorkerView
 from pdserve.serving.trace import current_trace
 from pdserve.tokenizer import Tokenizer
-from pdserve.tokenizer.detokenizer import pending_bytes
+from pdserve.tokenizer.detokenizer import detokenize
 
 logger = logging.getLogger(__name__)
 _RESERVE_RETRY_S = 0.05
@@ -186,8 +186,7 @@ class PDRouter:
         for resume in range(self.config.max_resumes + 1):
             sub_id = request_id if resume == 0 else f"{request_id}~{resume}"
             sub_prompt = prompt + sent_tokens
-            sub_params = _continuation(params, len(sent_tokens), pending_bytes(self.tokenizer, sent_tokens,
-                                                                                params.skip_special_tokens))
+            sub_params = continuation(self.tokenizer, params, sent_tokens, sent_text)
             decode, reply = await self._reserve(sub_id, sub_prompt, sub_params, lost)
             instance = _instance(decode)
             last: RequestOutput | None = None
@@ -312,20 +311,30 @@ class PDRouter:
         await reach(decode, self.client.abort(decode.url, request_id))
 
 
+def continuation(tokenizer: Tokenizer, params: SamplingParams, sent_tokens: list[int],
+                 sent_text: str) -> SamplingParams:
+    """What is left of a request after `sent_tokens` went out (resuming on another worker). The
+    new worker's text starts with what those tokens made that the client did not get yet: text
+    held back as a possible start of a stop string, and the bytes of an unfinished character
+    (else those would be lost, and a stop string across the resume missed)."""
+    if not sent_tokens:
+        return params
+    made, unfinished = detokenize(tokenizer, sent_tokens, params.skip_special_tokens)
+    if not made.startswith(sent_text):
+        logger.error("resumed text does not continue what the client got (%r / %r)", sent_text[-20:], made[-20:])
+    held_back = made[len(sent_text):] if made.startswith(sent_text) else ""
+    num_sent = len(sent_tokens)
+    max_tokens = None if params.max_tokens is None else params.max_tokens - num_sent
+    return dataclasses.replace(params, max_tokens=max_tokens, min_tokens=max(0, params.min_tokens - num_sent),
+                               text_prefix=held_back, utf8_prefix=tuple(unfinished))
+
+
 def _instance(worker: Worker) -> tuple[str, str]:
     """Which process a worker is: its URL and the instance id of its last /pd/info answer."""
     return worker.url, worker.info.instance_id if worker.info is not None else ""
 
 
-def _continuation(params: SamplingParams, num_sent: int, unfinished: bytes) -> SamplingParams:
-    """What is left of a request after `num_sent` tokens went out (resuming on another worker);
-    `unfinished`: the bytes of a character those tokens began and the next ones end, which the
-    new worker's text must start from (else that character is lost)."""
-    if not num_sent:
-        return params
-    max_tokens = None if params.max_tokens is None else params.max_tokens - num_sent
-    return dataclasses.replace(params, max_tokens=max_tokens, min_tokens=max(0, params.min_tokens - num_sent),
-                               utf8_prefix=tuple(unfinished))
+
 
 
 def _request_output(request_id: str, prompt: list[int], frame: OutputFrame) -> RequestOutput:

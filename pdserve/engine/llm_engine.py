@@ -269,7 +269,7 @@ class LLMEngine:
                    arrival_time: float) -> RequestState:
         return RequestState(request_id, prompt_text, token_ids, params.n, self.tokenizer, params.skip_special_tokens,
                             params.logprobs is not None, params.stop, params.include_stop_str_in_output,
-                            params.min_tokens, arrival_time, bytes(params.utf8_prefix))
+                            params.min_tokens, arrival_time, params.text_prefix, bytes(params.utf8_prefix))
 
     def _emit(self, updated: list[tuple[Request, TokenLogprobs | None]]) -> list[RequestOutput]:
         """Feed each request's newest token to its output state (detokenize, stop strings) and

@@ -63,12 +63,14 @@ class RequestState:
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], n: int,
                  tokenizer: Tokenizer, skip_special_tokens: bool, want_logprobs: bool, stop: tuple[str, ...],
-                 include_stop: bool, min_tokens: int, arrival_time: float, utf8_prefix: bytes = b"") -> None:
+                 include_stop: bool, min_tokens: int, arrival_time: float, text_prefix: str = "",
+                 utf8_prefix: bytes = b"") -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
+        # NOTE: a resumed request's text starts where its client's text stopped (SamplingParams.text_prefix)
         self.sequences = [_Sequence(IncrementalDetokenizer(tokenizer, skip_special_tokens, utf8_prefix),
-                                    logprobs=[] if want_logprobs else None) for _ in range(n)]
+                                    logprobs=[] if want_logprobs else None, text=text_prefix) for _ in range(n)]
         self.stop = stop
         self.include_stop = include_stop
         self.min_tokens = min_tokens  # like stop tokens, stop strings cannot end a shorter output

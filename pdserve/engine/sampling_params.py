@@ -26,8 +26,10 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives per token; 0 = only the sampled one
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # NOTE: not a user knob: the bytes of an unfinished UTF-8 character the output's text starts
-    # with (the router sets it when a request resumes on another decode worker mid-character)
+    # NOTE: not user knobs: what the output's text starts with when the router resumes a request on
+    # another decode worker: text its earlier tokens made that the client was not sent yet (held
+    # back as a possible start of a stop string), and the bytes of an unfinished UTF-8 character
+    text_prefix: str = ""
     utf8_prefix: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:

@@ -38,10 +38,9 @@ class IncrementalDetokenizer:
         return piece
 
 
-def pending_bytes(tokenizer: Tokenizer, token_ids: list[int], skip_special_tokens: bool = True) -> bytes:
-    """The bytes of `token_ids`' unfinished last character: what an `IncrementalDetokenizer` fed
-    those ids holds back (b"" when their text ends on a whole character)."""
+def detokenize(tokenizer: Tokenizer, token_ids: list[int], skip_special_tokens: bool = True) -> tuple[str, bytes]:
+    """What an `IncrementalDetokenizer` fed `token_ids` has made: its text, and the bytes of an
+    unfinished last character it holds back (b"" when the text ends on a whole character)."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    for token_id in token_ids:
-        decoder.decode(tokenizer.token_bytes(token_id, skip_special_tokens))
-    return bytes(decoder.getstate()[0])
+    text = "".join(decoder.decode(tokenizer.token_bytes(t, skip_special_tokens)) for t in token_ids)
+    return text, bytes(decoder.getstate()[0])
