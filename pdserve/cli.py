@@ -7,6 +7,7 @@ this module adds only what belongs to a command itself (where to listen, how man
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import os
 import signal
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -53,6 +54,7 @@ def _serve(ns: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"pdserve: {exc}", file=sys.stderr)
         return 2
+    _inject_model_step_failure(engine)
     name = ns.served_model_name or (args.model or _DEMO_MODEL_NAME)
     cfg = engine.config
     logging.getLogger("pdserve").info(
@@ -70,6 +72,26 @@ def _serve(ns: argparse.Namespace) -> int:
     finally:
         client.shutdown()
     return _ENGINE_FAILED if client.failure is not None else 0
+
+
+def _inject_model_step_failure(engine: LLMEngine) -> None:
+    """Tests only, off unless PDSERVE_TEST_FAIL_MODEL_STEP is set: no request can make a real
+    process's model step fail, so this makes it raise from the N-th step on."""
+    from pdserve import envs
+
+    fail_at = envs.test_fail_model_step()
+    if fail_at is None:
+        return
+    logging.getLogger("pdserve").warning("%s=%d: the model step will fail (tests only)", envs.TEST_FAIL_MODEL_STEP,
+                                         fail_at)
+    execute, calls = engine.runner.execute, itertools.count(1)
+
+    def failing(*args: Any) -> Any:
+        if next(calls) >= fail_at:
+            raise RuntimeError(f"injected model step failure ({envs.TEST_FAIL_MODEL_STEP})")
+        return execute(*args)
+
+    setattr(engine.runner, "execute", failing)  # noqa: B010 - mypy refuses assigning a method
 
 
 def _drain_after_engine_failure(exc: BaseException) -> None:
