@@ -7,6 +7,7 @@ this module adds only what belongs to a command itself (where to listen, how man
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import os
 import signal
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -28,6 +29,7 @@ from pdserve.config_flags import add_config_args, config_from_args
 
 if TYPE_CHECKING:
     from pdserve.disagg.router import PDRouter
+    from pdserve.engine.async_llm import AsyncLLM
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.ops.up import UpOptions
 
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 _HOST = "127.0.0.1"
 _PORT = 8000
 _DEMO_MODEL_NAME = "pdserve-demo-tiny"  # the served model id when no --model (or name) is given
+_ENGINE_FAILED = 3  # exit status of a server whose engine thread died
 
 
 def _serve(ns: argparse.Namespace) -> int:
@@ -51,6 +54,7 @@ def _serve(ns: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"pdserve: {exc}", file=sys.stderr)
         return 2
+    _inject_model_step_failure(engine)
     name = ns.served_model_name or (args.model or _DEMO_MODEL_NAME)
     cfg = engine.config
     logging.getLogger("pdserve").info(
@@ -58,15 +62,43 @@ def _serve(ns: argparse.Namespace) -> int:
         ns.host, ns.port, cfg.device, str(cfg.dtype).removeprefix("torch."), cfg.cache.num_kv_blocks,
         cfg.cache.block_size, cfg.scheduler.max_model_len)
     if worker is None:
-        app, on_exit, shutdown = _colocated_app(engine, name)
+        app, on_exit, client = _colocated_app(engine, name)
     else:
-        app, on_exit, shutdown = _worker_app(engine, worker, name)
+        app, on_exit, client = _worker_app(engine, worker, name)
+    client.on_fatal = _drain_after_engine_failure
     try:
         # Workers' access logs would only show the router's polling; the router logs client requests.
         _run_server(app, ns, access_log=worker is None, on_exit=on_exit)
     finally:
-        shutdown()
-    return 0
+        client.shutdown()
+    return _ENGINE_FAILED if client.failure is not None else 0
+
+
+def _inject_model_step_failure(engine: LLMEngine) -> None:
+    """Tests only, off unless PDSERVE_TEST_FAIL_MODEL_STEP is set: no request can make a real
+    process's model step fail, so this makes it raise from the N-th step on."""
+    from pdserve import envs
+
+    fail_at = envs.test_fail_model_step()
+    if fail_at is None:
+        return
+    logging.getLogger("pdserve").warning("%s=%d: the model step will fail (tests only)", envs.TEST_FAIL_MODEL_STEP,
+                                         fail_at)
+    execute, calls = engine.runner.execute, itertools.count(1)
+
+    def failing(*args: Any) -> Any:
+        if next(calls) >= fail_at:
+            raise RuntimeError(f"injected model step failure ({envs.TEST_FAIL_MODEL_STEP})")
+        return execute(*args)
+
+    setattr(engine.runner, "execute", failing)  # noqa: B010 - mypy refuses assigning a method
+
+
+def _drain_after_engine_failure(exc: BaseException) -> None:
+    """The engine thread died (its requests already got errors): drain as on SIGTERM (a queue
+    consumer stops pulling, the registrar leaves), then exit non-zero so a supervisor restarts us."""
+    logging.getLogger("pdserve").error("the engine failed (%r): draining, then exiting %d", exc, _ENGINE_FAILED)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _advertise_url(host: str, port: int) -> str:
@@ -85,7 +117,7 @@ def _validate_worker(worker: WorkerConfig | None) -> None:
         _ = worker.transfer_timeout_s  # reads KV_TRANSFER_TIMEOUT_MS when the flag is unset
 
 
-_Served = tuple[ASGIApp, Callable[[], None] | None, Callable[[], None]]  # app, on_exit (drain), shutdown
+_Served = tuple[ASGIApp, Callable[[], None] | None, "AsyncLLM"]  # app, on_exit (drain), the engine thread
 
 
 def _colocated_app(engine: LLMEngine, name: str) -> _Served:
@@ -93,14 +125,14 @@ def _colocated_app(engine: LLMEngine, name: str) -> _Served:
     from pdserve.serving.app import create_app
 
     client = AsyncLLM(engine)
-    return create_app(client, name), None, client.shutdown
+    return create_app(client, name), None, client
 
 
 def _worker_app(engine: LLMEngine, config: WorkerConfig, name: str) -> _Served:
     from pdserve.disagg.worker_app import build_worker
 
     worker = build_worker(engine, config, name)
-    return worker.app, worker.drain, worker.client.shutdown
+    return worker.app, worker.drain, worker.client
 
 
 def _run_server(app: ASGIApp, ns: argparse.Namespace, access_log: bool = True,

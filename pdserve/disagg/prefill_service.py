@@ -35,7 +35,7 @@ from pdserve.disagg.phases import PrefillPhases
 from pdserve.disagg.sender_pool import SenderPool
 from pdserve.disagg.transport.base import KVSender
 from pdserve.disagg.transport.errors import KVTransferError
-from pdserve.engine.async_llm import AsyncLLM, OutputStream
+from pdserve.engine.async_llm import AsyncLLM, EngineDeadError, OutputStream, RequestFailedError
 from pdserve.engine.commands import AddPrefillOnly, GeneratorState, ReleaseKV
 from pdserve.engine.output import RequestOutput
 from pdserve.logs import bind_request_id
@@ -156,7 +156,7 @@ class PrefillService:
             await self._hand_off(tid, sender, final)
             self._counts.handed_off += 1
             return HandOff(transfer_id=tid, status="handed_off")
-        except KVTransferError as exc:
+        except (KVTransferError, RequestFailedError, EngineDeadError) as exc:
             self._counts.failed += 1
             logger.warning("request %s: %s", tid, exc)
             return HandOff(transfer_id=tid, status="failed", reason=str(exc))
@@ -188,7 +188,10 @@ class PrefillService:
         except KVTransferError as exc:  # a send stuck reading them: better to leak than to corrupt
             logger.error("request %s: not freeing its KV blocks: %s", tid, exc)
             return
-        await self.client.send(ReleaseKV(tid, after=partial(self.streamer.forget, tid)))
+        try:
+            await self.client.send(ReleaseKV(tid, after=partial(self.streamer.forget, tid)))
+        except EngineDeadError:  # nothing to free any more: the worker is going away
+            logger.info("request %s: engine dead, its KV blocks stay with it", tid)
 
     def close(self) -> None:
         if self._keepalive is not None:

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from http import HTTPStatus
 
-from pdserve.engine.async_llm import EngineDeadError
+from pdserve.engine.async_llm import EngineDeadError, RequestFailedError
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
@@ -90,6 +90,8 @@ async def _engine_stream(client: EngineClient, job: Job) -> AsyncIterator[Reques
         raise OpenAIError(str(exc), HTTPStatus.BAD_REQUEST) from exc
     except EngineDeadError as exc:
         raise OpenAIError(str(exc), HTTPStatus.SERVICE_UNAVAILABLE) from exc
+    except RequestFailedError as exc:
+        raise OpenAIError(str(exc), HTTPStatus.INTERNAL_SERVER_ERROR) from exc
 
 
 @dataclass(slots=True)
