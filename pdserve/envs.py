@@ -34,3 +34,11 @@ def supervisor_pid() -> int | None:
     gone drains and exits instead of running on as an orphan nobody stops."""
     raw = os.environ.get(SUPERVISOR_PID)
     return int(raw) if raw and raw.isdigit() else None
+
+
+API_KEY = "PDSERVE_API_KEY"
+
+
+def api_keys() -> tuple[str, ...]:
+    """PDSERVE_API_KEY: the clients' key (several: separated by commas), added to --api-key's."""
+    return tuple(key.strip() for key in os.environ.get(API_KEY, "").split(",") if key.strip())
