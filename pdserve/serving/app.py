@@ -13,7 +13,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pdserve.config import ApiConfig
 from pdserve.engine.async_llm import AsyncLLM
-from pdserve.logs import bind_request_id
 from pdserve.serving.chat import ChatHandler
 from pdserve.serving.completions import CompletionHandler
 from pdserve.serving.dashboard import install_dashboard
@@ -70,7 +69,6 @@ def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None 
         check_model(body.model)
         check_limits(body, api, serves_logprobs=router is None)
         request_id, jobs = await handler.prepare(body)
-        bind_request_id(request_id)
         if body.stream:
             # NOTE: the first chunk is awaited before the response starts, so an error until then
             # (queue full, no worker, no KV room) still gets its own HTTP status, not a 200.

@@ -10,6 +10,7 @@ from typing import Any
 
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampler import TokenLogprobs
+from pdserve.logs import bind_request_id
 from pdserve.serving.completions import build_jobs
 from pdserve.serving.engine_client import EngineClient
 from pdserve.serving.errors import OpenAIError
@@ -43,6 +44,7 @@ class ChatHandler:
 
     async def prepare(self, body: ChatCompletionRequest) -> tuple[str, list[Job]]:
         request_id = new_request_id("chatcmpl")
+        bind_request_id(request_id)  # NOTE: from here on, every log line (and a 500) names it
         # NOTE: templating and tokenizing long messages take long: off the event loop
         token_ids = await asyncio.to_thread(self._prompt_token_ids, body)
         return request_id, build_jobs(self.client, [token_ids], body.requested_max_tokens, body, request_id,

@@ -10,6 +10,7 @@ from typing import Any
 
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampler import TokenLogprobs
+from pdserve.logs import bind_request_id
 from pdserve.serving import generation
 from pdserve.serving.engine_client import EngineClient
 from pdserve.serving.errors import OpenAIError
@@ -72,6 +73,7 @@ class CompletionHandler:
 
     async def prepare(self, body: CompletionRequest) -> tuple[str, list[Job]]:
         request_id = new_request_id("cmpl")
+        bind_request_id(request_id)  # NOTE: from here on, every log line (and a 500) names it
         # NOTE: tokenizing a long prompt takes long; on the event loop it would stall every stream
         prompts = await asyncio.to_thread(_prompt_token_ids, body, self.client.tokenizer)
         return request_id, build_jobs(self.client, prompts, body.max_tokens, body, request_id, self.max_tokens_limit)
