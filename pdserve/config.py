@@ -381,12 +381,13 @@ class ApiConfig:
     max_tokens_limit: int | None = knob(None, "most tokens one completion may ask for (default: what the context "
                                               "window leaves after the prompt)")
     max_n: int = knob(64, "most choices (`n`) per prompt")
+    max_prompts: int = knob(256, "most prompts in one /v1/completions request (each is an engine request)")
     max_logprobs: int = knob(20, "most `logprobs` / `top_logprobs` per token")
 
     def validate(self) -> None:
         caps = {"max_request_body_bytes": self.max_request_body_bytes, "max_stop_strings": self.max_stop_strings,
                 "max_stop_string_len": self.max_stop_string_len, "max_stop_token_ids": self.max_stop_token_ids,
-                "max_n": self.max_n,
+                "max_n": self.max_n, "max_prompts": self.max_prompts,
                 "max_tokens_limit": 1 if self.max_tokens_limit is None else self.max_tokens_limit}
         for name, value in caps.items():
             if value < 1:

@@ -19,7 +19,8 @@ from pdserve.config import ApiConfig
 
 MODEL_NAME = "tiny-guards"
 KEYS = ("key-one", "key-two")
-API = ApiConfig(api_key=KEYS, max_request_body_bytes=64 << 10, max_tokens_limit=8, max_n=2, max_logprobs=2)
+API = ApiConfig(api_key=KEYS, max_request_body_bytes=64 << 10, max_tokens_limit=8, max_n=2, max_logprobs=2,
+                max_prompts=3)
 AUTH = {"Authorization": f"Bearer {KEYS[1]}"}
 
 
@@ -91,6 +92,8 @@ def test_keys_come_from_flags_file_and_environment(tmp_path: Path, monkeypatch: 
     ({"max_tokens": 9}, "max_tokens"),
     ({"n": 3}, "n"),
     ({"logprobs": 3}, "logprobs"),
+    ({"prompt": ["a", "b", "c", "d"]}, "prompt"),
+    ({"prompt": [[1], [2], [3], [4]]}, "prompt"),
 ])
 def test_a_request_beyond_a_cap_gets_a_400_naming_it(http: httpx.Client, body: dict[str, Any], param: str) -> None:
     error = assert_envelope(complete(http, **body), 400, "invalid_request_error")
@@ -100,6 +103,8 @@ def test_a_request_beyond_a_cap_gets_a_400_naming_it(http: httpx.Client, body: d
 def test_requests_at_the_caps_run(http: httpx.Client) -> None:
     body = {"stop": ["\x00" * 1024] + [f"\x01{i}" for i in range(63)], "stop_token_ids": list(range(64)),
             "n": 2, "logprobs": 2, "max_tokens": 8}
+    assert complete(http, prompt=["a", "b", "c"], n=2).status_code == 200
+    assert complete(http, prompt=list(range(1, 20))).status_code == 200  # one prompt, as token ids
     reply = complete(http, **body)
     assert reply.status_code == 200, reply.text
     assert [len(choice["logprobs"]["tokens"]) for choice in reply.json()["choices"]] == [8, 8]

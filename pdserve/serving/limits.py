@@ -31,6 +31,9 @@ def check_limits(body: CompletionRequest | ChatCompletionRequest, limits: ApiCon
         _cap(len(text), limits.max_stop_string_len, "stop", "characters in a stop string", "--max-stop-string-len")
     _cap(len(body.stop_token_ids or ()), limits.max_stop_token_ids, "stop_token_ids", "ids", "--max-stop-token-ids")
     _cap(body.n, limits.max_n, "n", "choices", "--max-n")
+    if isinstance(body, CompletionRequest) and isinstance(body.prompt, list) \
+            and not all(isinstance(p, int) for p in body.prompt):  # NOTE: a list of ints is one prompt
+        _cap(len(body.prompt), limits.max_prompts, "prompt", "prompts", "--max-prompts")
     max_tokens = body.max_tokens if isinstance(body, CompletionRequest) else body.requested_max_tokens
     if limits.max_tokens_limit is not None and max_tokens is not None:
         _cap(max_tokens, limits.max_tokens_limit, "max_tokens", "tokens", "--max-tokens-limit")
