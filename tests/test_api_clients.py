@@ -54,6 +54,7 @@ def _bench_namespace(api_key: str | None) -> argparse.Namespace:
     return build_parser().parse_args(["bench", "--url", "http://x", *(["--api-key", api_key] if api_key else [])])
 
 
+@pytest.mark.slow  # a server
 def test_bench_sends_the_key_it_is_given(model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDSERVE_API_KEY", "from-env")
     assert load_config(_bench_namespace(None), "http://x").api_key == "from-env"

@@ -13,6 +13,8 @@ from pd_fixtures import Cluster, start_cluster, stop_cluster
 
 from pdserve.config import ApiConfig
 
+pytestmark = pytest.mark.slow  # a cluster
+
 KEY = "router-key"
 
 
