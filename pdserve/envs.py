@@ -44,3 +44,11 @@ def test_fail_model_step() -> int | None:
     from its N-th call on, so process tests can watch a worker whose engine broke drain and exit."""
     raw = os.environ.get(TEST_FAIL_MODEL_STEP)
     return int(raw) if raw and raw.isdigit() and int(raw) > 0 else None
+
+
+API_KEY = "PDSERVE_API_KEY"
+
+
+def api_keys() -> tuple[str, ...]:
+    """PDSERVE_API_KEY: the clients' key (several: separated by commas), added to --api-key's."""
+    return tuple(key.strip() for key in os.environ.get(API_KEY, "").split(",") if key.strip())
