@@ -55,6 +55,7 @@ from pdserve.engine.llm_engine import KVTransferSetup, LLMEngine
 from pdserve.serving.app import Lifespan
 from pdserve.serving.errors import EXCEPTION_HANDLERS
 from pdserve.serving.metrics import ServerMetrics, install_engine_metrics
+from pdserve.serving.middleware import CatchAll
 
 if TYPE_CHECKING:
     from pdserve.disagg.queue.redis_streams import RedisJobConsumer
@@ -108,6 +109,7 @@ def build_worker(engine: LLMEngine, config: WorkerConfig, model_name: str, *,
         registrar = Registrar(config.register, config.role, config.advertise_url, lambda: service.draining)
     app = FastAPI(title=f"pdserve {config.role} worker", exception_handlers=EXCEPTION_HANDLERS,
                   lifespan=_background(consumer, registrar))
+    app.add_middleware(CatchAll)  # no /pd/* route answers a plain-text 500
     install_engine_metrics(app, client, metrics, service.stats)  # GET /metrics (serving/metrics.py)
     worker = Worker(app, client, service, consumer, registrar)
     _add_common_routes(worker, config.role, model_name, layout, transport)
