@@ -336,6 +336,8 @@ class WorkerConfig:
                                          "leave on drain)")
     advertise_url: str | None = knob(None, "the URL routers reach this worker at (default http://HOST:PORT)")
     queue_claim_idle_s: float = knob(5.0, "prefill: re-deliver a job whose consumer went silent this long")
+    reservation_lease_s: float = knob(60.0, "decode: a reservation that hears neither KV nor a prefill keepalive "
+                                            "this long is ended with an error and its blocks freed (0: never)")
     queue_max_deliveries: int = knob(3, "prefill: dead-letter a job after this many deliveries")
 
     def validate(self) -> None:
@@ -348,6 +350,7 @@ class WorkerConfig:
              "kv_transfer_timeout_ms must be >= 1"),
             (self.kv_failure_policy in ("recompute", "fail"), "kv_failure_policy must be recompute or fail"),
             (self.queue_claim_idle_s > 0, "queue_claim_idle_s must be > 0"),
+            (self.reservation_lease_s >= 0, "reservation_lease_s must be >= 0 (0: no lease)"),
             (self.queue_max_deliveries >= 1, "queue_max_deliveries must be >= 1"),
             (all(_is_http_url(u) for u in self.register), "--register takes router URLs like http://host:port"),
             (self.advertise_url is None or _is_http_url(self.advertise_url),

@@ -94,7 +94,7 @@ def build_worker(engine: LLMEngine, config: WorkerConfig, model_name: str, *,
         # NOTE: the quarantine must be known before the engine thread starts: only it reads it then
         client = AsyncLLM(engine, KVTransferSetup(remote_kv_quarantine_s=receiver.late_write_window_s))
         service = DecodeService(client, receiver, config.kv_failure_policy, config.transfer_timeout_s,
-                                on_transfer=metrics.observe_transfer)
+                                on_transfer=metrics.observe_transfer, lease_s=config.reservation_lease_s)
     else:
         streamer = KVStreamer(layout.block_size, layout.num_layers)
         client = AsyncLLM(engine, KVTransferSetup(layer_observer=streamer))
