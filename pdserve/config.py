@@ -291,6 +291,8 @@ class RouterConfig:
     max_queued_tokens: int = knob(1 << 20, "their prompt tokens; beyond: 429")
     reserve_deadline_s: float = knob(30.0, "how long a request waits for KV room on a decode worker before a 503")
     max_resumes: int = knob(2, "times a request moves to another decode worker after losing its own")
+    first_token_timeout_s: float = knob(300.0, "a request with no first token this long after it arrived gets a "
+                                               "503 and is aborted on every worker (0: no deadline)")
 
     def validate(self) -> None:
         self.queue.validate()
@@ -309,6 +311,7 @@ class RouterConfig:
             (self.max_queued_tokens >= 1, "max_queued_tokens must be >= 1"),
             (self.reserve_deadline_s >= 0, "reserve_deadline_s must be >= 0 (0: try each decode worker once)"),
             (self.max_resumes >= 0, "max_resumes must be >= 0"),
+            (self.first_token_timeout_s >= 0, "first_token_timeout_s must be >= 0 (0: no deadline)"),
         ]
         for ok, message in checks:
             if not ok:

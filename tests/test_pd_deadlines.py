@@ -5,6 +5,7 @@ block held on any worker."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from pd_fixtures import start_cluster, stop_cluster
 from pdserve.disagg.client import WorkerClient
 from pdserve.disagg.control import HandOff, PrefillJob, WireSamplingParams
 from pdserve.disagg.decode_service import DecodeService
+from pdserve.disagg.prefill_service import PrefillService
 from pdserve.disagg.queue.redis_streams import RedisJobConsumer
 from pdserve.disagg.transport.errors import KVTransferError
 from pdserve.disagg.transport.fake import FakeKVSender
@@ -154,3 +156,43 @@ def test_a_redis_consumer_that_cannot_reach_decode_says_so() -> None:
         assert "cannot connect" in workers.failed[0][2]
 
     asyncio.run(scenario())
+
+
+def test_no_first_token_by_the_deadline_is_a_503_and_frees_everything(model_dirs: dict[str, Path]) -> None:
+    """The prefill worker computes but never sends a byte, and keeps saying it is alive (its own
+    timeout and decode's lease are long): only the router's first-token deadline ends the requests.
+    The second one waits in the router's FIFO behind the first (the prefill worker has no room for
+    it) until the first is aborted there."""
+    deadline_s = 1.0
+    cluster = start_cluster(model_dirs["tiny"], "fake", 1, 1, timeout_s=60.0, prefill_options={"stall_after_layers": 0},
+                            worker_options={"reservation_lease_s": 600.0}, first_token_timeout_s=deadline_s)
+
+    async def both() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=cluster.router.url, timeout=20) as http:
+            first = asyncio.create_task(http.post("/v1/completions", json={"prompt": LONG_PROMPT, "max_tokens": 4}))
+            await asyncio.sleep(0.3)
+            second = asyncio.create_task(
+                http.post("/v1/completions", json={"prompt": LONG_PROMPT, "max_tokens": 4, "stream": True}))
+            await asyncio.sleep(0.4)
+            waiting = (await http.get("/router/stats")).json()
+            assert waiting["dispatch_pending"] == 1 and waiting["queued_requests"] == 2, waiting
+            return [await first, await second]
+
+    try:
+        start = time.monotonic()
+        replies = asyncio.run(both())
+        elapsed = time.monotonic() - start
+        for reply in replies:
+            assert reply.status_code == 503, reply.text
+            assert "first-token deadline" in reply.json()["error"]["message"]
+        assert deadline_s <= elapsed < deadline_s + 3.0, elapsed
+        cluster.wait_until_idle()
+        stats = httpx.get(f"{cluster.router.url}/router/stats").json()
+        assert stats["counters"]["rejected_first_token_timeout"] == 2, stats
+        assert stats["dispatch_pending"] == 0, stats
+        prefill = cluster.service(PrefillService).stats()
+        assert (prefill.handed_off, prefill.failed, prefill.aborted) == (0, 0, 2), prefill  # aborted where they ran
+        metrics = httpx.get(f"{cluster.router.url}/metrics").text
+        assert re.search(r'pdserve:router_rejections_total\{[^}]*reason="first_token_timeout"[^}]*\} 2\.0', metrics)
+    finally:
+        stop_cluster(cluster)

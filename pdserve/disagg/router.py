@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from http import HTTPStatus
 
 from pdserve.config import RouterConfig
@@ -167,18 +167,38 @@ class PDRouter:
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         self.validate_request(prompt_token_ids, params)
         self.admission.admit(len(prompt_token_ids))
-        queued = True
+        outputs = self._run(request_id, prompt_token_ids, params)
         try:
-            async for output in self._run(request_id, prompt_token_ids, params):
-                if queued:
-                    queued = False
-                    self.admission.release(len(prompt_token_ids))
+            try:
+                first = await self._first_output(request_id, outputs)
+            finally:
+                self.admission.release(len(prompt_token_ids))
+            if first is None:
+                return
+            yield first
+            async for output in outputs:
                 yield output
         finally:
-            if queued:
-                self.admission.release(len(prompt_token_ids))
+            await outputs.aclose()
 
-    async def _run(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def _first_output(self, request_id: str,
+                            outputs: AsyncGenerator[RequestOutput, None]) -> RequestOutput | None:
+        """The request's first output, within the first-token deadline: past it, a 503 (counted as
+        `first_token_timeout`), and the request is aborted on every worker (None: no output at all)."""
+        # NOTE: the deadline cancels the generator wherever it waits (a reservation, the queue, a
+        # prefill, a resume); its `finally` blocks abort the request on decode and cancel its job.
+        try:
+            return await asyncio.wait_for(anext(outputs), self.config.first_token_timeout_s or None)
+        except StopAsyncIteration:
+            return None
+        except TimeoutError:
+            logger.warning("request %s: no first token within %g s; aborted", request_id,
+                           self.config.first_token_timeout_s)
+            self.admission.reject("first_token_timeout", f"no first token within the router's first-token deadline "
+                                  f"({self.config.first_token_timeout_s:g} s)", HTTPStatus.SERVICE_UNAVAILABLE)
+
+    async def _run(self, request_id: str, prompt: list[int],
+                   params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
         """The request on one decode worker after another, until it finishes."""
         sent_tokens: list[int] = []
         sent_text = ""
