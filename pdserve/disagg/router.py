@@ -21,6 +21,8 @@ One request:
      so the client sees no duplicated and no missing token (exact for greedy decoding; a sampled
      continuation is a fresh sample). No decode worker left: it waits for one (restarted, new) until
      `reserve_deadline_s`, then the error reaches the client.
+  Until its first output the request runs under the first-token deadline (`first_token_timeout_s`):
+  past it, a 503, and the request is aborted as below.
   Leaving early (client gone) aborts the request on every worker, which frees every block.
 """
 
@@ -101,7 +103,7 @@ class PDRouter:
         """The router with its client, pool (`config`'s members: URLs, DNS names, registrations)
         and queue (`config.queue`)."""
         # NOTE: no read timeout: a prefill job's POST answers once its hand-off ended, a stream
-        # lasts as long as its request.
+        # lasts as long as its request; until its first output, the first-token deadline bounds it.
         client = WorkerClient(timeout_s=None, connect_timeout_s=_CONNECT_TIMEOUT_S)
         pool = WorkerPool(client)
         registry = Registry(config.registration_ttl_s) if config.accept_registrations else None

@@ -11,7 +11,7 @@
              POST /pd/alive    {"transfer_ids": [...]}: keepalives from prefill workers computing them
              POST /pd/retarget/{id}  Retarget: expect a new prefill attempt | 404
              POST /pd/prefill_here/{id}  compute the (short) uncached rest here | 404
-             POST /pd/fail/{id}  FailJob: end a request still waiting for KV with an error | 404
+             POST /pd/fail/{id}  FailJob: end a request still waiting for KV (for that attempt) with an error | 404
              POST /pd/abort/{id}
     prefill: POST /pd/prefill  PrefillJob -> HandOff once the hand-off ended | 400 | 409 (KV layout
                                mismatch) | 502 (decode unreachable) | 503 (draining)
