@@ -7,6 +7,7 @@ this module adds only what belongs to a command itself (where to listen, how man
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import os
 import signal
@@ -18,16 +19,17 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from starlette.types import ASGIApp
 
-from pdserve.config import EngineArgs, RouterConfig, WorkerConfig
+from pdserve.config import ApiConfig, EngineArgs, RouterConfig, WorkerConfig
 from pdserve.config_flags import add_config_args, config_from_args
 
 if TYPE_CHECKING:
     from pdserve.disagg.router import PDRouter
+    from pdserve.engine.async_llm import AsyncLLM
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.ops.up import UpOptions
 
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 _HOST = "127.0.0.1"
 _PORT = 8000
 _DEMO_MODEL_NAME = "pdserve-demo-tiny"  # the served model id when no --model (or name) is given
+_ENGINE_FAILED = 3  # exit status of a server whose engine thread died
 
 
 def _serve(ns: argparse.Namespace) -> int:
@@ -45,12 +48,16 @@ def _serve(ns: argparse.Namespace) -> int:
     worker = None if ns.role == "colocated" else config_from_args(WorkerConfig, ns, role=ns.role)
     if worker is not None and worker.register and worker.advertise_url is None:
         worker = replace(worker, advertise_url=_advertise_url(ns.host, ns.port))
+    api = config_from_args(ApiConfig, ns)
     try:
         _validate_worker(worker)
+        api.validate()
+        api.api_keys()  # NOTE: an unreadable --api-key-file fails here, before the engine loads
         engine = LLMEngine.from_engine_args(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:
         print(f"pdserve: {exc}", file=sys.stderr)
         return 2
+    _inject_model_step_failure(engine)
     name = ns.served_model_name or (args.model or _DEMO_MODEL_NAME)
     cfg = engine.config
     logging.getLogger("pdserve").info(
@@ -58,15 +65,43 @@ def _serve(ns: argparse.Namespace) -> int:
         ns.host, ns.port, cfg.device, str(cfg.dtype).removeprefix("torch."), cfg.cache.num_kv_blocks,
         cfg.cache.block_size, cfg.scheduler.max_model_len)
     if worker is None:
-        app, on_exit, shutdown = _colocated_app(engine, name)
+        app, on_exit, client = _colocated_app(engine, name, api)
     else:
-        app, on_exit, shutdown = _worker_app(engine, worker, name)
+        app, on_exit, client = _worker_app(engine, worker, name)
+    client.on_fatal = _drain_after_engine_failure
     try:
         # Workers' access logs would only show the router's polling; the router logs client requests.
         _run_server(app, ns, access_log=worker is None, on_exit=on_exit)
     finally:
-        shutdown()
-    return 0
+        client.shutdown()
+    return _ENGINE_FAILED if client.failure is not None else 0
+
+
+def _inject_model_step_failure(engine: LLMEngine) -> None:
+    """Tests only, off unless PDSERVE_TEST_FAIL_MODEL_STEP is set: no request can make a real
+    process's model step fail, so this makes it raise from the N-th step on."""
+    from pdserve import envs
+
+    fail_at = envs.test_fail_model_step()
+    if fail_at is None:
+        return
+    logging.getLogger("pdserve").warning("%s=%d: the model step will fail (tests only)", envs.TEST_FAIL_MODEL_STEP,
+                                         fail_at)
+    execute, calls = engine.runner.execute, itertools.count(1)
+
+    def failing(*args: Any) -> Any:
+        if next(calls) >= fail_at:
+            raise RuntimeError(f"injected model step failure ({envs.TEST_FAIL_MODEL_STEP})")
+        return execute(*args)
+
+    setattr(engine.runner, "execute", failing)  # noqa: B010 - mypy refuses assigning a method
+
+
+def _drain_after_engine_failure(exc: BaseException) -> None:
+    """The engine thread died (its requests already got errors): drain as on SIGTERM (a queue
+    consumer stops pulling, the registrar leaves), then exit non-zero so a supervisor restarts us."""
+    logging.getLogger("pdserve").error("the engine failed (%r): draining, then exiting %d", exc, _ENGINE_FAILED)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _advertise_url(host: str, port: int) -> str:
@@ -85,22 +120,22 @@ def _validate_worker(worker: WorkerConfig | None) -> None:
         _ = worker.transfer_timeout_s  # reads KV_TRANSFER_TIMEOUT_MS when the flag is unset
 
 
-_Served = tuple[ASGIApp, Callable[[], None] | None, Callable[[], None]]  # app, on_exit (drain), shutdown
+_Served = tuple[ASGIApp, Callable[[], None] | None, "AsyncLLM"]  # app, on_exit (drain), the engine thread
 
 
-def _colocated_app(engine: LLMEngine, name: str) -> _Served:
+def _colocated_app(engine: LLMEngine, name: str, api: ApiConfig) -> _Served:
     from pdserve.engine.async_llm import AsyncLLM
     from pdserve.serving.app import create_app
 
     client = AsyncLLM(engine)
-    return create_app(client, name), None, client.shutdown
+    return create_app(client, name, api=api), None, client
 
 
 def _worker_app(engine: LLMEngine, config: WorkerConfig, name: str) -> _Served:
     from pdserve.disagg.worker_app import build_worker
 
     worker = build_worker(engine, config, name)
-    return worker.app, worker.drain, worker.client.shutdown
+    return worker.app, worker.drain, worker.client
 
 
 def _run_server(app: ASGIApp, ns: argparse.Namespace, access_log: bool = True,
@@ -137,15 +172,18 @@ def _router(ns: argparse.Namespace) -> int:
     from pdserve.model.demo_checkpoint import default_model_dir
 
     router = config_from_args(RouterConfig, ns)
+    api = config_from_args(ApiConfig, ns)
     try:
         router.validate()
+        api.validate()
+        api.api_keys()
         model_dir = ns.model or str(default_model_dir())
         client = _router_client(router, model_dir, ns.max_model_len)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:
         print(f"pdserve: {exc}", file=sys.stderr)
         return 2
     name = ns.served_model_name or (ns.model or _DEMO_MODEL_NAME)
-    _run_server(create_router_app(client, name), ns)
+    _run_server(create_router_app(client, name, api), ns)
     return 0
 
 
@@ -175,12 +213,14 @@ def _up(ns: argparse.Namespace, engine_flags: list[str]) -> int:
         autoscale = config_from_args(AutoscaleConfig, ns)
     try:
         router.validate()
+        options.api.validate()
+        options.api.api_keys()
         _validate_worker(worker)
         if autoscale is not None:
             autoscale.validate()
         if ns.model:  # NOTE: else every process would fail on it, restarted with backoff until its slot fails
             Qwen3ModelConfig.from_dir(ns.model)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
     return run(options, router, worker, worker_flags, autoscale)
@@ -194,7 +234,7 @@ def up_plan(ns: argparse.Namespace, engine_flags: list[str]) -> tuple[UpOptions,
     options = UpOptions(ns.port, ns.num_prefill, ns.num_decode,
                         ns.port + 1 if ns.supervisor_port is None else ns.supervisor_port,
                         ns.prefill_threads, ns.decode_threads, ns.model,
-                        ("--log-level", ns.log_level, "--log-format", ns.log_format))
+                        ("--log-level", ns.log_level, "--log-format", ns.log_format), config_from_args(ApiConfig, ns))
     # NOTE: the router's config has no worker URLs: `up`'s workers register with it
     router = config_from_args(RouterConfig, ns, accept_registrations=True)
     worker = config_from_args(WorkerConfig, ns, register=(options.router_url,))
@@ -236,6 +276,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--role", choices=["colocated", "prefill", "decode"], default="colocated")
     add_config_args(serve, EngineArgs, title="engine")
     add_config_args(serve, WorkerConfig, title="worker (prefill and decode roles)", exclude=("role",))
+    add_config_args(serve, ApiConfig, title="OpenAI API (colocated role; the router's in PD)")
     serve.set_defaults(func=_serve)
 
 
@@ -246,6 +287,7 @@ def _add_router_parser(sub: argparse._SubParsersAction) -> None:
     router.add_argument("--served-model-name", default=None)
     router.add_argument("--max-model-len", type=int, default=None)
     add_config_args(router, RouterConfig, title="router")
+    add_config_args(router, ApiConfig, title="OpenAI API")
     router.set_defaults(func=_router)
 
 
@@ -279,6 +321,7 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--decode-threads", type=int, default=None,
                     help="torch threads per decode worker (default: CPUs // workers when it starts)")
     add_config_args(up, RouterConfig, title="router", exclude=UP_SETS_ROUTER)
+    add_config_args(up, ApiConfig, title="the router's OpenAI API")
     # the router's group has the queue flags already; prefill and decode roles come from the counts
     add_config_args(up, WorkerConfig, title="workers", exclude=("queue", *UP_SETS_WORKER))
     add_config_args(up, AutoscaleConfig, title="autoscale (with --autoscale)")

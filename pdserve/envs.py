@@ -34,3 +34,21 @@ def supervisor_pid() -> int | None:
     gone drains and exits instead of running on as an orphan nobody stops."""
     raw = os.environ.get(SUPERVISOR_PID)
     return int(raw) if raw and raw.isdigit() else None
+
+
+TEST_FAIL_MODEL_STEP = "PDSERVE_TEST_FAIL_MODEL_STEP"
+
+
+def test_fail_model_step() -> int | None:
+    """PDSERVE_TEST_FAIL_MODEL_STEP=N, TESTS ONLY (unset: off): `pdserve serve`'s model step raises
+    from its N-th call on, so process tests can watch a worker whose engine broke drain and exit."""
+    raw = os.environ.get(TEST_FAIL_MODEL_STEP)
+    return int(raw) if raw and raw.isdigit() and int(raw) > 0 else None
+
+
+API_KEY = "PDSERVE_API_KEY"
+
+
+def api_keys() -> tuple[str, ...]:
+    """PDSERVE_API_KEY: the clients' key (several: separated by commas), added to --api-key's."""
+    return tuple(key.strip() for key in os.environ.get(API_KEY, "").split(",") if key.strip())

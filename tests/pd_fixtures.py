@@ -14,7 +14,7 @@ import uvicorn
 from fastapi import FastAPI
 from server_fixtures import free_port
 
-from pdserve.config import EngineArgs, RouterConfig, WorkerConfig
+from pdserve.config import ApiConfig, EngineArgs, RouterConfig, WorkerConfig
 from pdserve.disagg.decode_service import DecodeService, FailurePolicy
 from pdserve.disagg.prefill_service import PrefillService
 from pdserve.disagg.router import PDRouter
@@ -82,8 +82,8 @@ class Cluster:
 def start_cluster(model_dir: Path, transport: str, num_prefill: int, num_decode: int,
                   max_num_batched_tokens: int = 64, policy: FailurePolicy = "recompute", timeout_s: float = 5.0,
                   prefill_options: dict[str, Any] | None = None, decode_block_size: int = 16,
-                  decode_kv_blocks: int = 256, worker_options: dict[str, Any] | None = None,
-                  **router_options: Any) -> Cluster:
+                  decode_kv_blocks: int = 256, api: ApiConfig | None = None,
+                  worker_options: dict[str, Any] | None = None, **router_options: Any) -> Cluster:
     workers = []
     services: list[PrefillService | DecodeService] = []
     urls: dict[str, list[str]] = {"prefill": [], "decode": []}
@@ -103,7 +103,7 @@ def start_cluster(model_dir: Path, transport: str, num_prefill: int, num_decode:
     config = RouterConfig(prefill=tuple(urls["prefill"]), decode=tuple(urls["decode"]), **router_options)
     pd = PDRouter.from_config(config, load_tokenizer(str(model_dir)), Qwen3ModelConfig.from_dir(model_dir),
                               str(model_dir), max_model_len=1024)
-    router = serve(create_router_app(pd, MODEL))
+    router = serve(create_router_app(pd, MODEL, api))
     deadline = time.monotonic() + 10
     while not pd.alive and time.monotonic() < deadline:  # the router's first poll of its workers
         time.sleep(0.02)

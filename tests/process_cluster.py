@@ -97,14 +97,15 @@ class WorkerProcess:
 
 
 def spawn_worker(role: str, model_dir: Path, log_dir: Path, flags: list[str], host: str = "127.0.0.1",
-                 port: int | None = None) -> WorkerProcess:
+                 port: int | None = None, env: dict[str, str] | None = None) -> WorkerProcess:
+    """`env`: variables added to this process's environment for the worker."""
     port = port or free_port()
     log = log_dir / f"{role}-{host}-{port}.log"
     cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "INFO", "serve", "--role", role, "--host", host,
            "--port", str(port), "--model", str(model_dir), "--dtype", "float32", "--num-threads", "1",
            "--kv-transport", "tcp", "--kv-host", host, *flags]
     with log.open("w") as out:
-        popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     return WorkerProcess(role, f"http://{host}:{port}", popen, log)
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import uvicorn
 
-from pdserve.config import EngineArgs
+from pdserve.config import ApiConfig, EngineArgs
 from pdserve.engine.async_llm import AsyncLLM
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.serving.app import create_app
@@ -79,11 +79,11 @@ class ServerHandle:
         self.client.shutdown()
 
 
-def start_server(model_dir: Path, model_name: str, **engine_args: Any) -> ServerHandle:
+def start_server(model_dir: Path, model_name: str, api: ApiConfig | None = None, **engine_args: Any) -> ServerHandle:
     args = EngineArgs(model=str(model_dir), **engine_args)
     client = AsyncLLM(LLMEngine.from_engine_args(args))
     port = free_port()
-    config = uvicorn.Config(create_app(client, model_name), host="127.0.0.1", port=port, log_level="warning")
+    config = uvicorn.Config(create_app(client, model_name, api=api), host="127.0.0.1", port=port, log_level="warning")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="pdserve-test-http", daemon=True)
     thread.start()

@@ -84,9 +84,14 @@ class Up:
         deadline = time.monotonic() + timeout_s
         while not (result := check()):
             assert self.popen.poll() is None, f"pdserve up exited while waiting for {what}:\n{self.text()[-4000:]}"
-            assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f} s:\n{self.text()[-4000:]}"
+            assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f} s:\n{self.story()}"
             time.sleep(0.2)
         return result
+
+    def story(self) -> str:
+        """What the supervisor and the autoscaler did (its log lines), then the log's tail."""
+        lines = [line for line in self.text().splitlines() if "pdserve.ops" in line]
+        return "\n".join(lines[-60:]) + "\n...\n" + self.text()[-2000:]
 
     def wait_pool(self, prefill: int, decode: int, timeout_s: float = _START_TIMEOUT_S) -> None:
         self.wait_for(f"{prefill} prefill + {decode} decode workers ready",
@@ -300,13 +305,14 @@ def test_autoscale_grows_on_a_burst_and_drains_back_without_failing_a_request(mo
         burst = Load(up.url, [(600, 2)] * 6 + [(16, 256)] * 10)
         try:
             # the new workers join the pool and take traffic while the burst lasts
+            # NOTE: decisions come within seconds; the bound is for loading new workers on 2 busy cores
             up.wait_for("prefill and decode grown",
-                        lambda: len(up.ready("prefill")) >= 2 and len(up.ready("decode")) == 3, 90)
+                        lambda: len(up.ready("prefill")) >= 2 and len(up.ready("decode")) == 3, 180)
         finally:
             burst.stop()
         trickle = Load(up.url, [(40, 4)])  # requests go on through every scale-in
         try:
-            up.wait_for("both roles back to 1", lambda: (live("prefill"), live("decode")) == (1, 1), 90)
+            up.wait_for("both roles back to 1", lambda: (live("prefill"), live("decode")) == (1, 1), 120)
             up.wait_pool(prefill=1, decode=1, timeout_s=10)
         finally:
             trickle.stop()

@@ -36,7 +36,7 @@ from pdserve.disagg.phases import PrefillPhases
 from pdserve.disagg.sender_pool import SenderPool
 from pdserve.disagg.transport.base import KVSender
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
-from pdserve.engine.async_llm import AsyncLLM, OutputStream
+from pdserve.engine.async_llm import AsyncLLM, EngineDeadError, OutputStream, RequestFailedError
 from pdserve.engine.commands import AddPrefillOnly, GeneratorState, ReleaseKV
 from pdserve.engine.output import RequestOutput
 from pdserve.logs import bind_request_id
@@ -159,7 +159,10 @@ class PrefillService:
             return HandOff(transfer_id=tid, status="handed_off")
         except KVTransferTimeout as exc:  # decode's own transfer clock decides what happens next
             return self._failed(tid, "timed_out", exc)
-        except Exception as exc:  # the connection lost, a compute error: decode is told at once
+        except (KVTransferError, RequestFailedError, EngineDeadError) as exc:  # decode is told at once
+            return self._failed(tid, "failed", exc)
+        except Exception as exc:  # unexpected, but reported like the others: never lost in this task
+            logger.exception("request %s: prefill failed", tid)
             return self._failed(tid, "failed", exc)
         except asyncio.CancelledError:
             self._counts.aborted += 1
@@ -170,10 +173,7 @@ class PrefillService:
 
     def _failed(self, tid: str, status: Literal["failed", "timed_out"], exc: Exception) -> HandOff:
         self._counts.failed += 1
-        if isinstance(exc, KVTransferError):
-            logger.warning("request %s: %s", tid, exc)
-        else:
-            logger.error("request %s: prefill failed: %r", tid, exc, exc_info=exc)
+        logger.warning("request %s: %s", tid, exc)
         return HandOff(transfer_id=tid, status=status, reason=str(exc) or repr(exc))
 
     async def _hand_off(self, tid: str, sender: KVSender, final: RequestOutput) -> None:
@@ -197,7 +197,10 @@ class PrefillService:
         except KVTransferError as exc:  # a send stuck reading them: better to leak than to corrupt
             logger.error("request %s: not freeing its KV blocks: %s", tid, exc)
             return
-        await self.client.send(ReleaseKV(tid, after=partial(self.streamer.forget, tid)))
+        try:
+            await self.client.send(ReleaseKV(tid, after=partial(self.streamer.forget, tid)))
+        except EngineDeadError:  # nothing to free any more: the worker is going away
+            logger.info("request %s: engine dead, its KV blocks stay with it", tid)
 
     def close(self) -> None:
         if self._keepalive is not None:

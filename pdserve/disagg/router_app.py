@@ -13,6 +13,7 @@ from http import HTTPStatus
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from pdserve.config import ApiConfig
 from pdserve.disagg.control import Registration
 from pdserve.disagg.router import PDRouter
 from pdserve.serving.app import Probes, create_app
@@ -20,8 +21,9 @@ from pdserve.serving.errors import error_response
 from pdserve.serving.router_stats import RouterStats
 
 
-def create_router_app(router: PDRouter, model_name: str) -> FastAPI:
-    """The app; its lifespan polls the pool (until shutdown), then closes the router.
+def create_router_app(router: PDRouter, model_name: str, api: ApiConfig | None = None) -> FastAPI:
+    """The app; its lifespan polls the pool (until shutdown), then closes the router. `api`: client
+    keys (which /workers and /router/stats need too) and input caps.
 
     GET /health (liveness) is 200 while the router polls its pool: a router whose workers are all
     gone is alive (restarting it would bring none back). GET /ready (readiness) is 200 only while
@@ -41,7 +43,7 @@ def create_router_app(router: PDRouter, model_name: str) -> FastAPI:
 
     probes = Probes(live=lambda: watcher is not None and not watcher.done(),
                     unready_reason=lambda: router.unready_reason)
-    app = create_app(router, model_name, lifespan, router=router, probes=probes)
+    app = create_app(router, model_name, lifespan, router=router, probes=probes, api=api)
 
     @app.get("/workers")
     async def workers() -> JSONResponse:

@@ -1,7 +1,12 @@
-"""Prefill role: one connected `KVSender` per decode worker, made on first use and kept."""
+"""Prefill role: one connected `KVSender` per decode worker, made on first use and kept while its
+connection lives. A sender whose connection broke (the decode worker died or restarted on the same
+address) is closed and replaced by a new one, with a fresh handshake, on the next `get`: the
+attempts that were in flight on it have failed already (their hand-offs are retried), later ones
+reach the restarted worker."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Mapping
 
@@ -11,6 +16,7 @@ from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.transport import make_sender
 from pdserve.disagg.transport.base import KVSender
 
+logger = logging.getLogger(__name__)
 
 class SenderPool:
     def __init__(self, transport: str, layout: KVLayout, kv_cache: torch.Tensor,
@@ -24,10 +30,18 @@ class SenderPool:
         self._lock = threading.Lock()
 
     def get(self, address: str) -> KVSender:
-        """The connected sender for a decode worker (handshake on first use; KVLayoutMismatch on
-        a layout disagreement). Blocking: call it off the event loop."""
+        """The connected sender for a decode worker (handshake on first use, and again after its
+        connection broke; KVLayoutMismatch on a layout disagreement). Blocking: call it off the
+        event loop."""
         with self._lock:
             sender = self._senders.get(address)
+            if sender is not None and sender.broken:
+                logger.info("reconnecting to decode at %s: %s", address, sender.broken)
+                del self._senders[address]
+                # NOTE: its attempts already failed (`broken` fails every send); an attempt still
+                # releasing its blocks finds nothing reading them once close() stopped its I/O.
+                sender.close()
+                sender = None
             if sender is None:
                 sender = make_sender(self.transport, self.layout, self.kv_cache, **self.options)
                 try:

@@ -5,6 +5,12 @@ Contract: callers on the event loop `generate()` (an async iterator of cumulativ
 (`engine/commands.py`) whose result they await. Only the engine thread touches the engine:
 commands cross over through a queue and are applied between steps, in the order they were sent.
 Closing the iterator early (client gone, task cancelled) aborts the request and frees its KV blocks.
+
+Failures. A request whose own handling raised (`LLMEngine.take_failures`) ends alone: its stream
+raises RequestFailedError, the engine carries on. Any other exception on the engine thread (the
+model step for the whole batch) is fatal: every request in flight and every queued command gets
+EngineDeadError, `alive` turns False, and `on_fatal` is called (the server drains and exits
+non-zero, so its supervisor restarts it).
 """
 
 from __future__ import annotations
@@ -28,7 +34,11 @@ R = TypeVar("R")
 
 
 class EngineDeadError(RuntimeError):
-    pass
+    """The engine thread failed: nothing more will run on this engine."""
+
+
+class RequestFailedError(RuntimeError):
+    """This request failed in the engine (its own handling raised); the engine carries on."""
 
 
 class OutputSink(Protocol):
@@ -85,12 +95,20 @@ class AsyncLLM:
         # snapshot): the metrics' observer (serving/metrics.py). Set before requests arrive.
         self.output_listener: Callable[[RequestOutput], None] | None = None
         self.last_step_s = time.monotonic()  # when the engine thread last finished a step (or idled)
+        # Called once, on the engine thread, after a fatal failure was delivered to every waiter
+        # (cli: drain and exit non-zero). Set before requests arrive.
+        self.on_fatal: Callable[[BaseException], None] | None = None
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
         self._thread.start()
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self._error is None
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What ended the engine thread; None while it runs or after a clean `shutdown`."""
+        return self._error
 
     def stats(self) -> EngineStats:
         """Snapshot taken by the engine thread after its last step (safe to read anywhere)."""
@@ -157,18 +175,31 @@ class AsyncLLM:
                     return
                 for output in self.engine.step():
                     self._deliver(output)
+                self._deliver_failures()
                 self._stats = self.engine.stats()
                 self.last_step_s = time.monotonic()
         except BaseException as exc:  # noqa: BLE001 - any engine failure must reach every waiter
-            logger.exception("engine loop failed")
+            logger.exception("engine loop failed: failing every request, the engine is dead")
             self._fail_everyone(exc)
+            if self.on_fatal is not None:
+                self.on_fatal(exc)
 
     def _fail_everyone(self, exc: BaseException) -> None:
         self._error = exc
-        for stream in self._streams.values():
+        for request_id, stream in self._streams.items():
             stream.put(EngineDeadError(f"engine failed: {exc}"))
+            try:  # free its blocks if the engine's bookkeeping still can
+                self.engine.abort_request(request_id)
+            except Exception:  # noqa: BLE001 - the engine is broken; the process is going away
+                logger.debug("could not abort %s after the engine failed", request_id, exc_info=True)
         self._streams.clear()
         self._fail_queued(exc)
+
+    def _deliver_failures(self) -> None:
+        for failure in self.engine.take_failures():
+            stream = self._streams.pop(failure.request_id, None)
+            if stream is not None:
+                stream.put(RequestFailedError(failure.error))
 
     def _fail_queued(self, exc: BaseException) -> None:
         """Commands the dead engine will never apply: their senders get EngineDeadError."""
@@ -198,6 +229,7 @@ class AsyncLLM:
         try:
             result = command.apply(self.engine)
         except Exception as exc:  # noqa: BLE001 - the caller gets it, the engine carries on
+            self._deliver_failures()
             envelope.fail(exc)
             return
         opened = command.stream_of(result)
@@ -209,6 +241,7 @@ class AsyncLLM:
         output = command.emitted(result)
         if output is not None:
             self._deliver(output)
+        self._deliver_failures()
         envelope.reply(result)
 
     def _deliver(self, output: RequestOutput) -> None:

@@ -55,6 +55,9 @@ class LLM:
                 for output in self.engine.step():
                     if output.finished:
                         finished[output.request_id] = output
+                failures = self.engine.take_failures()
+                if failures:  # that request ended with an error; the others are aborted below
+                    raise RuntimeError(failures[0].error)
         finally:
             for request_id in request_ids:  # on error or Ctrl-C nothing stays in the engine
                 if request_id not in finished:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,13 +14,15 @@ from pdserve.config import EngineArgs, EngineConfig, create_engine_config
 from pdserve.engine.host_memory import keep_large_allocations_on_heap
 from pdserve.engine.kv_cache_manager import hash_block
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.output import RequestOutput, RequestState
+from pdserve.engine.output import RequestFailure, RequestOutput, RequestState
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler
 from pdserve.model.loader import load_model
 from pdserve.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +110,7 @@ class LLMEngine:
         self._num_prefill_tokens = 0
         self._last_prefill_batch = (0, 0)  # (requests, tokens) with a prefill chunk in the last step
         self.layer_observer: LayerObserver | None = None  # see configure_kv_transfer
+        self._failures: list[RequestFailure] = []  # requests failed on their own; see take_failures
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -216,7 +220,10 @@ class LLMEngine:
         if generator_state is not None and request.generator is not None:
             request.generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
         self.scheduler.complete_remote(request_id, first_token_id)
-        return self._emit([(request, None)])[0]
+        outputs = self._emit([(request, None)])
+        if not outputs:  # its output processing raised: it is ended already (see take_failures)
+            raise RuntimeError(f"request {request_id} failed in the engine")
+        return outputs[0]
 
     def prefill_locally(self, request_id: str) -> None:
         """Decode role, failure policy "recompute": the KV will not arrive; this engine computes
@@ -276,25 +283,44 @@ class LLMEngine:
         return a snapshot per touched user request; finished ones are forgotten."""
         touched: dict[str, RequestState] = {}
         for request, logprobs in updated:
+            if request.request_id not in self._children:
+                continue  # a sibling failed in this step: the whole request ended
             state, index = self._children[request.request_id]
-            stop = state.add_token(index, request.all_token_ids[-1], logprobs)
-            if stop is not None:
-                # A stop string wins over a token-level stop in the same step.
-                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-            if request.status.finished:
-                state.finish(index, request.status, request.stop_reason)
-                del self._children[request.request_id]
-            if state.metrics.first_scheduled_time is None:
-                state.metrics.first_scheduled_time = request.first_scheduled_time
-            if request.num_cached_tokens:
-                state.num_cached_tokens = request.num_cached_tokens
+            try:
+                self._advance(state, index, request, logprobs)
+            except Exception as exc:  # noqa: BLE001 - this request's fault: end it, keep the engine
+                logger.exception("request %s failed; ending it alone", state.request_id)
+                touched.pop(state.request_id, None)
+                self.abort_request(state.request_id)
+                self._failures.append(RequestFailure(state.request_id, f"request failed in the engine: {exc!r}"))
+                continue
             touched[state.request_id] = state
         outputs = [state.snapshot() for state in touched.values()]
         for output in outputs:
             if output.finished:
                 del self._states[output.request_id]
         return outputs
+
+    def _advance(self, state: RequestState, index: int, request: Request, logprobs: TokenLogprobs | None) -> None:
+        """Feed one sequence's newest token to its request's output state."""
+        stop = state.add_token(index, request.all_token_ids[-1], logprobs)
+        if stop is not None:
+            # A stop string wins over a token-level stop in the same step.
+            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+            request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+        if request.status.finished:
+            state.finish(index, request.status, request.stop_reason)
+            del self._children[request.request_id]
+        if state.metrics.first_scheduled_time is None:
+            state.metrics.first_scheduled_time = request.first_scheduled_time
+        if request.num_cached_tokens:
+            state.num_cached_tokens = request.num_cached_tokens
+
+    def take_failures(self) -> list[RequestFailure]:
+        """The requests ended since the last call because handling them raised (`RequestFailure`);
+        each caller tells its request's client."""
+        failures, self._failures = self._failures, []
+        return failures
 
     def held_block_ids(self, request_id: str) -> list[int]:
         """Prefill role: the blocks a finished `prefill_only` request still holds, in token order."""

@@ -25,6 +25,15 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True, slots=True)
+class RequestFailure:
+    """A request the engine ended because handling it raised (its output processing: detokenizing,
+    stop strings, logprobs): it alone failed, its blocks are free, the engine carries on."""
+
+    request_id: str
+    error: str
+
+
 @dataclass(slots=True)
 class RequestMetrics:
     """Monotonic timestamps of one request in this engine (serving/metrics turns them into histograms)."""

@@ -12,18 +12,19 @@ SIGTERM) stops everything: workers drain, and a second one hurries that without 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIServer
 
 import httpx
 from prometheus_client import CollectorRegistry, start_http_server
 
-from pdserve.config import RouterConfig, WorkerConfig
+from pdserve.config import ApiConfig, RouterConfig, WorkerConfig
 from pdserve.config_flags import to_argv
 from pdserve.ops.supervisor import HOST, PoolEntry, SlotRole, Supervisor
 from pdserve.ops.threads import CoreShare, num_cpus, threads_per_worker
@@ -75,10 +76,25 @@ class UpOptions:
     decode_threads: int | None = None
     model: str | None = None
     log_flags: tuple[str, ...] = ()  # --log-level / --log-format, for every process
+    api: ApiConfig = field(default_factory=ApiConfig)  # the router's client keys and caps
 
     @property
     def router_url(self) -> str:
         return f"http://{HOST}:{self.port}"
+
+    @property
+    def router_headers(self) -> dict[str, str]:
+        """What the supervisor sends its router (GET /workers, the readiness completion): a client key."""
+        keys = self.api.api_keys()
+        return {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+
+    def router_env(self) -> dict[str, str]:
+        """The router's environment besides up's own. NOTE: --api-key values travel in it, not in
+        argv, so no key shows in `ps`; --api-key-file travels as the path it is."""
+        from pdserve import envs
+
+        keys = (*self.api.api_key, *envs.api_keys())
+        return {envs.API_KEY: ",".join(keys)} if keys else {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +113,8 @@ class CommandLines:
         head = [sys.executable, "-m", "pdserve.cli", *self.options.log_flags]
         if role == "router":
             model = ["--model", self.options.model] if self.options.model else []
-            return [*head, "router", "--port", str(port), *to_argv(self.router), *model]
+            return [*head, "router", "--port", str(port), *to_argv(self.router),
+                    *to_argv(self.options.api, exclude=("api_key",)), *model]
         explicit = self.options.prefill_threads if role == "prefill" else self.options.decode_threads
         threads = explicit or threads_per_worker(num_workers, self.cpus)
         # NOTE: later flags win: the engine flags over --num-threads and over the worker config; the
@@ -127,9 +144,11 @@ class Monitor:
     supervisor, reads the router's pool and runs the autoscaler once a second."""
 
     def __init__(self, supervisor: Supervisor, router_url: str, cores: CoreShare,
-                 autoscale: AutoscaleLoop | None = None, period_s: float = 0.2, poll_s: float = 1.0) -> None:
+                 autoscale: AutoscaleLoop | None = None, period_s: float = 0.2, poll_s: float = 1.0,
+                 headers: dict[str, str] | None = None) -> None:
         self._supervisor = supervisor
         self._router_url = router_url
+        self._headers = headers or {}
         self._cores = cores
         self._autoscale = autoscale
         self._period_s = period_s
@@ -148,7 +167,7 @@ class Monitor:
             self._thread.join()
 
     def _run(self) -> None:
-        with httpx.Client(timeout=1.0) as http:
+        with httpx.Client(timeout=1.0, headers=self._headers) as http:
             while not self._done.is_set():
                 try:
                     self.step(http)
@@ -167,11 +186,12 @@ class Monitor:
             self._autoscale.tick()
 
 
-def wait_ready(supervisor: Supervisor, router_url: str, timeout_s: float = _READY_TIMEOUT_S) -> None:
+def wait_ready(supervisor: Supervisor, router_url: str, timeout_s: float = _READY_TIMEOUT_S,
+               headers: dict[str, str] | None = None) -> None:
     """Until a completion goes through the router (RuntimeError if a role can no longer start)."""
     deadline = time.monotonic() + timeout_s
     body = {"prompt": "Hello", "max_tokens": 2}
-    with httpx.Client(timeout=30) as http:
+    with httpx.Client(timeout=30, headers=headers) as http:
         while time.monotonic() < deadline:
             if why := supervisor.hopeless():
                 raise RuntimeError(why)
@@ -235,6 +255,8 @@ def run(options: UpOptions, router: RouterConfig, worker: WorkerConfig, engine_f
         from pdserve.model.demo_checkpoint import default_model_dir
 
         default_model_dir()
+    # NOTE: every child inherits it; only the router reads it (workers serve no client API)
+    os.environ.update(options.router_env())
     registry = CollectorRegistry()
     supervisor = start_pool(options, router, worker, engine_flags, registry)
     try:
@@ -242,14 +264,14 @@ def run(options: UpOptions, router: RouterConfig, worker: WorkerConfig, engine_f
     except ValueError as exc:  # e.g. a pre-warm above a role's maximum
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
-    monitor = Monitor(supervisor, options.router_url, CoreShare(), scaler)
+    monitor = Monitor(supervisor, options.router_url, CoreShare(), scaler, headers=options.router_headers)
     metrics = None
     # NOTE: no process runs before the monitor starts, inside the try: the cleanup reaches every one
     interrupts = _Interrupts()
     try:
         metrics = _serve_metrics(registry, options.supervisor_port)
         monitor.start()
-        wait_ready(supervisor, options.router_url)
+        wait_ready(supervisor, options.router_url, headers=options.router_headers)
         _banner(options, f"http://{HOST}:{options.supervisor_port}/metrics" if metrics else None)
         _serve_until_interrupted(supervisor)
         return 0

@@ -11,14 +11,16 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from pdserve.config import ApiConfig
 from pdserve.engine.async_llm import AsyncLLM
-from pdserve.logs import bind_request_id
 from pdserve.serving.chat import ChatHandler
 from pdserve.serving.completions import CompletionHandler
 from pdserve.serving.dashboard import install_dashboard
 from pdserve.serving.engine_client import EngineClient
 from pdserve.serving.errors import EXCEPTION_HANDLERS, OpenAIError
+from pdserve.serving.limits import check_limits
 from pdserve.serving.metrics import instrument_engine_app
+from pdserve.serving.middleware import ApiKeyAuth, BodyLimit, CatchAll
 from pdserve.serving.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from pdserve.serving.router_metrics import instrument_router_app
 from pdserve.serving.router_stats import RouterState
@@ -42,17 +44,21 @@ class Probes:
 
 
 def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None = None,
-               router: RouterState | None = None, probes: Probes | None = None) -> FastAPI:
+               router: RouterState | None = None, probes: Probes | None = None,
+               api: ApiConfig | None = None) -> FastAPI:
     """`router`: `client` is the PD router (disagg/router_app.py), whose pool and stats this reads
-    for the router's metrics and the live dashboard. `probes`: default `Probes.of_engine(client)`."""
+    for the router's metrics and the live dashboard; it serves no logprobs. `probes`: default
+    `Probes.of_engine(client)`. `api`: client keys and input caps (default `ApiConfig()`: no keys)."""
+    api = api or ApiConfig()
     app = FastAPI(title="pdserve", exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
+    install_middleware(app, api)
     if router is not None:
         client, metrics = instrument_router_app(app, client, router, model_name)
         install_dashboard(app, metrics, router)
     elif isinstance(client, AsyncLLM):
         instrument_engine_app(app, client, model_name, "colocated")
-    completions = CompletionHandler(client, model_name)
-    chat = ChatHandler(client, model_name)
+    completions = CompletionHandler(client, model_name, api.max_tokens_limit)
+    chat = ChatHandler(client, model_name, api.max_tokens_limit)
 
     def check_model(requested: str | None) -> None:
         if requested is not None and requested != model_name:
@@ -61,8 +67,8 @@ def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None 
 
     async def respond(handler: CompletionHandler | ChatHandler, body: Any, raw: Request) -> Any:
         check_model(body.model)
-        request_id, jobs = handler.prepare(body)
-        bind_request_id(request_id)
+        check_limits(body, api, serves_logprobs=router is None)
+        request_id, jobs = await handler.prepare(body)
         if body.stream:
             # NOTE: the first chunk is awaited before the response starts, so an error until then
             # (queue full, no worker, no KV room) still gets its own HTTP status, not a 200.
@@ -85,6 +91,15 @@ def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None 
 
     _add_probe_routes(app, probes or Probes.of_engine(client))
     return app
+
+
+def install_middleware(app: FastAPI, api: ApiConfig) -> None:
+    """serving/middleware.py's layers; the last added is the outermost."""
+    app.add_middleware(BodyLimit, max_bytes=api.max_request_body_bytes)
+    keys = api.api_keys()
+    if keys:
+        app.add_middleware(ApiKeyAuth, keys=keys)
+    app.add_middleware(CatchAll)
 
 
 def _add_probe_routes(app: FastAPI, probes: Probes) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from http import HTTPStatus
@@ -9,10 +10,11 @@ from typing import Any
 
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampler import TokenLogprobs
+from pdserve.logs import bind_request_id
 from pdserve.serving.completions import build_jobs
 from pdserve.serving.engine_client import EngineClient
 from pdserve.serving.errors import OpenAIError
-from pdserve.serving.generation import DeltaTracker, Job, new_request_id, run_jobs, usage_of
+from pdserve.serving.generation import DeltaTracker, Job, encode_text, new_request_id, run_jobs, usage_of
 from pdserve.serving.protocol import ChatCompletionRequest
 from pdserve.tokenizer import Tokenizer
 
@@ -35,12 +37,20 @@ def _template_message(message: dict[str, Any]) -> dict[str, Any]:
 
 
 class ChatHandler:
-    def __init__(self, client: EngineClient, model_name: str) -> None:
+    def __init__(self, client: EngineClient, model_name: str, max_tokens_limit: int | None = None) -> None:
         self.client = client
         self.model_name = model_name
+        self.max_tokens_limit = max_tokens_limit
 
-    def prepare(self, body: ChatCompletionRequest) -> tuple[str, list[Job]]:
+    async def prepare(self, body: ChatCompletionRequest) -> tuple[str, list[Job]]:
         request_id = new_request_id("chatcmpl")
+        bind_request_id(request_id)  # NOTE: from here on, every log line (and a 500) names it
+        # NOTE: templating and tokenizing long messages take long: off the event loop
+        token_ids = await asyncio.to_thread(self._prompt_token_ids, body)
+        return request_id, build_jobs(self.client, [token_ids], body.requested_max_tokens, body, request_id,
+                                      self.max_tokens_limit)
+
+    def _prompt_token_ids(self, body: ChatCompletionRequest) -> list[int]:
         messages = [_template_message(m.model_dump(exclude_none=True)) for m in body.messages]
         thinking = body.chat_template_kwargs.enable_thinking if body.chat_template_kwargs else True
         try:
@@ -48,9 +58,7 @@ class ChatHandler:
                 messages, add_generation_prompt=body.add_generation_prompt, enable_thinking=thinking)
         except ValueError as exc:
             raise OpenAIError(f"messages: {exc}", HTTPStatus.BAD_REQUEST, "messages") from exc
-        token_ids = self.client.tokenizer.encode(text)
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return request_id, build_jobs(self.client, [token_ids], body.requested_max_tokens, body, logprobs, request_id)
+        return encode_text(self.client.tokenizer, text, "messages")
 
     async def full(self, body: ChatCompletionRequest, request_id: str, jobs: list[Job]) -> dict[str, Any]:
         final: RequestOutput | None = None

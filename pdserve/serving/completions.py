@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from http import HTTPStatus
@@ -9,9 +10,12 @@ from typing import Any
 
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampler import TokenLogprobs
+from pdserve.logs import bind_request_id
+from pdserve.serving import generation
 from pdserve.serving.engine_client import EngineClient
 from pdserve.serving.errors import OpenAIError
-from pdserve.serving.generation import DeltaTracker, Job, new_request_id, resolve_max_tokens, run_jobs, usage_of
+from pdserve.serving.generation import DeltaTracker, Job, new_request_id, run_jobs, usage_of
+from pdserve.serving.limits import requested_logprobs
 from pdserve.serving.protocol import CompletionRequest
 from pdserve.tokenizer import Tokenizer
 
@@ -19,20 +23,23 @@ from pdserve.tokenizer import Tokenizer
 def _prompt_token_ids(body: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
     prompt = body.prompt
     if isinstance(prompt, str):
-        return [tokenizer.encode(prompt)]
+        return [generation.encode_text(tokenizer, prompt, "prompt")]
     token_ids = [p for p in prompt if isinstance(p, int)]
     if len(token_ids) == len(prompt):  # one prompt, as token ids
         return [token_ids]
     # NOTE: the protocol never mixes ids with prompts, so the filter only narrows the type
-    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt if not isinstance(p, int)]
+    return [generation.encode_text(tokenizer, p, "prompt") if isinstance(p, str) else list(p) for p in prompt
+            if not isinstance(p, int)]
 
 
 def build_jobs(client: EngineClient, prompts: list[list[int]], requested_max_tokens: int | None,
-               body: CompletionRequest | Any, logprobs: int | None, request_id: str) -> list[Job]:
+               body: CompletionRequest | Any, request_id: str, max_tokens_limit: int | None) -> list[Job]:
     """Validate every prompt before anything is enqueued: bad input never costs compute."""
     jobs = []
+    logprobs = requested_logprobs(body)
     for index, token_ids in enumerate(prompts):
-        max_tokens = resolve_max_tokens(len(token_ids), requested_max_tokens, client.max_model_len)
+        max_tokens = generation.resolve_max_tokens(len(token_ids), requested_max_tokens, client.max_model_len,
+                                                   max_tokens_limit)
         try:
             params = body.to_sampling_params(max_tokens, logprobs)
             client.validate_request(token_ids, params)
@@ -59,14 +66,17 @@ def _logprobs_json(tokenizer: Tokenizer, entries: list[TokenLogprobs] | None, of
 
 
 class CompletionHandler:
-    def __init__(self, client: EngineClient, model_name: str) -> None:
+    def __init__(self, client: EngineClient, model_name: str, max_tokens_limit: int | None = None) -> None:
         self.client = client
         self.model_name = model_name
+        self.max_tokens_limit = max_tokens_limit
 
-    def prepare(self, body: CompletionRequest) -> tuple[str, list[Job]]:
+    async def prepare(self, body: CompletionRequest) -> tuple[str, list[Job]]:
         request_id = new_request_id("cmpl")
-        prompts = _prompt_token_ids(body, self.client.tokenizer)
-        return request_id, build_jobs(self.client, prompts, body.max_tokens, body, body.logprobs, request_id)
+        bind_request_id(request_id)  # NOTE: from here on, every log line (and a 500) names it
+        # NOTE: tokenizing a long prompt takes long; on the event loop it would stall every stream
+        prompts = await asyncio.to_thread(_prompt_token_ids, body, self.client.tokenizer)
+        return request_id, build_jobs(self.client, prompts, body.max_tokens, body, request_id, self.max_tokens_limit)
 
     async def full(self, body: CompletionRequest, request_id: str, jobs: list[Job]) -> dict[str, Any]:
         finals: dict[int, RequestOutput] = {}

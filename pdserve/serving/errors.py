@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Coroutine
 from http import HTTPStatus
 from typing import Any
@@ -13,8 +14,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 _TYPES = {
     HTTPStatus.BAD_REQUEST: "invalid_request_error",
+    HTTPStatus.UNAUTHORIZED: "authentication_error",
     HTTPStatus.NOT_FOUND: "not_found_error",
     HTTPStatus.METHOD_NOT_ALLOWED: "invalid_request_error",
+    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "invalid_request_error",
     HTTPStatus.UNPROCESSABLE_ENTITY: "invalid_request_error",
     HTTPStatus.TOO_MANY_REQUESTS: "rate_limit_error",
     HTTPStatus.SERVICE_UNAVAILABLE: "service_unavailable",
@@ -44,9 +47,17 @@ def error_body(message: str, status: HTTPStatus, param: str | None = None) -> di
                       "code": int(status)}}
 
 
+class _AsciiJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: an error quoting the client's input (a lone
+    surrogate in a model name) still renders, where UTF-8 encoding would fail."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def error_response(message: str, status: HTTPStatus, param: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param), status_code=int(status), headers=headers)
+    return _AsciiJSONResponse(error_body(message, status, param), status_code=int(status), headers=headers)
 
 
 async def _openai_error(_: Request, exc: Exception) -> JSONResponse:

@@ -9,26 +9,40 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from http import HTTPStatus
 
-from pdserve.engine.async_llm import EngineDeadError
+from pdserve.engine.async_llm import EngineDeadError, RequestFailedError
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.serving.engine_client import EngineClient
 from pdserve.serving.errors import OpenAIError
 from pdserve.serving.protocol import UsageInfo
+from pdserve.tokenizer import Tokenizer
 
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: int) -> int:
-    """400 when the prompt plus the requested completion cannot fit the context window."""
+def encode_text(tokenizer: Tokenizer, text: str, param: str) -> list[int]:
+    """The tokens of `text`, or a 400 for text that is no valid Unicode (a lone surrogate such as
+    "\\ud800", which JSON allows and the tokenizer refuses). Slow for long text: call it off the loop."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise OpenAIError(f"{param}: not valid Unicode (a lone surrogate at character {exc.start})",
+                          HTTPStatus.BAD_REQUEST, param) from exc
+    return tokenizer.encode(text)
+
+
+def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: int,
+                       limit: int | None = None) -> int:
+    """400 when the prompt plus the requested completion cannot fit the context window; no request
+    means what the window leaves, at most `limit` (--max-tokens-limit)."""
     if prompt_len >= max_model_len:
         raise OpenAIError(f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
                           f"has {prompt_len} tokens.", HTTPStatus.BAD_REQUEST, "prompt")
     if requested is None:
-        return max_model_len - prompt_len
+        return min(max_model_len - prompt_len, limit or max_model_len)
     if prompt_len + requested > max_model_len:
         raise OpenAIError(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                           f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
@@ -90,6 +104,8 @@ async def _engine_stream(client: EngineClient, job: Job) -> AsyncIterator[Reques
         raise OpenAIError(str(exc), HTTPStatus.BAD_REQUEST) from exc
     except EngineDeadError as exc:
         raise OpenAIError(str(exc), HTTPStatus.SERVICE_UNAVAILABLE) from exc
+    except RequestFailedError as exc:
+        raise OpenAIError(str(exc), HTTPStatus.INTERNAL_SERVER_ERROR) from exc
 
 
 @dataclass(slots=True)

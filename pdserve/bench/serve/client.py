@@ -67,6 +67,11 @@ class LoadConfig:
     timeout_s: float = 600.0
     progress: bool = True
     ignore_eos: bool = True  # vLLM's extra field; servers that refuse unknown fields need it off
+    api_key: str | None = None  # sent as `Authorization: Bearer`; None: no header
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,7 +252,8 @@ async def run_load(workload: Workload, config: LoadConfig) -> LoadResult:
     cap = config.max_concurrency or len(workload.requests) or 1
     limits = httpx.Limits(max_connections=cap, max_keepalive_connections=cap)
     timeout = httpx.Timeout(config.timeout_s, connect=min(config.timeout_s, 30.0))
-    async with httpx.AsyncClient(base_url=config.base_url, limits=limits, timeout=timeout) as http:
+    async with httpx.AsyncClient(base_url=config.base_url, limits=limits, timeout=timeout,
+                                 headers=config.headers) as http:
         model = config.model or await served_model(http)
         semaphore = asyncio.Semaphore(cap)
         bar = tqdm(total=len(workload.requests), disable=not config.progress, unit="req", smoothing=0.1)

@@ -46,6 +46,8 @@ def add_load_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
                    help="/v1/completions or /v1/chat/completions (chat sends text)")
     g.add_argument("--model", default=None, help="model id to send (default: the server's first /v1/models id)")
+    g.add_argument("--api-key", default=None,
+                   help="the server's client key, sent as 'Authorization: Bearer' (default: env PDSERVE_API_KEY)")
     g.add_argument("--max-concurrency", "--concurrency", type=int, default=None,
                    help="requests in flight at most (default: no cap)")
     g.add_argument("--request-rate", type=float, default=math.inf,
@@ -103,7 +105,14 @@ def load_config(ns: argparse.Namespace, url: str, max_concurrency: int | None = 
     return LoadConfig(base_url=url.rstrip("/"), model=ns.model, endpoint=ns.endpoint, stream=ns.stream,
                       max_concurrency=max_concurrency or ns.max_concurrency, request_rate=ns.request_rate,
                       burstiness=ns.burstiness, cancel_rate=ns.cancel_rate, seed=ns.seed, timeout_s=ns.timeout,
-                      progress=not ns.no_progress, ignore_eos=ns.ignore_eos)
+                      progress=not ns.no_progress, ignore_eos=ns.ignore_eos, api_key=_api_key(ns))
+
+
+def _api_key(ns: argparse.Namespace) -> str | None:
+    from pdserve import envs
+
+    keys = envs.api_keys()
+    return ns.api_key or (keys[0] if keys else None)
 
 
 def warm_up(config: LoadConfig, num_requests: int) -> None:
@@ -112,7 +121,7 @@ def warm_up(config: LoadConfig, num_requests: int) -> None:
         work = workloads.random_lengths(num_requests, 16, 4, seed=config.seed + 7919, vocab_size=1000)
         asyncio.run(run_load(work, LoadConfig(config.base_url, config.model, config.endpoint, config.stream,
                                               progress=False, timeout_s=config.timeout_s,
-                                              ignore_eos=config.ignore_eos)))
+                                              ignore_eos=config.ignore_eos, api_key=config.api_key)))
 
 
 def run_once(workload: workloads.Workload, config: LoadConfig, slo: Slo,

@@ -222,6 +222,9 @@ class KVSender(abc.ABC):
       completes a request whose KV may be partial), and it returns once no send is reading those
       blocks. After a successful `flush` it returns at once.
     - `close()` stops the I/O thread; outstanding requests fail.
+    - `broken` says why the connection to the receiver is gone for good ("" while usable): a
+      broken sender fails every later send at once and never reconnects; its owner replaces it
+      with a new one (`SenderPool`), e.g. when the decode worker restarted on the same address.
     - Underscore methods are the implementations' shared steps (checks, headers, acks), not API.
     """
 
@@ -245,6 +248,11 @@ class KVSender(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None: ...
+
+    @property
+    def broken(self) -> str:
+        """Why this sender can no longer reach its receiver; "" while it can (or cannot tell)."""
+        return ""
 
     async def flush(self, request_id: str, timeout_s: float) -> None:
         await self._acks.flush(request_id, timeout_s)

@@ -36,6 +36,13 @@ blocks of a reservation cancelled before its KV arrived out of reuse for `late_w
 request's KV when such a write lands. Not covered: a prefill process frozen (SIGSTOP, a hung host)
 between that check and the WRITE itself, for longer than the margin.
 
+Restarts. NOT handled: after the handshake no connection stays open, so a sender cannot tell that
+its decode worker died. A decode worker restarted on the same address has a new agent (a new name
+and new registrations), while the sender keeps notifying the old one: every later claim gets no
+grant and its flush times out. `broken` stays "" here, so `SenderPool` keeps the stale sender;
+restart the prefill workers too (or fix: keep the handshake socket open as a liveness link, mark
+the sender broken on its EOF, and let the pool reconnect and re-fetch the metadata, as over tcp).
+
 NIXL calls are confined to the I/O thread (the agent runs with NIXL_THREAD_SYNC_NONE). The agent's
 own progress thread is disabled: on a 2-core machine it busy-spins a core and cut loopback
 throughput from ~4 to ~1 GB/s; the I/O thread polls instead (notifications, transfer states).

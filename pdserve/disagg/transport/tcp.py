@@ -146,6 +146,10 @@ class TcpKVSender(KVSender):
         host, port = frames.parse_address(address, "tcp")
         self._io.run(self._connect(host, port), timeout_s=_CONNECT_TIMEOUT_S)
 
+    @property
+    def broken(self) -> str:
+        return self._broken
+
     def send_layer(self, request_id: str, layer: int, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
         self._check_sources(layer, src_block_ids)
         header = self._layer_header(request_id, layer, len(src_block_ids), dst_block_ids)

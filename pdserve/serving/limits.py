@@ -1,0 +1,48 @@
+"""The caps on what one request may ask for (`ApiConfig`), checked before any tokenization or
+engine work: a request beyond one gets a 400 naming the cap and the flag that raises it."""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+from pdserve.config import ApiConfig
+from pdserve.serving.errors import OpenAIError
+from pdserve.serving.protocol import ChatCompletionRequest, CompletionRequest
+
+
+def _cap(value: int, cap: int, param: str, what: str, flag: str) -> None:
+    if value > cap:
+        raise OpenAIError(f"{param}: {value} {what}, more than the {cap} allowed ({flag})", HTTPStatus.BAD_REQUEST,
+                          param)
+
+
+def requested_logprobs(body: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """Log-probabilities per token the request asks for; None: none at all."""
+    if isinstance(body, CompletionRequest):
+        return body.logprobs
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+def check_limits(body: CompletionRequest | ChatCompletionRequest, limits: ApiConfig, serves_logprobs: bool) -> None:
+    """400 for a request beyond `limits`, or asking for logprobs where they are not served."""
+    stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+    _cap(len(stop), limits.max_stop_strings, "stop", "strings", "--max-stop-strings")
+    for text in stop:
+        _cap(len(text), limits.max_stop_string_len, "stop", "characters in a stop string", "--max-stop-string-len")
+    _cap(len(body.stop_token_ids or ()), limits.max_stop_token_ids, "stop_token_ids", "ids", "--max-stop-token-ids")
+    _cap(body.n, limits.max_n, "n", "choices", "--max-n")
+    if isinstance(body, CompletionRequest) and isinstance(body.prompt, list) \
+            and not all(isinstance(p, int) for p in body.prompt):  # NOTE: a list of ints is one prompt
+        _cap(len(body.prompt), limits.max_prompts, "prompt", "prompts", "--max-prompts")
+    max_tokens = body.max_tokens if isinstance(body, CompletionRequest) else body.requested_max_tokens
+    if limits.max_tokens_limit is not None and max_tokens is not None:
+        _cap(max_tokens, limits.max_tokens_limit, "max_tokens", "tokens", "--max-tokens-limit")
+    logprobs = requested_logprobs(body)
+    if logprobs is None:
+        return
+    if not serves_logprobs:
+        # NOTE: the decode worker streams token ids only; an answer without them would be a silent null
+        raise OpenAIError("logprobs are not supported through the PD router; ask a colocated server "
+                          "(pdserve serve) for them", HTTPStatus.BAD_REQUEST, "logprobs")
+    _cap(logprobs, limits.max_logprobs, "logprobs" if isinstance(body, CompletionRequest) else "top_logprobs",
+         "log-probabilities per token", "--max-logprobs")

@@ -1,0 +1,73 @@
+"""A prefill worker's `SenderPool` reaches a decode worker that restarted on the same KV address:
+the broken sender's attempts fail, the next `get` handshakes again and the KV lands bit for bit.
+(The same through real worker processes: test_worker_loss.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from kv_transport_helpers import PoolSpec
+
+from pdserve.disagg.sender_pool import SenderPool
+from pdserve.disagg.transport import KVDone, KVProgress, KVReceiver, KVSender, KVTransferError, make_receiver
+
+SPEC = PoolSpec()
+TIMEOUT_S = 10.0
+
+
+def hand_off(receiver: KVReceiver, sender: KVSender, rid: str, src: list[int], dst: list[int]) -> None:
+    """One whole request: every layer, then the final message; both sides see it complete."""
+    receiver.expect(rid, dst)
+    for layer in range(SPEC.num_layers):
+        sender.send_layer(rid, layer, src, dst)
+    sender.send_done(rid, 7)
+
+    async def finish() -> list[object]:
+        await sender.flush(rid, TIMEOUT_S)
+        events = [await receiver.wait(rid, TIMEOUT_S)]
+        while isinstance(events[-1], KVProgress):
+            events.append(await receiver.wait(rid, TIMEOUT_S))
+        return events
+
+    assert asyncio.run(finish())[-1] == KVDone(rid, 7, None)
+
+
+def wait_broken(sender: KVSender) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not sender.broken:
+        assert time.monotonic() < deadline, "the sender never noticed its receiver was gone"
+        time.sleep(0.01)
+
+
+def test_a_receiver_restarted_on_the_same_port_is_reached_again() -> None:
+    decode_pool, prefill_pool = SPEC.pool(1), SPEC.pool(2)
+    receiver = make_receiver("tcp", SPEC.layout(decode_pool), decode_pool)
+    address = receiver.address
+    senders = SenderPool("tcp", SPEC.layout(prefill_pool), prefill_pool)
+    try:
+        first = senders.get(address)
+        hand_off(receiver, first, "a", [0, 1], [2, 3])
+        receiver.close()  # the decode worker dies: its connections close with it
+        wait_broken(first)
+        first.send_layer("lost", 0, [4], [5])  # an attempt on the dead connection fails as before
+        with pytest.raises(KVTransferError, match="lost"):
+            asyncio.run(first.flush("lost", TIMEOUT_S))
+
+        port = int(address.rsplit(":", 1)[1])
+        decode_pool = SPEC.pool(3)
+        receiver = make_receiver("tcp", SPEC.layout(decode_pool), decode_pool, port=port)
+        assert receiver.address == address
+        second = senders.get(address)
+        assert second is not first and not second.broken
+        hand_off(receiver, second, "b", [6, 7], [8, 9])
+        for src, dst in ((6, 8), (7, 9)):
+            assert torch.equal(decode_pool[:, :, dst], prefill_pool[:, :, src])
+        assert senders.get(address) is second  # a live sender is kept
+        assert receiver.reserved_request_ids() == frozenset()
+        assert second.pending_request_ids() == frozenset()
+    finally:
+        senders.close()
+        receiver.close()
