@@ -291,6 +291,8 @@ class RouterConfig:
     max_queued_tokens: int = knob(1 << 20, "their prompt tokens; beyond: 429")
     reserve_deadline_s: float = knob(30.0, "how long a request waits for KV room on a decode worker before a 503")
     max_resumes: int = knob(2, "times a request moves to another decode worker after losing its own")
+    first_token_timeout_s: float = knob(300.0, "a request with no first token this long after it arrived gets a "
+                                               "503 and is aborted on every worker (0: no deadline)")
 
     def validate(self) -> None:
         self.queue.validate()
@@ -309,6 +311,7 @@ class RouterConfig:
             (self.max_queued_tokens >= 1, "max_queued_tokens must be >= 1"),
             (self.reserve_deadline_s >= 0, "reserve_deadline_s must be >= 0 (0: try each decode worker once)"),
             (self.max_resumes >= 0, "max_resumes must be >= 0"),
+            (self.first_token_timeout_s >= 0, "first_token_timeout_s must be >= 0 (0: no deadline)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -336,6 +339,8 @@ class WorkerConfig:
                                          "leave on drain)")
     advertise_url: str | None = knob(None, "the URL routers reach this worker at (default http://HOST:PORT)")
     queue_claim_idle_s: float = knob(5.0, "prefill: re-deliver a job whose consumer went silent this long")
+    reservation_lease_s: float = knob(60.0, "decode: a reservation that hears neither KV nor a prefill keepalive "
+                                            "this long is ended with an error and its blocks freed (0: never)")
     queue_max_deliveries: int = knob(3, "prefill: dead-letter a job after this many deliveries")
 
     def validate(self) -> None:
@@ -348,6 +353,7 @@ class WorkerConfig:
              "kv_transfer_timeout_ms must be >= 1"),
             (self.kv_failure_policy in ("recompute", "fail"), "kv_failure_policy must be recompute or fail"),
             (self.queue_claim_idle_s > 0, "queue_claim_idle_s must be > 0"),
+            (self.reservation_lease_s >= 0, "reservation_lease_s must be >= 0 (0: no lease)"),
             (self.queue_max_deliveries >= 1, "queue_max_deliveries must be >= 1"),
             (all(_is_http_url(u) for u in self.register), "--register takes router URLs like http://host:port"),
             (self.advertise_url is None or _is_http_url(self.advertise_url),

@@ -82,7 +82,8 @@ class Cluster:
 def start_cluster(model_dir: Path, transport: str, num_prefill: int, num_decode: int,
                   max_num_batched_tokens: int = 64, policy: FailurePolicy = "recompute", timeout_s: float = 5.0,
                   prefill_options: dict[str, Any] | None = None, decode_block_size: int = 16,
-                  decode_kv_blocks: int = 256, api: ApiConfig | None = None, **router_options: Any) -> Cluster:
+                  decode_kv_blocks: int = 256, api: ApiConfig | None = None,
+                  worker_options: dict[str, Any] | None = None, **router_options: Any) -> Cluster:
     workers = []
     services: list[PrefillService | DecodeService] = []
     urls: dict[str, list[str]] = {"prefill": [], "decode": []}
@@ -93,7 +94,7 @@ def start_cluster(model_dir: Path, transport: str, num_prefill: int, num_decode:
                 max_num_batched_tokens=max_num_batched_tokens,
                 block_size=decode_block_size if role == "decode" else 16))
             config = WorkerConfig(role=role, kv_transport=transport, kv_failure_policy=policy,
-                                  kv_transfer_timeout_ms=round(timeout_s * 1000))
+                                  kv_transfer_timeout_ms=round(timeout_s * 1000), **(worker_options or {}))
             worker = build_worker(engine, config, MODEL, sender_options=prefill_options)
             services.append(worker.service)
             served = serve(worker.app)

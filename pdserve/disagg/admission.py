@@ -5,8 +5,8 @@
   worker: 503;
 - more than `max_queued_requests` requests (or `max_queued_tokens` prompt tokens) admitted and
   still waiting for their first token: 429 with Retry-After.
-Later refusals of an admitted request (no KV room before the deadline, the queue lost) are
-counted here too (`reject`), so every refusal has one reason.
+Later refusals of an admitted request (no KV room before the deadline, the queue lost, no first
+token before the first-token deadline) are counted here too (`reject`), so every refusal has one reason.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pdserve.serving.errors import OpenAIError
 from pdserve.serving.router_stats import Rejections
 
 RejectReason = Literal["invalid", "queue_full", "no_prefill_worker", "no_decode_worker", "no_kv_room",
-                       "queue_unavailable"]
+                       "queue_unavailable", "first_token_timeout"]
 _RETRY_AFTER_S = 1
 
 

@@ -111,9 +111,10 @@ class WorkerClient:
         reply = await self._post(url, f"/pd/retarget/{request_id}", Retarget(transfer_id=transfer_id))
         return reply.status_code == HTTPStatus.OK
 
-    async def fail(self, url: str, request_id: str, reason: str) -> bool:
-        """Decode: end a request still waiting for KV with this error. False: it no longer waits."""
-        reply = await self._post(url, f"/pd/fail/{request_id}", FailJob(reason=reason))
+    async def fail(self, url: str, request_id: str, reason: str, transfer_id: str = "") -> bool:
+        """Decode: end a request still waiting for KV (for attempt `transfer_id`; "": any) with this
+        error. False: it no longer waits (for that attempt)."""
+        reply = await self._post(url, f"/pd/fail/{request_id}", FailJob(reason=reason, transfer_id=transfer_id))
         return reply.status_code == HTTPStatus.OK
 
     async def alive(self, url: str, transfer_ids: list[str]) -> None:

@@ -76,9 +76,12 @@ class Retarget(BaseModel):
 
 
 class FailJob(BaseModel):
-    """queue consumer -> decode: this request cannot be prefilled; end it with this error."""
+    """router/queue consumer -> decode: this request cannot be prefilled (refused, dead-lettered,
+    or its attempt `transfer_id` failed on the prefill side); end it with this error. Only if it
+    still waits for that attempt ("": for any attempt)."""
 
     reason: str
+    transfer_id: str = ""
 
 
 class PrefixQuery(BaseModel):
@@ -100,10 +103,13 @@ class Keepalive(BaseModel):
 
 
 class HandOff(BaseModel):
-    """prefill -> router: how one prefill job ended (the reply to POST /pd/prefill)."""
+    """prefill -> router: how one prefill job ended (the reply to POST /pd/prefill). `failed`: the
+    prefill side gave up (compute error, no first token, the KV connection lost): whoever ran the
+    job tells the decode worker at once (POST /pd/fail). `timed_out`: decode did not acknowledge
+    in time; decode's own transfer clock decides (retry, recompute), so it is not reported."""
 
     transfer_id: str
-    status: Literal["handed_off", "failed", "aborted"]
+    status: Literal["handed_off", "failed", "timed_out", "aborted"]
     reason: str = ""
 
 

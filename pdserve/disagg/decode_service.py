@@ -5,9 +5,12 @@
     KVDone(first token, generator state) -> complete_remote: the first token is emitted at once
     router <--GET /pd/stream---   one NDJSON OutputFrame per engine output until finished
 
-Time without progress: the clock starts with the transfer's first payload. Before it the job is
-queued for or computing on a prefill worker, which the router and the queue watch (a lost
-prefill worker's job is prefilled again, as a new attempt: POST /pd/retarget). Once payloads flow,
+Before the first payload: the lease. The job is queued for or computing on a prefill worker
+(which the router and the queue watch: a lost prefill worker's job is prefilled again as a new
+attempt, POST /pd/retarget), but nothing may hold blocks unvouched for ever: a reservation that
+hears neither a payload nor a keepalive for `lease_s` (a retarget starts it again) is ended with
+an error and its blocks freed (`lease_expired`). A prefill worker that gives up on the attempt
+says so (POST /pd/fail naming the attempt), which ends the request at once. Once payloads flow,
 a gap of `transfer_timeout_s` with neither a payload nor a keepalive (POST /pd/alive: the prefill
 worker is still computing the attempt) is a timeout: the first one asks the router for a new attempt (the
 retry: an OutputFrame with `kv_retry`) and keeps listening to the old one until the new one is
@@ -65,6 +68,7 @@ class _Reserved:
     transfer_id: str | None  # the attempt the KV receiver expects; None once not waiting for KV
     watcher: asyncio.Task[None] | None = None  # follows that attempt's KV events
     retried: bool = False  # it already asked for its one retry
+    streaming: bool = False  # the router reads its stream (else nobody would read an error there)
 
 
 @dataclass(slots=True)
@@ -76,16 +80,20 @@ class _Counts:
     failed: int = 0
     rejected: int = 0
     prefilled_locally: int = 0
+    lease_expired: int = 0
 
 
 class DecodeService:
     def __init__(self, client: AsyncLLM, receiver: KVReceiver, failure_policy: FailurePolicy,
-                 transfer_timeout_s: float, on_transfer: Callable[[TransferRecord], None] | None = None) -> None:
-        """`on_transfer` gets each finished transfer's duration and size (the metrics)."""
+                 transfer_timeout_s: float, on_transfer: Callable[[TransferRecord], None] | None = None,
+                 lease_s: float = 0.0) -> None:
+        """`on_transfer` gets each finished transfer's duration and size (the metrics); `lease_s`
+        bounds the time before the first payload (0: no bound)."""
         self.client = client
         self.receiver = receiver
         self.failure_policy = failure_policy
         self.transfer_timeout_s = transfer_timeout_s
+        self.lease_s = lease_s
         self.draining = False
         self._requests: dict[str, _Reserved] = {}  # request id -> its record
         self._counts = _Counts()
@@ -155,11 +163,14 @@ class DecodeService:
         for tid in transfer_ids:
             self.receiver.touch(tid)
 
-    async def fail(self, request_id: str, reason: str) -> bool:
-        """End a request that is still waiting for its KV with an error (e.g. its prefill job was
-        dead-lettered). False when it is not waiting any more."""
-        if self._waiting_for_kv(request_id) is None:
+    async def fail(self, request_id: str, reason: str, transfer_id: str = "") -> bool:
+        """End a request that is still waiting for its KV with an error (its prefill job was
+        dead-lettered, or the prefill side gave up on attempt `transfer_id`; "": whatever attempt).
+        False when it is not waiting any more, or for another attempt."""
+        record = self._waiting_for_kv(request_id)
+        if record is None or transfer_id not in ("", record.transfer_id):
             return False
+        logger.warning("request %s: ended by its prefill side: %s", request_id, reason)
         self._counts.failed += 1
         self._end_with_error(request_id, reason)
         return True
@@ -178,6 +189,7 @@ class DecodeService:
         record = self._requests.get(request_id)
         if record is None:
             raise KeyError(request_id)
+        record.streaming = True
         finished = False
         try:
             while not finished:
@@ -223,12 +235,16 @@ class DecodeService:
         started = False
         while True:
             try:
-                # NOTE: no transfer clock before the first payload: the job may be queued for, or
-                # computing on, a prefill worker; the router and the queue watch those.
-                event = await self.receiver.wait(tid, self.transfer_timeout_s if started else _LIVENESS_POLL_S)
+                # NOTE: before the first payload the job may be queued for, or computing on, a
+                # prefill worker: only the (much longer) lease runs, and keepalives extend it.
+                event = await self.receiver.wait(tid, self.transfer_timeout_s if started else
+                                                 self.lease_s or _LIVENESS_POLL_S)
                 self._meter.on_event(rid, event)
             except KVTransferTimeout:
                 if not started:
+                    if self.lease_s:
+                        self._expire_lease(rid, tid)
+                        return
                     continue
                 if self._retry_once(rid, tid):
                     continue
@@ -245,6 +261,17 @@ class DecodeService:
             if isinstance(event, KVDone):
                 await self._complete(rid, event)
                 return
+
+    def _expire_lease(self, rid: str, tid: str) -> None:
+        """No payload and no keepalive for the lease: nobody is computing this attempt (a lost job,
+        a hung prefill worker, a router gone before it read the stream). Free the blocks."""
+        self._counts.lease_expired += 1
+        logger.warning("request %s: no KV and no keepalive from attempt %s for %g s (reservation lease); "
+                       "freeing its blocks", rid, tid, self.lease_s)
+        record = self._requests.get(rid)
+        self._end_with_error(rid, f"no KV arrived within the reservation lease ({self.lease_s:g} s)")
+        if record is not None and not record.streaming:
+            self._forget(rid)  # nobody reads the error: drop the record too
 
     def _retry_once(self, rid: str, tid: str) -> bool:
         """A timeout: the first asks the router for a new attempt (True: keep listening meanwhile)."""

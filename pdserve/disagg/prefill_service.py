@@ -27,6 +27,7 @@ import logging
 import time
 from dataclasses import dataclass
 from functools import partial
+from typing import Literal
 
 from pdserve.disagg.client import WorkerClient, WorkerError
 from pdserve.disagg.control import HandOff, PrefillJob
@@ -34,7 +35,7 @@ from pdserve.disagg.kv_streamer import KVStreamer
 from pdserve.disagg.phases import PrefillPhases
 from pdserve.disagg.sender_pool import SenderPool
 from pdserve.disagg.transport.base import KVSender
-from pdserve.disagg.transport.errors import KVTransferError
+from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.engine.async_llm import AsyncLLM, EngineDeadError, OutputStream, RequestFailedError
 from pdserve.engine.commands import AddPrefillOnly, GeneratorState, ReleaseKV
 from pdserve.engine.output import RequestOutput
@@ -156,16 +157,24 @@ class PrefillService:
             await self._hand_off(tid, sender, final)
             self._counts.handed_off += 1
             return HandOff(transfer_id=tid, status="handed_off")
-        except (KVTransferError, RequestFailedError, EngineDeadError) as exc:
-            self._counts.failed += 1
-            logger.warning("request %s: %s", tid, exc)
-            return HandOff(transfer_id=tid, status="failed", reason=str(exc))
+        except KVTransferTimeout as exc:  # decode's own transfer clock decides what happens next
+            return self._failed(tid, "timed_out", exc)
+        except (KVTransferError, RequestFailedError, EngineDeadError) as exc:  # decode is told at once
+            return self._failed(tid, "failed", exc)
+        except Exception as exc:  # unexpected, but reported like the others: never lost in this task
+            logger.exception("request %s: prefill failed", tid)
+            return self._failed(tid, "failed", exc)
         except asyncio.CancelledError:
             self._counts.aborted += 1
             return HandOff(transfer_id=tid, status="aborted")
         finally:
             self._attempts.pop(tid, None)
             await asyncio.shield(self._release(tid, sender))
+
+    def _failed(self, tid: str, status: Literal["failed", "timed_out"], exc: Exception) -> HandOff:
+        self._counts.failed += 1
+        logger.warning("request %s: %s", tid, exc)
+        return HandOff(transfer_id=tid, status=status, reason=str(exc) or repr(exc))
 
     async def _hand_off(self, tid: str, sender: KVSender, final: RequestOutput) -> None:
         """The first token is out: send the final message, wait until decode acknowledged it all."""

@@ -21,6 +21,8 @@ One request:
      so the client sees no duplicated and no missing token (exact for greedy decoding; a sampled
      continuation is a fresh sample). No decode worker left: it waits for one (restarted, new) until
      `reserve_deadline_s`, then the error reaches the client.
+  Until its first output the request runs under the first-token deadline (`first_token_timeout_s`):
+  past it, a 503, and the request is aborted as below.
   Leaving early (client gone) aborts the request on every worker, which frees every block.
 """
 
@@ -30,7 +32,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from http import HTTPStatus
 
 from pdserve.config import RouterConfig
@@ -101,7 +103,7 @@ class PDRouter:
         """The router with its client, pool (`config`'s members: URLs, DNS names, registrations)
         and queue (`config.queue`)."""
         # NOTE: no read timeout: a prefill job's POST answers once its hand-off ended, a stream
-        # lasts as long as its request.
+        # lasts as long as its request; until its first output, the first-token deadline bounds it.
         client = WorkerClient(timeout_s=None, connect_timeout_s=_CONNECT_TIMEOUT_S)
         pool = WorkerPool(client)
         registry = Registry(config.registration_ttl_s) if config.accept_registrations else None
@@ -167,18 +169,38 @@ class PDRouter:
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         self.validate_request(prompt_token_ids, params)
         self.admission.admit(len(prompt_token_ids))
-        queued = True
+        outputs = self._run(request_id, prompt_token_ids, params)
         try:
-            async for output in self._run(request_id, prompt_token_ids, params):
-                if queued:
-                    queued = False
-                    self.admission.release(len(prompt_token_ids))
+            try:
+                first = await self._first_output(request_id, outputs)
+            finally:
+                self.admission.release(len(prompt_token_ids))
+            if first is None:
+                return
+            yield first
+            async for output in outputs:
                 yield output
         finally:
-            if queued:
-                self.admission.release(len(prompt_token_ids))
+            await outputs.aclose()
 
-    async def _run(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def _first_output(self, request_id: str,
+                            outputs: AsyncGenerator[RequestOutput, None]) -> RequestOutput | None:
+        """The request's first output, within the first-token deadline: past it, a 503 (counted as
+        `first_token_timeout`), and the request is aborted on every worker (None: no output at all)."""
+        # NOTE: the deadline cancels the generator wherever it waits (a reservation, the queue, a
+        # prefill, a resume); its `finally` blocks abort the request on decode and cancel its job.
+        try:
+            return await asyncio.wait_for(anext(outputs), self.config.first_token_timeout_s or None)
+        except StopAsyncIteration:
+            return None
+        except TimeoutError:
+            logger.warning("request %s: no first token within %g s; aborted", request_id,
+                           self.config.first_token_timeout_s)
+            self.admission.reject("first_token_timeout", f"no first token within the router's first-token deadline "
+                                  f"({self.config.first_token_timeout_s:g} s)", HTTPStatus.SERVICE_UNAVAILABLE)
+
+    async def _run(self, request_id: str, prompt: list[int],
+                   params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
         """The request on one decode worker after another, until it finishes."""
         sent_tokens: list[int] = []
         sent_text = ""

@@ -11,7 +11,7 @@
              POST /pd/alive    {"transfer_ids": [...]}: keepalives from prefill workers computing them
              POST /pd/retarget/{id}  Retarget: expect a new prefill attempt | 404
              POST /pd/prefill_here/{id}  compute the (short) uncached rest here | 404
-             POST /pd/fail/{id}  FailJob: end a request still waiting for KV with an error | 404
+             POST /pd/fail/{id}  FailJob: end a request still waiting for KV (for that attempt) with an error | 404
              POST /pd/abort/{id}
     prefill: POST /pd/prefill  PrefillJob -> HandOff once the hand-off ended | 400 | 409 (KV layout
                                mismatch) | 502 (decode unreachable) | 503 (draining)
@@ -95,7 +95,7 @@ def build_worker(engine: LLMEngine, config: WorkerConfig, model_name: str, *,
         # NOTE: the quarantine must be known before the engine thread starts: only it reads it then
         client = AsyncLLM(engine, KVTransferSetup(remote_kv_quarantine_s=receiver.late_write_window_s))
         service = DecodeService(client, receiver, config.kv_failure_policy, config.transfer_timeout_s,
-                                on_transfer=metrics.observe_transfer)
+                                on_transfer=metrics.observe_transfer, lease_s=config.reservation_lease_s)
     else:
         streamer = KVStreamer(layout.block_size, layout.num_layers)
         client = AsyncLLM(engine, KVTransferSetup(layer_observer=streamer))

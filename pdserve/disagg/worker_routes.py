@@ -65,7 +65,7 @@ def _add_attempt_routes(app: FastAPI, service: DecodeService) -> None:
 
     @app.post("/pd/fail/{request_id}")
     async def fail(request_id: str, body: FailJob) -> Response:
-        if not await service.fail(request_id, body.reason):
+        if not await service.fail(request_id, body.reason, body.transfer_id):
             return error_response(f"request {request_id!r} is not waiting for KV", HTTPStatus.NOT_FOUND)
         return JSONResponse({"failed": request_id})
 

@@ -314,6 +314,7 @@ def _service_series(stats: ServiceStats, labels: dict[str, str],
                       "disaggregation)", stats.prefilled_locally)
         failures.add_metric([*labels.values(), "timeout"], stats.timeouts - stats.retried)
         failures.add_metric([*labels.values(), "rejected"], stats.rejected)
+        failures.add_metric([*labels.values(), "lease_expired"], stats.lease_expired)
     else:
         yield counter("pdserve:kv_transfers_completed", "Hand-offs acknowledged by decode", stats.handed_off)
         failures.add_metric([*labels.values(), "send"], stats.failed)

@@ -45,6 +45,7 @@ class Rejections:
     no_decode_worker: int = 0  # 503: no ready decode worker
     no_kv_room: int = 0  # 503: no decode worker had room before the reserve deadline
     queue_unavailable: int = 0  # 503: the shared queue (Redis) is unreachable
+    first_token_timeout: int = 0  # 503: no first token within the router's first-token deadline
 
 
 @dataclass(frozen=True, slots=True)

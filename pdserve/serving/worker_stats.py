@@ -32,6 +32,7 @@ class DecodeStats(Counts):
     failed: int = 0  # requests ended with an error (policy "fail", or a dead-lettered job)
     rejected: int = 0  # hand-offs whose payload the KV receiver refused
     prefilled_locally: int = 0  # short uncached prompts prefilled here (conditional disaggregation)
+    lease_expired: int = 0  # reservations ended because no KV (nor keepalive) came within the lease
     in_flight: int = 0  # requests reserved and not yet finished
 
 

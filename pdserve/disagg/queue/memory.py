@@ -141,8 +141,9 @@ class MemoryPrefillQueue(PrefillQueue):
             return False
         if hand_off is None:
             return not item.cancelled
-        if hand_off.status == "failed":
+        if hand_off.status == "failed" and not item.cancelled:
             logger.warning("request %s: hand-off failed: %s", item.job.request_id, hand_off.reason)
+            await self._fail(item.job, f"prefill failed: {hand_off.reason}")
         return False
 
     async def _retarget(self, old: PrefillJob, new: PrefillJob) -> bool:
@@ -152,6 +153,7 @@ class MemoryPrefillQueue(PrefillQueue):
             await reach(decode, self._client.retarget(decode.url, old.request_id, new.transfer_id)))
 
     async def _fail(self, job: PrefillJob, reason: str) -> None:
+        """End the request on its decode worker now, if it still waits for this attempt."""
         decode = self._pool.find("decode", job.decode_url)
         if decode is not None:
-            await reach(decode, self._client.fail(decode.url, job.request_id, reason))
+            await reach(decode, self._client.fail(decode.url, job.request_id, reason, job.transfer_id))

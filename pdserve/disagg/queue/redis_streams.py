@@ -308,9 +308,11 @@ class RedisJobConsumer:
             return
         except (KVTransferError, OSError) as exc:
             logger.warning("request %s: decode worker's KV receiver unreachable: %s", job.request_id, exc)
+            await self._fail(job, f"prefill cannot reach the decode worker's KV receiver: {exc}")
             return
         if hand_off.status == "failed":
             logger.warning("request %s: hand-off failed: %s", job.request_id, hand_off.reason)
+            await self._fail(job, f"prefill failed: {hand_off.reason}")
 
     async def _retarget(self, job: PrefillJob) -> PrefillJob | None:
         """A re-delivered job is a new attempt: the decode worker must expect it first."""
@@ -335,13 +337,15 @@ class RedisJobConsumer:
         await self._redis.xadd(self.keys.dead, dead)
         await self._ack(entry_id)
         with contextlib.suppress(KeyError, ValueError):
-            await self._fail(PrefillJob.model_validate_json(fields["job"]), reason)
+            await self._fail(PrefillJob.model_validate_json(fields["job"]), reason, any_attempt=True)
 
-    async def _fail(self, job: PrefillJob, reason: str) -> None:
+    async def _fail(self, job: PrefillJob, reason: str, *, any_attempt: bool = False) -> None:
+        """End the request on its decode worker now, if it still waits for this attempt (or, for a
+        dead-lettered entry, whose later attempts carry other ids: for any)."""
         if not job.decode_url:
             return
         with contextlib.suppress(WorkerUnreachable):
-            await self._workers.fail(job.decode_url, job.request_id, reason)
+            await self._workers.fail(job.decode_url, job.request_id, reason, "" if any_attempt else job.transfer_id)
 
     async def _ack(self, entry_id: str) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:

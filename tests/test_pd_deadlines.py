@@ -1,0 +1,198 @@
+"""Every phase before the first token has a bound: the decode reservation's lease, the prefill
+side's explicit failure message, and the router's first-token deadline. Each test ends with no
+block held on any worker."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from helpers import random_prompt
+from pd_fixtures import start_cluster, stop_cluster
+
+from pdserve.disagg.client import WorkerClient
+from pdserve.disagg.control import HandOff, PrefillJob, WireSamplingParams
+from pdserve.disagg.decode_service import DecodeService
+from pdserve.disagg.prefill_service import PrefillService
+from pdserve.disagg.queue.redis_streams import RedisJobConsumer
+from pdserve.disagg.transport.errors import KVTransferError
+from pdserve.disagg.transport.fake import FakeKVSender
+from pdserve.engine.commands import GeneratorState
+from pdserve.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow  # every test starts a cluster
+
+PROMPT = random_prompt(40, seed=7)
+LONG_PROMPT = random_prompt(400, seed=8)  # several prefill steps of the clusters' 64-token budget
+
+
+def test_a_reservation_whose_kv_never_comes_is_freed_by_its_lease(model_dirs: dict[str, Path]) -> None:
+    """The prefill worker computes the prompt but never sends a byte of it, and its hand-off then
+    times out on its side (which is not reported: decode's clocks decide). Without a lease the
+    reservation would wait for ever; with it, the client gets an error and every block is free."""
+    lease_s = 1.0
+    cluster = start_cluster(model_dirs["tiny"], "fake", 1, 1, timeout_s=0.3, prefill_options={"stall_after_layers": 0},
+                            worker_options={"reservation_lease_s": lease_s})
+    try:
+        with httpx.Client(base_url=cluster.router.url, timeout=30) as http:
+            start = time.monotonic()
+            reply = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
+            elapsed = time.monotonic() - start
+        assert reply.status_code == 503, reply.text
+        assert "reservation lease" in reply.json()["error"]["message"]
+        assert lease_s <= elapsed < lease_s + 5.0, elapsed
+        decode: DecodeService = cluster.service(DecodeService)
+        assert decode.stats().lease_expired == 1
+        cluster.wait_until_idle()
+        assert decode.num_in_flight == 0
+    finally:
+        stop_cluster(cluster)
+
+
+def test_keepalives_extend_the_lease_of_a_reservation_nobody_streams(model_dirs: dict[str, Path]) -> None:
+    """A reservation made straight on decode (a router that died before reading its stream): kept
+    while a prefill worker says the attempt is being computed, freed a lease after that stops."""
+    lease_s = 0.6
+    cluster = start_cluster(model_dirs["tiny"], "fake", 1, 1, worker_options={"reservation_lease_s": lease_s})
+    decode_url = cluster.workers[0][0].url
+    decode: DecodeService = cluster.service(DecodeService)
+    try:
+        with httpx.Client(base_url=decode_url, timeout=30) as http:
+            body = {"request_id": "orphan", "transfer_id": "orphan@0", "prompt_token_ids": PROMPT,
+                    "params": {"fields": {"max_tokens": 4}}}
+            assert http.post("/pd/reserve", json=body).status_code == 200
+            for _ in range(8):  # 2.4 s, four leases: kept alive
+                time.sleep(lease_s / 2)
+                http.post("/pd/alive", json={"transfer_ids": ["orphan@0"]})
+            assert decode.num_in_flight == 1 and cluster.leaks()
+            assert decode.stats().lease_expired == 0
+            # a failure report for another attempt of the request does not end it
+            stale = http.post("/pd/fail/orphan", json={"reason": "x", "transfer_id": "orphan@1"})
+            assert stale.status_code == 404 and decode.num_in_flight == 1
+        cluster.wait_until_idle(timeout_s=lease_s + 3.0)
+        assert decode.num_in_flight == 0 and decode.stats().lease_expired == 1
+    finally:
+        stop_cluster(cluster)
+
+
+def _lose_the_kv_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def flush(self: FakeKVSender, request_id: str, timeout_s: float) -> None:
+        raise KVTransferError(f"request {request_id}: connection to the decode worker lost")
+
+    monkeypatch.setattr(FakeKVSender, "flush", flush)
+
+
+def _fail_computing(monkeypatch: pytest.MonkeyPatch) -> None:
+    def apply(self: GeneratorState, engine: object) -> bytes | None:
+        raise RuntimeError("the sampler's state cannot be read")  # an error computing this request only
+
+    monkeypatch.setattr(GeneratorState, "apply", apply)
+
+
+@pytest.mark.parametrize("failure", [_lose_the_kv_connection, _fail_computing],
+                         ids=["kv-connection-lost", "compute-error"])
+def test_a_prefill_side_failure_ends_the_request_at_once(model_dirs: dict[str, Path],
+                                                         monkeypatch: pytest.MonkeyPatch, failure: object) -> None:
+    """No byte of KV reached decode (so no transfer clock runs there) and the lease is long: only the
+    prefill side's failure message can end the request in time."""
+    assert callable(failure)
+    failure(monkeypatch)
+    cluster = start_cluster(model_dirs["tiny"], "fake", 1, 1, prefill_options={"stall_after_layers": 0},
+                            worker_options={"reservation_lease_s": 600.0})
+    try:
+        with httpx.Client(base_url=cluster.router.url, timeout=10) as http:
+            start = time.monotonic()
+            reply = http.post("/v1/completions", json={"prompt": LONG_PROMPT, "max_tokens": 4})
+            elapsed = time.monotonic() - start
+            streamed = http.post("/v1/completions", json={"prompt": LONG_PROMPT, "max_tokens": 4, "stream": True})
+        assert reply.status_code == 503, reply.text
+        assert "prefill failed" in reply.json()["error"]["message"]
+        assert elapsed < 1.5, elapsed
+        assert streamed.status_code == 503 and "prefill failed" in streamed.json()["error"]["message"]
+        decode: DecodeService = cluster.service(DecodeService)
+        assert decode.stats().failed == 2 and decode.stats().lease_expired == 0
+        cluster.wait_until_idle()
+    finally:
+        stop_cluster(cluster)
+
+
+class _RecordingWorkers(WorkerClient):
+    def __init__(self) -> None:
+        super().__init__(timeout_s=1.0)
+        self.failed: list[tuple[str, str, str]] = []
+
+    async def fail(self, url: str, request_id: str, reason: str, transfer_id: str = "") -> bool:
+        self.failed.append((request_id, transfer_id, reason))
+        return True
+
+
+class _Unreachable:
+    """A prefill service whose KV sender cannot connect to the job's decode worker."""
+
+    async def run(self, job: PrefillJob) -> HandOff:
+        raise ConnectionRefusedError(f"cannot connect to {job.kv_address}")
+
+
+def test_a_redis_consumer_that_cannot_reach_decode_says_so() -> None:
+    """On the shared queue the consumer, not the router, learns that the hand-off could not start:
+    it must end the request on decode (before, it only logged it and the request hung)."""
+    async def scenario() -> None:
+        workers = _RecordingWorkers()
+        consumer = RedisJobConsumer(_Unreachable(), "redis://127.0.0.1:1/0", token_budget=64)  # type: ignore[arg-type]
+        await consumer._workers.close()
+        consumer._workers = workers
+        job = PrefillJob(request_id="r", transfer_id="r@1", decode_url="http://decode", prompt_token_ids=[1, 2, 3],
+                         params=WireSamplingParams.of(SamplingParams(max_tokens=2)), kv_address="tcp://nowhere:1",
+                         block_ids=[0], num_cached_tokens=0)
+        try:
+            await consumer._run(job)
+        finally:
+            await consumer.close()
+        assert [(rid, tid) for rid, tid, _ in workers.failed] == [("r", "r@1")]
+        assert "cannot connect" in workers.failed[0][2]
+
+    asyncio.run(scenario())
+
+
+def test_no_first_token_by_the_deadline_is_a_503_and_frees_everything(model_dirs: dict[str, Path]) -> None:
+    """The prefill worker computes but never sends a byte, and keeps saying it is alive (its own
+    timeout and decode's lease are long): only the router's first-token deadline ends the requests.
+    The second one waits in the router's FIFO behind the first (the prefill worker has no room for
+    it) until the first is aborted there."""
+    deadline_s = 1.0
+    cluster = start_cluster(model_dirs["tiny"], "fake", 1, 1, timeout_s=60.0, prefill_options={"stall_after_layers": 0},
+                            worker_options={"reservation_lease_s": 600.0}, first_token_timeout_s=deadline_s)
+
+    async def both() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=cluster.router.url, timeout=20) as http:
+            first = asyncio.create_task(http.post("/v1/completions", json={"prompt": LONG_PROMPT, "max_tokens": 4}))
+            await asyncio.sleep(0.3)
+            second = asyncio.create_task(
+                http.post("/v1/completions", json={"prompt": LONG_PROMPT, "max_tokens": 4, "stream": True}))
+            await asyncio.sleep(0.4)
+            waiting = (await http.get("/router/stats")).json()
+            assert waiting["dispatch_pending"] == 1 and waiting["queued_requests"] == 2, waiting
+            return [await first, await second]
+
+    try:
+        start = time.monotonic()
+        replies = asyncio.run(both())
+        elapsed = time.monotonic() - start
+        for reply in replies:
+            assert reply.status_code == 503, reply.text
+            assert "first-token deadline" in reply.json()["error"]["message"]
+        assert deadline_s <= elapsed < deadline_s + 3.0, elapsed
+        cluster.wait_until_idle()
+        stats = httpx.get(f"{cluster.router.url}/router/stats").json()
+        assert stats["counters"]["rejected_first_token_timeout"] == 2, stats
+        assert stats["dispatch_pending"] == 0, stats
+        prefill = cluster.service(PrefillService).stats()
+        assert (prefill.handed_off, prefill.failed, prefill.aborted) == (0, 0, 2), prefill  # aborted where they ran
+        metrics = httpx.get(f"{cluster.router.url}/metrics").text
+        assert re.search(r'pdserve:router_rejections_total\{[^}]*reason="first_token_timeout"[^}]*\} 2\.0', metrics)
+    finally:
+        stop_cluster(cluster)
