@@ -150,6 +150,16 @@ def _clean_pieces(tokenizer: Tokenizer, tokens: list[int]) -> list[str]:
     return [p if p.isascii() and p.strip() else "" for p in pieces]
 
 
+def stop_across_tokens(tokenizer: Tokenizer, tokens: list[int]) -> tuple[int, str]:
+    """(i, stop): the last two characters of token i and the first two of token i + 1, a stop
+    string that only token i + 1 completes."""
+    text = tokenizer.decode(tokens)
+    pieces = _clean_pieces(tokenizer, tokens)
+    index = next(i for i in range(1, len(tokens) - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2 and
+                 text.find(pieces[i][-2:] + pieces[i + 1][:2]) == len(tokenizer.decode(tokens[:i + 1])) - 2)
+    return index, pieces[index][-2:] + pieces[index + 1][:2]
+
+
 def single_token_stop(tokenizer: Tokenizer, tokens: list[int]) -> tuple[int, str]:
     """(i, text of token i) such that the text first occurs exactly where token i starts."""
     text = tokenizer.decode(tokens)
@@ -185,11 +195,7 @@ def test_min_tokens_delays_stop_strings(llm: LLM, greedy_tokens: list[int]) -> N
 def test_stop_string_across_tokens(llm: LLM, greedy_tokens: list[int]) -> None:
     tokenizer = llm.get_tokenizer()
     text = tokenizer.decode(greedy_tokens)
-    pieces = _clean_pieces(tokenizer, greedy_tokens)
-    # Last two characters of one token + first two of the next: completed only by the second.
-    index = next(i for i in range(1, MAX_TOKENS - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2 and
-                 text.find(pieces[i][-2:] + pieces[i + 1][:2]) == len(tokenizer.decode(greedy_tokens[:i + 1])) - 2)
-    stop = pieces[index][-2:] + pieces[index + 1][:2]
+    index, stop = stop_across_tokens(tokenizer, greedy_tokens)
     out = llm.generate(token_prompts([PROMPT]), greedy(MAX_TOKENS, stop=stop))[0].outputs[0]
     assert out.token_ids == greedy_tokens[:index + 2]
     assert out.text == text[:text.find(stop)]
@@ -338,10 +344,7 @@ def test_a_resumed_request_finds_a_stop_string_across_the_resume(llm: LLM, greed
 
     tokenizer = llm.get_tokenizer()
     text = tokenizer.decode(greedy_tokens)
-    pieces = _clean_pieces(tokenizer, greedy_tokens)
-    index = next(i for i in range(1, MAX_TOKENS - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2 and
-                 text.find(pieces[i][-2:] + pieces[i + 1][:2]) == len(tokenizer.decode(greedy_tokens[:i + 1])) - 2)
-    stop = pieces[index][-2:] + pieces[index + 1][:2]
+    index, stop = stop_across_tokens(tokenizer, greedy_tokens)
     sent = greedy_tokens[:index + 1]  # the lost worker had made these, then died
     made = tokenizer.decode(sent)
     sent_text = made[:len(made) - (len(stop) - 1)]  # what its client got: the rest was held back
