@@ -144,6 +144,27 @@ def test_failed_hand_off_is_recomputed_on_decode(llm_factory: Callable[..., LLM]
         assert_no_leak(llm)
 
 
+def test_a_hand_off_the_engine_cannot_take_is_refused_unchanged(llm_factory: Callable[..., LLM]) -> None:
+    """A final message with a first token outside the vocabulary, or a generator state of the wrong
+    size, is refused before anything changes (it used to reach the sampler and kill the engine):
+    the reservation still waits, and the recompute policy then answers with the colocated text."""
+    colocated = llm_factory("tiny")
+    expected = colocated.generate([{"prompt_token_ids": PROMPTS[3]}], SEEDED)[0].outputs[0].token_ids
+    decode = llm_factory("tiny", seed=5)
+    d = decode.engine
+    assert d.reserve_remote("bad", PROMPTS[3], SEEDED) is not None
+    vocab = d.config.model.vocab_size
+    for token, state in ((vocab, None), (-1, None), (0, b"\x00" * 3)):
+        with pytest.raises(ValueError):
+            d.complete_remote("bad", token, state)
+    d.prefill_locally("bad")  # what the decode service does next under the recompute policy
+    final = None
+    while d.has_unfinished_requests():
+        final = next((o for o in d.step() if o.finished), final)
+    assert final is not None and final.outputs[0].token_ids == expected
+    assert_no_leak(decode)
+
+
 def test_an_idle_engine_loop_frees_quarantined_blocks_when_due(model_dirs: dict) -> None:
     """A decode engine over nixl keeps a cancelled reservation's blocks out of reuse for a while
     (`KVTransferSetup.remote_kv_quarantine_s`); its thread must give them back when that ends even

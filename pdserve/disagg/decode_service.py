@@ -294,7 +294,11 @@ class DecodeService:
         if record is not None:
             record.transfer_id = None  # received: nothing to cancel any more
             record.watcher = None
-        await self.client.send(CompleteRemote(rid, done.first_token_id, done.generator_state))
+        try:
+            await self.client.send(CompleteRemote(rid, done.first_token_id, done.generator_state))
+        except ValueError as exc:  # the final message carried what this engine cannot take
+            logger.warning("request %s: invalid hand-off: %s", rid, exc)
+            await self._apply_failure_policy(rid, f"invalid hand-off: {exc}")
 
     async def _apply_failure_policy(self, rid: str, reason: str) -> None:
         self._stop_receiving(rid)

@@ -217,7 +217,14 @@ class LLMEngine:
         prefill, whose seeded generator state continues here. Returns the output carrying the
         first token, to be emitted at once."""
         request = self.scheduler.remote[request_id]
+        # NOTE: checked before anything changes: a peer's bad value must not reach the sampler
+        if not 0 <= first_token_id < self.config.model.vocab_size:
+            raise ValueError(f"first token id {first_token_id} is outside the vocabulary "
+                             f"(0..{self.config.model.vocab_size - 1})")
         if generator_state is not None and request.generator is not None:
+            expected = request.generator.get_state().numel()
+            if len(generator_state) != expected:
+                raise ValueError(f"generator state of {len(generator_state)} bytes, expected {expected}")
             request.generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
         self.scheduler.complete_remote(request_id, first_token_id)
         outputs = self._emit([(request, None)])
