@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 from starlette.types import ASGIApp
 
-from pdserve.config import ApiConfig, EngineArgs, RouterConfig, WorkerConfig
+from pdserve.config import ApiConfig, EngineArgs, RouterConfig, WorkerConfig, http_url
 from pdserve.config_flags import add_config_args, config_from_args
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ def _advertise_url(host: str, port: int) -> str:
     (0.0.0.0, ::) this machine's name's address (a Kubernetes pod's IP)."""
     if host in ("0.0.0.0", "::", ""):
         host = socket.gethostbyname(socket.gethostname())
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return http_url(host, port)
 
 
 def _validate_worker(worker: WorkerConfig | None) -> None:

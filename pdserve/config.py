@@ -216,8 +216,16 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     )
 
 
+HTTP_URL_PATTERN = r"^https?://[^/\s]+/?$"  # a server's root: scheme, host[:port], nothing after
+
+
 def _is_http_url(text: str) -> bool:
-    return re.fullmatch(r"https?://[^/\s]+/?", text) is not None
+    return re.match(HTTP_URL_PATTERN, text) is not None
+
+
+def http_url(host: str, port: int) -> str:
+    """http://HOST:PORT, an IPv6 address in brackets."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def parse_host_port(text: str, default_port: int) -> tuple[str, int]:

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from pdserve.config import HTTP_URL_PATTERN
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.serving.trace import TTFTPhases
@@ -135,7 +136,7 @@ class Registration(BaseModel):
     """worker -> router (POST /pd/register, again every few seconds; POST /pd/deregister on drain)."""
 
     role: Literal["prefill", "decode"]
-    url: str = Field(pattern=r"^https?://[^/\s]+/?$")
+    url: str = Field(pattern=HTTP_URL_PATTERN)
 
 
 class OutputFrame(BaseModel):

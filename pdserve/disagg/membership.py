@@ -15,7 +15,6 @@ leaves the ready set at the first failed poll or call, long before any source fo
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import time
 from collections.abc import Callable
@@ -25,7 +24,7 @@ import dns.asyncresolver
 import dns.exception
 import dns.resolver
 
-from pdserve.config import DnsMember, RouterConfig, parse_host_port, parse_member
+from pdserve.config import DnsMember, RouterConfig, http_url, parse_host_port, parse_member
 from pdserve.disagg.pool import WorkerPool
 from pdserve.serving.router_stats import WorkerRole
 
@@ -70,10 +69,6 @@ class Registry:
         return [url for url, worker in self._workers.items() if worker.role == role]
 
 
-def _url(address: str, port: int) -> str:
-    return f"http://[{address}]:{port}" if ipaddress.ip_address(address).version == 6 else f"http://{address}:{port}"
-
-
 class DnsSource:
     """One `dns:NAME:PORT` member. A name that does not exist (or has no records) means no worker;
     a DNS server that does not answer keeps the last answer (and says so), so a DNS outage
@@ -93,7 +88,7 @@ class DnsSource:
                            answers[0])
             return self.urls
         addresses = {address for answer in answers if isinstance(answer, list) for address in answer}
-        urls = sorted(_url(address, self.member.port) for address in addresses)
+        urls = sorted(http_url(address, self.member.port) for address in addresses)
         if urls != self.urls:
             logger.info("dns:%s:%d now lists %d workers: %s", self.member.name, self.member.port, len(urls),
                         ", ".join(urls) or "none")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,9 +38,9 @@ class LocalServer:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    from pdserve.ops.supervisor import free_port as free_local_port
+
+    return free_local_port()
 
 
 def up_threads_per_worker(num_workers: int) -> int:
