@@ -72,13 +72,18 @@ class Up:
         return {role: self.metric("pdserve:supervisor_restarts_total", role=role)
                 for role in ("router", "prefill", "decode")}
 
-    def pid(self, url: str) -> int:
-        """The process (a child of `up`) that listens at `url`."""
+    def pids(self, url: str) -> list[int]:
+        """The processes (children of `up`) started to listen at `url`: one, or none between a death and a restart."""
         port = url.rsplit(":", 1)[1]
         found = subprocess.run(["pgrep", "-P", str(self.popen.pid), "-f", "--", f"--port {port}( |$)"],
                                capture_output=True, text=True).stdout.split()
+        return [int(pid) for pid in found]
+
+    def pid(self, url: str) -> int:
+        """The process (a child of `up`) that listens at `url`."""
+        found = self.pids(url)
         assert len(found) == 1, (url, found)
-        return int(found[0])
+        return found[0]
 
     def wait_for(self, what: str, check: Any, timeout_s: float) -> Any:
         deadline = time.monotonic() + timeout_s
@@ -192,7 +197,8 @@ def test_a_prefill_worker_killed_mid_load_is_restarted_and_no_request_fails(
             with ThreadPoolExecutor(len(prompts)) as pool:
                 replies = [pool.submit(complete, up.url, prompt, 6) for prompt in prompts]
                 victim = busy_prefill_worker(up)
-                os.kill(up.pid(victim), signal.SIGKILL)
+                old_pid = up.pid(victim)
+                os.kill(old_pid, signal.SIGKILL)
                 killed_at = time.monotonic()
                 texts = [reply.result() for reply in replies]
             assert texts == generate_texts(colocated, prompts, greedy(6))
@@ -200,7 +206,10 @@ def test_a_prefill_worker_killed_mid_load_is_restarted_and_no_request_fails(
             # (the transfer stalled first) a new attempt, or prefilled on the decode worker
             assert re.search(r"re-delivering prefill job|expecting KV from attempt .*@[1-9]|prefilling it on this "
                              r"decode worker", up.text())
-            up.wait_for(f"{victim} back", lambda: victim in up.ready("prefill"), _BACK_WITHIN_S)
+            # back = a new process listens at its URL and the router lists it ready; the router may still list
+            # the dead one as ready until its next poll, so readiness alone does not say it came back
+            up.wait_for(f"{victim} back", lambda: up.pids(victim) not in ([], [old_pid])
+                        and victim in up.ready("prefill"), _BACK_WITHIN_S)
             assert time.monotonic() - killed_at < _BACK_WITHIN_S
             assert pending_entries(redis) == 0
             assert up.restarts() == {"router": 0, "prefill": 1, "decode": 0}
