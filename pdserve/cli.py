@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 from starlette.types import ASGIApp
 
-from pdserve.config import ApiConfig, EngineArgs, RouterConfig, WorkerConfig, http_url
+from pdserve.config import ApiConfig, EngineArgs, RouterConfig, WorkerConfig, http_url, parse_member
 from pdserve.config_flags import add_config_args, config_from_args
+from pdserve.ops.threads import CorePlan, parse_cpu_list
 
 if TYPE_CHECKING:
     from pdserve.disagg.router import PDRouter
@@ -43,6 +44,7 @@ _ENGINE_FAILED = 3  # exit status of a server whose engine thread died
 
 def _serve(ns: argparse.Namespace) -> int:
     from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.ops.threads import pin_to
 
     args = config_from_args(EngineArgs, ns)
     worker = None if ns.role == "colocated" else config_from_args(WorkerConfig, ns, role=ns.role)
@@ -50,6 +52,8 @@ def _serve(ns: argparse.Namespace) -> int:
         worker = replace(worker, advertise_url=_advertise_url(ns.host, ns.port))
     api = config_from_args(ApiConfig, ns)
     try:
+        if ns.cpu_affinity is not None:  # NOTE: before torch starts its threads, which inherit it
+            pin_to(ns.cpu_affinity)
         _validate_worker(worker)
         api.validate()
         api.api_keys()  # NOTE: an unreadable --api-key-file fails here, before the engine loads
@@ -187,6 +191,21 @@ def _router(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _balancer(ns: argparse.Namespace) -> int:
+    from pdserve.serving.balancer import Balancer, create_balancer_app
+
+    api = config_from_args(ApiConfig, ns)
+    try:
+        api.validate()
+        api.api_keys()
+        balancer = Balancer(ns.replica)
+    except (ValueError, OSError) as exc:
+        print(f"pdserve: {exc}", file=sys.stderr)
+        return 2
+    _run_server(create_balancer_app(balancer, api), ns)
+    return 0
+
+
 def _router_client(router: RouterConfig, model_dir: str, max_model_len: int | None) -> PDRouter:
     from pdserve.disagg.router import PDRouter
     from pdserve.model.qwen3_config import Qwen3ModelConfig
@@ -202,8 +221,7 @@ def _up(ns: argparse.Namespace, engine_flags: list[str]) -> int:
     from pdserve.model.qwen3_config import Qwen3ModelConfig
     from pdserve.ops.up import run
 
-    if not ns.autoscale and not (ns.num_prefill.fixed and ns.num_decode.fixed):
-        ns.up_parser.error(f"--prefill {ns.num_prefill} --decode {ns.num_decode}: a MIN:MAX range needs --autoscale")
+    _check_up_counts(ns)
     configure_logging(ns.log_level, ns.log_format)
     options, router, worker, worker_flags = up_plan(ns, engine_flags)
     autoscale = None
@@ -218,6 +236,8 @@ def _up(ns: argparse.Namespace, engine_flags: list[str]) -> int:
         _validate_worker(worker)
         if autoscale is not None:
             autoscale.validate()
+        if options.cpus_per_worker is not None:
+            CorePlan(options.cpus_per_worker)
         if ns.model:  # NOTE: else every process would fail on it, restarted with backoff until its slot fails
             Qwen3ModelConfig.from_dir(ns.model)
     except (ValueError, OSError) as exc:
@@ -226,15 +246,31 @@ def _up(ns: argparse.Namespace, engine_flags: list[str]) -> int:
     return run(options, router, worker, worker_flags, autoscale)
 
 
+def _check_up_counts(ns: argparse.Namespace) -> None:
+    """--prefill/--decode (default 1 each) or --colocated N, never both; MIN:MAX only with --autoscale."""
+    from pdserve.ops.up import Replicas
+
+    if ns.colocated is not None:
+        if ns.num_prefill is not None or ns.num_decode is not None or ns.autoscale:
+            ns.up_parser.error("--colocated N runs N colocated replicas: it takes no --prefill, --decode or "
+                               "--autoscale")
+        if ns.colocated < 1:
+            ns.up_parser.error(f"--colocated {ns.colocated}: expected at least 1")
+    prefill, decode = ns.num_prefill or Replicas(1, 1), ns.num_decode or Replicas(1, 1)
+    if not ns.autoscale and not (prefill.fixed and decode.fixed):
+        ns.up_parser.error(f"--prefill {prefill} --decode {decode}: a MIN:MAX range needs --autoscale")
+
+
 def up_plan(ns: argparse.Namespace, engine_flags: list[str]) -> tuple[UpOptions, RouterConfig, WorkerConfig, list[str]]:
     """What `pdserve up` was told: its own options, the router's and the workers' configs, and the
     flags every worker gets after those (the engine flags it does not know, and --model)."""
-    from pdserve.ops.up import UpOptions
+    from pdserve.ops.up import Replicas, UpOptions
 
-    options = UpOptions(ns.port, ns.num_prefill, ns.num_decode,
+    options = UpOptions(ns.port, ns.num_prefill or Replicas(1, 1), ns.num_decode or Replicas(1, 1),
                         ns.port + 1 if ns.supervisor_port is None else ns.supervisor_port,
                         ns.prefill_threads, ns.decode_threads, ns.model,
-                        ("--log-level", ns.log_level, "--log-format", ns.log_format), config_from_args(ApiConfig, ns))
+                        ("--log-level", ns.log_level, "--log-format", ns.log_format), config_from_args(ApiConfig, ns),
+                        ns.colocated or 0, ns.cpus_per_worker)
     # NOTE: the router's config has no worker URLs: `up`'s workers register with it
     router = config_from_args(RouterConfig, ns, accept_registrations=True)
     worker = config_from_args(WorkerConfig, ns, register=(options.router_url,))
@@ -274,6 +310,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
     # NOTE: not WorkerConfig.role: "colocated" is no worker role, it means no WorkerConfig at all
     serve.add_argument("--role", choices=["colocated", "prefill", "decode"], default="colocated")
+    serve.add_argument("--cpu-affinity", type=_argparse_type(parse_cpu_list), default=None, metavar="CPUS",
+                       help="pin this process to these cores, e.g. 0-3 or 0,2 (one worker = one 'device')")
     add_config_args(serve, EngineArgs, title="engine")
     add_config_args(serve, WorkerConfig, title="worker (prefill and decode roles)", exclude=("role",))
     add_config_args(serve, ApiConfig, title="OpenAI API (colocated role; the router's in PD)")
@@ -291,6 +329,16 @@ def _add_router_parser(sub: argparse._SubParsersAction) -> None:
     router.set_defaults(func=_router)
 
 
+def _add_balancer_parser(sub: argparse._SubParsersAction) -> None:
+    balancer = sub.add_parser("balancer", help="OpenAI endpoint in front of N colocated replicas (pdserve serve): "
+                                               "each request to the least busy ready one")
+    _add_listen_args(balancer)
+    balancer.add_argument("--replica", action="append", required=True, metavar="URL", type=_argparse_type(_replica_url),
+                          help="a replica's root URL (repeat for each)")
+    add_config_args(balancer, ApiConfig, title="OpenAI API")
+    balancer.set_defaults(func=_balancer)
+
+
 # NOTE: what `up` decides itself: the membership (workers register with its router), the roles
 UP_SETS_ROUTER = ("prefill", "decode", "accept_registrations", "dns_server", "dns_interval_s")
 UP_SETS_WORKER = ("role", "register", "advertise_url")
@@ -305,10 +353,16 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
                                    "worker")
     # NOTE: counts here, where `router` takes URLs: other dests, so config_from_args never reads them
     replicas = _argparse_type(Replicas.parse)
-    up.add_argument("--prefill", type=replicas, default=Replicas(1, 1), dest="num_prefill", metavar="N|MIN:MAX",
-                    help="prefill workers: N, or MIN:MAX with --autoscale")
-    up.add_argument("--decode", type=replicas, default=Replicas(1, 1), dest="num_decode", metavar="N|MIN:MAX",
-                    help="decode workers: N, or MIN:MAX with --autoscale")
+    up.add_argument("--prefill", type=replicas, default=None, dest="num_prefill", metavar="N|MIN:MAX",
+                    help="prefill workers: N, or MIN:MAX with --autoscale (default 1)")
+    up.add_argument("--decode", type=replicas, default=None, dest="num_decode", metavar="N|MIN:MAX",
+                    help="decode workers: N, or MIN:MAX with --autoscale (default 1)")
+    up.add_argument("--colocated", type=int, default=None, metavar="N",
+                    help="instead of prefill and decode workers: N colocated replicas (pdserve serve) behind a "
+                         "balancer (pdserve balancer) on the router's port; the baseline PD is measured against")
+    up.add_argument("--cpus-per-worker", type=int, default=None, metavar="K",
+                    help="pin each worker to K cores of its own (one worker = one 'device'; they wrap round, "
+                         "said in the log, when workers x K exceeds the cores); its torch threads default to K")
     up.add_argument("--autoscale", action="store_true",
                     help="grow and shrink each role within its MIN:MAX (starting at MIN) by the autoscaling rules")
     up.add_argument("--port", type=int, default=_PORT, help="the router's port")
@@ -326,6 +380,13 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
     add_config_args(up, WorkerConfig, title="workers", exclude=("queue", *UP_SETS_WORKER))
     add_config_args(up, AutoscaleConfig, title="autoscale (with --autoscale)")
     up.set_defaults(func=None, up_parser=up)
+
+
+def _replica_url(text: str) -> str:
+    member = parse_member(text)
+    if not isinstance(member, str):
+        raise ValueError(f"expected a replica's root URL, e.g. http://127.0.0.1:8001, got {text!r}")
+    return member
 
 
 def _argparse_type(parse: Callable[[str], object]) -> Callable[[str], object]:
@@ -349,6 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve_parser(sub)
     _add_router_parser(sub)
+    _add_balancer_parser(sub)
     _add_up_parser(sub)
     make = sub.add_parser("make-model", help="write a random-weight Qwen3 checkpoint (HF layout, real tokenizer)")
     make.add_argument("out", type=Path)

@@ -59,6 +59,21 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
+class ProbeAccessFilter(logging.Filter):
+    """Drops uvicorn's access line for a successful GET of a probe route (/health, /ready,
+    /metrics): balancers, routers, Kubernetes and Prometheus call them several times a second,
+    which would bury the requests. A failed probe is still logged."""
+
+    PATHS = frozenset({"/health", "/ready", "/metrics"})
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) == 5:  # uvicorn: client, method, path, http version, status
+            _, method, path, _, status = args
+            return not (method == "GET" and path in self.PATHS and status == 200)
+        return True
+
+
 def configure_logging(level: str = "INFO", log_format: LogFormat = "text") -> None:
     """Root handler for the process (CLI entry points call this once)."""
     handler = logging.StreamHandler()
@@ -70,3 +85,6 @@ def configure_logging(level: str = "INFO", log_format: LogFormat = "text") -> No
     root.addHandler(handler)
     root.setLevel(level)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the router polls workers twice a second
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, ProbeAccessFilter) for f in access.filters):
+        access.addFilter(ProbeAccessFilter())

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from helpers import generate_texts, greedy, random_prompt
+from metrics_helpers import scrape
 from process_cluster import pending_entries, start_redis
 from prometheus_client.parser import text_string_to_metric_families
 from server_fixtures import free_port
@@ -339,3 +340,33 @@ def test_autoscale_grows_on_a_burst_and_drains_back_without_failing_a_request(mo
         # every worker drained after it served exited 0 (one still loading may have been drained too)
         drained = re.findall(r"drained and exited with status (-?\d+)", text)
         assert len(drained) >= 2 and set(drained) == {"0"}, drained
+
+
+def test_colocated_replicas_pinned_to_their_own_cores_behind_a_balancer(
+        model_dirs: dict[str, Path], colocated: LLM, tmp_path: Path) -> None:
+    """The seed's baseline (up --colocated N --cpus-per-worker K): N colocated servers, each pinned to
+    K cores of its own, one endpoint; both take requests; one SIGKILLed is restarted and no request fails."""
+    with pdserve_up(model_dirs["tiny"], tmp_path, "--colocated", "2", "--cpus-per-worker", "1") as up:
+        replicas = up.wait_for("2 ready replicas", lambda: len(up.ready("replica")) == 2 and up.ready("replica"),
+                               _START_TIMEOUT_S)
+        cores = sorted(os.sched_getaffinity(0))
+        pinned = [Path(f"/proc/{up.pid(url)}/status").read_text().split("Cpus_allowed_list:")[1].split()[0]
+                  for url in replicas]
+        assert sorted(pinned) == sorted({str(cores[0]), str(cores[1 % len(cores)])})
+        prompts = [random_prompt(60, seed=seed) for seed in range(8)]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            texts = list(pool.map(lambda p: complete(up.url, p, 8), prompts))
+        assert texts == generate_texts(colocated, prompts, greedy(8))
+        assert stream(up.url, prompts[0], 8) == texts[0]
+        served = [scrape(url).value("vllm:e2e_request_latency_seconds_count") for url in replicas]
+        assert sum(served) == len(prompts) + 2 and min(served) >= 3, served  # + the readiness check and a stream
+        victim = replicas[0]
+        old_pid = up.pid(victim)
+        os.kill(old_pid, signal.SIGKILL)
+        # the balancer takes it out of rotation: requests meanwhile go to the other replica
+        assert [complete(up.url, p, 8) for p in prompts[:4]] == texts[:4]
+        up.wait_for(f"{victim} back", lambda: up.pids(victim) not in ([], [old_pid])
+                    and victim in up.ready("replica"), _BACK_WITHIN_S)
+        assert up.metric("pdserve:supervisor_restarts_total", role="replica") == 1
+        reply = httpx.post(f"{up.url}/v1/completions", json={"prompt": "x", "max_tokens": -1}, timeout=30)
+        assert reply.status_code == 400 and reply.json()["error"]["type"] == "invalid_request_error"

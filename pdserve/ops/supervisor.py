@@ -38,9 +38,9 @@ from pdserve import envs
 
 logger = logging.getLogger(__name__)
 
-SlotRole = Literal["router", "prefill", "decode"]
+SlotRole = Literal["router", "prefill", "decode", "replica"]  # replica: a colocated server (up --colocated)
 SlotState = Literal["starting", "ready", "draining", "failed"]
-ROLES: tuple[SlotRole, ...] = ("router", "prefill", "decode")
+ROLES: tuple[SlotRole, ...] = ("router", "prefill", "decode", "replica")
 STATES: tuple[SlotState, ...] = ("starting", "ready", "draining", "failed")
 HOST = "127.0.0.1"  # every process of `pdserve up` listens here
 
@@ -229,8 +229,8 @@ class Supervisor:
             return [s for s in self._slots if s.role == role and s.live]
 
     def num_workers(self) -> int:
-        """Live prefill and decode slots: the pool the thread split is for."""
-        return len(self.live("prefill")) + len(self.live("decode"))
+        """Live worker slots (prefill, decode, replica): the pool the thread split is for."""
+        return sum(len(self.live(role)) for role in ROLES if role != "router")
 
     def restarts(self, role: SlotRole) -> int:
         return int(self._registry.get_sample_value("pdserve:supervisor_restarts_total", {"role": role}) or 0)

@@ -46,3 +46,57 @@ class CoreShare:
         if line is not None:
             logger.warning(line)
         return line
+
+
+def parse_cpu_list(text: str) -> tuple[int, ...]:
+    """'0-3,6' -> (0, 1, 2, 3, 6), as taskset and /sys/fs/cgroup write core lists."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        low, dash, high = part.strip().partition("-")
+        try:
+            first, last = int(low), int(high) if dash else int(low)
+        except ValueError:
+            raise ValueError(f"{text!r}: expected a core list like 0-3,6") from None
+        if not 0 <= first <= last:
+            raise ValueError(f"{text!r}: expected a core list like 0-3,6 (ranges low-high, from 0)")
+        cores.update(range(first, last + 1))
+    return tuple(sorted(cores))
+
+
+def format_cpu_list(cores: tuple[int, ...]) -> str:
+    return ",".join(str(c) for c in cores)
+
+
+def pin_to(cores: tuple[int, ...]) -> None:
+    """This process (and the threads it starts from now on) on `cores` only; a clear error for a
+    core this machine does not have or this process may not use."""
+    allowed = os.sched_getaffinity(0)
+    if missing := sorted(set(cores) - allowed):
+        raise ValueError(f"--cpu-affinity: core(s) {missing} not available to this process "
+                         f"(allowed: {format_cpu_list(tuple(sorted(allowed)))})")
+    os.sched_setaffinity(0, cores)
+    logger.info("pinned to core(s) %s", format_cpu_list(cores))
+
+
+class CorePlan:
+    """`pdserve up --cpus-per-worker K`: each worker its own K cores (one worker = one "device"),
+    handed out in blocks in the order workers are first started, wrapping round (and said in the
+    log) when there are more workers than blocks. A worker restarted on the same port keeps its
+    cores."""
+
+    def __init__(self, per_worker: int, cores: tuple[int, ...] | None = None) -> None:
+        self.cores = cores or tuple(sorted(os.sched_getaffinity(0)))
+        if not 0 < per_worker <= len(self.cores):
+            raise ValueError(f"--cpus-per-worker {per_worker}: expected 1 to {len(self.cores)} "
+                             f"(the cores this machine gives pdserve)")
+        self.per_worker = per_worker
+        self._by_port: dict[int, tuple[int, ...]] = {}
+
+    def for_worker(self, port: int) -> tuple[int, ...]:
+        if port not in self._by_port:
+            n, count = len(self._by_port), len(self.cores)
+            if (n + 1) * self.per_worker > count:
+                logger.warning("pdserve up: worker %d shares cores with another (%d cores, %d per worker)",
+                               n + 1, count, self.per_worker)
+            self._by_port[port] = tuple(self.cores[(n * self.per_worker + i) % count] for i in range(self.per_worker))
+        return self._by_port[port]

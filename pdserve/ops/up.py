@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from pdserve.config import ApiConfig, RouterConfig, WorkerConfig
 from pdserve.config_flags import to_argv
 from pdserve.ops.supervisor import HOST, PoolEntry, SlotRole, Supervisor
-from pdserve.ops.threads import CoreShare, num_cpus, threads_per_worker
+from pdserve.ops.threads import CorePlan, CoreShare, format_cpu_list, num_cpus, threads_per_worker
 
 if TYPE_CHECKING:
     from pdserve.ops.autoscale import AutoscaleConfig
@@ -77,6 +77,8 @@ class UpOptions:
     model: str | None = None
     log_flags: tuple[str, ...] = ()  # --log-level / --log-format, for every process
     api: ApiConfig = field(default_factory=ApiConfig)  # the router's client keys and caps
+    colocated: int = 0  # > 0: that many colocated replicas behind a balancer, no prefill or decode workers
+    cpus_per_worker: int | None = None  # each worker pinned to its own cores (None: not pinned)
 
     @property
     def router_url(self) -> str:
@@ -108,18 +110,25 @@ class CommandLines:
     worker: WorkerConfig  # registers with the router (its role is each slot's)
     engine_flags: tuple[str, ...]  # every worker's, after up's own (so they win); --model included
     cpus: int
+    replica_urls: list[str] = field(default_factory=list)  # up --colocated: the balancer's replicas
+    cores: CorePlan | None = None  # up --cpus-per-worker
 
     def __call__(self, role: SlotRole, port: int, num_workers: int) -> list[str]:
         head = [sys.executable, "-m", "pdserve.cli", *self.options.log_flags]
+        api = to_argv(self.options.api, exclude=("api_key",))
+        if role == "router" and self.options.colocated:
+            return [*head, "balancer", "--port", str(port), *(f"--replica={url}" for url in self.replica_urls), *api]
         if role == "router":
             model = ["--model", self.options.model] if self.options.model else []
-            return [*head, "router", "--port", str(port), *to_argv(self.router),
-                    *to_argv(self.options.api, exclude=("api_key",)), *model]
-        explicit = self.options.prefill_threads if role == "prefill" else self.options.decode_threads
-        threads = explicit or threads_per_worker(num_workers, self.cpus)
+            return [*head, "router", "--port", str(port), *to_argv(self.router), *api, *model]
+        explicit = {"prefill": self.options.prefill_threads, "decode": self.options.decode_threads}.get(role)
+        threads = explicit or self.options.cpus_per_worker or threads_per_worker(num_workers, self.cpus)
+        pin = [] if self.cores is None else ["--cpu-affinity", format_cpu_list(self.cores.for_worker(port))]
+        if role == "replica":  # a colocated server: the client API is its own
+            return [*head, "serve", "--num-threads", str(threads), *pin, *api, *self.engine_flags, "--port", str(port)]
         # NOTE: later flags win: the engine flags over --num-threads and over the worker config; the
         # role and port over anything in the engine flags
-        return [*head, "serve", "--num-threads", str(threads), *to_argv(self.worker, exclude=("role",)),
+        return [*head, "serve", "--num-threads", str(threads), *pin, *to_argv(self.worker, exclude=("role",)),
                 *self.engine_flags, "--role", role, "--port", str(port)]
 
 
@@ -225,7 +234,10 @@ class _Interrupts:
 
 def _banner(options: UpOptions, metrics_url: str | None) -> None:
     url = options.router_url
-    print(f"\npdserve is up: {options.prefill} prefill + {options.decode} decode workers behind {url}")
+    workers = (f"{options.colocated} colocated replicas" if options.colocated
+               else f"{options.prefill} prefill + {options.decode} decode workers")
+    pinned = f", {options.cpus_per_worker} core(s) each" if options.cpus_per_worker else ""
+    print(f"\npdserve is up: {workers}{pinned} behind {url}")
     print(f"  workers: curl -s {url}/workers")
     if metrics_url:
         print(f"  supervisor: curl -s {metrics_url}")
@@ -238,9 +250,13 @@ def start_pool(options: UpOptions, router: RouterConfig, worker: WorkerConfig, e
                registry: CollectorRegistry) -> Supervisor:
     """The supervisor with the router's slot and each role's minimum (started by its first tick)."""
     cpus = num_cpus()
-    commands = CommandLines(options, router, worker, tuple(engine_flags), cpus)
+    cores = None if options.cpus_per_worker is None else CorePlan(options.cpus_per_worker)
+    commands = CommandLines(options, router, worker, tuple(engine_flags), cpus, cores=cores)
     supervisor = Supervisor(commands, registry=registry, reserved_ports=(options.supervisor_port,))
     supervisor.add("router", options.port)
+    if options.colocated:  # NOTE: the balancer's command line is made at its first start, after these
+        commands.replica_urls.extend(supervisor.add("replica").url for _ in range(options.colocated))
+        return supervisor
     for _ in range(options.decode.min):
         supervisor.add("decode")
     for _ in range(options.prefill.min):

@@ -1,15 +1,21 @@
 """`pdserve bench compare`: colocated vs PD on the same machine, cores, workload and seed (DIGEST item 19).
 
-Three systems, started one after another by this command, each stopped before the next starts:
+The systems, started one after another by this command, each stopped before the next starts:
 
-- `colocated-chunked`:   `pdserve serve --enable-chunked-prefill --num-threads T` (the baseline)
+- `colocated-replicas`:  `pdserve up --colocated P+D`: P + D colocated replicas behind a balancer
+- `colocated-chunked`:   `pdserve serve --enable-chunked-prefill --num-threads T` (one instance)
 - `colocated-nochunk`:   `pdserve serve --no-enable-chunked-prefill --num-threads T`
 - `pd`:                  `pdserve up --prefill P --decode D --num-threads T // (P + D)`
 
-Fair split of the cores: every system gets the same total of T torch threads (default: the CPU
-count), which is how `pdserve up` itself splits a machine (CPUs // workers per worker). The PD
-router and the load client run on the same cores in every case and do no model math; the client's
-own capacity (stub server) is measured first and printed, so the table shows it was not the limit.
+Two questions, two comparisons. **Equal hardware** (`--pin`, the seed's comparison): a worker is a
+"device", pinned to T // (P + D) cores of its own, and N = P + D devices are used either as N
+colocated replicas (`colocated-replicas`, the baseline) or as P prefill + D decode workers (`pd`).
+Without `--pin`, the **same thread budget**: every system gets the same total of T torch threads
+(default: the CPU count), unpinned, shared by the OS as it likes; one big colocated instance
+(`colocated-chunked`) is then a fair baseline too, but it answers another question than the seed's.
+The router or balancer and the load client run on the same cores in every case and do no model
+math; the client's own capacity (stub server) is measured first and printed, so the table shows it
+was not the limit.
 
 `--max-num-batched-tokens` caps the step budget of the chunked systems (scale it with the workload:
 with prompts of at most 1000 tokens the default 2048 rarely splits one; the seed caps it so one
@@ -42,7 +48,9 @@ from pdserve.bench.serve.command import (
 from pdserve.bench.serve.metrics import Summary
 from pdserve.bench.serve.report import format_summary, save_json
 
-SYSTEMS = ("colocated-chunked", "colocated-nochunk", "pd")
+SYSTEMS = ("colocated-replicas", "colocated-chunked", "colocated-nochunk", "pd")
+DEFAULT_SYSTEMS = ("colocated-chunked", "colocated-nochunk", "pd")
+PINNED_SYSTEMS = ("colocated-replicas", "pd")  # --pin: equal hardware
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +63,12 @@ class SystemRun:
 def add_parser(modes: argparse._SubParsersAction) -> None:
     p = modes.add_parser("compare", help="colocated (chunked prefill on/off) vs PD, same cores and workload",
                          description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {', '.join(SYSTEMS)}")
+    p.add_argument("--systems", default=None,
+                   help=f"comma-separated subset of {', '.join(SYSTEMS)} (default: {','.join(DEFAULT_SYSTEMS)}; "
+                        f"with --pin {','.join(PINNED_SYSTEMS)}); the first is the baseline")
+    p.add_argument("--pin", action="store_true",
+                   help="equal hardware: every worker pinned to total-threads // (P + D) cores of its own, "
+                        "colocated-replicas runs P + D replicas")
     p.add_argument("--prefill", type=int, default=1, help="pd: prefill workers")
     p.add_argument("--decode", type=int, default=1, help="pd: decode workers")
     p.add_argument("--total-threads", type=int, default=os.cpu_count() or 1,
@@ -75,10 +88,16 @@ def add_parser(modes: argparse._SubParsersAction) -> None:
 def _launch_args(name: str, port: int, ns: argparse.Namespace, engine_args: list[str]) -> tuple[list[str], str]:
     if ns.max_num_batched_tokens and name != "colocated-nochunk":
         engine_args = [*engine_args, "--max-num-batched-tokens", str(ns.max_num_batched_tokens)]
+    per_worker = max(1, ns.total_threads // (ns.prefill + ns.decode))
+    pin = ["--cpus-per-worker", str(per_worker)] if ns.pin else []
+    pinned = " pinned" if ns.pin else ""
     if name == "pd":
-        per_worker = max(1, ns.total_threads // (ns.prefill + ns.decode))
-        split = f"{per_worker} x ({ns.prefill} prefill + {ns.decode} decode)"
-        return local.pd_args(port, ns.prefill, ns.decode, per_worker, engine_args), split
+        split = f"{per_worker}{pinned} x ({ns.prefill} prefill + {ns.decode} decode)"
+        return [*local.pd_args(port, ns.prefill, ns.decode, per_worker, engine_args), *pin], split
+    if name == "colocated-replicas":
+        replicas = ns.prefill + ns.decode
+        return ([*local.replicas_args(port, replicas, per_worker, engine_args), *pin],
+                f"{per_worker}{pinned} x {replicas} replicas")
     return local.colocated_args(port, ns.total_threads, name == "colocated-chunked", engine_args), str(ns.total_threads)
 
 
@@ -107,7 +126,8 @@ def ratio_table(runs: list[SystemRun]) -> tuple[list[str], list[list[str]]]:
 
 
 def run(ns: argparse.Namespace) -> int:
-    systems = [s.strip() for s in ns.systems.split(",") if s.strip()]
+    chosen = ns.systems or ",".join(PINNED_SYSTEMS if ns.pin else DEFAULT_SYSTEMS)
+    systems = [s.strip() for s in chosen.split(",") if s.strip()]
     if unknown := [s for s in systems if s not in SYSTEMS]:
         raise ValueError(f"unknown system(s) {unknown}; choose from {SYSTEMS}")
     work = build_workload(ns)
@@ -128,7 +148,8 @@ def run(ns: argparse.Namespace) -> int:
             _, summary = run_once(work, config, ns.slo, warmup=max(1, ns.warmup))
         print(format_summary(summary, title=name))
         runs.append(SystemRun(name, threads, summary))
-    print(f"\nratios against {runs[0].name} (same workload, seed and total torch threads):")
+    question = "equal hardware: each worker on cores of its own" if ns.pin else "same total torch threads"
+    print(f"\nratios against {runs[0].name} (same workload and seed; {question}):")
     print_table(*ratio_table(runs))
     if ns.save:
         save_json(ns.save, {"baseline": runs[0].name, "systems": [

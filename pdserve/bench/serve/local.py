@@ -62,6 +62,12 @@ def pd_args(port: int, num_prefill: int, num_decode: int, threads_per_worker: in
             str(num_decode), "--num-threads", str(threads_per_worker), *engine_args]
 
 
+def replicas_args(port: int, num_replicas: int, threads_per_replica: int, engine_args: list[str]) -> list[str]:
+    """`pdserve up --colocated N`: N colocated replicas behind a balancer (engine flags to each)."""
+    return ["up", "--port", str(port), "--supervisor-port", "0", "--colocated", str(num_replicas), "--num-threads",
+            str(threads_per_replica), *engine_args]
+
+
 def start(name: str, cli_args: list[str], port: int, log_dir: Path) -> LocalServer:
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
