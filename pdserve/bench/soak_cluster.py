@@ -1,0 +1,248 @@
+"""The soak's deployment (its Redis and `pdserve up`), the faults it injects on a schedule, and the
+checks at the end (pdserve/bench/soak.py runs them)."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+
+from pdserve.bench.soak import _CANCELLED, _OK, Outcome, children, kill, redis_pending, rss_bytes
+from pdserve.ops.supervisor import free_port
+
+_READY_TIMEOUT_S = 300.0
+_IDLE_TIMEOUT_S = 60.0
+FLAGS = ["--kv-transport", "tcp", "--dtype", "float32", "--num-kv-blocks", "1024", "--max-num-batched-tokens", "256"]
+
+
+@dataclass
+class Redis:
+    port: int
+    workdir: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        # NOTE: an append-only file fsynced on every write: a restart keeps the stream and its groups
+        self.process = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
+             "--appendfsync", "always", "--dir", str(self.workdir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                redis.Redis.from_url(self.url).ping()
+                return
+            except redis.RedisError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not answer on port {self.port}") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(20)
+
+
+@dataclass
+class Cluster:
+    url: str
+    up: subprocess.Popen[bytes]
+    log: Path
+    redis: Redis
+    model: str | None
+    rss_before: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    @contextmanager
+    def start(cls, ns: argparse.Namespace, workdir: Path) -> Iterator[Cluster]:
+        if shutil.which("redis-server") is None:
+            raise RuntimeError("redis-server is not installed (apt-get install -y redis-server)")
+        store = Redis(free_port(), workdir / "redis")
+        store.workdir.mkdir()
+        store.start()
+        port, log = free_port(), workdir / "up.log"
+        model = ["--model", ns.model] if ns.model else []
+        cmd = [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--supervisor-port", "0",
+               "--queue", store.url, "--prefill", str(ns.prefill), "--decode", str(ns.decode), *FLAGS, *model]
+        with log.open("w") as out:
+            up = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        cluster = cls(f"http://127.0.0.1:{port}", up, log, store, ns.model)
+        try:
+            cluster.wait_for("pdserve is up", lambda: "pdserve is up" in log.read_text(), _READY_TIMEOUT_S)
+            yield cluster
+        finally:
+            cluster.stop()
+
+    def stop(self) -> None:
+        if self.up.poll() is None:
+            self.up.send_signal(signal.SIGINT)
+            try:
+                self.up.wait(60)
+            except subprocess.TimeoutExpired:
+                self.up.kill()
+                self.up.wait()
+        self.redis.stop()
+
+    def wait_for(self, what: str, check: Any, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not check():
+            if self.up.poll() is not None:
+                raise RuntimeError(f"pdserve up exited while waiting for {what}:\n{self.log.read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no {what} within {timeout_s:.0f} s:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.2)
+
+    def workers(self) -> list[dict[str, Any]]:
+        try:
+            return list(httpx.get(f"{self.url}/workers", timeout=5).json())
+        except (httpx.HTTPError, ValueError):
+            return []
+
+    def pid(self, url: str) -> int | None:
+        port = url.rsplit(":", 1)[1]
+        for pid in children(self.up.pid):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"--port" in argv and argv[argv.index(b"--port") + 1] == port.encode():
+                return pid
+        return None
+
+    def processes(self) -> list[int]:
+        return [self.up.pid, *children(self.up.pid)]
+
+    def run_schedule(self, duration_s: float, warmup_s: float | None) -> list[str]:
+        """Sleeps through the load, injecting the faults; returns what was done, in order."""
+        start, events = time.monotonic(), []
+        plan = [(warmup_s if warmup_s is not None else 0.1 * duration_s, "memory baseline"),
+                (0.25 * duration_s, "SIGKILL a prefill worker"), (0.5 * duration_s, "SIGKILL a decode worker"),
+                (0.75 * duration_s, "restart Redis"), (duration_s, "end of load")]
+        for at_s, what in sorted(plan):
+            time.sleep(max(0.0, start + at_s - time.monotonic()))
+            events.append(f"{time.monotonic() - start:5.0f} s (t={time.monotonic():.1f}): {what}{self._do(what)}")
+            print(events[-1], flush=True)
+        return events
+
+    def _do(self, what: str) -> str:
+        if what == "memory baseline":
+            self.rss_before = {pid: rss for pid in self.processes() if (rss := rss_bytes(pid)) is not None}
+            return f" ({len(self.rss_before)} processes)"
+        if what.startswith("SIGKILL"):
+            role = "prefill" if "prefill" in what else "decode"
+            ready = [w["url"] for w in self.workers() if w["role"] == role and w["ready"]]
+            pid = self.pid(ready[0]) if ready else None
+            if pid is None:
+                return " (none ready: skipped)"
+            kill(pid)
+            return f" ({ready[0]}, pid {pid})"
+        if what == "restart Redis":
+            self.redis.stop()
+            self.redis.start()
+        return ""
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    name: str
+    value: str
+    ok: bool
+
+
+def check(cluster: Cluster, outcomes: list[Outcome], ns: argparse.Namespace, events: list[str]) -> list[Check]:
+    done = [o for o in outcomes if o.status == _OK]
+    cancelled = [o for o in outcomes if o.status == _CANCELLED]
+    failed = [o for o in outcomes if o.status not in (_OK, _CANCELLED)]
+    for outcome in failed[:5]:
+        print(f"failed: {outcome.error}", flush=True)
+    wrong = _mismatches(done, cluster.model)
+    held, pending = _settle(cluster)
+    growth = _rss_growth(cluster)
+    worst = max(growth.values(), default=0.0)
+    faults = [e for e in events if "SIGKILL" in e or "Redis" in e]
+    return [
+        Check("requests sent", str(len(outcomes)), len(outcomes) > 0),
+        Check("answered (not cancelled)", str(len(done)), len(done) > 0),
+        Check("cancelled by the client", f"{len(cancelled)} ({len(cancelled) / max(1, len(outcomes)):.0%})", True),
+        Check("retried after 503/429", str(sum(o.retries for o in outcomes)), True),
+        Check("failed", str(len(failed)), not failed),
+        Check("answers unlike colocated", f"{wrong} of {len(done)}", wrong == 0),
+        Check("faults injected", str(len(faults)), all("skipped" not in e for e in faults) and len(faults) == 3),
+        Check("KV blocks held at the end", str(held), not any(held.values())),
+        Check("queue entries pending at the end", str(pending), pending == 0),
+        Check(f"RSS growth (< {ns.max_rss_growth:.0%})", f"{worst:.1%} worst of {len(growth)} processes",
+              worst < ns.max_rss_growth),
+    ]
+
+
+def _mismatches(done: list[Outcome], model: str | None) -> int:
+    """Answers that differ from the colocated engine's for the same prompt and sampling parameters."""
+    from pdserve import LLM, SamplingParams
+    from pdserve.engine.llm import TokensPrompt
+    from pdserve.model.demo_checkpoint import default_model_dir
+
+    if not done:
+        return 0
+    llm = LLM(model=model or str(default_model_dir()), dtype="float32", num_kv_blocks=1024)
+    params = [SamplingParams(**o.spec.sampling()) for o in done]
+    prompts = [TokensPrompt(prompt_token_ids=list(o.spec.prompt)) for o in done]
+    want = [out.outputs[0].text for out in llm.generate(prompts, params)]
+    wrong = [(o, text) for o, text in zip(done, want, strict=True) if o.text != text]
+    for o, text in wrong[:5]:
+        spec = o.spec
+        print(f"unlike colocated: {len(spec.prompt)}-token prompt, {spec.max_tokens} tokens, seed {spec.seed}, "
+              f"stream {spec.stream}, retries {o.retries}, from {o.started:.1f} to {o.ended:.1f}:\n"
+              f"  got  {o.text!r}\n  want {text!r}", flush=True)
+    return len(wrong)
+
+
+def _settle(cluster: Cluster) -> tuple[dict[str, int], int]:
+    """Blocks held per worker and pending queue entries, once the cluster had time to go idle."""
+    deadline = time.monotonic() + _IDLE_TIMEOUT_S
+    while True:
+        held = {}
+        for worker in cluster.workers():
+            try:
+                info = httpx.get(f"{worker['url']}/pd/info", timeout=5).json()
+                held[worker["url"]] = int(info["num_kv_blocks"]) - int(info["num_free_kv_blocks"])
+            except (httpx.HTTPError, ValueError, KeyError):
+                held[worker["url"]] = -1  # did not answer: not a clean end
+        pending = redis_pending(cluster.redis.url)
+        if (not any(held.values()) and pending == 0) or time.monotonic() > deadline:
+            return held, pending
+        time.sleep(0.5)
+
+
+def _rss_growth(cluster: Cluster) -> dict[int, float]:
+    """Per process alive at the baseline and now: RSS now / RSS then - 1."""
+    growth = {}
+    for pid, before in cluster.rss_before.items():
+        if (now := rss_bytes(pid)) is not None:
+            growth[pid] = now / before - 1
+            print(f"RSS of {_describe(pid)}: {before / 2**20:.0f} -> {now / 2**20:.0f} MiB", flush=True)
+    return growth
+
+
+def _describe(pid: int) -> str:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return str(pid)
+    role = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--role"), None)
+    command = next((a for a in argv if a in ("up", "router", "serve", "balancer")), "?")
+    return f"pid {pid} ({command}{' ' + role if role else ''})"
