@@ -354,3 +354,23 @@ def test_a_resumed_request_finds_a_stop_string_across_the_resume(llm: LLM, greed
     assert sent_text + out.text == text[:text.find(stop)]
     assert out.token_ids == greedy_tokens[index + 1:index + 2] and out.stop_reason == stop
     assert_no_leak(llm)
+
+
+def test_a_resumed_seeded_request_samples_what_the_lost_worker_would_have(llm: LLM) -> None:
+    """A seeded request resumed after k tokens (its prompt now the prompt + those k) continues the
+    same random stream: its generator skips the k draws those tokens made (SamplingParams.
+    seed_draws_done, set by the router's `continuation`), so nothing in the output repeats the start."""
+    from pdserve.disagg.router import continuation
+
+    whole = generate_token_ids(llm, [PROMPT], SEEDED)[0]
+    tokenizer = llm.get_tokenizer()
+    for k in (1, 5):
+        sent = whole[:k]
+        params = continuation(tokenizer, SEEDED, sent, tokenizer.decode(sent))
+        assert params.seed_draws_done == k and params.max_tokens == MAX_TOKENS - k
+        assert generate_token_ids(llm, [PROMPT + sent], params)[0] == whole[k:]
+        # resumed twice: the draws add up
+        again = continuation(tokenizer, params, whole[k:k + 2], tokenizer.decode(whole[k:k + 2]))
+        assert again.seed_draws_done == k + 2
+        assert generate_token_ids(llm, [PROMPT + whole[:k + 2]], again)[0] == whole[k + 2:]
+    assert_no_leak(llm)

@@ -133,6 +133,7 @@ class Cluster:
         plan = [(warmup_s if warmup_s is not None else 0.1 * duration_s, "memory baseline"),
                 (0.25 * duration_s, "SIGKILL a prefill worker"), (0.5 * duration_s, "SIGKILL a decode worker"),
                 (0.75 * duration_s, "restart Redis"), (duration_s, "end of load")]
+        plan += [(f * duration_s, "memory sample") for f in (0.2, 0.4, 0.6, 0.8, 0.9)]
         for at_s, what in sorted(plan):
             time.sleep(max(0.0, start + at_s - time.monotonic()))
             events.append(f"{time.monotonic() - start:5.0f} s (t={time.monotonic():.1f}): {what}{self._do(what)}")
@@ -143,6 +144,9 @@ class Cluster:
         if what == "memory baseline":
             self.rss_before = {pid: rss for pid in self.processes() if (rss := rss_bytes(pid)) is not None}
             return f" ({len(self.rss_before)} processes)"
+        if what == "memory sample":  # NOTE: to tell a leak (steady growth) from a warm-up (a plateau)
+            return ": " + ", ".join(f"{pid} {rss / 2**20:.0f} MiB" for pid in self.rss_before
+                                    if (rss := rss_bytes(pid)) is not None)
         if what.startswith("SIGKILL"):
             role = "prefill" if "prefill" in what else "decode"
             ready = [w["url"] for w in self.workers() if w["role"] == role and w["ready"]]
@@ -198,7 +202,8 @@ def _mismatches(done: list[Outcome], model: str | None) -> int:
 
     if not done:
         return 0
-    llm = LLM(model=model or str(default_model_dir()), dtype="float32", num_kv_blocks=1024)
+    # NOTE: room for every request at once: the reference never preempts
+    llm = LLM(model=model or str(default_model_dir()), dtype="float32", num_kv_blocks=8192)
     params = [SamplingParams(**o.spec.sampling()) for o in done]
     prompts = [TokensPrompt(prompt_token_ids=list(o.spec.prompt)) for o in done]
     want = [out.outputs[0].text for out in llm.generate(prompts, params)]

@@ -348,7 +348,8 @@ def continuation(tokenizer: Tokenizer, params: SamplingParams, sent_tokens: list
     num_sent = len(sent_tokens)
     max_tokens = None if params.max_tokens is None else params.max_tokens - num_sent
     return dataclasses.replace(params, max_tokens=max_tokens, min_tokens=max(0, params.min_tokens - num_sent),
-                               text_prefix=held_back, utf8_prefix=tuple(unfinished))
+                               text_prefix=held_back, utf8_prefix=tuple(unfinished),
+                               seed_draws_done=params.seed_draws_done + num_sent)
 
 
 def _instance(worker: Worker) -> tuple[str, str]:

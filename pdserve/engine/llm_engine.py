@@ -226,6 +226,7 @@ class LLMEngine:
             if len(generator_state) != expected:
                 raise ValueError(f"generator state of {len(generator_state)} bytes, expected {expected}")
             request.generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
+            request.pending_draws = 0  # prefill's generator skipped them already
         self.scheduler.complete_remote(request_id, first_token_id)
         outputs = self._emit([(request, None)])
         if not outputs:  # its output processing raised: it is ended already (see take_failures)

@@ -31,7 +31,7 @@ class RequestStatus(enum.Enum):
 class Request:
     __slots__ = ("request_id", "prompt_token_ids", "all_token_ids", "params", "eos_token_ids", "max_total_tokens",
                  "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes", "swapped_block_ids",
-                 "status", "stop_reason", "generator", "arrival_time", "first_scheduled_time", "num_preemptions",
+                 "status", "stop_reason", "generator", "pending_draws", "arrival_time", "first_scheduled_time", "num_preemptions",
                  "hold_blocks")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -54,6 +54,8 @@ class Request:
         # The seeded generator lives where the logits are, so sampling never copies them to the host.
         self.generator = (torch.Generator(device=device or "cpu").manual_seed(params.seed)
                           if params.seed is not None else None)
+        # draws the generator must skip before its first (a resumed request: see SamplingParams)
+        self.pending_draws = params.seed_draws_done if self.generator is not None else 0
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
         self.num_preemptions = 0

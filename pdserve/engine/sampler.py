@@ -100,6 +100,9 @@ class Sampler:
             noise[unseeded] = torch.empty_like(probs[unseeded]).exponential_(generator=self.generator)
         for i, request in enumerate(requests):
             if request.generator is not None:
+                for _ in range(request.pending_draws):  # NOTE: the very draws those tokens made, one by one
+                    noise[i].exponential_(generator=request.generator)
+                request.pending_draws = 0
                 noise[i].exponential_(generator=request.generator)
         return (probs / noise).argmax(dim=-1)
 

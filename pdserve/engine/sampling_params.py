@@ -31,6 +31,9 @@ class SamplingParams:
     # back as a possible start of a stop string), and the bytes of an unfinished UTF-8 character
     text_prefix: str = ""
     utf8_prefix: tuple[int, ...] = field(default=())
+    # ... and, with a seed, the draws its seeded generator made for the tokens already sent: the new
+    # worker's generator skips them, so its tokens are the ones the first worker would have sampled
+    seed_draws_done: int = 0
 
     def __post_init__(self) -> None:
         # Accept lists/strings the way callers write them, store tuples (frozen, hashable).
@@ -58,6 +61,7 @@ class SamplingParams:
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
             (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
+            (self.seed_draws_done >= 0, f"seed_draws_done must be >= 0, got {self.seed_draws_done}"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),
             (all(s for s in self.stop), "stop strings must be non-empty"),
