@@ -97,8 +97,10 @@ def encode_header(layout: DiskLayout, block_hash: bytes, payload: bytes | memory
 
 def write_block_file(path: Path, layout: DiskLayout, block_hash: bytes, payload: memoryview) -> int:
     """Write one block crash-safely: a temporary name in the same directory, then an atomic
-    rename, so a reader sees a whole file or none. Returns the file's size. Raises OSError."""
-    tmp = path.with_name(f"{TMP_PREFIX}{os.getpid()}-{path.name}")
+    rename, so a reader sees a whole file or none. Returns the file's size. Raises OSError.
+    NOTE: the temporary name is random, not just the pid: writers in other containers sharing the
+    directory may have the same pid, and two threads of one process the same pid."""
+    tmp = path.with_name(f"{TMP_PREFIX}{os.getpid()}-{os.urandom(6).hex()}-{path.name}")
     header = encode_header(layout, block_hash, payload)
     try:
         with open(tmp, "wb") as f:
