@@ -241,3 +241,12 @@ def test_tier_metrics(model_dirs: dict[str, Path], tmp_path: Path) -> None:
     assert samples[("pdserve:kv_tier_load_duration_seconds_count", "disk", None)] == 1
     assert samples[("pdserve:kv_tier_load_duration_seconds_bucket", "disk", "+Inf")] == 1
     assert samples[("pdserve:kv_tier_written_bytes_total", "disk", None)] > 0
+
+
+def test_close_writes_what_is_queued(tmp_path: Path) -> None:
+    writer = make_tier(tmp_path)
+    digests = [bytes([i]) * 16 for i in range(4)]
+    assert writer.admit_writes(digests) == [0, 1, 2, 3]
+    writer.enqueue_writes(digests, torch.randn(len(digests), *LAYOUT.block_shape()))
+    writer.close()
+    assert make_tier(tmp_path).num_on_disk(digests) == 4

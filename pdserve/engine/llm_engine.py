@@ -245,6 +245,11 @@ class LLMEngine:
         the next one ends, None when none is held. `step()` does this too; an idle loop calls it."""
         return self.scheduler.kv.release_quarantined()
 
+    def close(self) -> None:
+        """Stop the disk tier's threads once the blocks queued for writing are written."""
+        if self.offload is not None:
+            self.offload.tier.close()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
 
