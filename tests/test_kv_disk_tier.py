@@ -250,3 +250,22 @@ def test_close_writes_what_is_queued(tmp_path: Path) -> None:
     writer.enqueue_writes(digests, torch.randn(len(digests), *LAYOUT.block_shape()))
     writer.close()
     assert make_tier(tmp_path).num_on_disk(digests) == 4
+
+
+def test_the_batch_does_not_wait_for_a_load(model_dirs: dict[str, Path], tmp_path: Path,
+                                            expected: list[list[int]]) -> None:
+    llm = tier_llm(model_dirs["tiny"], tmp_path)
+    run(llm, PROMPTS[:1])
+    llm.engine.scheduler.kv.pool.reset_prefix_cache()
+    engine = llm.engine
+    engine.add_request("on-disk", PROMPTS[0], greedy(MAX_TOKENS))
+    engine.add_request("new", PROMPTS[1], greedy(MAX_TOKENS))
+    outputs = {output.request_id: output for output in engine.step()}
+    assert "on-disk" in engine.scheduler.loading
+    assert engine.scheduler.requests["new"].num_computed_tokens > 0  # computed in the same step
+    while engine.has_unfinished_requests():
+        outputs |= {output.request_id: output for output in engine.step()}
+    assert [outputs[rid].outputs[0].token_ids for rid in ("on-disk", "new")] == expected[:2]
+    assert tier(llm).stats().num_hit_blocks == 15
+    tier(llm).flush()
+    assert_no_leak(llm)
