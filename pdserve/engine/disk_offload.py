@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from pdserve.config import EngineConfig
 from pdserve.engine.kv_disk_format import DiskLayout
 from pdserve.engine.kv_disk_tier import KVDiskTier, KVTierStats
@@ -47,7 +45,7 @@ class DiskOffload:
                 continue
             if load.blocks:
                 first = request.num_computed_tokens // self.scheduler.kv.block_size
-                self.runner.write_blocks(request.block_ids[first:first + len(load.blocks)], torch.stack(load.blocks))
+                self.runner.write_blocks(request.block_ids[first:first + len(load.blocks)], load.blocks)
             self.scheduler.complete_load(load.request_id, len(load.blocks))
 
     def save_new_blocks(self) -> None:

@@ -78,10 +78,11 @@ class ModelRunner:
         index = torch.tensor(block_ids, device=self.device)
         return self.kv_cache[:, :, index].permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
 
-    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
-        """Copy KV shaped like `read_blocks` returns into these blocks (a disk tier load)."""
-        index = torch.tensor(block_ids, device=self.device)
-        self.kv_cache[:, :, index] = kv.permute(1, 2, 0, 3, 4, 5).to(self.device)
+    def write_blocks(self, block_ids: list[int], blocks: list[torch.Tensor]) -> None:
+        """Copy each block's KV ([layer, k|v, slot, head, dim], host memory) into its block (a disk
+        tier load). One strided copy per block: no stacked intermediate."""
+        for block_id, kv in zip(block_ids, blocks, strict=True):
+            self.kv_cache[:, :, block_id].copy_(kv, non_blocking=True)
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor,
                                                       list[Request]]:
