@@ -269,3 +269,10 @@ def test_the_batch_does_not_wait_for_a_load(model_dirs: dict[str, Path], tmp_pat
     assert tier(llm).stats().num_hit_blocks == 15
     tier(llm).flush()
     assert_no_leak(llm)
+
+
+def test_flags_are_validated(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="kv_disk_dir needs prefix caching"):
+        LLM(model=str(model_dirs["tiny"]), kv_disk_dir=str(tmp_path), enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="cannot parse size"):
+        LLM(model=str(model_dirs["tiny"]), kv_disk_dir=str(tmp_path), kv_disk_size="lots")

@@ -122,7 +122,7 @@ class KVDiskTier:
     def _probe_read_s_per_block(self) -> float:
         """Seconds to read one block cold: a probe file is written, synced, dropped from the page
         cache and read back. Also proves the directory writable."""
-        probe = self.directory / f"{TMP_PREFIX}probe-{os.getpid()}-{threading.get_ident()}"
+        probe = self.directory / f"{TMP_PREFIX}probe-{os.getpid()}-{os.urandom(6).hex()}"
         data = os.urandom(self.block_bytes) * _PROBE_BLOCKS
         try:
             with open(probe, "wb") as f:
@@ -143,7 +143,10 @@ class KVDiskTier:
         now = time.time()
         with os.scandir(self.directory) as entries:
             for entry in entries:
-                stat = entry.stat()
+                try:
+                    stat = entry.stat()
+                except FileNotFoundError:  # removed meanwhile by another worker on this directory
+                    continue
                 if entry.name.startswith(TMP_PREFIX):
                     if now - stat.st_mtime > _STALE_TMP_S:
                         Path(entry.path).unlink(missing_ok=True)
