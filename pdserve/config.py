@@ -60,6 +60,14 @@ class CacheConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class KVDiskConfig:
+    """The disk tier under the prefix cache (engine/kv_disk_tier.py)."""
+
+    directory: str
+    capacity_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -97,6 +105,9 @@ class EngineArgs:
         None, "default: swap when --swap-space > 0, else recompute")
     seed: int = knob(0, "seed of the sampler for requests that bring no seed of their own")
     num_threads: int | None = knob(None, "torch CPU threads")
+    kv_disk_dir: str | None = knob(None, "disk tier under the prefix cache: full KV blocks are kept in this directory "
+                                         "(e.g. /kvcache; shareable by workers of one node) and loaded on prefix hits")
+    kv_disk_size: str | int = knob("20GiB", "most bytes the disk tier keeps (least recently used files go first)")
 
     def validate(self) -> None:
         checks = [
@@ -110,6 +121,8 @@ class EngineArgs:
             (self.swap_space >= 0, "swap_space must be >= 0 (GiB)"),
             (self.preemption_mode in (None, "recompute", "swap"), "preemption_mode must be recompute or swap"),
             (self.device in ("auto", "cpu") or self.device.startswith("cuda"), "device must be auto, cpu or cuda[:N]"),
+            (self.kv_disk_dir is None or self.enable_prefix_caching, "kv_disk_dir needs prefix caching"),
+            (self.kv_disk_dir is None or parse_size_bytes(self.kv_disk_size) > 0, "kv_disk_size must be > 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -126,6 +139,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     seed: int
     num_threads: int | None
+    kv_disk: KVDiskConfig | None = None
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -213,6 +227,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
                                   "swap" if preemption == "swap" else "recompute"),
         seed=args.seed,
         num_threads=args.num_threads,
+        kv_disk=None if args.kv_disk_dir is None else KVDiskConfig(args.kv_disk_dir,
+                                                                   parse_size_bytes(args.kv_disk_size)),
     )
 
 

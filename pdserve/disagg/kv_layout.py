@@ -13,9 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.disagg import wire
-
-# The engine's pool: kv_cache[layer, k|v, block, slot, kv_head, head_dim] (see engine/model_runner.py).
-POOL_LAYOUT = "layer,kv,block,slot,head,dim"
+from pdserve.engine.model_runner import POOL_LAYOUT
 
 # The schema of the records the KV transports exchange (transport/messages.py). Bump it with any
 # change to one of them: two workers that disagree refuse each other at the handshake, naming this

@@ -162,6 +162,8 @@ class AsyncLLM:
     def shutdown(self) -> None:
         self._inbox.put(None)
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.engine.close()
 
     def _loop(self) -> None:
         """The engine thread."""

@@ -81,13 +81,16 @@ class BlockPool:
                 else:
                     self._uncached_free.append(block)
 
-    def cache_block(self, block: int, digest: bytes) -> None:
-        """Index a full, computed block by its chained hash (first writer wins)."""
+    def cache_block(self, block: int, digest: bytes) -> bool:
+        """Index a full, computed block by its chained hash (first writer wins). True when this
+        call indexed it."""
         if not self.enable_caching or self.block_hash[block] is not None:
-            return
-        if digest not in self.hash_to_block:
-            self.hash_to_block[digest] = block
-            self.block_hash[block] = digest
+            return False
+        if digest in self.hash_to_block:
+            return False
+        self.hash_to_block[digest] = block
+        self.block_hash[block] = digest
+        return True
 
     def reset_prefix_cache(self) -> None:
         for block in list(self._cached_free):

@@ -35,6 +35,9 @@ class KVCacheManager:
         self.num_prefix_hits = 0  # of which found cached
         # (when, blocks): blocks held back from reuse until `when` (on `clock`); see free_after
         self._quarantine: deque[tuple[float, list[int]]] = deque()
+        # (block, hash) of blocks indexed since the last take_newly_cached; collected only when a
+        # disk tier wants them (None: not collected)
+        self.newly_cached: list[tuple[int, bytes]] | None = None
 
     def update_block_hashes(self, request: Request, num_tokens: int) -> None:
         """Extend `request.block_hashes` to cover every full block within its first `num_tokens`."""
@@ -86,7 +89,15 @@ class KVCacheManager:
         num_full = request.num_computed_tokens // self.block_size
         self.update_block_hashes(request, num_full * self.block_size)
         for index in range(num_full):
-            self.pool.cache_block(request.block_ids[index], request.block_hashes[index])
+            block, digest = request.block_ids[index], request.block_hashes[index]
+            if self.pool.cache_block(block, digest) and self.newly_cached is not None:
+                self.newly_cached.append((block, digest))
+
+    def take_newly_cached(self) -> list[tuple[int, bytes]]:
+        if self.newly_cached is None:
+            return []
+        taken, self.newly_cached = self.newly_cached, []
+        return taken
 
     def free(self, request: Request) -> None:
         self.pool.free(request.block_ids[::-1])

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.config import EngineArgs, EngineConfig, create_engine_config
+from pdserve.engine.disk_offload import DiskOffload, TierStats
 from pdserve.engine.host_memory import keep_large_allocations_on_heap
 from pdserve.engine.kv_cache_manager import hash_block
 from pdserve.engine.model_runner import ModelRunner
@@ -49,6 +50,7 @@ class EngineStats:
     num_steps: int
     schedule_time_s: float  # total time in schedule() + update() bookkeeping
     step_time_s: float  # total wall time of steps
+    kv_tier: TierStats | None = None  # with --kv-disk-dir
 
 
 def check_request(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int) -> None:
@@ -102,6 +104,7 @@ class LLMEngine:
                            batch_size_hint=min(config.scheduler.max_num_seqs, 64))
         self.runner = ModelRunner(config, model)
         self.scheduler = Scheduler(config.scheduler, config.cache)
+        self.offload = None if config.kv_disk is None else DiskOffload(config, self.scheduler, self.runner)
         self._states: dict[str, RequestState] = {}
         self._children: dict[str, tuple[RequestState, int]] = {}
         self._num_steps = 0
@@ -243,6 +246,11 @@ class LLMEngine:
         the next one ends, None when none is held. `step()` does this too; an idle loop calls it."""
         return self.scheduler.kv.release_quarantined()
 
+    def close(self) -> None:
+        """Stop the disk tier's threads once the blocks queued for writing are written."""
+        if self.offload is not None:
+            self.offload.tier.close()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
 
@@ -250,14 +258,18 @@ class LLMEngine:
         """Whether `step()` has anything to do. False while the only requests are reservations
         waiting for their KV: they become runnable through `complete_remote`/`prefill_locally`."""
         scheduler = self.scheduler
-        return bool(scheduler.running or scheduler.waiting or scheduler.swapped)
+        return bool(scheduler.running or scheduler.waiting or scheduler.swapped or scheduler.loading)
 
     def step(self) -> list[RequestOutput]:
         """One scheduling step + one model forward. Returns a cumulative snapshot for every
         request that produced a token (or finished) during the step."""
         start = time.perf_counter()
+        if self.offload is not None:
+            self.offload.apply_finished_loads()
         out = self.scheduler.schedule()
         if out.is_empty:
+            if self.offload is not None:
+                self.offload.wait_for_loads()  # only disk loads are pending: nothing to compute
             return []
         scheduled = time.perf_counter()
         self._count_prefill(out.chunks)
@@ -266,6 +278,9 @@ class LLMEngine:
         sampled = self.runner.execute(out, layer_done)
         executed = time.perf_counter()
         updated = self.scheduler.update(out, {rid: token for rid, (token, _) in sampled.items()})
+        if self.offload is not None:
+            self.offload.observe_step(self._last_prefill_batch[1], executed - scheduled)
+            self.offload.save_new_blocks()
         outputs = self._emit([(request, sampled[request.request_id][1]) for request in updated])
         done = time.perf_counter()
         self._num_steps += 1
@@ -365,4 +380,5 @@ class LLMEngine:
             num_steps=self._num_steps,
             schedule_time_s=self._schedule_time_s,
             step_time_s=self._step_time_s,
+            kv_tier=None if self.offload is None else self.offload.stats(),
         )

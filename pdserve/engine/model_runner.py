@@ -25,6 +25,9 @@ from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.model.attention import AttentionMetadata, DecodeBatch, PrefillSpan
 from pdserve.model.qwen3 import Qwen3ForCausalLM
 
+# kv_cache[layer, k|v, block, slot, kv_head, head_dim]: what the KV layout descriptors (the
+# transports' and the disk tier's) name, so a pool laid out otherwise can never read these bytes
+POOL_LAYOUT = "layer,kv,block,slot,head,dim"
 _MAX_DECODE_BUCKETS = 4
 _MIN_DECODE_BUCKET = 8
 
@@ -68,6 +71,18 @@ class ModelRunner:
                 # index_put below reads it on the host at once; only host -> device may overlap.
                 blocks = src[:, :, src_ids.to(src.device)].to(dst.device, non_blocking=dst.device.type != "cpu")
                 dst[:, :, dst_ids] = blocks
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A host copy of these blocks' KV, shaped [block, layer, k|v, slot, head, dim] (the disk
+        tier writes it later, on its own thread; the blocks may be reused at once)."""
+        index = torch.tensor(block_ids, device=self.device)
+        return self.kv_cache[:, :, index].permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+
+    def write_blocks(self, block_ids: list[int], blocks: list[torch.Tensor]) -> None:
+        """Copy each block's KV ([layer, k|v, slot, head, dim], host memory) into its block (a disk
+        tier load). One strided copy per block: no stacked intermediate."""
+        for block_id, kv in zip(block_ids, blocks, strict=True):
+            self.kv_cache[:, :, block_id].copy_(kv, non_blocking=True)
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor,
                                                       list[Request]]:

@@ -19,6 +19,7 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     SWAPPED = "swapped"
     WAITING_FOR_REMOTE_KV = "remote"  # decode role: blocks reserved, KV arriving from a prefill worker
+    LOADING = "loading"  # blocks reserved, prefix KV being read from the disk tier
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -31,8 +32,8 @@ class RequestStatus(enum.Enum):
 class Request:
     __slots__ = ("request_id", "prompt_token_ids", "all_token_ids", "params", "eos_token_ids", "max_total_tokens",
                  "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes", "swapped_block_ids",
-                 "status", "stop_reason", "generator", "pending_draws", "arrival_time", "first_scheduled_time", "num_preemptions",
-                 "hold_blocks")
+                 "status", "stop_reason", "generator", "pending_draws", "arrival_time", "first_scheduled_time",
+                 "num_preemptions", "hold_blocks", "disk_checked")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...], max_model_len: int, arrival_time: float | None = None,
@@ -61,6 +62,8 @@ class Request:
         self.num_preemptions = 0
         # Prefill role: on finishing, keep the blocks until the KV hand-off is acknowledged.
         self.hold_blocks = False
+        # The disk tier was asked for this request's prefix since it last had none computed.
+        self.disk_checked = False
 
     @property
     def num_tokens(self) -> int:

@@ -5,7 +5,10 @@ Integer bookkeeping only. Each step:
      unfinished prefill); when blocks run out, the newest running request is preempted (swapped
      to CPU, or freed to be recomputed later);
   2. if nothing was preempted: swapped requests come back, then waiting requests are admitted
-     (prefix-cache hits first advance their `num_computed_tokens`), up to `max_num_seqs`.
+     (prefix-cache hits first advance their `num_computed_tokens`), up to `max_num_seqs`. With a
+     disk tier, a waiting request whose prefix continues on disk beyond the pool's hits gets blocks
+     for it and waits in `loading` while the tier reads them (the rest of the batch goes on);
+     `complete_load` puts it back at the front of the waiting queue with those tokens computed.
 """
 
 from __future__ import annotations
@@ -15,10 +18,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.config import CacheConfig, SchedulerConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_disk_tier import KVDiskTier
 
 logger = logging.getLogger(__name__)
 _NO_BLOCK_LOG_INTERVAL_S = 1.0
@@ -66,6 +73,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.remote: dict[str, Request] = {}  # decode role: reserved, awaiting KV from prefill
         self.held: dict[str, Request] = {}  # prefill role: finished, blocks kept until released
+        self.loading: dict[str, Request] = {}  # blocks reserved, prefix KV being read from disk
+        self.disk: KVDiskTier | None = None  # see attach_disk_tier
+        self.num_disk_hit_tokens = 0  # of the prefix-cache hits (`kv.num_prefix_hits`), those read from disk
         self.remote_kv_quarantine_s = remote_kv_quarantine_s
         self.num_preemptions = 0
         self.num_no_available_block = 0  # events logged as "No available block" (alert rules match it)
@@ -80,6 +90,10 @@ class Scheduler:
             self.num_cannot_allocate += 1
             logger.warning(message, extra={"request_id": request.request_id})
             raise ValueError(message)
+
+    def attach_disk_tier(self, disk: KVDiskTier) -> None:
+        self.disk = disk
+        self.kv.newly_cached = []
 
     def add_request(self, request: Request) -> None:
         self._check_fits(request)
@@ -132,6 +146,7 @@ class Scheduler:
             return
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.disk_checked = False
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
@@ -170,6 +185,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hits = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
+            if request.num_computed_tokens == 0 and self._start_disk_load(request, hits):
+                continue
             num_computed = request.num_computed_tokens + len(hits) * self.kv.block_size
             num_new = request.num_tokens - num_computed
             if num_new > budget and not self.config.enable_chunked_prefill:
@@ -188,6 +205,49 @@ class Scheduler:
             self.running.append(request)
             out.chunks.append(ScheduledChunk(request, num_new))
             budget -= num_new
+
+    def _start_disk_load(self, request: Request, hits: list[int]) -> bool:
+        """If the prefix continues on disk past the pool's `hits` and loading beats computing,
+        reserve blocks for the hits and the disk part and start the load; True when it started."""
+        if self.disk is None or request.disk_checked:
+            return False
+        request.disk_checked = True
+        bs = self.kv.block_size
+        wanted = request.block_hashes[len(hits):(request.num_tokens - 1) // bs]
+        num_on_disk = self.disk.num_on_disk(wanted)
+        if num_on_disk == 0 or not self.disk.cost.prefers_load(bs):
+            return False
+        request.num_computed_tokens = len(hits) * bs
+        if not self.kv.allocate(request, num_on_disk * bs, hits):
+            request.num_computed_tokens = 0
+            request.disk_checked = False  # asked again when the pool has room
+            return False
+        self.waiting.popleft()
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        request.status = RequestStatus.LOADING
+        self.loading[request.request_id] = request
+        self.disk.submit_load(request.request_id, wanted[:num_on_disk])
+        return True
+
+    def complete_load(self, request_id: str, num_loaded: int) -> None:
+        """The disk tier read the first `num_loaded` blocks of the request's load into its blocks
+        (the runner copied them in); the blocks it could not read are freed and computed instead.
+        The request goes back to the front of the waiting queue. A request aborted meanwhile is gone."""
+        request = self.loading.pop(request_id, None)
+        if request is None:
+            return
+        keep = request.num_computed_tokens // self.kv.block_size + num_loaded
+        self.kv.pool.free(request.block_ids[keep:][::-1])
+        del request.block_ids[keep:]
+        request.num_computed_tokens = keep * self.kv.block_size
+        self.kv.cache_computed_blocks(request)
+        if request.num_preemptions == 0 and request.num_cached_tokens == 0:
+            request.num_cached_tokens = request.num_computed_tokens
+            self.kv.record_prefix_query(request.num_tokens, request.num_cached_tokens)
+            self.num_disk_hit_tokens += num_loaded * self.kv.block_size
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
 
     def update(self, out: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
         """Advance computed counts, append sampled tokens, finish what stopped. Returns the
@@ -219,6 +279,8 @@ class Scheduler:
         elif request.status == RequestStatus.SWAPPED:
             self.swapped.remove(request)
             self.kv.drop_swapped(request)
+        elif request.status == RequestStatus.LOADING:
+            del self.loading[request.request_id]  # NOTE: the loader reads into host memory, not these blocks
         elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
             del self.remote[request.request_id]
             # a peer may still be writing: quarantined, so the free below finds no blocks left

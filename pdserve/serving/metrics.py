@@ -25,12 +25,13 @@ from typing import Any, Literal
 from fastapi import FastAPI
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pdserve.engine.async_llm import AsyncLLM
 from pdserve.engine.llm_engine import EngineStats
 from pdserve.engine.output import RequestOutput
+from pdserve.serving.kv_tier_metrics import kv_tier_series
 from pdserve.serving.trace import RequestTrace, TransferRecord
 from pdserve.serving.worker_stats import DecodeStats, ServiceStats
 
@@ -263,10 +264,13 @@ class _StatsCollector(Collector):
                  service_stats: Callable[[], ServiceStats] | None) -> None:
         self.metrics, self.stats, self.service_stats = metrics, stats, service_stats
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         series = OneSample(self.metrics.labels)
         if self.stats is not None:
-            yield from _engine_series(self.stats(), series.gauge, series.counter)
+            stats = self.stats()
+            yield from _engine_series(stats, series.gauge, series.counter)
+            if stats.kv_tier is not None:
+                yield from kv_tier_series(stats.kv_tier, self.metrics.labels)
         if self.service_stats is not None:
             yield from _service_series(self.service_stats(), self.metrics.labels, series.counter)
 
