@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import torch
 
+from pdserve.model.parallel import check_tp_size
 from pdserve.model.qwen3_config import Qwen3ModelConfig
 
 DTYPES: dict[str, torch.dtype] = {
@@ -104,7 +105,9 @@ class EngineArgs:
     preemption_mode: Literal["recompute", "swap"] | None = knob(
         None, "default: swap when --swap-space > 0, else recompute")
     seed: int = knob(0, "seed of the sampler for requests that bring no seed of their own")
-    num_threads: int | None = knob(None, "torch CPU threads")
+    num_threads: int | None = knob(None, "torch CPU threads (per tensor-parallel rank; default: the cores / ranks)")
+    tensor_parallel_size: int = knob(1, "ranks (processes) the model is split over: heads, MLP rows and vocabulary; "
+                                        "gloo on CPU, NCCL on CUDA")
     kv_disk_dir: str | None = knob(None, "disk tier under the prefix cache: full KV blocks are kept in this directory "
                                          "(e.g. /kvcache; shareable by workers of one node) and loaded on prefix hits")
     kv_disk_size: str | int = knob("20GiB", "most bytes the disk tier keeps (least recently used files go first)")
@@ -119,6 +122,7 @@ class EngineArgs:
             (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1"),
             (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
             (self.swap_space >= 0, "swap_space must be >= 0 (GiB)"),
+            (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
             (self.preemption_mode in (None, "recompute", "swap"), "preemption_mode must be recompute or swap"),
             (self.device in ("auto", "cpu") or self.device.startswith("cuda"), "device must be auto, cpu or cuda[:N]"),
             (self.kv_disk_dir is None or self.enable_prefix_caching, "kv_disk_dir needs prefix caching"),
@@ -140,6 +144,7 @@ class EngineConfig:
     seed: int
     num_threads: int | None
     kv_disk: KVDiskConfig | None = None
+    tensor_parallel_size: int = 1
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -203,6 +208,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     args.validate()
     model_path = str(args.model) if args.model else str(default_model_dir())
     model = Qwen3ModelConfig.from_dir(model_path)
+    check_tp_size(model, args.tensor_parallel_size)
     device = _device(args.device)
     dtype = resolve_dtype(args.dtype, model.torch_dtype, device)
     max_model_len = args.max_model_len or model.max_position_embeddings
@@ -229,6 +235,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         num_threads=args.num_threads,
         kv_disk=None if args.kv_disk_dir is None else KVDiskConfig(args.kv_disk_dir,
                                                                    parse_size_bytes(args.kv_disk_size)),
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

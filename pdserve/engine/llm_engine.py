@@ -92,6 +92,16 @@ class KVTransferSetup:
     remote_kv_quarantine_s: float = 0.0
 
 
+def _make_runner(config: EngineConfig) -> ModelRunner:
+    if config.tensor_parallel_size > 1:
+        from pdserve.engine.tensor_parallel import start_tensor_parallel
+
+        return start_tensor_parallel(config)
+    model = load_model(config.model_path, config.dtype, config.device, config.scheduler.max_model_len,
+                       batch_size_hint=min(config.scheduler.max_num_seqs, 64))
+    return ModelRunner(config, model)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer) -> None:
         self.config = config
@@ -100,9 +110,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         if config.device.type == "cpu":
             keep_large_allocations_on_heap()
-        model = load_model(config.model_path, config.dtype, config.device, config.scheduler.max_model_len,
-                           batch_size_hint=min(config.scheduler.max_num_seqs, 64))
-        self.runner = ModelRunner(config, model)
+        self.runner = _make_runner(config)
         self.scheduler = Scheduler(config.scheduler, config.cache)
         self.offload = None if config.kv_disk is None else DiskOffload(config, self.scheduler, self.runner)
         self._states: dict[str, RequestState] = {}
@@ -247,9 +255,11 @@ class LLMEngine:
         return self.scheduler.kv.release_quarantined()
 
     def close(self) -> None:
-        """Stop the disk tier's threads once the blocks queued for writing are written."""
+        """Stop the disk tier's threads once the blocks queued for writing are written, and the
+        other tensor-parallel ranks."""
         if self.offload is not None:
             self.offload.tier.close()
+        self.runner.close()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)

@@ -1,13 +1,6 @@
 """The only code that turns ids into tensors: owns the KV cache tensors, builds the flattened
-batch (input ids, positions, slot mapping, block tables), runs the model, samples.
-
-Flattened batch for chunks [A: 3 new tokens from position 5], [B: 1 decode at position 9]:
-
-    row        0    1    2  | 3
-    request    A    A    A  | B
-    position   5    6    7  | 9
-    slot       bt_A[pos // bs] * bs + pos % bs
-    logits     only for rows whose chunk reaches the end of its request (samples)
+batch (input ids, positions, slot mapping, block tables) from a `StepPlan` (step_plan.py), runs
+the model, samples.
 """
 
 from __future__ import annotations
@@ -19,9 +12,9 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.host_memory import zeroed_pages
-from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, TokenLogprobs
 from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.step_plan import StepPlan, plan_step
 from pdserve.model.attention import AttentionMetadata, DecodeBatch, PrefillSpan
 from pdserve.model.qwen3 import Qwen3ForCausalLM
 
@@ -33,37 +26,59 @@ _MIN_DECODE_BUCKET = 8
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: Qwen3ForCausalLM) -> None:
+    """`kv_cache` is the pool the transports and the disk tier address (every KV head). Under
+    tensor parallelism on CPU every rank maps one shared pool (`shared_pool`) and computes with its
+    own heads only (`local_kv_heads`, a view: same block ids, same slots); elsewhere both are one
+    tensor of this model's (this rank's) heads."""
+
+    def __init__(self, config: EngineConfig, model: Qwen3ForCausalLM, shared_pool: torch.Tensor | None = None,
+                 local_kv_heads: tuple[int, int] = (0, 0)) -> None:
         self.config = config
         self.model = model
         self.device = config.device
         self.block_size = config.cache.block_size
-        m = config.model
-        shape = (m.num_hidden_layers, 2, config.cache.num_kv_blocks, self.block_size, m.num_key_value_heads, m.head_dim)
-        self.kv_cache = _zeroed_pool(shape, config.dtype, self.device)
-        swap_shape = (m.num_hidden_layers, 2, config.cache.num_swap_blocks) + shape[3:]
+        m = model.cfg  # NOTE: under tensor parallelism, this rank's share: its KV heads only
+        if shared_pool is None:
+            shape = (m.num_hidden_layers, 2, config.cache.num_kv_blocks, self.block_size, m.num_key_value_heads,
+                     m.head_dim)
+            self.kv_cache = _zeroed_pool(shape, config.dtype, self.device)
+            self.local_cache = self.kv_cache
+        else:
+            self.kv_cache = shared_pool
+            first, end = local_kv_heads
+            self.local_cache = shared_pool.narrow(4, first, end - first)
+        swap_shape = (m.num_hidden_layers, 2, config.cache.num_swap_blocks) + tuple(self.local_cache.shape[3:])
         self.swap_cache = torch.empty(swap_shape, dtype=config.dtype, device="cpu",
                                       pin_memory=self.device.type == "cuda" and config.cache.num_swap_blocks > 0)
-        self.layer_caches = list(self.kv_cache.unbind(0))
+        self.layer_caches = list(self.local_cache.unbind(0))
         self.sampler = Sampler(config.seed, self.device)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, layer_done: Callable[[int], None] | None = None
                 ) -> dict[str, tuple[int, TokenLogprobs | None]]:
         """Run one step; returns request id -> (sampled token, its logprobs) for the chunks that sample."""
-        self._swap(out)
-        input_ids, positions, meta, sample_rows, samplers = self._prepare(out)
-        hidden = self.model(input_ids, positions, self.layer_caches, meta, layer_done)
-        if not samplers:
+        plan, samplers = plan_step(out, self.block_size)
+        logits = self.run(plan, layer_done)
+        if logits is None:
             return {}
-        logits = self.model.compute_logits(hidden[sample_rows])
         result = self.sampler(logits, samplers)
         return {r.request_id: (t, lp) for r, t, lp in zip(samplers, result.token_ids, result.logprobs, strict=True)}
 
-    def _swap(self, out: SchedulerOutput) -> None:
+    @torch.inference_mode()
+    def run(self, plan: StepPlan, layer_done: Callable[[int], None] | None = None) -> torch.Tensor | None:
+        """Swap, forward, and the logits of the sampling rows (None when none samples). Every
+        tensor-parallel rank runs this with the same plan (the collectives are inside the model)."""
+        self._swap(plan)
+        input_ids, positions, meta = self._prepare(plan)
+        hidden = self.model(input_ids, positions, self.layer_caches, meta, layer_done)
+        if not plan.sample_rows:
+            return None
+        return self.model.compute_logits(hidden[self._tensor(plan.sample_rows)])
+
+    def _swap(self, out: StepPlan) -> None:
         # Swap-outs first: the device blocks they vacate may be the swap-ins' destinations.
-        for pairs, src, dst in ((out.blocks_to_swap_out, self.kv_cache, self.swap_cache),
-                                (out.blocks_to_swap_in, self.swap_cache, self.kv_cache)):
+        for pairs, src, dst in ((out.blocks_to_swap_out, self.local_cache, self.swap_cache),
+                                (out.blocks_to_swap_in, self.swap_cache, self.local_cache)):
             if pairs:
                 src_ids = torch.tensor([p[0] for p in pairs])
                 dst_ids = torch.tensor([p[1] for p in pairs], device=dst.device)
@@ -71,6 +86,9 @@ class ModelRunner:
                 # index_put below reads it on the host at once; only host -> device may overlap.
                 blocks = src[:, :, src_ids.to(src.device)].to(dst.device, non_blocking=dst.device.type != "cpu")
                 dst[:, :, dst_ids] = blocks
+
+    def close(self) -> None:
+        """Nothing to stop in one process (see `TPModelRunner.close`)."""
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A host copy of these blocks' KV, shaped [block, layer, k|v, slot, head, dim] (the disk
@@ -84,42 +102,16 @@ class ModelRunner:
         for block_id, kv in zip(block_ids, blocks, strict=True):
             self.kv_cache[:, :, block_id].copy_(kv, non_blocking=True)
 
-    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor,
-                                                      list[Request]]:
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillSpan] = []
-        sample_rows: list[int] = []
-        samplers: list[Request] = []
-        for chunk in out.chunks:
-            request, start, num_new = chunk.request, chunk.request.num_computed_tokens, chunk.num_new_tokens
-            row = len(ids)
-            end = start + num_new
-            ids.extend(request.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            blocks = request.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            if num_new == 1:
-                decode_rows.append(row)
-                decode_tables.append(blocks[: -(-end // bs)])
-                decode_lens.append(end)
-            else:
-                table = torch.tensor(blocks[: -(-end // bs)], dtype=torch.long, device=self.device)
-                prefills.append(PrefillSpan(row, row + num_new, end, table))
-            if chunk.samples:
-                sample_rows.append(row + num_new - 1)
-                samplers.append(request)
+    def _prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        prefills = tuple(PrefillSpan(p.start, p.end, p.context_len,
+                                     torch.tensor(p.block_ids, dtype=torch.long, device=self.device))
+                         for p in plan.prefills)
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            decodes=self._decode_batches(decode_rows, decode_tables, decode_lens),
-            prefills=tuple(prefills),
+            slot_mapping=self._tensor(plan.slots),
+            decodes=self._decode_batches(plan.decode_rows, plan.decode_tables, plan.decode_lens),
+            prefills=prefills,
         )
-        return self._tensor(ids), self._tensor(positions), meta, self._tensor(sample_rows), samplers
+        return self._tensor(plan.token_ids), self._tensor(plan.positions), meta
 
     def _decode_batches(self, rows: list[int], tables: list[list[int]],
                         context_lens: list[int]) -> tuple[DecodeBatch, ...]:
@@ -137,7 +129,7 @@ class ModelRunner:
         kv_len = max_blocks * self.block_size
         inside = torch.arange(kv_len)[None, :] < torch.tensor(context_lens)[:, None]
         mask = torch.zeros(inside.shape, dtype=self.config.dtype).masked_fill_(~inside, float("-inf"))
-        buf_shape = (len(rows) * max_blocks,) + tuple(self.kv_cache.shape[3:])
+        buf_shape = (len(rows) * max_blocks,) + tuple(self.local_cache.shape[3:])
         return DecodeBatch(
             rows=self._tensor(rows),
             block_ids=self._tensor([b for t in tables for b in t + [0] * (max_blocks - len(t))]),

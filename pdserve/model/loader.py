@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from pdserve.model.packed_linear import can_pack, pack_linears
+from pdserve.model.parallel import ParallelGroup, TPShard
 from pdserve.model.qwen3 import Qwen3ForCausalLM, RotaryEmbedding
 from pdserve.model.qwen3_config import Qwen3ModelConfig
 
@@ -73,33 +74,40 @@ def _target(cfg: Qwen3ModelConfig, name: str) -> tuple[str, tuple[int, int] | No
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int,
-               batch_size_hint: int = 64) -> Qwen3ForCausalLM:
-    """`batch_size_hint`: typical rows per matmul (decode batch), for CPU weight prepacking."""
+               batch_size_hint: int = 64, group: ParallelGroup | None = None) -> Qwen3ForCausalLM:
+    """`batch_size_hint`: typical rows per matmul (decode batch), for CPU weight prepacking.
+    With a `group` (tensor parallelism), loads only this rank's slice of every weight."""
     model_dir = Path(model_dir)
-    cfg = Qwen3ModelConfig.from_dir(model_dir)
+    full_cfg = Qwen3ModelConfig.from_dir(model_dir)
+    shard = TPShard(0, 1) if group is None else TPShard(group.rank, group.size)
+    cfg = shard.local_config(full_cfg) if group is not None else full_cfg
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = Qwen3ForCausalLM(cfg, max_positions=1)
+            model = Qwen3ForCausalLM(cfg, 1, group, shard.vocab_start(full_cfg))
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
     model.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions).to(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    _copy_weights(model, cfg, model_dir)
+    _copy_weights(model, cfg, model_dir, lambda module, tensor: shard.checkpoint_slice(full_cfg, module, tensor))
     if can_pack(device, dtype):
         pack_linears(model, batch_size_hint)
     return model.eval()
 
 
-def _copy_weights(model: Qwen3ForCausalLM, cfg: Qwen3ModelConfig, model_dir: Path) -> None:
+def _copy_weights(model: Qwen3ForCausalLM, cfg: Qwen3ModelConfig, model_dir: Path,
+                  slice_for_rank: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
+    """`cfg`: the shapes of `model` (this rank's share); `slice_for_rank(module, tensor)` cuts a
+    checkpoint tensor down to that share."""
     params = dict(model.named_parameters(remove_duplicate=False))
     rows_loaded: dict[str, int] = {}
-    for name, tensor in _checkpoint_tensors(model_dir):
+    for name, full in _checkpoint_tensors(model_dir):
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue  # the tied head is the embedding; some tied checkpoints still store a copy
+        tensor = slice_for_rank(name.rsplit(".", 1)[0], full)
         target, rows = _target(cfg, name)
         if target not in params:
             raise ValueError(f"unexpected tensor {name!r} in checkpoint {model_dir}")

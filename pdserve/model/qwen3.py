@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model.attention import AttentionMetadata, paged_attention
+from pdserve.model.parallel import ParallelGroup
 from pdserve.model.qwen3_config import Qwen3ModelConfig
 
 
@@ -52,8 +53,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, cfg: Qwen3ModelConfig) -> None:
+    """With a `group`, `cfg` is this rank's share (parallel.py): its heads, a row-parallel o_proj."""
+
+    def __init__(self, cfg: Qwen3ModelConfig, group: ParallelGroup | None = None) -> None:
         super().__init__()
+        self.group = group
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -73,26 +77,29 @@ class Qwen3Attention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         q, k = rope(positions, q, k)
         out = paged_attention(q, k, v, layer_cache, meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = self.o_proj(out.reshape(-1, self.q_size))
+        return out if self.group is None else self.group.all_reduce(out)
 
 
 class Qwen3MLP(nn.Module):
-    def __init__(self, cfg: Qwen3ModelConfig) -> None:
+    def __init__(self, cfg: Qwen3ModelConfig, group: ParallelGroup | None = None) -> None:
         super().__init__()
+        self.group = group
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return out if self.group is None else self.group.all_reduce(out)
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3ModelConfig) -> None:
+    def __init__(self, cfg: Qwen3ModelConfig, group: ParallelGroup | None = None) -> None:
         super().__init__()
-        self.self_attn = Qwen3Attention(cfg)
-        self.mlp = Qwen3MLP(cfg)
+        self.self_attn = Qwen3Attention(cfg, group)
+        self.mlp = Qwen3MLP(cfg, group)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -104,13 +111,17 @@ class Qwen3DecoderLayer(nn.Module):
 
 class Qwen3ForCausalLM(nn.Module):
     """Parameter names follow the checkpoint's except the fused `qkv_proj` and `gate_up_proj`
-    (see `loader.py` for the mapping)."""
+    (see `loader.py` for the mapping). With a `group` (tensor parallelism), `cfg` is this rank's
+    share of the model (`TPShard.local_config`) and `vocab_start` its first vocabulary row."""
 
-    def __init__(self, cfg: Qwen3ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: Qwen3ModelConfig, max_positions: int, group: ParallelGroup | None = None,
+                 vocab_start: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
+        self.group = group
+        self.vocab_start = vocab_start
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, group) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -121,12 +132,22 @@ class Qwen3ForCausalLM(nn.Module):
                 meta: AttentionMetadata, layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size].
         `layer_done(l)` runs once layer l's K/V for this step are in the cache (KV streaming)."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids) if self.group is None else self._embed_parallel(input_ids)
         for index, (layer, layer_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = layer(x, positions, self.rope, layer_cache, meta)
             if layer_done is not None:
                 layer_done(index)
         return self.norm(x)
 
+    def _embed_parallel(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Each token's row lives on one rank; the others contribute zeros to the all-reduce."""
+        assert self.group is not None
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.cfg.vocab_size)
+        x = self.embed_tokens(local.masked_fill(outside, 0))
+        return self.group.all_reduce(x.masked_fill_(outside[:, None], 0.0))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """[rows, hidden] -> [rows, vocab] float32 (every rank gets the whole vocabulary)."""
+        logits = self.lm_head(hidden).float()
+        return logits if self.group is None else self.group.all_gather(logits)

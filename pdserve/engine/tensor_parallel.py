@@ -1,0 +1,238 @@
+"""Tensor parallelism: N ranks as processes, rank 0 the engine's own process.
+
+    engine process (rank 0)                         rank r = 1..N-1 (spawned)
+    scheduler -> plan_step -> StepPlan --pipe--->   recv StepPlan
+    ModelRunner.run(plan) (heads of rank 0)   <->   ModelRunner.run(plan) (heads of rank r)
+        all-reduce after o_proj and down_proj, all-gather of the logit slices (gloo on CPU,
+        NCCL on CUDA; the collectives are inside the model, see model/parallel.py)
+    sampler (rank 0 only)
+
+Rank 0 runs the scheduler and sends each step's plan (plain integers) to the other ranks; they
+only compute. On CPU every rank maps one shared KV pool file and writes only its heads into it, so
+rank 0's `kv_cache` holds every head: the KV transports and the disk tier use it as with one
+process (the KV hand-off across TP sizes needs nothing more). On CUDA each rank has its own pool.
+
+A rank that dies fails the next step on rank 0 (a liveness check, or the collective's error);
+the engine then ends like any engine whose step raised (AsyncLLM: EngineDeadError, exit non-zero).
+A rank whose parent dies reads EOF on its pipe and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, Listener
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pdserve.config import EngineConfig
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.step_plan import StepPlan
+from pdserve.model.loader import load_model
+from pdserve.model.parallel import TPShard
+
+logger = logging.getLogger(__name__)
+# NOTE: a safety net only: a collective waits this long for a rank that is alive but stuck. A rank
+# that dies closes its sockets, which fails the collective at once (gloo).
+_COLLECTIVE_TIMEOUT = timedelta(seconds=300)
+_START_TIMEOUT_S = 300.0
+
+
+class RankDiedError(RuntimeError):
+    """A tensor-parallel rank exited: the engine cannot compute another step."""
+
+
+class TorchGroup:
+    """`ParallelGroup` over a standalone torch.distributed process group (no global default group,
+    so several engines may live in one process, as tests do)."""
+
+    def __init__(self, rank: int, size: int, store: dist.Store, device: torch.device) -> None:
+        self.rank, self.size = rank, size
+        if device.type == "cuda":
+            self.pg: Any = dist.ProcessGroupNCCL(store, rank, size)
+        else:
+            self.pg = dist.ProcessGroupGloo(store, rank, size, _COLLECTIVE_TIMEOUT)
+        self.reduce_s = 0.0  # time spent in all-reduces (the benchmark's share of a step)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        self.pg.allreduce([tensor]).wait()
+        self.reduce_s += time.perf_counter() - start
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        self.pg.allgather([parts], [tensor.contiguous()]).wait()
+        return torch.cat(parts, dim=-1)
+
+
+def build_rank_runner(config: EngineConfig, group: TorchGroup, pool_path: str | None,
+                      runner_class: type[ModelRunner] = ModelRunner) -> ModelRunner:
+    """This rank's model slice and runner (its heads of the shared pool on CPU)."""
+    rank, size = group.rank, group.size
+    model = load_model(config.model_path, config.dtype, config.device, config.scheduler.max_model_len,
+                       batch_size_hint=min(config.scheduler.max_num_seqs, 64), group=group)
+    if pool_path is None:
+        return runner_class(config, model)
+    m = config.model
+    shape = (m.num_hidden_layers, 2, config.cache.num_kv_blocks, config.cache.block_size, m.num_key_value_heads,
+             m.head_dim)
+    pool = torch.from_file(pool_path, shared=True, size=math.prod(shape), dtype=config.dtype).view(shape)
+    return runner_class(config, model, pool, TPShard(rank, size).kv_head_range(m))
+
+
+@dataclass(frozen=True, slots=True)
+class RankStart:
+    """What rank 0 sends a new rank first."""
+
+    config: EngineConfig
+    rank: int
+    store_port: int
+    pool_path: str | None  # the shared KV pool file (CPU), else None
+
+
+def rank_main(conn: Connection) -> None:
+    """A rank other than 0 (`python -m pdserve.engine.tp_rank`): build its runner, then run every
+    plan rank 0 sends until told to stop."""
+    start: RankStart = conn.recv()
+    config, rank, store_port, pool_path = start.config, start.rank, start.store_port, start.pool_path
+    torch.set_num_threads(rank_threads(config))
+    try:
+        store = dist.TCPStore("127.0.0.1", store_port, config.tensor_parallel_size, is_master=False,
+                              timeout=_COLLECTIVE_TIMEOUT)
+        runner = build_rank_runner(config, TorchGroup(rank, config.tensor_parallel_size, store, config.device),
+                                   pool_path)
+    except Exception as exc:  # noqa: BLE001 - rank 0 reports it
+        conn.send(repr(exc))
+        raise SystemExit(1) from exc
+    conn.send("ready")
+    while True:
+        try:
+            plan: StepPlan | None = conn.recv()
+        except EOFError:  # rank 0 is gone
+            os._exit(1)
+        if plan is None:
+            return
+        runner.run(plan)
+
+
+def rank_threads(config: EngineConfig) -> int:
+    """--num-threads per rank, else the cores shared out between the ranks."""
+    if config.num_threads:
+        return config.num_threads
+    return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+
+
+class TPModelRunner(ModelRunner):
+    """Rank 0: a `ModelRunner` over its own heads that first sends each step's plan to the other
+    ranks. Build it with `start_tensor_parallel`."""
+
+    def attach_ranks(self, processes: list[subprocess.Popen[bytes]], conns: list[Connection], group: TorchGroup,
+                     store: dist.Store) -> None:
+        """`store`: the rendezvous store rank 0 serves; it lives as long as the group."""
+        self.processes, self.conns, self.group, self.store = processes, conns, group, store
+
+    def run(self, plan: StepPlan, layer_done: Callable[[int], None] | None = None) -> torch.Tensor | None:
+        for rank, process in enumerate(self.processes, start=1):
+            if process.poll() is not None:
+                raise RankDiedError(f"tensor-parallel rank {rank} exited (code {process.returncode})")
+        try:
+            for conn in self.conns:
+                conn.send(plan)
+        except OSError as exc:
+            raise RankDiedError(f"a tensor-parallel rank is gone: {exc}") from exc
+        return super().run(plan, layer_done)
+
+    def close(self) -> None:
+        """Stop the other ranks (they finish nothing: the engine is done)."""
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for process in self.processes:
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def start_tensor_parallel(config: EngineConfig) -> TPModelRunner:
+    """Spawn ranks 1..N-1, join them in one process group, build rank 0's runner here."""
+    size = config.tensor_parallel_size
+    torch.set_num_threads(rank_threads(config))
+    store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False, timeout=_COLLECTIVE_TIMEOUT)
+    pool_path = _new_pool_file() if config.device.type == "cpu" else None
+    processes: list[subprocess.Popen[bytes]] = []
+    conns: list[Connection] = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="pdserve-tp-") as directory:
+            authkey = secrets.token_bytes(32)
+            with Listener(os.path.join(directory, "ranks"), "AF_UNIX", authkey=authkey) as listener:
+                for rank in range(1, size):
+                    processes.append(_spawn_rank(listener.address, authkey))
+                    conn = listener.accept()
+                    conn.send(RankStart(config, rank, store.port, pool_path))
+                    conns.append(conn)
+        group = TorchGroup(0, size, store, config.device)
+        runner = build_rank_runner(config, group, pool_path, TPModelRunner)
+        assert isinstance(runner, TPModelRunner)
+        runner.attach_ranks(processes, conns, group, store)
+        _wait_ready(processes, conns)
+    except BaseException:
+        for process in processes:
+            process.kill()
+            process.wait()
+        raise
+    finally:
+        if pool_path is not None:
+            os.unlink(pool_path)  # NOTE: every rank has mapped it (or failed): the mappings live on
+    return runner
+
+
+def _new_pool_file() -> str:
+    """An empty file in shared memory that every rank maps as its KV pool (pages commit on write)."""
+    directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    fd, path = tempfile.mkstemp(prefix="pdserve-kv-", dir=directory)
+    os.close(fd)
+    return path
+
+
+def _spawn_rank(address: str, authkey: bytes) -> subprocess.Popen[bytes]:
+    """A fresh interpreter (no fork of a threaded process, no re-import of the caller's script)
+    that connects back to `address` and proves it knows `authkey` (given on its stdin)."""
+    # NOTE: the child imports the very pdserve this process runs, wherever it was imported from
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    process = subprocess.Popen([sys.executable, "-m", "pdserve.engine.tp_rank", address], stdin=subprocess.PIPE,
+                               env=env)
+    assert process.stdin is not None
+    process.stdin.write(authkey)
+    process.stdin.close()
+    return process
+
+
+def _wait_ready(processes: list[subprocess.Popen[bytes]], conns: list[Connection]) -> None:
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    for rank, (process, conn) in enumerate(zip(processes, conns, strict=True), start=1):
+        if not conn.poll(max(0.0, deadline - time.monotonic())):
+            raise RankDiedError(f"tensor-parallel rank {rank} did not start (exit code: {process.poll()})")
+        try:
+            message = conn.recv()
+        except EOFError as exc:
+            raise RankDiedError(f"tensor-parallel rank {rank} exited while starting ({process.wait()})") from exc
+        if message != "ready":
+            raise RankDiedError(f"tensor-parallel rank {rank} failed to start: {message}")
