@@ -19,6 +19,8 @@ A rank whose parent dies reads EOF on its pipe and exits.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -61,7 +63,8 @@ class TorchGroup:
     def __init__(self, rank: int, size: int, store: dist.Store, device: torch.device) -> None:
         self.rank, self.size = rank, size
         if device.type == "cuda":
-            self.pg: Any = dist.ProcessGroupNCCL(store, rank, size)
+            torch.cuda.set_device(device)
+            self.pg: Any = dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
         else:
             self.pg = dist.ProcessGroupGloo(store, rank, size, _COLLECTIVE_TIMEOUT)
         self.reduce_s = 0.0  # time spent in all-reduces (the benchmark's share of a step)
@@ -107,13 +110,13 @@ def rank_main(conn: Connection) -> None:
     """A rank other than 0 (`python -m pdserve.engine.tp_rank`): build its runner, then run every
     plan rank 0 sends until told to stop."""
     start: RankStart = conn.recv()
-    config, rank, store_port, pool_path = start.config, start.rank, start.store_port, start.pool_path
+    config, rank = rank_config(start.config, start.rank), start.rank
     torch.set_num_threads(rank_threads(config))
     try:
-        store = dist.TCPStore("127.0.0.1", store_port, config.tensor_parallel_size, is_master=False,
+        store = dist.TCPStore("127.0.0.1", start.store_port, config.tensor_parallel_size, is_master=False,
                               timeout=_COLLECTIVE_TIMEOUT)
         runner = build_rank_runner(config, TorchGroup(rank, config.tensor_parallel_size, store, config.device),
-                                   pool_path)
+                                   start.pool_path)
     except Exception as exc:  # noqa: BLE001 - rank 0 reports it
         conn.send(repr(exc))
         raise SystemExit(1) from exc
@@ -126,6 +129,13 @@ def rank_main(conn: Connection) -> None:
         if plan is None:
             return
         runner.run(plan)
+
+
+def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """On CUDA rank r computes on the r-th GPU from the configured one; on CPU nothing changes."""
+    if config.device.type != "cuda":
+        return config
+    return dataclasses.replace(config, device=torch.device("cuda", (config.device.index or 0) + rank))
 
 
 def rank_threads(config: EngineConfig) -> int:
@@ -158,10 +168,8 @@ class TPModelRunner(ModelRunner):
     def close(self) -> None:
         """Stop the other ranks (they finish nothing: the engine is done)."""
         for conn in self.conns:
-            try:
+            with contextlib.suppress(OSError):
                 conn.send(None)
-            except OSError:
-                pass
         for process in self.processes:
             try:
                 process.wait(timeout=5)

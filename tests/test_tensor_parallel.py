@@ -1,0 +1,103 @@
+"""Tensor parallelism (`tensor_parallel_size=2`, gloo on CPU): the same tokens as one process, the
+same seeded samples, no block left behind, and a rank that dies ends the engine (no hang).
+
+Models: `tiny` (GQA 4/2: each rank one KV head) and `untied` (GQA 4/1: the KV head replicated on
+both ranks, untied vocabulary-parallel head, sharded checkpoint); head_dim != hidden / heads."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import assert_no_leak, generate_token_ids, greedy, random_prompt, token_prompts
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.async_llm import AsyncLLM, EngineDeadError
+from pdserve.engine.tensor_parallel import RankDiedError, TPModelRunner
+
+pytestmark = pytest.mark.slow
+
+# a short prompt, one crossing blocks, one cut into chunks by the 32-token budget (a chunk that
+# reads earlier context back from the pool, next to running decodes)
+PROMPTS = [random_prompt(n, seed) for n, seed in ((5, 1), (23, 2), (70, 3))]
+ENGINE_ARGS: dict[str, Any] = {"block_size": 8, "max_num_batched_tokens": 32, "num_kv_blocks": 96}
+
+
+@pytest.fixture(scope="module", params=["tiny", "untied"])
+def tp_pair(request: pytest.FixtureRequest, model_dirs: dict[str, Path],
+            llm_factory: Callable[..., LLM]) -> Iterator[tuple[LLM, LLM]]:
+    """(one process, two ranks) on the same model and settings."""
+    name = request.param
+    tp = LLM(model=str(model_dirs[name]), dtype="float32", tensor_parallel_size=2, num_threads=1, **ENGINE_ARGS)
+    yield llm_factory(name, **ENGINE_ARGS), tp
+    tp.engine.close()
+
+
+def test_tp2_greedy_tokens_and_logprobs_match_one_process(tp_pair: tuple[LLM, LLM]) -> None:
+    single, tp = tp_pair
+    params = greedy(10, logprobs=5)
+    expected = single.generate(token_prompts(PROMPTS), params)
+    got = tp.generate(token_prompts(PROMPTS), params)
+    for want, have in zip(expected, got, strict=True):
+        assert have.outputs[0].token_ids == want.outputs[0].token_ids
+        for want_lp, have_lp in zip(want.outputs[0].logprobs or [], have.outputs[0].logprobs or [], strict=True):
+            assert want_lp is not None and have_lp is not None
+            assert [t for t, _ in have_lp.top] == [t for t, _ in want_lp.top]
+            assert max(abs(a - b) for (_, a), (_, b) in zip(have_lp.top, want_lp.top, strict=True)) < 1e-4
+    assert_no_leak(tp)
+    runner = tp.engine.runner
+    assert isinstance(runner, TPModelRunner) and all(p.poll() is None for p in runner.processes)
+
+
+def test_tp2_seeded_sampling_matches_one_process(tp_pair: tuple[LLM, LLM]) -> None:
+    single, tp = tp_pair
+    params = [SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=seed, max_tokens=8, ignore_eos=True)
+              for seed in (7, 8, 9)]
+    assert generate_token_ids(tp, PROMPTS, params) == generate_token_ids(single, PROMPTS, params)
+    assert_no_leak(tp)
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_killed_mid_step_ends_the_engine_without_hanging(model_dirs: dict[str, Path]) -> None:
+    llm = LLM(model=str(model_dirs["tiny"]), dtype="float32", tensor_parallel_size=2, num_threads=1, **ENGINE_ARGS)
+    engine = llm.engine
+    runner = engine.runner
+    assert isinstance(runner, TPModelRunner)
+    rank1 = runner.processes[0]
+
+    def kill_rank1_at_layer0(layer: int, _chunks: object) -> None:
+        if layer == 0 and rank1.poll() is None:
+            os.kill(rank1.pid, signal.SIGKILL)
+            rank1.wait()  # it is gone before rank 0 reaches the next all-reduce
+
+    engine.layer_observer = kill_rank1_at_layer0
+    try:
+        with pytest.raises(RuntimeError):  # the collective fails: its peer closed the connection
+            llm.generate(token_prompts(PROMPTS[:2]), greedy(4))
+        assert_no_leak(llm)
+        engine.layer_observer = None
+        with pytest.raises(RankDiedError, match="rank 1 exited"):  # caught before any collective
+            llm.generate(token_prompts(PROMPTS[:1]), greedy(4))
+        client = AsyncLLM(engine)
+        fatal: list[BaseException] = []
+        client.on_fatal = fatal.append
+
+        async def run_one() -> BaseException | None:
+            try:
+                async for _ in client.generate("r", PROMPTS[0], greedy(4)):
+                    pass
+            except EngineDeadError as exc:
+                return exc
+            return None
+
+        assert isinstance(asyncio.run(asyncio.wait_for(run_one(), timeout=30)), EngineDeadError)
+        client._thread.join(10)
+        assert not client.alive and len(fatal) == 1 and isinstance(fatal[0], RankDiedError)
+        assert not engine.has_unfinished_requests()
+    finally:
+        engine.close()
