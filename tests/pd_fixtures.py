@@ -83,7 +83,9 @@ def start_cluster(model_dir: Path, transport: str, num_prefill: int, num_decode:
                   max_num_batched_tokens: int = 64, policy: FailurePolicy = "recompute", timeout_s: float = 5.0,
                   prefill_options: dict[str, Any] | None = None, decode_block_size: int = 16,
                   decode_kv_blocks: int = 256, api: ApiConfig | None = None,
-                  worker_options: dict[str, Any] | None = None, **router_options: Any) -> Cluster:
+                  worker_options: dict[str, Any] | None = None,
+                  engine_options: dict[str, dict[str, Any]] | None = None, **router_options: Any) -> Cluster:
+    """`engine_options`: role -> extra EngineArgs of that role's engines."""
     workers = []
     services: list[PrefillService | DecodeService] = []
     urls: dict[str, list[str]] = {"prefill": [], "decode": []}
@@ -92,7 +94,7 @@ def start_cluster(model_dir: Path, transport: str, num_prefill: int, num_decode:
             engine = LLMEngine.from_engine_args(EngineArgs(
                 model=str(model_dir), dtype="float32", num_kv_blocks=decode_kv_blocks if role == "decode" else 256,
                 max_num_batched_tokens=max_num_batched_tokens,
-                block_size=decode_block_size if role == "decode" else 16))
+                block_size=decode_block_size if role == "decode" else 16, **(engine_options or {}).get(role, {})))
             config = WorkerConfig(role=role, kv_transport=transport, kv_failure_policy=policy,
                                   kv_transfer_timeout_ms=round(timeout_s * 1000), **(worker_options or {}))
             worker = build_worker(engine, config, MODEL, sender_options=prefill_options)

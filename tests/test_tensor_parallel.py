@@ -13,19 +13,31 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
-from helpers import assert_no_leak, generate_token_ids, greedy, random_prompt, token_prompts
+from helpers import assert_no_leak, generate_texts, generate_token_ids, greedy, random_prompt, token_prompts
+from pd_fixtures import start_cluster, stop_cluster
+from server_fixtures import parse_sse
 
 from pdserve import LLM, SamplingParams
+from pdserve.disagg.kv_layout import KVLayout, KVLayoutMismatch
 from pdserve.engine.async_llm import AsyncLLM, EngineDeadError
 from pdserve.engine.tensor_parallel import RankDiedError, TPModelRunner
-
-pytestmark = pytest.mark.slow
 
 # a short prompt, one crossing blocks, one cut into chunks by the 32-token budget (a chunk that
 # reads earlier context back from the pool, next to running decodes)
 PROMPTS = [random_prompt(n, seed) for n, seed in ((5, 1), (23, 2), (70, 3))]
 ENGINE_ARGS: dict[str, Any] = {"block_size": 8, "max_num_batched_tokens": 32, "num_kv_blocks": 96}
+
+
+def test_kv_layouts_of_different_tp_sizes_map_and_another_head_range_is_refused_by_name() -> None:
+    one = KVLayout("m", "float32", "float32", 16, 2, 2, 32)
+    assert one.tp_size == 1
+    one.check_compatible(KVLayout("m", "float32", "float32", 16, 2, 2, 32, tp_size=2))  # both pools hold every head
+    with pytest.raises(KVLayoutMismatch, match="kv_head_start") as refused:
+        one.check_compatible(KVLayout("m", "float32", "float32", 16, 2, 2, 32, kv_head_start=2))
+    assert refused.value.field == "kv_head_start"
+    assert KVLayout.from_json(KVLayout("m", "float32", "float32", 16, 2, 2, 32, tp_size=4).to_json()).tp_size == 4
 
 
 @pytest.fixture(scope="module", params=["tiny", "untied"])
@@ -38,6 +50,7 @@ def tp_pair(request: pytest.FixtureRequest, model_dirs: dict[str, Path],
     tp.engine.close()
 
 
+@pytest.mark.slow
 def test_tp2_greedy_tokens_and_logprobs_match_one_process(tp_pair: tuple[LLM, LLM]) -> None:
     single, tp = tp_pair
     params = greedy(10, logprobs=5)
@@ -54,6 +67,7 @@ def test_tp2_greedy_tokens_and_logprobs_match_one_process(tp_pair: tuple[LLM, LL
     assert isinstance(runner, TPModelRunner) and all(p.poll() is None for p in runner.processes)
 
 
+@pytest.mark.slow
 def test_tp2_seeded_sampling_matches_one_process(tp_pair: tuple[LLM, LLM]) -> None:
     single, tp = tp_pair
     params = [SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=seed, max_tokens=8, ignore_eos=True)
@@ -62,6 +76,7 @@ def test_tp2_seeded_sampling_matches_one_process(tp_pair: tuple[LLM, LLM]) -> No
     assert_no_leak(tp)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_rank_killed_mid_step_ends_the_engine_without_hanging(model_dirs: dict[str, Path]) -> None:
     llm = LLM(model=str(model_dirs["tiny"]), dtype="float32", tensor_parallel_size=2, num_threads=1, **ENGINE_ARGS)
@@ -101,3 +116,30 @@ def test_a_rank_killed_mid_step_ends_the_engine_without_hanging(model_dirs: dict
         assert not engine.has_unfinished_requests()
     finally:
         engine.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)], ids=["P-TP2-to-D-TP1", "P-TP1-to-D-TP2"])
+def test_pd_hand_off_between_tp_sizes_matches_colocated(model_dirs: dict[str, Path], colocated: LLM,
+                                                        prefill_tp: int, decode_tp: int) -> None:
+    engine_options = {"prefill": {"tensor_parallel_size": prefill_tp, "num_threads": 1},
+                      "decode": {"tensor_parallel_size": decode_tp, "num_threads": 1}}
+    cluster = start_cluster(model_dirs["tiny"], "tcp", 1, 1, engine_options=engine_options)
+    try:
+        with httpx.Client(base_url=cluster.router.url, timeout=60) as http:
+            for seed, params in ((None, greedy(8)), (77, SamplingParams(temperature=0.9, top_k=40, seed=77,
+                                                                          max_tokens=8, ignore_eos=True))):
+                body = {"max_tokens": 8, "ignore_eos": True, "temperature": params.temperature,
+                        "top_k": params.top_k, "seed": seed}
+                for prompt, text in zip(PROMPTS[1:], generate_texts(colocated, PROMPTS[1:], params), strict=True):
+                    reply = http.post("/v1/completions", json=body | {"prompt": prompt})
+                    assert reply.status_code == 200, reply.text
+                    assert reply.json()["choices"][0]["text"] == text
+                    streamed = http.post("/v1/completions", json=body | {"prompt": prompt, "stream": True})
+                    chunks = [e for e in parse_sse(streamed.text) if isinstance(e, dict)]
+                    assert "".join(c["choices"][0]["text"] for c in chunks) == text
+        cluster.wait_until_idle()
+        prefill_stats = cluster.workers[1][1].engine.stats()
+        assert prefill_stats.num_prefill_tokens > 0  # the prompts were computed there and handed off
+    finally:
+        stop_cluster(cluster)

@@ -41,6 +41,10 @@ class KVLayout:
     `dtype` is the pool tensor's element type, i.e. what the bytes on the wire mean.
     `kv_cache_dtype` is the logical KV format (vLLM's `--kv-cache-dtype`); it equals `dtype` unless
     the pool stores a quantized format in a storage type (e.g. fp8 in uint8).
+    Tensor parallelism: the pool holds the model's KV heads [kv_head_start, kv_head_start +
+    num_kv_heads). A worker with `tp_size` ranks on CPU presents one pool its ranks share, holding
+    every head, so any two TP sizes map (the peer's `tp_size` is reported, not compared); a pool
+    holding another head range is refused, naming the field.
     """
 
     model_id: str
@@ -52,6 +56,8 @@ class KVLayout:
     head_dim: int
     layout: str = POOL_LAYOUT
     wire_version: int = WIRE_VERSION
+    kv_head_start: int = 0
+    tp_size: int = dataclasses.field(default=1, compare=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in _ELEMENT_BYTES:
@@ -61,7 +67,8 @@ class KVLayout:
                 raise ValueError(f"KV layout {name} must be >= 1, got {getattr(self, name)}")
 
     @classmethod
-    def from_pool(cls, model_id: str, kv_cache: torch.Tensor, kv_cache_dtype: str | None = None) -> KVLayout:
+    def from_pool(cls, model_id: str, kv_cache: torch.Tensor, kv_cache_dtype: str | None = None,
+                  tp_size: int = 1) -> KVLayout:
         """Describe an engine pool of shape [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
             raise ValueError(f"expected a pool shaped [layers, 2, blocks, block_size, kv_heads, head_dim], "
@@ -70,7 +77,8 @@ class KVLayout:
             raise ValueError("the KV pool must be contiguous: transports address blocks by offset")
         dtype = str(kv_cache.dtype).removeprefix("torch.")
         num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        return cls(model_id, dtype, kv_cache_dtype or dtype, block_size, num_layers, num_kv_heads, head_dim)
+        return cls(model_id, dtype, kv_cache_dtype or dtype, block_size, num_layers, num_kv_heads, head_dim,
+                   tp_size=tp_size)
 
     @property
     def element_bytes(self) -> int:
@@ -93,6 +101,8 @@ class KVLayout:
     def check_compatible(self, peer: KVLayout, *, self_role: str = "local", peer_role: str = "peer") -> None:
         """Raise KVLayoutMismatch naming the first field (in declaration order) that differs."""
         for field in dataclasses.fields(self):
+            if not field.compare:
+                continue
             mine, theirs = getattr(self, field.name), getattr(peer, field.name)
             if mine != theirs:
                 message = f"KV layout mismatch on {field.name}: {self_role} has {mine}, {peer_role} has {theirs}"

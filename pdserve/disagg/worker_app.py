@@ -85,7 +85,10 @@ def build_worker(engine: LLMEngine, config: WorkerConfig, model_name: str, *,
     `sender_options` go to each KV sender (tests: the fake transport's `stall_after_layers`). A
     prefill worker whose `config.queue` is Redis pulls its jobs from the shared queue
     (`RedisJobConsumer`, started with the app, drained and awaited when the app stops)."""
-    layout = KVLayout.from_pool(model_name, engine.runner.kv_cache)
+    if engine.runner.kv_cache.shape[4] != engine.config.model.num_key_value_heads:
+        raise ValueError("a disaggregated worker with --tensor-parallel-size > 1 needs the CPU device (its ranks share "
+                         "one KV pool); on CUDA each rank's pool holds only its heads: not supported yet")
+    layout = KVLayout.from_pool(model_name, engine.runner.kv_cache, tp_size=engine.config.tensor_parallel_size)
     transport = config.kv_transport or ("nixl" if nixl_available() else "tcp")
     metrics = ServerMetrics(model_name, config.role)
     service: PrefillService | DecodeService
