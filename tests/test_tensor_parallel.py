@@ -119,12 +119,13 @@ def test_a_rank_killed_mid_step_ends_the_engine_without_hanging(model_dirs: dict
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)], ids=["P-TP2-to-D-TP1", "P-TP1-to-D-TP2"])
+@pytest.mark.parametrize(("transport", "prefill_tp", "decode_tp"), [("tcp", 2, 1), ("tcp", 1, 2), ("nixl", 2, 1)],
+                         ids=["tcp-P-TP2-to-D-TP1", "tcp-P-TP1-to-D-TP2", "nixl-P-TP2-to-D-TP1"])
 def test_pd_hand_off_between_tp_sizes_matches_colocated(model_dirs: dict[str, Path], colocated: LLM,
-                                                        prefill_tp: int, decode_tp: int) -> None:
+                                                        transport: str, prefill_tp: int, decode_tp: int) -> None:
     engine_options = {"prefill": {"tensor_parallel_size": prefill_tp, "num_threads": 1},
                       "decode": {"tensor_parallel_size": decode_tp, "num_threads": 1}}
-    cluster = start_cluster(model_dirs["tiny"], "tcp", 1, 1, engine_options=engine_options)
+    cluster = start_cluster(model_dirs["tiny"], transport, 1, 1, engine_options=engine_options)
     try:
         with httpx.Client(base_url=cluster.router.url, timeout=60) as http:
             for seed, params in ((None, greedy(8)), (77, SamplingParams(temperature=0.9, top_k=40, seed=77,

@@ -33,6 +33,9 @@ class TierStats:
 class DiskOffload:
     def __init__(self, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner) -> None:
         assert config.kv_disk is not None
+        if runner.kv_cache.shape[4] != config.model.num_key_value_heads:
+            raise ValueError("--kv-disk-dir with --tensor-parallel-size > 1 needs the CPU device (its ranks share one "
+                             "KV pool); on CUDA each rank's pool holds only its heads: not supported yet")
         self.tier = KVDiskTier(config.kv_disk, DiskLayout.of_engine(config), config.dtype)
         self.scheduler = scheduler
         self.runner = runner

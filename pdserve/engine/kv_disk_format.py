@@ -55,7 +55,9 @@ class DiskLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    tp_size: int = 1  # NOTE: a shard's blocks differ per rank; pdserve runs TP=1 today
+    # NOTE: 1: a block holds every KV head, also under tensor parallelism on CPU (the ranks share one
+    # pool); a pool of one rank's heads (CUDA) has no disk tier (DiskOffload refuses it)
+    tp_size: int = 1
     layout: str = POOL_LAYOUT
     format_version: int = FORMAT_VERSION
 
