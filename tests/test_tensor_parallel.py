@@ -20,9 +20,11 @@ from pd_fixtures import start_cluster, stop_cluster
 from server_fixtures import parse_sse
 
 from pdserve import LLM, SamplingParams
+from pdserve.config import RouterConfig, WorkerConfig
 from pdserve.disagg.kv_layout import KVLayout, KVLayoutMismatch
 from pdserve.engine.async_llm import AsyncLLM, EngineDeadError
 from pdserve.engine.tensor_parallel import RankDiedError, TPModelRunner
+from pdserve.ops.up import CommandLines, Replicas, UpOptions
 
 # a short prompt, one crossing blocks, one cut into chunks by the 32-token budget (a chunk that
 # reads earlier context back from the pool, next to running decodes)
@@ -38,6 +40,13 @@ def test_kv_layouts_of_different_tp_sizes_map_and_another_head_range_is_refused_
         one.check_compatible(KVLayout("m", "float32", "float32", 16, 2, 2, 32, kv_head_start=2))
     assert refused.value.field == "kv_head_start"
     assert KVLayout.from_json(KVLayout("m", "float32", "float32", 16, 2, 2, 32, tp_size=4).to_json()).tp_size == 4
+
+
+def test_up_splits_a_workers_cores_over_its_ranks() -> None:
+    options = UpOptions(port=8000, prefill=Replicas(1, 1), decode=Replicas(1, 1), supervisor_port=8001)
+    for flags, want in ((("--tensor-parallel-size", "2"), 4), (("--tensor-parallel-size=4",), 2), ((), 8)):
+        argv = CommandLines(options, RouterConfig(), WorkerConfig(), flags, cpus=16)("decode", 9002, 2)
+        assert int(argv[argv.index("--num-threads") + 1]) == want, flags
 
 
 @pytest.fixture(scope="module", params=["tiny", "untied"])

@@ -12,6 +12,11 @@ only compute. On CPU every rank maps one shared KV pool file and writes only its
 rank 0's `kv_cache` holds every head: the KV transports and the disk tier use it as with one
 process (the KV hand-off across TP sizes needs nothing more). On CUDA each rank has its own pool.
 
+KV heads replicated on several ranks (fewer KV heads than ranks) are written by each of them to the
+same slots of the shared pool: the same bytes (same weights, same all-reduced input, same kernel
+shapes), so the race is benign. NOTE: the pool file is unlinked once every rank has mapped it; a
+rank 0 killed during start-up leaves it in /dev/shm (sparse: no memory until written).
+
 A rank that dies fails the next step on rank 0 (a liveness check, or the collective's error);
 the engine then ends like any engine whose step raised (AsyncLLM: EngineDeadError, exit non-zero).
 A rank whose parent dies reads EOF on its pipe and exits.
@@ -40,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.config import EngineConfig
+from pdserve.engine.host_memory import keep_large_allocations_on_heap
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.step_plan import StepPlan
 from pdserve.model.loader import load_model
@@ -112,6 +118,8 @@ def rank_main(conn: Connection) -> None:
     start: RankStart = conn.recv()
     config, rank = rank_config(start.config, start.rank), start.rank
     torch.set_num_threads(rank_threads(config))
+    if config.device.type == "cpu":
+        keep_large_allocations_on_heap()
     try:
         store = dist.TCPStore("127.0.0.1", start.store_port, config.tensor_parallel_size, is_master=False,
                               timeout=_COLLECTIVE_TIMEOUT)
@@ -200,6 +208,8 @@ def start_tensor_parallel(config: EngineConfig) -> TPModelRunner:
         assert isinstance(runner, TPModelRunner)
         runner.attach_ranks(processes, conns, group, store)
         _wait_ready(processes, conns)
+        logger.info("tensor parallel: %d ranks (rank 0: pid %d; others: %s), %s", size, os.getpid(),
+                    ", ".join(str(p.pid) for p in processes), "gloo" if config.device.type == "cpu" else "nccl")
     except BaseException:
         for process in processes:
             process.kill()

@@ -122,7 +122,9 @@ class CommandLines:
             model = ["--model", self.options.model] if self.options.model else []
             return [*head, "router", "--port", str(port), *to_argv(self.router), *api, *model]
         explicit = {"prefill": self.options.prefill_threads, "decode": self.options.decode_threads}.get(role)
-        threads = explicit or self.options.cpus_per_worker or threads_per_worker(num_workers, self.cpus)
+        # NOTE: --num-threads is per tensor-parallel rank: a worker's share of the cores is split over its ranks
+        share = self.options.cpus_per_worker or threads_per_worker(num_workers, self.cpus)
+        threads = explicit or max(1, share // _tensor_parallel_size(self.engine_flags))
         pin = [] if self.cores is None else ["--cpu-affinity", format_cpu_list(self.cores.for_worker(port))]
         if role == "replica":  # a colocated server: the client API is its own
             return [*head, "serve", "--num-threads", str(threads), *pin, *api, *self.engine_flags, "--port", str(port)]
@@ -130,6 +132,17 @@ class CommandLines:
         # role and port over anything in the engine flags
         return [*head, "serve", "--num-threads", str(threads), *pin, *to_argv(self.worker, exclude=("role",)),
                 *self.engine_flags, "--role", role, "--port", str(port)]
+
+
+def _tensor_parallel_size(engine_flags: tuple[str, ...]) -> int:
+    """The workers' --tensor-parallel-size among the engine flags (the last one wins), else 1."""
+    size = 1
+    for at, flag in enumerate(engine_flags):
+        if flag == "--tensor-parallel-size" and at + 1 < len(engine_flags):
+            size = int(engine_flags[at + 1])
+        elif flag.startswith("--tensor-parallel-size="):
+            size = int(flag.split("=", 1)[1])
+    return max(1, size)
 
 
 def read_pool(http: httpx.Client, router_url: str) -> list[PoolEntry] | None:
