@@ -27,9 +27,11 @@ from pdserve.engine.tensor_parallel import RankDiedError, TPModelRunner
 from pdserve.ops.up import CommandLines, Replicas, UpOptions
 
 # a short prompt, one crossing blocks, one cut into chunks by the 32-token budget (a chunk that
-# reads earlier context back from the pool, next to running decodes)
+# reads earlier context back from the pool, next to running decodes); 12 blocks of 8 tokens do not
+# hold all three at once: requests are preempted and swapped out and in (each rank its own heads)
 PROMPTS = [random_prompt(n, seed) for n, seed in ((5, 1), (23, 2), (70, 3))]
-ENGINE_ARGS: dict[str, Any] = {"block_size": 8, "max_num_batched_tokens": 32, "num_kv_blocks": 96}
+ENGINE_ARGS: dict[str, Any] = {"block_size": 8, "max_num_batched_tokens": 32, "num_kv_blocks": 12,
+                               "swap_space": 0.002}
 
 
 def test_kv_layouts_of_different_tp_sizes_map_and_another_head_range_is_refused_by_name() -> None:
@@ -72,6 +74,7 @@ def test_tp2_greedy_tokens_and_logprobs_match_one_process(tp_pair: tuple[LLM, LL
             assert [t for t, _ in have_lp.top] == [t for t, _ in want_lp.top]
             assert max(abs(a - b) for (_, a), (_, b) in zip(have_lp.top, want_lp.top, strict=True)) < 1e-4
     assert_no_leak(tp)
+    assert tp.engine.stats().num_preemptions > 0 and tp.engine.scheduler.config.preemption_mode == "swap"
     runner = tp.engine.runner
     assert isinstance(runner, TPModelRunner) and all(p.poll() is None for p in runner.processes)
 
