@@ -1,5 +1,6 @@
 """Tensor parallelism offline: TP=2 (two ranks, one thread each) against TP=1 (one process, two
-threads), same random model, same prompts, greedy; plus the all-reduce's share of a TP=2 step.
+threads), same random model, same prompts, greedy; plus the all-reduce's share of a TP=2 step, and
+TP=1 on one thread for scale.
 
     python -m pdserve.bench.tp [--preset small] [--num-requests 16] [--reps 2]
 
@@ -79,11 +80,13 @@ def main() -> None:
     print(f"model {args.model or args.preset}, float32, {args.num_requests} requests, prompts "
           f"{args.input_len[0]}-{args.input_len[1]} tokens, {args.output_len} output tokens each, best of {args.reps}")
     base = run("TP=1, 2 threads", model, 1, 2, prompts, args.output_len, args.reps)
+    one = run("TP=1, 1 thread", model, 1, 1, prompts, args.output_len, args.reps)
     tp2 = run("TP=2, 1 thread per rank", model, 2, 1, prompts, args.output_len, args.reps)
     rows = [[r.name, f"{r.best_s:.2f}", f"{num_tokens / r.best_s:.1f}", f"{base.best_s / r.best_s:.2f}",
-             "-" if r.reduce_share is None else f"{100 * r.reduce_share:.1f}%"] for r in (base, tp2)]
+             "-" if r.reduce_share is None else f"{100 * r.reduce_share:.1f}%"] for r in (base, one, tp2)]
     print_table(["configuration", "time s", "output tok/s", "speed vs TP=1", "all-reduce share of step"], rows)
-    print(f"same greedy tokens: {'yes' if tp2.tokens == base.tokens else 'NO'}")
+    same = tp2.tokens == base.tokens == one.tokens
+    print(f"same greedy tokens in all three: {'yes' if same else 'NO'}")
 
 
 if __name__ == "__main__":
