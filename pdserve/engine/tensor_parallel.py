@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import math
 import os
-import secrets
+import socket
 import subprocess
 import sys
 import tempfile
@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +116,7 @@ def rank_main(conn: Connection) -> None:
     """A rank other than 0 (`python -m pdserve.engine.tp_rank`): build its runner, then run every
     plan rank 0 sends until told to stop."""
     start: RankStart = conn.recv()
+    conn.send("started")
     config, rank = rank_config(start.config, start.rank), start.rank
     torch.set_num_threads(rank_threads(config))
     if config.device.type == "cpu":
@@ -195,19 +196,18 @@ def start_tensor_parallel(config: EngineConfig) -> TPModelRunner:
     processes: list[subprocess.Popen[bytes]] = []
     conns: list[Connection] = []
     try:
-        with tempfile.TemporaryDirectory(prefix="pdserve-tp-") as directory:
-            authkey = secrets.token_bytes(32)
-            with Listener(os.path.join(directory, "ranks"), "AF_UNIX", authkey=authkey) as listener:
-                for rank in range(1, size):
-                    processes.append(_spawn_rank(listener.address, authkey))
-                    conn = listener.accept()
-                    conn.send(RankStart(config, rank, store.port, pool_path))
-                    conns.append(conn)
+        for rank in range(1, size):
+            process, conn = _spawn_rank()
+            processes.append(process)
+            conns.append(conn)
+            conn.send(RankStart(config, rank, store.port, pool_path))
+        # NOTE: a rank that cannot even start is reported now, not after the group's timeout
+        _wait_for(processes, conns, "started")
         group = TorchGroup(0, size, store, config.device)
         runner = build_rank_runner(config, group, pool_path, TPModelRunner)
         assert isinstance(runner, TPModelRunner)
         runner.attach_ranks(processes, conns, group, store)
-        _wait_ready(processes, conns)
+        _wait_for(processes, conns, "ready")
         logger.info("tensor parallel: %d ranks (rank 0: pid %d; others: %s), %s", size, os.getpid(),
                     ", ".join(str(p.pid) for p in processes), "gloo" if config.device.type == "cpu" else "nccl")
     except BaseException:
@@ -229,21 +229,21 @@ def _new_pool_file() -> str:
     return path
 
 
-def _spawn_rank(address: str, authkey: bytes) -> subprocess.Popen[bytes]:
+def _spawn_rank() -> tuple[subprocess.Popen[bytes], Connection]:
     """A fresh interpreter (no fork of a threaded process, no re-import of the caller's script)
-    that connects back to `address` and proves it knows `authkey` (given on its stdin)."""
+    holding the other end of a socket pair: the connection is private to the two processes, and
+    each sees EOF when the other dies."""
+    ours, theirs = socket.socketpair()
     # NOTE: the child imports the very pdserve this process runs, wherever it was imported from
     package_root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
-    process = subprocess.Popen([sys.executable, "-m", "pdserve.engine.tp_rank", address], stdin=subprocess.PIPE,
-                               env=env)
-    assert process.stdin is not None
-    process.stdin.write(authkey)
-    process.stdin.close()
-    return process
+    with theirs:
+        process = subprocess.Popen([sys.executable, "-m", "pdserve.engine.tp_rank", str(theirs.fileno())],
+                                   pass_fds=(theirs.fileno(),), env=env)
+    return process, Connection(ours.detach())
 
 
-def _wait_ready(processes: list[subprocess.Popen[bytes]], conns: list[Connection]) -> None:
+def _wait_for(processes: list[subprocess.Popen[bytes]], conns: list[Connection], expected: str) -> None:
     deadline = time.monotonic() + _START_TIMEOUT_S
     for rank, (process, conn) in enumerate(zip(processes, conns, strict=True), start=1):
         if not conn.poll(max(0.0, deadline - time.monotonic())):
@@ -252,5 +252,5 @@ def _wait_ready(processes: list[subprocess.Popen[bytes]], conns: list[Connection
             message = conn.recv()
         except EOFError as exc:
             raise RankDiedError(f"tensor-parallel rank {rank} exited while starting ({process.wait()})") from exc
-        if message != "ready":
+        if message != expected:
             raise RankDiedError(f"tensor-parallel rank {rank} failed to start: {message}")

@@ -1,17 +1,16 @@
-"""Entry point of a tensor-parallel rank other than 0 (started by `tensor_parallel.start_tensor_parallel`):
-`python -m pdserve.engine.tp_rank ADDRESS`, the connection's authkey on stdin."""
+"""Entry point of a tensor-parallel rank other than 0, started by `tensor_parallel.start_tensor_parallel`:
+`python -m pdserve.engine.tp_rank FD`, FD its end of a socket pair with rank 0."""
 
 from __future__ import annotations
 
 import sys
-from multiprocessing.connection import Client
+from multiprocessing.connection import Connection
 
 from pdserve.engine.tensor_parallel import rank_main
 
 
 def main() -> None:
-    authkey = sys.stdin.buffer.read()
-    rank_main(Client(sys.argv[1], "AF_UNIX", authkey=authkey))
+    rank_main(Connection(int(sys.argv[1])))
 
 
 if __name__ == "__main__":
