@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -160,8 +161,10 @@ class TPModelRunner(ModelRunner):
 
     def attach_ranks(self, processes: list[subprocess.Popen[bytes]], conns: list[Connection], group: TorchGroup,
                      store: dist.Store) -> None:
-        """`store`: the rendezvous store rank 0 serves; it lives as long as the group."""
+        """`store`: the rendezvous store rank 0 serves; it lives as long as the group. The ranks
+        stop with `close`, or when this runner is garbage-collected (an `LLM` dropped unclosed)."""
         self.processes, self.conns, self.group, self.store = processes, conns, group, store
+        self._finalizer = weakref.finalize(self, _stop_ranks, processes, conns)
 
     def run(self, plan: StepPlan, layer_done: Callable[[int], None] | None = None) -> torch.Tensor | None:
         for rank, process in enumerate(self.processes, start=1):
@@ -176,15 +179,21 @@ class TPModelRunner(ModelRunner):
 
     def close(self) -> None:
         """Stop the other ranks (they finish nothing: the engine is done)."""
-        for conn in self.conns:
-            with contextlib.suppress(OSError):
-                conn.send(None)
-        for process in self.processes:
-            try:
-                process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        self._finalizer()
+
+
+def _stop_ranks(processes: list[subprocess.Popen[bytes]], conns: list[Connection]) -> None:
+    for conn in conns:
+        with contextlib.suppress(OSError):
+            conn.send(None)
+    for process in processes:
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    for conn in conns:
+        conn.close()
 
 
 def start_tensor_parallel(config: EngineConfig) -> TPModelRunner:
