@@ -7,6 +7,7 @@ both ranks, untied vocabulary-parallel head, sharded checkpoint); head_dim != hi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 from collections.abc import Callable, Iterator
@@ -20,10 +21,12 @@ from pd_fixtures import start_cluster, stop_cluster
 from server_fixtures import parse_sse
 
 from pdserve import LLM, SamplingParams
-from pdserve.config import RouterConfig, WorkerConfig
+from pdserve.config import EngineArgs, RouterConfig, WorkerConfig, create_engine_config
 from pdserve.disagg.kv_layout import KVLayout, KVLayoutMismatch
 from pdserve.engine.async_llm import AsyncLLM, EngineDeadError
 from pdserve.engine.tensor_parallel import RankDiedError, TPModelRunner
+from pdserve.model.parallel import TPShard, check_tp_size
+from pdserve.model.qwen3_config import Qwen3ModelConfig
 from pdserve.ops.up import CommandLines, Replicas, UpOptions
 
 # a short prompt, one crossing blocks, one cut into chunks by the 32-token budget (a chunk that
@@ -42,6 +45,26 @@ def test_kv_layouts_of_different_tp_sizes_map_and_another_head_range_is_refused_
         one.check_compatible(KVLayout("m", "float32", "float32", 16, 2, 2, 32, kv_head_start=2))
     assert refused.value.field == "kv_head_start"
     assert KVLayout.from_json(KVLayout("m", "float32", "float32", 16, 2, 2, 32, tp_size=4).to_json()).tp_size == 4
+
+
+@pytest.mark.parametrize(("size", "error"), [(0, "must be >= 1"), (3, "must divide num_attention_heads"),
+                                             (8, "must divide num_attention_heads")])
+def test_a_tp_size_the_model_cannot_be_split_over_is_refused(model_dirs: dict[str, Path], size: int,
+                                                             error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        create_engine_config(EngineArgs(model=str(model_dirs["tiny"]), tensor_parallel_size=size))
+
+
+def test_kv_heads_are_sharded_or_replicated_and_each_rank_holds_the_head_its_queries_read(
+        model_dirs: dict[str, Path]) -> None:
+    cfg = Qwen3ModelConfig.from_dir(model_dirs["tiny"])  # 4 query heads, 2 KV heads
+    assert [TPShard(r, 2).kv_head_range(cfg) for r in range(2)] == [(0, 1), (1, 2)]
+    assert [TPShard(r, 4).kv_head_range(cfg) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    for size in (2, 4):  # rank r's first query head r*4/size belongs to KV head (r*4/size) // 2
+        assert all(TPShard(r, size).kv_head_range(cfg)[0] == (r * 4 // size) // 2 for r in range(size))
+    wide = dataclasses.replace(cfg, num_attention_heads=12, num_key_value_heads=4)
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        check_tp_size(wide, 3)
 
 
 def test_up_splits_a_workers_cores_over_its_ranks() -> None:
