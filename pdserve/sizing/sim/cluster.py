@@ -41,7 +41,8 @@ class Topology:
 
     def __post_init__(self) -> None:
         pd = self.num_prefill > 0 and self.num_decode > 0
-        if (self.num_colocated > 0) == pd or min(self.num_colocated, self.num_prefill, self.num_decode) < 0:
+        mixed = self.num_colocated > 0 and self.num_prefill + self.num_decode > 0
+        if (self.num_colocated > 0) == pd or mixed or min(self.num_colocated, self.num_prefill, self.num_decode) < 0:
             raise ValueError("simulate either --colocated N or --prefill P --decode D (all >= 1)")
 
     @property
@@ -97,6 +98,7 @@ class Cluster:
         self._arrivals: Sequence[Arrival] = ()
         self.requests: list[SimRequest] = []
         self.num_transfers = 0
+        self._batching: set[SimWorker] | None = None  # while handling one event: the workers to kick after it
 
     @property
     def workers(self) -> list[SimWorker]:
@@ -111,13 +113,21 @@ class Cluster:
         for i, a in enumerate(arrivals):
             self._push(a.offset_s, _ARRIVAL, i)
         while self._events:
-            self.now_s, _, kind, payload = heapq.heappop(self._events)
-            if kind == _ARRIVAL:
-                self._on_arrival(payload)  # type: ignore[arg-type]
-            elif kind == _STEP_END:
-                self._on_step_end(*payload)  # type: ignore[misc]
-            else:
-                self._on_transfer_done(payload)  # type: ignore[arg-type]
+            # NOTE: workers schedule once every event of this instant is handled, so that all it
+            # released or sent (simultaneous arrivals, a finished request's successor) is batched
+            self.now_s = self._events[0][0]
+            self._batching = set()
+            while self._events and self._events[0][0] == self.now_s:
+                _, _, kind, payload = heapq.heappop(self._events)
+                if kind == _ARRIVAL:
+                    self._on_arrival(payload)  # type: ignore[arg-type]
+                elif kind == _STEP_END:
+                    self._on_step_end(*payload)  # type: ignore[misc]
+                else:
+                    self._on_transfer_done(payload)  # type: ignore[arg-type]
+            workers, self._batching = self._batching, None
+            for worker in sorted(workers, key=lambda w: (w.role, w.index)):
+                self._kick(worker)
         return self.requests
 
     # -- client and router ------------------------------------------------------------------
@@ -178,6 +188,9 @@ class Cluster:
 
     # -- workers ----------------------------------------------------------------------------
     def _kick(self, worker: SimWorker) -> None:
+        if self._batching is not None:
+            self._batching.add(worker)
+            return
         if worker.busy:
             return
         plan = worker.schedule()

@@ -88,7 +88,9 @@ def simulate(spec: ClusterSpec, arrivals_: Sequence[Arrival], max_concurrency: i
     cluster = Cluster(spec, max_concurrency)
     done = cluster.run(arrivals_)
     # NOTE: conservation: every request sent, every one ended, no KV block left behind
-    assert len(done) == len(arrivals_), f"{len(arrivals_) - len(done)} requests never sent"
+    stalled = sum(r.finished_s is None for r in done) + len(arrivals_) - len(done)
+    if stalled:
+        raise RuntimeError(f"simulation stalled: {stalled} requests never finished (a scheduler deadlock)")
     assert all(w.free_blocks == w.limits.num_kv_blocks for w in cluster.workers), "KV blocks leaked"
     records = tuple(to_record(r.index, r) for r in sorted(done, key=lambda r: r.index))
     duration = max((r.finished_s or 0.0) for r in done) if done else 0.0

@@ -77,9 +77,10 @@ class SimWorker:
         need = self.blocks_for(num_tokens) - request.blocks
         while need > self.free_blocks:
             victim = next((r for r in reversed(self.running) if r is not request), None)
-            if victim is None:
+            if victim is not None:
+                self._preempt(victim)
+            elif not self._evict_waiting(request):
                 return False
-            self._preempt(victim)
         if need > 0:
             self.take(request, need)
         return True
@@ -91,6 +92,18 @@ class SimWorker:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def _evict_waiting(self, head: SimRequest) -> bool:
+        """Nothing runs and the head cannot start: the newest waiting request that holds blocks (a
+        hand-off's KV on a decode worker) gives them up and will recompute, so the head can grow."""
+        victim = next((r for r in reversed(self.waiting) if r is not head and r.blocks), None)
+        if victim is None:
+            return False
+        self.release(victim)
+        victim.computed, victim.target = 0, victim.prompt_len + victim.generated
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        return True
 
     # -- scheduling -------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
@@ -137,7 +150,9 @@ class SimWorker:
             tokens = request.context_len + 1 if remaining == 0 else request.computed + n
             need = self.blocks_for(tokens) - request.blocks
             if need > self.free_blocks:
-                break
+                if self.running or not self._evict_waiting(request):
+                    break
+                continue
             self.waiting.popleft()
             if need > 0:
                 self.take(request, need)
