@@ -122,3 +122,22 @@ def test_simulate_command_saves_bench_keys(tmp_path, capsys: pytest.CaptureFixtu
     assert len(doc["ttfts"]) == 40 and doc["max_concurrency"] == 8
     assert "Simulated: PD 1:2" in capsys.readouterr().out
     assert main(["simulate", "--roofline", "H800:qwen3-8b", "--colocated", "1", "--prefill", "1"]) == 2
+
+
+def test_validate_sim_replays_a_saved_run(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    from pdserve.bench import validate_sim
+
+    # a "real" run that is itself simulated: replaying it must give the same numbers (0 % error)
+    real = tmp_path / "real.json"
+    assert main(["simulate", "--roofline", "H20:qwen3-8b", "--colocated", "2", "--num-prompts", "30",
+                 "--max-concurrency", "6", "--request-rate", "3", "--seed", "4", "--save", str(real)]) == 0
+    table = tmp_path / "table.json"
+    assert validate_sim.main(["--roofline", "H20:qwen3-8b", "--run", f"colocated:2={real}", "--save", str(table)]) == 0
+    rows = json.loads(table.read_text())
+    assert {r["metric"] for r in rows} == {m for m, _ in validate_sim.METRICS}
+    assert all(r["ok"] and abs(r["error"]) < 1e-9 for r in rows)
+    # replayed on another topology it differs, and says so
+    assert validate_sim.main(["--roofline", "H20:qwen3-8b", "--run", f"pd:1:1={real}", "--save", str(table)]) == 0
+    assert any(abs(r["error"]) > 0.01 for r in json.loads(table.read_text()))
+    with pytest.raises(SystemExit):
+        validate_sim.main(["--roofline", "H20:qwen3-8b", "--run", "mixed:1=x.json"])

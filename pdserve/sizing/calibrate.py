@@ -108,15 +108,26 @@ def fit(samples: list[Sample]) -> StepModel:
     return StepModel(*(float(c) for c in coef))
 
 
-def measure_steps(engine: LLMEngine, max_tokens: int, max_seqs: int) -> list[Sample]:
+@dataclass(frozen=True, slots=True)
+class Grid:
+    """The scenarios timed: prefill tokens x cached context (in blocks), decode batch x context."""
+
+    prefill_tokens: tuple[int, ...] = (32, 128, 512)
+    prefill_context_blocks: tuple[int, ...] = (0, 8, 32)
+    decode_batches: tuple[int, ...] = (1, 4, 16)
+    decode_contexts: tuple[int, ...] = (16, 256)
+
+
+def measure_steps(engine: LLMEngine, grid: Grid) -> list[Sample]:
     prompts = _Prompts(engine.config.model.vocab_size)
     block = engine.config.cache.block_size
+    sched = engine.config.scheduler
     samples = []
-    for new in (t for t in (32, 128, 512) if t <= max_tokens):
-        for context in (0, 8 * block, 32 * block):
-            samples.append(prefill_sample(engine, prompts, new, context))
-    for batch in (b for b in (1, 4, 16) if b <= max_seqs):
-        for context in (16, 256):
+    for new in (t for t in grid.prefill_tokens if t <= sched.max_num_batched_tokens):
+        for context in grid.prefill_context_blocks:
+            samples.append(prefill_sample(engine, prompts, new, context * block))
+    for batch in (b for b in grid.decode_batches if b <= sched.max_num_seqs):
+        for context in grid.decode_contexts:
             samples.append(decode_sample(engine, prompts, batch, context))
     return samples
 
@@ -139,11 +150,13 @@ def measure_transfer(model: ModelFacts, dtype: str, block_size: int, transports:
     return out
 
 
-def calibrate(args: EngineArgs, transports: list[str], hardware: str) -> tuple[Profile, list[Sample]]:
+def calibrate(args: EngineArgs, transports: list[str], hardware: str,
+              grid: Grid = Grid()) -> tuple[Profile, list[Sample]]:  # noqa: B008 - frozen
+    """Measure, fit, and build the profile (limits: the engine's own)."""
     engine = LLMEngine.from_engine_args(args)
     cfg = engine.config
     model = ModelFacts.from_config(cfg.model_path.rstrip("/").split("/")[-1], _config_dict(cfg.model_path))
-    samples = measure_steps(engine, cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs)
+    samples = measure_steps(engine, grid)
     step = fit(samples)
     dtype = str(cfg.dtype).removeprefix("torch.")
     element = cfg.kv_bytes_per_block // (cfg.cache.block_size * 2 * model.num_layers * model.num_kv_heads
