@@ -80,7 +80,7 @@ def compare(ns: argparse.Namespace) -> list[dict]:
         doc = json.loads(run.path.read_text())
         sim = simulate_like(ns, run, doc)
         for key, target in METRICS:
-            err = error(sim[key], doc.get(key))  # type: ignore[arg-type]
+            err = error(sim[key], doc.get(key))
             rows.append({"config": run.label, "metric": key, "real": doc.get(key), "sim": sim[key], "error": err,
                          "target": target, "ok": not math.isnan(err) and abs(err) <= target})
     return rows
