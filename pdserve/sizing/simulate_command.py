@@ -126,8 +126,8 @@ def run(ns: argparse.Namespace) -> int:
         return _sweep(ns, setup)
     run_ = run_one(ns, setup, Topology(ns.colocated, ns.prefill, ns.decode), ns.max_concurrency)
     print(format_summary(run_.summary, title=f"Simulated: {run_.cluster.spec.topology}"))
-    print(f"simulated {len(lengths)} requests in {run_.wall_s:.2f} s wall; preemptions {run_.num_preemptions}; "
-          f"KV transfers {run_.cluster.num_transfers}")
+    print(f"simulated {len(lengths)} requests in {run_.wall_s:.2f} s wall ({run_.cpu_s:.2f} s CPU); "
+          f"preemptions {run_.num_preemptions}; KV transfers {run_.cluster.num_transfers}")
     if ns.save:
         save_json(ns.save, result_json(run_.result, run_.summary, workload))
         print(f"saved {ns.save}")

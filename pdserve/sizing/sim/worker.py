@@ -107,6 +107,31 @@ class SimWorker:
 
     # -- scheduling -------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
+        return self._schedule_decodes() or self._schedule()
+
+    def _schedule_decodes(self) -> StepPlan | None:
+        """The common step, fast: everything running decodes, within the budget, and every request
+        that needs a new block gets one without preempting. None: not that case (nothing changed
+        but blocks taken that the request needs anyway)."""
+        running, block_size = self.running, self.limits.block_size
+        if not running or self.waiting or len(running) > self.limits.max_num_batched_tokens:
+            return None
+        context = crossing = 0
+        for r in running:
+            if r.computed < r.target:
+                return None
+            n = r.prompt_len + r.generated
+            context += n
+            crossing += n >= r.blocks * block_size
+        if crossing > self.free_blocks:
+            return None
+        if crossing:
+            for r in running:
+                if r.prompt_len + r.generated >= r.blocks * block_size:
+                    self.take(r, 1)
+        return StepPlan([], list(running), self.step_model.step_s(0, 0, len(running), context))
+
+    def _schedule(self) -> StepPlan | None:
         budget = self.limits.max_num_batched_tokens
         block_size = self.limits.block_size
         chunks: list[tuple[SimRequest, int]] = []
