@@ -189,8 +189,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="measure a step-time model and KV transfer rates; write a profile",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=str, required=True, help="the profile file to write (JSON)")
-    p.add_argument("--transports", default="tcp",
-                   help="comma-separated: tcp, nixl (when importable); empty: no transfer measurement")
+    p.add_argument("--transports", default=None,
+                   help="comma-separated: tcp, nixl (default: tcp, and nixl when importable); '': no transfer measurement")
     add_config_args(p, EngineArgs, title="engine")
     p.set_defaults(func=run)
 
@@ -202,7 +202,8 @@ def run(ns: argparse.Namespace) -> int:
     from pdserve.config_flags import config_from_args
     from pdserve.disagg.transport import nixl_available
 
-    transports = [t for t in ns.transports.split(",") if t.strip()]
+    text = ns.transports if ns.transports is not None else "tcp,nixl" if nixl_available() else "tcp"
+    transports = [t.strip() for t in text.split(",") if t.strip()]
     if "nixl" in transports and not nixl_available():
         raise ValueError("--transports nixl: NIXL is not importable here")
     start = time.perf_counter()

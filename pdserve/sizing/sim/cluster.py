@@ -7,8 +7,8 @@ Model (what it includes, what it leaves out):
   429, as the real router); a request whose prompt and output cannot fit a worker's KV pool at all
   is refused. Colocated: the replica with the fewest unfinished requests. PD: first a KV
   reservation (prompt + 1 tokens) on the decode worker with the fewest unfinished requests that
-  has room (requests wait at the router, in order, until one has), then the prefill worker with
-  the fewest unfinished requests.
+  has room (requests wait at the router, in order, until one has), then the router's prefill FIFO
+  (a worker takes jobs while they fit its token budget; see `_dispatch_prefill`).
 - Workers: worker.py's scheduler; a step lasts the profile's step time.
 - Hand-off: the prefill step that completes a prompt samples the first token; its KV then moves
   to decode over the transport model (layer-wise: only the part not hidden behind the prefill
@@ -94,7 +94,8 @@ class Cluster:
         self._in_flight = 0
         self._awaiting_first = 0  # admitted, no first token yet (the router's queue)
         self._client_backlog: deque[int] = deque()
-        self._router_backlog: deque[SimRequest] = deque()
+        self._router_backlog: deque[SimRequest] = deque()  # PD: waiting for decode KV room
+        self._prefill_queue: deque[SimRequest] = deque()  # PD: reserved, waiting for a prefill worker
         self._arrivals: Sequence[Arrival] = ()
         self.requests: list[SimRequest] = []
         self.num_transfers = 0
@@ -168,13 +169,34 @@ class Cluster:
             need = -(-(request.prompt_len + 1) // self.spec.decode.block_size)
             roomy = [w for w in self.decode if w.free_blocks >= need]
             if not roomy:
-                return
+                break
             self._router_backlog.popleft()
             decode = min(roomy, key=_load)
             decode.reserve(need)
             decode.num_unfinished += 1
             request.decode = decode.index
-            self._assign(min(self.prefill, key=_load), request)
+            self._prefill_queue.append(request)
+        self._dispatch_prefill()
+
+    def _dispatch_prefill(self) -> None:
+        """The router's prefill FIFO (disagg/queue/memory.py): a prefill worker takes a job when it
+        holds none, or when the job fits its token budget beside the jobs it holds (until their
+        hand-off ends); a job that fits nowhere yet does not hold back smaller ones behind it."""
+        budget = self.spec.colocated.max_num_batched_tokens
+        kept: deque[SimRequest] = deque()
+        while self._prefill_queue:
+            request = self._prefill_queue.popleft()
+            takers = [w for w in self.prefill if w.num_unfinished == 0 or w.held_tokens + request.prompt_len <= budget]
+            if not takers:
+                kept.append(request)
+                if all(w.num_unfinished and w.held_tokens >= budget for w in self.prefill):
+                    break  # no room anywhere for any job
+                continue
+            worker = min(takers, key=lambda w: (w.held_tokens, w.index))
+            worker.held_tokens += request.prompt_len
+            self._assign(worker, request)
+        kept.extend(self._prefill_queue)
+        self._prefill_queue = kept
 
     def _fail(self, request: SimRequest, kind: str) -> None:
         request.error_kind = kind
@@ -229,7 +251,9 @@ class Cluster:
         prefill = self.prefill[request.worker]
         prefill.release(request)
         prefill.num_unfinished -= 1
+        prefill.held_tokens -= request.prompt_len
         self._kick(prefill)
+        self._dispatch_prefill()
         request.token_times_s[-1] = self.now_s  # the client sees the first token once decode has the KV
         self._awaiting_first -= 1
         decode = self.decode[request.decode]

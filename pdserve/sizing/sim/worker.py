@@ -49,6 +49,7 @@ class SimWorker:
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_unfinished = 0  # requests assigned here and not finished (the router's load)
+        self.held_tokens = 0  # PD prefill: prompt tokens of the jobs it holds until their hand-off ends
 
     # -- KV blocks --------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
