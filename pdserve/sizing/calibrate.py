@@ -190,7 +190,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=str, required=True, help="the profile file to write (JSON)")
     p.add_argument("--transports", default=None,
-                   help="comma-separated: tcp, nixl (default: tcp, and nixl when importable); '': no transfer measurement")
+                   help="comma-separated: tcp, nixl (default: tcp, and nixl when importable); '': none")
     add_config_args(p, EngineArgs, title="engine")
     p.set_defaults(func=run)
 
