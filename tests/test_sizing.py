@@ -141,3 +141,15 @@ def test_validate_sim_replays_a_saved_run(tmp_path, capsys: pytest.CaptureFixtur
     assert any(abs(r["error"]) > 0.01 for r in json.loads(table.read_text()))
     with pytest.raises(SystemExit):
         validate_sim.main(["--roofline", "H20:qwen3-8b", "--run", "mixed:1=x.json"])
+
+
+def test_prefill_workers_take_jobs_while_they_fit_their_token_budget() -> None:
+    # the router's FIFO (disagg/queue/memory.py): three 300-token jobs fit a 1000-token budget
+    # together; the fourth waits until a hand-off ends, i.e. for a whole (slow) transfer
+    limits = WorkerLimits(num_kv_blocks=1000, block_size=16, max_num_seqs=8, max_num_batched_tokens=1000)
+    transfer = TransferModel(latency_s=1.0, bytes_per_s=1e12)
+    spec = _spec(Topology(num_prefill=1, num_decode=1), limits, transfer=transfer)
+    run = simulate(spec, [Arrival(300, 2, 0.0)] * 4, None)
+    ttfts = [r.ttft_s for r in run.result.records]
+    assert ttfts[0] == ttfts[1] == ttfts[2]
+    assert ttfts[3] is not None and ttfts[0] is not None and ttfts[3] - ttfts[0] >= transfer.latency_s
