@@ -87,6 +87,7 @@ def test_saturated_decode_throughput_is_batch_over_step_time() -> None:
     spec = ClusterSpec(Topology(num_colocated=1), step, limits, limits)
     run = simulate(spec, [Arrival(4, out_len, 0.0)] * (2 * batch), batch)
     decode_step = step.step_s(0, 0, batch, 0)
+    assert run.summary.max_concurrent_requests == batch  # a finished request's slot is free for the next one
     assert run.summary.latency["tpot"].median_ms == pytest.approx(decode_step * 1e3)
     decode_tokens_s = (out_len - 1) * 2 * batch / (run.summary.duration_s - 2 * step.step_s(4 * batch, 8 * batch, 0, 0))
     assert decode_tokens_s == pytest.approx(batch / decode_step, rel=1e-6)
@@ -106,6 +107,7 @@ def test_conservation_under_kv_pressure_and_admission_limits(topology: Topology)
     assert all(0 < w.peak_blocks_used <= w.limits.num_kv_blocks for w in run.cluster.workers)
     assert run.num_preemptions > 0  # the pool was small enough to preempt, and nothing was lost for it
     assert all(r.output_tokens == arrivals_[r.index].output_len for r in run.result.records if r.ok)
+    assert s.max_concurrent_requests <= 200  # the client's cap
 
 
 def test_seed_mix_lengths_match_bench_workload() -> None:
