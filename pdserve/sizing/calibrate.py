@@ -123,8 +123,10 @@ def measure_steps(engine: LLMEngine, grid: Grid) -> list[Sample]:
     block = engine.config.cache.block_size
     sched = engine.config.scheduler
     samples = []
+    # NOTE: a cached context needs prefix caching (without it the "context" would be recomputed)
+    contexts = grid.prefill_context_blocks if engine.config.cache.enable_prefix_caching else (0,)
     for new in (t for t in grid.prefill_tokens if t <= sched.max_num_batched_tokens):
-        for context in grid.prefill_context_blocks:
+        for context in contexts:
             samples.append(prefill_sample(engine, prompts, new, context * block))
     for batch in (b for b in grid.decode_batches if b <= sched.max_num_seqs):
         for context in grid.decode_contexts:

@@ -75,13 +75,13 @@ def table(points: list[Point]) -> tuple[list[str], list[list[str]]]:
     return headers, rows
 
 
-def plot(points: list[Point], devices: list[str], out_dir: Path) -> Path:
+def plot(points: list[Point], devices: list[str], out_dir: Path, name: str = "sim_pd_sweep") -> Path:
     from pdserve.bench.serve.report import _pyplot
 
     plt = _pyplot()
     fig, axes = plt.subplots(len(devices), 3, figsize=(15, 3.8 * len(devices)), squeeze=False)
-    for row, name in zip(axes, devices, strict=True):
-        mine = [p for p in points if p.device == name]
+    for row, device_name in zip(axes, devices, strict=True):
+        mine = [p for p in points if p.device == device_name]
         for system, style in (("PD", "o-"), ("colocated", "s--")):
             sel = [p for p in mine if p.label.startswith("col") == (system == "colocated")]
             xs = [p.num_devices for p in sel]
@@ -90,14 +90,14 @@ def plot(points: list[Point], devices: list[str], out_dir: Path) -> Path:
             row[2].plot(xs, [p.summary.latency["ttft"].percentiles_ms[99] / 1e3 for p in sel], style, label=system)
         pd_points = [p for p in mine if not p.label.startswith("col")]
         for ax, title in zip(row, ("output tok/s", "TPOT P99 (ms)", "TTFT P99 (s)"), strict=True):
-            ax.set_title(f"{name}: {title}")
+            ax.set_title(f"{device_name}: {title}")
             ax.set_xlabel("devices (P:D for PD)")
             ax.set_xticks([p.num_devices for p in pd_points], [f"{p.num_devices}\n{p.label}" for p in pd_points])
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
     fig.tight_layout()
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "sim_pd_sweep.png"
+    path = out_dir / f"{name}.png"
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--save", type=Path, default=None)
+    parser.add_argument("--name", default="sim_pd_sweep", help="the plot's file name (without .png)")
     ns = parser.parse_args(argv)
     devices = ns.devices.split(",")
     for name in devices:
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         save_json(ns.save, {"points": [{"device": p.device, "label": p.label, "devices": p.num_devices,
                                         **p.summary.to_vllm_dict()} for p in points]})
     if ns.plot:
-        print(f"plotted {plot(points, devices, ns.plot)}")
+        print(f"plotted {plot(points, devices, ns.plot, ns.name)}")
 
 
 if __name__ == "__main__":
