@@ -280,7 +280,7 @@ def _sizing_runner(name: str, run: Callable[[argparse.Namespace], int]) -> Calla
     def guarded(ns: argparse.Namespace) -> int:
         try:
             return int(run(ns))
-        except (ValueError, OSError) as exc:
+        except (ValueError, OSError, RuntimeError) as exc:
             print(f"pdserve {name}: {exc}", file=sys.stderr)
             return 2
 

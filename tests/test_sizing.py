@@ -110,6 +110,12 @@ def test_conservation_under_kv_pressure_and_admission_limits(topology: Topology)
     assert s.max_concurrent_requests <= 200  # the client's cap
 
 
+def test_prompts_over_the_budget_are_refused_without_chunked_prefill() -> None:
+    limits = WorkerLimits(1000, 16, max_num_seqs=8, max_num_batched_tokens=512, enable_chunked_prefill=False)
+    run = simulate(_spec(Topology(num_colocated=1), limits), [Arrival(600, 4, 0.0), Arrival(500, 4, 0.0)], None)
+    assert run.summary.failures == {"too_long": 1} and run.summary.completed == 1
+
+
 def test_seed_mix_lengths_match_bench_workload() -> None:
     bench = workloads.seed_mix(60, scale=0.1, seed=5, vocab_size=1000)
     assert seed_mix_lengths(60, 0.1, None, 5) == [(r.prompt_len, r.max_tokens) for r in bench.requests]

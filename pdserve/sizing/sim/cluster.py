@@ -144,7 +144,10 @@ class Cluster:
         self.requests.append(request)
         self._in_flight += 1
         pools = [self.spec.colocated] + ([self.spec.decode] if self.spec.topology.is_pd else [])
-        if any(-(-(a.prompt_len + a.output_len) // p.block_size) > p.num_kv_blocks for p in pools):
+        # NOTE: never fits: more KV than a pool, or (without chunked prefill) a prompt over the token
+        # budget; the real engine's max_model_len check refuses these with a 400
+        if any(-(-(a.prompt_len + a.output_len) // p.block_size) > p.num_kv_blocks or (
+                not p.enable_chunked_prefill and a.prompt_len > p.max_num_batched_tokens) for p in pools):
             self._fail(request, "too_long")
         elif self._awaiting_first >= self.spec.max_queued_requests:
             self._fail(request, "http_429")
