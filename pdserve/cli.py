@@ -299,6 +299,31 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
     add_bench_parser(sub).set_defaults(func=run)
 
 
+# -- sizing: `pdserve plan | calibrate | simulate` (pdserve/sizing/) --------------------------------
+def add_sizing_commands(sub: argparse._SubParsersAction) -> None:
+    """`plan` (memory arithmetic), `calibrate` (a measured step-time profile), `simulate` (a
+    discrete-event cluster simulation); bad input is a message and exit status 2."""
+    from pdserve.sizing import calibrate, plan_command, simulate_command
+
+    for module in (plan_command, calibrate, simulate_command):
+        module.add_parser(sub)
+    for name in ("plan", "calibrate", "simulate"):
+        parser = sub.choices[name]
+        parser.set_defaults(func=_sizing_runner(name, parser.get_default("func")))
+
+
+def _sizing_runner(name: str, run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    def guarded(ns: argparse.Namespace) -> int:
+        try:
+            return int(run(ns))
+        except (ValueError, OSError, RuntimeError) as exc:
+            print(f"pdserve {name}: {exc}", file=sys.stderr)
+            return 2
+
+    return guarded
+# -- end of sizing ----------------------------------------------------------------------------------
+
+
 def _add_listen_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=_HOST)
     parser.add_argument("--port", type=int, default=_PORT)
@@ -418,6 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--seed", type=int, default=0)
     make.set_defaults(func=_make_model)
     add_bench_command(sub)
+    add_sizing_commands(sub)
     return parser
 
 
