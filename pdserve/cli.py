@@ -13,8 +13,6 @@ import os
 import signal
 import socket
 import sys
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -26,7 +24,9 @@ from starlette.types import ASGIApp
 
 from pdserve.config import ApiConfig, EngineArgs, RouterConfig, WorkerConfig, http_url, parse_member
 from pdserve.config_flags import add_config_args, config_from_args
+from pdserve.ops.supervisor import exit_with_supervisor
 from pdserve.ops.threads import CorePlan, parse_cpu_list
+from pdserve.sizing.commands import add_sizing_commands, guarded
 
 if TYPE_CHECKING:
     from pdserve.disagg.router import PDRouter
@@ -289,39 +289,7 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
     """`pdserve bench [sweep | compare | capacity]`: the load generator (pdserve/bench/serve/)."""
     from pdserve.bench.serve.command import add_bench_parser
 
-    def run(ns: argparse.Namespace) -> int:
-        try:
-            return int(ns.bench_run(ns))
-        except (ValueError, RuntimeError, OSError) as exc:
-            print(f"pdserve bench: {exc}", file=sys.stderr)
-            return 2
-
-    add_bench_parser(sub).set_defaults(func=run)
-
-
-# -- sizing: `pdserve plan | calibrate | simulate` (pdserve/sizing/) --------------------------------
-def add_sizing_commands(sub: argparse._SubParsersAction) -> None:
-    """`plan` (memory arithmetic), `calibrate` (a measured step-time profile), `simulate` (a
-    discrete-event cluster simulation); bad input is a message and exit status 2."""
-    from pdserve.sizing import calibrate, plan_command, simulate_command
-
-    for module in (plan_command, calibrate, simulate_command):
-        module.add_parser(sub)
-    for name in ("plan", "calibrate", "simulate"):
-        parser = sub.choices[name]
-        parser.set_defaults(func=_sizing_runner(name, parser.get_default("func")))
-
-
-def _sizing_runner(name: str, run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    def guarded(ns: argparse.Namespace) -> int:
-        try:
-            return int(run(ns))
-        except (ValueError, OSError, RuntimeError) as exc:
-            print(f"pdserve {name}: {exc}", file=sys.stderr)
-            return 2
-
-    return guarded
-# -- end of sizing ----------------------------------------------------------------------------------
+    add_bench_parser(sub).set_defaults(func=lambda ns: guarded("bench", ns.bench_run)(ns))
 
 
 def _add_listen_args(parser: argparse.ArgumentParser) -> None:
@@ -445,25 +413,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_command(sub)
     add_sizing_commands(sub)
     return parser
-
-
-def exit_with_supervisor(poll_s: float = 1.0) -> None:
-    """A process `pdserve up` started (PDSERVE_SUPERVISOR_PID set) drains and exits once that
-    supervisor is gone, however it went (even SIGKILL, which it cannot pass on): SIGTERM to itself,
-    which a server handles as a drain."""
-    from pdserve import envs
-
-    supervisor = envs.supervisor_pid()
-    if supervisor is None:
-        return
-
-    def watch() -> None:
-        while os.getppid() == supervisor:
-            time.sleep(poll_s)
-        logging.getLogger("pdserve").warning("supervisor %d is gone: draining and exiting", supervisor)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, name="pdserve-supervisor-watch", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:
