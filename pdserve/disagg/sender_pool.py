@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
+from pdserve.disagg.auth import ClusterSecret
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.transport import make_sender
 from pdserve.disagg.transport.base import KVSender
@@ -20,12 +21,13 @@ logger = logging.getLogger(__name__)
 
 class SenderPool:
     def __init__(self, transport: str, layout: KVLayout, kv_cache: torch.Tensor,
-                 options: Mapping[str, object] | None = None) -> None:
-        """`kv_cache`: this worker's pool, which the senders read; `options` go to each sender."""
+                 options: Mapping[str, object] | None = None, secret: ClusterSecret | None = None) -> None:
+        """`kv_cache`: this worker's pool, which the senders read; `options` go to each sender, with
+        the cluster `secret` each handshake proves."""
         self.transport = transport
         self.layout = layout
         self.kv_cache = kv_cache
-        self.options = dict(options or {})
+        self.options = {**(options or {}), "secret": secret}
         self._senders: dict[str, KVSender] = {}  # decode worker's KV address -> its sender
         self._lock = threading.Lock()
 
