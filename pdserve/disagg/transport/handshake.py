@@ -36,6 +36,7 @@ from pdserve.disagg.transport.messages import Challenge, Hello, Welcome
 logger = logging.getLogger(__name__)
 
 MAX_HELLO_BYTES = 256 << 10  # a layout and NIXL connection info fit many times over
+AUTH_REFUSAL = "cluster authentication failed"  # how a WELCOME's refusal for want of the secret starts
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +112,7 @@ async def _answer_hello(sock: socket.socket, decide: Callable[[Hello], Welcome],
     if not hello.nonce or not check_proof(secret, hello.proof, hello_proof(secret, nonce, hello.nonce)):
         why = "no or another cluster secret" if secret is not None else "this decode worker has no cluster secret"
         logger.warning("KV port: refused a peer: cluster authentication failed (%s)", why)
-        await frames.send_frame(sock, Welcome(hello.layout, f"cluster authentication failed ({why})", b""))
+        await frames.send_frame(sock, Welcome(hello.layout, f"{AUTH_REFUSAL} ({why})", b""))
         return None
     welcome = dataclasses.replace(decide(hello), proof=welcome_proof(secret, nonce, hello.nonce))
     await frames.send_frame(sock, welcome)
@@ -134,7 +135,8 @@ async def say_hello(sock: socket.socket, hello: Hello, secret: ClusterSecret | N
     welcome = frame.header
     if not isinstance(welcome, Welcome):
         raise ProtocolError(f"expected WELCOME, got {frame.kind.name}")
-    if not check_proof(secret, welcome.proof, welcome_proof(secret, server_nonce, nonce)):
+    if welcome.refusal.startswith(AUTH_REFUSAL) or not check_proof(secret, welcome.proof,
+                                                                   welcome_proof(secret, server_nonce, nonce)):
         raise KVAuthError(f"decode's KV receiver did not prove the cluster secret: "
                           f"{welcome.refusal or 'no or another cluster secret there'}")
     return welcome
