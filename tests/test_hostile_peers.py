@@ -39,6 +39,8 @@ from pdserve.disagg.transport.handshake import KVPeerPolicy
 from pdserve.disagg.transport.tcp import TcpKVReceiver
 from pdserve.engine.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow  # the module starts a cluster (threads), ~10 s in all
+
 SECRET = "s3cret-of-this-cluster-" + "x" * 16
 OTHER = ClusterSecret(b"another-cluster-secret-0123456789")
 KEY = "client-key"

@@ -208,7 +208,10 @@ async def accept_forever(listener: socket.socket, serve: Callable[[socket.socket
 
 
 def listen(host: str, port: int) -> socket.socket:
-    sock = socket.create_server((host, port), backlog=64)
+    # NOTE: a deep backlog: under a flood of idle connections the accept loop drops the oldest
+    # unauthenticated ones (handshake.py), but only once it accepted them; a full backlog would
+    # leave a real prefill worker's SYN to be retried a second later
+    sock = socket.create_server((host, port), backlog=1024)
     sock.setblocking(False)
     return sock
 
