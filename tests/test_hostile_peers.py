@@ -14,6 +14,7 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -286,3 +287,47 @@ def test_prefill_refuses_a_job_no_router_signed(cluster: Cluster) -> None:
     finally:
         trap.close()
     serves_and_nothing_left(cluster)
+
+
+def test_queue_consumer_drops_a_forged_job_before_contacting_anyone() -> None:
+    """A job someone with access to Redis put there, unsigned: dropped (acknowledged) before the
+    consumer retargets, fails or prefills anything at the addresses it names."""
+    from pdserve.disagg.queue.redis_streams import RedisJobConsumer
+
+    contacted: list[str] = []
+
+    class Nobody:
+        def __getattr__(self, name: str) -> object:
+            contacted.append(name)
+            raise AssertionError(f"the consumer called {name} for a forged job")
+
+    service = SimpleNamespace(secret=secret(), run=Nobody())
+    consumer = RedisJobConsumer(service, "redis://127.0.0.1:1/0", token_budget=1)  # type: ignore[arg-type]
+    consumer._workers = Nobody()  # type: ignore[assignment]
+    consumer._redis = Nobody()  # type: ignore[assignment]
+    acked: list[str] = []
+
+    async def ack(entry_id: str) -> None:
+        acked.append(entry_id)
+
+    consumer._ack = ack  # type: ignore[method-assign]
+    job = PrefillJob(request_id="q", transfer_id="q@0", prompt_token_ids=PROMPT, kv_address="tcp://10.9.9.9:1",
+                     decode_url="http://10.9.9.9:1", block_ids=[0], num_cached_tokens=0,
+                     params=WireSamplingParams.of(SamplingParams(max_tokens=1)))
+    for forged in (job, sign_job(OTHER, job)):
+        asyncio.run(consumer._handle("1-0", {"job": forged.model_dump_json()}, reclaimed=True))
+    assert acked == ["1-0", "1-0"] and not contacted
+    assert consumer._job({"job": sign_job(secret(), job).model_dump_json()}).kv_address == job.kv_address
+
+
+def test_pdserve_up_always_runs_with_a_secret(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from pdserve import envs
+    from pdserve.config import RouterConfig
+    from pdserve.ops.up import cluster_secret_env
+
+    monkeypatch.delenv(envs.CLUSTER_SECRET, raising=False)
+    made = cluster_secret_env(RouterConfig())
+    assert len(made[envs.CLUSTER_SECRET]) == 64 and made != cluster_secret_env(RouterConfig())
+    assert cluster_secret_env(RouterConfig(cluster_secret_file=str(tmp_path / "s"))) == {}
+    monkeypatch.setenv(envs.CLUSTER_SECRET, SECRET)
+    assert cluster_secret_env(RouterConfig()) == {}

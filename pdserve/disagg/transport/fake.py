@@ -29,7 +29,9 @@ class FakeKVReceiver(KVReceiver):
     and `port` are accepted like the real receivers' (so a worker makes any receiver the same
     way) and ignored."""
 
-    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, host: str = "", port: int = 0) -> None:
+    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, host: str = "", port: int = 0, *,
+                 peers: object = None) -> None:
+        """`peers` (the KV port's policy) is accepted like the real receivers' and unused: no port."""
         super().__init__(layout, kv_cache)
         self._address = f"fake://{next(_next_id)}"
         self._closed = False
