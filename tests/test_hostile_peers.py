@@ -34,7 +34,7 @@ from pdserve.disagg.client import WorkerClient
 from pdserve.disagg.control import PrefillJob, ReserveRequest, WireSamplingParams
 from pdserve.disagg.decode_service import DecodeService
 from pdserve.disagg.kv_layout import KVLayout
-from pdserve.disagg.transport import KVTransferError, make_sender
+from pdserve.disagg.transport import KVTransferError, make_receiver, make_sender, nixl_available
 from pdserve.disagg.transport.errors import KVAuthError
 from pdserve.disagg.transport.handshake import KVPeerPolicy
 from pdserve.disagg.transport.tcp import TcpKVReceiver
@@ -331,3 +331,29 @@ def test_pdserve_up_always_runs_with_a_secret(monkeypatch: pytest.MonkeyPatch, t
     assert cluster_secret_env(RouterConfig(cluster_secret_file=str(tmp_path / "s"))) == {}
     monkeypatch.setenv(envs.CLUSTER_SECRET, SECRET)
     assert cluster_secret_env(RouterConfig()) == {}
+
+
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(
+    not nixl_available(), reason="nixl_cu12 is not installed"))])
+def test_each_transport_handshake_needs_the_secret(transport: str) -> None:
+    """Over nixl the handshake also hands out decode's agent metadata (its pool registration): only
+    a peer that proved the secret gets it."""
+    pool = torch.zeros(2, 2, 8, 4, 2, 8)
+    layout = KVLayout.from_pool("m", pool)
+    receiver = make_receiver(transport, layout, pool, peers=KVPeerPolicy(secret()))
+    try:
+        for wrong in (None, OTHER):
+            sender = make_sender(transport, layout, pool.clone(), secret=wrong)
+            try:
+                with pytest.raises(KVAuthError):
+                    sender.connect(receiver.address)
+            finally:
+                sender.close()
+        sender = make_sender(transport, layout, pool.clone(), secret=secret())
+        try:
+            sender.connect(receiver.address)
+        finally:
+            sender.close()
+        assert receiver.gate.num_refused == 2  # type: ignore[attr-defined]
+    finally:
+        receiver.close()
