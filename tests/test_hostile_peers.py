@@ -27,6 +27,7 @@ from pdserve.disagg.auth import (
     HEADER_SIGNATURE,
     HEADER_TIMESTAMP,
     ClusterSecret,
+    NonceCache,
     SignedRequests,
     sign_job,
 )
@@ -357,3 +358,13 @@ def test_each_transport_handshake_needs_the_secret(transport: str) -> None:
         assert receiver.gate.num_refused == 2  # type: ignore[attr-defined]
     finally:
         receiver.close()
+
+
+def test_the_nonce_cache_never_forgets_a_nonce_that_could_be_replayed() -> None:
+    cache = NonceCache(window_s=30, max_entries=3)
+    assert all(cache.first_use(n, now=100.0) for n in ("a", "b", "c"))
+    assert not cache.first_use("a", now=101.0)  # a replay
+    assert not cache.first_use("d", now=101.0)  # full of live nonces: refused, none forgotten
+    assert not cache.first_use("a", now=159.0)
+    # 61 s later "a" may be forgotten: its timestamp would be refused as stale anyway
+    assert cache.first_use("d", now=161.0) and cache.first_use("a", now=161.0)

@@ -48,7 +48,7 @@ HEADER_SIGNATURE = "x-pd-signature"
 # NOTE: hosts' clocks must agree within this; a nonce is remembered as long, so a replay is refused
 MAX_CLOCK_SKEW_S = 30.0
 MIN_SECRET_BYTES = 16
-_MAX_NONCES = 1 << 17
+_MAX_NONCES = 1 << 17  # ~20 MiB at most
 _MAX_SIGNED_BODY_BYTES = 64 << 20
 OPEN_ROUTES = frozenset({("GET", "/pd/info"), ("GET", "/pd/stats")})
 
@@ -126,7 +126,8 @@ class SignedRequests(httpx.Auth):
 
 
 class NonceCache:
-    """Nonces seen within the clock-skew window (bounded: the oldest are forgotten first)."""
+    """Nonces seen within the clock-skew window, at most `max_entries` (signed calls beyond that
+    rate, ~2,000 a second, are refused until older nonces expire)."""
 
     def __init__(self, window_s: float = MAX_CLOCK_SKEW_S, max_entries: int = _MAX_NONCES) -> None:
         self.window_s = window_s
@@ -134,10 +135,12 @@ class NonceCache:
         self._seen: OrderedDict[str, float] = OrderedDict()  # nonce -> when seen, oldest first
 
     def first_use(self, nonce: str, now: float) -> bool:
-        while self._seen and (len(self._seen) >= self.max_entries
-                              or next(iter(self._seen.values())) < now - 2 * self.window_s):
+        """False for a nonce seen before, and (NOTE: never forgetting one that could still be
+        replayed) while the cache is full of nonces of the window."""
+        # a nonce is kept 2 windows: its timestamp may lie a window before or after its arrival
+        while self._seen and next(iter(self._seen.values())) < now - 2 * self.window_s:
             self._seen.popitem(last=False)
-        if nonce in self._seen:
+        if nonce in self._seen or len(self._seen) >= self.max_entries:
             return False
         self._seen[nonce] = now
         return True
@@ -177,6 +180,8 @@ class PeerAuth:
         if not (timestamp and nonce and signature):
             return "unsigned request (no cluster secret?)"
         raw_path = scope.get("raw_path") or str(scope["path"]).encode()
+        if scope.get("query_string"):  # NOTE: httpx signs the path with its query (`URL.raw_path`)
+            raw_path += b"?" + scope["query_string"]
         if not self.secret.check(signature, *_request_parts(method, raw_path, timestamp, nonce, body)):
             return "bad signature (another cluster secret?)"
         try:
@@ -186,7 +191,7 @@ class PeerAuth:
         if skew > MAX_CLOCK_SKEW_S:
             return f"timestamp {skew:.0f} s away from this host's clock (at most {MAX_CLOCK_SKEW_S:g})"
         if not self.nonces.first_use(nonce, self.clock()):
-            return "replayed request (nonce seen before)"
+            return "replayed request (nonce seen before), or too many signed calls in the window"
         return ""
 
 
