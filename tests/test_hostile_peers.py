@@ -35,6 +35,7 @@ from pdserve.disagg.client import WorkerClient
 from pdserve.disagg.control import PrefillJob, ReserveRequest, WireSamplingParams
 from pdserve.disagg.decode_service import DecodeService
 from pdserve.disagg.kv_layout import KVLayout
+from pdserve.disagg.sender_pool import SenderPool
 from pdserve.disagg.transport import KVTransferError, make_receiver, make_sender, nixl_available
 from pdserve.disagg.transport.errors import KVAuthError
 from pdserve.disagg.transport.handshake import KVPeerPolicy
@@ -368,3 +369,28 @@ def test_the_nonce_cache_never_forgets_a_nonce_that_could_be_replayed() -> None:
     assert not cache.first_use("a", now=159.0)
     # 61 s later "a" may be forgotten: its timestamp would be refused as stale anyway
     assert cache.first_use("d", now=161.0) and cache.first_use("a", now=161.0)
+
+
+def test_prefill_closes_a_kv_connection_unused_for_its_idle_time() -> None:
+    """Decode workers come and go (autoscaling, restarts on new addresses): a prefill worker keeps
+    no connection to one it has not used for `idle_s`."""
+    pool = torch.zeros(2, 2, 8, 4, 2, 8)
+    layout = KVLayout.from_pool("m", pool)
+    receivers = [make_receiver("fake", layout, pool) for _ in range(2)]
+    now = [0.0]
+    senders = SenderPool("fake", layout, pool.clone(), idle_s=60.0, clock=lambda: now[0])
+    try:
+        first = senders.get(receivers[0].address)
+        now[0] = 59.0
+        senders.get(receivers[1].address)
+        assert senders.get(receivers[0].address) is first  # used within its idle time: kept
+        now[0] = 200.0
+        second = senders.get(receivers[1].address)
+        assert senders.get(receivers[1].address) is second
+        assert senders.get(receivers[0].address) is not first  # idle for 141 s: closed, connected again
+        with pytest.raises(ConnectionError):
+            first.send_layer("r", 0, [0], [0])  # the old one is closed
+    finally:
+        senders.close()
+        for receiver in receivers:
+            receiver.close()
