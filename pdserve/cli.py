@@ -369,8 +369,9 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
                     help="torch threads per decode worker (default: CPUs // workers when it starts)")
     add_config_args(up, RouterConfig, title="router", exclude=UP_SETS_ROUTER)
     add_config_args(up, ApiConfig, title="the router's OpenAI API")
-    # the router's group has the queue flags already; prefill and decode roles come from the counts
-    add_config_args(up, WorkerConfig, title="workers", exclude=("queue", *UP_SETS_WORKER))
+    # the router's group has the queue and cluster secret flags already (both configs read them);
+    # prefill and decode roles come from the counts
+    add_config_args(up, WorkerConfig, title="workers", exclude=("queue", "cluster_secret_file", *UP_SETS_WORKER))
     add_config_args(up, AutoscaleConfig, title="autoscale (with --autoscale)")
     up.set_defaults(func=None, up_parser=up)
 

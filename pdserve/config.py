@@ -294,6 +294,11 @@ class QueueArgs:
             raise ValueError(f"--queue must be 'memory' or a redis:// URL, got {self.queue!r}")
 
 
+CLUSTER_SECRET_HELP = ("file holding the secret every router and worker of the cluster shares (env "
+                       "PDSERVE_CLUSTER_SECRET otherwise): signs /pd/* calls, KV handshakes and prefill jobs; "
+                       "none: peers are not authenticated")
+
+
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     """Everything the PD router needs besides the model (tokenizer, context window)."""
@@ -307,6 +312,7 @@ class RouterConfig:
                                            "every 2 s)")
     dns_server: str = knob("", "HOST[:PORT] of the DNS server for dns: members (default: the system's resolver)")
     dns_interval_s: float = knob(2.0, "how often dns: members are resolved again")
+    cluster_secret_file: str | None = knob(None, CLUSTER_SECRET_HELP)
     queue: QueueArgs = field(default_factory=QueueArgs)
     decode_policy: DecodePolicyName = knob("least-loaded", "which decode worker gets a request")
     pd_threshold: int = knob(0, "prompts whose part not cached on the chosen decode worker is shorter than this "
@@ -366,6 +372,10 @@ class WorkerConfig:
     reservation_lease_s: float = knob(60.0, "decode: a reservation that hears neither KV nor a prefill keepalive "
                                             "this long is ended with an error and its blocks freed (0: never)")
     queue_max_deliveries: int = knob(3, "prefill: dead-letter a job after this many deliveries")
+    cluster_secret_file: str | None = knob(None, CLUSTER_SECRET_HELP)
+    kv_max_connections: int = knob(64, "decode: most connections the KV port holds at once (when full, the "
+                                       "oldest one not yet authenticated is dropped for a newcomer)")
+    kv_handshake_timeout_s: float = knob(5.0, "decode: a KV connection that has not authenticated this long is closed")
 
     def validate(self) -> None:
         self.queue.validate()
@@ -379,6 +389,8 @@ class WorkerConfig:
             (self.queue_claim_idle_s > 0, "queue_claim_idle_s must be > 0"),
             (self.reservation_lease_s >= 0, "reservation_lease_s must be >= 0 (0: no lease)"),
             (self.queue_max_deliveries >= 1, "queue_max_deliveries must be >= 1"),
+            (self.kv_max_connections >= 1, "kv_max_connections must be >= 1"),
+            (self.kv_handshake_timeout_s > 0, "kv_handshake_timeout_s must be > 0"),
             (all(_is_http_url(u) for u in self.register), "--register takes router URLs like http://host:port"),
             (self.advertise_url is None or _is_http_url(self.advertise_url),
              "--advertise-url must be a URL like http://host:port"),

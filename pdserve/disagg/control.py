@@ -52,12 +52,16 @@ class ReserveReply(BaseModel):
     block_ids: list[int]
     num_cached_tokens: int
     kv_address: str
+    # random per reservation: only a KV stream that presents it may write the reserved blocks
+    token: str = ""
 
 
 class PrefillJob(BaseModel):
     """router -> prefill (directly, or through the shared queue): compute this prompt and stream
     its KV into the reservation. `transfer_id` names this attempt; `decode_url` is the decode
-    worker holding the reservation (a consumer that gives up on the job tells it why)."""
+    worker holding the reservation (a consumer that gives up on the job tells it why); `token` is
+    the reservation's (ReserveReply), which the KV stream presents; `signature` the router's over
+    everything else but `transfer_id` (disagg/auth.py: prefill refuses a job it cannot verify)."""
 
     request_id: str
     transfer_id: str
@@ -67,6 +71,8 @@ class PrefillJob(BaseModel):
     kv_address: str
     block_ids: list[int]
     num_cached_tokens: int
+    token: str = ""
+    signature: str = ""
 
 
 class Retarget(BaseModel):

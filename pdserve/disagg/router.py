@@ -37,6 +37,7 @@ from http import HTTPStatus
 
 from pdserve.config import RouterConfig
 from pdserve.disagg.admission import Admission
+from pdserve.disagg.auth import load_cluster_secret, sign_job
 from pdserve.disagg.client import UnknownRequest, WorkerClient, WorkerRefused, WorkerUnreachable
 from pdserve.disagg.control import (
     OutputFrame,
@@ -104,7 +105,8 @@ class PDRouter:
         and queue (`config.queue`)."""
         # NOTE: no read timeout: a prefill job's POST answers once its hand-off ended, a stream
         # lasts as long as its request; until its first output, the first-token deadline bounds it.
-        client = WorkerClient(timeout_s=None, connect_timeout_s=_CONNECT_TIMEOUT_S)
+        client = WorkerClient(timeout_s=None, connect_timeout_s=_CONNECT_TIMEOUT_S,
+                              secret=load_cluster_secret(config.cluster_secret_file))
         pool = WorkerPool(client)
         registry = Registry(config.registration_ttl_s) if config.accept_registrations else None
         membership = Membership(pool, config, registry=registry)
@@ -263,7 +265,8 @@ class PDRouter:
         through the queue. Raises _DecodeLost if the worker goes away before the request ends."""
         job = PrefillJob(request_id=rid, transfer_id=transfer_id(rid, 0), prompt_token_ids=prompt,
                          params=WireSamplingParams.of(params), kv_address=reply.kv_address, block_ids=reply.block_ids,
-                         num_cached_tokens=reply.num_cached_tokens, decode_url=decode.url)
+                         num_cached_tokens=reply.num_cached_tokens, decode_url=decode.url, token=reply.token)
+        job = sign_job(self.client.secret, job)  # prefill acts only on jobs a cluster member signed
         ticket: PrefillTicket | None = None
         finished = False
         try:
