@@ -47,7 +47,7 @@ def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None 
                router: RouterState | None = None, probes: Probes | None = None,
                api: ApiConfig | None = None) -> FastAPI:
     """`router`: `client` is the PD router (disagg/router_app.py), whose pool and stats this reads
-    for the router's metrics and the live dashboard; it serves no logprobs. `probes`: default
+    for the router's metrics and the live dashboard. `probes`: default
     `Probes.of_engine(client)`. `api`: client keys and input caps (default `ApiConfig()`: no keys)."""
     api = api or ApiConfig()
     app = FastAPI(title="pdserve", exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
@@ -67,7 +67,7 @@ def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None 
 
     async def respond(handler: CompletionHandler | ChatHandler, body: Any, raw: Request) -> Any:
         check_model(body.model)
-        check_limits(body, api, serves_logprobs=router is None)
+        check_limits(body, api)
         request_id, jobs = await handler.prepare(body)
         if body.stream:
             # NOTE: the first chunk is awaited before the response starts, so an error until then
