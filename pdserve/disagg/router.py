@@ -261,7 +261,8 @@ class PDRouter:
         # NOTE: prefill computes the prompt's KV once for all n sequences; with n > 1 or logprobs,
         # decode samples the first tokens itself (LLMEngine.complete_remote)
         job = PrefillJob(request_id=rid, transfer_id=transfer_id(rid, 0), prompt_token_ids=prompt,
-                         params=WireSamplingParams.of(dataclasses.replace(params, n=1, logprobs=None)), kv_address=reply.kv_address, block_ids=reply.block_ids,
+                         params=WireSamplingParams.of(dataclasses.replace(params, n=1, logprobs=None)),
+                         kv_address=reply.kv_address, block_ids=reply.block_ids,
                          num_cached_tokens=reply.num_cached_tokens, decode_url=decode.url)
         ticket: PrefillTicket | None = None
         finished = False
