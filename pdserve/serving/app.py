@@ -25,6 +25,7 @@ from pdserve.serving.protocol import ChatCompletionRequest, CompletionRequest, M
 from pdserve.serving.router_metrics import instrument_router_app
 from pdserve.serving.router_stats import RouterState
 from pdserve.serving.sse import sse_stream, started, unless_disconnected
+from pdserve.serving.utility_routes import add_utility_routes
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
@@ -58,7 +59,7 @@ def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None 
     elif isinstance(client, AsyncLLM):
         instrument_engine_app(app, client, model_name, "colocated")
     completions = CompletionHandler(client, model_name, api.max_tokens_limit)
-    chat = ChatHandler(client, model_name, api.max_tokens_limit)
+    chat = ChatHandler(client, model_name, api)
 
     def check_model(requested: str | None) -> None:
         if requested is not None and requested != model_name:
@@ -89,6 +90,7 @@ def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None 
         return ModelList(data=[ModelCard(id=model_name, root=client.model_path,
                                          max_model_len=client.max_model_len)])
 
+    add_utility_routes(app, client, check_model)
     _add_probe_routes(app, probes or Probes.of_engine(client))
     return app
 
