@@ -7,9 +7,9 @@
 Read as the text streams, one choice at a time, like reasoning.py: text that could still be the
 start of `<tool_call>` is held back; a call is complete at `</tool_call>` (or at the end of the
 answer), and then parsed. A call that is no JSON object with a string `name` and an object
-`arguments` is not a call: its text is returned as content, as it came. Whitespace between calls
-(and before the first) is dropped once the answer has a call, so `content` is null then, as with
-OpenAI; other text stays content.
+`arguments` is not a call: its text is returned as content, as it came. Whitespace that leads into
+a call, or ends an answer that has one, is dropped (so `content` is null for an answer of calls
+only, as with OpenAI); other text stays content.
 """
 
 from __future__ import annotations
@@ -71,10 +71,10 @@ class ToolCallSplitter:
                 at = self._held.find(TOOL_CALL_START)
                 if at == -1:
                     keep = partial_tag_len(self._held, TOOL_CALL_START)
-                    content += self._held[:len(self._held) - keep]
+                    content += self._content(self._held[:len(self._held) - keep])
                     self._held = self._held[len(self._held) - keep:]
                     break
-                content += self._held[:at]
+                content += self._content(self._held[:at])
                 self._held, self._in_call = self._held[at + len(TOOL_CALL_START):], True
                 continue
             at = self._held.find(TOOL_CALL_END)
@@ -83,29 +83,19 @@ class ToolCallSplitter:
             body, self._held, self._in_call = self._held[:at], self._held[at + len(TOOL_CALL_END):], False
             call = parse_call(body)
             if call is None:
-                content += TOOL_CALL_START + body + TOOL_CALL_END
+                content += self._content(TOOL_CALL_START + body + TOOL_CALL_END)
             else:
-                content = self._before_call(content)
+                self._spaces = ""  # NOTE: whitespace that led into a call is no content
+                self.num_calls += 1
                 calls.append(call)
-        return ToolDelta(self._content(content), calls)
-
-    def _before_call(self, text: str) -> str:
-        """A call follows `text`: whitespace that led into it is dropped."""
-        self.num_calls += 1
-        if text.strip():
-            return text
-        self._spaces = ""
-        return ""
+        return ToolDelta(content, calls)
 
     def _content(self, text: str) -> str:
-        """`text` less whitespace that may yet turn out to lead into a call (after a call: dropped)."""
+        """`text` less its trailing whitespace, held until it is known not to lead into a call."""
         text = self._spaces + text
-        self._spaces = ""
-        if text.strip():
-            return text
-        if not self.num_calls:
-            self._spaces = text
-        return ""
+        kept = text.rstrip()
+        self._spaces = text[len(kept):]
+        return kept
 
     def finish(self) -> ToolDelta:
         """The answer ended: an unterminated call is a call if it parses, else content."""
@@ -114,7 +104,7 @@ class ToolCallSplitter:
             self._in_call = False
             call = parse_call(held)
             if call is not None:
-                self._before_call("")
+                self.num_calls += 1
                 return ToolDelta(calls=[call])
             held = TOOL_CALL_START + held
         text, self._spaces = self._spaces + held, ""
