@@ -97,8 +97,10 @@ class ChatHandler:
         final: RequestOutput | None = None
         async for _, output in run_jobs(self.client, jobs):
             if final is None:  # NOTE: with the first output, so errors before it keep their status
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None} for i in range(body.n)])
+                # NOTE: content null when calls may come (what OpenAI sends; accumulated, "" would stay)
+                opening = {"role": "assistant", "content": None if reading.tools else ""}
+                yield chunk([{"index": i, "delta": opening, "logprobs": None, "finish_reason": None}
+                             for i in range(body.n)])
             final = output
             for delta in tracker.deltas(0, output):
                 reader = readers[delta.index]
