@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from pydantic import ValidationError
 
 from pdserve.config import ApiConfig
 from pdserve.serving.chat_output import ChatReading, ChoiceReader, MessageDelta, message_json, plan_reading
@@ -103,3 +104,11 @@ def test_tool_choice_none_and_thinking_off_read_nothing() -> None:
     assert plan_reading(chat({"tools": [TOOL], "tool_choice": "none"}), TOOLS_ON) == ChatReading()
     off = chat({"chat_template_kwargs": {"enable_thinking": False}})
     assert not plan_reading(off, ApiConfig(reasoning_parser="qwen3")).reasoning
+
+
+def test_malformed_tool_calls_in_messages_are_refused_by_the_schema() -> None:
+    """(A 400 envelope at the route, not a template's TypeError and a 500.)"""
+    with pytest.raises(ValidationError):
+        chat({"messages": [{"role": "assistant", "tool_calls": 5}]})
+    with pytest.raises(ValidationError):
+        chat({"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]})

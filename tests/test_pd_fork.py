@@ -4,7 +4,17 @@ sequence reads the right KV until all finish, with nothing left behind."""
 
 from __future__ import annotations
 
-from helpers import KVOracle, assert_scheduler_clean, make_request, make_scheduler
+from helpers import (
+    KVOracle,
+    assert_no_leak,
+    assert_scheduler_clean,
+    make_request,
+    make_scheduler,
+    random_prompt,
+    token_prompts,
+)
+
+from pdserve import LLM, SamplingParams
 
 
 def test_forks_share_the_handed_off_prompt_blocks_by_reference() -> None:
@@ -43,3 +53,21 @@ def test_an_aborted_fork_gives_back_only_its_references() -> None:
     assert [scheduler.kv.pool.ref_counts[b] for b in parent.block_ids[:2]] == [1, 1]
     scheduler.abort("r")
     assert_scheduler_clean(scheduler)
+
+
+def test_n_sequences_of_a_reservation_prefilled_on_decode_equal_colocated(colocated: LLM) -> None:
+    """The failure policy "recompute" (or conditional disaggregation) with n > 1: the reservation's
+    other sequences start as ordinary requests, with the same seeds as in a colocated engine."""
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
+    prompt = random_prompt(21, seed=5)
+    engine = colocated.engine
+    assert engine.reserve_remote("r", prompt, params) is not None
+    engine.prefill_locally("r")
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [out for out in engine.step() if out.finished]
+    (decoded,) = finals
+    (expected,) = colocated.generate(token_prompts([prompt]), params)
+    assert [s.token_ids for s in decoded.outputs] == [s.token_ids for s in expected.outputs]
+    assert len({tuple(s.token_ids) for s in decoded.outputs}) == 3
+    assert_no_leak(colocated)

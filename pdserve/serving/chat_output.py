@@ -45,7 +45,8 @@ def plan_reading(body: ChatCompletionRequest, api: ApiConfig) -> ChatReading:
     choice = body.tool_choice
     if not body.tools or choice == "none":
         if choice not in (None, "none"):
-            raise _refuse("tool_choice names a tool, or requires one, but the request has no `tools`")
+            raise _refuse(f"tool_choice {choice if isinstance(choice, str) else 'naming a function'} needs "
+                          "`tools`, and the request has no `tools`")
         return ChatReading(reasoning=reasoning)
     if api.tool_call_parser is None:
         raise _refuse("tools need a server started with --tool-call-parser hermes")

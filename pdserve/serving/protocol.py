@@ -94,11 +94,28 @@ class CompletionRequest(_SamplingFields):
         return self
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str | dict[str, Any]
+
+
+class MessageToolCall(BaseModel):
+    """A call an assistant message made (rendered back into the prompt)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatTemplateKwargs(BaseModel):
