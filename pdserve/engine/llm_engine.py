@@ -231,20 +231,18 @@ class LLMEngine:
         if not 0 <= first_token_id < self.config.model.vocab_size:
             raise ValueError(f"first token id {first_token_id} is outside the vocabulary "
                              f"(0..{self.config.model.vocab_size - 1})")
+        forks = self._forks.pop(request_id, [])
+        if forks or request.params.logprobs is not None:
+            # NOTE: sequences 1..n-1 need the prompt's last logits, which prefill does not send, and
+            # so do the first token's logprobs: each sequence samples its first token here, from its
+            # own generator, still fresh, as a colocated engine does; prefill's first token goes unused.
+            self.scheduler.resample_remote(request_id, forks)
+            return None
         if generator_state is not None and request.generator is not None:
             expected = request.generator.get_state().numel()
             if len(generator_state) != expected:
                 raise ValueError(f"generator state of {len(generator_state)} bytes, expected {expected}")
             request.generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
-        forks = self._forks.pop(request_id, [])
-        if forks or request.params.logprobs is not None:
-            # NOTE: sequences 1..n-1 need the prompt's last logits, which prefill does not send, and
-            # so do the first token's logprobs: each sequence samples its first token here, from its
-            # own fresh generator as a colocated engine does; prefill's first token goes unused.
-            request.generator = None if request.params.seed is None else \
-                torch.Generator(device=self.config.device).manual_seed(request.params.seed)
-            self.scheduler.resample_remote(request_id, forks)
-            return None
         self.scheduler.complete_remote(request_id, first_token_id)
         outputs = self._emit([(request, None)])
         if not outputs:  # its output processing raised: it is ended already (see take_failures)
