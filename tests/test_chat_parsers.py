@@ -112,3 +112,8 @@ def test_malformed_tool_calls_in_messages_are_refused_by_the_schema() -> None:
         chat({"messages": [{"role": "assistant", "tool_calls": 5}]})
     with pytest.raises(ValidationError):
         chat({"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]})
+
+
+def test_prompt_logprobs_are_refused_not_ignored() -> None:
+    with pytest.raises(ValidationError, match="prompt_logprobs is not supported"):
+        chat({"prompt_logprobs": 1})

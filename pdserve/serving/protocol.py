@@ -39,11 +39,14 @@ class _SamplingFields(BaseModel):
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None  # NOTE: refused below rather than ignored: a silent null would look served
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported")
         return self
 
     def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
