@@ -425,6 +425,12 @@ class ApiConfig:
     max_n: int = knob(64, "most choices (`n`) per prompt")
     max_prompts: int = knob(256, "most prompts in one /v1/completions request (each is an engine request)")
     max_logprobs: int = knob(20, "most `logprobs` / `top_logprobs` per token")
+    reasoning_parser: Literal["qwen3"] | None = knob(None, "chat answers' <think>...</think> part goes to "
+                                                           "message.reasoning_content (delta.reasoning_content)")
+    enable_auto_tool_choice: bool = knob(False, "let the model call a chat request's `tools` on its own "
+                                                "(tool_choice auto); needs --tool-call-parser")
+    tool_call_parser: Literal["hermes"] | None = knob(None, "how tool calls are read from chat answers (hermes: "
+                                                            "Qwen3's <tool_call>{...}</tool_call>); needed for tools")
 
     def validate(self) -> None:
         caps = {"max_request_body_bytes": self.max_request_body_bytes, "max_stop_strings": self.max_stop_strings,
@@ -436,6 +442,8 @@ class ApiConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if any(not key or any(c.isspace() for c in key) for key in self.api_key):
             raise ValueError("an API key must be non-empty and have no whitespace")
 
