@@ -13,8 +13,6 @@ import os
 import signal
 import socket
 import sys
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -26,7 +24,9 @@ from starlette.types import ASGIApp
 
 from pdserve.config import ApiConfig, EngineArgs, RouterConfig, WorkerConfig, http_url, parse_member
 from pdserve.config_flags import add_config_args, config_from_args
+from pdserve.ops.supervisor import exit_with_supervisor
 from pdserve.ops.threads import CorePlan, parse_cpu_list
+from pdserve.sizing.commands import add_sizing_commands, guarded
 
 if TYPE_CHECKING:
     from pdserve.disagg.router import PDRouter
@@ -289,14 +289,7 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
     """`pdserve bench [sweep | compare | capacity]`: the load generator (pdserve/bench/serve/)."""
     from pdserve.bench.serve.command import add_bench_parser
 
-    def run(ns: argparse.Namespace) -> int:
-        try:
-            return int(ns.bench_run(ns))
-        except (ValueError, RuntimeError, OSError) as exc:
-            print(f"pdserve bench: {exc}", file=sys.stderr)
-            return 2
-
-    add_bench_parser(sub).set_defaults(func=run)
+    add_bench_parser(sub).set_defaults(func=lambda ns: guarded("bench", ns.bench_run)(ns))
 
 
 def _add_listen_args(parser: argparse.ArgumentParser) -> None:
@@ -376,8 +369,9 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
                     help="torch threads per decode worker (default: CPUs // workers when it starts)")
     add_config_args(up, RouterConfig, title="router", exclude=UP_SETS_ROUTER)
     add_config_args(up, ApiConfig, title="the router's OpenAI API")
-    # the router's group has the queue flags already; prefill and decode roles come from the counts
-    add_config_args(up, WorkerConfig, title="workers", exclude=("queue", *UP_SETS_WORKER))
+    # the router's group has the queue and cluster secret flags already (both configs read them);
+    # prefill and decode roles come from the counts
+    add_config_args(up, WorkerConfig, title="workers", exclude=("queue", "cluster_secret_file", *UP_SETS_WORKER))
     add_config_args(up, AutoscaleConfig, title="autoscale (with --autoscale)")
     up.set_defaults(func=None, up_parser=up)
 
@@ -418,26 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--seed", type=int, default=0)
     make.set_defaults(func=_make_model)
     add_bench_command(sub)
+    add_sizing_commands(sub)
     return parser
-
-
-def exit_with_supervisor(poll_s: float = 1.0) -> None:
-    """A process `pdserve up` started (PDSERVE_SUPERVISOR_PID set) drains and exits once that
-    supervisor is gone, however it went (even SIGKILL, which it cannot pass on): SIGTERM to itself,
-    which a server handles as a drain."""
-    from pdserve import envs
-
-    supervisor = envs.supervisor_pid()
-    if supervisor is None:
-        return
-
-    def watch() -> None:
-        while os.getppid() == supervisor:
-            time.sleep(poll_s)
-        logging.getLogger("pdserve").warning("supervisor %d is gone: draining and exiting", supervisor)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, name="pdserve-supervisor-watch", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:

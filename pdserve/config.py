@@ -301,6 +301,11 @@ class QueueArgs:
             raise ValueError(f"--queue must be 'memory' or a redis:// URL, got {self.queue!r}")
 
 
+CLUSTER_SECRET_HELP = ("file holding the secret every router and worker of the cluster shares (env "
+                       "PDSERVE_CLUSTER_SECRET otherwise): signs /pd/* calls, KV handshakes and prefill jobs; "
+                       "none: peers are not authenticated")
+
+
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     """Everything the PD router needs besides the model (tokenizer, context window)."""
@@ -314,6 +319,7 @@ class RouterConfig:
                                            "every 2 s)")
     dns_server: str = knob("", "HOST[:PORT] of the DNS server for dns: members (default: the system's resolver)")
     dns_interval_s: float = knob(2.0, "how often dns: members are resolved again")
+    cluster_secret_file: str | None = knob(None, CLUSTER_SECRET_HELP)
     queue: QueueArgs = field(default_factory=QueueArgs)
     decode_policy: DecodePolicyName = knob("least-loaded", "which decode worker gets a request")
     pd_threshold: int = knob(0, "prompts whose part not cached on the chosen decode worker is shorter than this "
@@ -373,6 +379,10 @@ class WorkerConfig:
     reservation_lease_s: float = knob(60.0, "decode: a reservation that hears neither KV nor a prefill keepalive "
                                             "this long is ended with an error and its blocks freed (0: never)")
     queue_max_deliveries: int = knob(3, "prefill: dead-letter a job after this many deliveries")
+    cluster_secret_file: str | None = knob(None, CLUSTER_SECRET_HELP)
+    kv_max_connections: int = knob(64, "decode: most connections the KV port holds at once (when full, the "
+                                       "oldest one not yet authenticated is dropped for a newcomer)")
+    kv_handshake_timeout_s: float = knob(5.0, "decode: a KV connection that has not authenticated this long is closed")
 
     def validate(self) -> None:
         self.queue.validate()
@@ -386,6 +396,8 @@ class WorkerConfig:
             (self.queue_claim_idle_s > 0, "queue_claim_idle_s must be > 0"),
             (self.reservation_lease_s >= 0, "reservation_lease_s must be >= 0 (0: no lease)"),
             (self.queue_max_deliveries >= 1, "queue_max_deliveries must be >= 1"),
+            (self.kv_max_connections >= 1, "kv_max_connections must be >= 1"),
+            (self.kv_handshake_timeout_s > 0, "kv_handshake_timeout_s must be > 0"),
             (all(_is_http_url(u) for u in self.register), "--register takes router URLs like http://host:port"),
             (self.advertise_url is None or _is_http_url(self.advertise_url),
              "--advertise-url must be a URL like http://host:port"),
@@ -420,6 +432,12 @@ class ApiConfig:
     max_n: int = knob(64, "most choices (`n`) per prompt")
     max_prompts: int = knob(256, "most prompts in one /v1/completions request (each is an engine request)")
     max_logprobs: int = knob(20, "most `logprobs` / `top_logprobs` per token")
+    reasoning_parser: Literal["qwen3"] | None = knob(None, "chat answers' <think>...</think> part goes to "
+                                                           "message.reasoning_content (delta.reasoning_content)")
+    enable_auto_tool_choice: bool = knob(False, "let the model call a chat request's `tools` on its own "
+                                                "(tool_choice auto); needs --tool-call-parser")
+    tool_call_parser: Literal["hermes"] | None = knob(None, "how tool calls are read from chat answers (hermes: "
+                                                            "Qwen3's <tool_call>{...}</tool_call>); needed for tools")
 
     def validate(self) -> None:
         caps = {"max_request_body_bytes": self.max_request_body_bytes, "max_stop_strings": self.max_stop_strings,
@@ -431,6 +449,8 @@ class ApiConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if any(not key or any(c.isspace() for c in key) for key in self.api_key):
             raise ValueError("an API key must be non-empty and have no whitespace")
 

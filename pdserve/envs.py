@@ -52,3 +52,12 @@ API_KEY = "PDSERVE_API_KEY"
 def api_keys() -> tuple[str, ...]:
     """PDSERVE_API_KEY: the clients' key (several: separated by commas), added to --api-key's."""
     return tuple(key.strip() for key in os.environ.get(API_KEY, "").split(",") if key.strip())
+
+
+CLUSTER_SECRET = "PDSERVE_CLUSTER_SECRET"
+
+
+def cluster_secret() -> str | None:
+    """PDSERVE_CLUSTER_SECRET: the cluster secret when --cluster-secret-file is not given (`pdserve
+    up` sets it on its children); unset or empty: none."""
+    return os.environ.get(CLUSTER_SECRET) or None

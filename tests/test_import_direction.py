@@ -11,7 +11,7 @@ Layers, low to high:
        and pdserve/__init__.py (the `LLM` API, re-exported from engine/)
     2  serving/
     3  disagg/
-    4  ops/, bench/
+    4  ops/, bench/, sizing/
     5  cli.py
 """
 
@@ -27,7 +27,7 @@ LAYERS: dict[str, int] = {
     "engine": 1, "config": 1, "config_flags": 1, "__init__": 1,
     "serving": 2,
     "disagg": 3,
-    "ops": 4, "bench": 4,
+    "ops": 4, "bench": 4, "sizing": 4,
     "cli": 5,
 }
 

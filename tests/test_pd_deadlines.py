@@ -133,6 +133,8 @@ class _RecordingWorkers(WorkerClient):
 class _Unreachable:
     """A prefill service whose KV sender cannot connect to the job's decode worker."""
 
+    secret = None  # no cluster secret: jobs are not checked
+
     async def run(self, job: PrefillJob) -> HandOff:
         raise ConnectionRefusedError(f"cannot connect to {job.kv_address}")
 

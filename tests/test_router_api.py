@@ -1,6 +1,6 @@
 """The PD router's client API (issue 16, items 5 and 7): its key guards /v1/*, /workers,
-/router/stats and /dashboard but not the probes nor the workers' /pd/* plane; logprobs, which the
-decode worker does not stream, are a 400 rather than a silent null."""
+/router/stats and /dashboard but not the probes nor the workers' /pd/* plane. (Logprobs and n > 1
+through the router: tests/test_openai_parity.py.)"""
 
 from __future__ import annotations
 
@@ -56,15 +56,6 @@ def test_the_routers_client_routes_need_the_key(cluster: Cluster, http: httpx.Cl
         assert http.request(method, path).status_code == 200, path
     reply = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "ignore_eos": True})
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2, reply.text
-
-
-def test_logprobs_through_the_router_are_a_400_not_a_silent_null(http: httpx.Client) -> None:
-    for path, body in (("/v1/completions", {"prompt": "Hello", "max_tokens": 2, "logprobs": 1}),
-                       ("/v1/completions", {"prompt": "Hello", "max_tokens": 2, "logprobs": 0, "stream": True}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
-                                                 "logprobs": True})):
-        error = assert_envelope(http.post(path, json=body), 400)
-        assert error["param"] == "logprobs" and "router" in str(error["message"]), error
 
 
 def test_the_routers_caps_apply_before_tokenizing(http: httpx.Client) -> None:

@@ -351,7 +351,7 @@ def test_the_autoscaler_grows_and_drains_the_pool_through_the_supervisor(caplog:
 def test_a_child_outlives_no_supervisor_even_a_sigkilled_one() -> None:
     """`up`'s children watch it (PDSERVE_SUPERVISOR_PID): SIGKILL, which it cannot pass on, still
     leaves no orphan: the child gets SIGTERM (a server drains) within about a second."""
-    child_code = ("import time; from pdserve.cli import exit_with_supervisor; "
+    child_code = ("import time; from pdserve.ops.supervisor import exit_with_supervisor; "
                   "exit_with_supervisor(poll_s=0.05); print('watching', flush=True); time.sleep(30)")
     supervisor_code = ("import sys, time; from pdserve.ops.supervisor import ChildProcess; "
                        f"c = ChildProcess([sys.executable, '-c', {child_code!r}]); print(c.pid, flush=True); "

@@ -1,6 +1,6 @@
 """The router's decisions before anything is queued, and their counts by reason.
 
-- a request that can never run (prompt too long, token ids out of the vocabulary, n > 1): 400;
+- a request that can never run (prompt too long, token ids out of the vocabulary): 400;
 - the queue's store unreachable, no ready prefill worker (or live consumer), no ready decode
   worker: 503;
 - more than `max_queued_requests` requests (or `max_queued_tokens` prompt tokens) admitted and
@@ -48,8 +48,6 @@ class Admission:
         """Raises ValueError (the handlers' 400) for a request that can never run."""
         try:
             check_request(prompt_token_ids, params, self._max_model_len, self._vocab_size)
-            if params.n != 1:
-                raise ValueError("n > 1 is not supported by the disaggregated router yet")
         except ValueError:
             self._rejected["invalid"] += 1
             raise

@@ -5,7 +5,8 @@ keepalives all talk to workers through it, so a route's URL and status codes are
 Every method raises `WorkerUnreachable` when the worker does not answer (connection refused or
 reset, timeout, a stream cut short); what each status means is mapped per method to a result or
 to `WorkerRefused` (an error whose status and message must reach the client) or `UnknownRequest`.
-No httpx type leaves this module.
+No httpx type leaves this module. With a cluster secret every call is signed (auth.py); a worker
+that refuses the signature answers 401, which maps like any other refusal.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from http import HTTPStatus
 import httpx
 from pydantic import BaseModel
 
+from pdserve.disagg.auth import ClusterSecret, SignedRequests
 from pdserve.disagg.control import (
     FailJob,
     HandOff,
@@ -66,11 +68,13 @@ class UnknownRequest(WorkerError):
 class WorkerClient:
     """Typed calls to one worker at a time, by base URL. `timeout_s` bounds every call (None: a
     call may take as long as the work does, e.g. POST /pd/prefill answers once the hand-off
-    ended); `connect_timeout_s` bounds connecting (default: `timeout_s`)."""
+    ended); `connect_timeout_s` bounds connecting (default: `timeout_s`); `secret` signs every call."""
 
-    def __init__(self, timeout_s: float | None = None, connect_timeout_s: float | None = None) -> None:
+    def __init__(self, timeout_s: float | None = None, connect_timeout_s: float | None = None,
+                 secret: ClusterSecret | None = None) -> None:
         connect = timeout_s if connect_timeout_s is None else connect_timeout_s
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=connect))
+        self.secret = secret
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=connect), auth=SignedRequests(secret))
 
     async def close(self) -> None:
         await self._http.aclose()

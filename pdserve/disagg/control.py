@@ -9,7 +9,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from pdserve.config import HTTP_URL_PATTERN
-from pdserve.engine.output import RequestOutput
+from pdserve.engine.output import CompletionOutput, RequestOutput
+from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.serving.trace import TTFTPhases
 
@@ -52,12 +53,16 @@ class ReserveReply(BaseModel):
     block_ids: list[int]
     num_cached_tokens: int
     kv_address: str
+    # random per reservation: only a KV stream that presents it may write the reserved blocks
+    token: str = ""
 
 
 class PrefillJob(BaseModel):
     """router -> prefill (directly, or through the shared queue): compute this prompt and stream
     its KV into the reservation. `transfer_id` names this attempt; `decode_url` is the decode
-    worker holding the reservation (a consumer that gives up on the job tells it why)."""
+    worker holding the reservation (a consumer that gives up on the job tells it why); `token` is
+    the reservation's (ReserveReply), which the KV stream presents; `signature` the router's over
+    everything else but `transfer_id` (disagg/auth.py: prefill refuses a job it cannot verify)."""
 
     request_id: str
     transfer_id: str
@@ -67,6 +72,8 @@ class PrefillJob(BaseModel):
     kv_address: str
     block_ids: list[int]
     num_cached_tokens: int
+    token: str = ""
+    signature: str = ""
 
 
 class Retarget(BaseModel):
@@ -139,13 +146,54 @@ class Registration(BaseModel):
     url: str = Field(pattern=HTTP_URL_PATTERN)
 
 
+class WireLogprobs(BaseModel):
+    """One token's TokenLogprobs as JSON (floats survive it exactly)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+    @classmethod
+    def of_list(cls, entries: list[TokenLogprobs] | None) -> list[WireLogprobs] | None:
+        return None if entries is None else [cls(token_id=e.token_id, logprob=e.logprob, top=list(e.top))
+                                             for e in entries]
+
+    @staticmethod
+    def build_list(entries: list[WireLogprobs] | None) -> list[TokenLogprobs] | None:
+        return None if entries is None else [TokenLogprobs(e.token_id, e.logprob, tuple(e.top)) for e in entries]
+
+
+class SequenceFrame(BaseModel):
+    """Another of a request's `n` sequences (cumulative, like CompletionOutput)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[WireLogprobs] | None = None
+
+    @classmethod
+    def of(cls, seq: CompletionOutput) -> SequenceFrame:
+        return cls(index=seq.index, text=seq.text, token_ids=seq.token_ids, finish_reason=seq.finish_reason,
+                   stop_reason=seq.stop_reason, logprobs=WireLogprobs.of_list(seq.logprobs))
+
+    def build(self) -> CompletionOutput:
+        return CompletionOutput(self.index, self.text, self.token_ids, self.finish_reason, self.stop_reason,
+                                WireLogprobs.build_list(self.logprobs))
+
+
 class OutputFrame(BaseModel):
-    """decode -> router, one NDJSON line per engine output (cumulative, like RequestOutput)."""
+    """decode -> router, one NDJSON line per engine output (cumulative, like RequestOutput). The
+    top-level text, token ids, finish and logprobs are sequence 0's; `other_sequences` holds
+    sequences 1..n-1 of a request with n > 1."""
 
     text: str = ""
     token_ids: list[int] = Field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: list[WireLogprobs] | None = None  # only when the request asked for them
+    other_sequences: list[SequenceFrame] = Field(default_factory=list)
     num_cached_tokens: int = 0
     error: str | None = None
     # decode -> router: the transfer made no progress for a timeout; prefill it again (new attempt)
@@ -158,7 +206,15 @@ class OutputFrame(BaseModel):
     def of(cls, output: RequestOutput) -> OutputFrame:
         seq = output.outputs[0]
         return cls(text=seq.text, token_ids=seq.token_ids, finish_reason=seq.finish_reason,
-                   stop_reason=seq.stop_reason, num_cached_tokens=output.num_cached_tokens)
+                   stop_reason=seq.stop_reason, logprobs=WireLogprobs.of_list(seq.logprobs),
+                   other_sequences=[SequenceFrame.of(s) for s in output.outputs[1:]],
+                   num_cached_tokens=output.num_cached_tokens)
+
+    def sequences(self) -> list[CompletionOutput]:
+        """Every sequence, in index order."""
+        first = CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.stop_reason,
+                                 WireLogprobs.build_list(self.logprobs))
+        return [first] + [s.build() for s in self.other_sequences]
 
 
 class ConsumerReport(BaseModel):

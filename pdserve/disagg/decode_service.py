@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -65,6 +66,7 @@ class _Reserved:
 
     stream: asyncio.Queue[StreamItem]  # engine outputs, retry signals, or the error that ends it
     block_ids: tuple[int, ...]  # its reservation in this pool: where every attempt's KV goes
+    token: str  # random: what every attempt's KV messages must present (ReserveReply.token)
     transfer_id: str | None  # the attempt the KV receiver expects; None once not waiting for KV
     watcher: asyncio.Task[None] | None = None  # follows that attempt's KV events
     retried: bool = False  # it already asked for its one retry
@@ -116,20 +118,21 @@ class DecodeService:
         if self.draining:
             return None
         stream: asyncio.Queue[StreamItem] = asyncio.Queue()
+        token = secrets.token_hex(16)
 
         def expect_transfer(reservation: RemoteReservation) -> None:
             # NOTE: on the engine thread, as the blocks are reserved: the receiver expects the
             # transfer before the router hears of the reservation, so before prefill can send.
-            self.receiver.expect(tid, list(reservation.block_ids))
+            self.receiver.expect(tid, list(reservation.block_ids), token)
 
         reservation = await self.client.send(
             ReserveRemote(rid, body.prompt_token_ids, body.params.build(), on_reserved=expect_transfer), stream)
         if reservation is None:
             return None
-        record = self._requests[rid] = _Reserved(stream, reservation.block_ids, tid)
+        record = self._requests[rid] = _Reserved(stream, reservation.block_ids, token, tid)
         record.watcher = asyncio.create_task(self._watch(rid, tid))
         return ReserveReply(block_ids=list(reservation.block_ids), num_cached_tokens=reservation.num_cached_tokens,
-                            kv_address=self.receiver.address)
+                            kv_address=self.receiver.address, token=token)
 
     async def cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
         """Leading tokens of this prompt the prefix cache holds now (prefix-affinity routing)."""
@@ -149,7 +152,7 @@ class DecodeService:
         if record.transfer_id == transfer_id:
             return True
         self.receiver.cancel(record.transfer_id)
-        self.receiver.expect(transfer_id, list(record.block_ids))
+        self.receiver.expect(transfer_id, list(record.block_ids), record.token)
         record.transfer_id = transfer_id
         if record.watcher is not None:
             record.watcher.cancel()

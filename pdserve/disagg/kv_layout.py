@@ -19,7 +19,9 @@ from pdserve.engine.model_runner import POOL_LAYOUT
 # change to one of them: two workers that disagree refuse each other at the handshake, naming this
 # field, instead of failing every hand-off later on an undecodable frame. 2: KVDone carries its
 # generator state and prefill phases as fields (1 packed them into one `extra` byte string).
-WIRE_VERSION = 2
+# 3: the connection opens with decode's CHALLENGE (cluster-secret proofs); KV headers carry the
+# reservation token.
+WIRE_VERSION = 3
 
 _ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1}
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Literal
 
+from pdserve.disagg.auth import ClusterSecret, verify_job
 from pdserve.disagg.client import WorkerClient, WorkerError
 from pdserve.disagg.control import HandOff, PrefillJob
 from pdserve.disagg.kv_streamer import KVStreamer
@@ -53,6 +54,7 @@ class _Attempt:
     task: asyncio.Task[HandOff]  # computes it, hands it off, releases its blocks
     decode_url: str  # the decode worker expecting it, told it is alive ("": nobody to tell)
     num_uncomputed_tokens: int  # prompt tokens still to compute (0 once the first token is out)
+    token: str  # the decode reservation's, which every KV message of the attempt presents
 
 
 @dataclass(slots=True)
@@ -64,9 +66,11 @@ class _Counts:
 
 class PrefillService:
     def __init__(self, client: AsyncLLM, streamer: KVStreamer, senders: SenderPool,
-                 transfer_timeout_s: float) -> None:
-        """`streamer` must be `client`'s engine's layer observer (`KVTransferSetup`)."""
+                 transfer_timeout_s: float, secret: ClusterSecret | None = None) -> None:
+        """`streamer` must be `client`'s engine's layer observer (`KVTransferSetup`); with a cluster
+        `secret`, a job must carry the router's signature (auth.py) and keepalives are signed."""
         self.client = client
+        self.secret = secret
         self.streamer = streamer
         self.senders = senders
         self.transfer_timeout_s = transfer_timeout_s
@@ -97,6 +101,7 @@ class PrefillService:
         """Accept a job: raises ValueError (bad job) or KVLayoutMismatch/KVTransferError (decode
         worker unusable) before anything is computed. The task ends with the hand-off."""
         bind_request_id(job.request_id)
+        verify_job(self.secret, job)  # NOTE: before anything connects to an address the job names
         params = job.params.build()
         tid = job.transfer_id
         if tid in self._attempts:
@@ -108,10 +113,12 @@ class PrefillService:
         # every layer the engine computes of it is streamed, and never after it is forgotten.
         await self.client.send(AddPrefillOnly(
             tid, job.prompt_token_ids, params,
-            before=partial(self.streamer.expect, tid, job.block_ids, job.num_cached_tokens, sender.send_layer),
+            before=partial(self.streamer.expect, tid, job.block_ids, job.num_cached_tokens,
+                           partial(sender.send_layer, token=job.token)),
             if_refused=partial(self.streamer.forget, tid)), stream)
         task = asyncio.create_task(self._finish(tid, sender, stream))
-        self._attempts[tid] = _Attempt(task, job.decode_url, len(job.prompt_token_ids) - job.num_cached_tokens)
+        self._attempts[tid] = _Attempt(task, job.decode_url, len(job.prompt_token_ids) - job.num_cached_tokens,
+                                       job.token)
         if self._keepalive is None or self._keepalive.done():
             self._keepalive = asyncio.create_task(self._keep_alive())
         return task
@@ -119,7 +126,7 @@ class PrefillService:
     async def _keep_alive(self) -> None:
         """While jobs are in flight: POST /pd/alive {transfer ids} to their decode workers."""
         period_s = self.transfer_timeout_s / 2
-        decode_workers = WorkerClient(timeout_s=self.transfer_timeout_s)
+        decode_workers = WorkerClient(timeout_s=self.transfer_timeout_s, secret=self.secret)
         try:
             await self._send_keepalives(decode_workers, period_s)
         finally:
@@ -185,7 +192,8 @@ class PrefillService:
         phases = PrefillPhases.of(final.metrics)
         sender.send_done(tid, final.outputs[0].token_ids[0], state,
                          prefill_queue_s=None if phases is None else phases.queue_s,
-                         prefill_compute_s=None if phases is None else phases.compute_s)
+                         prefill_compute_s=None if phases is None else phases.compute_s,
+                         token="" if attempt is None else attempt.token)
         await sender.flush(tid, self.transfer_timeout_s)
 
     async def _release(self, tid: str, sender: KVSender) -> None:

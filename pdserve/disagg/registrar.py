@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import httpx
 
+from pdserve.disagg.auth import ClusterSecret, SignedRequests
 from pdserve.disagg.control import Registration
 from pdserve.serving.router_stats import WorkerRole
 
@@ -24,7 +25,9 @@ _TICK_S = 0.1
 
 class Registrar:
     def __init__(self, routers: tuple[str, ...], role: WorkerRole, url: str, draining: Callable[[], bool], *,
-                 interval_s: float = 2.0) -> None:
+                 interval_s: float = 2.0, secret: ClusterSecret | None = None) -> None:
+        """`secret`: the cluster secret that signs every announcement (a router with one refuses others)."""
+        self._auth = SignedRequests(secret)
         self._routers = [r.rstrip("/") for r in routers]
         self._body = Registration(role=role, url=url).model_dump()
         self._url = url.rstrip("/")
@@ -34,7 +37,7 @@ class Registrar:
 
     async def run(self) -> None:
         """Until cancelled; deregisters once draining starts (or on cancel, best effort)."""
-        async with httpx.AsyncClient(timeout=_TIMEOUT_S) as http:
+        async with httpx.AsyncClient(timeout=_TIMEOUT_S, auth=self._auth) as http:
             try:
                 await self._until_serving(http)
                 while not self._draining():

@@ -37,6 +37,7 @@ from http import HTTPStatus
 
 from pdserve.config import RouterConfig
 from pdserve.disagg.admission import Admission
+from pdserve.disagg.auth import load_cluster_secret, sign_job
 from pdserve.disagg.client import UnknownRequest, WorkerClient, WorkerRefused, WorkerUnreachable
 from pdserve.disagg.control import (
     OutputFrame,
@@ -104,7 +105,8 @@ class PDRouter:
         and queue (`config.queue`)."""
         # NOTE: no read timeout: a prefill job's POST answers once its hand-off ended, a stream
         # lasts as long as its request; until its first output, the first-token deadline bounds it.
-        client = WorkerClient(timeout_s=None, connect_timeout_s=_CONNECT_TIMEOUT_S)
+        client = WorkerClient(timeout_s=None, connect_timeout_s=_CONNECT_TIMEOUT_S,
+                              secret=load_cluster_secret(config.cluster_secret_file))
         pool = WorkerPool(client)
         registry = Registry(config.registration_ttl_s) if config.accept_registrations else None
         membership = Membership(pool, config, registry=registry)
@@ -201,34 +203,31 @@ class PDRouter:
 
     async def _run(self, request_id: str, prompt: list[int],
                    params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
-        """The request on one decode worker after another, until it finishes."""
-        sent_tokens: list[int] = []
-        sent_text = ""
+        """The request on one decode worker after another, until it finishes (n > 1: on one only)."""
+        sent = CompletionOutput(0, "", [], logprobs=None if params.logprobs is None else [])  # out before a loss
         lost: set[tuple[str, str]] = set()  # (url, instance id) of the decode workers that lost it
         for resume in range(self.config.max_resumes + 1):
             sub_id = request_id if resume == 0 else f"{request_id}~{resume}"
-            sub_prompt = prompt + sent_tokens
-            sub_params = continuation(self.tokenizer, params, sent_tokens, sent_text)
+            sub_prompt = prompt + sent.token_ids
+            sub_params = continuation(self.tokenizer, params, sent.token_ids, sent.text)
             decode, reply = await self._reserve(sub_id, sub_prompt, sub_params, lost)
             instance = _instance(decode)
             last: RequestOutput | None = None
             try:
                 async for output in self._serve_on(decode, sub_id, sub_prompt, sub_params, reply):
-                    last = output
-                    seq = output.outputs[0]
-                    yield RequestOutput(request_id, None, prompt, [dataclasses.replace(
-                        seq, token_ids=sent_tokens + seq.token_ids, text=sent_text + seq.text)],
-                        output.finished, output.num_cached_tokens)
+                    last = _after(request_id, prompt, sent, output)
+                    yield last
                 return
             except _DecodeLost as exc:
                 lost.add(instance)
                 if last is not None:
-                    sent_tokens, sent_text = sent_tokens + last.outputs[0].token_ids, sent_text + last.outputs[0].text
-                if resume == self.config.max_resumes:
+                    sent = last.outputs[0]
+                # NOTE: n sequences that share a prompt's KV are not resumed one by one
+                if resume == self.config.max_resumes or params.n > 1:
                     raise OpenAIError(str(exc), HTTPStatus.BAD_GATEWAY) from exc
                 self._events.resumed += 1
                 logger.warning("request %s: %s; resuming on another decode worker after %d tokens", request_id, exc,
-                               len(sent_tokens))
+                               len(sent.token_ids))
 
     async def _reserve(self, request_id: str, prompt: list[int], params: SamplingParams,
                        exclude: set[tuple[str, str]]) -> tuple[Worker, ReserveReply]:
@@ -261,9 +260,13 @@ class PDRouter:
                         reply: ReserveReply) -> AsyncIterator[RequestOutput]:
         """The request's outputs from `decode`, which holds its reservation; prefilled there or
         through the queue. Raises _DecodeLost if the worker goes away before the request ends."""
+        # NOTE: prefill computes the prompt's KV once for all n sequences; with n > 1 or logprobs,
+        # decode samples the first tokens itself (LLMEngine.complete_remote)
         job = PrefillJob(request_id=rid, transfer_id=transfer_id(rid, 0), prompt_token_ids=prompt,
-                         params=WireSamplingParams.of(params), kv_address=reply.kv_address, block_ids=reply.block_ids,
-                         num_cached_tokens=reply.num_cached_tokens, decode_url=decode.url)
+                         params=WireSamplingParams.of(dataclasses.replace(params, n=1, logprobs=None)),
+                         kv_address=reply.kv_address, block_ids=reply.block_ids,
+                         num_cached_tokens=reply.num_cached_tokens, decode_url=decode.url, token=reply.token)
+        job = sign_job(self.client.secret, job)  # prefill acts only on jobs a cluster member signed
         ticket: PrefillTicket | None = None
         finished = False
         try:
@@ -360,6 +363,17 @@ def _instance(worker: Worker) -> tuple[str, str]:
 
 
 
+def _after(request_id: str, prompt: list[int], sent: CompletionOutput, output: RequestOutput) -> RequestOutput:
+    """`output` of a resumed request as its client sees it: after what was sent before the loss."""
+    seqs = output.outputs
+    if sent.token_ids:
+        seq = seqs[0]
+        logprobs = None if seq.logprobs is None else (sent.logprobs or []) + seq.logprobs
+        seqs = [dataclasses.replace(seq, token_ids=sent.token_ids + seq.token_ids, text=sent.text + seq.text,
+                                    logprobs=logprobs)]
+    return RequestOutput(request_id, None, prompt, seqs, output.finished, output.num_cached_tokens)
+
+
 def _request_output(request_id: str, prompt: list[int], frame: OutputFrame) -> RequestOutput:
-    seq = CompletionOutput(0, frame.text, frame.token_ids, frame.finish_reason, frame.stop_reason)
-    return RequestOutput(request_id, None, prompt, [seq], frame.finish_reason is not None, frame.num_cached_tokens)
+    seqs = frame.sequences()
+    return RequestOutput(request_id, None, prompt, seqs, all(s.finished for s in seqs), frame.num_cached_tokens)

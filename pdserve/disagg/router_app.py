@@ -1,6 +1,7 @@
 """The router's HTTP app: the OpenAI API of serving/app.py over the PD router (with its metrics
 and live dashboard), plus GET /workers (the pool), GET /router/stats (queue and counters) and
-POST /pd/register, /pd/deregister (workers joining and leaving; with --accept-registrations)."""
+POST /pd/register, /pd/deregister (workers joining and leaving; with --accept-registrations; signed
+with the cluster secret when the router has one, else 401)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from pdserve.config import ApiConfig
+from pdserve.disagg.auth import PeerAuth
 from pdserve.disagg.control import Registration
 from pdserve.disagg.router import PDRouter
 from pdserve.serving.app import Probes, create_app
@@ -54,6 +56,8 @@ def create_router_app(router: PDRouter, model_name: str, api: ApiConfig | None =
         return JSONResponse(stats_json(router.stats()))
 
     _add_registration_routes(app, router)
+    if router.client.secret is not None:
+        app.add_middleware(PeerAuth, secret=router.client.secret)
     return app
 
 

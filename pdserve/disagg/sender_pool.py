@@ -2,16 +2,19 @@
 connection lives. A sender whose connection broke (the decode worker died or restarted on the same
 address) is closed and replaced by a new one, with a fresh handshake, on the next `get`: the
 attempts that were in flight on it have failed already (their hand-offs are retried), later ones
-reach the restarted worker."""
+reach the restarted worker. A sender unused for `idle_s` with nothing in flight is closed at the
+next `get` (a decode worker that left the pool leaves no connection behind)."""
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 
 import torch
 
+from pdserve.disagg.auth import ClusterSecret
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.transport import make_sender
 from pdserve.disagg.transport.base import KVSender
@@ -20,13 +23,18 @@ logger = logging.getLogger(__name__)
 
 class SenderPool:
     def __init__(self, transport: str, layout: KVLayout, kv_cache: torch.Tensor,
-                 options: Mapping[str, object] | None = None) -> None:
-        """`kv_cache`: this worker's pool, which the senders read; `options` go to each sender."""
+                 options: Mapping[str, object] | None = None, secret: ClusterSecret | None = None, *,
+                 idle_s: float = 600.0, clock: Callable[[], float] = time.monotonic) -> None:
+        """`kv_cache`: this worker's pool, which the senders read; `options` go to each sender, with
+        the cluster `secret` each handshake proves."""
         self.transport = transport
         self.layout = layout
         self.kv_cache = kv_cache
-        self.options = dict(options or {})
+        self.options = {**(options or {}), "secret": secret}
+        self.idle_s = idle_s
+        self._clock = clock
         self._senders: dict[str, KVSender] = {}  # decode worker's KV address -> its sender
+        self._last_used: dict[str, float] = {}  # address -> when `get` last handed its sender out
         self._lock = threading.Lock()
 
     def get(self, address: str) -> KVSender:
@@ -34,6 +42,8 @@ class SenderPool:
         connection broke; KVLayoutMismatch on a layout disagreement). Blocking: call it off the
         event loop."""
         with self._lock:
+            self._close_idle(keep=address)
+            self._last_used[address] = self._clock()
             sender = self._senders.get(address)
             if sender is not None and sender.broken:
                 logger.info("reconnecting to decode at %s: %s", address, sender.broken)
@@ -51,6 +61,17 @@ class SenderPool:
                     raise
                 self._senders[address] = sender
             return sender
+
+    def _close_idle(self, keep: str) -> None:
+        """Close senders unused for `idle_s` that have nothing in flight (lock held)."""
+        now = self._clock()
+        for address, sender in list(self._senders.items()):
+            if address != keep and now - self._last_used.get(address, now) > self.idle_s \
+                    and not sender.pending_request_ids():
+                logger.info("closing the idle KV connection to decode at %s", address)
+                del self._senders[address]
+                self._last_used.pop(address, None)
+                sender.close()
 
     def close(self) -> None:
         with self._lock:

@@ -17,6 +17,10 @@
                                mismatch) | 502 (decode unreachable) | 503 (draining)
              POST /pd/abort/{transfer id}
 
+With a cluster secret (--cluster-secret-file / PDSERVE_CLUSTER_SECRET) every /pd/* route but GET
+/pd/info and /pd/stats answers 401 unless the call is signed with it (auth.py); the KV port
+authenticates peers the same way (transport/handshake.py). Without one the worker warns at start.
+
 Draining (SIGTERM, see `Worker.drain`): /pd/info says `draining`, so routers stop sending work,
 new reservations and jobs get 503, and what is in flight finishes. A worker with `--register`
 routers announces itself to them while it serves (registrar.py) and leaves when it drains.
@@ -41,6 +45,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from pdserve.config import WorkerConfig
+from pdserve.disagg.auth import PeerAuth, load_cluster_secret, warn_if_open
 from pdserve.disagg.control import ConsumerReport, Role, WorkerInfo, WorkerStatsReply
 from pdserve.disagg.decode_service import DecodeService
 from pdserve.disagg.kv_layout import KVLayout
@@ -49,6 +54,7 @@ from pdserve.disagg.prefill_service import PrefillService
 from pdserve.disagg.registrar import Registrar
 from pdserve.disagg.sender_pool import SenderPool
 from pdserve.disagg.transport import make_receiver, nixl_available
+from pdserve.disagg.transport.handshake import KVPeerPolicy
 from pdserve.disagg.worker_routes import add_decode_routes, add_prefill_routes
 from pdserve.engine.async_llm import AsyncLLM
 from pdserve.engine.llm_engine import KVTransferSetup, LLMEngine
@@ -91,10 +97,14 @@ def build_worker(engine: LLMEngine, config: WorkerConfig, model_name: str, *,
     layout = KVLayout.from_pool(model_name, engine.runner.kv_cache, tp_size=engine.config.tensor_parallel_size)
     transport = config.kv_transport or ("nixl" if nixl_available() else "tcp")
     metrics = ServerMetrics(model_name, config.role)
+    secret = load_cluster_secret(config.cluster_secret_file)
+    warn_if_open(secret, f"{config.role} worker")
     service: PrefillService | DecodeService
     consumer = None
     if config.role == "decode":
-        receiver = make_receiver(transport, layout, engine.runner.kv_cache, host=config.kv_host, port=config.kv_port)
+        peers = KVPeerPolicy(secret, config.kv_max_connections, config.kv_handshake_timeout_s)
+        receiver = make_receiver(transport, layout, engine.runner.kv_cache, host=config.kv_host, port=config.kv_port,
+                                 peers=peers)
         # NOTE: the quarantine must be known before the engine thread starts: only it reads it then
         client = AsyncLLM(engine, KVTransferSetup(remote_kv_quarantine_s=receiver.late_write_window_s))
         service = DecodeService(client, receiver, config.kv_failure_policy, config.transfer_timeout_s,
@@ -102,16 +112,19 @@ def build_worker(engine: LLMEngine, config: WorkerConfig, model_name: str, *,
     else:
         streamer = KVStreamer(layout.block_size, layout.num_layers)
         client = AsyncLLM(engine, KVTransferSetup(layer_observer=streamer))
-        senders = SenderPool(transport, layout, engine.runner.kv_cache, sender_options)
-        service = PrefillService(client, streamer, senders, config.transfer_timeout_s)
+        senders = SenderPool(transport, layout, engine.runner.kv_cache, sender_options, secret)
+        service = PrefillService(client, streamer, senders, config.transfer_timeout_s, secret)
         consumer = _queue_consumer(service, config)
     registrar = None
     if config.register:
         if config.advertise_url is None:
             raise ValueError("a worker with --register needs the URL routers reach it at (--advertise-url)")
-        registrar = Registrar(config.register, config.role, config.advertise_url, lambda: service.draining)
+        registrar = Registrar(config.register, config.role, config.advertise_url, lambda: service.draining,
+                              secret=secret)
     app = FastAPI(title=f"pdserve {config.role} worker", exception_handlers=EXCEPTION_HANDLERS,
                   lifespan=_background(consumer, registrar))
+    if secret is not None:
+        app.add_middleware(PeerAuth, secret=secret)  # inside CatchAll: signed /pd/* calls only
     app.add_middleware(CatchAll)  # no /pd/* route answers a plain-text 500
     install_engine_metrics(app, client, metrics, service.stats)  # GET /metrics (serving/metrics.py)
     worker = Worker(app, client, service, consumer, registrar)

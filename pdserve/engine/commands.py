@@ -117,18 +117,18 @@ class ReserveRemote(Command[RemoteReservation | None]):
 
 
 @dataclass(frozen=True, slots=True)
-class CompleteRemote(Command[RequestOutput]):
+class CompleteRemote(Command[RequestOutput | None]):
     """Decode role: the prompt's KV is in the reserved blocks; the output with prefill's first
-    token goes out at once."""
+    token goes out at once (none when the engine samples the first tokens itself: n > 1, logprobs)."""
 
     request_id: str
     first_token_id: int
     generator_state: bytes | None = None
 
-    def apply(self, engine: LLMEngine) -> RequestOutput:
+    def apply(self, engine: LLMEngine) -> RequestOutput | None:
         return engine.complete_remote(self.request_id, self.first_token_id, self.generator_state)
 
-    def emitted(self, result: RequestOutput) -> RequestOutput | None:
+    def emitted(self, result: RequestOutput | None) -> RequestOutput | None:
         return result
 
 

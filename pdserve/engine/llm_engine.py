@@ -115,6 +115,8 @@ class LLMEngine:
         self.offload = None if config.kv_disk is None else DiskOffload(config, self.scheduler, self.runner)
         self._states: dict[str, RequestState] = {}
         self._children: dict[str, tuple[RequestState, int]] = {}
+        # decode role, n > 1: sequences 1..n-1 of a reservation, which start once its KV arrived
+        self._forks: dict[str, list[Request]] = {}
         self._num_steps = 0
         self._schedule_time_s = 0.0
         self._step_time_s = 0.0
@@ -153,15 +155,7 @@ class LLMEngine:
         self.validate_request(token_ids, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         state = self._new_state(request_id, prompt_text, token_ids, params, arrival)
-        children = []
-        for index in range(params.n):
-            child_params = params
-            if index > 0 and params.seed is not None:
-                # Distinct per sequence, and unlike seed + index, not another request's seed.
-                child_params = dataclasses.replace(params, seed=hash((params.seed, index)) & (2**63 - 1))
-            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            children.append(Request(child_id, token_ids, child_params, self.tokenizer.eos_token_ids,
-                                    self.config.scheduler.max_model_len, arrival, self.config.device))
+        children = self._child_requests(request_id, token_ids, params, arrival)
         for child in children:
             if prefill_only:
                 child.hold_blocks = True
@@ -172,10 +166,25 @@ class LLMEngine:
             self._children[child.request_id] = (state, index)
         self._states[request_id] = state
 
+    def _child_requests(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                        arrival: float) -> list[Request]:
+        """The `n` engine sequences of one user request; with n > 1 each has its own id and seed."""
+        children = []
+        for index in range(params.n):
+            child_params = params
+            if index > 0 and params.seed is not None:
+                # Distinct per sequence, and unlike seed + index, not another request's seed.
+                child_params = dataclasses.replace(params, seed=hash((params.seed, index)) & (2**63 - 1))
+            child_id = request_id if index == 0 else f"{request_id}#{index}"  # a reservation is child 0
+            children.append(Request(child_id, token_ids, child_params, self.tokenizer.eos_token_ids,
+                                    self.config.scheduler.max_model_len, arrival, self.config.device))
+        return children
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         state = self._states.pop(request_id, None)
         if state is None:
             return None
+        self._forks.pop(request_id, None)
         for child_id, (owner, index) in list(self._children.items()):
             if owner is state:
                 self.scheduler.abort(child_id)
@@ -195,17 +204,18 @@ class LLMEngine:
         the pool has no room now (the caller retries or picks another worker)."""
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if params.n != 1:
-            raise ValueError("a disaggregated request has n == 1")
         self.validate_request(prompt_token_ids, params)
-        request = Request(request_id, prompt_token_ids, params, self.tokenizer.eos_token_ids,
-                          self.config.scheduler.max_model_len, device=self.config.device)
+        children = self._child_requests(request_id, list(prompt_token_ids), params, time.monotonic())
+        request = children[0]
         if not self.scheduler.reserve_remote(request):
             return None
         state = self._new_state(request_id, None, list(prompt_token_ids), params, request.arrival_time)
         state.num_cached_tokens = request.num_cached_tokens
         self._states[request_id] = state
-        self._children[request_id] = (state, 0)
+        for index, child in enumerate(children):
+            self._children[child.request_id] = (state, index)
+        if len(children) > 1:
+            self._forks[request_id] = children[1:]
         return RemoteReservation(tuple(request.block_ids), request.num_cached_tokens)
 
     def num_cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
@@ -223,15 +233,22 @@ class LLMEngine:
         return hits
 
     def complete_remote(self, request_id: str, first_token_id: int,
-                        generator_state: bytes | None = None) -> RequestOutput:
+                        generator_state: bytes | None = None) -> RequestOutput | None:
         """Decode role: the prompt's KV is in the reserved blocks; `first_token_id` was sampled by
         prefill, whose seeded generator state continues here. Returns the output carrying the
-        first token, to be emitted at once."""
+        first token, to be emitted at once (None: the first tokens are sampled here, see below)."""
         request = self.scheduler.remote[request_id]
         # NOTE: checked before anything changes: a peer's bad value must not reach the sampler
         if not 0 <= first_token_id < self.config.model.vocab_size:
             raise ValueError(f"first token id {first_token_id} is outside the vocabulary "
                              f"(0..{self.config.model.vocab_size - 1})")
+        forks = self._forks.pop(request_id, [])
+        if forks or request.params.logprobs is not None:
+            # NOTE: sequences 1..n-1 need the prompt's last logits, which prefill does not send, and
+            # so do the first token's logprobs: each sequence samples its first token here, from its
+            # own generator, still fresh, as a colocated engine does; prefill's first token goes unused.
+            self.scheduler.resample_remote(request_id, forks)
+            return None
         if generator_state is not None and request.generator is not None:
             expected = request.generator.get_state().numel()
             if len(generator_state) != expected:
@@ -248,6 +265,8 @@ class LLMEngine:
         """Decode role, failure policy "recompute": the KV will not arrive; this engine computes
         the prompt itself (and samples the first token with the request's own generator)."""
         self.scheduler.recompute_remote(request_id)
+        for fork in self._forks.pop(request_id, []):  # n > 1: the other sequences start as usual
+            self.scheduler.add_request(fork)
 
     def release_quarantined_blocks(self) -> float | None:
         """Free blocks whose quarantine ended (`Scheduler.remote_kv_quarantine_s`); seconds until

@@ -345,6 +345,28 @@ class Scheduler:
             self.finish(request, status)
         return request
 
+    def resample_remote(self, request_id: str, forks: list[Request]) -> None:
+        """The prompt's KV has landed, but the first token is sampled here (n > 1, or logprobs):
+        the request recomputes only its prompt's last token; each fork (another sequence of the
+        same prompt) takes the request's full prompt blocks by reference, not copied, and computes
+        the rest of the prompt in blocks of its own. All join the front of the waiting queue.
+
+            request: [ full | full | last, partial ]   P prompt tokens, P-1 computed
+            fork:    [ full | full ] (shared, ref count + 1) + [ own ] computed from (P-1)//bs*bs
+        """
+        request = self.remote.pop(request_id)
+        request.num_computed_tokens = request.num_prompt_tokens - 1
+        self.kv.cache_computed_blocks(request)
+        request.status = RequestStatus.WAITING
+        num_shared = (request.num_prompt_tokens - 1) // self.kv.block_size
+        for fork in reversed(forks):
+            fork.num_computed_tokens = num_shared * self.kv.block_size
+            shared = self.kv.allocate(fork, 0, request.block_ids[:num_shared])
+            assert shared, "no new block is needed: it only takes references"
+            self.waiting.appendleft(fork)
+            self.requests[fork.request_id] = fork
+        self.waiting.appendleft(request)
+
     def abort(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
         if request is not None:

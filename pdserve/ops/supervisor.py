@@ -66,7 +66,7 @@ class ChildProcess:
     decides what each child gets; signals go to the child's whole process group."""
 
     def __init__(self, argv: list[str]) -> None:
-        # NOTE: the child watches us (cli.exit_with_supervisor): even a SIGKILLed `up` leaves no orphan
+        # NOTE: the child watches us (supervisor.exit_with_supervisor): even a SIGKILLed `up` leaves no orphan
         env = {**os.environ, envs.SUPERVISOR_PID: str(os.getpid())}
         self.popen = subprocess.Popen(argv, start_new_session=True, env=env)
         self.pid = self.popen.pid
@@ -347,3 +347,22 @@ class _SlotCollector(Collector):
             for state in STATES:
                 gauge.add_metric([role, state], count[(role, state)])
         yield gauge
+
+
+def exit_with_supervisor(poll_s: float = 1.0) -> None:
+    """A process `pdserve up` started (PDSERVE_SUPERVISOR_PID set) drains and exits once that
+    supervisor is gone, however it went (even SIGKILL, which it cannot pass on): SIGTERM to itself,
+    which a server handles as a drain."""
+    from pdserve import envs
+
+    supervisor = envs.supervisor_pid()
+    if supervisor is None:
+        return
+
+    def watch() -> None:
+        while os.getppid() == supervisor:
+            time.sleep(poll_s)
+        logging.getLogger("pdserve").warning("supervisor %d is gone: draining and exiting", supervisor)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="pdserve-supervisor-watch", daemon=True).start()

@@ -99,6 +99,18 @@ class UpOptions:
         return {envs.API_KEY: ",".join(keys)} if keys else {}
 
 
+def cluster_secret_env(router: RouterConfig) -> dict[str, str]:
+    """`up` always runs its cluster with a secret: --cluster-secret-file (every child gets the path),
+    else PDSERVE_CLUSTER_SECRET as given, else a random one made here. NOTE: it travels in the
+    children's environment (readable by this user only), never in argv."""
+    from pdserve import envs
+    from pdserve.disagg.auth import new_secret
+
+    if router.cluster_secret_file is not None or envs.cluster_secret() is not None:
+        return {}
+    return {envs.CLUSTER_SECRET: new_secret()}
+
+
 @dataclass(frozen=True, slots=True)
 class CommandLines:
     """The command line of each process `up` starts; a worker's thread count is the split of the
@@ -286,6 +298,7 @@ def run(options: UpOptions, router: RouterConfig, worker: WorkerConfig, engine_f
         default_model_dir()
     # NOTE: every child inherits it; only the router reads it (workers serve no client API)
     os.environ.update(options.router_env())
+    os.environ.update(cluster_secret_env(router))
     registry = CollectorRegistry()
     supervisor = start_pool(options, router, worker, engine_flags, registry)
     try:

@@ -25,6 +25,7 @@ from pdserve.serving.protocol import ChatCompletionRequest, CompletionRequest, M
 from pdserve.serving.router_metrics import instrument_router_app
 from pdserve.serving.router_stats import RouterState
 from pdserve.serving.sse import sse_stream, started, unless_disconnected
+from pdserve.serving.utility_routes import add_utility_routes
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
@@ -47,7 +48,7 @@ def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None 
                router: RouterState | None = None, probes: Probes | None = None,
                api: ApiConfig | None = None) -> FastAPI:
     """`router`: `client` is the PD router (disagg/router_app.py), whose pool and stats this reads
-    for the router's metrics and the live dashboard; it serves no logprobs. `probes`: default
+    for the router's metrics and the live dashboard. `probes`: default
     `Probes.of_engine(client)`. `api`: client keys and input caps (default `ApiConfig()`: no keys)."""
     api = api or ApiConfig()
     app = FastAPI(title="pdserve", exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
@@ -58,7 +59,7 @@ def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None 
     elif isinstance(client, AsyncLLM):
         instrument_engine_app(app, client, model_name, "colocated")
     completions = CompletionHandler(client, model_name, api.max_tokens_limit)
-    chat = ChatHandler(client, model_name, api.max_tokens_limit)
+    chat = ChatHandler(client, model_name, api)
 
     def check_model(requested: str | None) -> None:
         if requested is not None and requested != model_name:
@@ -67,7 +68,7 @@ def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None 
 
     async def respond(handler: CompletionHandler | ChatHandler, body: Any, raw: Request) -> Any:
         check_model(body.model)
-        check_limits(body, api, serves_logprobs=router is None)
+        check_limits(body, api)
         request_id, jobs = await handler.prepare(body)
         if body.stream:
             # NOTE: the first chunk is awaited before the response starts, so an error until then
@@ -89,6 +90,7 @@ def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None 
         return ModelList(data=[ModelCard(id=model_name, root=client.model_path,
                                          max_model_len=client.max_model_len)])
 
+    add_utility_routes(app, client, check_model)
     _add_probe_routes(app, probes or Probes.of_engine(client))
     return app
 

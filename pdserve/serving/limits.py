@@ -23,8 +23,8 @@ def requested_logprobs(body: CompletionRequest | ChatCompletionRequest) -> int |
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
-def check_limits(body: CompletionRequest | ChatCompletionRequest, limits: ApiConfig, serves_logprobs: bool) -> None:
-    """400 for a request beyond `limits`, or asking for logprobs where they are not served."""
+def check_limits(body: CompletionRequest | ChatCompletionRequest, limits: ApiConfig) -> None:
+    """400 for a request beyond `limits`."""
     stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     _cap(len(stop), limits.max_stop_strings, "stop", "strings", "--max-stop-strings")
     for text in stop:
@@ -40,9 +40,5 @@ def check_limits(body: CompletionRequest | ChatCompletionRequest, limits: ApiCon
     logprobs = requested_logprobs(body)
     if logprobs is None:
         return
-    if not serves_logprobs:
-        # NOTE: the decode worker streams token ids only; an answer without them would be a silent null
-        raise OpenAIError("logprobs are not supported through the PD router; ask a colocated server "
-                          "(pdserve serve) for them", HTTPStatus.BAD_REQUEST, "logprobs")
     _cap(logprobs, limits.max_logprobs, "logprobs" if isinstance(body, CompletionRequest) else "top_logprobs",
          "log-probabilities per token", "--max-logprobs")

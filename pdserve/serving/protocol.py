@@ -39,11 +39,14 @@ class _SamplingFields(BaseModel):
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None  # NOTE: refused below rather than ignored: a silent null would look served
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported")
         return self
 
     def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -94,17 +97,55 @@ class CompletionRequest(_SamplingFields):
         return self
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str | dict[str, Any]
+
+
+class MessageToolCall(BaseModel):
+    """A call an assistant message made (rendered back into the prompt)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatTemplateKwargs(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     enable_thinking: bool = True
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -115,6 +156,13 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0)
     add_generation_prompt: bool = True
     chat_template_kwargs: ChatTemplateKwargs | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True  # NOTE: accepted; the model decides how many calls it makes
+
+    @property
+    def enable_thinking(self) -> bool:
+        return self.chat_template_kwargs.enable_thinking if self.chat_template_kwargs else True
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

@@ -39,7 +39,7 @@ class WorkerView:
 class Rejections:
     """Requests the router refused since it started, by reason (GET /router/stats: `rejected_<reason>`)."""
 
-    invalid: int = 0  # 400: can never run (too long, token ids out of the vocabulary, n > 1)
+    invalid: int = 0  # 400: can never run (too long, token ids out of the vocabulary)
     queue_full: int = 0  # 429: too many requests (or prompt tokens) admitted and waiting
     no_prefill_worker: int = 0  # 503: no ready prefill worker (or no live queue consumer)
     no_decode_worker: int = 0  # 503: no ready decode worker

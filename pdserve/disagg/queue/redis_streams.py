@@ -37,6 +37,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 from redis.typing import EncodableT, FieldT
 
+from pdserve.disagg.auth import verify_job
 from pdserve.disagg.client import WorkerClient, WorkerUnreachable
 from pdserve.disagg.control import PrefillJob
 from pdserve.disagg.kv_layout import KVLayoutMismatch
@@ -188,7 +189,7 @@ class RedisJobConsumer:
         self.block_ms = block_ms
         self._counts = _Counts()
         self._redis = connect(url)
-        self._workers = WorkerClient(timeout_s=10.0)
+        self._workers = WorkerClient(timeout_s=10.0, secret=service.secret)
         self._jobs: dict[str, asyncio.Task[None]] = {}  # entry id -> task
         self._stopping = asyncio.Event()
 
@@ -280,7 +281,7 @@ class RedisJobConsumer:
 
     async def _handle(self, entry_id: str, fields: dict[str, str], reclaimed: bool) -> None:
         try:
-            job = PrefillJob.model_validate_json(fields["job"])
+            job = self._job(fields)
         except (KeyError, ValueError) as exc:
             logger.error("dropping unreadable prefill job %s: %s", entry_id, exc)
             await self._ack(entry_id)
@@ -337,7 +338,14 @@ class RedisJobConsumer:
         await self._redis.xadd(self.keys.dead, dead)
         await self._ack(entry_id)
         with contextlib.suppress(KeyError, ValueError):
-            await self._fail(PrefillJob.model_validate_json(fields["job"]), reason, any_attempt=True)
+            await self._fail(self._job(fields), reason, any_attempt=True)
+
+    def _job(self, fields: dict[str, str]) -> PrefillJob:
+        """The entry's job, once its signature checked (auth.py): before anything reaches an
+        address it names (retarget, fail, the KV port). KeyError/ValueError otherwise."""
+        job = PrefillJob.model_validate_json(fields["job"])
+        verify_job(self.service.secret, job)
+        return job
 
     async def _fail(self, job: PrefillJob, reason: str, *, any_attempt: bool = False) -> None:
         """End the request on its decode worker now, if it still waits for this attempt (or, for a

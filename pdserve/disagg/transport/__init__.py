@@ -27,12 +27,13 @@ TRANSPORT_NAMES = tuple(_TRANSPORTS)
 
 
 def make_receiver(name: str, layout: KVLayout, kv_cache: torch.Tensor, **options: Any) -> KVReceiver:
-    """Options: tcp/nixl take `host`, `port` (0: any free port)."""
+    """Options: tcp/nixl take `host`, `port` (0: any free port) and `peers` (KVPeerPolicy: the
+    cluster secret, connection cap, handshake timeout)."""
     return _load(name, 1)(layout, kv_cache, **options)
 
 
 def make_sender(name: str, layout: KVLayout, kv_cache: torch.Tensor, **options: Any) -> KVSender:
-    """Options: fake takes `stall_after_layers`."""
+    """Options: `secret` (the cluster secret, for the handshake); fake takes `stall_after_layers`."""
     return _load(name, 2)(layout, kv_cache, **options)
 
 

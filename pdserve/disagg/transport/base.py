@@ -66,8 +66,9 @@ class KVReceiver(abc.ABC):
       `address` is what a prefill worker passes to `KVSender.connect`.
     - Memory: the pool stays owned by the engine. The receiver writes only into blocks of a live
       reservation, and only after the payload was validated (`ReservationTable`).
-    - `expect(request_id, block_ids)` is called by the decode engine's thread before the router
-      lets prefill start; those blocks are the only ones a payload of that request may write.
+    - `expect(request_id, block_ids, token)` is called by the decode engine's thread before the
+      router lets prefill start; those blocks are the only ones a payload of that request may
+      write, and only a payload that presents `token` (compared in constant time).
     - `cancel(request_id)` (any thread) drops the reservation and pending events; later payloads
       of the request are rejected. tcp/fake: once it returns, no write into those blocks is in
       progress or will happen. nixl: see that module (a WRITE granted earlier may still land).
@@ -107,12 +108,12 @@ class KVReceiver(abc.ABC):
     def close(self) -> None:
         """Stop receiving; idempotent."""
 
-    def expect(self, request_id: str, block_ids: list[int] | tuple[int, ...]) -> None:
+    def expect(self, request_id: str, block_ids: list[int] | tuple[int, ...], token: str = "") -> None:
         # NOTE: the event box opens first, so a payload admitted right after the reservation
         # exists always finds it; it raises, touching nothing, if the request is still live.
         self._events.open(request_id)
         try:
-            self._table.expect(request_id, block_ids)
+            self._table.expect(request_id, block_ids, token)
         except ValueError:
             self._events.close(request_id, "reservation refused")
             raise
@@ -206,7 +207,8 @@ class KVSender(abc.ABC):
     - `send_layer(request_id, layer, src_block_ids, dst_block_ids)` is called by the prefill
       engine's thread right after `layer` was computed; it returns at once and the bytes move on
       the transport's I/O thread while later layers compute. Calls for one request come in layer
-      order, then one `send_done(request_id, first_token_id, ...)` (the fields of KVDone).
+      order, then one `send_done(request_id, first_token_id, ...)` (the fields of KVDone). Both
+      carry the reservation's `token` (ReserveReply.token), without which decode refuses them.
     - Memory: the sender reads `src_block_ids` of its pool after `send_layer` returns, until
       `flush(request_id)` returns or raises; the caller keeps those blocks unchanged until then.
     - `send_layer` checks only that it can read its own source blocks (ValueError otherwise).
@@ -240,11 +242,13 @@ class KVSender(abc.ABC):
     def connect(self, address: str) -> None: ...
 
     @abc.abstractmethod
-    def send_layer(self, request_id: str, layer: int, src_block_ids: list[int], dst_block_ids: list[int]) -> None: ...
+    def send_layer(self, request_id: str, layer: int, src_block_ids: list[int], dst_block_ids: list[int], *,
+                   token: str = "") -> None: ...
 
     @abc.abstractmethod
     def send_done(self, request_id: str, first_token_id: int, generator_state: bytes | None = None, *,
-                  prefill_queue_s: float | None = None, prefill_compute_s: float | None = None) -> None: ...
+                  prefill_queue_s: float | None = None, prefill_compute_s: float | None = None,
+                  token: str = "") -> None: ...
 
     @abc.abstractmethod
     def close(self) -> None: ...
@@ -293,10 +297,10 @@ class KVSender(abc.ABC):
             raise ValueError(f"source block ids must be in [0, {num_blocks}), got {src_block_ids}")
 
     def _layer_header(self, request_id: str, layer: int, num_src_blocks: int,
-                      dst_block_ids: list[int]) -> LayerHeader:
+                      dst_block_ids: list[int], token: str) -> LayerHeader:
         """Describes what the sender actually sends: `num_src_blocks` blocks' worth of bytes."""
         return LayerHeader(request_id, layer, tuple(dst_block_ids), num_src_blocks * self.layout.block_bytes_per_layer,
-                           self.layout.dtype, self.layout.payload_shape(num_src_blocks))
+                           self.layout.dtype, self.layout.payload_shape(num_src_blocks), token)
 
     def _check_welcome(self, welcome: Welcome) -> None:
         """Prefill's half of the layout check, independent of decode's verdict."""

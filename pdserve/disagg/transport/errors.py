@@ -11,3 +11,7 @@ class KVTransferError(RuntimeError):
 class KVTransferTimeout(KVTransferError):
     """No progress on a request for the given time. The message starts with the stable text
     `KV cache transfer timed out` (operators grep logs for it)."""
+
+
+class KVAuthError(KVTransferError):
+    """The KV handshake failed authentication: one side has no cluster secret or another one."""

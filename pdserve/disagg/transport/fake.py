@@ -29,7 +29,9 @@ class FakeKVReceiver(KVReceiver):
     and `port` are accepted like the real receivers' (so a worker makes any receiver the same
     way) and ignored."""
 
-    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, host: str = "", port: int = 0) -> None:
+    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, host: str = "", port: int = 0, *,
+                 peers: object = None) -> None:
+        """`peers` (the KV port's policy) is accepted like the real receivers' and unused: no port."""
         super().__init__(layout, kv_cache)
         self._address = f"fake://{next(_next_id)}"
         self._closed = False
@@ -59,7 +61,9 @@ class FakeKVReceiver(KVReceiver):
 class FakeKVSender(KVSender):
     """Contract: see KVSender; `send_layer` copies synchronously, `flush` only reads the acks."""
 
-    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, stall_after_layers: int | None = None) -> None:
+    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, stall_after_layers: int | None = None, *,
+                 secret: object = None) -> None:
+        """`secret` is accepted like the real senders' and unused: the fake has no wire to guard."""
         super().__init__(layout, kv_cache)
         self._stall_after_layers = stall_after_layers
         self._num_layers_sent: Counter[str] = Counter()
@@ -73,19 +77,21 @@ class FakeKVSender(KVSender):
         self._check_welcome(peer.accept_hello(Hello(self.layout, b"")))
         self._peer = peer
 
-    def send_layer(self, request_id: str, layer: int, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+    def send_layer(self, request_id: str, layer: int, src_block_ids: list[int], dst_block_ids: list[int], *,
+                   token: str = "") -> None:
         peer = self._connected()
         self._check_sources(layer, src_block_ids)
         self._acks.sent_layer(request_id)
         if self._abandoned_request(request_id) or self._stalled(request_id, count=True):
             return
-        header = self._layer_header(request_id, layer, len(src_block_ids), dst_block_ids)
+        header = self._layer_header(request_id, layer, len(src_block_ids), dst_block_ids, token)
         src = torch.tensor(src_block_ids, dtype=torch.long, device=self.kv_cache.device)
         payload = self.kv_cache[layer].index_select(1, src).reshape(-1).view(torch.uint8)
         self._on_reply(peer.accept_layer(header, payload))
 
     def send_done(self, request_id: str, first_token_id: int, generator_state: bytes | None = None, *,
-                  prefill_queue_s: float | None = None, prefill_compute_s: float | None = None) -> None:
+                  prefill_queue_s: float | None = None, prefill_compute_s: float | None = None,
+                  token: str = "") -> None:
         peer = self._connected()
         num_layers = self._acks.sent_done(request_id)
         if self._abandoned_request(request_id) or self._stalled(request_id, count=False):
@@ -93,7 +99,7 @@ class FakeKVSender(KVSender):
         with self._lock:
             self._num_layers_sent.pop(request_id, None)
         self._on_reply(peer.accept_done(DoneHeader(request_id, first_token_id, num_layers, generator_state,
-                                                   prefill_queue_s, prefill_compute_s)))
+                                                   prefill_queue_s, prefill_compute_s, token)))
 
     def close(self) -> None:
         self._peer = None

@@ -29,15 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.disagg import wire
-from pdserve.disagg.transport.messages import (
-    Hello,
-    Message,
-    MessageType,
-    Welcome,
-    decode_message,
-    encode_message,
-    message_type,
-)
+from pdserve.disagg.transport.messages import Message, MessageType, decode_message, encode_message, message_type
 
 logger = logging.getLogger(__name__)
 
@@ -157,16 +149,16 @@ async def _ready(sock: socket.socket, *, writing: bool) -> None:
         remove(sock.fileno())
 
 
-async def recv_frame(sock: socket.socket, max_payload_bytes: int) -> Frame:
+async def recv_frame(sock: socket.socket, max_payload_bytes: int, max_header_bytes: int = MAX_HEADER_BYTES) -> Frame:
     """Read a frame's prefix and header; the caller must then read or discard `payload_len` bytes."""
     prefix = bytearray(_PREFIX.size)
     await recv_into(sock, memoryview(prefix))
     magic, kind, header_len, payload_len = _PREFIX.unpack(prefix)
     if magic != MAGIC:
         raise ProtocolError(f"bad frame magic {bytes(magic)!r}")
-    if header_len > MAX_HEADER_BYTES or payload_len > max_payload_bytes:
+    if header_len > max_header_bytes or payload_len > max_payload_bytes:
         raise ProtocolError(f"frame too large: header {header_len} B, payload {payload_len} B "
-                            f"(limits {MAX_HEADER_BYTES}, {max_payload_bytes})")
+                            f"(limits {max_header_bytes}, {max_payload_bytes})")
     header_bytes = bytearray(header_len)
     await recv_into(sock, memoryview(header_bytes))
     try:
@@ -216,7 +208,10 @@ async def accept_forever(listener: socket.socket, serve: Callable[[socket.socket
 
 
 def listen(host: str, port: int) -> socket.socket:
-    sock = socket.create_server((host, port), backlog=64)
+    # NOTE: a deep backlog: under a flood of idle connections the accept loop drops the oldest
+    # unauthenticated ones (handshake.py), but only once it accepted them; a full backlog would
+    # leave a real prefill worker's SYN to be retried a second later
+    sock = socket.create_server((host, port), backlog=1024)
     sock.setblocking(False)
     return sock
 
@@ -237,25 +232,3 @@ def tune(sock: socket.socket) -> None:
     # Acks and small headers must not wait for Nagle's algorithm.
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setblocking(False)
-
-
-async def answer_hello(sock: socket.socket, decide: Callable[[Hello], Welcome]) -> Hello | None:
-    """Decode's side of the handshake: read HELLO, answer WELCOME; the Hello if it was accepted."""
-    frame = await recv_frame(sock, max_payload_bytes=0)
-    if not isinstance(frame.header, Hello):
-        raise ProtocolError(f"expected HELLO, got {frame.kind.name}")
-    welcome = decide(frame.header)
-    await send_frame(sock, welcome)
-    if welcome.refusal:
-        logger.warning("refused a prefill worker: %s", welcome.refusal)
-        return None
-    return frame.header
-
-
-async def say_hello(sock: socket.socket, hello: Hello) -> Welcome:
-    """Prefill's side of the handshake: send HELLO, return decode's WELCOME (not yet checked)."""
-    await send_frame(sock, hello)
-    frame = await recv_frame(sock, max_payload_bytes=0)
-    if not isinstance(frame.header, Welcome):
-        raise ProtocolError(f"expected WELCOME, got {frame.kind.name}")
-    return frame.header

@@ -46,28 +46,41 @@ KVEvent = KVProgress | KVDone | KVRejected
 
 
 @dataclass(frozen=True, slots=True)
+class Challenge:
+    """decode -> prefill, first frame of a connection: the nonce prefill's proof must cover."""
+
+    nonce: str
+
+
+@dataclass(frozen=True, slots=True)
 class Hello:
-    """prefill -> decode, first frame of a connection. `nixl_metadata` is empty for tcp."""
+    """prefill -> decode, the answer to the challenge. `nixl_metadata` is empty for tcp; `proof`
+    is HMAC(cluster secret, "kv-hello", challenge nonce, `nonce`) ("" without a secret)."""
 
     layout: KVLayout
     nixl_metadata: bytes
+    nonce: str = ""
+    proof: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class Welcome:
     """decode -> prefill, the handshake's answer. A non-empty `refusal` means decode refused the
-    layout and closes the connection; decode's layout is sent either way so prefill checks too."""
+    layout and closes the connection; decode's layout is sent either way so prefill checks too.
+    `proof`: HMAC(cluster secret, "kv-welcome", both nonces), so prefill knows decode holds it too."""
 
     layout: KVLayout
     refusal: str
     nixl_metadata: bytes
+    proof: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class LayerHeader:
     """Announces one layer's K and V for some destination blocks. The payload is `num_bytes` raw
     bytes shaped `shape` = [k|v, block, slot, head, dim] of `dtype`, blocks in `dst_block_ids` order.
-    Over tcp the payload follows in the same frame; over nixl it travels inside Claim and Written."""
+    Over tcp the payload follows in the same frame; over nixl it travels inside Claim and Written.
+    `token`: the reservation's (decode checks it before anything of the payload is admitted)."""
 
     request_id: str
     layer: int
@@ -75,6 +88,7 @@ class LayerHeader:
     num_bytes: int
     dtype: str
     shape: tuple[int, ...]
+    token: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +103,7 @@ class DoneHeader:
     generator_state: bytes | None = None
     prefill_queue_s: float | None = None
     prefill_compute_s: float | None = None
+    token: str = ""  # the reservation's, as in LayerHeader
 
     def event(self) -> KVDone:
         return KVDone(self.request_id, self.first_token_id, self.generator_state, self.prefill_queue_s,
@@ -149,9 +164,10 @@ class MessageType(enum.IntEnum):
     CLAIM = 7
     GRANT = 8
     WRITTEN = 9
+    CHALLENGE = 10
 
 
-Message = Hello | Welcome | LayerHeader | DoneHeader | Ack | Reject | Claim | Grant | Written
+Message = Challenge | Hello | Welcome | LayerHeader | DoneHeader | Ack | Reject | Claim | Grant | Written
 
 _RECORDS: dict[MessageType, type] = {
     MessageType.HELLO: Hello,
@@ -163,6 +179,7 @@ _RECORDS: dict[MessageType, type] = {
     MessageType.CLAIM: Claim,
     MessageType.GRANT: Grant,
     MessageType.WRITTEN: Written,
+    MessageType.CHALLENGE: Challenge,
 }
 
 

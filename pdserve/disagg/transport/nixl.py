@@ -4,7 +4,8 @@ Decode registers its whole pool with its NIXL agent; prefill registers its own. 
 exchanges layouts and agent metadata; after it, everything travels as NIXL notifications:
 
     prefill I/O thread                            decode I/O thread
-    TCP  HELLO {layout, conn info}     ------>    check layout; load prefill's conn info (replies)
+    TCP       <------ CHALLENGE {nonce}           (handshake.py: proofs of the cluster secret)
+         HELLO {layout, conn info, proof} ------> check proof, layout; load prefill's conn info
          <------ WELCOME {layout, agent metadata incl. the pool registration} | {refusal}
     CLAIM {claim id, layer header}     ------>    validate against the reservation, then
          <------ GRANT {addresses of exactly the claimed K/V regions} | REJECT
@@ -24,7 +25,12 @@ dtype, shape), and prefill learns no other destination address. But RDMA is one-
 registration in the agent metadata authorizes writes anywhere in decode's pool (UCX keys cover
 a whole registration; NIXL refuses only addresses outside it). A prefill that ignores the protocol
 could therefore write outside its grants, and a WRITE granted before `cancel` may still land in
-the cancelled blocks (see Late writes). Peers are trusted cluster members, as in vLLM/Dynamo.
+the cancelled blocks (see Late writes). What bounds that: decode's agent metadata (which carries
+the registration's remote keys) goes only to a peer that proved the cluster secret in the
+handshake, notifications count only from agents that did, and a claim is granted only for a
+payload that presents its reservation's token. NOT done: limiting the registration itself to one
+reservation's regions (a registration, and its remote keys, per reservation or per grant, revoked
+when it ends); until then a peer holding the cluster secret can write anywhere in the pool.
 
 Late writes. A WRITE posted before prefill hears of a cancel lands after decode let go of the
 blocks. Two rules bound when that can happen, with no clock shared between hosts: prefill posts a
@@ -65,9 +71,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from pdserve.disagg.auth import ClusterSecret
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.transport import frames, regions
 from pdserve.disagg.transport.base import KVReceiver, KVSender
+from pdserve.disagg.transport.handshake import KVPeerGate, KVPeerPolicy, say_hello
 from pdserve.disagg.transport.io_thread import IoThread
 from pdserve.disagg.transport.messages import (
     Ack,
@@ -106,8 +114,10 @@ class NixlKVReceiver(KVReceiver):
     """Contract: see KVReceiver and this module's Trust note. `address` is 'nixl://host:port', the
     TCP port of the handshake; after it, prefill talks to the NIXL agent directly."""
 
-    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, host: str = "127.0.0.1", port: int = 0, *,
+                 peers: KVPeerPolicy | None = None) -> None:
         super().__init__(layout, kv_cache)
+        self.gate = KVPeerGate(peers or KVPeerPolicy())
         self._listener = frames.listen(host, port)
         self._address = f"nixl://{host}:{self._listener.getsockname()[1]}"
         self._io = IoThread("pdserve-kv-nixl-recv")
@@ -148,9 +158,9 @@ class NixlKVReceiver(KVReceiver):
         await frames.accept_forever(self._listener, self._handshake_on)
 
     async def _handshake_on(self, sock: socket.socket) -> None:
-        with sock:
+        with sock, self.gate.slot(sock) as admitted:
             try:
-                hello = await frames.answer_hello(sock, self._welcome)
+                hello = await self.gate.handshake(sock, self._welcome) if admitted else None
             except (ConnectionError, OSError) as e:
                 logger.info("NIXL handshake with prefill failed: %s", e)
                 return
@@ -242,8 +252,9 @@ class NixlKVSender(KVSender):
     """Contract: see KVSender. `send_layer` queues a claim on the I/O thread; the WRITE starts when
     decode's grant arrives, so claims of later layers overlap earlier layers' writes."""
 
-    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor) -> None:
+    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, secret: ClusterSecret | None = None) -> None:
         super().__init__(layout, kv_cache)
+        self._secret = secret
         self._io = IoThread("pdserve-kv-nixl-send")
         self._agent = self._io.call(new_agent, "prefill")
         self._registration = self._io.call(self._agent.register_memory, kv_cache)
@@ -260,21 +271,23 @@ class NixlKVSender(KVSender):
         host, port = frames.parse_address(address, "nixl")
         self._io.run(self._connect(host, port), timeout_s=_CONNECT_TIMEOUT_S)
 
-    def send_layer(self, request_id: str, layer: int, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+    def send_layer(self, request_id: str, layer: int, src_block_ids: list[int], dst_block_ids: list[int], *,
+                   token: str = "") -> None:
         self._check_sources(layer, src_block_ids)
         if not self._peer:
             raise RuntimeError("connect() first")
-        header = self._layer_header(request_id, layer, len(src_block_ids), dst_block_ids)
+        header = self._layer_header(request_id, layer, len(src_block_ids), dst_block_ids, token)
         self._acks.sent_layer(request_id)
         self._io.call_soon(self._claim, _PendingClaim(header, tuple(src_block_ids)))
 
     def send_done(self, request_id: str, first_token_id: int, generator_state: bytes | None = None, *,
-                  prefill_queue_s: float | None = None, prefill_compute_s: float | None = None) -> None:
+                  prefill_queue_s: float | None = None, prefill_compute_s: float | None = None,
+                  token: str = "") -> None:
         if not self._peer:
             raise RuntimeError("connect() first")
         num_layers = self._acks.sent_done(request_id)
         self._io.call_soon(self._notify, DoneHeader(request_id, first_token_id, num_layers, generator_state,
-                                                    prefill_queue_s, prefill_compute_s))
+                                                    prefill_queue_s, prefill_compute_s, token))
 
     def close(self) -> None:
         if not self._io.running:
@@ -295,7 +308,7 @@ class NixlKVSender(KVSender):
 
     async def _connect(self, host: str, port: int) -> None:
         with await frames.connect(host, port) as sock:
-            welcome = await frames.say_hello(sock, Hello(self.layout, conn_info_metadata(self._agent)))
+            welcome = await say_hello(sock, Hello(self.layout, conn_info_metadata(self._agent)), self._secret)
         self._check_welcome(welcome)
         self._peer = agent_name(self._agent.add_remote_agent(welcome.nixl_metadata))
         # Start UCX wire-up now rather than inside the first request's first WRITE (~30 ms here);

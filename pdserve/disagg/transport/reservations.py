@@ -2,12 +2,14 @@
 the pool. Every transport's receiver asks it, so all of them validate the same way.
 
 A reservation is the set of destination blocks one request may receive. A payload is admitted
-only if its request is reserved, every destination block is in that set (each at most once), its
-layer exists, and its byte count, dtype and shape are exactly one layer of K and V for those blocks.
+only if its request is reserved, it presents the reservation's token, every destination block is
+in that set (each at most once), its layer exists, and its byte count, dtype and shape are exactly
+one layer of K and V for those blocks.
 """
 
 from __future__ import annotations
 
+import hmac
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,6 +35,7 @@ class Reservation:
     (`check_layer` -> `writing`) to tell whether the request is still the same live reservation."""
 
     block_ids: frozenset[int]
+    token: bytes = b""  # what every payload of it must present
     num_layer_payloads: int = 0
     # nixl: the final message can overtake layer notifications; it waits here until they arrive.
     pending_done: DoneHeader | None = None
@@ -50,7 +53,7 @@ class ReservationTable:
         self._lock = threading.Lock()
         self._reservations: dict[str, Reservation] = {}
 
-    def expect(self, request_id: str, block_ids: list[int] | tuple[int, ...]) -> None:
+    def expect(self, request_id: str, block_ids: list[int] | tuple[int, ...], token: str = "") -> None:
         ids = frozenset(block_ids)
         if len(ids) != len(block_ids) or not ids:
             raise ValueError(f"request {request_id}: reservation needs distinct block ids, got {list(block_ids)}")
@@ -59,7 +62,7 @@ class ReservationTable:
         with self._lock:
             if request_id in self._reservations:
                 raise ValueError(f"request {request_id} already has a reservation")
-            self._reservations[request_id] = Reservation(ids)
+            self._reservations[request_id] = Reservation(ids, token.encode())
 
     def remove(self, request_id: str) -> bool:
         with self._lock:
@@ -99,7 +102,7 @@ class ReservationTable:
         False (only when not `in_order`): layer payloads are still on their way; `take_ready_done`
         returns the header once they arrived."""
         with self._lock:
-            reservation = self._get(header.request_id)
+            reservation = self._get_as(header.request_id, header.token)
             received, announced = reservation.num_layer_payloads, header.num_layer_payloads
             if received > announced or (in_order and received != announced):
                 raise PayloadRejected(header.request_id, f"final message announces {announced} layer payloads, "
@@ -127,8 +130,17 @@ class ReservationTable:
                                   request_known=False)
         return reservation
 
+    def _get_as(self, request_id: str, token: str) -> Reservation:
+        """The reservation, for a payload that presents its token. NOTE: a wrong token is refused
+        as if the request were unknown: the payload is dropped, the reservation stays intact (a
+        stray or hostile stream cannot end the request the router assigned)."""
+        reservation = self._get(request_id)
+        if not hmac.compare_digest(token.encode(), reservation.token):
+            raise PayloadRejected(request_id, "wrong reservation token", request_known=False)
+        return reservation
+
     def _check_layer(self, header: LayerHeader) -> Reservation:
-        reservation = self._get(header.request_id)
+        reservation = self._get_as(header.request_id, header.token)
         problem = self._layer_problem(header, reservation)
         if problem is not None:
             raise PayloadRejected(header.request_id, problem, request_known=True)

@@ -14,8 +14,9 @@ A pool on an accelerator goes through host memory instead: the sender gathers th
 `index_copy_`s it into the pool after the same validation.
 
     prefill I/O thread                         decode I/O thread
-    HELLO {layout}               ------>       check layout (refuse: WELCOME{refusal}, close)
-                                 <------       WELCOME {layout}
+                                 <------       CHALLENGE {nonce}   (handshake.py: the cluster secret)
+    HELLO {layout, proof}        ------>       check proof, layout (refuse: WELCOME{refusal}, close)
+                                 <------       WELCOME {layout, proof}
     LAYER {header} + payload     ------>       validate header; payload -> reserved blocks
                                  <------       ACK | REJECT
     DONE {first token, state...} ------>       KVDone
@@ -37,10 +38,12 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.disagg.auth import ClusterSecret
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.transport import frames, regions
 from pdserve.disagg.transport.base import KVReceiver, KVSender
 from pdserve.disagg.transport.frames import Frame, ProtocolError
+from pdserve.disagg.transport.handshake import KVPeerGate, KVPeerPolicy, say_hello
 from pdserve.disagg.transport.io_thread import IoThread
 from pdserve.disagg.transport.messages import Ack, DoneHeader, Hello, LayerHeader, Reject
 from pdserve.disagg.transport.reservations import PayloadRejected
@@ -51,10 +54,13 @@ _CONNECT_TIMEOUT_S = 10.0
 
 
 class TcpKVReceiver(KVReceiver):
-    """Listens on `host:port` (port 0 picks a free one). Contract: see KVReceiver."""
+    """Listens on `host:port` (port 0 picks a free one); `peers` says who may connect (default: no
+    secret). Contract: see KVReceiver."""
 
-    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, host: str = "127.0.0.1", port: int = 0, *,
+                 peers: KVPeerPolicy | None = None) -> None:
         super().__init__(layout, kv_cache)
+        self.gate = KVPeerGate(peers or KVPeerPolicy())
         self._listener = frames.listen(host, port)
         self._address = f"tcp://{host}:{self._listener.getsockname()[1]}"
         # NOTE: a payload can never exceed one layer of the whole pool; anything larger is garbage.
@@ -75,9 +81,9 @@ class TcpKVReceiver(KVReceiver):
         await frames.accept_forever(self._listener, self._serve)
 
     async def _serve(self, sock: socket.socket) -> None:
-        with sock:
+        with sock, self.gate.slot(sock) as admitted:
             try:
-                if await frames.answer_hello(sock, lambda hello: self._handshake(hello.layout)):
+                if admitted and await self.gate.handshake(sock, lambda hello: self._handshake(hello.layout)):
                     await self._receive_loop(sock)
             except (ConnectionError, OSError) as e:
                 logger.info("KV connection from prefill closed: %s", e)
@@ -131,8 +137,9 @@ class TcpKVSender(KVSender):
     """Contract: see KVSender. All socket work happens on the sender's own I/O thread; jobs are sent
     in call order over one connection, so a request's frames arrive in layer order."""
 
-    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor) -> None:
+    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, secret: ClusterSecret | None = None) -> None:
         super().__init__(layout, kv_cache)
+        self._secret = secret
         self._flat = regions.pool_bytes(kv_cache) if kv_cache.device.type == "cpu" else None
         self._io = IoThread("pdserve-kv-tcp-send")
         self._sock: socket.socket | None = None
@@ -150,17 +157,19 @@ class TcpKVSender(KVSender):
     def broken(self) -> str:
         return self._broken
 
-    def send_layer(self, request_id: str, layer: int, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+    def send_layer(self, request_id: str, layer: int, src_block_ids: list[int], dst_block_ids: list[int], *,
+                   token: str = "") -> None:
         self._check_sources(layer, src_block_ids)
-        header = self._layer_header(request_id, layer, len(src_block_ids), dst_block_ids)
+        header = self._layer_header(request_id, layer, len(src_block_ids), dst_block_ids, token)
         self._acks.sent_layer(request_id)
         self._enqueue(request_id, _LayerJob(header, tuple(src_block_ids)))
 
     def send_done(self, request_id: str, first_token_id: int, generator_state: bytes | None = None, *,
-                  prefill_queue_s: float | None = None, prefill_compute_s: float | None = None) -> None:
+                  prefill_queue_s: float | None = None, prefill_compute_s: float | None = None,
+                  token: str = "") -> None:
         num_layers = self._acks.sent_done(request_id)
         self._enqueue(request_id, DoneHeader(request_id, first_token_id, num_layers, generator_state,
-                                             prefill_queue_s, prefill_compute_s))
+                                             prefill_queue_s, prefill_compute_s, token))
 
     def close(self) -> None:
         self._io.stop()
@@ -179,7 +188,7 @@ class TcpKVSender(KVSender):
     async def _connect(self, host: str, port: int) -> None:
         sock = await frames.connect(host, port)
         try:
-            self._check_welcome(await frames.say_hello(sock, Hello(self.layout, b"")))
+            self._check_welcome(await say_hello(sock, Hello(self.layout, b""), self._secret))
         except BaseException:
             sock.close()
             raise

@@ -1,0 +1,222 @@
+"""`pdserve calibrate`: measure this machine's step-time model and KV transfer rates for a model.
+
+Steps are timed on the real engine (`LLMEngine.step`, scheduling and sampling included), one
+scenario at a time, the median of a few repetitions each:
+- prefill: one prompt of T new tokens after C tokens already cached (prefix caching: the first
+  request leaves C tokens in the cache, the second extends them), for a grid of T and C;
+- decode: B sequences of context C decoding together, for a grid of B and C.
+profile.StepModel is then fitted to all samples by least squares; a coefficient that comes out
+negative is dropped (held at 0) and the rest refitted.
+
+Transfer: `bench.kv_transport.run_workload` moves one prompt's KV (this model's shape) between two
+processes with each transport at two sizes; `latency_s` and `bytes_per_s` are the line through them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from pdserve.config import EngineArgs
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.sizing.model_facts import ModelFacts
+from pdserve.sizing.profile import Profile, StepModel, TransferModel
+
+_REPS = 3
+_VOCAB_LOW = 100  # token ids drawn above the specials, as bench's prompts are
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One timed step: its counts (StepModel's columns) and its median seconds."""
+
+    prefill_tokens: int
+    prefill_pairs: float
+    decode_seqs: int
+    decode_context: int
+    seconds: float
+
+    def row(self) -> list[float]:
+        return [1.0, self.prefill_tokens, self.prefill_pairs, self.decode_seqs, self.decode_context]
+
+
+class _Prompts:
+    def __init__(self, vocab_size: int, seed: int = 0) -> None:
+        self._rng = np.random.default_rng(seed)
+        self._vocab = vocab_size
+
+    def draw(self, n: int) -> list[int]:
+        return self._rng.integers(_VOCAB_LOW, self._vocab, n).tolist()
+
+
+def _run_to_end(engine: LLMEngine) -> None:
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def prefill_sample(engine: LLMEngine, prompts: _Prompts, new: int, context: int) -> Sample:
+    params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+    times = []
+    for rep in range(_REPS + 1):
+        prefix = prompts.draw(context)
+        if context:
+            engine.add_request(f"warm-{new}-{context}-{rep}", prefix, params)
+            _run_to_end(engine)
+        engine.add_request(f"pf-{new}-{context}-{rep}", prefix + prompts.draw(new), params)
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+        _run_to_end(engine)
+    return Sample(new, new * (context + new / 2), 0, 0, statistics.median(times[1:]))
+
+
+def decode_sample(engine: LLMEngine, prompts: _Prompts, batch: int, context: int) -> Sample:
+    params = SamplingParams(max_tokens=_REPS + 3, ignore_eos=True, temperature=0.0)
+    ids = [f"dc-{batch}-{context}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, prompts.draw(context), params)
+    while any(not s.num_computed_tokens >= s.num_prompt_tokens for s in engine.scheduler.running) or \
+            engine.scheduler.waiting:
+        engine.step()
+    engine.step()  # the first decode step (its timing includes the step after the prefills)
+    times = []
+    for _ in range(_REPS):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    _run_to_end(engine)
+    return Sample(0, 0.0, batch, batch * (context + 2), statistics.median(times))
+
+
+def fit(samples: list[Sample]) -> StepModel:
+    """Least squares with the columns whose coefficient would be negative dropped (held at 0)."""
+    x = np.array([s.row() for s in samples])
+    y = np.array([s.seconds for s in samples])
+    keep = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while keep:
+        solution, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
+        if (solution >= 0).all():
+            coef[keep] = solution
+            break
+        keep.pop(int(np.argmin(solution)))
+    return StepModel(*(float(c) for c in coef))
+
+
+@dataclass(frozen=True, slots=True)
+class Grid:
+    """The scenarios timed: prefill tokens x cached context (in blocks), decode batch x context."""
+
+    prefill_tokens: tuple[int, ...] = (32, 128, 512)
+    prefill_context_blocks: tuple[int, ...] = (0, 8, 32)
+    decode_batches: tuple[int, ...] = (1, 4, 16)
+    decode_contexts: tuple[int, ...] = (16, 256)
+
+
+def measure_steps(engine: LLMEngine, grid: Grid) -> list[Sample]:
+    prompts = _Prompts(engine.config.model.vocab_size)
+    block = engine.config.cache.block_size
+    sched = engine.config.scheduler
+    samples = []
+    # NOTE: a cached context needs prefix caching (without it the "context" would be recomputed)
+    contexts = grid.prefill_context_blocks if engine.config.cache.enable_prefix_caching else (0,)
+    for new in (t for t in grid.prefill_tokens if t <= sched.max_num_batched_tokens):
+        for context in contexts:
+            samples.append(prefill_sample(engine, prompts, new, context * block))
+    for batch in (b for b in grid.decode_batches if b <= sched.max_num_seqs):
+        for context in grid.decode_contexts:
+            samples.append(decode_sample(engine, prompts, batch, context))
+    return samples
+
+
+def measure_transfer(model: ModelFacts, dtype: str, block_size: int, transports: list[str]) -> dict[str, TransferModel]:
+    from pdserve.bench.kv_transport import run_workload
+    from pdserve.bench.kv_workload import KVWorkload
+
+    points: dict[str, list[tuple[float, float]]] = {name: [] for name in transports}
+    for tokens in (256, 4096):
+        work = KVWorkload(f"calibrate-{tokens}", model.num_layers, model.num_kv_heads, model.head_dim, dtype,
+                          block_size, tokens)
+        seconds = run_workload(work, transports, reps=3)
+        for name in transports:
+            points[name].append((work.payload_bytes, statistics.median(seconds[f"{name}, served"])))
+    out = {}
+    for name, ((b1, t1), (b2, t2)) in points.items():
+        rate = (b2 - b1) / max(t2 - t1, 1e-9)
+        out[name] = TransferModel(max(0.0, t1 - b1 / rate), rate)
+    return out
+
+
+def calibrate(args: EngineArgs, transports: list[str], hardware: str,
+              grid: Grid = Grid()) -> tuple[Profile, list[Sample]]:  # noqa: B008 - frozen
+    """Measure, fit, and build the profile (limits: the engine's own)."""
+    engine = LLMEngine.from_engine_args(args)
+    cfg = engine.config
+    model = ModelFacts.from_config(cfg.model_path.rstrip("/").split("/")[-1], _config_dict(cfg.model_path))
+    samples = measure_steps(engine, grid)
+    step = fit(samples)
+    dtype = str(cfg.dtype).removeprefix("torch.")
+    element = cfg.kv_bytes_per_block // (cfg.cache.block_size * 2 * model.num_layers * model.num_kv_heads
+                                         * model.head_dim)
+    transfer = measure_transfer(model, dtype, cfg.cache.block_size, transports) if transports else {}
+    threads = cfg.num_threads or "default"
+    notes = f"{len(samples)} step samples ({_REPS} reps each, median); torch threads {threads}; {dtype}"
+    profile = Profile(model.name, f"calibrated on {hardware}", model, step,
+                      model.kv_bytes_per_token(element), cfg.cache.block_size, cfg.cache.num_kv_blocks,
+                      cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens, transfer, notes)
+    return profile, samples
+
+
+def _config_dict(model_path: str) -> dict:
+    import json
+    from pathlib import Path
+
+    return dict(json.loads((Path(model_path) / "config.json").read_text()))
+
+
+def fit_error(step: StepModel, samples: list[Sample]) -> float:
+    """Median relative error of the fitted model over the samples."""
+    return statistics.median(abs(step.step_s(s.prefill_tokens, s.prefill_pairs, s.decode_seqs, s.decode_context)
+                                 - s.seconds) / s.seconds for s in samples)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from pdserve.config_flags import add_config_args
+
+    p = sub.add_parser("calibrate", help="measure a step-time model and KV transfer rates; write a profile",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=str, required=True, help="the profile file to write (JSON)")
+    p.add_argument("--transports", default=None,
+                   help="comma-separated: tcp, nixl (default: tcp, and nixl when importable); '': none")
+    add_config_args(p, EngineArgs, title="engine")
+    p.set_defaults(func=run)
+
+
+def run(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pdserve.bench.common import hardware_line
+    from pdserve.config_flags import config_from_args
+    from pdserve.disagg.transport import nixl_available
+
+    text = ns.transports if ns.transports is not None else "tcp,nixl" if nixl_available() else "tcp"
+    transports = [t.strip() for t in text.split(",") if t.strip()]
+    if "nixl" in transports and not nixl_available():
+        raise ValueError("--transports nixl: NIXL is not importable here")
+    start = time.perf_counter()
+    profile, samples = calibrate(config_from_args(EngineArgs, ns), transports, hardware_line())
+    profile.save(Path(ns.out))
+    s = profile.step
+    print(f"step_s = {s.base_s * 1e3:.3f} ms + {s.prefill_token_s * 1e6:.3f} us x prefill tokens + "
+          f"{s.prefill_pair_s * 1e9:.4f} ns x prefill pairs + {s.decode_seq_s * 1e6:.3f} us x decode seqs + "
+          f"{s.decode_context_s * 1e9:.4f} ns x decode context tokens")
+    print(f"fit: median relative error {fit_error(s, samples):.1%} over {len(samples)} samples")
+    for name, t in profile.transports.items():
+        print(f"{name}: {t.latency_s * 1e3:.3f} ms + bytes / {t.bytes_per_s / 1e9:.2f} GB/s")
+    print(f"wrote {ns.out} in {time.perf_counter() - start:.1f} s")
+    return 0

@@ -1,0 +1,98 @@
+"""The numbers sizing needs from a Qwen3 model: parameter count, KV bytes per token, FLOPs per token.
+
+A model comes from a checkpoint directory, a Hugging Face `config.json` file, a `make-model`
+preset (pdserve/model/demo_checkpoint.py) or one of the real Qwen3 shapes below (their
+`config.json` numbers on the Hugging Face hub; no weights are needed to size or simulate them).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pdserve.model.demo_checkpoint import PRESETS, QWEN3_VOCAB_SIZE, ModelShape
+
+# Qwen/Qwen3-{8B,14B,32B} config.json (hidden, intermediate, layers, heads, KV heads, head_dim).
+QWEN3_SHAPES: dict[str, ModelShape] = {
+    "qwen3-8b": ModelShape(4096, 12288, 36, 32, 8, 128, tie_word_embeddings=False, max_position_embeddings=40960),
+    "qwen3-14b": ModelShape(5120, 17408, 40, 40, 8, 128, tie_word_embeddings=False, max_position_embeddings=40960),
+    "qwen3-32b": ModelShape(5120, 25600, 64, 64, 8, 128, tie_word_embeddings=False, max_position_embeddings=40960),
+}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "float8": 1, "int8": 1}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    name: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_shape(cls, name: str, shape: ModelShape) -> ModelFacts:
+        return cls(name, shape.hidden_size, shape.intermediate_size, shape.num_hidden_layers,
+                   shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim, shape.vocab_size,
+                   shape.tie_word_embeddings)
+
+    @classmethod
+    def from_config(cls, name: str, raw: dict) -> ModelFacts:
+        heads = int(raw["num_attention_heads"])
+        return cls(name, int(raw["hidden_size"]), int(raw["intermediate_size"]), int(raw["num_hidden_layers"]),
+                   heads, int(raw.get("num_key_value_heads") or heads),
+                   int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
+                   int(raw.get("vocab_size", QWEN3_VOCAB_SIZE)), bool(raw.get("tie_word_embeddings", False)))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def layer_params(self) -> int:
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size
+
+    @property
+    def num_params(self) -> int:
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * self.layer_params + embeddings
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters every token multiplies (the input embedding is a lookup, the LM head is not)."""
+        return self.num_layers * self.layer_params + self.vocab_size * self.hidden_size
+
+    def kv_bytes_per_token(self, dtype_bytes: int, tp: int = 1) -> int:
+        """K and V of every layer for one token, on one of `tp` ranks (KV heads split, at least one each)."""
+        kv_heads = max(1, self.num_kv_heads // tp)
+        return 2 * self.num_layers * kv_heads * self.head_dim * dtype_bytes
+
+    def attention_flops_per_pair(self, tp: int = 1) -> float:
+        """FLOPs of QK^T and AV for one (query token, key token) pair, all layers, one rank."""
+        return 4.0 * self.num_layers * self.num_heads * self.head_dim / tp
+
+
+def load_model_facts(spec: str) -> ModelFacts:
+    """`spec`: a preset or Qwen3 shape name, a checkpoint directory, or a config.json path."""
+    if spec in PRESETS:
+        return ModelFacts.from_shape(spec, PRESETS[spec])
+    if spec in QWEN3_SHAPES:
+        return ModelFacts.from_shape(spec, QWEN3_SHAPES[spec])
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        names = ", ".join([*PRESETS, *QWEN3_SHAPES])
+        raise ValueError(f"--model {spec!r}: not a checkpoint directory, a config.json or a known shape ({names})")
+    return ModelFacts.from_config(path.parent.name or spec, json.loads(path.read_text()))
+
+
+def dtype_bytes(name: str) -> int:
+    try:
+        return DTYPE_BYTES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}: one of {', '.join(DTYPE_BYTES)}") from None

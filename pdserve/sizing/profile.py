@@ -1,0 +1,142 @@
+"""A worker's performance profile: how long one engine step takes, how fast KV moves.
+
+Step-time model (affine in five counts of the step's work; one model for prefill-only, decode-only
+and mixed steps, as one engine step runs them all in one forward):
+
+    step_s = base_s                                   per step (weights read once, launch, scheduler)
+           + prefill_token_s * prefill tokens         prompt tokens computed this step (matmuls)
+           + prefill_pair_s  * prefill pairs          sum over chunks of new x (context before + new/2)
+                                                      (attention of the new tokens over the whole prefix)
+           + decode_seq_s    * decode sequences       one token each (matmuls, sampling)
+           + decode_context_s * decode context tokens the KV every decoding sequence reads
+
+Transfer model per transport: seconds = latency_s + bytes / bytes_per_s. With layer-wise streaming
+(DIGEST item 10) layer l's KV leaves as soon as prefill computed it, so after the prefill step ends
+only max(one layer's share, whole transfer - prefill time x (L-1)/L) is still in flight.
+
+A profile is measured on this machine (`pdserve calibrate`) or derived from a GPU's datasheet
+(`roofline`): decode reads the weights and the KV at `bw_efficiency` x HBM bandwidth, prefill
+computes at `flops_efficiency` x dense BF16 FLOPs; the two costs add (no overlap: conservative).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from pdserve.sizing.devices import DeviceSpec
+from pdserve.sizing.model_facts import ModelFacts
+
+# NOTE: roofline efficiencies: what serving engines typically reach (decode ~70 % of HBM bandwidth,
+# prefill ~50 % MFU), and a fixed per-step cost (kernel launches, scheduler, sampling) of 2 ms.
+BW_EFFICIENCY = 0.7
+FLOPS_EFFICIENCY = 0.5
+STEP_OVERHEAD_S = 0.002
+# NOTE: the seed's transfer numbers (DIGEST 9): 32K tokens of KV (~8.6 GB) took 3.8 s over TCP
+# and 0.4 s over eRDMA; with GPUDirect a 1500-token KV (~0.39 GB at that rate) took 6 ms. Its
+# other pairs (27 ms -> 0.8 ms, 42 ms over TCP for 1500 tokens) do not agree with these rates and
+# are not used. Latencies are assumptions (one round trip and a setup).
+SEED_TRANSPORTS = {
+    "tcp": (1e-3, 8.6e9 / 3.8),
+    "erdma": (1e-4, 8.6e9 / 0.4),
+    "gdr": (5e-5, 0.39e9 / 0.006),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class StepModel:
+    base_s: float
+    prefill_token_s: float
+    prefill_pair_s: float
+    decode_seq_s: float
+    decode_context_s: float
+
+    def step_s(self, prefill_tokens: int, prefill_pairs: float, decode_seqs: int, decode_context: int) -> float:
+        return (self.base_s + self.prefill_token_s * prefill_tokens + self.prefill_pair_s * prefill_pairs
+                + self.decode_seq_s * decode_seqs + self.decode_context_s * decode_context)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferModel:
+    latency_s: float
+    bytes_per_s: float
+
+    def seconds(self, num_bytes: float) -> float:
+        return self.latency_s + num_bytes / self.bytes_per_s
+
+    def exposed_s(self, num_bytes: float, prefill_s: float, num_layers: int) -> float:
+        """What is left after the prefill step when layers stream as they are computed."""
+        whole = num_bytes / self.bytes_per_s
+        hidden = prefill_s * (num_layers - 1) / max(1, num_layers)
+        return self.latency_s + max(whole / max(1, num_layers), whole - hidden)
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    name: str
+    source: str  # "calibrated on <hardware>" or "roofline <device>"
+    model: ModelFacts
+    step: StepModel
+    kv_bytes_per_token: int
+    block_size: int
+    num_kv_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    transports: dict[str, TransferModel] = field(default_factory=dict)
+    notes: str = ""
+
+    def with_limits(self, num_kv_blocks: int | None = None, max_num_seqs: int | None = None,
+                    max_num_batched_tokens: int | None = None) -> Profile:
+        return replace(self, num_kv_blocks=num_kv_blocks or self.num_kv_blocks,
+                       max_num_seqs=max_num_seqs or self.max_num_seqs,
+                       max_num_batched_tokens=max_num_batched_tokens or self.max_num_batched_tokens)
+
+    def transport(self, name: str) -> TransferModel:
+        if name in self.transports:
+            return self.transports[name]
+        if name in SEED_TRANSPORTS:
+            return TransferModel(*SEED_TRANSPORTS[name])
+        raise ValueError(f"profile {self.name!r} has no transport {name!r}: one of "
+                         f"{', '.join(sorted({*self.transports, *SEED_TRANSPORTS}))}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> Profile:
+        return cls(raw["name"], raw["source"], ModelFacts(**raw["model"]), StepModel(**raw["step"]),
+                   int(raw["kv_bytes_per_token"]), int(raw["block_size"]), int(raw["num_kv_blocks"]),
+                   int(raw["max_num_seqs"]), int(raw["max_num_batched_tokens"]),
+                   {k: TransferModel(**v) for k, v in raw.get("transports", {}).items()}, raw.get("notes", ""))
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def load_profile(path: Path) -> Profile:
+    try:
+        return Profile.from_dict(json.loads(Path(path).read_text()))
+    except (KeyError, TypeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a pdserve profile ({exc!r})") from None
+
+
+def roofline(model: ModelFacts, device: DeviceSpec, *, tp: int = 1, dtype_bytes: int = 2, kv_dtype_bytes: int = 2,
+             block_size: int = 16, num_kv_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
+             bw_efficiency: float = BW_EFFICIENCY, flops_efficiency: float = FLOPS_EFFICIENCY) -> Profile:
+    """A datasheet profile: every step reads one rank's weights; decode reads each sequence's KV;
+    each token costs 2 FLOPs per matmul parameter; attention 4 x layers x heads x head_dim per pair."""
+    bw = device.bandwidth_bytes_per_s * bw_efficiency
+    flops = device.flops_per_s * flops_efficiency
+    per_token_flops = 2.0 * model.matmul_params / tp
+    kv_per_token = model.kv_bytes_per_token(kv_dtype_bytes, tp)
+    step = StepModel(base_s=STEP_OVERHEAD_S + model.num_params * dtype_bytes / tp / bw,
+                     prefill_token_s=per_token_flops / flops,
+                     prefill_pair_s=model.attention_flops_per_pair(tp) / flops,
+                     decode_seq_s=per_token_flops / flops,
+                     decode_context_s=kv_per_token / bw)
+    notes = (f"roofline: {device.describe()}, TP {tp}; bandwidth efficiency {bw_efficiency:g}, FLOPs efficiency "
+             f"{flops_efficiency:g}, step overhead {STEP_OVERHEAD_S * 1e3:g} ms; memory and compute costs add")
+    return Profile(f"{model.name}@{device.name}", f"roofline {device.name}", model, step, kv_per_token, block_size,
+                   num_kv_blocks, max_num_seqs, max_num_batched_tokens, notes=notes)

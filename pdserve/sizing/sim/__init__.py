@@ -1,0 +1,1 @@
+"""Discrete-event simulation of pdserve clusters (see cluster.py for the model and its limits)."""
