@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 from starlette.types import ASGIApp
 
-from pdserve.config import ApiConfig, EngineArgs, RouterConfig, WorkerConfig, http_url, parse_member
+from pdserve.addresses import http_url, parse_member
+from pdserve.config import ApiConfig, EngineArgs, RouterConfig, WorkerConfig
 from pdserve.config_flags import add_config_args, config_from_args
 from pdserve.ops.supervisor import exit_with_supervisor
 from pdserve.ops.threads import CorePlan, parse_cpu_list

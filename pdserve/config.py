@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import torch
 
+from pdserve.addresses import is_http_url, parse_host_port, parse_member
 from pdserve.model.parallel import check_tp_size
 from pdserve.model.qwen3_config import Qwen3ModelConfig
 
@@ -239,51 +240,6 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     )
 
 
-HTTP_URL_PATTERN = r"^https?://[^/\s]+/?$"  # a server's root: scheme, host[:port], nothing after
-
-
-def _is_http_url(text: str) -> bool:
-    return re.match(HTTP_URL_PATTERN, text) is not None
-
-
-def http_url(host: str, port: int) -> str:
-    """http://HOST:PORT, an IPv6 address in brackets."""
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def parse_host_port(text: str, default_port: int) -> tuple[str, int]:
-    """'10.0.0.1:5353' -> ('10.0.0.1', 5353); 'dns.local' -> ('dns.local', default_port); '[::1]:53'."""
-    match = re.fullmatch(r"\[([0-9a-fA-F:.]+)\](?::(\d+))?|([^:\s\[\]]+)(?::(\d+))?", text)
-    if match is None:
-        raise ValueError(f"expected HOST[:PORT], got {text!r}")
-    host = match.group(1) or match.group(3)
-    port = int(match.group(2) or match.group(4) or default_port)
-    if not 0 < port < 65536:
-        raise ValueError(f"port out of range in {text!r}")
-    return host, port
-
-
-@dataclass(frozen=True, slots=True)
-class DnsMember:
-    """`dns:NAME:PORT`: every A/AAAA record of NAME is a worker at http://ADDRESS:PORT."""
-
-    name: str
-    port: int
-
-
-def parse_member(text: str) -> str | DnsMember:
-    """A pool member as written on the command line: a worker URL, or `dns:NAME:PORT`."""
-    if text.startswith("dns:"):
-        match = re.fullmatch(r"dns:([A-Za-z0-9_.-]+):(\d+)", text)
-        if match is None or not 0 < int(match.group(2)) < 65536:
-            raise ValueError(f"expected dns:NAME:PORT (e.g. dns:pdserve-decode.default.svc.cluster.local:8000), "
-                             f"got {text!r}")
-        return DnsMember(match.group(1), int(match.group(2)))
-    if not _is_http_url(text):
-        raise ValueError(f"a worker is a URL like http://host:port or dns:NAME:PORT, got {text!r}")
-    return text.rstrip("/")
-
-
 DecodePolicyName = Literal["least-loaded", "round-robin", "prefix-affinity"]
 DECODE_POLICIES: tuple[DecodePolicyName, ...] = ("least-loaded", "round-robin", "prefix-affinity")
 
@@ -398,8 +354,8 @@ class WorkerConfig:
             (self.queue_max_deliveries >= 1, "queue_max_deliveries must be >= 1"),
             (self.kv_max_connections >= 1, "kv_max_connections must be >= 1"),
             (self.kv_handshake_timeout_s > 0, "kv_handshake_timeout_s must be > 0"),
-            (all(_is_http_url(u) for u in self.register), "--register takes router URLs like http://host:port"),
-            (self.advertise_url is None or _is_http_url(self.advertise_url),
+            (all(is_http_url(u) for u in self.register), "--register takes router URLs like http://host:port"),
+            (self.advertise_url is None or is_http_url(self.advertise_url),
              "--advertise-url must be a URL like http://host:port"),
         ]
         for ok, message in checks:

@@ -4,8 +4,9 @@ statement counts, at any depth: inside functions and under `if TYPE_CHECKING:` t
 import is still a dependency.
 
 Layers, low to high:
-    0  model/, tokenizer/, and two leaf modules every layer may use: envs.py (the environment, read
-       in one place) and logs.py (log format, request ids); they import nothing of pdserve
+    0  model/, tokenizer/, and three leaf modules every layer may use: envs.py (the environment, read
+       in one place), logs.py (log format, request ids) and addresses.py (URLs, HOST:PORT, pool
+       members as flags write them); they import nothing of pdserve
     1  engine/, and the top-level modules about it: config.py (EngineArgs and the other frozen
        configs, built at the edge and passed down), config_flags.py (CLI flags from those configs)
        and pdserve/__init__.py (the `LLM` API, re-exported from engine/)
@@ -23,7 +24,7 @@ from typing import NamedTuple
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "pdserve"
 LAYERS: dict[str, int] = {
-    "model": 0, "tokenizer": 0, "envs": 0, "logs": 0,
+    "model": 0, "tokenizer": 0, "envs": 0, "logs": 0, "addresses": 0,
     "engine": 1, "config": 1, "config_flags": 1, "__init__": 1,
     "serving": 2,
     "disagg": 3,

@@ -10,7 +10,8 @@ import dns.exception
 import dns.resolver
 import pytest
 
-from pdserve.config import DnsMember, RouterConfig, parse_member
+from pdserve.addresses import DnsMember, parse_member
+from pdserve.config import RouterConfig
 from pdserve.disagg.client import WorkerClient
 from pdserve.disagg.control import WorkerInfo
 from pdserve.disagg.membership import DnsSource, Membership, Registry

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from pdserve.config import HTTP_URL_PATTERN
+from pdserve.addresses import HTTP_URL_PATTERN
 from pdserve.engine.output import CompletionOutput, RequestOutput
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams

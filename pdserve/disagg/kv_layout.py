@@ -21,7 +21,7 @@ from pdserve.engine.model_runner import POOL_LAYOUT
 # generator state and prefill phases as fields (1 packed them into one `extra` byte string).
 # 3: the connection opens with decode's CHALLENGE (cluster-secret proofs); KV headers carry the
 # reservation token.
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 
 _ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1}
 

@@ -24,7 +24,8 @@ import dns.asyncresolver
 import dns.exception
 import dns.resolver
 
-from pdserve.config import DnsMember, RouterConfig, http_url, parse_host_port, parse_member
+from pdserve.addresses import DnsMember, http_url, parse_host_port, parse_member
+from pdserve.config import RouterConfig
 from pdserve.disagg.pool import WorkerPool
 from pdserve.serving.router_stats import WorkerRole
 
