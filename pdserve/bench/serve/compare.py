@@ -46,7 +46,7 @@ from pdserve.bench.serve.command import (
     run_once,
 )
 from pdserve.bench.serve.metrics import Summary
-from pdserve.bench.serve.report import format_summary, save_json
+from pdserve.bench.serve.report import format_summary, result_json, save_json
 
 SYSTEMS = ("colocated-replicas", "colocated-chunked", "colocated-nochunk", "pd")
 DEFAULT_SYSTEMS = ("colocated-chunked", "colocated-nochunk", "pd")
@@ -145,8 +145,10 @@ def run(ns: argparse.Namespace) -> int:
         print(f"-- {name}: pdserve {' '.join(args)}")
         with local.running(name, args, port, log_dir, ns.ready_timeout) as server:
             config = replace(load_config(ns, server.url), model=None)  # --model is a path here
-            _, summary = run_once(work, config, ns.slo, warmup=max(1, ns.warmup))
+            result, summary = run_once(work, config, ns.slo, warmup=max(1, ns.warmup))
         print(format_summary(summary, title=name))
+        if ns.save:  # NOTE: each system's own run too, as `pdserve bench --save` writes it (validate_sim reads it)
+            save_json(ns.save.with_suffix(f".{name}.json"), result_json(result, summary, work.name))
         runs.append(SystemRun(name, threads, summary))
     question = "equal hardware: each worker on cores of its own" if ns.pin else "same total torch threads"
     print(f"\nratios against {runs[0].name} (same workload and seed; {question}):")
