@@ -26,6 +26,16 @@ def cache_dir(default: str) -> str:
     return os.environ.get("PDSERVE_CACHE_DIR", default)
 
 
+HEAP_TUNING = "PDSERVE_HEAP_TUNING"
+
+
+def heap_tuning() -> bool:
+    """PDSERVE_HEAP_TUNING=0 turns off the glibc tuning of engine/host_memory.py (large temporaries
+    kept on a heap that is never trimmed): a process that builds many engines one after another
+    (a test run) keeps its memory bounded that way, at the cost of re-faulted pages per step."""
+    return os.environ.get(HEAP_TUNING, "1") != "0"
+
+
 SUPERVISOR_PID = "PDSERVE_SUPERVISOR_PID"
 
 

@@ -3,6 +3,7 @@ Hugging Face reference for greedy outputs and logits."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -39,17 +40,24 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return dirs
 
 
+_CACHED_LLMS = 6
+
+
 @pytest.fixture(scope="session")
 def llm_factory(model_dirs: dict[str, Path]) -> Iterator[Callable[..., LLM]]:
-    """`llm_factory("tiny", block_size=32)`: one LLM per (model, settings) for the whole session.
-    Defaults: float32 and a 512-block pool (the default pool is 2 GiB)."""
-    cache: dict[tuple[str, tuple[tuple[str, Any], ...]], LLM] = {}
+    """`llm_factory("tiny", block_size=32)`: one LLM per (model, settings), the last few kept for
+    the session (each holds its weights and buffers: caching every one the suite asks for took the
+    test process past 14 GiB). Defaults: float32 and a 512-block pool (the default pool is 2 GiB)."""
+    cache: OrderedDict[tuple[str, tuple[tuple[str, Any], ...]], LLM] = OrderedDict()
 
     def get(name: str, **engine_args: Any) -> LLM:
         args = {"dtype": "float32", "num_kv_blocks": 512, **engine_args}
         key = (name, tuple(sorted(args.items())))
         if key not in cache:
             cache[key] = LLM(model=str(model_dirs[name]), **args)
+            while len(cache) > _CACHED_LLMS:
+                cache.popitem(last=False)
+        cache.move_to_end(key)
         return cache[key]
 
     yield get

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve import envs
 from pdserve.config import EngineArgs, EngineConfig, create_engine_config
 from pdserve.engine.disk_offload import DiskOffload, TierStats
 from pdserve.engine.host_memory import keep_large_allocations_on_heap
@@ -108,7 +109,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        if config.device.type == "cpu":
+        if config.device.type == "cpu" and envs.heap_tuning():
             keep_large_allocations_on_heap()
         self.runner = _make_runner(config)
         self.scheduler = Scheduler(config.scheduler, config.cache)
