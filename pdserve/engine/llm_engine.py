@@ -374,6 +374,9 @@ class LLMEngine:
             state.metrics.first_scheduled_time = request.first_scheduled_time
         if request.num_cached_tokens:
             state.num_cached_tokens = request.num_cached_tokens
+        if (state.prompt_logprobs is None and request.prompt_logprobs is not None
+                and len(request.prompt_logprobs) == request.num_prompt_tokens):
+            state.prompt_logprobs = list(request.prompt_logprobs)  # complete: the prompt's last chunk sampled
 
     def take_failures(self) -> list[RequestFailure]:
         """The requests ended since the last call because handling them raised (`RequestFailure`);
