@@ -15,8 +15,12 @@ from conftest import HFReference
 from helpers import assert_no_leak, random_prompt, token_prompts
 from server_fixtures import ServerHandle, start_server
 
+from pdserve.config import ApiConfig
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.serving.errors import OpenAIError
+from pdserve.serving.limits import check_limits
+from pdserve.serving.protocol import CompletionRequest
 
 PROMPT = random_prompt(40, seed=21)  # 3 chunks of 16 with max_num_batched_tokens=16
 TOP = 3
@@ -91,3 +95,11 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(server: ServerHandle, hf_re
     reply = complete(server, prompt=text, echo=True, stream=True)
     assert reply.status_code == 400 and "stream" in reply.json()["error"]["message"]
     server.wait_until_idle()
+
+
+def test_prompt_logprobs_are_capped_by_max_logprobs() -> None:
+    body = CompletionRequest(prompt="hi", prompt_logprobs=3)
+    check_limits(body, ApiConfig(max_logprobs=3))
+    with pytest.raises(OpenAIError, match="--max-logprobs") as caught:
+        check_limits(body, ApiConfig(max_logprobs=2))
+    assert caught.value.status == 400

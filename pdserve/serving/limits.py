@@ -46,6 +46,9 @@ def check_limits(body: CompletionRequest | ChatCompletionRequest, limits: ApiCon
     max_tokens = body.max_tokens if isinstance(body, CompletionRequest) else body.requested_max_tokens
     if limits.max_tokens_limit is not None and max_tokens is not None:
         _cap(max_tokens, limits.max_tokens_limit, "max_tokens", "tokens", "--max-tokens-limit")
+    if isinstance(body, CompletionRequest) and body.prompt_logprobs is not None:
+        _cap(body.prompt_logprobs, limits.max_logprobs, "prompt_logprobs", "log-probabilities per token",
+             "--max-logprobs")
     logprobs = requested_logprobs(body)
     if logprobs is None:
         return
