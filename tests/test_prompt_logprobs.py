@@ -46,6 +46,10 @@ def test_prompt_logprobs_match_transformers_across_chunks_and_cached_prefix(
         assert max(abs(a - b) for (_, a), b in zip(entry.top, values.tolist(), strict=True)) < 1e-4
     plain = llm.generate(token_prompts([PROMPT]), SamplingParams(max_tokens=2, temperature=0))[0]
     assert plain.prompt_logprobs is None and plain.outputs[0].token_ids == out.outputs[0].token_ids
+    hits_before = llm.engine.stats().num_prefix_hit_tokens
+    two = llm.generate(token_prompts([PROMPT]), SamplingParams(n=2, max_tokens=2, temperature=0, prompt_logprobs=TOP))
+    assert two[0].prompt_logprobs == out.prompt_logprobs
+    assert llm.engine.stats().num_prefix_hit_tokens > hits_before  # the second sequence took the cached prefix
     assert_no_leak(llm)
 
 

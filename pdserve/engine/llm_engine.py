@@ -175,6 +175,8 @@ class LLMEngine:
             if index > 0 and params.seed is not None:
                 # Distinct per sequence, and unlike seed + index, not another request's seed.
                 child_params = dataclasses.replace(params, seed=hash((params.seed, index)) & (2**63 - 1))
+            if index > 0 and params.prompt_logprobs is not None:  # the prompt's are computed once, by child 0
+                child_params = dataclasses.replace(child_params, prompt_logprobs=None)
             child_id = request_id if index == 0 else f"{request_id}#{index}"  # a reservation is child 0
             children.append(Request(child_id, token_ids, child_params, self.tokenizer.eos_token_ids,
                                     self.config.scheduler.max_model_len, arrival, self.config.device))
