@@ -114,6 +114,6 @@ def test_malformed_tool_calls_in_messages_are_refused_by_the_schema() -> None:
         chat({"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]})
 
 
-def test_prompt_logprobs_are_refused_not_ignored() -> None:
-    with pytest.raises(ValidationError, match="prompt_logprobs is not supported"):
+def test_prompt_logprobs_on_chat_are_refused_not_ignored() -> None:
+    with pytest.raises(ValidationError, match="prompt_logprobs is served on /v1/completions only"):
         chat({"prompt_logprobs": 1})

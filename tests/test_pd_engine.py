@@ -145,8 +145,9 @@ def test_failed_hand_off_is_recomputed_on_decode(llm_factory: Callable[..., LLM]
 
 
 def test_a_hand_off_the_engine_cannot_take_is_refused_unchanged(llm_factory: Callable[..., LLM]) -> None:
-    """A final message with a first token outside the vocabulary, or a generator state of the wrong
-    size, is refused before anything changes (it used to reach the sampler and kill the engine):
+    """A final message with a first token outside the vocabulary, a generator state of the wrong
+    size, or a prefill prefix hit outside the prompt, is refused before anything changes (it used
+    to reach the sampler and kill the engine):
     the reservation still waits, and the recompute policy then answers with the colocated text."""
     colocated = llm_factory("tiny")
     expected = colocated.generate([{"prompt_token_ids": PROMPTS[3]}], SEEDED)[0].outputs[0].token_ids
@@ -157,6 +158,9 @@ def test_a_hand_off_the_engine_cannot_take_is_refused_unchanged(llm_factory: Cal
     for token, state in ((vocab, None), (-1, None), (0, b"\x00" * 3)):
         with pytest.raises(ValueError):
             d.complete_remote("bad", token, state)
+    for prefill_cached_tokens in (-1, len(PROMPTS[3]) + 1):  # prefill's prefix hit: within the prompt
+        with pytest.raises(ValueError, match="prefill_cached_tokens"):
+            d.complete_remote("bad", 0, None, prefill_cached_tokens)
     d.prefill_locally("bad")  # what the decode service does next under the recompute policy
     final = None
     while d.has_unfinished_requests():

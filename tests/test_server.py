@@ -408,7 +408,7 @@ _BAD_COMPLETIONS = {
     "negative stop token": {"stop_token_ids": [-1]},
     "stop token outside vocab": {"stop_token_ids": [10**7], "min_tokens": 2},
     "stream_options without stream": {"stream_options": {"include_usage": True}},
-    "echo": {"echo": True},
+    "prompt_logprobs 21": {"prompt_logprobs": 21},
     "token id outside vocab": {"prompt": [1, 2, 10**7]},
     "negative token id": {"prompt": [-5]},
     "empty prompt list": {"prompt": []},

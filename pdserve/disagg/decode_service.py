@@ -298,7 +298,8 @@ class DecodeService:
             record.transfer_id = None  # received: nothing to cancel any more
             record.watcher = None
         try:
-            await self.client.send(CompleteRemote(rid, done.first_token_id, done.generator_state))
+            await self.client.send(CompleteRemote(rid, done.first_token_id, done.generator_state,
+                                                   done.prefill_cached_tokens))
         except ValueError as exc:  # the final message carried what this engine cannot take
             logger.warning("request %s: invalid hand-off: %s", rid, exc)
             await self._apply_failure_policy(rid, f"invalid hand-off: {exc}")

@@ -20,7 +20,8 @@ from pdserve.engine.model_runner import POOL_LAYOUT
 # field, instead of failing every hand-off later on an undecodable frame. 2: KVDone carries its
 # generator state and prefill phases as fields (1 packed them into one `extra` byte string).
 # 3: the connection opens with decode's CHALLENGE (cluster-secret proofs); KV headers carry the
-# reservation token.
+# reservation token. 4: the KV layout names tp_size and kv_head_start; DONE carries
+# prefill_cached_tokens (absent from an older peer's: 0, see wire.py).
 WIRE_VERSION = 4
 
 _ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1}

@@ -193,7 +193,8 @@ class PrefillService:
         sender.send_done(tid, final.outputs[0].token_ids[0], state,
                          prefill_queue_s=None if phases is None else phases.queue_s,
                          prefill_compute_s=None if phases is None else phases.compute_s,
-                         token="" if attempt is None else attempt.token)
+                         token="" if attempt is None else attempt.token,
+                         prefill_cached_tokens=final.num_cached_tokens)
         await sender.flush(tid, self.transfer_timeout_s)
 
     async def _release(self, tid: str, sender: KVSender) -> None:

@@ -3,7 +3,8 @@ only ever make us build the dataclasses named here, with fields of the declared 
 
 Supported field types: str, int, bool, float (finite), bytes (base64 text), tuple[int, ...], nested
 records, and `X | None` of these (null). Decoding is strict: exactly the declared keys, exactly the
-declared types (a bool is not an int; an int is a float).
+declared types (a bool is not an int; an int is a float). The one leniency: a field with a default
+may be absent (a peer from before the field was added) and takes its default.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ def to_json_obj(record: object) -> dict[str, Any]:
 
 def from_json_obj(cls: type[R], obj: object) -> R:
     hints = _hints(cls)
-    if not isinstance(obj, dict) or obj.keys() != hints.keys():
+    if not isinstance(obj, dict) or not _REQUIRED[cls] <= obj.keys() <= hints.keys():
         got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
         raise WireFormatError(f"{cls.__name__}: expected keys {sorted(hints)}, got {got}")
-    fields = {name: _decode(hint, obj[name], f"{cls.__name__}.{name}") for name, hint in hints.items()}
+    fields = {name: _decode(hint, obj[name], f"{cls.__name__}.{name}") for name, hint in hints.items() if name in obj}
     try:
         return cls(**fields)
     except (TypeError, ValueError) as e:  # the record's own checks (__post_init__) refused it
@@ -53,6 +54,7 @@ def loads(cls: type[R], data: bytes | str) -> R:
 
 
 _HINTS: dict[type, dict[str, Any]] = {}
+_REQUIRED: dict[type, set[str]] = {}  # the fields without a default: never absent
 
 
 _INT_TUPLES: set[Any] = set()  # the tuple[int, ...] hints met so far (hashable typing objects)
@@ -65,6 +67,8 @@ def _hints(cls: type) -> dict[str, Any]:
             raise TypeError(f"{cls.__name__} is not a dataclass")
         hints = typing.get_type_hints(cls)
         _HINTS[cls] = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+        _REQUIRED[cls] = {f.name for f in dataclasses.fields(cls)
+                          if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
         _INT_TUPLES.update(h for h in _HINTS[cls].values() if typing.get_origin(h) is tuple)
     return _HINTS[cls]
 

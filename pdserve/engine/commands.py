@@ -124,9 +124,11 @@ class CompleteRemote(Command[RequestOutput | None]):
     request_id: str
     first_token_id: int
     generator_state: bytes | None = None
+    prefill_cached_tokens: int = 0  # prompt tokens prefill found in its own prefix cache
 
     def apply(self, engine: LLMEngine) -> RequestOutput | None:
-        return engine.complete_remote(self.request_id, self.first_token_id, self.generator_state)
+        return engine.complete_remote(self.request_id, self.first_token_id, self.generator_state,
+                                      self.prefill_cached_tokens)
 
     def emitted(self, result: RequestOutput | None) -> RequestOutput | None:
         return result

@@ -48,8 +48,9 @@ class KVCacheManager:
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Leading blocks of `request` already in the pool. At least one token is always left to
-        compute, because the step that computes it is the one that samples."""
-        if not self.pool.enable_caching:
+        compute, because the step that computes it is the one that samples. None for a request
+        that wants its prompt's logprobs: every prompt token's logits must be computed."""
+        if not self.pool.enable_caching or request.params.prompt_logprobs is not None:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         self.update_block_hashes(request, max_blocks * self.block_size)

@@ -176,6 +176,8 @@ class LLMEngine:
             if index > 0 and params.seed is not None:
                 # Distinct per sequence, and unlike seed + index, not another request's seed.
                 child_params = dataclasses.replace(params, seed=hash((params.seed, index)) & (2**63 - 1))
+            if index > 0 and params.prompt_logprobs is not None:  # the prompt's are computed once, by child 0
+                child_params = dataclasses.replace(child_params, prompt_logprobs=None)
             child_id = request_id if index == 0 else f"{request_id}#{index}"  # a reservation is child 0
             children.append(Request(child_id, token_ids, child_params, self.tokenizer.eos_token_ids,
                                     self.config.scheduler.max_model_len, arrival, self.config.device))
@@ -233,16 +235,23 @@ class LLMEngine:
             hits += bs
         return hits
 
-    def complete_remote(self, request_id: str, first_token_id: int,
-                        generator_state: bytes | None = None) -> RequestOutput | None:
+    def complete_remote(self, request_id: str, first_token_id: int, generator_state: bytes | None = None,
+                        prefill_cached_tokens: int = 0) -> RequestOutput | None:
         """Decode role: the prompt's KV is in the reserved blocks; `first_token_id` was sampled by
         prefill, whose seeded generator state continues here. Returns the output carrying the
-        first token, to be emitted at once (None: the first tokens are sampled here, see below)."""
+        first token, to be emitted at once (None: the first tokens are sampled here, see below).
+        `prefill_cached_tokens`: the prompt's leading tokens prefill found in its prefix cache."""
         request = self.scheduler.remote[request_id]
         # NOTE: checked before anything changes: a peer's bad value must not reach the sampler
         if not 0 <= first_token_id < self.config.model.vocab_size:
             raise ValueError(f"first token id {first_token_id} is outside the vocabulary "
                              f"(0..{self.config.model.vocab_size - 1})")
+        if not 0 <= prefill_cached_tokens <= request.num_prompt_tokens:
+            raise ValueError(f"prefill_cached_tokens {prefill_cached_tokens} is outside 0..{request.num_prompt_tokens}")
+        # Both hits are leading prefixes of the same prompt: their union is the longer one (a block
+        # held by both workers counts once). Decode's hit was not sent, prefill's not recomputed.
+        request.num_cached_tokens = max(request.num_cached_tokens, prefill_cached_tokens)
+        self._states[request_id].num_cached_tokens = request.num_cached_tokens
         forks = self._forks.pop(request_id, [])
         if forks or request.params.logprobs is not None:
             # NOTE: sequences 1..n-1 need the prompt's last logits, which prefill does not send, and
@@ -368,6 +377,9 @@ class LLMEngine:
             state.metrics.first_scheduled_time = request.first_scheduled_time
         if request.num_cached_tokens:
             state.num_cached_tokens = request.num_cached_tokens
+        if (state.prompt_logprobs is None and request.prompt_logprobs is not None
+                and len(request.prompt_logprobs) == request.num_prompt_tokens):
+            state.prompt_logprobs = list(request.prompt_logprobs)  # complete: the prompt's last chunk sampled
 
     def take_failures(self) -> list[RequestFailure]:
         """The requests ended since the last call because handling them raised (`RequestFailure`);

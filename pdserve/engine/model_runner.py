@@ -12,7 +12,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.host_memory import zeroed_pages
-from pdserve.engine.sampler import Sampler, TokenLogprobs
+from pdserve.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.step_plan import StepPlan, plan_step
 from pdserve.model.attention import AttentionMetadata, DecodeBatch, PrefillSpan
@@ -57,23 +57,30 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, layer_done: Callable[[int], None] | None = None
                 ) -> dict[str, tuple[int, TokenLogprobs | None]]:
         """Run one step; returns request id -> (sampled token, its logprobs) for the chunks that sample."""
-        plan, samplers = plan_step(out, self.block_size)
+        plan, samplers, targets = plan_step(out, self.block_size)
         logits = self.run(plan, layer_done)
         if logits is None:
+            return {}
+        if targets:  # the rows after the sampling ones (see run)
+            prompt_logprobs(logits[len(samplers):], targets)
+            logits = logits[:len(samplers)]
+        if not samplers:
             return {}
         result = self.sampler(logits, samplers)
         return {r.request_id: (t, lp) for r, t, lp in zip(samplers, result.token_ids, result.logprobs, strict=True)}
 
     @torch.inference_mode()
     def run(self, plan: StepPlan, layer_done: Callable[[int], None] | None = None) -> torch.Tensor | None:
-        """Swap, forward, and the logits of the sampling rows (None when none samples). Every
-        tensor-parallel rank runs this with the same plan (the collectives are inside the model)."""
+        """Swap, forward, and the logits of the sampling rows then of the prompt-logprobs rows (None
+        when there are none). Every tensor-parallel rank runs this with the same plan (the
+        collectives are inside the model)."""
         self._swap(plan)
         input_ids, positions, meta = self._prepare(plan)
         hidden = self.model(input_ids, positions, self.layer_caches, meta, layer_done)
-        if not plan.sample_rows:
+        rows = plan.sample_rows + plan.prompt_rows
+        if not rows:
             return None
-        return self.model.compute_logits(hidden[self._tensor(plan.sample_rows)])
+        return self.model.compute_logits(hidden[self._tensor(rows)])
 
     def _swap(self, out: StepPlan) -> None:
         # Swap-outs first: the device blocks they vacate may be the swap-ins' destinations.

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.engine.request import RequestStatus
-from pdserve.engine.sampler import TokenLogprobs
+from pdserve.engine.sampler import PromptLogprobs, TokenLogprobs
 from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -53,6 +53,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[PromptLogprobs | None] | None = None  # asked for: one per prompt token (first: None)
 
 
 @dataclass(slots=True)
@@ -87,6 +88,7 @@ class RequestState:
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.metrics = RequestMetrics(arrival_time)
         self.num_cached_tokens = 0
+        self.prompt_logprobs: list[PromptLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -133,4 +135,4 @@ class RequestState:
             outputs.append(CompletionOutput(index, text, list(seq.token_ids), seq.finish_reason, seq.stop_reason,
                                             list(seq.logprobs) if seq.logprobs is not None else None))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
-                             self.num_cached_tokens, self.metrics)
+                             self.num_cached_tokens, self.metrics, self.prompt_logprobs)

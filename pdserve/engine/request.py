@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.engine.sampler import PromptLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -33,7 +37,7 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "all_token_ids", "params", "eos_token_ids", "max_total_tokens",
                  "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes", "swapped_block_ids",
                  "status", "stop_reason", "generator", "pending_draws", "arrival_time", "first_scheduled_time",
-                 "num_preemptions", "hold_blocks", "disk_checked")
+                 "num_preemptions", "hold_blocks", "disk_checked", "prompt_logprobs")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...], max_model_len: int, arrival_time: float | None = None,
@@ -47,6 +51,8 @@ class Request:
         self.max_total_tokens = min(max_model_len, len(prompt_token_ids) + max_new)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first scheduling
+        # with params.prompt_logprobs: one entry per prompt token computed so far (None: the first)
+        self.prompt_logprobs: list[PromptLogprobs | None] | None = None if params.prompt_logprobs is None else [None]
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # hashes of the leading full blocks, chained
         self.swapped_block_ids: list[int] = []  # CPU swap blocks while SWAPPED

@@ -22,6 +22,33 @@ class TokenLogprobs:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """A prompt token's logprob under the model given the tokens before it, its rank (1: the
+    model's first choice) and the top alternatives, (token id, logprob) best first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[tuple[Request, int]]) -> None:
+    """Append to each target's request the logprobs of its prompt token at that position; the
+    logits rows are in `targets` order (like `logprobs`, the model's raw distribution)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    token_ids = torch.tensor([r.prompt_token_ids[p] for r, p in targets], device=logits.device)
+    picked = logprobs.gather(1, token_ids[:, None])[:, 0]
+    ranks = (logprobs > picked[:, None]).sum(dim=-1) + 1
+    num_top = max(r.params.prompt_logprobs or 0 for r, _ in targets)
+    values, ids = logprobs.topk(num_top, dim=-1) if num_top else (logprobs[:, :0], logprobs[:, :0].long())
+    for row, (request, position) in enumerate(targets):
+        assert request.prompt_logprobs is not None and len(request.prompt_logprobs) == position
+        k = request.params.prompt_logprobs or 0
+        top = tuple(zip(ids[row, :k].tolist(), values[row, :k].tolist(), strict=True))
+        request.prompt_logprobs.append(PromptLogprobs(int(token_ids[row]), float(picked[row]), int(ranks[row]), top))
+
+
+@dataclass(frozen=True, slots=True)
 class SampleResult:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]

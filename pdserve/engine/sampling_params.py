@@ -24,6 +24,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives per token; 0 = only the sampled one
+    prompt_logprobs: int | None = None  # the same, for every prompt token after the first
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # NOTE: not user knobs: what the output's text starts with when the router resumes a request on
@@ -67,6 +68,8 @@ class SamplingParams:
             (all(s for s in self.stop), "stop strings must be non-empty"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+             f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
             (len(self.utf8_prefix) <= 3 and all(0x80 <= b <= 0xFF for b in self.utf8_prefix),
              "utf8_prefix holds at most the first 3 bytes of one multi-byte character"),
         ]

@@ -209,7 +209,7 @@ class Scheduler:
     def _start_disk_load(self, request: Request, hits: list[int]) -> bool:
         """If the prefix continues on disk past the pool's `hits` and loading beats computing,
         reserve blocks for the hits and the disk part and start the load; True when it started."""
-        if self.disk is None or request.disk_checked:
+        if self.disk is None or request.disk_checked or request.params.prompt_logprobs is not None:
             return False
         request.disk_checked = True
         bs = self.kv.block_size

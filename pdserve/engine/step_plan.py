@@ -39,15 +39,18 @@ class StepPlan:
     decode_lens: list[int] = field(default_factory=list)  # ... and context lengths
     prefills: list[PlannedPrefill] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)  # rows whose logits are sampled
+    prompt_rows: list[int] = field(default_factory=list)  # rows whose logits give prompt logprobs
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
 
 
-def plan_step(out: SchedulerOutput, block_size: int) -> tuple[StepPlan, list[Request]]:
-    """The plan, and the requests that sample, in `sample_rows` order."""
+def plan_step(out: SchedulerOutput, block_size: int) -> tuple[StepPlan, list[Request], list[tuple[Request, int]]]:
+    """The plan, the requests that sample, in `sample_rows` order, and for each of `prompt_rows`
+    the request and the position of the prompt token whose logprob its logits give."""
     bs = block_size
     plan = StepPlan(blocks_to_swap_out=out.blocks_to_swap_out, blocks_to_swap_in=out.blocks_to_swap_in)
     samplers: list[Request] = []
+    targets: list[tuple[Request, int]] = []
     for chunk in out.chunks:
         request, start, num_new = chunk.request, chunk.request.num_computed_tokens, chunk.num_new_tokens
         row = len(plan.token_ids)
@@ -65,4 +68,9 @@ def plan_step(out: SchedulerOutput, block_size: int) -> tuple[StepPlan, list[Req
         if chunk.samples:
             plan.sample_rows.append(row + num_new - 1)
             samplers.append(request)
-    return plan, samplers
+        if request.prompt_logprobs is not None:
+            # row of position p predicts token p + 1; those already collected (before a preemption) are skipped
+            for p in range(max(start, len(request.prompt_logprobs) - 1), min(end, request.num_prompt_tokens - 1)):
+                plan.prompt_rows.append(row + p - start)
+                targets.append((request, p + 1))
+    return plan, samplers, targets

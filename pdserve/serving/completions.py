@@ -8,14 +8,14 @@ from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import Any
 
-from pdserve.engine.output import RequestOutput
+from pdserve.engine.output import CompletionOutput, RequestOutput
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.logs import bind_request_id
-from pdserve.serving import generation
+from pdserve.serving import echo, generation
 from pdserve.serving.engine_client import EngineClient
 from pdserve.serving.errors import OpenAIError
 from pdserve.serving.generation import DeltaTracker, Job, new_request_id, run_jobs, usage_of
-from pdserve.serving.limits import requested_logprobs
+from pdserve.serving.limits import requested_logprobs, requested_prompt_logprobs
 from pdserve.serving.protocol import CompletionRequest
 from pdserve.tokenizer import Tokenizer
 
@@ -36,12 +36,12 @@ def build_jobs(client: EngineClient, prompts: list[list[int]], requested_max_tok
                body: CompletionRequest | Any, request_id: str, max_tokens_limit: int | None) -> list[Job]:
     """Validate every prompt before anything is enqueued: bad input never costs compute."""
     jobs = []
-    logprobs = requested_logprobs(body)
+    logprobs, prompt_logprobs = requested_logprobs(body), requested_prompt_logprobs(body)
     for index, token_ids in enumerate(prompts):
         max_tokens = generation.resolve_max_tokens(len(token_ids), requested_max_tokens, client.max_model_len,
                                                    max_tokens_limit)
         try:
-            params = body.to_sampling_params(max_tokens, logprobs)
+            params = body.to_sampling_params(max_tokens, logprobs, prompt_logprobs)
             client.validate_request(token_ids, params)
         except ValueError as exc:
             raise OpenAIError(str(exc), HTTPStatus.BAD_REQUEST) from exc
@@ -50,19 +50,32 @@ def build_jobs(client: EngineClient, prompts: list[list[int]], requested_max_tok
 
 
 def _logprobs_json(tokenizer: Tokenizer, entries: list[TokenLogprobs] | None, offset: int) -> dict | None:
-    if entries is None:
-        return None
-    tokens = [tokenizer.decode([e.token_id], skip_special_tokens=False) for e in entries]
-    offsets = []
-    for token in tokens:
-        offsets.append(offset)
-        offset += len(token)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{tokenizer.decode([t], skip_special_tokens=False): lp for t, lp in e.top} for e in entries],
-        "text_offset": offsets,
-    }
+    return None if entries is None else echo.logprobs_json(tokenizer, echo.sampled_entries(entries), offset)
+
+
+def _prompt_texts(body: CompletionRequest, tokenizer: Tokenizer, jobs: list[Job]) -> list[str]:
+    """Each job's prompt as the client wrote it (token-id prompts: decoded), for `echo`."""
+    prompt = body.prompt
+    items = [prompt] if isinstance(prompt, str) or all(isinstance(p, int) for p in prompt) else list(prompt)
+    return [p if isinstance(p, str) else tokenizer.decode(job.prompt_token_ids, skip_special_tokens=False)
+            for p, job in zip(items, jobs, strict=True)]
+
+
+def _choice(tokenizer: Tokenizer, body: CompletionRequest, final: RequestOutput, seq: CompletionOutput,
+            prompt_text: str) -> dict[str, Any]:
+    """One choice of a full answer; `echo` puts the prompt (and its tokens' logprobs) first."""
+    logprobs = None
+    if seq.logprobs is not None:
+        entries = echo.sampled_entries(seq.logprobs)
+        if body.echo:
+            assert final.prompt_logprobs is not None  # asked for with the echo (limits.requested_prompt_logprobs)
+            entries = echo.echoed_entries(final.prompt_token_ids, final.prompt_logprobs) + entries
+        logprobs = echo.logprobs_json(tokenizer, entries, 0)
+    choice = {"index": 0, "text": prompt_text + seq.text if body.echo else seq.text, "logprobs": logprobs,
+              "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason}
+    if body.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = echo.prompt_logprobs_json(tokenizer, final.prompt_logprobs or [])
+    return choice
 
 
 class CompletionHandler:
@@ -84,15 +97,12 @@ class CompletionHandler:
             if output.finished:
                 finals[index] = output
         choices = []
+        tokenizer = self.client.tokenizer
+        prompt_texts = _prompt_texts(body, tokenizer, jobs) if body.echo else [""] * len(jobs)
         for index in sorted(finals):
             for seq in finals[index].outputs:
-                choices.append({
-                    "index": index * body.n + seq.index,
-                    "text": seq.text,
-                    "logprobs": _logprobs_json(self.client.tokenizer, seq.logprobs, 0),
-                    "finish_reason": seq.finish_reason,
-                    "stop_reason": seq.stop_reason,
-                })
+                choice = _choice(tokenizer, body, finals[index], seq, prompt_texts[index])
+                choices.append(choice | {"index": index * body.n + seq.index})
         return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": usage_of(finals).model_dump()}
 

@@ -39,17 +39,16 @@ class _SamplingFields(BaseModel):
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = None  # NOTE: refused below rather than ignored: a silent null would look served
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported")
         return self
 
-    def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int, logprobs: int | None,
+                           prompt_logprobs: int | None = None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return SamplingParams(
             n=self.n,
@@ -67,6 +66,7 @@ class _SamplingFields(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
@@ -86,8 +86,8 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
+        if self.stream and (self.echo or self.prompt_logprobs is not None):
+            raise ValueError("echo and prompt_logprobs are not supported with stream=true")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -168,6 +168,8 @@ class ChatCompletionRequest(_SamplingFields):
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is served on /v1/completions only")
         return self
 
     @property

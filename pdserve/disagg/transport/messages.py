@@ -23,14 +23,16 @@ class KVProgress:
 @dataclass(frozen=True, slots=True)
 class KVDone:
     """All of the request's payloads are in the pool; the prefill worker's first token comes with
-    it, with its sampler's generator state (None: unseeded) and how long the prompt waited for and
-    took to compute on prefill (None: not measured). Always the request's last event."""
+    it, with its sampler's generator state (None: unseeded), how long the prompt waited for and
+    took to compute on prefill (None: not measured) and how many leading prompt tokens prefill found
+    in its own prefix cache (not recomputed). Always the request's last event."""
 
     request_id: str
     first_token_id: int
     generator_state: bytes | None = None
     prefill_queue_s: float | None = None
     prefill_compute_s: float | None = None
+    prefill_cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,10 +106,11 @@ class DoneHeader:
     prefill_queue_s: float | None = None
     prefill_compute_s: float | None = None
     token: str = ""  # the reservation's, as in LayerHeader
+    prefill_cached_tokens: int = 0
 
     def event(self) -> KVDone:
         return KVDone(self.request_id, self.first_token_id, self.generator_state, self.prefill_queue_s,
-                      self.prefill_compute_s)
+                      self.prefill_compute_s, self.prefill_cached_tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -282,12 +282,13 @@ class NixlKVSender(KVSender):
 
     def send_done(self, request_id: str, first_token_id: int, generator_state: bytes | None = None, *,
                   prefill_queue_s: float | None = None, prefill_compute_s: float | None = None,
-                  token: str = "") -> None:
+                  token: str = "", prefill_cached_tokens: int = 0) -> None:
         if not self._peer:
             raise RuntimeError("connect() first")
         num_layers = self._acks.sent_done(request_id)
         self._io.call_soon(self._notify, DoneHeader(request_id, first_token_id, num_layers, generator_state,
-                                                    prefill_queue_s, prefill_compute_s, token))
+                                                    prefill_queue_s, prefill_compute_s, token,
+                                                    prefill_cached_tokens))
 
     def close(self) -> None:
         if not self._io.running:
