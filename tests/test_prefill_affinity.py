@@ -46,7 +46,15 @@ class StubWorkers(WorkerClient):
 
     async def prefill(self, url: str, job: PrefillJob) -> HandOff | None:
         self.prefilled.append(url)
+        if job.request_id == "stalls" and job.transfer_id.endswith("@0"):
+            await asyncio.sleep(10)  # superseded by a retry (cancelled) before it ends
         return HandOff(transfer_id=job.transfer_id, status="handed_off", prefill_cached_tokens=self.CACHED[url])
+
+    async def retarget(self, url: str, request_id: str, transfer_id: str) -> bool:
+        return True
+
+    async def abort(self, url: str, request_id: str) -> None:
+        pass
 
 
 def _ready(worker: Worker) -> None:
@@ -125,14 +133,23 @@ def test_resumed_jobs_are_counted_by_where_their_prompt_kv_came_from(model_dirs:
                           client=workers)
         try:
             await router._dispatch(_job("first"), recovering=False)  # a first attempt: least loaded, not counted
-            await router._dispatch(_job("resumed"), recovering=True)  # a resume: affinity, counted
+            await router._dispatch(_job("resumed"), True, count_recovery=True)  # a resume: affinity, counted
             await _until(lambda: len(workers.prefilled) == 2, "both hand-offs")
             assert workers.prefilled == [COLD, WARM]
             assert router.stats().recoveries.prefill_cache == 1 and router.stats().recoveries.recompute == 0
             pool.members("prefill")[1].info = None  # WARM gone: only COLD, which caches nothing, is left
-            await router._dispatch(_job("resumed2"), recovering=True)
+            await router._dispatch(_job("resumed2"), True, count_recovery=True)
             await _until(lambda: len(workers.prefilled) == 3, "the third hand-off")
             assert router.stats().recoveries.recompute == 1 and router.stats().recoveries.prefill_cache == 1
+            # a resume whose transfer stalls is counted once, by its first attempt: the retry would find
+            # what the stalled attempt computed
+            job = _job("stalls")
+            ticket = await router._dispatch(job, True, count_recovery=True)
+            await _until(lambda: len(workers.prefilled) == 4, "the stalled attempt")
+            await router._retry_prefill(pool.members("decode")[0], ticket)
+            await _until(lambda: len(workers.prefilled) == 5, "the retry")
+            await asyncio.sleep(0.05)
+            assert router.stats().recoveries.recompute == 2 and router.stats().recoveries.prefill_cache == 1
         finally:
             await router.close()
 

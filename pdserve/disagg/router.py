@@ -282,7 +282,7 @@ class PDRouter:
                 if recovering:
                     self._count_recovery(0)
             else:
-                ticket = await self._dispatch(job, recovering)
+                ticket = await self._dispatch(job, recovering, count_recovery=recovering)
             async for frame in self._frames(decode, rid):
                 if frame.kv_retry:
                     self._events.kv_retries += 1
@@ -311,15 +311,16 @@ class PDRouter:
         if not await reach(decode, self.client.prefill_here(decode.url, rid)):
             raise _DecodeLost(f"decode worker {decode.url} did not take the prefill")
 
-    async def _dispatch(self, job: PrefillJob, recovering: bool) -> PrefillTicket:
-        """Queue the job; a resume after a decode loss goes where the prompt's KV is cached, if any
-        prefill worker has it (re-sent instead of recomputed), and is counted once handed off."""
+    async def _dispatch(self, job: PrefillJob, recovering: bool, count_recovery: bool = False) -> PrefillTicket:
+        """Queue the job; a resume after a decode loss (`recovering`) goes where the prompt's KV is
+        cached, if any prefill worker has it (re-sent instead of recomputed); `count_recovery`:
+        counted by what its hand-off reports."""
         affinity = recovering or self.config.prefill_policy == "prefix-affinity"
         try:
             ticket = await self.queue.put(job, prefix_affinity=affinity)
         except QueueUnavailable as exc:
             self.admission.reject("queue_unavailable", str(exc), HTTPStatus.SERVICE_UNAVAILABLE)
-        if recovering:  # NOTE: set before the next await: the hand-off cannot have ended yet
+        if count_recovery:  # NOTE: set before the next await: the hand-off cannot have ended yet
             ticket.on_handed_off = self._count_recovery
         return ticket
 
@@ -338,7 +339,13 @@ class PDRouter:
         if not await reach(decode, self.client.retarget(decode.url, retry.request_id, retry.transfer_id)):
             return ticket
         await self.queue.cancel(ticket)
-        return await self._dispatch(retry, ticket.on_handed_off is not None)
+        recovering = ticket.on_handed_off is not None
+        if recovering:
+            # NOTE: a resume is counted once, by its first attempt: a retry would find in prefill's
+            # cache the KV its stalled predecessor computed, which is no recovery from the cache
+            ticket.on_handed_off = None
+            self._count_recovery(0)
+        return await self._dispatch(retry, recovering)
 
     async def _frames(self, decode: Worker, request_id: str) -> AsyncIterator[OutputFrame]:
         try:

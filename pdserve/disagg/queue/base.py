@@ -51,9 +51,9 @@ class PrefillTicket:
     job: PrefillJob  # the memory queue swaps in the new attempt when it re-queues the job
     trace: RequestTrace = field(default_factory=current_trace)  # the request's TTFT phases (metrics)
     refusal: Refusal | None = None  # set if a prefill worker refused the job (memory queue only)
-    # called with the hand-off's `prefill_cached_tokens` (prompt tokens prefill took from its cache,
-    # not computed) once a prefill worker handed the job off (memory queue only: a shared queue's
-    # consumers acknowledge to the stream, not to the router)
+    # called once (then cleared) with the hand-off's `prefill_cached_tokens` (prompt tokens prefill
+    # took from its cache, not computed) when a prefill worker handed the job off (memory queue only:
+    # a shared queue's consumers acknowledge to the stream, not to the router)
     on_handed_off: Callable[[int], None] | None = None
 
 

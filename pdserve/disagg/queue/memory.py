@@ -172,7 +172,8 @@ class MemoryPrefillQueue(PrefillQueue):
         if hand_off is None:
             return not item.cancelled
         if hand_off.status == "handed_off" and item.on_handed_off is not None:
-            item.on_handed_off(hand_off.prefill_cached_tokens)
+            report, item.on_handed_off = item.on_handed_off, None  # once
+            report(hand_off.prefill_cached_tokens)
         if hand_off.status == "failed" and not item.cancelled:
             logger.warning("request %s: hand-off failed: %s", item.job.request_id, hand_off.reason)
             await self._fail(item.job, f"prefill failed: {hand_off.reason}")
