@@ -242,6 +242,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
 
 DecodePolicyName = Literal["least-loaded", "round-robin", "prefix-affinity"]
 DECODE_POLICIES: tuple[DecodePolicyName, ...] = ("least-loaded", "round-robin", "prefix-affinity")
+PrefillPolicyName = Literal["least-loaded", "prefix-affinity"]
+PREFILL_POLICIES: tuple[PrefillPolicyName, ...] = ("least-loaded", "prefix-affinity")
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,6 +280,10 @@ class RouterConfig:
     cluster_secret_file: str | None = knob(None, CLUSTER_SECRET_HELP)
     queue: QueueArgs = field(default_factory=QueueArgs)
     decode_policy: DecodePolicyName = knob("least-loaded", "which decode worker gets a request")
+    prefill_policy: PrefillPolicyName = knob("least-loaded", "which prefill worker gets a first attempt's job "
+                                             "(memory queue): least-loaded, or prefix-affinity (the one caching the "
+                                             "longest prefix, pool or disk tier); a resume after a decode loss "
+                                             "always uses prefix-affinity")
     pd_threshold: int = knob(0, "prompts whose part not cached on the chosen decode worker is shorter than this "
                                 "many tokens are prefilled there (0: always disaggregate)")
     max_queued_requests: int = knob(512, "requests admitted and waiting for their first token; beyond: 429")
@@ -299,6 +305,8 @@ class RouterConfig:
             (self.dns_interval_s > 0, "dns_interval_s must be > 0"),
             (self.decode_policy in DECODE_POLICIES,
              f"decode policy must be one of {DECODE_POLICIES}, got {self.decode_policy!r}"),
+            (self.prefill_policy in PREFILL_POLICIES,
+             f"prefill policy must be one of {PREFILL_POLICIES}, got {self.prefill_policy!r}"),
             (self.pd_threshold >= 0, "pd_threshold must be >= 0"),
             (self.max_queued_requests >= 1, "max_queued_requests must be >= 1"),
             (self.max_queued_tokens >= 1, "max_queued_tokens must be >= 1"),

@@ -243,6 +243,20 @@ def test_tier_metrics(model_dirs: dict[str, Path], tmp_path: Path) -> None:
     assert samples[("pdserve:kv_tier_written_bytes_total", "disk", None)] > 0
 
 
+def test_the_cached_prefix_a_router_asks_about_counts_the_disk_tier(model_dirs: dict[str, Path],
+                                                                      tmp_path: Path) -> None:
+    """POST /pd/prefix (prefix-affinity placement of prefill jobs) sees blocks only on disk; asking is
+    read-only: no tier miss counted."""
+    llm = tier_llm(model_dirs["tiny"], tmp_path)
+    run(llm, PROMPTS[:1])
+    llm.engine.scheduler.kv.pool.reset_prefix_cache()
+    misses = tier(llm).stats().num_miss_blocks
+    assert llm.engine.num_cached_prefix_tokens(PROMPTS[0][:60] + PROMPTS[1][:8]) == 15 * BLOCK_SIZE
+    assert llm.engine.num_cached_prefix_tokens(PROMPTS[1]) == 0
+    assert tier(llm).stats().num_miss_blocks == misses
+    assert_no_leak(llm)
+
+
 def test_close_writes_what_is_queued(tmp_path: Path) -> None:
     writer = make_tier(tmp_path)
     digests = [bytes([i]) * 16 for i in range(4)]

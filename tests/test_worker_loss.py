@@ -1,6 +1,7 @@
 """Workers as processes behind the router (in-memory prefill queue): SIGTERM drains a worker (what
 it has in flight finishes, it exits 0), SIGKILL of a decode worker mid-stream resumes the request
-on another decode worker with no duplicated and no missing token, and with no decode worker left
+on another decode worker with no duplicated and no missing token (the prompt's KV re-sent from the
+prefill worker's cache when it holds it, counted), and with no decode worker left
 the client gets an in-band error, then [DONE]."""
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from helpers import generate_texts, greedy, random_prompt
 from process_cluster import ProcessCluster, WorkerProcess, spawn_worker, start_router, wait_healthy
 
 from pdserve import LLM
+from pdserve.serving.router_stats import Recoveries
 
 pytestmark = pytest.mark.slow  # workers as processes, killed and replaced
 
-FLAGS = ["--num-kv-blocks", "512", "--max-num-batched-tokens", "16"]
+# NOTE: a transfer timeout well above a loaded machine's stalls: a retried resume counts as recompute
+FLAGS = ["--num-kv-blocks", "512", "--max-num-batched-tokens", "16", "--kv-transfer-timeout-ms", "2000"]
 _EXIT_TIMEOUT_S = 30
 
 
@@ -151,18 +154,40 @@ def test_sigterm_drains_a_prefill_worker(cluster: ProcessCluster, colocated: LLM
     cluster.wait_until_idle()
 
 
-def test_decode_sigkill_mid_stream_resumes_on_another_worker(cluster: ProcessCluster, colocated: LLM) -> None:
-    prompt = random_prompt(50, seed=13)
-    resumed_before = cluster.router.client.stats().events.resumed
+def sigkill_mid_stream(cluster: ProcessCluster, colocated: LLM, prompt: list[int]) -> Recoveries:
+    """Stream `prompt`, SIGKILL its decode worker after 10 chunks: the request resumes on another
+    one with the colocated greedy text. Returns the recoveries the router counted meanwhile."""
+    before = cluster.router.client.stats()
     killed: list[WorkerProcess] = []
-
     events = stream_events(cluster.router.url, prompt, 150, 10,
                            lambda: killed.append(signal_busy(cluster.decode, signal.SIGKILL)))
     assert text_of(events) == greedy_text(colocated, prompt, 150)  # nothing missing, nothing twice
     assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 150
-    assert cluster.router.client.stats().events.resumed == resumed_before + 1
+    after = cluster.router.client.stats()
+    assert after.events.resumed == before.events.resumed + 1
     killed[0].popen.wait(10)
     cluster.wait_until_idle()
+    return Recoveries(after.recoveries.prefill_cache - before.recoveries.prefill_cache,
+                      after.recoveries.recompute - before.recoveries.recompute)
+
+
+def test_decode_sigkill_mid_stream_resumes_with_the_prompt_kv_from_prefill_cache(
+        cluster: ProcessCluster, colocated: LLM) -> None:
+    # the prefill worker still caches the prompt's 3 full blocks: it re-sends them, computes the rest
+    assert sigkill_mid_stream(cluster, colocated, random_prompt(50, seed=13)) == Recoveries(prefill_cache=1)
+
+
+def test_decode_sigkill_mid_stream_recomputes_what_prefill_does_not_cache(
+        cluster: ProcessCluster, colocated: LLM, model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    replacement = spawn_worker("decode", model_dirs["tiny"], tmp_path, FLAGS + ["--register", cluster.router.url])
+    cluster.decode.append(replacement)
+    wait_healthy([replacement])
+    deadline = time.monotonic() + 10
+    while sum(w.role == "decode" and w.ready for w in cluster.router.client.workers()) < 2:
+        assert time.monotonic() < deadline, "the replacement did not join by registering"
+        time.sleep(0.1)
+    # a prompt shorter than a block: prefill never held a full block of what the resume computes
+    assert sigkill_mid_stream(cluster, colocated, random_prompt(10, seed=15)) == Recoveries(recompute=1)
 
 
 def test_no_decode_worker_left_is_an_in_band_error_then_done(cluster: ProcessCluster) -> None:

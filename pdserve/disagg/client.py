@@ -99,7 +99,8 @@ class WorkerClient:
         return None
 
     async def prefix(self, url: str, prompt_token_ids: list[int]) -> int | None:
-        """Decode: leading prompt tokens its prefix cache holds now; None if it would not say."""
+        """Decode or prefill: leading prompt tokens its prefix cache (pool, disk tier) holds now; None
+        if it would not say."""
         reply = await self._post(url, "/pd/prefix", PrefixQuery(prompt_token_ids=prompt_token_ids))
         if not reply.is_success:
             return None

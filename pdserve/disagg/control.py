@@ -93,13 +93,13 @@ class FailJob(BaseModel):
 
 
 class PrefixQuery(BaseModel):
-    """router -> decode (prefix-affinity policy): how much of this prompt do you cache?"""
+    """router -> decode or prefill (prefix affinity): how much of this prompt do you cache?"""
 
     prompt_token_ids: list[int]
 
 
 class PrefixReply(BaseModel):
-    """decode -> router: leading prompt tokens its prefix cache holds now."""
+    """decode or prefill -> router: leading prompt tokens its prefix cache (pool, disk tier) holds now."""
 
     num_cached_tokens: int
 
@@ -119,6 +119,8 @@ class HandOff(BaseModel):
     transfer_id: str
     status: Literal["handed_off", "failed", "timed_out", "aborted"]
     reason: str = ""
+    # handed_off: prompt tokens prefill took from its prefix cache (pool or disk tier), not computed
+    prefill_cached_tokens: int = 0
 
 
 class WorkerInfo(BaseModel):

@@ -38,7 +38,7 @@ from pdserve.disagg.sender_pool import SenderPool
 from pdserve.disagg.transport.base import KVSender
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.engine.async_llm import AsyncLLM, EngineDeadError, OutputStream, RequestFailedError
-from pdserve.engine.commands import AddPrefillOnly, GeneratorState, ReleaseKV
+from pdserve.engine.commands import AddPrefillOnly, CachedPrefixTokens, GeneratorState, ReleaseKV
 from pdserve.engine.output import RequestOutput
 from pdserve.logs import bind_request_id
 from pdserve.serving.worker_stats import PrefillStats
@@ -146,6 +146,11 @@ class PrefillService:
                 with contextlib.suppress(WorkerError):
                     await decode_workers.alive(url, tids)
 
+    async def cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
+        """Leading tokens of this prompt the prefix cache (pool, disk tier) holds now (prefix-affinity
+        placement of prefill jobs: memory queue)."""
+        return await self.client.send(CachedPrefixTokens(prompt_token_ids))
+
     async def abort(self, transfer_id: str) -> None:
         attempt = self._attempts.get(transfer_id)
         if attempt is not None:
@@ -163,7 +168,7 @@ class PrefillService:
                 return HandOff(transfer_id=tid, status="aborted")
             await self._hand_off(tid, sender, final)
             self._counts.handed_off += 1
-            return HandOff(transfer_id=tid, status="handed_off")
+            return HandOff(transfer_id=tid, status="handed_off", prefill_cached_tokens=final.num_cached_tokens)
         except KVTransferTimeout as exc:  # decode's own transfer clock decides what happens next
             return self._failed(tid, "timed_out", exc)
         except (KVTransferError, RequestFailedError, EngineDeadError) as exc:  # decode is told at once

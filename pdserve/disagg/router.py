@@ -17,7 +17,9 @@ One request:
      prefill job goes onto the prefill queue.
   3. stream the decode worker's outputs (GET /pd/stream/{id}) back as RequestOutputs. A
      `kv_retry` frame (the transfer stalled) makes a new prefill attempt. A decode worker lost
-     mid-stream: the request resumes on another one, prefilled over prompt + tokens already sent,
+     mid-stream: the request resumes on another one, prefilled over prompt + tokens already sent
+     (its job goes to the prefill worker whose cache, pool or disk tier, holds the prompt's KV:
+     that worker re-sends it and computes only the sent tokens; `kv_recoveries` counts which),
      so the client sees no duplicated and no missing token (exact for greedy decoding; a sampled
      continuation is a fresh sample). No decode worker left: it waits for one (restarted, new) until
      `reserve_deadline_s`, then the error reaches the client.
@@ -55,7 +57,7 @@ from pdserve.engine.output import CompletionOutput, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.qwen3_config import Qwen3ModelConfig
 from pdserve.serving.errors import OpenAIError
-from pdserve.serving.router_stats import RouterEvents, RouterStats, WorkerView
+from pdserve.serving.router_stats import Recoveries, RouterEvents, RouterStats, WorkerView
 from pdserve.serving.trace import current_trace
 from pdserve.tokenizer import Tokenizer
 from pdserve.tokenizer.detokenizer import detokenize
@@ -76,6 +78,8 @@ class _Events:
     kv_retries: int = 0
     resumed: int = 0
     prefilled_on_decode: int = 0
+    recovered_from_prefill_cache: int = 0  # resumes whose prompt KV a prefill worker had cached
+    recovered_by_recompute: int = 0  # resumes whose prompt KV was computed again
 
 
 class PDRouter:
@@ -140,7 +144,9 @@ class PDRouter:
         return RouterStats(queued_requests=self.admission.num_queued, queued_tokens=self.admission.num_queued_tokens,
                            dispatch_pending=queue.num_pending, queue_backlog=queue.num_backlog, queue=queue.kind,
                            live_queue_consumers=queue.num_live_consumers, queue_error=queue.error,
-                           rejections=self.admission.rejections(), events=events)
+                           rejections=self.admission.rejections(), events=events,
+                           recoveries=Recoveries(self._events.recovered_from_prefill_cache,
+                                                 self._events.recovered_by_recompute))
 
     async def refresh(self) -> None:
         """Update the membership, poll the pool (the heartbeat), then let the queue take another
@@ -214,7 +220,7 @@ class PDRouter:
             instance = _instance(decode)
             last: RequestOutput | None = None
             try:
-                async for output in self._serve_on(decode, sub_id, sub_prompt, sub_params, reply):
+                async for output in self._serve_on(decode, sub_id, sub_prompt, sub_params, reply, resume > 0):
                     last = _after(request_id, prompt, sent, output)
                     yield last
                 return
@@ -257,9 +263,10 @@ class PDRouter:
             await asyncio.sleep(_RESERVE_RETRY_S)
 
     async def _serve_on(self, decode: Worker, rid: str, prompt: list[int], params: SamplingParams,
-                        reply: ReserveReply) -> AsyncIterator[RequestOutput]:
+                        reply: ReserveReply, recovering: bool) -> AsyncIterator[RequestOutput]:
         """The request's outputs from `decode`, which holds its reservation; prefilled there or
-        through the queue. Raises _DecodeLost if the worker goes away before the request ends."""
+        through the queue (`recovering`: after a decode loss, counted by where the prompt's KV
+        came from). Raises _DecodeLost if the worker goes away before the request ends."""
         # NOTE: prefill computes the prompt's KV once for all n sequences; with n > 1 or logprobs,
         # decode samples the first tokens itself (LLMEngine.complete_remote)
         job = PrefillJob(request_id=rid, transfer_id=transfer_id(rid, 0), prompt_token_ids=prompt,
@@ -272,8 +279,10 @@ class PDRouter:
         try:
             if len(prompt) - reply.num_cached_tokens < self.config.pd_threshold:
                 await self._prefill_on_decode(decode, rid)
+                if recovering:
+                    self._count_recovery(0)
             else:
-                ticket = await self._dispatch(job)
+                ticket = await self._dispatch(job, recovering, count_recovery=recovering)
             async for frame in self._frames(decode, rid):
                 if frame.kv_retry:
                     self._events.kv_retries += 1
@@ -302,11 +311,24 @@ class PDRouter:
         if not await reach(decode, self.client.prefill_here(decode.url, rid)):
             raise _DecodeLost(f"decode worker {decode.url} did not take the prefill")
 
-    async def _dispatch(self, job: PrefillJob) -> PrefillTicket:
+    async def _dispatch(self, job: PrefillJob, recovering: bool, count_recovery: bool = False) -> PrefillTicket:
+        """Queue the job; a resume after a decode loss (`recovering`) goes where the prompt's KV is
+        cached, if any prefill worker has it (re-sent instead of recomputed); `count_recovery`:
+        counted by what its hand-off reports."""
+        affinity = recovering or self.config.prefill_policy == "prefix-affinity"
         try:
-            return await self.queue.put(job)
+            ticket = await self.queue.put(job, prefix_affinity=affinity)
         except QueueUnavailable as exc:
             self.admission.reject("queue_unavailable", str(exc), HTTPStatus.SERVICE_UNAVAILABLE)
+        if count_recovery:  # NOTE: set before the next await: the hand-off cannot have ended yet
+            ticket.on_handed_off = self._count_recovery
+        return ticket
+
+    def _count_recovery(self, prefill_cached_tokens: int) -> None:
+        if prefill_cached_tokens > 0:
+            self._events.recovered_from_prefill_cache += 1
+        else:
+            self._events.recovered_by_recompute += 1
 
     async def _retry_prefill(self, decode: Worker, ticket: PrefillTicket) -> PrefillTicket:
         """The transfer stalled: a new attempt, once the decode worker expects it (if it no
@@ -317,7 +339,13 @@ class PDRouter:
         if not await reach(decode, self.client.retarget(decode.url, retry.request_id, retry.transfer_id)):
             return ticket
         await self.queue.cancel(ticket)
-        return await self._dispatch(retry)
+        recovering = ticket.on_handed_off is not None
+        if recovering:
+            # NOTE: a resume is counted once, by its first attempt: a retry would find in prefill's
+            # cache the KV its stalled predecessor computed, which is no recovery from the cache
+            ticket.on_handed_off = None
+            self._count_recovery(0)
+        return await self._dispatch(retry, recovering)
 
     async def _frames(self, decode: Worker, request_id: str) -> AsyncIterator[OutputFrame]:
         try:

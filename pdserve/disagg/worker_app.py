@@ -16,6 +16,7 @@
     prefill: POST /pd/prefill  PrefillJob -> HandOff once the hand-off ended | 400 | 409 (KV layout
                                mismatch) | 502 (decode unreachable) | 503 (draining)
              POST /pd/abort/{transfer id}
+             POST /pd/prefix   as decode's, pool and disk tier (prefix-affinity placement of jobs)
 
 With a cluster secret (--cluster-secret-file / PDSERVE_CLUSTER_SECRET) every /pd/* route but GET
 /pd/info and /pd/stats answers 401 unless the call is signed with it (auth.py); the KV port

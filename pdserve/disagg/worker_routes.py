@@ -113,3 +113,7 @@ def add_prefill_routes(app: FastAPI, service: PrefillService) -> None:
     async def abort(request_id: str) -> JSONResponse:
         await service.abort(request_id)
         return JSONResponse({"aborted": request_id})
+
+    @app.post("/pd/prefix")
+    async def prefix(body: PrefixQuery) -> PrefixReply:
+        return PrefixReply(num_cached_tokens=await service.cached_prefix_tokens(body.prompt_token_ids))

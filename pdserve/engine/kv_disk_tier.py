@@ -165,8 +165,9 @@ class KVDiskTier:
     def _path(self, digest: bytes) -> Path:
         return self.directory / block_file_name(digest)
 
-    def num_on_disk(self, digests: list[bytes]) -> int:
-        """How many of `digests`, from the first, have a file (not yet validated)."""
+    def num_on_disk(self, digests: list[bytes], count_miss: bool = True) -> int:
+        """How many of `digests`, from the first, have a file (not yet validated). `count_miss`:
+        a short answer counts as a tier miss (False for a router's read-only prefix query)."""
         if not self.enabled:
             return 0
         count = 0
@@ -174,7 +175,7 @@ class KVDiskTier:
             if not self._known(digest):
                 break
             count += 1
-        if count < len(digests):
+        if count_miss and count < len(digests):
             with self._lock:
                 self._counts["miss"] += 1
         return count

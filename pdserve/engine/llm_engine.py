@@ -222,18 +222,20 @@ class LLMEngine:
         return RemoteReservation(tuple(request.block_ids), request.num_cached_tokens)
 
     def num_cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
-        """How many leading tokens of this prompt the prefix cache holds now (read-only; what a
-        prefix-affinity router compares across workers)."""
-        kv = self.scheduler.kv
+        """How many leading tokens of this prompt the prefix cache holds now, in the pool and then on
+        the disk tier (read-only; what a prefix-affinity router compares across workers)."""
+        kv, disk = self.scheduler.kv, self.scheduler.disk
         if not kv.pool.enable_caching:
             return 0
-        bs, parent, hits = kv.block_size, b"", 0
+        bs, parent, digests = kv.block_size, b"", []
         for start in range(0, (len(prompt_token_ids) - 1) // bs * bs, bs):
             parent = hash_block(parent, prompt_token_ids[start:start + bs])
-            if kv.pool.lookup(parent) is None:
-                break
-            hits += bs
-        return hits
+            digests.append(parent)
+        num_in_pool = next((i for i, d in enumerate(digests) if kv.pool.lookup(d) is None), len(digests))
+        # NOTE: the prefix may continue on the disk tier past the pool's hits (what a prefill job
+        # would load instead of computing: a decode loss recovered from prefill's cache)
+        num_on_disk = 0 if disk is None else disk.num_on_disk(digests[num_in_pool:], count_miss=False)
+        return (num_in_pool + num_on_disk) * bs
 
     def complete_remote(self, request_id: str, first_token_id: int, generator_state: bytes | None = None,
                         prefill_cached_tokens: int = 0) -> RequestOutput | None:

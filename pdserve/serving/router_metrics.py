@@ -106,6 +106,12 @@ def _counter_series(stats: RouterStats, labels: dict[str, str]) -> Iterator[Coun
     for event, count in dataclasses.asdict(stats.events).items():
         events.add_metric([*labels.values(), event], count)
     yield events
+    recoveries = CounterMetricFamily("pdserve:kv_recoveries", "Router: requests resumed after a decode loss, by "
+                                     "where the prompt's KV came from: prefill_cache (a prefill worker's pool or "
+                                     "disk tier) or recompute", labels=[*labels, "source"])
+    for source, count in dataclasses.asdict(stats.recoveries).items():
+        recoveries.add_metric([*labels.values(), source], count)
+    yield recoveries
 
 
 def instrument_router_app(app: FastAPI, client: EngineClient, router: RouterState,

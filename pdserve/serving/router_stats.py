@@ -7,7 +7,7 @@ not import `disagg/`: the router (`disagg/router.py`) fills them in and satisfie
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 WorkerRole = Literal["prefill", "decode"]
@@ -59,6 +59,15 @@ class RouterEvents:
 
 
 @dataclass(frozen=True, slots=True)
+class Recoveries:
+    """Requests resumed after a decode loss, by where their prompt's KV came from
+    (`pdserve:kv_recoveries_total{source}`; memory queue only: see disagg/queue/base.py)."""
+
+    prefill_cache: int = 0  # the prefill worker took it from its prefix cache (pool or disk tier)
+    recompute: int = 0  # computed again: no prefill worker held it, or decode prefilled it itself
+
+
+@dataclass(frozen=True, slots=True)
 class RouterStats:
     """The router's admission queue, prefill queue and counters (GET /router/stats)."""
 
@@ -71,6 +80,7 @@ class RouterStats:
     queue_error: str  # why the queue is unreachable; "" when it is fine
     rejections: Rejections
     events: RouterEvents
+    recoveries: Recoveries = field(default_factory=Recoveries)
 
 
 class RouterState(Protocol):

@@ -17,6 +17,7 @@ without compute.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -50,6 +51,10 @@ class PrefillTicket:
     job: PrefillJob  # the memory queue swaps in the new attempt when it re-queues the job
     trace: RequestTrace = field(default_factory=current_trace)  # the request's TTFT phases (metrics)
     refusal: Refusal | None = None  # set if a prefill worker refused the job (memory queue only)
+    # called once (then cleared) with the hand-off's `prefill_cached_tokens` (prompt tokens prefill
+    # took from its cache, not computed) when a prefill worker handed the job off (memory queue only:
+    # a shared queue's consumers acknowledge to the stream, not to the router)
+    on_handed_off: Callable[[int], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,8 +84,10 @@ class PrefillQueue(abc.ABC):
     """
 
     @abc.abstractmethod
-    async def put(self, job: PrefillJob) -> PrefillTicket:
-        """Queue one attempt; raises QueueUnavailable."""
+    async def put(self, job: PrefillJob, prefix_affinity: bool = False) -> PrefillTicket:
+        """Queue one attempt; raises QueueUnavailable. `prefix_affinity`: prefer the prefill worker
+        whose prefix cache (pool, disk tier) holds the longest part of the prompt (memory queue; a
+        shared queue's workers pull jobs, so it does not apply there)."""
 
     @abc.abstractmethod
     async def cancel(self, ticket: PrefillTicket) -> None:

@@ -3,7 +3,12 @@ workers of its pool (POST /pd/prefill, answered once the hand-off ended).
 
 A worker takes a job when it holds none, or when the job fits into its `max_num_batched_tokens`
 beside what it holds. Jobs are taken in order, but a job that fits nowhere yet does not hold back
-smaller ones behind it. A worker lost (or draining) with a job: the job is queued again at the
+smaller ones behind it. A job put with `prefix_affinity` (a request resumed after a decode loss,
+or every job with `--prefill-policy prefix-affinity`) goes to the worker, among those it fits, whose
+prefix cache (pool or disk tier) holds the longest part of its prompt (POST /pd/prefix, asked once
+when the job is put, only when more than one prefill worker is ready, each answer bounded by
+`_PREFIX_QUERY_TIMEOUT_S`; no answer counts as nothing cached); ties, and jobs without it, go to the
+least loaded. A worker lost (or draining) with a job: the job is queued again at the
 front as a new attempt, the decode worker told first. A worker that refuses a job for good: the
 decode worker ends the request, and the ticket carries the refusal to the client.
 """
@@ -14,15 +19,18 @@ import asyncio
 import contextvars
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from pdserve.disagg.client import WorkerClient, WorkerRefused
+from pdserve.disagg.client import WorkerClient, WorkerError, WorkerRefused
 from pdserve.disagg.control import PrefillJob
 from pdserve.disagg.pool import Worker, WorkerPool, reach
 from pdserve.disagg.queue.base import PrefillQueue, PrefillTicket, QueueStats, Refusal, next_attempt
 from pdserve.logs import bind_request_id
 
 logger = logging.getLogger(__name__)
+# NOTE: the query delays only the job it is for; a prefill worker slower than this to say what it
+# caches is treated as caching nothing (the job still goes somewhere at once)
+_PREFIX_QUERY_TIMEOUT_S = 0.5
 
 
 @dataclass(slots=True, eq=False)
@@ -32,6 +40,7 @@ class _Dispatch(PrefillTicket):
     done: bool = False  # handed off, refused, or cancelled: nothing more to do for it
     worker: Worker | None = None  # where it is being computed
     cancelled: bool = False
+    cached_tokens: dict[str, int] = field(default_factory=dict)  # prefill URL -> prompt tokens it caches
 
     @property
     def num_tokens(self) -> int:
@@ -62,12 +71,14 @@ class MemoryPrefillQueue(PrefillQueue):
     def stats(self) -> QueueStats:
         return QueueStats("memory", len(self._pending), len(self._pending), 0, self._num_redispatched, "")
 
-    async def put(self, job: PrefillJob) -> PrefillTicket:
+    async def put(self, job: PrefillJob, prefix_affinity: bool = False) -> PrefillTicket:
         if self._task is None:
             # NOTE: in a fresh context: a task copies its creator's, and this one serves every
             # request (its log lines must not carry the first request's id)
             self._task = contextvars.Context().run(asyncio.create_task, self._loop())
         item = _Dispatch(job)
+        if prefix_affinity:
+            item.cached_tokens = await self._cached_tokens(job.prompt_token_ids)
         self._pending.append(item)
         self._wakeup.set()
         return item
@@ -95,7 +106,7 @@ class MemoryPrefillQueue(PrefillQueue):
             await self._wakeup.wait()
             self._wakeup.clear()
             for item in list(self._pending):
-                worker = self._pick(item.num_tokens)
+                worker = self._pick(item)
                 if worker is None:
                     continue
                 self._pending.remove(item)
@@ -107,10 +118,29 @@ class MemoryPrefillQueue(PrefillQueue):
                 self._running.add(task)
                 task.add_done_callback(self._running.discard)
 
-    def _pick(self, num_tokens: int) -> Worker | None:
+    async def _cached_tokens(self, prompt_token_ids: list[int]) -> dict[str, int]:
+        """Prompt tokens each ready prefill worker caches (none asked when fewer than two are ready)."""
+        workers = self._pool.ready("prefill")
+        if len(workers) < 2:
+            return {}
+        answers = await asyncio.gather(*(self._ask_prefix(w, prompt_token_ids) for w in workers))
+        return {w.url: n for w, n in zip(workers, answers, strict=True)}
+
+    async def _ask_prefix(self, worker: Worker, prompt_token_ids: list[int]) -> int:
+        try:
+            cached = await asyncio.wait_for(reach(worker, self._client.prefix(worker.url, prompt_token_ids)),
+                                            _PREFIX_QUERY_TIMEOUT_S)
+        except (TimeoutError, WorkerError):
+            return 0
+        return cached or 0
+
+    def _pick(self, item: _Dispatch) -> Worker | None:
+        """Among the ready workers the job fits: the one caching most of its prompt, then the least loaded."""
+        num_tokens = item.num_tokens
         fits = [w for w in self._pool.ready("prefill") if w.in_flight_tokens == 0 or
                 w.in_flight_tokens + num_tokens <= max(w.info.max_num_batched_tokens if w.info else 0, 1)]
-        return min(fits, key=lambda w: (w.in_flight_tokens, w.in_flight), default=None)
+        return min(fits, key=lambda w: (-item.cached_tokens.get(w.url, 0), w.in_flight_tokens, w.in_flight),
+                   default=None)
 
     async def _push(self, item: _Dispatch, worker: Worker) -> None:
         bind_request_id(item.job.request_id)
@@ -141,6 +171,9 @@ class MemoryPrefillQueue(PrefillQueue):
             return False
         if hand_off is None:
             return not item.cancelled
+        if hand_off.status == "handed_off" and item.on_handed_off is not None:
+            report, item.on_handed_off = item.on_handed_off, None  # once
+            report(hand_off.prefill_cached_tokens)
         if hand_off.status == "failed" and not item.cancelled:
             logger.warning("request %s: hand-off failed: %s", item.job.request_id, hand_off.reason)
             await self._fail(item.job, f"prefill failed: {hand_off.reason}")

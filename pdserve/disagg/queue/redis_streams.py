@@ -101,7 +101,8 @@ class RedisPrefillQueue(PrefillQueue):
     def stats(self) -> QueueStats:
         return QueueStats("redis", 0, self._num_backlog, self._num_live_consumers, 0, self._error)
 
-    async def put(self, job: PrefillJob) -> PrefillTicket:
+    async def put(self, job: PrefillJob, prefix_affinity: bool = False) -> PrefillTicket:
+        # NOTE: `prefix_affinity` does not apply: the consumers pull jobs as their budget allows
         ticket = PrefillTicket(job)
         try:
             if not self._group_ready:
