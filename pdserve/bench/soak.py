@@ -16,7 +16,9 @@ The checks at the end (exit status 1 if any fails):
 - every request that was not cancelled got an answer, and that answer is the colocated engine's
   (`LLM.generate` on the same weights and sampling parameters: greedy and seeded alike);
 - no worker holds a KV block (prefix-cached free blocks do not count), no queue entry is pending;
-- the resident memory of every process alive from the end of the warm-up to the end grew < 10 %.
+- the resident memory of every process there from the start to the end (restarted workers have
+  not warmed up) grew < 10 % from the end of the warm-up (default 10 % of the run; keep it before
+  the first fault at 25 %).
 """
 
 from __future__ import annotations

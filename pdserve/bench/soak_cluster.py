@@ -66,6 +66,7 @@ class Cluster:
     redis: Redis
     model: str | None
     rss_before: dict[int, int] = field(default_factory=dict)
+    original: set[int] = field(default_factory=set)  # the processes there when the load started
 
     @classmethod
     @contextmanager
@@ -130,6 +131,7 @@ class Cluster:
     def run_schedule(self, duration_s: float, warmup_s: float | None) -> list[str]:
         """Sleeps through the load, injecting the faults; returns what was done, in order."""
         start, events = time.monotonic(), []
+        self.original = set(self.processes())  # NOTE: a worker restarted later has not warmed up: not measured
         plan = [(warmup_s if warmup_s is not None else 0.1 * duration_s, "memory baseline"),
                 (0.25 * duration_s, "SIGKILL a prefill worker"), (0.5 * duration_s, "SIGKILL a decode worker"),
                 (0.75 * duration_s, "restart Redis"), (duration_s, "end of load")]
@@ -142,7 +144,8 @@ class Cluster:
 
     def _do(self, what: str) -> str:
         if what == "memory baseline":
-            self.rss_before = {pid: rss for pid in self.processes() if (rss := rss_bytes(pid)) is not None}
+            self.rss_before = {pid: rss for pid in self.processes()
+                               if pid in self.original and (rss := rss_bytes(pid)) is not None}
             return f" ({len(self.rss_before)} processes)"
         if what == "memory sample":  # NOTE: to tell a leak (steady growth) from a warm-up (a plateau)
             return ": " + ", ".join(f"{pid} {rss / 2**20:.0f} MiB" for pid in self.rss_before
