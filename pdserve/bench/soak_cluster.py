@@ -4,6 +4,7 @@ checks at the end (pdserve/bench/soak.py runs them)."""
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import signal
 import subprocess
@@ -177,7 +178,7 @@ def check(cluster: Cluster, outcomes: list[Outcome], ns: argparse.Namespace, eve
     failed = [o for o in outcomes if o.status not in (_OK, _CANCELLED)]
     for outcome in failed[:5]:
         print(f"failed: {outcome.error}", flush=True)
-    wrong = _mismatches(done, cluster.model)
+    wrong = _mismatches(done, cluster.model, cluster.log.parent / "mismatches.json")
     held, pending = _settle(cluster)
     growth = _rss_growth(cluster)
     worst = max(growth.values(), default=0.0)
@@ -197,7 +198,7 @@ def check(cluster: Cluster, outcomes: list[Outcome], ns: argparse.Namespace, eve
     ]
 
 
-def _mismatches(done: list[Outcome], model: str | None) -> int:
+def _mismatches(done: list[Outcome], model: str | None, dump: Path | None = None) -> int:
     """Answers that differ from the colocated engine's for the same prompt and sampling parameters."""
     from pdserve import LLM, SamplingParams
     from pdserve.engine.llm import TokensPrompt
@@ -211,6 +212,10 @@ def _mismatches(done: list[Outcome], model: str | None) -> int:
     prompts = [TokensPrompt(prompt_token_ids=list(o.spec.prompt)) for o in done]
     want = [out.outputs[0].text for out in llm.generate(prompts, params)]
     wrong = [(o, text) for o, text in zip(done, want, strict=True) if o.text != text]
+    if wrong and dump is not None:  # NOTE: what it takes to replay each one
+        dump.write_text(json.dumps([{"prompt": list(o.spec.prompt), "sampling": o.spec.sampling(),
+                                     "stream": o.spec.stream, "got": o.text, "want": text} for o, text in wrong]))
+        print(f"mismatches written to {dump}", flush=True)
     for o, text in wrong[:5]:
         spec = o.spec
         print(f"unlike colocated: {len(spec.prompt)}-token prompt, {spec.max_tokens} tokens, seed {spec.seed}, "
