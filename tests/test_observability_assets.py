@@ -63,9 +63,12 @@ def rule_list(document: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def exported(model_dirs: dict[str, Path]) -> set[str]:
-    """Every sample name a tiny PD cluster exports, after a request and an error went through."""
-    cluster = start_cluster(model_dirs["tiny"], "tcp", 1, 1)
+def exported(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> set[str]:
+    """Every sample name a tiny PD cluster exports, after a request and an error went through (its
+    prefill worker with a KV disk tier, whose series exist only with --kv-disk-dir)."""
+    disk_dir = tmp_path_factory.mktemp("kv-disk")
+    cluster = start_cluster(model_dirs["tiny"], "tcp", 1, 1,
+                            engine_options={"prefill": {"kv_disk_dir": str(disk_dir)}})
     try:
         with httpx.Client(base_url=cluster.router.url, timeout=60) as http:
             assert http.post("/v1/completions", json={"prompt": random_prompt(20, seed=4),
