@@ -6,7 +6,9 @@ request, core lists, and the probe filter that keeps the balancer's polling out 
 from __future__ import annotations
 
 import logging
+import socket
 import sys
+import threading
 
 import pytest
 from fastapi.testclient import TestClient
@@ -110,3 +112,35 @@ def test_successful_probe_polls_leave_no_access_log_line() -> None:
     assert not keep(record("GET", "/ready", 200)) and not keep(record("GET", "/metrics", 200))
     assert keep(record("GET", "/ready", 503))  # a failing probe is worth a line
     assert keep(record("POST", "/v1/completions", 200)) and keep(record("GET", "/workers", 200))
+
+
+def test_a_replica_that_breaks_off_before_answering_is_a_502_in_the_envelope() -> None:
+    """It took the request and closed the connection: the request may have run, so it is not sent
+    again elsewhere; the client gets a 502, never a 500."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def accept_and_close() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                if conn.recv(65536).startswith(b"GET /ready"):  # ready; anything else: dropped unanswered
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}")
+
+    thread = threading.Thread(target=accept_and_close, daemon=True)
+    thread.start()
+    balancer = Balancer([f"http://127.0.0.1:{listener.getsockname()[1]}"])
+    try:
+        with TestClient(create_balancer_app(balancer)) as client:
+            assert balancer.replicas[0].ready
+            reply = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert reply.status_code == 502 and reply.json()["error"]["message"].startswith("the replica serving")
+            assert balancer.replicas[0].in_flight == 0
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()

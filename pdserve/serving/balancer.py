@@ -153,6 +153,11 @@ async def forward(balancer: Balancer, http: httpx.AsyncClient, request: Request,
             replica.ready = False
             logger.warning("replica %s unreachable (%r): trying another", replica.url, exc)
             continue
+        except httpx.HTTPError as exc:  # it took the request and broke off: not retried (it may have run)
+            replica.in_flight -= 1
+            logger.warning("replica %s failed a request before answering: %r", replica.url, exc)
+            return error_response(f"the replica serving this request failed before answering ({type(exc).__name__})",
+                                  HTTPStatus.BAD_GATEWAY)
         except BaseException:
             replica.in_flight -= 1
             raise
