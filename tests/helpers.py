@@ -3,6 +3,7 @@ a fake clock), a fake-model driver for the scheduler, and the "no block, no requ
 
 from __future__ import annotations
 
+import asyncio
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -12,6 +13,8 @@ import torch
 
 from pdserve import LLM
 from pdserve.config import CacheConfig, SchedulerConfig
+from pdserve.disagg.control import WorkerInfo
+from pdserve.disagg.pool import Worker
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.llm import TokensPrompt
 from pdserve.engine.request import Request
@@ -168,3 +171,19 @@ def assert_no_leak(llm: LLM) -> None:
 
 def top_ids(logprobs: TokenLogprobs) -> list[int]:
     return [token_id for token_id, _ in logprobs.top]
+
+
+def mark_ready(worker: Worker) -> None:
+    """A router-side worker that last said it is ready, idle, with 64 free KV blocks."""
+    worker.info = WorkerInfo(role=worker.role, model="m", kv_layout={}, kv_transport="tcp", kv_address="a:1",
+                             ready=True, num_running=0, num_waiting=0, num_free_kv_blocks=64, num_kv_blocks=64,
+                             max_num_batched_tokens=2048)
+
+
+async def until(condition: Callable[[], object], what: str) -> None:
+    """Polls `condition` on the event loop for up to 2 s (AssertionError naming `what` after that)."""
+    for _ in range(200):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -20,6 +20,7 @@ import redis
 from pd_fixtures import Served, serve
 from server_fixtures import free_port
 
+from pdserve.bench.soak import redis_pending
 from pdserve.config import QueueArgs, RouterConfig
 from pdserve.disagg.router import PDRouter
 from pdserve.disagg.router_app import create_router_app
@@ -186,8 +187,4 @@ class ProcessCluster:
 
 def pending_entries(server: RedisServer, deployment: str = "default") -> int:
     """Entries delivered to a consumer of the prefill group and not acknowledged."""
-    client = server.client()
-    stream = f"pdserve:{deployment}:prefill"
-    if not client.exists(stream):
-        return 0
-    return sum(int(g["pending"]) for g in client.xinfo_groups(stream))
+    return redis_pending(server.url, deployment)

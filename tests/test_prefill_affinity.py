@@ -10,11 +10,12 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from helpers import mark_ready, until
 
 from pdserve.config import RouterConfig
 from pdserve.disagg.client import WorkerClient
-from pdserve.disagg.control import HandOff, PrefillJob, WireSamplingParams, WorkerInfo
-from pdserve.disagg.pool import Worker, WorkerPool
+from pdserve.disagg.control import HandOff, PrefillJob, WireSamplingParams
+from pdserve.disagg.pool import WorkerPool
 from pdserve.disagg.queue import memory
 from pdserve.disagg.queue.memory import MemoryPrefillQueue
 from pdserve.disagg.router import PDRouter
@@ -57,30 +58,16 @@ class StubWorkers(WorkerClient):
         pass
 
 
-def _ready(worker: Worker) -> None:
-    worker.info = WorkerInfo(role=worker.role, model="m", kv_layout={}, kv_transport="tcp", kv_address="a:1",
-                             ready=True, num_running=0, num_waiting=0, num_free_kv_blocks=64, num_kv_blocks=64,
-                             max_num_batched_tokens=2048)
-
-
 def _job(rid: str) -> PrefillJob:
     return PrefillJob(request_id=rid, transfer_id=f"{rid}@0", decode_url=DECODE, prompt_token_ids=PROMPT,
                       params=WireSamplingParams.of(SamplingParams(max_tokens=2)), kv_address="a:1", block_ids=[0],
                       num_cached_tokens=0)
 
 
-async def _until(condition: object, what: str) -> None:
-    for _ in range(200):
-        if callable(condition) and condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _pool(workers: StubWorkers, prefill: list[str]) -> WorkerPool:
     pool = WorkerPool(workers, prefill, [DECODE])
     for worker in pool.members("prefill") + pool.members("decode"):
-        _ready(worker)
+        mark_ready(worker)
     return pool
 
 
@@ -94,13 +81,13 @@ def test_a_job_with_prefix_affinity_goes_where_its_prompt_is_cached(monkeypatch:
             handed_off: list[int] = []
             ticket = await queue.put(_job("a"), prefix_affinity=True)
             ticket.on_handed_off = handed_off.append
-            await _until(lambda: handed_off, "the hand-off")
+            await until(lambda: handed_off, "the hand-off")
             # SLOW caches the most but did not answer in time: counted as caching nothing
             assert sorted(workers.asked) == sorted([COLD, SLOW, WARMER, WARM])
             assert workers.prefilled == [WARMER] and handed_off == [64]
             workers.asked.clear()
             await queue.put(_job("b"))  # no affinity: nobody asked, the least loaded (first) takes it
-            await _until(lambda: len(workers.prefilled) == 2, "the second job")
+            await until(lambda: len(workers.prefilled) == 2, "the second job")
             assert workers.asked == [] and workers.prefilled[1] == COLD
         finally:
             await queue.close()
@@ -114,7 +101,7 @@ def test_one_ready_prefill_worker_is_not_asked() -> None:
         queue = MemoryPrefillQueue(_pool(workers, [WARM]), workers)
         try:
             await queue.put(_job("a"), prefix_affinity=True)
-            await _until(lambda: workers.prefilled, "the job")
+            await until(lambda: workers.prefilled, "the job")
             assert workers.asked == [] and workers.prefilled == [WARM]
         finally:
             await queue.close()
@@ -134,20 +121,20 @@ def test_resumed_jobs_are_counted_by_where_their_prompt_kv_came_from(model_dirs:
         try:
             await router._dispatch(_job("first"), recovering=False)  # a first attempt: least loaded, not counted
             await router._dispatch(_job("resumed"), True, count_recovery=True)  # a resume: affinity, counted
-            await _until(lambda: len(workers.prefilled) == 2, "both hand-offs")
+            await until(lambda: len(workers.prefilled) == 2, "both hand-offs")
             assert workers.prefilled == [COLD, WARM]
             assert router.stats().recoveries.prefill_cache == 1 and router.stats().recoveries.recompute == 0
             pool.members("prefill")[1].info = None  # WARM gone: only COLD, which caches nothing, is left
             await router._dispatch(_job("resumed2"), True, count_recovery=True)
-            await _until(lambda: len(workers.prefilled) == 3, "the third hand-off")
+            await until(lambda: len(workers.prefilled) == 3, "the third hand-off")
             assert router.stats().recoveries.recompute == 1 and router.stats().recoveries.prefill_cache == 1
             # a resume whose transfer stalls is counted once, by its first attempt: the retry would find
             # what the stalled attempt computed
             job = _job("stalls")
             ticket = await router._dispatch(job, True, count_recovery=True)
-            await _until(lambda: len(workers.prefilled) == 4, "the stalled attempt")
+            await until(lambda: len(workers.prefilled) == 4, "the stalled attempt")
             await router._retry_prefill(pool.members("decode")[0], ticket)
-            await _until(lambda: len(workers.prefilled) == 5, "the retry")
+            await until(lambda: len(workers.prefilled) == 5, "the retry")
             await asyncio.sleep(0.05)
             assert router.stats().recoveries.recompute == 2 and router.stats().recoveries.prefill_cache == 1
         finally:

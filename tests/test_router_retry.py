@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from helpers import mark_ready, until
+
 from pdserve.config import RouterConfig
 from pdserve.disagg.client import WorkerClient, WorkerUnreachable
-from pdserve.disagg.control import HandOff, PrefillJob, WireSamplingParams, WorkerInfo
-from pdserve.disagg.pool import Worker, WorkerPool
+from pdserve.disagg.control import HandOff, PrefillJob, WireSamplingParams
+from pdserve.disagg.pool import WorkerPool
 from pdserve.disagg.queue.memory import MemoryPrefillQueue
 from pdserve.disagg.router import PDRouter
 from pdserve.engine.sampling_params import SamplingParams
@@ -46,26 +48,12 @@ class StubWorkers(WorkerClient):
         self.aborted.append(request_id)
 
 
-def _ready(worker: Worker) -> None:
-    worker.info = WorkerInfo(role=worker.role, model="m", kv_layout={}, kv_transport="tcp", kv_address="a:1",
-                             ready=True, num_running=0, num_waiting=0, num_free_kv_blocks=64, num_kv_blocks=64,
-                             max_num_batched_tokens=2048)
-
-
-async def _until(condition: object, what: str) -> None:
-    for _ in range(200):
-        if callable(condition) and condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_a_retry_after_a_requeue_gets_a_new_attempt(model_dirs: dict[str, Path]) -> None:
     async def scenario() -> None:
         workers = StubWorkers()
         pool = WorkerPool(workers, [PREFILL], [DECODE])
         for worker in pool.members("prefill") + pool.members("decode"):
-            _ready(worker)
+            mark_ready(worker)
         queue = MemoryPrefillQueue(pool, workers)
         model_dir = model_dirs["tiny"]
         router = PDRouter(RouterConfig(prefill=(PREFILL,), decode=(DECODE,)), load_tokenizer(str(model_dir)),
@@ -78,17 +66,17 @@ def test_a_retry_after_a_requeue_gets_a_new_attempt(model_dirs: dict[str, Path])
             ticket = await queue.put(job)
             # the prefill worker was lost with attempt @0: the queue re-queues it as @1, and once the
             # worker is back in the pool, @1 runs there
-            await _until(lambda: workers.retargeted == ["r@1"], "the re-queue")
-            _ready(pool.members("prefill")[0])
+            await until(lambda: workers.retargeted == ["r@1"], "the re-queue")
+            mark_ready(pool.members("prefill")[0])
             await queue.refresh()
-            await _until(lambda: workers.prefilled == ["r@0", "r@1"], "attempt @1 to start")
+            await until(lambda: workers.prefilled == ["r@0", "r@1"], "attempt @1 to start")
             assert ticket.job.transfer_id == "r@1"
             # then decode reports a stalled transfer: the retry must be a new attempt, not @1 again
             retried = await router._retry_prefill(pool.members("decode")[0], ticket)
             assert retried.job.transfer_id == "r@2"
             assert workers.retargeted == ["r@1", "r@2"]
             assert workers.aborted == ["r@1"]  # the superseded attempt is stopped where it runs
-            await _until(lambda: workers.prefilled == ["r@0", "r@1", "r@2"], "attempt @2 to start")
+            await until(lambda: workers.prefilled == ["r@0", "r@1", "r@2"], "attempt @2 to start")
         finally:
             workers.release.set()
             await asyncio.sleep(0)

@@ -42,6 +42,7 @@ import httpx
 import redis
 
 from pdserve.bench.common import hardware_line, print_table
+from pdserve.disagg.queue.redis_streams import RedisKeys
 
 _OK, _CANCELLED, _FAILED = "ok", "cancelled", "failed"
 _RETRY_STATUSES = (429, 503)
@@ -234,8 +235,9 @@ def kill(pid: int, sig: signal.Signals = signal.SIGKILL) -> None:
 
 
 def redis_pending(url: str, deployment: str = "default") -> int:
+    """Entries delivered to a consumer of the prefill group and not acknowledged."""
     client = redis.Redis.from_url(url, decode_responses=True)
-    stream = f"pdserve:{deployment}:prefill"
+    stream = RedisKeys(deployment).stream
     if not client.exists(stream):
         return 0
     return sum(int(g["pending"]) for g in client.xinfo_groups(stream))

@@ -76,7 +76,7 @@ def table(points: list[Point]) -> tuple[list[str], list[list[str]]]:
 
 
 def plot(points: list[Point], devices: list[str], out_dir: Path, name: str = "sim_pd_sweep") -> Path:
-    from pdserve.bench.serve.report import _pyplot
+    from pdserve.bench.serve.report import _pyplot, save_figure
 
     plt = _pyplot()
     fig, axes = plt.subplots(len(devices), 3, figsize=(15, 3.8 * len(devices)), squeeze=False)
@@ -95,12 +95,7 @@ def plot(points: list[Point], devices: list[str], out_dir: Path, name: str = "si
             ax.set_xticks([p.num_devices for p in pd_points], [f"{p.num_devices}\n{p.label}" for p in pd_points])
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
-    fig.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{name}.png"
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out_dir, name, dpi=90)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -93,6 +93,16 @@ def _pyplot() -> Any:
     return plt
 
 
+def save_figure(fig: Any, out_dir: Path, name: str, dpi: int = 100) -> Path:
+    """`fig` laid out and written to OUT_DIR/NAME.png (the directory made if need be), then closed."""
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.png"
+    fig.savefig(path, dpi=dpi)
+    _pyplot().close(fig)
+    return path
+
+
 def plot_latency_cdfs(result: LoadResult, out_dir: Path, label: str = "") -> Path:
     """One PNG, four panels: empirical CDFs of TTFT, TPOT, ITL and E2E (ms)."""
     plt = _pyplot()
@@ -109,12 +119,7 @@ def plot_latency_cdfs(result: LoadResult, out_dir: Path, label: str = "") -> Pat
         ax.set_xlabel("ms")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("fraction of requests" + (f" ({label})" if label else ""))
-    fig.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "latency_cdf.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out_dir, "latency_cdf")
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,12 +150,7 @@ def plot_sweep(points: Sequence[SweepPoint], out_dir: Path, x_label: str, name: 
     left.legend(handles, labels, loc="upper left", fontsize=8)
     left.set_xticks(xs, [p.label for p in points])
     left.grid(alpha=0.3)
-    fig.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{name}.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out_dir, name)
 
 
 def format_sweep_table(points: Sequence[SweepPoint], x_header: str) -> tuple[list[str], list[list[str]]]:
