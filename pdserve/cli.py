@@ -279,9 +279,12 @@ def up_plan(ns: argparse.Namespace, engine_flags: list[str]) -> tuple[UpOptions,
 
 
 def _make_model(ns: argparse.Namespace) -> int:
-    from pdserve.model.demo_checkpoint import PRESETS, write_checkpoint
+    from pdserve.model.demo_checkpoint import PRESETS, QWEN3_SHAPES, write_checkpoint
 
-    out = write_checkpoint(ns.out, PRESETS[ns.preset], seed=ns.seed)
+    shape = (PRESETS | QWEN3_SHAPES)[ns.preset]
+    # NOTE: the real shapes in shards of 4 GiB, as Hugging Face writes large checkpoints
+    shard = 4 << 30 if ns.preset in QWEN3_SHAPES else None
+    out = write_checkpoint(ns.out, shape, seed=ns.seed, device=ns.device, max_shard_bytes=shard)
     print(f"wrote random-weight Qwen3 ({ns.preset}) to {out}; its text output is random")
     return 0
 
@@ -396,7 +399,7 @@ def _argparse_type(parse: Callable[[str], object]) -> Callable[[str], object]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pdserve.model.demo_checkpoint import PRESETS
+    from pdserve.model.demo_checkpoint import PRESETS, QWEN3_SHAPES
 
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -409,8 +412,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_up_parser(sub)
     make = sub.add_parser("make-model", help="write a random-weight Qwen3 checkpoint (HF layout, real tokenizer)")
     make.add_argument("out", type=Path)
-    make.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    make.add_argument("--preset", choices=sorted(PRESETS | QWEN3_SHAPES), default="tiny")
     make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--device", default="cpu", help="where the random weights are drawn (cuda: much faster for "
+                      "large shapes; the same seed gives other weights than on cpu)")
     make.set_defaults(func=_make_model)
     add_bench_command(sub)
     add_sizing_commands(sub)

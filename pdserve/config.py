@@ -188,8 +188,8 @@ def _num_kv_blocks(args: EngineArgs, model: Qwen3ModelConfig, dtype: torch.dtype
 
 def _cuda_kv_budget(args: EngineArgs, model: Qwen3ModelConfig, dtype: torch.dtype, device: torch.device,
                     max_batched_tokens: int) -> int:
-    """gpu_memory_utilization x device memory, minus weights, activations of the largest step,
-    and what other processes already use."""
+    """gpu_memory_utilization x device memory (no more than is free now: other processes, e.g. the
+    other role's worker on the same GPU, keep theirs), minus weights and activations of the largest step."""
     element = torch.empty((), dtype=dtype).element_size()
     h, i, v = model.hidden_size, model.intermediate_size, model.vocab_size
     qkv = (model.num_attention_heads + 2 * model.num_key_value_heads) * model.head_dim
@@ -198,8 +198,7 @@ def _cuda_kv_budget(args: EngineArgs, model: Qwen3ModelConfig, dtype: torch.dtyp
     weights = (model.num_hidden_layers * per_layer + embeddings) * element
     activations = max_batched_tokens * (4 * h + 2 * i + qkv) * element * 2 + args.max_num_seqs * v * 4 * 3
     free, total = torch.cuda.mem_get_info(device)
-    used_by_others = total - free
-    return int(total * args.gpu_memory_utilization - used_by_others - weights - activations)
+    return int(min(total * args.gpu_memory_utilization, free) - weights - activations)
 
 
 def create_engine_config(args: EngineArgs) -> EngineConfig:

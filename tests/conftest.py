@@ -70,6 +70,11 @@ def colocated(llm_factory: Callable[..., LLM]) -> LLM:
     return llm_factory("tiny")
 
 
+# NOTE: on a machine with a GPU, pdserve's `device auto` runs the engine there; the reference runs on
+# the same device, so the suite then checks the CUDA path against transformers on CUDA.
+REFERENCE_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 class HFReference:
     """transformers' Qwen3 in float32: greedy continuations and logits, cached per (model, prompt)."""
 
@@ -82,7 +87,8 @@ class HFReference:
         if name not in self._models:
             from transformers import AutoModelForCausalLM
 
-            model = AutoModelForCausalLM.from_pretrained(str(self._dirs[name]), dtype=torch.float32).eval()
+            model = AutoModelForCausalLM.from_pretrained(str(self._dirs[name]), dtype=torch.float32)
+            model = model.to(REFERENCE_DEVICE).eval()
             # NOTE: never stop early; pdserve runs these with ignore_eos.
             model.generation_config.eos_token_id = None
             model.generation_config.pad_token_id = 0
@@ -93,8 +99,9 @@ class HFReference:
         key = (name, tuple(prompt), max_new_tokens)
         if key not in self._greedy:
             with torch.inference_mode():
-                out = self.model(name).generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
-                                                do_sample=False, eos_token_id=None)
+                prompt_ids = torch.tensor([prompt], device=REFERENCE_DEVICE)
+                out = self.model(name).generate(prompt_ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                                eos_token_id=None)
             tokens = out[0, len(prompt):].tolist()
             assert len(tokens) == max_new_tokens
             self._greedy[key] = tokens
@@ -103,7 +110,7 @@ class HFReference:
     def logprobs(self, name: str, token_ids: list[int]) -> torch.Tensor:
         """[len(token_ids), vocab] log-softmax of the next-token logits after each position."""
         with torch.inference_mode():
-            logits = self.model(name)(torch.tensor([token_ids])).logits[0].float()
+            logits = self.model(name)(torch.tensor([token_ids], device=REFERENCE_DEVICE)).logits[0].float().cpu()
         return torch.log_softmax(logits, dim=-1)
 
 

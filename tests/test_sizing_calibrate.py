@@ -47,3 +47,45 @@ def test_calibrate_then_simulate(tmp_path: Path) -> None:
                  "--scale", "0.02", "--num-prompts", "20", "--max-concurrency", "4", "--save", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["completed"] == 20 and doc["median_ttft_ms"] > 0
+
+
+def test_samples_against_a_devices_roofline(capsys: pytest.CaptureFixture[str]) -> None:
+    """`calibrate --compare-device`: each measured step next to the roofline's prediction for it,
+    with the profile's element size (bf16 here) for weights and KV."""
+    from pdserve.sizing.calibrate import Sample, print_against_roofline
+    from pdserve.sizing.devices import device
+    from pdserve.sizing.model_facts import load_model_facts
+    from pdserve.sizing.profile import Profile, StepModel, roofline
+
+    model = load_model_facts("qwen3-8b")
+    measured = Profile("m", "calibrated on test", model, StepModel(0.03, 0, 0, 0, 0), model.kv_bytes_per_token(2), 16,
+                       1000, 256, 8192)
+    samples = [Sample(2048, 2048 * 1024.0, 0, 0, 0.070), Sample(0, 0.0, 64, 64 * 258, 0.037)]
+    print_against_roofline(measured, samples, device("H200"))
+    expected = roofline(model, device("H200"), num_kv_blocks=1000, max_num_seqs=256, max_num_batched_tokens=8192).step
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == 2
+    for row, sample in zip(rows, samples, strict=True):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        predicted = expected.step_s(sample.prefill_tokens, sample.prefill_pairs, sample.decode_seqs,
+                                    sample.decode_context)
+        assert float(cells[5]) == pytest.approx(predicted * 1e3, abs=0.01)
+        assert float(cells[6]) == pytest.approx(sample.seconds / predicted, abs=0.01)
+
+
+def test_gpu_kv_budget_leaves_another_workers_memory_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two workers on one GPU at --gpu-memory-utilization 0.4 each: the second gets its 40 % (the
+    first's memory is not subtracted again), and never more than is free."""
+    import torch
+
+    from pdserve.config import _cuda_kv_budget
+    from pdserve.model.demo_checkpoint import PRESETS, _config_json
+    from pdserve.model.qwen3_config import Qwen3ModelConfig
+
+    total = 100 * 2**30
+    model = Qwen3ModelConfig.from_dict(_config_json(PRESETS["tiny"], torch.float32))
+    args = EngineArgs(gpu_memory_utilization=0.4)
+    for free, budget_before_weights in ((total - 41 * 2**30, 40 * 2**30), (10 * 2**30, 10 * 2**30)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, total))
+        with_model = _cuda_kv_budget(args, model, torch.float32, torch.device("cuda"), 256)
+        assert 0 < budget_before_weights - with_model < 2**30  # weights and activations of a tiny model

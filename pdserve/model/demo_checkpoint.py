@@ -42,6 +42,14 @@ PRESETS: dict[str, ModelShape] = {
                              max_position_embeddings=40960),
 }
 
+# Qwen/Qwen3-{8B,14B,32B} config.json (hidden, intermediate, layers, heads, KV heads, head_dim): sizing
+# uses their numbers; `make-model --preset qwen3-8b` writes random weights of that shape (16 GB in bf16).
+QWEN3_SHAPES: dict[str, ModelShape] = {
+    "qwen3-8b": ModelShape(4096, 12288, 36, 32, 8, 128, tie_word_embeddings=False, max_position_embeddings=40960),
+    "qwen3-14b": ModelShape(5120, 17408, 40, 40, 8, 128, tie_word_embeddings=False, max_position_embeddings=40960),
+    "qwen3-32b": ModelShape(5120, 25600, 64, 64, 8, 128, tie_word_embeddings=False, max_position_embeddings=40960),
+}
+
 
 def _config_json(shape: ModelShape, dtype: torch.dtype) -> dict:
     return {
@@ -61,14 +69,16 @@ def _config_json(shape: ModelShape, dtype: torch.dtype) -> dict:
     }
 
 
-def _random_weights(shape: ModelShape, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
+def _random_weights(shape: ModelShape, dtype: torch.dtype, seed: int,
+                    device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Drawn on `device` (a GPU writes a large model's weights in seconds; other values than on CPU)."""
+    gen = torch.Generator(device).manual_seed(seed)
 
     def normal(*size: int, std: float = 0.02) -> torch.Tensor:
-        return (torch.randn(*size, generator=gen) * std).to(dtype)
+        return (torch.randn(*size, generator=gen, device=device) * std).to(dtype).cpu()
 
     def norm_weight(size: int) -> torch.Tensor:
-        return (1.0 + torch.randn(size, generator=gen) * 0.1).to(dtype)
+        return (1.0 + torch.randn(size, generator=gen, device=device) * 0.1).to(dtype).cpu()
 
     h, i = shape.hidden_size, shape.intermediate_size
     q_size = shape.num_attention_heads * shape.head_dim
@@ -119,7 +129,7 @@ def _save_shards(weights: dict[str, torch.Tensor], out: Path, max_shard_bytes: i
 
 
 def write_checkpoint(out_dir: str | Path, shape: ModelShape, *, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                     max_shard_bytes: int | None = None) -> Path:
+                     max_shard_bytes: int | None = None, device: str = "cpu") -> Path:
     """Write config.json, generation_config.json, safetensors weights and the Qwen3 tokenizer."""
     from pdserve.tokenizer import write_qwen3_tokenizer_files
 
@@ -128,7 +138,7 @@ def write_checkpoint(out_dir: str | Path, shape: ModelShape, *, dtype: torch.dty
     (out / "config.json").write_text(json.dumps(_config_json(shape, dtype), indent=2))
     generation = {"bos_token_id": 151643, "eos_token_id": [151645, 151643], "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    _save_shards(_random_weights(shape, dtype, seed), out, max_shard_bytes)
+    _save_shards(_random_weights(shape, dtype, seed, device), out, max_shard_bytes)
     write_qwen3_tokenizer_files(out)
     return out
 

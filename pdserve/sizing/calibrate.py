@@ -24,8 +24,9 @@ import numpy as np
 from pdserve.config import EngineArgs
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.sizing.devices import DeviceSpec, device
 from pdserve.sizing.model_facts import ModelFacts
-from pdserve.sizing.profile import Profile, StepModel, TransferModel
+from pdserve.sizing.profile import Profile, StepModel, TransferModel, roofline
 
 _REPS = 3
 _VOCAB_LOW = 100  # token ids drawn above the specials, as bench's prompts are
@@ -193,6 +194,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=str, required=True, help="the profile file to write (JSON)")
     p.add_argument("--transports", default=None,
                    help="comma-separated: tcp, nixl (default: tcp, and nixl when importable); '': none")
+    p.add_argument("--prefill-tokens", default=None, help="comma-separated prompt lengths timed (default 32,128,512)")
+    p.add_argument("--decode-batches", default=None, help="comma-separated decode batch sizes timed (default 1,4,16)")
+    p.add_argument("--compare-device", default=None,
+                   help="also print each sample against that device's roofline profile (e.g. H200)")
     add_config_args(p, EngineArgs, title="engine")
     p.set_defaults(func=run)
 
@@ -209,7 +214,10 @@ def run(ns: argparse.Namespace) -> int:
     if "nixl" in transports and not nixl_available():
         raise ValueError("--transports nixl: NIXL is not importable here")
     start = time.perf_counter()
-    profile, samples = calibrate(config_from_args(EngineArgs, ns), transports, hardware_line())
+    grid = Grid(prefill_tokens=_ints(ns.prefill_tokens, Grid().prefill_tokens),
+                decode_batches=_ints(ns.decode_batches, Grid().decode_batches))
+    compare = device(ns.compare_device) if ns.compare_device else None  # an unknown name fails before measuring
+    profile, samples = calibrate(config_from_args(EngineArgs, ns), transports, hardware_line(), grid)
     profile.save(Path(ns.out))
     s = profile.step
     print(f"step_s = {s.base_s * 1e3:.3f} ms + {s.prefill_token_s * 1e6:.3f} us x prefill tokens + "
@@ -218,5 +226,29 @@ def run(ns: argparse.Namespace) -> int:
     print(f"fit: median relative error {fit_error(s, samples):.1%} over {len(samples)} samples")
     for name, t in profile.transports.items():
         print(f"{name}: {t.latency_s * 1e3:.3f} ms + bytes / {t.bytes_per_s / 1e9:.2f} GB/s")
+    if compare is not None:
+        print_against_roofline(profile, samples, compare)
     print(f"wrote {ns.out} in {time.perf_counter() - start:.1f} s")
     return 0
+
+
+def _ints(text: str | None, default: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(int(t) for t in text.split(",")) if text else default
+
+
+def print_against_roofline(profile: Profile, samples: list[Sample], spec: DeviceSpec) -> None:
+    """Each measured step next to what `roofline` predicts for it on `spec` (same model and dtypes)."""
+    from pdserve.bench.common import print_table
+
+    element = profile.kv_bytes_per_token // max(1, profile.model.kv_bytes_per_token(1))
+    model = roofline(profile.model, spec, dtype_bytes=element, kv_dtype_bytes=element, block_size=profile.block_size,
+                     num_kv_blocks=profile.num_kv_blocks, max_num_seqs=profile.max_num_seqs,
+                     max_num_batched_tokens=profile.max_num_batched_tokens).step
+    rows = []
+    for s in samples:
+        predicted = model.step_s(s.prefill_tokens, s.prefill_pairs, s.decode_seqs, s.decode_context)
+        rows.append([str(s.prefill_tokens), f"{s.prefill_pairs:.0f}", str(s.decode_seqs), str(s.decode_context),
+                     f"{s.seconds * 1e3:.2f}", f"{predicted * 1e3:.2f}", f"{s.seconds / predicted:.2f}"])
+    print(f"measured against roofline {spec.describe()}:")
+    print_table(["prefill tok", "prefill pairs", "decode seqs", "decode ctx", "measured ms", "roofline ms",
+                 "measured/roofline"], rows)

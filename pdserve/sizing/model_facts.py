@@ -11,14 +11,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pdserve.model.demo_checkpoint import PRESETS, QWEN3_VOCAB_SIZE, ModelShape
+from pdserve.model.demo_checkpoint import PRESETS, QWEN3_SHAPES, QWEN3_VOCAB_SIZE, ModelShape
 
-# Qwen/Qwen3-{8B,14B,32B} config.json (hidden, intermediate, layers, heads, KV heads, head_dim).
-QWEN3_SHAPES: dict[str, ModelShape] = {
-    "qwen3-8b": ModelShape(4096, 12288, 36, 32, 8, 128, tie_word_embeddings=False, max_position_embeddings=40960),
-    "qwen3-14b": ModelShape(5120, 17408, 40, 40, 8, 128, tie_word_embeddings=False, max_position_embeddings=40960),
-    "qwen3-32b": ModelShape(5120, 25600, 64, 64, 8, 128, tie_word_embeddings=False, max_position_embeddings=40960),
-}
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "float8": 1, "int8": 1}
 
 

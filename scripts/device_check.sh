@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# What a session runs on a lent GPU machine (docs/BENCHMARKS.md, "On a GPU"), in one go:
+#   1. correctness: the engine's reference suite on CUDA (transformers on the same GPU), and PD
+#      against colocated through the HTTP API with both workers on one GPU (pd_parity), together;
+#   2. timings, alone on the GPU: `pdserve calibrate` step times of qwen3-0.6b and qwen3-8b shapes
+#      (random bf16 weights), each step next to the H200 roofline profile the simulator uses.
+# TIMINGS=0 runs step 1 alone. Every stage has its own time limit; logs and profiles go to $OUT (default ./device-out).
+# Python packages the machine lacks travel as wheels in ./.whl (docs/BENCHMARKS.md says which).
+set -u
+out=${OUT:-device-out}
+mkdir -p "$out"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site || exit 1
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PDSERVE_CACHE_DIR=/tmp/pdserve-cache
+ck=/tmp/pdserve-ck
+
+stage() {  # stage NAME LIMIT_S COMMAND...: its output to $out/NAME.log, its tail and status here
+  local name=$1 limit=$2 start=$SECONDS rc
+  shift 2
+  timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
+  rc=$?
+  echo "=== $name: status $rc after $((SECONDS - start)) s (limit $limit s)"
+  tail -n "${TAIL:-25}" "$out/$name.log"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+python3 -m pdserve.cli make-model "$ck/qwen3-0.6b" --preset qwen3-0.6b --device cuda >/dev/null || exit 1
+timings=${TIMINGS:-1}  # TIMINGS=0: the correctness stages only
+maker=
+if [ "$timings" = 1 ]; then
+  python3 -m pdserve.cli make-model "$ck/qwen3-8b" --preset qwen3-8b --device cuda >"$out/make-8b.log" 2>&1 &
+  maker=$!
+fi
+
+TAIL=30 stage pytest-cuda "${PYTEST_LIMIT:-220}" python3 -m pytest -q -p no:cacheprovider --maxfail=5 \
+  tests/test_correctness.py tests/test_pd_engine.py tests/test_sampling.py &
+tests=$!
+stage pd-parity 200 python3 -m pdserve.bench.pd_parity --model "$ck/qwen3-0.6b" --device cuda --dtype bfloat16 \
+  --gpu-memory-utilization 0.35 --max-tokens 32 --ttft-requests 30 --save "$out/pd_parity.json"
+wait $tests $maker
+[ "$timings" = 1 ] || exit 0
+
+grid=(--transports '' --compare-device H200 --max-num-seqs 256 --max-num-batched-tokens 8192
+      --prefill-tokens 128,512,2048,8192 --decode-batches 1,16,64,256 --device cuda --dtype bfloat16)
+TAIL=40 stage calibrate-qwen3-0.6b 120 python3 -m pdserve.cli calibrate --model "$ck/qwen3-0.6b" "${grid[@]}" \
+  --out "$out/h200-qwen3-0.6b.json"
+TAIL=40 stage calibrate-qwen3-8b 180 python3 -m pdserve.cli calibrate --model "$ck/qwen3-8b" "${grid[@]}" \
+  --out "$out/h200-qwen3-8b.json"
+nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
