@@ -252,7 +252,10 @@ class LLMEngine:
                              f"(0..{self.config.model.vocab_size - 1})")
         if not 0 <= prefill_cached_tokens <= request.num_prompt_tokens:
             raise ValueError(f"prefill_cached_tokens {prefill_cached_tokens} is outside 0..{request.num_prompt_tokens}")
-        request.take_prompt_logprobs(prompt_logprobs, self.config.model.vocab_size)
+        expected = request.generator.get_state().numel() if request.generator is not None else None
+        if generator_state is not None and expected is not None and len(generator_state) != expected:
+            raise ValueError(f"generator state of {len(generator_state)} bytes, expected {expected}")
+        request.take_prompt_logprobs(prompt_logprobs, self.config.model.vocab_size)  # the last check: it sets them
         # Both hits are leading prefixes of the same prompt: their union is the longer one (a block
         # held by both workers counts once). Decode's hit was not sent, prefill's not recomputed.
         request.num_cached_tokens = max(request.num_cached_tokens, prefill_cached_tokens)
@@ -265,9 +268,6 @@ class LLMEngine:
             self.scheduler.resample_remote(request_id, forks)
             return None
         if generator_state is not None and request.generator is not None:
-            expected = request.generator.get_state().numel()
-            if len(generator_state) != expected:
-                raise ValueError(f"generator state of {len(generator_state)} bytes, expected {expected}")
             request.generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
             request.pending_draws = 0  # prefill's generator skipped them already
         self.scheduler.complete_remote(request_id, first_token_id)
