@@ -225,6 +225,9 @@ class PDRouter:
             try:
                 async for output in self._serve_on(decode, sub_id, sub_prompt, sub_params, reply, resume > 0):
                     prompt_logprobs = prompt_logprobs or output.prompt_logprobs
+                    if output.finished and prompt_logprobs is None and params.prompt_logprobs is not None:
+                        raise OpenAIError(f"decode worker {decode.url} did not send the prompt's logprobs (an "
+                                          "older version?)", HTTPStatus.BAD_GATEWAY)
                     last = _after(request_id, prompt, sent, output, prompt_logprobs)
                     yield last
                 return
