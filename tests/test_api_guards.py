@@ -92,6 +92,7 @@ def test_keys_come_from_flags_file_and_environment(tmp_path: Path, monkeypatch: 
     ({"max_tokens": 9}, "max_tokens"),
     ({"n": 3}, "n"),
     ({"logprobs": 3}, "logprobs"),
+    ({"prompt_logprobs": 3}, "prompt_logprobs"),
     ({"prompt": ["a", "b", "c", "d"]}, "prompt"),
     ({"prompt": [[1], [2], [3], [4]]}, "prompt"),
 ])

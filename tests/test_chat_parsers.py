@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from pdserve.config import ApiConfig
 from pdserve.serving.chat_output import ChatReading, ChoiceReader, MessageDelta, message_json, plan_reading
 from pdserve.serving.errors import OpenAIError
+from pdserve.serving.limits import check_limits, requested_prompt_logprobs
 from pdserve.serving.protocol import ChatCompletionRequest
 
 THINKING = "<think>\nStep one.\nStep two.\n</think>\n\nThe answer."
@@ -114,6 +115,12 @@ def test_malformed_tool_calls_in_messages_are_refused_by_the_schema() -> None:
         chat({"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]})
 
 
-def test_prompt_logprobs_on_chat_are_refused_not_ignored() -> None:
-    with pytest.raises(ValidationError, match="prompt_logprobs is served on /v1/completions only"):
-        chat({"prompt_logprobs": 1})
+def test_prompt_logprobs_on_chat_are_asked_for_capped_and_not_streamed() -> None:
+    body = chat({"prompt_logprobs": 3})
+    assert requested_prompt_logprobs(body) == 3
+    check_limits(body, ApiConfig(max_logprobs=3))
+    with pytest.raises(OpenAIError, match="--max-logprobs") as caught:
+        check_limits(body, ApiConfig(max_logprobs=2))
+    assert caught.value.param == "prompt_logprobs"
+    with pytest.raises(ValidationError, match="not available when stream is true"):  # as vLLM
+        chat({"prompt_logprobs": 1, "stream": True})

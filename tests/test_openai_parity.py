@@ -19,6 +19,8 @@ from pd_fixtures import MODEL, Cluster, start_cluster, stop_cluster
 from server_fixtures import ServerHandle, start_server
 
 from pdserve.config import ApiConfig
+from pdserve.disagg.control import OutputFrame
+from pdserve.disagg.decode_service import DecodeService
 from pdserve.disagg.prefill_service import PrefillService
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, SampleResult
@@ -221,3 +223,108 @@ def test_utility_routes_and_cached_tokens(clients: list[openai.OpenAI], servers:
         for _ in range(2):
             usage = client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=1).usage
         assert usage.prompt_tokens_details.cached_tokens >= 16  # type: ignore[union-attr]
+
+
+def post_both(servers: tuple[ServerHandle, Cluster], path: str, body: dict[str, Any]) -> list[httpx.Response]:
+    return [httpx.post(f"{url}{path}", json={"model": MODEL} | body, timeout=60)
+            for url in (servers[0].base_url, servers[1].router.url)]
+
+
+def assert_same_prompt_logprobs(a: list[dict[str, Any] | None], b: list[dict[str, Any] | None]) -> None:
+    assert len(a) == len(b) and a[0] is None and b[0] is None
+    for x, y in zip(a[1:], b[1:], strict=True):
+        assert x is not None and y is not None and x.keys() == y.keys()
+        for token in x:
+            assert (x[token]["rank"], x[token]["decoded_token"]) == (y[token]["rank"], y[token]["decoded_token"])
+            assert x[token]["logprob"] == pytest.approx(y[token]["logprob"], abs=1e-5)
+
+
+def assert_same_logprobs(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert (a["tokens"], a["text_offset"]) == (b["tokens"], b["text_offset"])
+    assert a["token_logprobs"] == pytest.approx(b["token_logprobs"], abs=1e-5)
+    assert [t and sorted(t) for t in a["top_logprobs"]] == [t and sorted(t) for t in b["top_logprobs"]]
+
+
+def decode_hand_offs(cluster: Cluster) -> tuple[int, int]:
+    """(hand-offs whose KV arrived whole, prompts recomputed on decode) so far."""
+    stats = cluster.service(DecodeService).stats()
+    return stats.completed, stats.recomputed + stats.prefilled_locally
+
+
+@pytest.mark.parametrize("logprobs", [None, 2], ids=["first-token-from-prefill", "first-token-resampled"])
+def test_prompt_logprobs_and_echo_through_the_router_equal_colocated(
+        servers: tuple[ServerHandle, Cluster], logprobs: int | None) -> None:
+    """The prefill worker computes the prompt's logprobs; they ride its final KV message to decode
+    and the first output frame to the router: no prompt is recomputed on decode."""
+    completed, recomputed = decode_hand_offs(servers[1])
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "prompt_logprobs": 3, "echo": True,
+            "logprobs": logprobs, "n": 1 if logprobs is None else 2, "seed": 1, "ignore_eos": True}
+    colocated, routed = (r.json() for r in post_both(servers, "/v1/completions", body))
+    assert decode_hand_offs(servers[1]) == (completed + 1, recomputed)
+    assert len(colocated["choices"]) == len(routed["choices"]) == body["n"]
+    for a, b in zip(colocated["choices"], routed["choices"], strict=True):
+        assert a["text"] == b["text"] and a["text"].startswith(PROMPT)
+        assert len(a["prompt_logprobs"]) == colocated["usage"]["prompt_tokens"]
+        assert_same_prompt_logprobs(a["prompt_logprobs"], b["prompt_logprobs"])
+        if logprobs is None:
+            assert a["logprobs"] is None and b["logprobs"] is None
+        else:
+            assert_same_logprobs(a["logprobs"], b["logprobs"])
+
+
+def streamed(response: httpx.Response) -> list[dict[str, Any]]:
+    lines = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_streamed_echo_leads_with_the_prompt_on_both(servers: tuple[ServerHandle, Cluster]) -> None:
+    body = {"prompt": [PROMPT, "Hello there"], "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1,
+            "ignore_eos": True}
+    wholes = [r.json()["choices"] for r in post_both(servers, "/v1/completions", body)]
+    for whole, reply in zip(wholes, post_both(servers, "/v1/completions", body | {"stream": True}), strict=True):
+        assert reply.status_code == 200, reply.text
+        chunks = [c["choices"][0] for c in streamed(reply)]
+        for choice in whole:
+            mine = [c for c in chunks if c["index"] == choice["index"]]
+            prompt = [PROMPT, "Hello there"][choice["index"]]
+            assert mine[0]["text"].startswith(prompt) and "".join(c["text"] for c in mine) == choice["text"]
+            joined = {key: [v for c in mine for v in c["logprobs"][key]] for key in choice["logprobs"]}
+            assert_same_logprobs(joined, choice["logprobs"])
+    assert_same_logprobs(wholes[0][0]["logprobs"], wholes[1][0]["logprobs"])
+    plain = post_both(servers, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "echo": True, "stream": True})
+    assert all(streamed(r)[0]["choices"][0]["text"].startswith(PROMPT) for r in plain)
+
+
+def test_chat_prompt_logprobs_on_both(servers: tuple[ServerHandle, Cluster]) -> None:
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3, "temperature": 0,
+            "prompt_logprobs": 2, "chat_template_kwargs": {"enable_thinking": False}}
+    colocated, routed = (r.json() for r in post_both(servers, "/v1/chat/completions", body))
+    assert colocated["choices"][0]["message"] == routed["choices"][0]["message"]
+    assert len(colocated["prompt_logprobs"]) == colocated["usage"]["prompt_tokens"]
+    assert_same_prompt_logprobs(colocated["prompt_logprobs"], routed["prompt_logprobs"])
+    plain = post_both(servers, "/v1/chat/completions", body | {"prompt_logprobs": None})
+    assert all("prompt_logprobs" not in r.json() for r in plain)
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": -1}),
+    ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 21}),
+    ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 1, "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "prompt_logprobs": -1}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "prompt_logprobs": 2, "stream": True}),
+])
+def test_bad_prompt_logprobs_are_a_400_on_both(servers: tuple[ServerHandle, Cluster], path: str,
+                                               body: dict[str, Any]) -> None:
+    for reply in post_both(servers, path, body):
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_decode_worker_that_does_not_send_the_prompt_logprobs_is_a_502(servers: tuple[ServerHandle, Cluster]) -> None:
+    """(A decode worker of an older version would not: a 502 in the envelope, not a 500 or a silent gap.)"""
+    of = OutputFrame.of
+    with mock.patch.object(OutputFrame, "of", lambda output, **_: of(output, with_prompt_logprobs=False)):
+        reply = httpx.post(f"{servers[1].router.url}/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": PROMPT, "max_tokens": 2, "prompt_logprobs": 1})
+    assert reply.status_code == 502 and "prompt's logprobs" in reply.json()["error"]["message"]

@@ -96,7 +96,7 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(server: ServerHandle, hf_re
         assert abs(logprobs["token_logprobs"][position] - float(reference[position - 1, prompt_ids[position]])) < 1e-4
     assert "".join(logprobs["tokens"][:len(prompt_ids)]) == text
     assert logprobs["text_offset"][len(prompt_ids)] == len(text)
-    reply = complete(server, prompt=text, echo=True, stream=True)
+    reply = complete(server, prompt=text, prompt_logprobs=1, stream=True)
     assert reply.status_code == 400 and "stream" in reply.json()["error"]["message"]
     server.wait_until_idle()
 

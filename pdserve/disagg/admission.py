@@ -48,10 +48,6 @@ class Admission:
         """Raises ValueError (the handlers' 400) for a request that can never run."""
         try:
             check_request(prompt_token_ids, params, self._max_model_len, self._vocab_size)
-            if params.prompt_logprobs is not None:
-                # NOTE: they come from the prompt's logits, on the prefill worker; the hand-off does not carry them
-                raise ValueError("prompt_logprobs (and echo with logprobs) are not served by the disaggregated "
-                                 "router: send the request to a colocated server (pdserve serve)")
         except ValueError:
             self._rejected["invalid"] += 1
             raise

@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field
 
 from pdserve.addresses import HTTP_URL_PATTERN
 from pdserve.engine.output import CompletionOutput, RequestOutput
-from pdserve.engine.sampler import TokenLogprobs
+from pdserve.engine.sampler import PromptLogprobs, TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.serving.trace import TTFTPhases
 
@@ -165,6 +165,26 @@ class WireLogprobs(BaseModel):
         return None if entries is None else [TokenLogprobs(e.token_id, e.logprob, tuple(e.top)) for e in entries]
 
 
+class WirePromptLogprobs(BaseModel):
+    """One prompt token's PromptLogprobs as JSON."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+    @classmethod
+    def of_list(cls, entries: list[PromptLogprobs | None] | None) -> list[WirePromptLogprobs | None] | None:
+        return None if entries is None else [
+            None if e is None else cls(token_id=e.token_id, logprob=e.logprob, rank=e.rank, top=list(e.top))
+            for e in entries]
+
+    @staticmethod
+    def build_list(entries: list[WirePromptLogprobs | None] | None) -> list[PromptLogprobs | None] | None:
+        return None if entries is None else [
+            None if e is None else PromptLogprobs(e.token_id, e.logprob, e.rank, tuple(e.top)) for e in entries]
+
+
 class SequenceFrame(BaseModel):
     """Another of a request's `n` sequences (cumulative, like CompletionOutput)."""
 
@@ -203,14 +223,18 @@ class OutputFrame(BaseModel):
     # first frame with tokens only, when the KV came from prefill: the TTFT phases the workers
     # measured (disagg/phases.py), which the router records as they are
     phases: TTFTPhases | None = None
+    # asked for (prompt_logprobs, echo with logprobs): only the first frame that has them; they
+    # hold for every later output of the request
+    prompt_logprobs: list[WirePromptLogprobs | None] | None = None
 
     @classmethod
-    def of(cls, output: RequestOutput) -> OutputFrame:
+    def of(cls, output: RequestOutput, with_prompt_logprobs: bool = True) -> OutputFrame:
         seq = output.outputs[0]
         return cls(text=seq.text, token_ids=seq.token_ids, finish_reason=seq.finish_reason,
                    stop_reason=seq.stop_reason, logprobs=WireLogprobs.of_list(seq.logprobs),
                    other_sequences=[SequenceFrame.of(s) for s in output.outputs[1:]],
-                   num_cached_tokens=output.num_cached_tokens)
+                   num_cached_tokens=output.num_cached_tokens,
+                   prompt_logprobs=WirePromptLogprobs.of_list(output.prompt_logprobs) if with_prompt_logprobs else None)
 
     def sequences(self) -> list[CompletionOutput]:
         """Every sequence, in index order."""

@@ -2,7 +2,7 @@
 
     router --POST /pd/reserve-->  reserve_remote on the engine thread; receiver.expect(transfer id, blocks)
     prefill worker ==KV layers==>  receiver (validated, written into the reserved blocks)
-    KVDone(first token, generator state) -> complete_remote: the first token is emitted at once
+    KVDone(first token, generator state, prompt logprobs) -> complete_remote: the first token is emitted at once
     router <--GET /pd/stream---   one NDJSON OutputFrame per engine output until finished
 
 Before the first payload: the lease. The job is queued for or computing on a prefill worker
@@ -35,6 +35,7 @@ from typing import Literal
 
 from pdserve.disagg.control import OutputFrame, ReserveReply, ReserveRequest
 from pdserve.disagg.phases import TransferMeter
+from pdserve.disagg.prompt_logprobs_wire import unpack
 from pdserve.disagg.transport.base import KVReceiver
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.disagg.transport.messages import KVDone, KVRejected
@@ -194,6 +195,7 @@ class DecodeService:
             raise KeyError(request_id)
         record.streaming = True
         finished = False
+        prompt_logprobs_sent = False  # NOTE: once, with the first output that has them: they never change
         try:
             while not finished:
                 item = await record.stream.get()
@@ -205,7 +207,9 @@ class DecodeService:
                     yield OutputFrame(error=str(item), finish_reason="abort")
                     return
                 finished = item.finished
-                yield self._meter.annotate(request_id, OutputFrame.of(item))
+                frame = OutputFrame.of(item, with_prompt_logprobs=not prompt_logprobs_sent)
+                prompt_logprobs_sent = prompt_logprobs_sent or frame.prompt_logprobs is not None
+                yield self._meter.annotate(request_id, frame)
         finally:
             if not finished:
                 self.client.abort(request_id)
@@ -298,8 +302,9 @@ class DecodeService:
             record.transfer_id = None  # received: nothing to cancel any more
             record.watcher = None
         try:
+            prompt_logprobs = None if done.prompt_logprobs is None else unpack(done.prompt_logprobs)
             await self.client.send(CompleteRemote(rid, done.first_token_id, done.generator_state,
-                                                   done.prefill_cached_tokens))
+                                                   done.prefill_cached_tokens, prompt_logprobs))
         except ValueError as exc:  # the final message carried what this engine cannot take
             logger.warning("request %s: invalid hand-off: %s", rid, exc)
             await self._apply_failure_policy(rid, f"invalid hand-off: {exc}")

@@ -21,8 +21,9 @@ from pdserve.engine.model_runner import POOL_LAYOUT
 # generator state and prefill phases as fields (1 packed them into one `extra` byte string).
 # 3: the connection opens with decode's CHALLENGE (cluster-secret proofs); KV headers carry the
 # reservation token. 4: the KV layout names tp_size and kv_head_start; DONE carries
-# prefill_cached_tokens (absent from an older peer's: 0, see wire.py).
-WIRE_VERSION = 4
+# prefill_cached_tokens (absent from an older peer's: 0, see wire.py). 5: DONE carries the prompt's
+# logprobs (prompt_logprobs through the router); an older decode would refuse the unknown field.
+WIRE_VERSION = 5
 
 _ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1}
 

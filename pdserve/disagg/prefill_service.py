@@ -34,6 +34,7 @@ from pdserve.disagg.client import WorkerClient, WorkerError
 from pdserve.disagg.control import HandOff, PrefillJob
 from pdserve.disagg.kv_streamer import KVStreamer
 from pdserve.disagg.phases import PrefillPhases
+from pdserve.disagg.prompt_logprobs_wire import pack
 from pdserve.disagg.sender_pool import SenderPool
 from pdserve.disagg.transport.base import KVSender
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
@@ -199,7 +200,8 @@ class PrefillService:
                          prefill_queue_s=None if phases is None else phases.queue_s,
                          prefill_compute_s=None if phases is None else phases.compute_s,
                          token="" if attempt is None else attempt.token,
-                         prefill_cached_tokens=final.num_cached_tokens)
+                         prefill_cached_tokens=final.num_cached_tokens,
+                         prompt_logprobs=None if final.prompt_logprobs is None else pack(final.prompt_logprobs))
         await sender.flush(tid, self.transfer_timeout_s)
 
     async def _release(self, tid: str, sender: KVSender) -> None:

@@ -46,6 +46,7 @@ from pdserve.disagg.control import (
     PrefillJob,
     ReserveReply,
     ReserveRequest,
+    WirePromptLogprobs,
     WireSamplingParams,
     transfer_id,
 )
@@ -54,6 +55,7 @@ from pdserve.disagg.policy import DecodePolicy, make_decode_policy
 from pdserve.disagg.pool import Worker, WorkerPool, reach
 from pdserve.disagg.queue import PrefillQueue, PrefillTicket, QueueUnavailable, make_queue, next_attempt
 from pdserve.engine.output import CompletionOutput, RequestOutput
+from pdserve.engine.sampler import PromptLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.qwen3_config import Qwen3ModelConfig
 from pdserve.serving.errors import OpenAIError
@@ -212,6 +214,7 @@ class PDRouter:
         """The request on one decode worker after another, until it finishes (n > 1: on one only)."""
         sent = CompletionOutput(0, "", [], logprobs=None if params.logprobs is None else [])  # out before a loss
         lost: set[tuple[str, str]] = set()  # (url, instance id) of the decode workers that lost it
+        prompt_logprobs = None  # asked for: from the first frame that has them (prefill computed them)
         for resume in range(self.config.max_resumes + 1):
             sub_id = request_id if resume == 0 else f"{request_id}~{resume}"
             sub_prompt = prompt + sent.token_ids
@@ -221,7 +224,11 @@ class PDRouter:
             last: RequestOutput | None = None
             try:
                 async for output in self._serve_on(decode, sub_id, sub_prompt, sub_params, reply, resume > 0):
-                    last = _after(request_id, prompt, sent, output)
+                    prompt_logprobs = prompt_logprobs or output.prompt_logprobs
+                    if output.finished and prompt_logprobs is None and params.prompt_logprobs is not None:
+                        raise OpenAIError(f"decode worker {decode.url} did not send the prompt's logprobs (an "
+                                          "older version?)", HTTPStatus.BAD_GATEWAY)
+                    last = _after(request_id, prompt, sent, output, prompt_logprobs)
                     yield last
                 return
             except _DecodeLost as exc:
@@ -378,9 +385,10 @@ def continuation(tokenizer: Tokenizer, params: SamplingParams, sent_tokens: list
     held_back = made[len(sent_text):] if made.startswith(sent_text) else ""
     num_sent = len(sent_tokens)
     max_tokens = None if params.max_tokens is None else params.max_tokens - num_sent
+    # NOTE: the prompt's logprobs came with the first token: not asked again (over prompt + sent tokens)
     return dataclasses.replace(params, max_tokens=max_tokens, min_tokens=max(0, params.min_tokens - num_sent),
                                text_prefix=held_back, utf8_prefix=tuple(unfinished),
-                               seed_draws_done=params.seed_draws_done + num_sent)
+                               seed_draws_done=params.seed_draws_done + num_sent, prompt_logprobs=None)
 
 
 def _instance(worker: Worker) -> tuple[str, str]:
@@ -391,17 +399,21 @@ def _instance(worker: Worker) -> tuple[str, str]:
 
 
 
-def _after(request_id: str, prompt: list[int], sent: CompletionOutput, output: RequestOutput) -> RequestOutput:
-    """`output` of a resumed request as its client sees it: after what was sent before the loss."""
+def _after(request_id: str, prompt: list[int], sent: CompletionOutput, output: RequestOutput,
+           prompt_logprobs: list[PromptLogprobs | None] | None) -> RequestOutput:
+    """`output` of a resumed request as its client sees it: after what was sent before the loss,
+    with the prompt's logprobs (if asked for) on every output, as a colocated engine's."""
     seqs = output.outputs
     if sent.token_ids:
         seq = seqs[0]
         logprobs = None if seq.logprobs is None else (sent.logprobs or []) + seq.logprobs
         seqs = [dataclasses.replace(seq, token_ids=sent.token_ids + seq.token_ids, text=sent.text + seq.text,
                                     logprobs=logprobs)]
-    return RequestOutput(request_id, None, prompt, seqs, output.finished, output.num_cached_tokens)
+    return RequestOutput(request_id, None, prompt, seqs, output.finished, output.num_cached_tokens,
+                         prompt_logprobs=prompt_logprobs)
 
 
 def _request_output(request_id: str, prompt: list[int], frame: OutputFrame) -> RequestOutput:
     seqs = frame.sequences()
-    return RequestOutput(request_id, None, prompt, seqs, all(s.finished for s in seqs), frame.num_cached_tokens)
+    return RequestOutput(request_id, None, prompt, seqs, all(s.finished for s in seqs), frame.num_cached_tokens,
+                         prompt_logprobs=WirePromptLogprobs.build_list(frame.prompt_logprobs))

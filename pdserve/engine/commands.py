@@ -21,6 +21,7 @@ from typing import Generic, TypeVar
 
 from pdserve.engine.llm_engine import LLMEngine, RemoteReservation
 from pdserve.engine.output import RequestOutput
+from pdserve.engine.sampler import PromptLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 
 R = TypeVar("R")
@@ -125,10 +126,11 @@ class CompleteRemote(Command[RequestOutput | None]):
     first_token_id: int
     generator_state: bytes | None = None
     prefill_cached_tokens: int = 0  # prompt tokens prefill found in its own prefix cache
+    prompt_logprobs: list[PromptLogprobs | None] | None = None  # computed by prefill, when asked for
 
     def apply(self, engine: LLMEngine) -> RequestOutput | None:
         return engine.complete_remote(self.request_id, self.first_token_id, self.generator_state,
-                                      self.prefill_cached_tokens)
+                                      self.prefill_cached_tokens, self.prompt_logprobs)
 
     def emitted(self, result: RequestOutput | None) -> RequestOutput | None:
         return result

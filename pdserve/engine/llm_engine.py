@@ -18,7 +18,7 @@ from pdserve.engine.kv_cache_manager import hash_block
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.output import RequestFailure, RequestOutput, RequestState
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sampler import TokenLogprobs
+from pdserve.engine.sampler import PromptLogprobs, TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler
 from pdserve.model.loader import load_model
@@ -238,11 +238,13 @@ class LLMEngine:
         return (num_in_pool + num_on_disk) * bs
 
     def complete_remote(self, request_id: str, first_token_id: int, generator_state: bytes | None = None,
-                        prefill_cached_tokens: int = 0) -> RequestOutput | None:
+                        prefill_cached_tokens: int = 0,
+                        prompt_logprobs: list[PromptLogprobs | None] | None = None) -> RequestOutput | None:
         """Decode role: the prompt's KV is in the reserved blocks; `first_token_id` was sampled by
         prefill, whose seeded generator state continues here. Returns the output carrying the
         first token, to be emitted at once (None: the first tokens are sampled here, see below).
-        `prefill_cached_tokens`: the prompt's leading tokens prefill found in its prefix cache."""
+        `prefill_cached_tokens`: the prompt's leading tokens prefill found in its prefix cache;
+        `prompt_logprobs`: what prefill computed, for a request that asked for them."""
         request = self.scheduler.remote[request_id]
         # NOTE: checked before anything changes: a peer's bad value must not reach the sampler
         if not 0 <= first_token_id < self.config.model.vocab_size:
@@ -250,6 +252,10 @@ class LLMEngine:
                              f"(0..{self.config.model.vocab_size - 1})")
         if not 0 <= prefill_cached_tokens <= request.num_prompt_tokens:
             raise ValueError(f"prefill_cached_tokens {prefill_cached_tokens} is outside 0..{request.num_prompt_tokens}")
+        expected = request.generator.get_state().numel() if request.generator is not None else None
+        if generator_state is not None and expected is not None and len(generator_state) != expected:
+            raise ValueError(f"generator state of {len(generator_state)} bytes, expected {expected}")
+        request.take_prompt_logprobs(prompt_logprobs, self.config.model.vocab_size)  # the last check: it sets them
         # Both hits are leading prefixes of the same prompt: their union is the longer one (a block
         # held by both workers counts once). Decode's hit was not sent, prefill's not recomputed.
         request.num_cached_tokens = max(request.num_cached_tokens, prefill_cached_tokens)
@@ -262,9 +268,6 @@ class LLMEngine:
             self.scheduler.resample_remote(request_id, forks)
             return None
         if generator_state is not None and request.generator is not None:
-            expected = request.generator.get_state().numel()
-            if len(generator_state) != expected:
-                raise ValueError(f"generator state of {len(generator_state)} bytes, expected {expected}")
             request.generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
             request.pending_draws = 0  # prefill's generator skipped them already
         self.scheduler.complete_remote(request_id, first_token_id)

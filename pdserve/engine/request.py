@@ -90,6 +90,21 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
 
+    def take_prompt_logprobs(self, entries: list[PromptLogprobs | None] | None, vocab_size: int) -> None:
+        """Decode role: the prompt's logprobs, computed by the prefill worker that sent its KV (one
+        entry per prompt token, the first None). Raises ValueError, changing nothing, for entries
+        that cannot be this prompt's; ignored when the request did not ask for them."""
+        k = self.params.prompt_logprobs
+        if k is None:
+            return
+        if entries is None or len(entries) != self.num_prompt_tokens or entries[0] is not None:
+            raise ValueError(f"expected prompt logprobs for {self.num_prompt_tokens} prompt tokens")
+        for token_id, entry in zip(self.prompt_token_ids[1:], entries[1:], strict=True):
+            if entry is None or entry.token_id != token_id or not 1 <= entry.rank <= vocab_size or \
+                    len(entry.top) != k or any(not 0 <= t < vocab_size for t, _ in entry.top):
+                raise ValueError("prompt logprobs do not match the prompt")
+        self.prompt_logprobs = list(entries)
+
     def check_stop(self) -> RequestStatus | None:
         """Token-level stop conditions after a token was appended (stop strings live in the
         output processor, which sees text)."""

@@ -14,6 +14,7 @@ from pdserve.engine.sampler import TokenLogprobs
 from pdserve.logs import bind_request_id
 from pdserve.serving.chat_output import ChatReading, ChoiceReader, delta_jsons, message_json, plan_reading
 from pdserve.serving.completions import build_jobs
+from pdserve.serving.echo import prompt_logprobs_json
 from pdserve.serving.engine_client import EngineClient
 from pdserve.serving.errors import OpenAIError
 from pdserve.serving.generation import DeltaTracker, Job, encode_text, new_request_id, run_jobs, usage_of
@@ -81,8 +82,11 @@ class ChatHandler:
                 "finish_reason": reader.finish_reason(seq.finish_reason),
                 "stop_reason": seq.stop_reason,
             })
-        return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
-                "choices": choices, "usage": usage_of({0: final}).model_dump()}
+        answer = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
+                  "choices": choices, "usage": usage_of({0: final}).model_dump()}
+        if body.prompt_logprobs is not None:  # NOTE: vLLM's extension: one list for the request, not per choice
+            answer["prompt_logprobs"] = prompt_logprobs_json(self.client.tokenizer, final.prompt_logprobs or [])
+        return answer
 
     async def stream(self, body: ChatCompletionRequest, request_id: str, jobs: list[Job]) -> AsyncIterator[dict]:
         created = int(time.time())

@@ -14,7 +14,7 @@ from pdserve.logs import bind_request_id
 from pdserve.serving import echo, generation
 from pdserve.serving.engine_client import EngineClient
 from pdserve.serving.errors import OpenAIError
-from pdserve.serving.generation import DeltaTracker, Job, new_request_id, run_jobs, usage_of
+from pdserve.serving.generation import ChoiceDelta, DeltaTracker, Job, new_request_id, run_jobs, usage_of
 from pdserve.serving.limits import requested_logprobs, requested_prompt_logprobs
 from pdserve.serving.protocol import CompletionRequest
 from pdserve.tokenizer import Tokenizer
@@ -78,6 +78,16 @@ def _choice(tokenizer: Tokenizer, body: CompletionRequest, final: RequestOutput,
     return choice
 
 
+def _echoed_delta(tokenizer: Tokenizer, delta: ChoiceDelta, output: RequestOutput,
+                  prompt_text: str) -> tuple[str, dict | None]:
+    """A choice's first streamed text and logprobs with its prompt's in front (`echo`)."""
+    if delta.logprobs is None:
+        return prompt_text + delta.text, None
+    assert output.prompt_logprobs is not None  # asked for with the echo (limits.requested_prompt_logprobs)
+    entries = echo.echoed_entries(output.prompt_token_ids, output.prompt_logprobs)
+    return prompt_text + delta.text, echo.logprobs_json(tokenizer, entries + echo.sampled_entries(delta.logprobs), 0)
+
+
 class CompletionHandler:
     def __init__(self, client: EngineClient, model_name: str, max_tokens_limit: int | None = None) -> None:
         self.client = client
@@ -107,20 +117,36 @@ class CompletionHandler:
                 "choices": choices, "usage": usage_of(finals).model_dump()}
 
     async def stream(self, body: CompletionRequest, request_id: str, jobs: list[Job]) -> AsyncIterator[dict]:
+        """`echo`: a choice's first chunk starts with its prompt (and, with `logprobs`, the prompt
+        tokens' entries), as vLLM streams it; so it waits for the prompt's logprobs."""
         created = int(time.time())
         tracker = DeltaTracker(body.n)
         finals: dict[int, RequestOutput] = {}
         text_offsets: dict[int, int] = {}
+        prompt_texts = _prompt_texts(body, self.client.tokenizer, jobs) if body.echo else []
         async for index, output in run_jobs(self.client, jobs):
             if output.finished:
                 finals[index] = output
+            if jobs[index].params.prompt_logprobs is not None and output.prompt_logprobs is None \
+                    and not output.finished:
+                continue  # NOTE: the tracker sends what this output adds with the next one
             for delta in tracker.deltas(index, output):
-                offset = text_offsets.get(delta.index, 0)
-                text_offsets[delta.index] = offset + len(delta.text)
+                choice = self._stream_choice(delta, text_offsets, output, prompt_texts[index] if body.echo else None)
                 yield {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
-                       "choices": [{"index": delta.index, "text": delta.text,
-                                    "logprobs": _logprobs_json(self.client.tokenizer, delta.logprobs, offset),
-                                    "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}]}
+                       "choices": [choice]}
         if body.include_usage:
             yield {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
                    "choices": [], "usage": usage_of(finals).model_dump()}
+
+    def _stream_choice(self, delta: ChoiceDelta, text_offsets: dict[int, int], output: RequestOutput,
+                       prompt_text: str | None) -> dict[str, Any]:
+        """One streamed choice; `prompt_text` (echo) leads the choice's first."""
+        offset = text_offsets.get(delta.index)
+        if offset is None and prompt_text is not None:
+            text, logprobs = _echoed_delta(self.client.tokenizer, delta, output, prompt_text)
+        else:
+            offset = offset or 0
+            text, logprobs = delta.text, _logprobs_json(self.client.tokenizer, delta.logprobs, offset)
+        text_offsets[delta.index] = (offset or 0) + len(text)
+        return {"index": delta.index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason,
+                "stop_reason": delta.stop_reason}

@@ -24,10 +24,10 @@ def requested_logprobs(body: CompletionRequest | ChatCompletionRequest) -> int |
 
 
 def requested_prompt_logprobs(body: CompletionRequest | ChatCompletionRequest) -> int | None:
-    """Log-probabilities per prompt token the request asks for (`prompt_logprobs`, or `echo` with
-    `logprobs`: the echoed prompt's tokens come with theirs); None: none."""
+    """Log-probabilities per prompt token the request asks for (`prompt_logprobs`, or on completions
+    `echo` with `logprobs`: the echoed prompt's tokens come with theirs); None: none."""
     if not isinstance(body, CompletionRequest):
-        return None
+        return body.prompt_logprobs
     asked = [n for n in (body.prompt_logprobs, body.logprobs if body.echo else None) if n is not None]
     return max(asked, default=None)
 
@@ -46,7 +46,7 @@ def check_limits(body: CompletionRequest | ChatCompletionRequest, limits: ApiCon
     max_tokens = body.max_tokens if isinstance(body, CompletionRequest) else body.requested_max_tokens
     if limits.max_tokens_limit is not None and max_tokens is not None:
         _cap(max_tokens, limits.max_tokens_limit, "max_tokens", "tokens", "--max-tokens-limit")
-    if isinstance(body, CompletionRequest) and body.prompt_logprobs is not None:
+    if body.prompt_logprobs is not None:
         _cap(body.prompt_logprobs, limits.max_logprobs, "prompt_logprobs", "log-probabilities per token",
              "--max-logprobs")
     logprobs = requested_logprobs(body)

@@ -45,6 +45,8 @@ class _SamplingFields(BaseModel):
     def _stream_options_need_stream(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.stream and self.prompt_logprobs is not None:  # NOTE: as vLLM (echo with logprobs streams)
+            raise ValueError("prompt_logprobs are not available when stream is true")
         return self
 
     def to_sampling_params(self, max_tokens: int, logprobs: int | None,
@@ -86,8 +88,6 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
-        if self.stream and (self.echo or self.prompt_logprobs is not None):
-            raise ValueError("echo and prompt_logprobs are not supported with stream=true")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -168,8 +168,6 @@ class ChatCompletionRequest(_SamplingFields):
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is served on /v1/completions only")
         return self
 
     @property

@@ -91,7 +91,7 @@ class FakeKVSender(KVSender):
 
     def send_done(self, request_id: str, first_token_id: int, generator_state: bytes | None = None, *,
                   prefill_queue_s: float | None = None, prefill_compute_s: float | None = None,
-                  token: str = "", prefill_cached_tokens: int = 0) -> None:
+                  token: str = "", prefill_cached_tokens: int = 0, prompt_logprobs: bytes | None = None) -> None:
         peer = self._connected()
         num_layers = self._acks.sent_done(request_id)
         if self._abandoned_request(request_id) or self._stalled(request_id, count=False):
@@ -100,7 +100,7 @@ class FakeKVSender(KVSender):
             self._num_layers_sent.pop(request_id, None)
         self._on_reply(peer.accept_done(DoneHeader(request_id, first_token_id, num_layers, generator_state,
                                                    prefill_queue_s, prefill_compute_s, token,
-                                                   prefill_cached_tokens)))
+                                                   prefill_cached_tokens, prompt_logprobs)))
 
     def close(self) -> None:
         self._peer = None

@@ -24,8 +24,9 @@ class KVProgress:
 class KVDone:
     """All of the request's payloads are in the pool; the prefill worker's first token comes with
     it, with its sampler's generator state (None: unseeded), how long the prompt waited for and
-    took to compute on prefill (None: not measured) and how many leading prompt tokens prefill found
-    in its own prefix cache (not recomputed). Always the request's last event."""
+    took to compute on prefill (None: not measured), how many leading prompt tokens prefill found
+    in its own prefix cache (not recomputed) and, for a request that asked for them, the prompt's
+    logprobs (packed: disagg/prompt_logprobs_wire.py). Always the request's last event."""
 
     request_id: str
     first_token_id: int
@@ -33,6 +34,7 @@ class KVDone:
     prefill_queue_s: float | None = None
     prefill_compute_s: float | None = None
     prefill_cached_tokens: int = 0
+    prompt_logprobs: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,10 +109,11 @@ class DoneHeader:
     prefill_compute_s: float | None = None
     token: str = ""  # the reservation's, as in LayerHeader
     prefill_cached_tokens: int = 0
+    prompt_logprobs: bytes | None = None
 
     def event(self) -> KVDone:
         return KVDone(self.request_id, self.first_token_id, self.generator_state, self.prefill_queue_s,
-                      self.prefill_compute_s, self.prefill_cached_tokens)
+                      self.prefill_compute_s, self.prefill_cached_tokens, self.prompt_logprobs)
 
 
 @dataclass(frozen=True, slots=True)

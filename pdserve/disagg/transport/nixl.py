@@ -282,13 +282,13 @@ class NixlKVSender(KVSender):
 
     def send_done(self, request_id: str, first_token_id: int, generator_state: bytes | None = None, *,
                   prefill_queue_s: float | None = None, prefill_compute_s: float | None = None,
-                  token: str = "", prefill_cached_tokens: int = 0) -> None:
+                  token: str = "", prefill_cached_tokens: int = 0, prompt_logprobs: bytes | None = None) -> None:
         if not self._peer:
             raise RuntimeError("connect() first")
         num_layers = self._acks.sent_done(request_id)
         self._io.call_soon(self._notify, DoneHeader(request_id, first_token_id, num_layers, generator_state,
                                                     prefill_queue_s, prefill_compute_s, token,
-                                                    prefill_cached_tokens))
+                                                    prefill_cached_tokens, prompt_logprobs))
 
     def close(self) -> None:
         if not self._io.running:

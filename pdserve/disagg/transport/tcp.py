@@ -40,6 +40,7 @@ import torch
 
 from pdserve.disagg.auth import ClusterSecret
 from pdserve.disagg.kv_layout import KVLayout
+from pdserve.disagg.prompt_logprobs_wire import MAX_TOP, packed_bytes
 from pdserve.disagg.transport import frames, regions
 from pdserve.disagg.transport.base import KVReceiver, KVSender
 from pdserve.disagg.transport.frames import Frame, ProtocolError
@@ -65,6 +66,9 @@ class TcpKVReceiver(KVReceiver):
         self._address = f"tcp://{host}:{self._listener.getsockname()[1]}"
         # NOTE: a payload can never exceed one layer of the whole pool; anything larger is garbage.
         self._max_payload_bytes = kv_cache.shape[2] * layout.block_bytes_per_layer
+        # NOTE: nor can a final message's prompt logprobs outgrow a prompt that fills the pool (base64: 4/3)
+        self._max_header_bytes = frames.MAX_HEADER_BYTES + 4 * -(-packed_bytes(
+            kv_cache.shape[2] * layout.block_size, MAX_TOP) // 3)
         self._flat = regions.pool_bytes(kv_cache) if kv_cache.device.type == "cpu" else None
         self._io = IoThread("pdserve-kv-tcp-recv")
         self._io.submit(self._accept_loop())
@@ -92,7 +96,7 @@ class TcpKVReceiver(KVReceiver):
 
     async def _receive_loop(self, sock: socket.socket) -> None:
         while True:
-            frame = await frames.recv_frame(sock, self._max_payload_bytes)
+            frame = await frames.recv_frame(sock, self._max_payload_bytes, self._max_header_bytes)
             if isinstance(frame.header, LayerHeader):
                 reply = await self._receive_layer(sock, frame, frame.header)
             elif isinstance(frame.header, DoneHeader) and not frame.payload_len:
@@ -166,11 +170,11 @@ class TcpKVSender(KVSender):
 
     def send_done(self, request_id: str, first_token_id: int, generator_state: bytes | None = None, *,
                   prefill_queue_s: float | None = None, prefill_compute_s: float | None = None,
-                  token: str = "", prefill_cached_tokens: int = 0) -> None:
+                  token: str = "", prefill_cached_tokens: int = 0, prompt_logprobs: bytes | None = None) -> None:
         num_layers = self._acks.sent_done(request_id)
         self._enqueue(request_id, DoneHeader(request_id, first_token_id, num_layers, generator_state,
                                              prefill_queue_s, prefill_compute_s, token,
-                                             prefill_cached_tokens))
+                                             prefill_cached_tokens, prompt_logprobs))
 
     def close(self) -> None:
         self._io.stop()
