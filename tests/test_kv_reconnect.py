@@ -1,6 +1,7 @@
 """A prefill worker's `SenderPool` reaches a decode worker that restarted on the same KV address:
-the broken sender's attempts fail, the next `get` handshakes again and the KV lands bit for bit.
-(The same through real worker processes: test_worker_loss.py.)"""
+the broken sender's attempts fail, the next `get` handshakes again and the KV lands bit for bit,
+over tcp (its connection) and over nixl (the handshake socket held open as a liveness link; the
+restarted worker is a new NIXL agent). (The same through real worker processes: test_worker_loss.py.)"""
 
 from __future__ import annotations
 
@@ -12,7 +13,16 @@ import torch
 from kv_transport_helpers import PoolSpec
 
 from pdserve.disagg.sender_pool import SenderPool
-from pdserve.disagg.transport import KVDone, KVProgress, KVReceiver, KVSender, KVTransferError, make_receiver
+from pdserve.disagg.transport import (
+    KVDone,
+    KVProgress,
+    KVReceiver,
+    KVSender,
+    KVTransferError,
+    make_receiver,
+    make_sender,
+    nixl_available,
+)
 
 SPEC = PoolSpec()
 TIMEOUT_S = 10.0
@@ -42,11 +52,15 @@ def wait_broken(sender: KVSender) -> None:
         time.sleep(0.01)
 
 
-def test_a_receiver_restarted_on_the_same_port_is_reached_again() -> None:
+TRANSPORTS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="no nixl_cu12"))]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_receiver_restarted_on_the_same_port_is_reached_again(transport: str) -> None:
     decode_pool, prefill_pool = SPEC.pool(1), SPEC.pool(2)
-    receiver = make_receiver("tcp", SPEC.layout(decode_pool), decode_pool)
+    receiver = make_receiver(transport, SPEC.layout(decode_pool), decode_pool)
     address = receiver.address
-    senders = SenderPool("tcp", SPEC.layout(prefill_pool), prefill_pool)
+    senders = SenderPool(transport, SPEC.layout(prefill_pool), prefill_pool)
     try:
         first = senders.get(address)
         hand_off(receiver, first, "a", [0, 1], [2, 3])
@@ -58,7 +72,7 @@ def test_a_receiver_restarted_on_the_same_port_is_reached_again() -> None:
 
         port = int(address.rsplit(":", 1)[1])
         decode_pool = SPEC.pool(3)
-        receiver = make_receiver("tcp", SPEC.layout(decode_pool), decode_pool, port=port)
+        receiver = make_receiver(transport, SPEC.layout(decode_pool), decode_pool, port=port)
         assert receiver.address == address
         second = senders.get(address)
         assert second is not first and not second.broken
@@ -70,4 +84,26 @@ def test_a_receiver_restarted_on_the_same_port_is_reached_again() -> None:
         assert second.pending_request_ids() == frozenset()
     finally:
         senders.close()
+        receiver.close()
+
+
+@pytest.mark.skipif(not nixl_available(), reason="no nixl_cu12")
+def test_nixl_decode_forgets_a_prefill_agent_whose_link_closed() -> None:
+    """A prefill worker that goes away (here: its sender closes its end of the link) leaves no
+    NIXL agent, grant or connection slot behind on decode; a new one is served as before."""
+    decode_pool = SPEC.pool(1)
+    receiver = make_receiver("nixl", SPEC.layout(decode_pool), decode_pool)
+    try:
+        for attempt in range(2):
+            prefill_pool = SPEC.pool(2 + attempt)
+            sender = make_sender("nixl", SPEC.layout(prefill_pool), prefill_pool)
+            sender.connect(receiver.address)
+            hand_off(receiver, sender, f"r{attempt}", [0, 1], [2 + attempt, 4 + attempt])
+            assert len(receiver._peers) == 1 and receiver.gate.num_connections == 1  # type: ignore[attr-defined]
+            sender.close()
+            deadline = time.monotonic() + TIMEOUT_S
+            while receiver._peers or receiver.gate.num_connections:  # type: ignore[attr-defined]
+                assert time.monotonic() < deadline, "decode kept the closed prefill agent"
+                time.sleep(0.01)
+    finally:
         receiver.close()

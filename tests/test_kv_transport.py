@@ -588,7 +588,7 @@ def test_nixl_never_writes_on_a_stale_grant(monkeypatch: pytest.MonkeyPatch) -> 
     """Late writes (nixl module docstring): a grant that arrives more than GRANT_MAX_AGE_S after
     its claim fails the request and writes nothing, so decode's quarantine of cancelled blocks
     (`late_write_window_s`, longer than that) bounds when granted bytes can land."""
-    from pdserve.disagg.transport import nixl
+    from pdserve.disagg.transport import nixl, nixl_sender
 
     decode = Decode("nixl")
     pool = SPEC.pool(PREFILL_SEED)
@@ -596,7 +596,7 @@ def test_nixl_never_writes_on_a_stale_grant(monkeypatch: pytest.MonkeyPatch) -> 
     try:
         sender.connect(decode.receiver.address)
         assert decode.receiver.late_write_window_s == nixl.LATE_WRITE_WINDOW_S > nixl.GRANT_MAX_AGE_S
-        monkeypatch.setattr(nixl, "GRANT_MAX_AGE_S", -1.0)  # every grant is too late
+        monkeypatch.setattr(nixl_sender, "GRANT_MAX_AGE_S", -1.0)  # every grant is too late
         decode.receiver.expect("r", [2, 4])
         sender.send_layer("r", 0, [7, 8], [2, 4])
         with pytest.raises(KVTransferError, match="grant for layer 0 came .* after the claim"):

@@ -42,12 +42,11 @@ blocks of a reservation cancelled before its KV arrived out of reuse for `late_w
 request's KV when such a write lands. Not covered: a prefill process frozen (SIGSTOP, a hung host)
 between that check and the WRITE itself, for longer than the margin.
 
-Restarts. NOT handled: after the handshake no connection stays open, so a sender cannot tell that
-its decode worker died. A decode worker restarted on the same address has a new agent (a new name
-and new registrations), while the sender keeps notifying the old one: every later claim gets no
-grant and its flush times out. `broken` stays "" here, so `SenderPool` keeps the stale sender;
-restart the prefill workers too (or fix: keep the handshake socket open as a liveness link, mark
-the sender broken on its EOF, and let the pool reconnect and re-fetch the metadata, as over tcp).
+Restarts. The handshake's TCP socket stays open afterwards as a liveness link; nothing more is
+sent on it. When decode's process ends its kernel closes the link: the sender sees EOF, fails what
+is in flight at once and turns `broken`, so `SenderPool` handshakes again with the restarted
+worker and fetches its new agent (new name, new registrations), as over tcp. When prefill's
+process ends, decode sees EOF and forgets that agent and its grants.
 
 NIXL calls are confined to the I/O thread (the agent runs with NIXL_THREAD_SYNC_NONE). The agent's
 own progress thread is disabled: on a 2-core machine it busy-spins a core and cut loopback
@@ -59,26 +58,19 @@ agent, the polling and the region addresses both sides share are in nixl_agent.p
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import itertools
 import logging
 import socket
-import time
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
 
-import numpy as np
 import torch
 
-from pdserve.disagg.auth import ClusterSecret
 from pdserve.disagg.kv_layout import KVLayout
-from pdserve.disagg.transport import frames, regions
-from pdserve.disagg.transport.base import KVReceiver, KVSender
-from pdserve.disagg.transport.handshake import KVPeerGate, KVPeerPolicy, say_hello
+from pdserve.disagg.transport import frames
+from pdserve.disagg.transport.base import KVReceiver
+from pdserve.disagg.transport.handshake import KVPeerGate, KVPeerPolicy
 from pdserve.disagg.transport.io_thread import IoThread
 from pdserve.disagg.transport.messages import (
-    Ack,
     Claim,
     DoneHeader,
     Grant,
@@ -93,20 +85,18 @@ from pdserve.disagg.transport.nixl_agent import (
     Poller,
     accept_notif,
     agent_name,
-    conn_info_metadata,
     encode_notif,
-    memory_kind,
     new_agent,
     poll_notifs,
     region_addrs,
 )
+from pdserve.disagg.transport.nixl_sender import GRANT_MAX_AGE_S, NixlKVSender
 from pdserve.disagg.transport.reservations import PayloadRejected
+
+__all__ = ["GRANT_MAX_AGE_S", "LATE_WRITE_WINDOW_S", "NixlKVReceiver", "NixlKVSender"]
 
 logger = logging.getLogger(__name__)
 
-_CONNECT_TIMEOUT_S = 10.0
-# Late writes (module docstring): claims are granted within milliseconds; 2 s is far beyond that.
-GRANT_MAX_AGE_S = 2.0
 LATE_WRITE_WINDOW_S = GRANT_MAX_AGE_S + 3.0
 
 
@@ -125,6 +115,7 @@ class NixlKVReceiver(KVReceiver):
         self._registration = self._io.call(self._agent.register_memory, kv_cache)
         self._metadata: bytes = self._io.call(self._agent.get_agent_metadata)
         self._peers: set[str] = set()                       # I/O thread only
+        self._links: set[socket.socket] = set()             # handshake sockets held open; I/O thread only
         self._grants: dict[tuple[str, int], LayerHeader] = {}  # (peer, claim id) -> granted; I/O thread only
         self._io.submit(self._accept_loop())
         self._io.submit(self._poll_loop())
@@ -149,6 +140,9 @@ class NixlKVReceiver(KVReceiver):
         self._listener.close()
 
     def _shutdown(self) -> None:
+        for link in self._links:  # NOTE: their senders see EOF, as when this process dies
+            with contextlib.suppress(OSError):
+                link.shutdown(socket.SHUT_RDWR)
         for peer in self._peers:
             with contextlib.suppress(Exception):
                 self._agent.remove_remote_agent(peer)
@@ -158,24 +152,50 @@ class NixlKVReceiver(KVReceiver):
         await frames.accept_forever(self._listener, self._handshake_on)
 
     async def _handshake_on(self, sock: socket.socket) -> None:
+        added: list[str] = []  # the agent this connection's Hello loaded
         with sock, self.gate.slot(sock) as admitted:
             try:
-                hello = await self.gate.handshake(sock, self._welcome) if admitted else None
+                hello = await self.gate.handshake(sock, lambda h: self._welcome(h, added)) if admitted else None
             except (ConnectionError, OSError) as e:
                 logger.info("NIXL handshake with prefill failed: %s", e)
+                hello = None
+            if hello is None:
+                self._forget_peers(added)
                 return
-        if hello is not None:
-            logger.info("prefill agent connected over NIXL")
+            logger.info("prefill agent %s connected over NIXL", added[0])
+            await self._hold_link(sock, added)
 
-    def _welcome(self, hello: Hello) -> Welcome:
+    async def _hold_link(self, sock: socket.socket, peers: list[str]) -> None:
+        """Until prefill's end of the handshake socket closes (it sends nothing more), then forget
+        its agent and grants: a restarted prefill worker comes back as a new agent."""
+        self._links.add(sock)
+        try:
+            await frames.recv_frame(sock, max_payload_bytes=0)
+            logger.warning("prefill sent a frame on the NIXL liveness link; closing it")
+        except (ConnectionError, OSError) as e:  # EOF, a reset, or bytes that are no frame
+            logger.info("NIXL link to prefill agent %s closed: %s", peers[0], e)
+        finally:
+            self._links.discard(sock)
+            self._forget_peers(peers)
+
+    def _forget_peers(self, peers: list[str]) -> None:
+        for peer in peers:
+            self._peers.discard(peer)
+            for key in [k for k in self._grants if k[0] == peer]:
+                del self._grants[key]
+            with contextlib.suppress(Exception):
+                self._agent.remove_remote_agent(peer)
+
+    def _welcome(self, hello: Hello, added: list[str]) -> Welcome:
         welcome = self._handshake(hello.layout)
         if welcome.refusal:
             return welcome
         # NOTE: load prefill's connection info before answering, so our first reply can reach it.
         try:
-            self._peers.add(agent_name(self._agent.add_remote_agent(hello.nixl_metadata)))
+            added.append(agent_name(self._agent.add_remote_agent(hello.nixl_metadata)))
         except Exception as e:  # NOTE: the bindings raise their own exception classes (nixl*Error)
             return replace(welcome, refusal=f"unusable NIXL agent metadata: {e!r}")
+        self._peers.add(added[-1])
         return replace(welcome, nixl_metadata=self._metadata)
 
     async def _poll_loop(self) -> None:
@@ -233,180 +253,3 @@ class NixlKVReceiver(KVReceiver):
 
     def _notify(self, peer: str, message: Message) -> None:
         self._agent.send_notif(peer, encode_notif(message))
-
-
-@dataclass(frozen=True, slots=True)
-class _PendingClaim:
-    header: LayerHeader
-    src_block_ids: tuple[int, ...]
-    claimed_at_s: float = 0.0  # time.monotonic() when the claim went out
-
-
-@dataclass(frozen=True, slots=True)
-class _InFlight:
-    request_id: str
-    handle: Any
-
-
-class NixlKVSender(KVSender):
-    """Contract: see KVSender. `send_layer` queues a claim on the I/O thread; the WRITE starts when
-    decode's grant arrives, so claims of later layers overlap earlier layers' writes."""
-
-    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, secret: ClusterSecret | None = None) -> None:
-        super().__init__(layout, kv_cache)
-        self._secret = secret
-        self._io = IoThread("pdserve-kv-nixl-send")
-        self._agent = self._io.call(new_agent, "prefill")
-        self._registration = self._io.call(self._agent.register_memory, kv_cache)
-        self._mem_type, self._device_id = memory_kind(kv_cache)
-        self._peer = ""
-        self._claim_ids = itertools.count()
-        self._claims: dict[int, _PendingClaim] = {}   # I/O thread only
-        self._in_flight: list[_InFlight] = []          # I/O thread writes; `_reading` reads a copy
-        self._writing = ""  # the request whose WRITE is being posted now
-
-    def connect(self, address: str) -> None:
-        if self._peer:
-            raise RuntimeError("this sender is already connected; use one sender per decode worker")
-        host, port = frames.parse_address(address, "nixl")
-        self._io.run(self._connect(host, port), timeout_s=_CONNECT_TIMEOUT_S)
-
-    def send_layer(self, request_id: str, layer: int, src_block_ids: list[int], dst_block_ids: list[int], *,
-                   token: str = "") -> None:
-        self._check_sources(layer, src_block_ids)
-        if not self._peer:
-            raise RuntimeError("connect() first")
-        header = self._layer_header(request_id, layer, len(src_block_ids), dst_block_ids, token)
-        self._acks.sent_layer(request_id)
-        self._io.call_soon(self._claim, _PendingClaim(header, tuple(src_block_ids)))
-
-    def send_done(self, request_id: str, first_token_id: int, generator_state: bytes | None = None, *,
-                  prefill_queue_s: float | None = None, prefill_compute_s: float | None = None,
-                  token: str = "", prefill_cached_tokens: int = 0, prompt_logprobs: bytes | None = None) -> None:
-        if not self._peer:
-            raise RuntimeError("connect() first")
-        num_layers = self._acks.sent_done(request_id)
-        self._io.call_soon(self._notify, DoneHeader(request_id, first_token_id, num_layers, generator_state,
-                                                    prefill_queue_s, prefill_compute_s, token,
-                                                    prefill_cached_tokens, prompt_logprobs))
-
-    def close(self) -> None:
-        if not self._io.running:
-            return
-        self._io.call(self._shutdown)
-        self._io.stop()
-        self._acks.fail_all("sender closed")
-
-    def _shutdown(self) -> None:
-        for flight in self._in_flight:
-            with contextlib.suppress(Exception):
-                flight.handle.release()
-        self._in_flight.clear()
-        if self._peer:
-            with contextlib.suppress(Exception):
-                self._agent.remove_remote_agent(self._peer)
-        self._agent.deregister_memory(self._registration)
-
-    async def _connect(self, host: str, port: int) -> None:
-        with await frames.connect(host, port) as sock:
-            welcome = await say_hello(sock, Hello(self.layout, conn_info_metadata(self._agent)), self._secret)
-        self._check_welcome(welcome)
-        self._peer = agent_name(self._agent.add_remote_agent(welcome.nixl_metadata))
-        # Start UCX wire-up now rather than inside the first request's first WRITE (~30 ms here);
-        # the poll loop progresses it.
-        self._agent.make_connection(self._peer)
-        asyncio.get_running_loop().create_task(self._poll_loop())
-
-    def _claim(self, pending: _PendingClaim) -> None:
-        claim_id = next(self._claim_ids)
-        self._claims[claim_id] = replace(pending, claimed_at_s=time.monotonic())
-        self._notify(Claim(claim_id, pending.header))
-
-    async def _poll_loop(self) -> None:
-        poller = Poller()
-        while True:
-            notifs = poll_notifs(self._agent, self._on_notif)
-            self._check_in_flight()
-            await poller.pause(active=bool(notifs or self._claims or self._in_flight))
-
-    def _on_notif(self, peer: str, raw: bytes) -> None:
-        message = accept_notif(peer, peer == self._peer, raw)
-        if message is None:
-            return
-        if isinstance(message, Grant):
-            self._write(message)
-        elif isinstance(message, Ack | Reject):
-            if isinstance(message, Reject):
-                self._drop_claims(message.request_id)
-            self._on_reply(message)
-        else:
-            logger.warning("dropped an unexpected %s notification from decode", type(message).__name__)
-
-    def _write(self, grant: Grant) -> None:
-        pending = self._claims.pop(grant.claim_id, None)
-        if pending is None:
-            logger.warning("grant for unknown claim %d of request %s", grant.claim_id, grant.request_id)
-            return
-        header = pending.header
-        age_s = time.monotonic() - pending.claimed_at_s
-        if age_s > GRANT_MAX_AGE_S:
-            self._acks.failed(header.request_id, f"decode's grant for layer {header.layer} came {age_s:.1f} s after "
-                              f"the claim (limit {GRANT_MAX_AGE_S:g} s): not writing, decode may have moved on")
-            return
-        self._writing = header.request_id  # NOTE: before the check; see _abandoned_request
-        try:
-            if not self._abandoned_request(header.request_id):
-                self._post_write(grant, pending)
-        finally:
-            self._writing = ""
-
-    def _reading(self, request_id: str) -> bool:
-        return self._writing == request_id or any(f.request_id == request_id for f in list(self._in_flight))
-
-    def _post_write(self, grant: Grant, pending: _PendingClaim) -> None:
-        header = pending.header
-        local = region_addrs(self.kv_cache, self.layout, header.layer, pending.src_block_ids)
-        if len(grant.dst_addrs) != len(local) or grant.region_bytes != self.layout.region_bytes:
-            self._acks.failed(header.request_id, "decode granted regions that do not match the claim")
-            return
-        src, dst = regions.coalesce_pairs(local, np.asarray(grant.dst_addrs, dtype=np.int64), self.layout.region_bytes)
-        try:
-            handle = self._agent.initialize_xfer("WRITE", self._descs(src), self._descs(dst), self._peer,
-                                                 encode_notif(Written(grant.claim_id, header)))
-            state = self._agent.transfer(handle)
-        except Exception as e:  # NOTE: the bindings raise their own exception classes (nixl*Error)
-            self._acks.failed(header.request_id, f"NIXL WRITE failed to start: {e!r}")
-            return
-        if state == "ERR":
-            handle.release()
-            self._acks.failed(header.request_id, "NIXL WRITE failed")
-        else:
-            self._in_flight.append(_InFlight(header.request_id, handle))
-
-    def _descs(self, spans: regions.Spans) -> Any:
-        """NIXL descriptors: rows of (address, length, device id)."""
-        rows = np.empty((len(spans.starts), 3), dtype=np.uint64)
-        rows[:, 0] = spans.starts
-        rows[:, 1] = spans.lengths
-        rows[:, 2] = self._device_id  # NOTE: decode's device id is assumed equal (one GPU per worker)
-        return self._agent.get_xfer_descs(rows, self._mem_type)
-
-    def _check_in_flight(self) -> None:
-        still: list[_InFlight] = []
-        for flight in self._in_flight:
-            state = self._agent.check_xfer_state(flight.handle)
-            if state == "PROC":
-                still.append(flight)
-                continue
-            flight.handle.release()
-            if state == "ERR":
-                self._acks.failed(flight.request_id, "NIXL WRITE failed")
-        self._in_flight = still
-
-    def _drop_claims(self, request_id: str) -> None:
-        for claim_id in [c for c, p in self._claims.items() if p.header.request_id == request_id]:
-            del self._claims[claim_id]
-
-    def _notify(self, message: Message) -> None:
-        self._agent.send_notif(self._peer, encode_notif(message))
-
