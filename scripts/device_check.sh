@@ -3,8 +3,11 @@
 #   1. correctness: the engine's reference suite on CUDA (transformers on the same GPU), and PD
 #      against colocated through the HTTP API with both workers on one GPU (pd_parity), together;
 #   2. timings, alone on the GPU: `pdserve calibrate` step times of qwen3-0.6b and qwen3-8b shapes
-#      (random bf16 weights), each step next to the H200 roofline profile the simulator uses.
-# TIMINGS=0 runs step 1 alone. Every stage has its own time limit; logs and profiles go to $OUT (default ./device-out).
+#      (random bf16 weights), each step next to the H200 roofline profile the simulator uses;
+#   3. the simulator against real runs here: a profile calibrated with the servers' flags, then
+#      `pdserve bench compare` (one colocated server, then PD 1+1 sharing the GPU) replayed by
+#      `python -m pdserve.bench.validate_sim`.
+# STAGES picks them (default "correct timings validate"); TIMINGS=0 is STAGES=correct. Every stage has its own time limit; logs and profiles go to $OUT (default ./device-out).
 # Python packages the machine lacks travel as wheels in ./.whl (docs/BENCHMARKS.md says which).
 set -u
 out=${OUT:-device-out}
@@ -28,25 +31,44 @@ stage() {  # stage NAME LIMIT_S COMMAND...: its output to $out/NAME.log, its tai
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 python3 -m pdserve.cli make-model "$ck/qwen3-0.6b" --preset qwen3-0.6b --device cuda >/dev/null || exit 1
-timings=${TIMINGS:-1}  # TIMINGS=0: the correctness stages only
+stages=${STAGES:-correct timings validate}
+[ "${TIMINGS:-1}" = 1 ] || stages=correct
+has() { [[ " $stages " == *" $1 "* ]]; }
 maker=
-if [ "$timings" = 1 ]; then
+if has timings; then
   python3 -m pdserve.cli make-model "$ck/qwen3-8b" --preset qwen3-8b --device cuda >"$out/make-8b.log" 2>&1 &
   maker=$!
 fi
 
+if has correct; then
 TAIL=30 stage pytest-cuda "${PYTEST_LIMIT:-220}" python3 -m pytest -q -p no:cacheprovider --maxfail=5 \
   tests/test_correctness.py tests/test_pd_engine.py tests/test_sampling.py &
 tests=$!
 stage pd-parity 200 python3 -m pdserve.bench.pd_parity --model "$ck/qwen3-0.6b" --device cuda --dtype bfloat16 \
   --gpu-memory-utilization 0.35 --max-tokens 32 --ttft-requests 30 --save "$out/pd_parity.json"
-wait $tests $maker
-[ "$timings" = 1 ] || exit 0
+wait $tests
+fi
+wait $maker
 
+if has timings; then
 grid=(--transports '' --compare-device H200 --max-num-seqs 256 --max-num-batched-tokens 8192
       --prefill-tokens 128,512,2048,8192 --decode-batches 1,16,64,256 --device cuda --dtype bfloat16)
 TAIL=40 stage calibrate-qwen3-0.6b 120 python3 -m pdserve.cli calibrate --model "$ck/qwen3-0.6b" "${grid[@]}" \
   --out "$out/h200-qwen3-0.6b.json"
 TAIL=40 stage calibrate-qwen3-8b 180 python3 -m pdserve.cli calibrate --model "$ck/qwen3-8b" "${grid[@]}" \
   --out "$out/h200-qwen3-8b.json"
+fi
+
+if has validate; then
+flags=(--model "$ck/qwen3-0.6b" --device cuda --dtype bfloat16 --max-num-seqs 256 --gpu-memory-utilization 0.35)
+TAIL=12 stage validate-calibrate 150 python3 -m pdserve.cli calibrate "${flags[@]}" --max-num-batched-tokens 2048 \
+  --transports tcp --prefill-tokens 64,256,1024 --decode-batches 1,8,32,64 --out "$out/validate-profile.json"
+TAIL=30 stage validate-runs 300 python3 -m pdserve.cli bench compare --systems colocated-chunked,pd --prefill 1 \
+  --decode 1 --engine-args "${flags[*]}" --max-num-batched-tokens 2048 --skip-capacity --no-progress \
+  --workload seed-mix --scale "${VALIDATE_SCALE:-0.2}" --num-prompts "${VALIDATE_PROMPTS:-200}" \
+  --max-concurrency "${VALIDATE_CONCURRENCY:-32}" --save "$out/validate.json"
+TAIL=20 stage validate-sim 120 python3 -m pdserve.bench.validate_sim --profile "$out/validate-profile.json" \
+  --transport tcp --max-num-seqs 256 --max-num-batched-tokens 2048 --run "colocated:1=$out/validate.colocated-chunked.json" \
+  --run "pd:1:1=$out/validate.pd.json" --save "$out/validation.json"
+fi
 nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader

@@ -12,4 +12,4 @@ if [ "${1:-}" = "--fast" ]; then
 fi
 .venv/bin/ruff check pdserve tests
 .venv/bin/mypy pdserve
-.venv/bin/python -m pytest -q "${pytest_args[@]}" "$@"
+.venv/bin/python -m pytest -q --durations=25 "${pytest_args[@]}" "$@"
