@@ -49,9 +49,29 @@ def test_pd_cluster_matches_colocated(model_dirs: dict[str, Path], colocated: LL
                     streamed = http.post("/v1/completions", json=body | {"prompt": prompt, "stream": True})
                     chunks = [e for e in parse_sse(streamed.text) if isinstance(e, dict)]
                     assert "".join(c["choices"][0]["text"] for c in chunks) == text
+            check_prompt_logprobs(http, colocated, PROMPTS[-1])
         cluster.wait_until_idle()
     finally:
         stop_cluster(cluster)
+
+
+def check_prompt_logprobs(http: httpx.Client, colocated: LLM, prompt: list[int]) -> None:
+    """Prefill computes them; its final KV message carries them (over nixl: a NIXL notification,
+    ~10 KB for this prompt) through decode to the router: each equal to colocated's."""
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
+    want = colocated.generate([{"prompt_token_ids": prompt}], params)[0].prompt_logprobs
+    reply = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "ignore_eos": True,
+                                               "temperature": 0, "prompt_logprobs": 2})
+    assert reply.status_code == 200, reply.text
+    got = reply.json()["choices"][0]["prompt_logprobs"]
+    assert want is not None and len(got) == len(want) == len(prompt) and got[0] is None
+    for entry, expected in zip(got[1:], want[1:], strict=True):
+        assert expected is not None
+        assert abs(entry[str(expected.token_id)]["logprob"] - expected.logprob) < 1e-5
+        # NOTE: a random model's tail holds tokens within 1e-6 of each other, and prefill's chunks
+        # round differently from colocated's single pass: a rank deep in the tail may move by one
+        assert abs(entry[str(expected.token_id)]["rank"] - expected.rank) <= (0 if expected.rank <= 2 else 2)
+        assert {str(t) for t, _ in expected.top} <= set(entry)
 
 
 def test_client_disconnect_mid_stream_frees_blocks_on_both_workers(model_dirs: dict[str, Path]) -> None:
