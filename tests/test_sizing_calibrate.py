@@ -89,3 +89,20 @@ def test_gpu_kv_budget_leaves_another_workers_memory_alone(monkeypatch: pytest.M
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, total))
         with_model = _cuda_kv_budget(args, model, torch.float32, torch.device("cuda"), 256)
         assert 0 < budget_before_weights - with_model < 2**30  # weights and activations of a tiny model
+
+
+def test_workload_flops_count_prefill_once_and_each_later_token() -> None:
+    """bench/matmul_rate.py: one 4-token prompt and 2 output tokens = the prefill (4 rows through
+    the layers, 4 x 2.5 attention pairs, one LM-head row) + one decode step over 5 tokens."""
+    from pdserve.bench.matmul_rate import gemm_shapes, workload_flops
+    from pdserve.sizing.model_facts import load_model_facts
+
+    tiny = load_model_facts("tiny")
+    layer = 2.0 * tiny.num_layers * tiny.layer_params
+    head = 2.0 * tiny.vocab_size * tiny.hidden_size
+    pair = tiny.attention_flops_per_pair()
+    assert workload_flops(tiny, [4], [2]) == pytest.approx(layer * 4 + pair * 4 * 2.5 + head + layer + head + pair * 5)
+    assert workload_flops(tiny, [4], [2], cached_lens=[2]) == pytest.approx(
+        layer * 2 + pair * 2 * (2 + 1.5) + head + layer + head + pair * 5)
+    shapes = gemm_shapes(tiny, batch=24, chunk=512)
+    assert len(shapes) == 9 and (24, tiny.hidden_size, tiny.vocab_size) in shapes

@@ -114,6 +114,26 @@ def scheduler_share(llm: LLM, num_seqs: int, num_steps: int, seed: int) -> tuple
     return step_s, (after.schedule_time_s - before.schedule_time_s) / (after.step_time_s - before.step_time_s)
 
 
+def print_roofline_fraction(model_dir: str, work: Workload, seconds: float, batch: int) -> None:
+    """The run's useful FLOPs per second against the best fp32 torch.mm rate on the model's shapes,
+    measured now (bench/matmul_rate.py)."""
+    import json
+    from pathlib import Path
+
+    from pdserve.bench.matmul_rate import matmul_rates, workload_flops
+    from pdserve.sizing.model_facts import ModelFacts
+
+    facts = ModelFacts.from_config(Path(model_dir).name, json.loads((Path(model_dir) / "config.json").read_text()))
+    flops = workload_flops(facts, [len(p) for p in work.prompts], work.output_lens)
+    rates = matmul_rates(facts, batch=batch, chunk=512)
+    best = max(rates, key=lambda r: r.flops_per_s)
+    engine = flops / seconds
+    print(f"useful work {flops / 1e9:.1f} GFLOP in {seconds:.1f} s = {engine / 1e9:.1f} GFLOP/s; torch.mm fp32 on "
+          f"the model's shapes: best {best.flops_per_s / 1e9:.1f} GFLOP/s ({best.label}), worst "
+          f"{min(r.flops_per_s for r in rates) / 1e9:.1f}; fraction of the best: {engine / best.flops_per_s:.2f} "
+          f"(target >= 0.75)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint dir (default: the random 'small' demo preset)")
@@ -133,6 +153,7 @@ def main() -> None:
     llm = LLM(model_dir, dtype="float32", max_num_seqs=ns.max_num_seqs, kv_cache_memory="4GiB")
     run_pdserve(llm, make_workload(4, (16, 64), (4, 8), ns.seed + 1))  # warm-up
     pd_s, pd_tokens = run_pdserve(llm, work)
+    print_roofline_fraction(model_dir, work, pd_s, min(ns.max_num_seqs, ns.num_requests))
     step_s, sched_share = scheduler_share(llm, ns.max_num_seqs, 30, ns.seed + 2)
     rows = [["pdserve LLM.generate", f"{pd_s:.1f}", f"{work.num_output_tokens / pd_s:.1f}", "1.00"]]
     if not ns.skip_transformers:

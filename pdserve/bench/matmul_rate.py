@@ -1,0 +1,69 @@
+"""How close an offline run comes to this machine's matmul rate (issue 17, item 5).
+
+The useful work of a generation, counted as FLOPs the way a roofline counts them:
+- prefill of P tokens after C cached: 2 x layer matmul parameters x P, attention over
+  P x (C + (P + 1) / 2) pairs, and the LM head for the one row that is sampled;
+- each later token: 2 x (layer matmul parameters + LM head) plus attention over its context.
+Nothing is counted twice (a preempted and recomputed prompt is work done again, not more work).
+
+The rate torch itself reaches: fp32 `torch.mm` on the model's own GEMM shapes (QKV, o, gate+up,
+down, LM head) with a decode-sized M (the batch) and a prefill-sized M (a chunk), in this process
+with its threads; the best of them is the ceiling. Both are measured in the same run, so the
+fraction is what the machine allowed at that moment, load included.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.sizing.model_facts import ModelFacts
+
+_REPS = 5
+
+
+@dataclass(frozen=True, slots=True)
+class Rate:
+    label: str  # "M x K x N"
+    flops_per_s: float
+
+
+def workload_flops(model: ModelFacts, prompt_lens: Sequence[int], output_lens: Sequence[int],
+                   cached_lens: Sequence[int] | None = None) -> float:
+    layer = 2.0 * model.num_layers * model.layer_params
+    head = 2.0 * model.vocab_size * model.hidden_size
+    pair = model.attention_flops_per_pair()
+    total = 0.0
+    for index, (prompt, output) in enumerate(zip(prompt_lens, output_lens, strict=True)):
+        cached = cached_lens[index] if cached_lens else 0
+        new = prompt - cached
+        total += layer * new + pair * new * (cached + (new + 1) / 2) + head
+        for step in range(1, output):  # the first output token came from the prefill
+            total += layer + head + pair * (prompt + step)
+    return total
+
+
+def gemm_shapes(model: ModelFacts, batch: int, chunk: int) -> list[tuple[int, int, int]]:
+    h, q, kv = model.hidden_size, model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    weights = [(h, q + 2 * kv), (q, h), (h, 2 * model.intermediate_size), (model.intermediate_size, h)]
+    shapes = [(m, k, n) for m in (batch, chunk) for k, n in weights]
+    return [*shapes, (batch, h, model.vocab_size)]
+
+
+def matmul_rates(model: ModelFacts, batch: int = 24, chunk: int = 256) -> list[Rate]:
+    """fp32 torch.mm on each shape: the best of `_REPS` timed runs after a warm-up."""
+    rates = []
+    for m, k, n in gemm_shapes(model, batch, chunk):
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        out = torch.empty(m, n)
+        torch.mm(a, b, out=out)
+        best = float("inf")
+        for _ in range(_REPS):
+            start = time.perf_counter()
+            torch.mm(a, b, out=out)
+            best = min(best, time.perf_counter() - start)
+        rates.append(Rate(f"{m} x {k} x {n}", 2.0 * m * k * n / best))
+    return rates
