@@ -265,6 +265,8 @@ class DecodeService:
                 # NOTE: superseded (retargeted) or ended meanwhile, though this task may not have seen
                 # its cancel: acting on the old attempt's KVDone would start decoding in blocks the
                 # new attempt still writes into (issue 16)
+                logger.info("request %s: ignoring %s of attempt %s, which it no longer expects", rid,
+                            type(event).__name__, tid)
                 return
             self._meter.on_event(rid, event)
             started = True
