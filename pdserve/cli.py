@@ -66,8 +66,9 @@ def _serve(ns: argparse.Namespace) -> int:
     name = ns.served_model_name or (args.model or _DEMO_MODEL_NAME)
     cfg = engine.config
     logging.getLogger("pdserve").info(
-        "%s worker serving %s on http://%s:%d (%s, %s, %d KV blocks of %d tokens, max_model_len %d)", ns.role, name,
-        ns.host, ns.port, cfg.device, str(cfg.dtype).removeprefix("torch."), cfg.cache.num_kv_blocks,
+        "%s worker serving %s on http://%s:%d (%s, %s, KV %s, %d KV blocks of %d tokens, max_model_len %d)", ns.role,
+        name, ns.host, ns.port, cfg.device, str(cfg.dtype).removeprefix("torch."),
+        str(cfg.kv_dtype).removeprefix("torch."), cfg.cache.num_kv_blocks,
         cfg.cache.block_size, cfg.scheduler.max_model_len)
     if worker is None:
         app, on_exit, client = _colocated_app(engine, name, api)

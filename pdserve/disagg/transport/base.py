@@ -143,7 +143,7 @@ class KVReceiver(abc.ABC):
     def _handshake(self, peer_layout: KVLayout) -> Welcome:
         """Decode's half of the layout check; the answer goes back to prefill either way."""
         try:
-            peer_layout.check_compatible(self.layout, self_role="prefill", peer_role="decode")
+            peer_layout.check_compatible(self.layout, self_role="prefill", peer_role="decode", convert_dtype=True)
         except KVLayoutMismatch as e:
             with self._refusals_lock:
                 self._refusals = [*self._refusals[-_MAX_REFUSALS_KEPT + 1:], e]
@@ -170,11 +170,18 @@ class KVReceiver(abc.ABC):
         self._events.put(KVProgress(header.request_id, header.layer, header.dst_block_ids))
         return Ack(header.request_id)
 
+    @property
+    def num_dtype_conversions(self) -> int:
+        """Hand-offs whose KV arrived in another element type and was converted into the pool's."""
+        return self._table.num_converted
+
     def _copy_into_pool(self, header: LayerHeader, payload: torch.Tensor) -> None:
-        dtype = self.kv_cache.dtype
-        values = payload.view(dtype).view(header.shape).to(self.kv_cache.device, non_blocking=True)
+        """Payload bytes (uint8) -> the pool's blocks, converted when the sender's dtype differs
+        (the payload is then the staging buffer the cast reads)."""
+        values = payload.view(getattr(torch, header.dtype)).view(header.shape).to(self.kv_cache.device,
+                                                                                 non_blocking=True)
         dst = torch.tensor(header.dst_block_ids, dtype=torch.long, device=self.kv_cache.device)
-        self.kv_cache[header.layer].index_copy_(1, dst, values)
+        self.kv_cache[header.layer].index_copy_(1, dst, values.to(self.kv_cache.dtype))
 
     def _admit_done(self, header: DoneHeader, *, in_order: bool) -> Ack | Reject | None:
         """The final message: KVDone now (Ack), later once layers arrive (None), or rejected."""
@@ -304,7 +311,7 @@ class KVSender(abc.ABC):
 
     def _check_welcome(self, welcome: Welcome) -> None:
         """Prefill's half of the layout check, independent of decode's verdict."""
-        self.layout.check_compatible(welcome.layout, self_role="prefill", peer_role="decode")
+        self.layout.check_compatible(welcome.layout, self_role="prefill", peer_role="decode", convert_dtype=True)
         if welcome.refusal:  # decode refused although our check passed: trust decode's message
             raise KVLayoutMismatch("layout", "", "", welcome.refusal)
 

@@ -11,7 +11,9 @@ Bytes go straight between the pools and the kernel, with no copy in Python:
   the layer was not acknowledged and the request fails, so no one reads them.
 A pool on an accelerator goes through host memory instead: the sender gathers the blocks
 (`index_select`) and copies them to the host, the receiver reads into a host staging tensor and
-`index_copy_`s it into the pool after the same validation.
+`index_copy_`s it into the pool after the same validation. So does a payload in another element
+type than the decode pool's (`--kv-cache-dtype` differs between the roles): the receiver reads it
+into staging and casts it into the blocks, one layer at a time.
 
     prefill I/O thread                         decode I/O thread
                                  <------       CHALLENGE {nonce}   (handshake.py: the cluster secret)
@@ -112,7 +114,7 @@ class TcpKVReceiver(KVReceiver):
         except PayloadRejected as e:
             await frames.discard(sock, frame.payload_len)
             return self._reject(e)
-        if self._flat is None:
+        if self._flat is None or header.dtype != self.layout.dtype:
             return await self._receive_staged(sock, header)
         views = regions.payload_views(self.layout, self.kv_cache, self._flat, header.layer, header.dst_block_ids)
         unread = await frames.recv_into_views(sock, views, lambda: self._table.writing(header.request_id, reservation))
