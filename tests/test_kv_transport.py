@@ -578,11 +578,12 @@ def test_transport_benchmark_runs_every_method_in_rounds_and_checks_the_bytes() 
     transports = ["tcp", "nixl"] if nixl_available() else ["tcp"]
     seconds = bench.run_workload(work, transports, reps=2)
     expected = {"memcpy, alone", "raw socket, alone", "memcpy", "raw socket"} | {
-        f"{name}, {placement}" for name in transports for placement in bench.PLACEMENTS}
+        f"{name}, {placement}" for name in transports for placement in bench.PLACEMENTS} | {
+        f"{name}, served, from float16" for name in transports}  # converted on arrival, checked too
     assert set(seconds) == expected
     assert all(len(times) == 2 and min(times) > 0 for times in seconds.values())
     assert bench.ratio(seconds, "memcpy", "memcpy") == 1.0
-    assert len(bench._verdicts(seconds)) == len(transports) * len(bench.PLACEMENTS)
+    assert len(bench._verdicts(seconds)) == len(transports) * (len(bench.PLACEMENTS) + 1)
 
 
 @pytest.mark.skipif(not nixl_available(), reason="nixl_cu12 is not installed")

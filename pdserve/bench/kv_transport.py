@@ -18,6 +18,10 @@ Every buffer, pools and baselines alike, is host memory as the engine allocates 
   processes over loopback, then a 1-byte ack (the ceiling for any socket transport).
 - tcp / nixl: `send_layer` for every layer + `send_done`, timed until `flush` returns, i.e. decode
   acknowledged every payload as written into its pool.
+- "served, from DTYPE": the same, from a prefill pool in another KV dtype (`CONVERT_FROM`: float16
+  to a bfloat16 pool, the same bytes on the wire, so the row's extra time is the conversion alone;
+  bfloat16 to a float32 pool, half the bytes): decode lands each layer in staging and casts it into
+  its blocks. Its verdict line gives the paired ratio to the same-dtype "served" row.
 Measured in rounds: each round runs every method once, back to back, `--reps` rounds after warm-up
 rounds. A row's time is the median over rounds; its ratios are medians of the per-round ratios, so
 a slow spell of a shared machine slows a method and its baseline alike instead of skewing the
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import multiprocessing
 import multiprocessing.connection
 import socket
@@ -48,6 +53,8 @@ from pdserve.disagg.transport import KVSender, make_sender, nixl_available
 
 _NUM_WARMUP = 2
 BASELINES = ("memcpy", "raw socket")
+# decode pool's dtype -> the prefill pool's in the converted rows
+CONVERT_FROM = {"bfloat16": "float16", "float16": "bfloat16", "float32": "bfloat16"}
 
 
 class _Memcpy:
@@ -89,6 +96,7 @@ class _Transport:
 
     def __init__(self, conn: multiprocessing.connection.Connection, work: KVWorkload, pool: torch.Tensor,
                  name: str, sender: KVSender, placement: str) -> None:
+        """`pool` is the sender's (in another dtype than decode's for a converted row)."""
         self._conn, self._work, self._pool, self.name = conn, work, pool, name
         self.src, self.dst = work.placement(placement)
         self._sender = sender
@@ -117,7 +125,8 @@ class _Transport:
         self.once(rid)
         self.drain(rid)
         self._conn.send(("digest", self.dst))
-        if self._conn.recv() != digest(self._pool, self.src):
+        sent = self._pool[:, :, torch.tensor(self.src)].to(getattr(torch, self._work.dtype))
+        if self._conn.recv() != digest(sent, list(range(len(self.src)))):
             raise RuntimeError(f"{self.name}: decode's blocks differ from prefill's")
 
     def close(self) -> None:
@@ -137,13 +146,21 @@ def run_workload(work: KVWorkload, transports: list[str], reps: int) -> dict[str
         pool = work.pool(SEED)
         baselines: dict[str, _Memcpy | _RawSocket] = {"memcpy": _Memcpy(work), "raw socket": _RawSocket(work)}
         methods.update(baselines)
+        other = dataclasses.replace(work, dtype=CONVERT_FROM[work.dtype])
+        other_pool = other.pool(SEED)
         for name in transports:  # one sender per transport, as a prefill worker has per decode worker
             conn.send(("receiver", name))
+            address = conn.recv()
             senders[name] = make_sender(name, work.layout(), pool)
-            senders[name].connect(conn.recv())
+            senders[f"{name}, from"] = make_sender(name, other.layout(), other_pool)  # to the same receiver
+            for sender in (senders[name], senders[f"{name}, from"]):
+                sender.connect(address)
         for placement in PLACEMENTS:
             for name in transports:
                 methods[f"{name}, {placement}"] = _Transport(conn, work, pool, name, senders[name], placement)
+        for name in transports:
+            methods[f"{name}, served, from {other.dtype}"] = _Transport(conn, work, other_pool, name,
+                                                                        senders[f"{name}, from"], "served")
         seconds: dict[str, list[float]] = {f"{method}, alone": _alone(baselines[method], reps)
                                            for method in BASELINES}
         seconds.update({method: [] for method in methods})
@@ -213,6 +230,9 @@ def _verdicts(seconds: dict[str, list[float]]) -> list[str]:
                 alone = statistics.median(seconds[f"{base}, alone"]) / statistics.median(seconds[method])
                 out.append(f"{name} {placement} / {base} = {ratio(seconds, base, method):.2f} (vs {base} alone: "
                            f"{alone:.2f})")
+    for method in [m for m in seconds if ", from " in m]:
+        same = method.split(", from ")[0]
+        out.append(f"{method} / {same} (the conversion's cost, paired) = {ratio(seconds, same, method):.2f}")
     return out
 
 
