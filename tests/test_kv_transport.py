@@ -579,7 +579,7 @@ def test_transport_benchmark_runs_every_method_in_rounds_and_checks_the_bytes() 
     seconds = bench.run_workload(work, transports, reps=2)
     expected = {"memcpy, alone", "raw socket, alone", "memcpy", "raw socket"} | {
         f"{name}, {placement}" for name in transports for placement in bench.PLACEMENTS} | {
-        f"{name}, served, from float16" for name in transports}  # converted on arrival, checked too
+        f"{name}, served, from float32" for name in transports}  # converted on arrival, checked too
     assert set(seconds) == expected
     assert all(len(times) == 2 and min(times) > 0 for times in seconds.values())
     assert bench.ratio(seconds, "memcpy", "memcpy") == 1.0

@@ -18,10 +18,11 @@ Every buffer, pools and baselines alike, is host memory as the engine allocates 
   processes over loopback, then a 1-byte ack (the ceiling for any socket transport).
 - tcp / nixl: `send_layer` for every layer + `send_done`, timed until `flush` returns, i.e. decode
   acknowledged every payload as written into its pool.
-- "served, from DTYPE": the same, from a prefill pool in another KV dtype (`CONVERT_FROM`: float16
-  to a bfloat16 pool, the same bytes on the wire, so the row's extra time is the conversion alone;
-  bfloat16 to a float32 pool, half the bytes): decode lands each layer in staging and casts it into
-  its blocks. Its verdict line gives the paired ratio to the same-dtype "served" row.
+- "served, from DTYPE": the same, from a prefill pool in another KV dtype (`CONVERT_FROM`: the
+  bfloat16 <-> float32 pairs, so half or twice the bytes on the wire; MiB is decode's): decode lands
+  each layer in staging and casts it into its blocks. Its verdict line gives the paired ratio to
+  the same-dtype "served" row. (float16 -> bfloat16 would keep the bytes equal, but this CPU casts
+  between the two half types at ~5 ns an element, 2-3x a float32 <-> bfloat16 cast.)
 Measured in rounds: each round runs every method once, back to back, `--reps` rounds after warm-up
 rounds. A row's time is the median over rounds; its ratios are medians of the per-round ratios, so
 a slow spell of a shared machine slows a method and its baseline alike instead of skewing the
@@ -54,7 +55,7 @@ from pdserve.disagg.transport import KVSender, make_sender, nixl_available
 _NUM_WARMUP = 2
 BASELINES = ("memcpy", "raw socket")
 # decode pool's dtype -> the prefill pool's in the converted rows
-CONVERT_FROM = {"bfloat16": "float16", "float16": "bfloat16", "float32": "bfloat16"}
+CONVERT_FROM = {"bfloat16": "float32", "float16": "float32", "float32": "bfloat16"}
 
 
 class _Memcpy:

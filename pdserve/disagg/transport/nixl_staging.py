@@ -13,7 +13,10 @@ grant:
 
 Size: one layer of the whole pool in float32, so any admissible payload (at most one layer of the
 pool, in a type of at most 4 bytes) fits; a claim that does not fit now waits (`waiting`) until a
-range frees, which takes one WRITE. I/O thread only, like every NIXL call.
+range frees, which takes one WRITE and one cast. NOTE: the sender never writes on a grant that
+comes more than `GRANT_MAX_AGE_S` (2 s) after its claim (nixl.py, Late writes), so a burst of
+claims larger than the staging, on a decode worker whose casts are slow, can fail its last layers'
+hand-off (then: retry, failure policy). I/O thread only, like every NIXL call.
 """
 
 from __future__ import annotations
