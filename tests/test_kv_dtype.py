@@ -212,28 +212,3 @@ def test_pd_bfloat16_prefill_to_float32_kv_decode_gives_the_bfloat16_colocated_t
         assert getattr(decode.receiver, "num_staging_bytes_in_use", 0) == 0
     finally:
         stop_cluster(cluster)
-
-
-@pytest.mark.slow
-def test_kv_dtype_conversion_composes_with_tensor_parallel_workers(model_dirs: dict[str, Path]) -> None:
-    """Prefill TP=2 (bfloat16, KV bfloat16) -> decode TP=2 (bfloat16, KV float32, the pool its
-    ranks share) gives the text of a colocated TP=2 bfloat16 engine: the same argument as above,
-    rank by rank (each rank casts its heads of the float32 pool back to bfloat16). TP=2 on both
-    sides and in the reference, so the all-reduces sum the same partial products everywhere."""
-    tp = {"tensor_parallel_size": 2, "num_threads": 1, "dtype": "bfloat16"}
-    reference = LLM(model=str(model_dirs["tiny"]), **tp, **ENGINE_ARGS)
-    cluster = start_cluster(model_dirs["tiny"], "tcp", 1, 1, max_num_batched_tokens=32,
-                            engine_options={"prefill": tp, "decode": tp | {"kv_cache_dtype": "float32"}})
-    try:
-        [want] = reference.generate(token_prompts([PROMPTS[2]]), greedy(10))
-        with httpx.Client(base_url=cluster.router.url, timeout=60) as http:
-            reply = http.post("/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 10, "ignore_eos": True,
-                                                       "temperature": 0})
-        assert reply.status_code == 200, reply.text
-        assert reply.json()["choices"][0]["text"] == want.outputs[0].text
-        cluster.wait_until_idle()
-        decode: DecodeService = cluster.service(DecodeService)
-        assert decode.receiver.kv_cache.dtype == torch.float32 and decode.stats().kv_dtype_conversions == 1
-    finally:
-        stop_cluster(cluster)
-        reference.engine.close()
