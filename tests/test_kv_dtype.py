@@ -31,7 +31,16 @@ from pdserve import LLM, SamplingParams
 from pdserve.config import EngineArgs, create_engine_config
 from pdserve.disagg.decode_service import DecodeService
 from pdserve.disagg.kv_layout import KVLayout, KVLayoutMismatch
-from pdserve.disagg.transport import KVDone, KVProgress, KVReceiver, make_receiver, make_sender, nixl_available
+from pdserve.disagg.transport import (
+    KVDone,
+    KVProgress,
+    KVReceiver,
+    KVRejected,
+    KVTransferError,
+    make_receiver,
+    make_sender,
+    nixl_available,
+)
 from pdserve.disagg.transport.messages import LayerHeader
 from pdserve.disagg.transport.reservations import PayloadRejected, ReservationTable
 
@@ -212,3 +221,25 @@ def test_pd_bfloat16_prefill_to_float32_kv_decode_gives_the_bfloat16_colocated_t
         assert getattr(decode.receiver, "num_staging_bytes_in_use", 0) == 0
     finally:
         stop_cluster(cluster)
+
+
+@pytest.mark.skipif(not nixl_available(), reason="nixl_cu12 is not installed")
+def test_nixl_refuses_a_dtype_its_handshake_never_declared() -> None:
+    """A peer that shook hands as float32 (no staging registered) then claims bfloat16 payloads
+    is rejected before any grant: its request ends, nothing is left behind."""
+    pool, src = SPEC.pool(1), SPEC.pool(2)
+    receiver = make_receiver("nixl", SPEC.layout(pool), pool)
+    sender = make_sender("nixl", SPEC.layout(src), src)
+    try:
+        sender.connect(receiver.address)
+        sender.layout = sender.layout.as_dtype("bfloat16")  # what its headers now announce
+        receiver.expect("r", [3, 4])
+        sender.send_layer("r", 0, [1, 2], [3, 4])
+        with pytest.raises(KVTransferError, match="no handshake declared it"):
+            asyncio.run(sender.flush("r", 10.0))
+        assert isinstance(asyncio.run(drain(receiver, "r"))[-1], KVRejected)
+        assert receiver.reserved_request_ids() == frozenset() and sender.pending_request_ids() == frozenset()
+        assert torch.equal(pool, SPEC.pool(1))
+    finally:
+        sender.close()
+        receiver.close()

@@ -218,6 +218,9 @@ class NixlKVReceiver(KVReceiver):
         header = claim.header
         try:
             self._table.check_layer(header)
+            if header.dtype != self.layout.dtype and self._staging.buffer is None:
+                raise PayloadRejected(header.request_id, f"dtype {header.dtype}: no handshake declared it, no staging",
+                                      request_known=True)
         except PayloadRejected as e:
             return self._reject(e)
         key = (peer, claim.claim_id)

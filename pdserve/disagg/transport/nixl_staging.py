@@ -60,7 +60,7 @@ class Staging:
 
     def grant(self, key: GrantKey, header: LayerHeader) -> tuple[np.ndarray, int] | None:
         """A range for this payload: its regions' addresses (payload order) and region bytes; None
-        when no range is free now (or the buffer was never registered: no converting peer)."""
+        when no range is free now. The buffer must be registered."""
         offset = self._free_offset(header.num_bytes)
         if offset is None or self.buffer is None:
             return None
