@@ -147,21 +147,7 @@ def run_workload(work: KVWorkload, transports: list[str], reps: int) -> dict[str
         pool = work.pool(SEED)
         baselines: dict[str, _Memcpy | _RawSocket] = {"memcpy": _Memcpy(work), "raw socket": _RawSocket(work)}
         methods.update(baselines)
-        other = dataclasses.replace(work, dtype=CONVERT_FROM[work.dtype])
-        other_pool = other.pool(SEED)
-        for name in transports:  # one sender per transport, as a prefill worker has per decode worker
-            conn.send(("receiver", name))
-            address = conn.recv()
-            senders[name] = make_sender(name, work.layout(), pool)
-            senders[f"{name}, from"] = make_sender(name, other.layout(), other_pool)  # to the same receiver
-            for sender in (senders[name], senders[f"{name}, from"]):
-                sender.connect(address)
-        for placement in PLACEMENTS:
-            for name in transports:
-                methods[f"{name}, {placement}"] = _Transport(conn, work, pool, name, senders[name], placement)
-        for name in transports:
-            methods[f"{name}, served, from {other.dtype}"] = _Transport(conn, work, other_pool, name,
-                                                                        senders[f"{name}, from"], "served")
+        methods.update(_transports(conn, work, pool, transports, senders))
         seconds: dict[str, list[float]] = {f"{method}, alone": _alone(baselines[method], reps)
                                            for method in BASELINES}
         seconds.update({method: [] for method in methods})
@@ -191,6 +177,27 @@ def run_workload(work: KVWorkload, transports: list[str], reps: int) -> dict[str
         if decode.is_alive():
             decode.kill()
     return seconds
+
+
+def _transports(conn: multiprocessing.connection.Connection, work: KVWorkload, pool: torch.Tensor,
+                transports: list[str], senders: dict[str, KVSender]) -> dict[str, _Transport]:
+    """Each transport's methods: one per placement, and the converted one; `senders` gets the
+    senders (two per transport: one per prefill pool, both to the same receiver)."""
+    other = dataclasses.replace(work, dtype=CONVERT_FROM[work.dtype])
+    other_pool = other.pool(SEED)
+    for name in transports:  # one sender per transport, as a prefill worker has per decode worker
+        conn.send(("receiver", name))
+        address = conn.recv()
+        senders[name] = make_sender(name, work.layout(), pool)
+        senders[f"{name}, from"] = make_sender(name, other.layout(), other_pool)
+        for sender in (senders[name], senders[f"{name}, from"]):
+            sender.connect(address)
+    methods = {f"{name}, {placement}": _Transport(conn, work, pool, name, senders[name], placement)
+               for placement in PLACEMENTS for name in transports}
+    for name in transports:
+        methods[f"{name}, served, from {other.dtype}"] = _Transport(conn, work, other_pool, name,
+                                                                    senders[f"{name}, from"], "served")
+    return methods
 
 
 def _alone(runner: _Memcpy | _RawSocket, reps: int) -> list[float]:
