@@ -107,7 +107,8 @@ class DecodeService:
         return len(self._requests)
 
     def stats(self) -> DecodeStats:
-        return DecodeStats(**dataclasses.asdict(self._counts), in_flight=self.num_in_flight)
+        return DecodeStats(**dataclasses.asdict(self._counts), in_flight=self.num_in_flight,
+                           kv_dtype_conversions=self.receiver.num_dtype_conversions)
 
     async def reserve(self, body: ReserveRequest) -> ReserveReply | None:
         """None when the pool has no room now (or the worker drains). Raises ValueError for a
