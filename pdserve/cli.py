@@ -23,7 +23,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from pdserve.addresses import http_url, parse_member
-from pdserve.config import ApiConfig, EngineArgs, RouterConfig, WorkerConfig
+from pdserve.config import KV_CACHE_DTYPES, ApiConfig, EngineArgs, RouterConfig, WorkerConfig
 from pdserve.config_flags import add_config_args, config_from_args
 from pdserve.ops.supervisor import exit_with_supervisor
 from pdserve.ops.threads import CorePlan, parse_cpu_list
@@ -66,8 +66,9 @@ def _serve(ns: argparse.Namespace) -> int:
     name = ns.served_model_name or (args.model or _DEMO_MODEL_NAME)
     cfg = engine.config
     logging.getLogger("pdserve").info(
-        "%s worker serving %s on http://%s:%d (%s, %s, %d KV blocks of %d tokens, max_model_len %d)", ns.role, name,
-        ns.host, ns.port, cfg.device, str(cfg.dtype).removeprefix("torch."), cfg.cache.num_kv_blocks,
+        "%s worker serving %s on http://%s:%d (%s, %s, KV %s, %d KV blocks of %d tokens, max_model_len %d)", ns.role,
+        name, ns.host, ns.port, cfg.device, str(cfg.dtype).removeprefix("torch."),
+        str(cfg.kv_dtype).removeprefix("torch."), cfg.cache.num_kv_blocks,
         cfg.cache.block_size, cfg.scheduler.max_model_len)
     if worker is None:
         app, on_exit, client = _colocated_app(engine, name, api)
@@ -271,7 +272,9 @@ def up_plan(ns: argparse.Namespace, engine_flags: list[str]) -> tuple[UpOptions,
                         ns.port + 1 if ns.supervisor_port is None else ns.supervisor_port,
                         ns.prefill_threads, ns.decode_threads, ns.model,
                         ("--log-level", ns.log_level, "--log-format", ns.log_format), config_from_args(ApiConfig, ns),
-                        ns.colocated or 0, ns.cpus_per_worker)
+                        ns.colocated or 0, ns.cpus_per_worker,
+                        tuple((role, dtype) for role in ("prefill", "decode")
+                              if (dtype := getattr(ns, f"{role}_kv_cache_dtype")) is not None))
     # NOTE: the router's config has no worker URLs: `up`'s workers register with it
     router = config_from_args(RouterConfig, ns, accept_registrations=True)
     worker = config_from_args(WorkerConfig, ns, register=(options.router_url,))
@@ -371,6 +374,9 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
                     help="torch threads per prefill worker (default: CPUs // workers when it starts)")
     up.add_argument("--decode-threads", type=int, default=None,
                     help="torch threads per decode worker (default: CPUs // workers when it starts)")
+    for role in ("prefill", "decode"):  # the KV hand-off converts between them (README, "KV cache dtype")
+        up.add_argument(f"--{role}-kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                        help=f"--kv-cache-dtype of the {role} workers only (default: --kv-cache-dtype's)")
     add_config_args(up, RouterConfig, title="router", exclude=UP_SETS_ROUTER)
     add_config_args(up, ApiConfig, title="the router's OpenAI API")
     # the router's group has the queue and cluster secret flags already (both configs read them);

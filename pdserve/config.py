@@ -26,6 +26,10 @@ DTYPES: dict[str, torch.dtype] = {
     "half": torch.float16,
 }
 
+# What --kv-cache-dtype accepts: the pool's element type ("auto": the model's compute dtype). Any two
+# of these map at the PD hand-off (the receiver converts, disagg/kv_layout.py).
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
                "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
                "tb": 1000**4, "tib": 1024**4}
@@ -92,6 +96,8 @@ class EngineArgs:
     model: str | None = knob(None, "Hugging Face Qwen3 checkpoint directory (default: a random-weight demo model "
                                    "built once)")
     dtype: str = knob("auto", "auto, float32, bfloat16 or float16")
+    kv_cache_dtype: str = knob("auto", "element type of the KV pool: auto (the model's --dtype), float32, bfloat16 "
+                                       "or float16; attention reads KV in it and computes in --dtype")
     device: str = knob("auto", "auto, cpu or cuda[:N]")
     block_size: int = knob(16, "tokens per KV block")
     max_num_seqs: int = knob(256, "max sequences running at once")
@@ -127,6 +133,8 @@ class EngineArgs:
             (self.preemption_mode in (None, "recompute", "swap"), "preemption_mode must be recompute or swap"),
             (self.device in ("auto", "cpu") or self.device.startswith("cuda"), "device must be auto, cpu or cuda[:N]"),
             (self.kv_disk_dir is None or self.enable_prefix_caching, "kv_disk_dir needs prefix caching"),
+            (self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"),
             (self.kv_disk_dir is None or parse_size_bytes(self.kv_disk_size) > 0, "kv_disk_size must be > 0"),
         ]
         for ok, message in checks:
@@ -146,10 +154,16 @@ class EngineConfig:
     num_threads: int | None
     kv_disk: KVDiskConfig | None = None
     tensor_parallel_size: int = 1
+    kv_cache_dtype: torch.dtype | None = None  # the pool's element type; None: `dtype`
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV pool's element type (attention reads it, computes in `dtype`)."""
+        return self.kv_cache_dtype or self.dtype
 
     @property
     def kv_bytes_per_block(self) -> int:
-        return kv_bytes_per_block(self.model, self.cache.block_size, self.dtype)
+        return kv_bytes_per_block(self.model, self.cache.block_size, self.kv_dtype)
 
 
 def kv_bytes_per_block(model: Qwen3ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -169,9 +183,9 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _num_kv_blocks(args: EngineArgs, model: Qwen3ModelConfig, dtype: torch.dtype, device: torch.device,
-                   max_batched_tokens: int) -> int:
-    block_bytes = kv_bytes_per_block(model, args.block_size, dtype)
+def _num_kv_blocks(args: EngineArgs, model: Qwen3ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype,
+                   device: torch.device, max_batched_tokens: int) -> int:
+    block_bytes = kv_bytes_per_block(model, args.block_size, kv_dtype)
     if args.num_kv_blocks is not None:
         return args.num_kv_blocks
     if args.kv_cache_memory is not None:
@@ -211,6 +225,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     check_tp_size(model, args.tensor_parallel_size)
     device = _device(args.device)
     dtype = resolve_dtype(args.dtype, model.torch_dtype, device)
+    kv_dtype = dtype if args.kv_cache_dtype == "auto" else DTYPES[args.kv_cache_dtype]
     max_model_len = args.max_model_len or model.max_position_embeddings
     if max_model_len > model.max_position_embeddings:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
@@ -220,8 +235,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     if not args.enable_chunked_prefill and max_batched < max_model_len:
         raise ValueError(f"without chunked prefill, max_num_batched_tokens ({max_batched}) must be >= "
                          f"max_model_len ({max_model_len}) or long prompts could never be scheduled")
-    num_blocks = _num_kv_blocks(args, model, dtype, device, max_batched)
-    num_swap_blocks = int(args.swap_space * 1024**3) // kv_bytes_per_block(model, args.block_size, dtype)
+    num_blocks = _num_kv_blocks(args, model, dtype, kv_dtype, device, max_batched)
+    num_swap_blocks = int(args.swap_space * 1024**3) // kv_bytes_per_block(model, args.block_size, kv_dtype)
     preemption = args.preemption_mode or ("swap" if num_swap_blocks > 0 else "recompute")
     return EngineConfig(
         model_path=model_path,
@@ -236,6 +251,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         kv_disk=None if args.kv_disk_dir is None else KVDiskConfig(args.kv_disk_dir,
                                                                    parse_size_bytes(args.kv_disk_size)),
         tensor_parallel_size=args.tensor_parallel_size,
+        kv_cache_dtype=kv_dtype,
     )
 
 

@@ -91,10 +91,10 @@ def start_cluster(model_dir: Path, transport: str, num_prefill: int, num_decode:
     urls: dict[str, list[str]] = {"prefill": [], "decode": []}
     for role, count in (("decode", num_decode), ("prefill", num_prefill)):
         for _ in range(count):
-            engine = LLMEngine.from_engine_args(EngineArgs(
-                model=str(model_dir), dtype="float32", num_kv_blocks=decode_kv_blocks if role == "decode" else 256,
-                max_num_batched_tokens=max_num_batched_tokens,
-                block_size=decode_block_size if role == "decode" else 16, **(engine_options or {}).get(role, {})))
+            args: dict[str, Any] = {"model": str(model_dir), "dtype": "float32", "max_num_batched_tokens":
+                                    max_num_batched_tokens, "num_kv_blocks": decode_kv_blocks if role == "decode"
+                                    else 256, "block_size": decode_block_size if role == "decode" else 16}
+            engine = LLMEngine.from_engine_args(EngineArgs(**(args | (engine_options or {}).get(role, {}))))
             config = WorkerConfig(role=role, kv_transport=transport, kv_failure_policy=policy,
                                   kv_transfer_timeout_ms=round(timeout_s * 1000), **(worker_options or {}))
             worker = build_worker(engine, config, MODEL, sender_options=prefill_options)

@@ -130,7 +130,8 @@ def test_up_hands_every_process_the_configs_it_was_given() -> None:
     """What `up` writes on each command line parses, in that process, into `up`'s own configs:
     up, serve and router cannot drift apart. Workers register with the router, which gets no URLs."""
     argv = ["up", "--prefill", "2", "--queue", "redis://r:6379/0", "--pd-threshold", "64", "--kv-transport", "tcp",
-            "--kv-failure-policy", "fail", "--max-num-seqs", "4", "--port", "8100"]
+            "--kv-failure-policy", "fail", "--max-num-seqs", "4", "--port", "8100", "--kv-cache-dtype", "bfloat16",
+            "--decode-kv-cache-dtype", "float32"]
     ns, engine_flags = build_parser().parse_known_args(argv)
     options, router, worker, worker_flags = up_plan(ns, engine_flags)
     commands = up.CommandLines(options, router, worker, tuple(worker_flags), cpus=4)
@@ -140,6 +141,7 @@ def test_up_hands_every_process_the_configs_it_was_given() -> None:
         child = build_parser().parse_args(spawned[3:])
         assert config_from_args(WorkerConfig, child, role=child.role) == dataclasses.replace(worker, role=role)
         assert (child.role, child.port, child.max_num_seqs, child.num_threads) == (role, 9001, 4, 1)
+        assert child.kv_cache_dtype == {"prefill": "bfloat16", "decode": "float32"}[role]  # per role over all
     child = build_parser().parse_args(commands("router", 8100, 3)[3:])
     assert config_from_args(RouterConfig, child) == router and child.port == 8100
     assert router.prefill == router.decode == () and router.accept_registrations

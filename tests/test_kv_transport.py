@@ -180,7 +180,7 @@ def header(request_id: str = "r", layer: int = 0, dst: tuple[int, ...] = (3, 5),
     (header(layer=-1), "layer -1 out of range"),
     (header(dst=(3, 3)), "must be distinct"),
     (header(num_bytes=1), "byte count 1"),
-    (header(dtype="float16"), "dtype float16"),
+    (header(dtype="uint8"), "dtype uint8"),  # float16 would be converted (test_kv_dtype.py)
     (header(shape=(2, 2, 4, 8, 2)), "shape"),
 ])
 def test_reservation_table_rejects_each_bad_header(bad: LayerHeader, reason: str) -> None:
@@ -329,7 +329,8 @@ def test_transfer_crosses_processes(remote: tuple[str, RemotePrefill]) -> None:
 
 @pytest.mark.parametrize("field", ["block_size", "dtype", "num_layers", "head_dim", "model_id"])
 def test_layout_mismatch_refused_at_connect_on_both_sides(transport: str, decode: Decode, field: str) -> None:
-    changed = {"block_size": 8, "dtype": "float16", "num_layers": 2, "head_dim": 16, "model_id": "other-model"}
+    # NOTE: a float16 pool would be converted (test_kv_dtype.py); a float8 one cannot be
+    changed = {"block_size": 8, "dtype": "float8_e4m3fn", "num_layers": 2, "head_dim": 16, "model_id": "other-model"}
     spec = SPEC.with_(**{field: changed[field]})
     pool = spec.pool(PREFILL_SEED)
     sender = make_sender(transport, spec.layout(pool), pool)
@@ -367,7 +368,8 @@ def test_layout_mismatch_refused_across_processes(remote: tuple[str, RemotePrefi
     transport, prefill = remote
     decode = Decode(transport)
     try:
-        prefill.new_sender(f"bad-{field}", SPEC.with_(**{field: {"block_size": 16, "dtype": "float16"}[field]}), 3)
+        bad = {"block_size": 16, "dtype": "float8_e4m3fn"}[field]
+        prefill.new_sender(f"bad-{field}", SPEC.with_(**{field: bad}), 3)
         with pytest.raises(KVLayoutMismatch, match=f"KV layout mismatch on {field}") as e:
             prefill.call(f"bad-{field}", "connect", decode.receiver.address)
         assert e.value.field == field and decode.receiver.refusals[-1].field == field
@@ -576,11 +578,12 @@ def test_transport_benchmark_runs_every_method_in_rounds_and_checks_the_bytes() 
     transports = ["tcp", "nixl"] if nixl_available() else ["tcp"]
     seconds = bench.run_workload(work, transports, reps=2)
     expected = {"memcpy, alone", "raw socket, alone", "memcpy", "raw socket"} | {
-        f"{name}, {placement}" for name in transports for placement in bench.PLACEMENTS}
+        f"{name}, {placement}" for name in transports for placement in bench.PLACEMENTS} | {
+        f"{name}, served, from float32" for name in transports}  # converted on arrival, checked too
     assert set(seconds) == expected
     assert all(len(times) == 2 and min(times) > 0 for times in seconds.values())
     assert bench.ratio(seconds, "memcpy", "memcpy") == 1.0
-    assert len(bench._verdicts(seconds)) == len(transports) * len(bench.PLACEMENTS)
+    assert len(bench._verdicts(seconds)) == len(transports) * (len(bench.PLACEMENTS) + 1)
 
 
 @pytest.mark.skipif(not nixl_available(), reason="nixl_cu12 is not installed")

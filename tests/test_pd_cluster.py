@@ -125,12 +125,15 @@ def test_transfer_stall_retries_once_then_applies_the_policy(model_dirs: dict[st
 
 
 def test_kv_layout_mismatch_is_refused_with_the_field_named(model_dirs: dict[str, Path]) -> None:
-    cluster = start_cluster(model_dirs["tiny"], "tcp", 1, 1, decode_block_size=32)
+    """Block sizes differ (unmappable) and so do KV dtypes (mappable, test_kv_dtype.py): the refusal
+    names block_size."""
+    cluster = start_cluster(model_dirs["tiny"], "tcp", 1, 1, decode_block_size=32,
+                            engine_options={"decode": {"kv_cache_dtype": "bfloat16"}})
     try:
         with httpx.Client(base_url=cluster.router.url, timeout=60) as http:
             reply = http.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 4})
         assert reply.status_code == 409, reply.text
-        assert "block_size" in reply.json()["error"]["message"]
+        assert "KV layout mismatch on block_size" in reply.json()["error"]["message"]
         cluster.wait_until_idle()
     finally:
         stop_cluster(cluster)

@@ -154,12 +154,19 @@ def test_a_rank_killed_mid_step_ends_the_engine_without_hanging(model_dirs: dict
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("transport", "prefill_tp", "decode_tp"), [("tcp", 2, 1), ("tcp", 1, 2), ("nixl", 2, 1)],
-                         ids=["tcp-P-TP2-to-D-TP1", "tcp-P-TP1-to-D-TP2", "nixl-P-TP2-to-D-TP1"])
-def test_pd_hand_off_between_tp_sizes_matches_colocated(model_dirs: dict[str, Path], colocated: LLM,
-                                                        transport: str, prefill_tp: int, decode_tp: int) -> None:
+@pytest.mark.parametrize(("transport", "prefill_tp", "decode_tp", "decode_kv"),
+                         [("tcp", 2, 1, "auto"), ("tcp", 1, 2, "auto"), ("nixl", 2, 1, "bfloat16")],
+                         ids=["tcp-P-TP2-to-D-TP1", "tcp-P-TP1-to-D-TP2", "nixl-P-TP2-to-D-TP1-KV-bf16"])
+def test_pd_hand_off_between_tp_sizes_matches_colocated(model_dirs: dict[str, Path], llm_factory: Callable[..., LLM],
+                                                        transport: str, prefill_tp: int, decode_tp: int,
+                                                        decode_kv: str) -> None:
+    """`decode_kv` bfloat16: the hand-off also converts (prefill's pool is float32, its ranks'
+    shared one); the reference is then a colocated engine with a bfloat16 pool, which rounds the
+    prompt's KV as decode does on arrival (prefill reads its own earlier chunks back unrounded, as
+    the reference, which computes the prompt in one chunk, never reads them)."""
+    colocated = llm_factory("tiny", kv_cache_dtype=decode_kv)
     engine_options = {"prefill": {"tensor_parallel_size": prefill_tp, "num_threads": 1},
-                      "decode": {"tensor_parallel_size": decode_tp, "num_threads": 1}}
+                      "decode": {"tensor_parallel_size": decode_tp, "num_threads": 1, "kv_cache_dtype": decode_kv}}
     cluster = start_cluster(model_dirs["tiny"], transport, 1, 1, engine_options=engine_options)
     try:
         with httpx.Client(base_url=cluster.router.url, timeout=60) as http:
@@ -177,5 +184,7 @@ def test_pd_hand_off_between_tp_sizes_matches_colocated(model_dirs: dict[str, Pa
         cluster.wait_until_idle()
         prefill_stats = cluster.workers[1][1].engine.stats()
         assert prefill_stats.num_prefill_tokens > 0  # the prompts were computed there and handed off
+        decode = cluster.services[0].stats()  # the decode worker is built first
+        assert decode.completed > 0 and decode.kv_dtype_conversions == (0 if decode_kv == "auto" else decode.completed)
     finally:
         stop_cluster(cluster)

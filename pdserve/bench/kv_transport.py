@@ -18,6 +18,11 @@ Every buffer, pools and baselines alike, is host memory as the engine allocates 
   processes over loopback, then a 1-byte ack (the ceiling for any socket transport).
 - tcp / nixl: `send_layer` for every layer + `send_done`, timed until `flush` returns, i.e. decode
   acknowledged every payload as written into its pool.
+- "served, from DTYPE": the same, from a prefill pool in another KV dtype (`CONVERT_FROM`: the
+  bfloat16 <-> float32 pairs, so half or twice the bytes on the wire; MiB is decode's): decode lands
+  each layer in staging and casts it into its blocks. Its verdict line gives the paired ratio to
+  the same-dtype "served" row. (float16 -> bfloat16 would keep the bytes equal, but this CPU casts
+  between the two half types at ~5 ns an element, 2-3x a float32 <-> bfloat16 cast.)
 Measured in rounds: each round runs every method once, back to back, `--reps` rounds after warm-up
 rounds. A row's time is the median over rounds; its ratios are medians of the per-round ratios, so
 a slow spell of a shared machine slows a method and its baseline alike instead of skewing the
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import multiprocessing
 import multiprocessing.connection
 import socket
@@ -48,6 +54,8 @@ from pdserve.disagg.transport import KVSender, make_sender, nixl_available
 
 _NUM_WARMUP = 2
 BASELINES = ("memcpy", "raw socket")
+# decode pool's dtype -> the prefill pool's in the converted rows
+CONVERT_FROM = {"bfloat16": "float32", "float16": "float32", "float32": "bfloat16"}
 
 
 class _Memcpy:
@@ -89,6 +97,7 @@ class _Transport:
 
     def __init__(self, conn: multiprocessing.connection.Connection, work: KVWorkload, pool: torch.Tensor,
                  name: str, sender: KVSender, placement: str) -> None:
+        """`pool` is the sender's (in another dtype than decode's for a converted row)."""
         self._conn, self._work, self._pool, self.name = conn, work, pool, name
         self.src, self.dst = work.placement(placement)
         self._sender = sender
@@ -117,7 +126,8 @@ class _Transport:
         self.once(rid)
         self.drain(rid)
         self._conn.send(("digest", self.dst))
-        if self._conn.recv() != digest(self._pool, self.src):
+        sent = self._pool[:, :, torch.tensor(self.src)].to(getattr(torch, self._work.dtype))
+        if self._conn.recv() != digest(sent, list(range(len(self.src)))):
             raise RuntimeError(f"{self.name}: decode's blocks differ from prefill's")
 
     def close(self) -> None:
@@ -137,13 +147,7 @@ def run_workload(work: KVWorkload, transports: list[str], reps: int) -> dict[str
         pool = work.pool(SEED)
         baselines: dict[str, _Memcpy | _RawSocket] = {"memcpy": _Memcpy(work), "raw socket": _RawSocket(work)}
         methods.update(baselines)
-        for name in transports:  # one sender per transport, as a prefill worker has per decode worker
-            conn.send(("receiver", name))
-            senders[name] = make_sender(name, work.layout(), pool)
-            senders[name].connect(conn.recv())
-        for placement in PLACEMENTS:
-            for name in transports:
-                methods[f"{name}, {placement}"] = _Transport(conn, work, pool, name, senders[name], placement)
+        methods.update(_transports(conn, work, pool, transports, senders))
         seconds: dict[str, list[float]] = {f"{method}, alone": _alone(baselines[method], reps)
                                            for method in BASELINES}
         seconds.update({method: [] for method in methods})
@@ -173,6 +177,27 @@ def run_workload(work: KVWorkload, transports: list[str], reps: int) -> dict[str
         if decode.is_alive():
             decode.kill()
     return seconds
+
+
+def _transports(conn: multiprocessing.connection.Connection, work: KVWorkload, pool: torch.Tensor,
+                transports: list[str], senders: dict[str, KVSender]) -> dict[str, _Transport]:
+    """Each transport's methods: one per placement, and the converted one; `senders` gets the
+    senders (two per transport: one per prefill pool, both to the same receiver)."""
+    other = dataclasses.replace(work, dtype=CONVERT_FROM[work.dtype])
+    other_pool = other.pool(SEED)
+    for name in transports:  # one sender per transport, as a prefill worker has per decode worker
+        conn.send(("receiver", name))
+        address = conn.recv()
+        senders[name] = make_sender(name, work.layout(), pool)
+        senders[f"{name}, from"] = make_sender(name, other.layout(), other_pool)
+        for sender in (senders[name], senders[f"{name}, from"]):
+            sender.connect(address)
+    methods = {f"{name}, {placement}": _Transport(conn, work, pool, name, senders[name], placement)
+               for placement in PLACEMENTS for name in transports}
+    for name in transports:
+        methods[f"{name}, served, from {other.dtype}"] = _Transport(conn, work, other_pool, name,
+                                                                    senders[f"{name}, from"], "served")
+    return methods
 
 
 def _alone(runner: _Memcpy | _RawSocket, reps: int) -> list[float]:
@@ -213,6 +238,9 @@ def _verdicts(seconds: dict[str, list[float]]) -> list[str]:
                 alone = statistics.median(seconds[f"{base}, alone"]) / statistics.median(seconds[method])
                 out.append(f"{name} {placement} / {base} = {ratio(seconds, base, method):.2f} (vs {base} alone: "
                            f"{alone:.2f})")
+    for method in [m for m in seconds if ", from " in m]:
+        same = method.split(", from ")[0]
+        out.append(f"{method} / {same} (the conversion's cost, paired) = {ratio(seconds, same, method):.2f}")
     return out
 
 

@@ -107,7 +107,8 @@ class DecodeService:
         return len(self._requests)
 
     def stats(self) -> DecodeStats:
-        return DecodeStats(**dataclasses.asdict(self._counts), in_flight=self.num_in_flight)
+        return DecodeStats(**dataclasses.asdict(self._counts), in_flight=self.num_in_flight,
+                           kv_dtype_conversions=self.receiver.num_dtype_conversions)
 
     async def reserve(self, body: ReserveRequest) -> ReserveReply | None:
         """None when the pool has no room now (or the worker drains). Raises ValueError for a
@@ -238,6 +239,11 @@ class DecodeService:
         self._requests.pop(request_id, None)
         self._meter.forget(request_id)
 
+    def _expects(self, rid: str, tid: str) -> bool:
+        """Whether the request still waits for the KV of attempt `tid`."""
+        record = self._requests.get(rid)
+        return record is not None and record.transfer_id == tid
+
     async def _watch(self, rid: str, tid: str) -> None:
         started = False
         while True:
@@ -246,8 +252,9 @@ class DecodeService:
                 # prefill worker: only the (much longer) lease runs, and keepalives extend it.
                 event = await self.receiver.wait(tid, self.transfer_timeout_s if started else
                                                  self.lease_s or _LIVENESS_POLL_S)
-                self._meter.on_event(rid, event)
             except KVTransferTimeout:
+                if not self._expects(rid, tid):
+                    return
                 if not started:
                     if self.lease_s:
                         self._expire_lease(rid, tid)
@@ -259,6 +266,14 @@ class DecodeService:
                 return
             except KVTransferError:
                 return  # cancelled: the request was aborted or retargeted
+            if not self._expects(rid, tid):
+                # NOTE: superseded (retargeted) or ended meanwhile, though this task may not have seen
+                # its cancel: acting on the old attempt's KVDone would start decoding in blocks the
+                # new attempt still writes into (issue 16)
+                logger.info("request %s: ignoring %s of attempt %s, which it no longer expects", rid,
+                            type(event).__name__, tid)
+                return
+            self._meter.on_event(rid, event)
             started = True
             if isinstance(event, KVRejected):
                 self._counts.rejected += 1

@@ -1,8 +1,10 @@
 """The KV layout descriptor two workers compare before any KV moves between them.
 
 A prefill worker may only write into a decode worker's pool when both pools agree on what a block
-*is*: same model, same element type, same block size, same per-layer shape and the same order of
-dimensions. `KVLayout` captures exactly that (the number of blocks is each pool's own business).
+*is*: same model, same block size, same per-layer shape and the same order of dimensions.
+`KVLayout` captures exactly that (the number of blocks is each pool's own business). The element
+type may differ between two float types (`CONVERTIBLE_DTYPES`, each side's `--kv-cache-dtype`): the
+sender sends its own bytes and the receiver converts them on arrival into its pool's type.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ from pdserve.engine.model_runner import POOL_LAYOUT
 # prefill_cached_tokens (absent from an older peer's: 0, see wire.py). 5: DONE carries the prompt's
 # logprobs (prompt_logprobs through the router); an older decode would refuse the unknown field.
 WIRE_VERSION = 5
+
+# Element types a receiver converts between on arrival (any pair; not quantized formats: those
+# need scales the layout does not carry).
+CONVERTIBLE_DTYPES = frozenset({"float32", "bfloat16", "float16"})
 
 _ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1}
 
@@ -102,10 +108,23 @@ class KVLayout:
         """Shape of one layer's payload for `num_blocks` blocks: [k|v, block, slot, head, dim]."""
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
-    def check_compatible(self, peer: KVLayout, *, self_role: str = "local", peer_role: str = "peer") -> None:
-        """Raise KVLayoutMismatch naming the first field (in declaration order) that differs."""
+    def converts_from(self, peer: KVLayout) -> bool:
+        """Whether a receiver with this layout converts `peer`'s payloads on arrival: both pools hold
+        plain (unquantized) float types of `CONVERTIBLE_DTYPES`, and they differ."""
+        return (self.dtype != peer.dtype and {self.dtype, peer.dtype} <= CONVERTIBLE_DTYPES
+                and self.kv_cache_dtype == self.dtype and peer.kv_cache_dtype == peer.dtype)
+
+    def as_dtype(self, dtype: str) -> KVLayout:
+        """This layout holding `dtype` elements: what a payload a peer sends in `dtype` looks like."""
+        return dataclasses.replace(self, dtype=dtype, kv_cache_dtype=dtype)
+
+    def check_compatible(self, peer: KVLayout, *, self_role: str = "local", peer_role: str = "peer",
+                         convert_dtype: bool = False) -> None:
+        """Raise KVLayoutMismatch naming the first field (in declaration order) that differs.
+        `convert_dtype` (the KV hand-off): element types that `converts_from` maps are no mismatch."""
+        skip = {"dtype", "kv_cache_dtype"} if convert_dtype and self.converts_from(peer) else set()
         for field in dataclasses.fields(self):
-            if not field.compare:
+            if not field.compare or field.name in skip:
                 continue
             mine, theirs = getattr(self, field.name), getattr(peer, field.name)
             if mine != theirs:

@@ -36,7 +36,7 @@ class DiskOffload:
         if runner.kv_cache.shape[4] != config.model.num_key_value_heads:
             raise ValueError("--kv-disk-dir with --tensor-parallel-size > 1 needs the CPU device (its ranks share one "
                              "KV pool); on CUDA each rank's pool holds only its heads: not supported yet")
-        self.tier = KVDiskTier(config.kv_disk, DiskLayout.of_engine(config), config.dtype)
+        self.tier = KVDiskTier(config.kv_disk, DiskLayout.of_engine(config), config.kv_dtype)
         self.scheduler = scheduler
         self.runner = runner
         scheduler.attach_disk_tier(self.tier)

@@ -64,7 +64,7 @@ class DiskLayout:
     @classmethod
     def of_engine(cls, config: EngineConfig) -> DiskLayout:
         m = config.model
-        return cls(_model_id(config.model_path), str(config.dtype).removeprefix("torch."), config.cache.block_size,
+        return cls(_model_id(config.model_path), str(config.kv_dtype).removeprefix("torch."), config.cache.block_size,
                    m.num_hidden_layers, m.num_key_value_heads, m.head_dim)
 
     def to_dict(self) -> dict[str, object]:

@@ -41,14 +41,14 @@ class ModelRunner:
         if shared_pool is None:
             shape = (m.num_hidden_layers, 2, config.cache.num_kv_blocks, self.block_size, m.num_key_value_heads,
                      m.head_dim)
-            self.kv_cache = _zeroed_pool(shape, config.dtype, self.device)
+            self.kv_cache = _zeroed_pool(shape, config.kv_dtype, self.device)
             self.local_cache = self.kv_cache
         else:
             self.kv_cache = shared_pool
             first, end = local_kv_heads
             self.local_cache = shared_pool.narrow(4, first, end - first)
         swap_shape = (m.num_hidden_layers, 2, config.cache.num_swap_blocks) + tuple(self.local_cache.shape[3:])
-        self.swap_cache = torch.empty(swap_shape, dtype=config.dtype, device="cpu",
+        self.swap_cache = torch.empty(swap_shape, dtype=config.kv_dtype, device="cpu",
                                       pin_memory=self.device.type == "cuda" and config.cache.num_swap_blocks > 0)
         self.layer_caches = list(self.local_cache.unbind(0))
         self.sampler = Sampler(config.seed, self.device)
@@ -141,8 +141,8 @@ class ModelRunner:
             rows=self._tensor(rows),
             block_ids=self._tensor([b for t in tables for b in t + [0] * (max_blocks - len(t))]),
             mask=mask[:, None, None, :].to(self.device),
-            k_buf=torch.empty(buf_shape, dtype=self.config.dtype, device=self.device),
-            v_buf=torch.empty(buf_shape, dtype=self.config.dtype, device=self.device),
+            k_buf=torch.empty(buf_shape, dtype=self.config.kv_dtype, device=self.device),
+            v_buf=torch.empty(buf_shape, dtype=self.config.kv_dtype, device=self.device),
         )
 
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:

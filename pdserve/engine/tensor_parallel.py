@@ -99,7 +99,7 @@ def build_rank_runner(config: EngineConfig, group: TorchGroup, pool_path: str | 
     m = config.model
     shape = (m.num_hidden_layers, 2, config.cache.num_kv_blocks, config.cache.block_size, m.num_key_value_heads,
              m.head_dim)
-    pool = torch.from_file(pool_path, shared=True, size=math.prod(shape), dtype=config.dtype).view(shape)
+    pool = torch.from_file(pool_path, shared=True, size=math.prod(shape), dtype=config.kv_dtype).view(shape)
     return runner_class(config, model, pool, TPShard(rank, size).kv_head_range(m))
 
 

@@ -9,6 +9,11 @@ A *slot* is one token's place in the pool: ``slot = block_id * block_size + offs
 
 The runner computes slots and block tables (ids -> tensors); this module only writes the new
 tokens' K/V at their slots and reads back each sequence's whole context.
+
+The pool's element type (`--kv-cache-dtype`) may differ from the model's (`--dtype`): new K/V are
+cast to the pool's type when written, and what is read from the pool is cast to the query's type
+before any math, so attention always computes in the model's dtype. A prompt's first chunk attends
+to its own fresh K/V (never read back from the pool), as with an equal pool type.
 """
 
 from __future__ import annotations
@@ -53,8 +58,8 @@ class AttentionMetadata:
 
 def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     num_kv_heads, head_dim = k.shape[-2:]
-    layer_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    layer_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    layer_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(layer_cache.dtype))
+    layer_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(layer_cache.dtype))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
@@ -80,8 +85,8 @@ def _decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, batch: DecodeB
     kv_len = batch.mask.shape[-1]
     torch.index_select(layer_cache[0], 0, batch.block_ids, out=batch.k_buf)
     torch.index_select(layer_cache[1], 0, batch.block_ids, out=batch.v_buf)
-    keys = batch.k_buf.view(num_seqs, kv_len, num_kv_heads, head_dim).transpose(1, 2)
-    values = batch.v_buf.view(num_seqs, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+    keys = batch.k_buf.to(q.dtype).view(num_seqs, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+    values = batch.v_buf.to(q.dtype).view(num_seqs, kv_len, num_kv_heads, head_dim).transpose(1, 2)
     grouped = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=batch.mask, scale=scale)
     return out.reshape(num_seqs, num_heads, head_dim)
@@ -98,8 +103,8 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_
         out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)
     num_kv_heads, head_dim = layer_cache.shape[3:]
-    keys = layer_cache[0][span.block_table].view(-1, num_kv_heads, head_dim)[:span.context_len]
-    values = layer_cache[1][span.block_table].view(-1, num_kv_heads, head_dim)[:span.context_len]
+    keys = layer_cache[0][span.block_table].view(-1, num_kv_heads, head_dim)[:span.context_len].to(q.dtype)
+    values = layer_cache[1][span.block_table].view(-1, num_kv_heads, head_dim)[:span.context_len].to(q.dtype)
     # Query i sits at absolute position (context_len - num_new + i) and sees keys up to it.
     offset = span.context_len - num_new
     rows = torch.arange(num_new, device=q.device)[:, None] + offset

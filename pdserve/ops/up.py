@@ -79,6 +79,7 @@ class UpOptions:
     api: ApiConfig = field(default_factory=ApiConfig)  # the router's client keys and caps
     colocated: int = 0  # > 0: that many colocated replicas behind a balancer, no prefill or decode workers
     cpus_per_worker: int | None = None  # each worker pinned to its own cores (None: not pinned)
+    kv_cache_dtypes: tuple[tuple[str, str], ...] = ()  # (role, --kv-cache-dtype): over the engine flags'
 
     @property
     def router_url(self) -> str:
@@ -142,8 +143,9 @@ class CommandLines:
             return [*head, "serve", "--num-threads", str(threads), *pin, *api, *self.engine_flags, "--port", str(port)]
         # NOTE: later flags win: the engine flags over --num-threads and over the worker config; the
         # role and port over anything in the engine flags
+        kv_dtype = [f"--kv-cache-dtype={dtype}" for of, dtype in self.options.kv_cache_dtypes if of == role]
         return [*head, "serve", "--num-threads", str(threads), *pin, *to_argv(self.worker, exclude=("role",)),
-                *self.engine_flags, "--role", role, "--port", str(port)]
+                *self.engine_flags, *kv_dtype, "--role", role, "--port", str(port)]
 
 
 def _tensor_parallel_size(engine_flags: tuple[str, ...]) -> int:

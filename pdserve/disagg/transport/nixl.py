@@ -16,7 +16,9 @@ exchanges layouts and agent metadata; after it, everything travels as NIXL notif
          <------ ACK | REJECT                     may overtake each other)
 
 Layout: a layer payload is 2 * len(blocks) regions of `layout.region_bytes` (see `regions`); a
-WRITE has one descriptor per region, merged where both sides are adjacent. Each descriptor costs
+WRITE has one descriptor per region, merged where both sides are adjacent. A payload in another
+element type than decode's pool (`--kv-cache-dtype`) is granted a staging range instead, and cast
+into its blocks on WRITTEN (nixl_staging.py). Each descriptor costs
 ~3 us on loopback (UCX CMA), so small regions in scattered blocks bound the throughput.
 
 Trust. Validation happens before any byte moves: decode hands out the addresses of a payload's
@@ -61,6 +63,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+from collections import deque
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -91,6 +95,7 @@ from pdserve.disagg.transport.nixl_agent import (
     region_addrs,
 )
 from pdserve.disagg.transport.nixl_sender import GRANT_MAX_AGE_S, NixlKVSender
+from pdserve.disagg.transport.nixl_staging import Staging
 from pdserve.disagg.transport.reservations import PayloadRejected
 
 __all__ = ["GRANT_MAX_AGE_S", "LATE_WRITE_WINDOW_S", "NixlKVReceiver", "NixlKVSender"]
@@ -117,6 +122,7 @@ class NixlKVReceiver(KVReceiver):
         self._peers: set[str] = set()                       # I/O thread only
         self._links: set[socket.socket] = set()             # handshake sockets held open; I/O thread only
         self._grants: dict[tuple[str, int], LayerHeader] = {}  # (peer, claim id) -> granted; I/O thread only
+        self._staging = Staging(kv_cache, layout)  # I/O thread only
         self._io.submit(self._accept_loop())
         self._io.submit(self._poll_loop())
 
@@ -131,6 +137,11 @@ class NixlKVReceiver(KVReceiver):
     def cancel(self, request_id: str) -> None:
         super().cancel(request_id)
         self._io.call_soon(self._drop_grants, request_id)
+
+    @property
+    def num_staging_bytes_in_use(self) -> int:
+        """Staging taken by grants of converted payloads (tests: nothing left behind)."""
+        return int(self._io.call(lambda: self._staging.num_bytes_in_use))
 
     def close(self) -> None:
         if not self._io.running:
@@ -147,6 +158,7 @@ class NixlKVReceiver(KVReceiver):
             with contextlib.suppress(Exception):
                 self._agent.remove_remote_agent(peer)
         self._agent.deregister_memory(self._registration)
+        self._staging.close(self._agent)
 
     async def _accept_loop(self) -> None:
         await frames.accept_forever(self._listener, self._handshake_on)
@@ -183,6 +195,8 @@ class NixlKVReceiver(KVReceiver):
             self._peers.discard(peer)
             for key in [k for k in self._grants if k[0] == peer]:
                 del self._grants[key]
+                self._staging.hold(key, LATE_WRITE_WINDOW_S)  # a WRITE it posted may still land there
+            self._staging.waiting = deque((p, c) for p, c in self._staging.waiting if p != peer)
             with contextlib.suppress(Exception):
                 self._agent.remove_remote_agent(peer)
 
@@ -193,6 +207,8 @@ class NixlKVReceiver(KVReceiver):
         # NOTE: load prefill's connection info before answering, so our first reply can reach it.
         try:
             added.append(agent_name(self._agent.add_remote_agent(hello.nixl_metadata)))
+            if self.layout.converts_from(hello.layout) and self._staging.register(self._agent):
+                self._metadata = self._agent.get_agent_metadata()  # now with the staging registration
         except Exception as e:  # NOTE: the bindings raise their own exception classes (nixl*Error)
             return replace(welcome, refusal=f"unusable NIXL agent metadata: {e!r}")
         self._peers.add(added[-1])
@@ -202,7 +218,9 @@ class NixlKVReceiver(KVReceiver):
         poller = Poller()
         while True:
             notifs = poll_notifs(self._agent, self._on_notif)
-            await poller.pause(active=bool(notifs or self._grants))
+            if self._staging.expire():
+                self._grant_waiting()
+            await poller.pause(active=bool(notifs or self._grants or self._staging.waiting))
 
     def _on_notif(self, peer: str, raw: bytes) -> None:
         message = accept_notif(peer, peer in self._peers, raw)
@@ -213,32 +231,51 @@ class NixlKVReceiver(KVReceiver):
         elif isinstance(message, Written):
             self._on_written(peer, message)
         elif isinstance(message, DoneHeader):
-            reply = self._admit_done(message, in_order=False)
-            if reply is not None:
-                self._notify(peer, reply)
+            self._notify(peer, self._admit_done(message, in_order=False))
         else:
             logger.warning("dropped an unexpected %s notification from %s", type(message).__name__, peer)
 
-    def _on_claim(self, peer: str, claim: Claim) -> Grant | Reject:
+    def _on_claim(self, peer: str, claim: Claim) -> Grant | Reject | None:
+        """Grants the pool's regions, or a staging range to a payload to convert (None: it waits)."""
         header = claim.header
         try:
             self._table.check_layer(header)
+            if header.dtype != self.layout.dtype and self._staging.buffer is None:
+                raise PayloadRejected(header.request_id, f"dtype {header.dtype}: no handshake declared it, no staging",
+                                      request_known=True)
         except PayloadRejected as e:
             return self._reject(e)
-        self._grants[(peer, claim.claim_id)] = header
-        addrs = region_addrs(self.kv_cache, self.layout, header.layer, header.dst_block_ids)
-        return Grant(header.request_id, claim.claim_id, tuple(addrs.tolist()), self.layout.region_bytes)
+        key = (peer, claim.claim_id)
+        staged = None if header.dtype == self.layout.dtype else self._staging.grant(key, header)
+        if staged is None and header.dtype != self.layout.dtype:
+            self._staging.waiting.append((peer, claim))
+            return None
+        addrs, region_bytes = staged or (region_addrs(self.kv_cache, self.layout, header.layer, header.dst_block_ids),
+                                         self.layout.region_bytes)
+        self._grants[key] = header
+        return Grant(header.request_id, claim.claim_id, tuple(addrs.tolist()), region_bytes)
+
+    def _grant_waiting(self) -> None:
+        waiting, self._staging.waiting = self._staging.waiting, deque()
+        for peer, claim in waiting:
+            self._notify(peer, self._on_claim(peer, claim))
 
     def _on_written(self, peer: str, written: Written) -> None:
         header = written.header
         granted = self._grants.pop((peer, written.claim_id), None)
         if granted != header:
+            self._staging.hold((peer, written.claim_id), LATE_WRITE_WINDOW_S)
             known = self._table.is_reserved(header.request_id)
             self._notify(peer, self._reject(PayloadRejected(
                 header.request_id, f"write notification for claim {written.claim_id} matches no grant", known)))
             return
         # The bytes already landed (RDMA); admitting re-checks that the request is still reserved.
-        self._notify(peer, self._admit_layer(header, lambda: None))
+        # NOTE: a payload to convert landed in staging: cast into the blocks, then its range frees
+        key = (peer, written.claim_id)
+        cast: Callable[[], None] = lambda: self._copy_into_pool(header, self._staging.payload(key))  # noqa: E731
+        self._notify(peer, self._admit_layer(header, cast if header.dtype != self.layout.dtype else lambda: None))
+        if self._staging.release(key):
+            self._grant_waiting()
         done = self._table.take_ready_done(header.request_id)
         if done is not None:
             self._notify(peer, self._deliver_done(done))
@@ -250,6 +287,9 @@ class NixlKVReceiver(KVReceiver):
     def _drop_grants(self, request_id: str) -> None:
         for key in [k for k, granted in self._grants.items() if granted.request_id == request_id]:
             del self._grants[key]
+            self._staging.hold(key, LATE_WRITE_WINDOW_S)  # a granted WRITE may still land there
+        self._staging.waiting = deque((p, c) for p, c in self._staging.waiting if c.header.request_id != request_id)
 
-    def _notify(self, peer: str, message: Message) -> None:
-        self._agent.send_notif(peer, encode_notif(message))
+    def _notify(self, peer: str, message: Message | None) -> None:
+        if message is not None:  # None: no reply (yet)
+            self._agent.send_notif(peer, encode_notif(message))

@@ -23,13 +23,13 @@ TIMEOUT_MESSAGE = "KV cache transfer timed out"
 
 
 async def _await_future(fut: concurrent.futures.Future[Any], timeout_s: float) -> bool:
-    """True when `fut` completed within `timeout_s`. Shielded: a timeout leaves `fut` alone, so a
-    result set at the same moment is not lost."""
-    try:
-        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), timeout_s)
-    except asyncio.TimeoutError:
-        return fut.done()
-    return True
+    """True when `fut` completed within `timeout_s`. A timeout leaves `fut` alone, so a result set
+    at the same moment is not lost; a cancel of the awaiting task always raises CancelledError.
+    NOTE: not `asyncio.wait_for`: before Python 3.12 it returns the result instead when the cancel
+    comes just after `fut` completed. A decode watcher cancelled for a superseded attempt then went
+    on with that attempt's KVDone while the new attempt still wrote into the blocks (issue 16)."""
+    await asyncio.wait((asyncio.wrap_future(fut),), timeout=timeout_s)
+    return fut.done()
 
 
 class EventBox:

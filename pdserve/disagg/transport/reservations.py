@@ -4,7 +4,8 @@ the pool. Every transport's receiver asks it, so all of them validate the same w
 A reservation is the set of destination blocks one request may receive. A payload is admitted
 only if its request is reserved, it presents the reservation's token, every destination block is
 in that set (each at most once), its layer exists, and its byte count, dtype and shape are exactly
-one layer of K and V for those blocks.
+one layer of K and V for those blocks. The dtype is the pool's, or one the pool converts from
+(`KVLayout.converts_from`): the byte count is then counted in the payload's dtype.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from pdserve.disagg.kv_layout import KVLayout
+from pdserve.disagg.kv_layout import CONVERTIBLE_DTYPES, KVLayout
 from pdserve.disagg.transport.messages import DoneHeader, LayerHeader
 
 
@@ -37,6 +38,7 @@ class Reservation:
     block_ids: frozenset[int]
     token: bytes = b""  # what every payload of it must present
     num_layer_payloads: int = 0
+    converted: bool = False  # a payload of it came in another dtype (counted once, when it completes)
     # nixl: the final message can overtake layer notifications; it waits here until they arrive.
     pending_done: DoneHeader | None = None
 
@@ -52,6 +54,7 @@ class ReservationTable:
         self.num_blocks = num_blocks
         self._lock = threading.Lock()
         self._reservations: dict[str, Reservation] = {}
+        self.num_converted = 0  # completed reservations whose KV was converted on arrival
 
     def expect(self, request_id: str, block_ids: list[int] | tuple[int, ...], token: str = "") -> None:
         ids = frozenset(block_ids)
@@ -96,6 +99,7 @@ class ReservationTable:
             reservation = self._check_layer(header)
             yield
             reservation.num_layer_payloads += 1
+            reservation.converted |= header.dtype != self.layout.dtype
 
     def admit_done(self, header: DoneHeader, *, in_order: bool) -> bool:
         """True: every layer payload announced by `header` was received, the reservation is closed.
@@ -110,7 +114,7 @@ class ReservationTable:
             if received < announced:
                 reservation.pending_done = header
                 return False
-            del self._reservations[header.request_id]
+            self._close(header.request_id, reservation)
             return True
 
     def take_ready_done(self, request_id: str) -> DoneHeader | None:
@@ -120,8 +124,13 @@ class ReservationTable:
             done = reservation.pending_done if reservation is not None else None
             if done is None or reservation is None or reservation.num_layer_payloads < done.num_layer_payloads:
                 return None
-            del self._reservations[request_id]
+            self._close(request_id, reservation)
             return done
+
+    def _close(self, request_id: str, reservation: Reservation) -> None:
+        """Its KV arrived whole (lock held)."""
+        del self._reservations[request_id]
+        self.num_converted += reservation.converted
 
     def _get(self, request_id: str) -> Reservation:
         reservation = self._reservations.get(request_id)
@@ -158,12 +167,14 @@ class ReservationTable:
             return f"destination blocks {outside} are not reserved for this request"
         if len(set(dst)) != len(dst) or not dst:
             return f"destination blocks must be distinct and non-empty, got {list(dst)}"
+        if header.dtype != layout.dtype:
+            if header.dtype not in CONVERTIBLE_DTYPES or not layout.converts_from(layout.as_dtype(header.dtype)):
+                return f"dtype {header.dtype} != {layout.dtype} (and not one it converts from)"
+            layout = layout.as_dtype(header.dtype)  # what the payload's bytes are
         expected_bytes = len(dst) * layout.block_bytes_per_layer
         if header.num_bytes != expected_bytes:
             return (f"byte count {header.num_bytes} != {len(dst)} blocks x {layout.block_bytes_per_layer} "
                     f"bytes per block and layer = {expected_bytes}")
-        if header.dtype != layout.dtype:
-            return f"dtype {header.dtype} != {layout.dtype}"
         if header.shape != layout.payload_shape(len(dst)):
             return f"shape {list(header.shape)} != {list(layout.payload_shape(len(dst)))}"
         return None
