@@ -41,8 +41,9 @@ if has timings; then
 fi
 
 if has correct; then
-TAIL=30 stage pytest-cuda "${PYTEST_LIMIT:-220}" python3 -m pytest -q -p no:cacheprovider --maxfail=5 \
-  tests/test_correctness.py tests/test_pd_engine.py tests/test_sampling.py &
+TAIL=30 stage pytest-cuda "${PYTEST_LIMIT:-300}" python3 -m pytest -q -p no:cacheprovider --maxfail=5 -rfs \
+  tests/test_correctness.py tests/test_pd_engine.py tests/test_sampling.py tests/test_kv_dtype.py \
+  tests/test_pd_cluster.py::test_pd_cluster_matches_colocated &
 tests=$!
 stage pd-parity 200 python3 -m pdserve.bench.pd_parity --model "$ck/qwen3-0.6b" --device cuda --dtype bfloat16 \
   --gpu-memory-utilization 0.35 --max-tokens 32 --ttft-requests 30 --save "$out/pd_parity.json"
