@@ -68,8 +68,12 @@ TAIL=30 stage validate-runs 300 python3 -m pdserve.cli bench compare --systems c
   --decode 1 --engine-args "${flags[*]}" --max-num-batched-tokens 2048 --skip-capacity --no-progress \
   --workload seed-mix --scale "${VALIDATE_SCALE:-0.2}" --num-prompts "${VALIDATE_PROMPTS:-200}" \
   --max-concurrency "${VALIDATE_CONCURRENCY:-32}" --save "$out/validate.json"
+TAIL=12 stage validate-runs-1p2d 200 python3 -m pdserve.cli bench compare --systems pd --prefill 1 --decode 2 \
+  --engine-args "${flags[*]/0.35/0.25}" --max-num-batched-tokens 2048 --skip-capacity --no-progress \
+  --workload seed-mix --scale "${VALIDATE_SCALE:-0.2}" --num-prompts "${VALIDATE_PROMPTS:-200}" \
+  --max-concurrency "${VALIDATE_CONCURRENCY:-32}" --save "$out/validate12.json"
 TAIL=20 stage validate-sim 120 python3 -m pdserve.bench.validate_sim --profile "$out/validate-profile.json" \
   --transport tcp --max-num-seqs 256 --max-num-batched-tokens 2048 --run "colocated:1=$out/validate.colocated-chunked.json" \
-  --run "pd:1:1=$out/validate.pd.json" --save "$out/validation.json"
+  --run "pd:1:1=$out/validate.pd.json" --run "pd:1:2=$out/validate12.pd.json" --save "$out/validation.json"
 fi
 nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
