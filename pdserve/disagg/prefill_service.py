@@ -78,6 +78,10 @@ class PrefillService:
         self._attempts: dict[str, _Attempt] = {}  # transfer id -> its record
         self._counts = _Counts()
         self._keepalive: asyncio.Task[None] | None = None
+        # NOTE: one client for the worker's life, made here: building an httpx client (its TLS
+        # context) blocks the event loop for 50-200 ms, which a client per keepalive task cost the
+        # first request after every idle spell (its hand-off, hence its TTFT, waited behind it).
+        self._decode_workers = WorkerClient(timeout_s=transfer_timeout_s, secret=secret)
 
     @property
     def num_in_flight(self) -> int:
@@ -106,7 +110,9 @@ class PrefillService:
         tid = job.transfer_id
         if tid in self._attempts:
             raise ValueError(f"attempt {tid!r} is already running here")
-        sender = await asyncio.to_thread(self.senders.get, job.kv_address)
+        sender = self.senders.connected(job.kv_address)
+        if sender is None:  # not connected yet (or broken, or another to close): connecting blocks
+            sender = await asyncio.to_thread(self.senders.get, job.kv_address)
         stream: OutputStream = asyncio.Queue()
         # NOTE: the streamer learns where the attempt's KV goes on the engine thread just before the
         # engine takes the request, and forgets it there after its blocks are released (`_release`):
@@ -126,13 +132,6 @@ class PrefillService:
     async def _keep_alive(self) -> None:
         """While jobs are in flight: POST /pd/alive {transfer ids} to their decode workers."""
         period_s = self.transfer_timeout_s / 2
-        decode_workers = WorkerClient(timeout_s=self.transfer_timeout_s, secret=self.secret)
-        try:
-            await self._send_keepalives(decode_workers, period_s)
-        finally:
-            await decode_workers.close()
-
-    async def _send_keepalives(self, decode_workers: WorkerClient, period_s: float) -> None:
         while self._attempts:
             await asyncio.sleep(period_s)
             if time.monotonic() - self.client.last_step_s > _ENGINE_STUCK_S:
@@ -144,7 +143,7 @@ class PrefillService:
             for url, tids in by_decode.items():
                 # NOTE: best effort: a decode worker that does not hear it times the transfer out
                 with contextlib.suppress(WorkerError):
-                    await decode_workers.alive(url, tids)
+                    await self._decode_workers.alive(url, tids)
 
     async def cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
         """Leading tokens of this prompt the prefix cache (pool, disk tier) holds now (prefix-affinity
