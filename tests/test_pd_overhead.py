@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +19,18 @@ from pd_fixtures import start_cluster, stop_cluster
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from pdserve.bench import pd_overhead
+from pdserve.config import RouterConfig
 from pdserve.disagg import prefill_service
 from pdserve.disagg.client import WorkerClient
-from pdserve.disagg.control import HandOff, PrefillJob, WireSamplingParams
+from pdserve.disagg.control import HandOff, OutputFrame, PrefillJob, ReserveReply, ReserveRequest, WireSamplingParams
 from pdserve.disagg.pool import WorkerPool
 from pdserve.disagg.queue.memory import MemoryPrefillQueue
+from pdserve.disagg.router import PDRouter
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.model.qwen3_config import Qwen3ModelConfig
 from pdserve.serving import dashboard
+from pdserve.tokenizer import load_tokenizer
 
 PREFILL, DECODE = "http://prefill", "http://decode"
 
@@ -108,6 +113,48 @@ def test_a_job_leaves_the_memory_queue_before_put_returns() -> None:
         finally:
             await queue.close()
             await workers.close()
+
+    asyncio.run(scenario())
+
+
+class _Recording(_SlowPrefill):
+    """One decode and one prefill worker that note which call reached them first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+        self.release.set()
+
+    async def reserve(self, url: str, request: ReserveRequest) -> ReserveReply | None:
+        return ReserveReply(block_ids=[0], num_cached_tokens=0, kv_address="a:1", token="t")
+
+    async def prefill(self, url: str, job: PrefillJob) -> HandOff | None:
+        self.calls.append("prefill")
+        return await super().prefill(url, job)
+
+    async def stream(self, url: str, request_id: str) -> AsyncGenerator[OutputFrame, None]:
+        self.calls.append("stream")
+        yield OutputFrame(text="x", token_ids=[7], finish_reason="length")
+
+
+def test_the_router_sends_the_prefill_job_before_it_opens_the_stream(model_dirs: dict[str, Path]) -> None:
+    """The job is on the first token's path; the stream from decode is only needed once it is out."""
+
+    async def scenario() -> None:
+        workers = _Recording()
+        pool = WorkerPool(workers, [PREFILL], [DECODE])
+        for worker in pool.members("prefill") + pool.members("decode"):
+            mark_ready(worker)
+        model_dir = model_dirs["tiny"]
+        router = PDRouter(RouterConfig(prefill=(PREFILL,), decode=(DECODE,)), load_tokenizer(str(model_dir)),
+                          Qwen3ModelConfig.from_dir(model_dir), str(model_dir), 1024, pool=pool,
+                          queue=MemoryPrefillQueue(pool, workers), client=workers)
+        try:
+            outputs = [o async for o in router.generate("r", [1, 2, 3, 4], SamplingParams(max_tokens=1))]
+            assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == [7]
+            assert workers.calls == ["prefill", "stream"]
+        finally:
+            await router.close()
 
     asyncio.run(scenario())
 
