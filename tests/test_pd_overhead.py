@@ -24,8 +24,10 @@ from pdserve.disagg import prefill_service
 from pdserve.disagg.client import WorkerClient
 from pdserve.disagg.control import HandOff, OutputFrame, PrefillJob, ReserveReply, ReserveRequest, WireSamplingParams
 from pdserve.disagg.pool import WorkerPool
+from pdserve.disagg.prefill_service import PrefillService
 from pdserve.disagg.queue.memory import MemoryPrefillQueue
 from pdserve.disagg.router import PDRouter
+from pdserve.engine.async_llm import AsyncLLM
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.qwen3_config import Qwen3ModelConfig
@@ -47,23 +49,27 @@ class _Counted:
         return self.cls(*args, **kwargs)
 
 
-def test_sequential_requests_build_no_http_client(model_dirs: dict[str, Path], colocated: LLM,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sequential_requests_take_no_avoidable_detour(model_dirs: dict[str, Path], colocated: LLM,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Requests after an idle spell (the prefill keepalive task ended in between) build no new
-    client for the keepalives, nor does each dashboard poll; outputs stay the colocated engine's."""
+    client for the keepalives, nor does each dashboard poll; prefill asks its engine thread for a
+    generator's state only for a seeded request; outputs stay the colocated engine's."""
     keepalive_clients = _Counted(WorkerClient)
     monkeypatch.setattr(prefill_service, "WorkerClient", keepalive_clients)
     # NOTE: keepalives every 25 ms, so the keepalive task ends during each 100 ms pause below
     cluster = start_cluster(model_dirs["tiny"], "fake", 1, 1, timeout_s=0.05)
     try:
         assert keepalive_clients.made == 1  # the prefill service's own, made at start
+        commands = _record_commands(cluster.service(PrefillService).client, monkeypatch)
         prompts = [random_prompt(24, seed=i) for i in range(3)]
-        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)] * 2 + [
+            SamplingParams(temperature=0.9, top_k=40, seed=77, max_tokens=4, ignore_eos=True)]
         with httpx.Client(base_url=cluster.router.url, timeout=60) as http:
             texts = []
-            for prompt in prompts:
+            for prompt, p in zip(prompts, params, strict=True):
                 reply = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "ignore_eos": True,
-                                                           "temperature": 0})
+                                                           "temperature": p.temperature, "top_k": p.top_k,
+                                                           "seed": p.seed})
                 assert reply.status_code == 200, reply.text
                 texts.append(reply.json()["choices"][0]["text"])
                 time.sleep(0.1)
@@ -73,10 +79,24 @@ def test_sequential_requests_build_no_http_client(model_dirs: dict[str, Path], c
                 assert http.get("/dashboard/data").status_code == 200
         assert keepalive_clients.made == 1
         assert scrape_clients.made <= 1  # the first poll may make the router's one
-        assert texts == generate_texts(colocated, prompts, params)
+        assert commands.count("GeneratorState") == 1  # the seeded request's
+        assert texts == [generate_texts(colocated, [prompt], p)[0] for prompt, p in zip(prompts, params, strict=True)]
         cluster.wait_until_idle()
     finally:
         stop_cluster(cluster)
+
+
+def _record_commands(client: AsyncLLM, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the commands sent to `client`'s engine thread from now on."""
+    names: list[str] = []
+    send = client.send
+
+    async def recorded(command: Any, sink: Any = None) -> Any:
+        names.append(type(command).__name__)
+        return await send(command, sink)
+
+    monkeypatch.setattr(client, "send", recorded)
+    return names
 
 
 class _SlowPrefill(WorkerClient):

@@ -55,6 +55,7 @@ class _Attempt:
     decode_url: str  # the decode worker expecting it, told it is alive ("": nobody to tell)
     num_uncomputed_tokens: int  # prompt tokens still to compute (0 once the first token is out)
     token: str  # the decode reservation's, which every KV message of the attempt presents
+    seeded: bool = True  # has a seeded generator, whose state decode needs (Request.generator)
 
 
 @dataclass(slots=True)
@@ -124,7 +125,7 @@ class PrefillService:
             if_refused=partial(self.streamer.forget, tid)), stream)
         task = asyncio.create_task(self._finish(tid, sender, stream))
         self._attempts[tid] = _Attempt(task, job.decode_url, len(job.prompt_token_ids) - job.num_cached_tokens,
-                                       job.token)
+                                       job.token, seeded=params.seed is not None)
         if self._keepalive is None or self._keepalive.done():
             self._keepalive = asyncio.create_task(self._keep_alive())
         return task
@@ -192,7 +193,9 @@ class PrefillService:
         attempt = self._attempts.get(tid)
         if attempt is not None:
             attempt.num_uncomputed_tokens = 0
-        state = await self.client.send(GeneratorState(tid))
+        # NOTE: an unseeded request has no generator (Request.generator): no round trip to the
+        # engine thread for its state on the first token's path
+        state = await self.client.send(GeneratorState(tid)) if attempt is None or attempt.seeded else None
         phases = PrefillPhases.of(final.metrics)
         sender.send_done(tid, final.outputs[0].token_ids[0], state,
                          prefill_queue_s=None if phases is None else phases.queue_s,
