@@ -394,7 +394,10 @@ def test_prefill_closes_a_kv_connection_unused_for_its_idle_time() -> None:
         senders.get(receivers[1].address)
         assert senders.get(receivers[0].address) is first  # used within its idle time: kept
         now[0] = 200.0
+        # the first is due to be closed as idle: only `get` (off the event loop) may close it
+        assert senders.connected(receivers[1].address) is None
         second = senders.get(receivers[1].address)
+        assert senders.connected(receivers[1].address) is second
         assert senders.get(receivers[1].address) is second
         assert senders.get(receivers[0].address) is not first  # idle for 141 s: closed, connected again
         with pytest.raises(ConnectionError):

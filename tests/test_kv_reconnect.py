@@ -62,10 +62,13 @@ def test_a_receiver_restarted_on_the_same_port_is_reached_again(transport: str) 
     address = receiver.address
     senders = SenderPool(transport, SPEC.layout(prefill_pool), prefill_pool)
     try:
+        assert senders.connected(address) is None  # never connected: only `get` connects
         first = senders.get(address)
+        assert senders.connected(address) is first  # live: handed out without blocking
         hand_off(receiver, first, "a", [0, 1], [2, 3])
         receiver.close()  # the decode worker dies: its connections close with it
         wait_broken(first)
+        assert senders.connected(address) is None  # broken: `get` must replace it
         first.send_layer("lost", 0, [4], [5])  # an attempt on the dead connection fails as before
         with pytest.raises(KVTransferError, match="lost"):
             asyncio.run(first.flush("lost", TIMEOUT_S))
@@ -80,6 +83,7 @@ def test_a_receiver_restarted_on_the_same_port_is_reached_again(transport: str) 
         for src, dst in ((6, 8), (7, 9)):
             assert torch.equal(decode_pool[:, :, dst], prefill_pool[:, :, src])
         assert senders.get(address) is second  # a live sender is kept
+        assert senders.connected(address) is second
         assert receiver.reserved_request_ids() == frozenset()
         assert second.pending_request_ids() == frozenset()
     finally:

@@ -198,6 +198,27 @@ def test_completion_token_id_prompt_matches_offline_greedy(http: httpx.Client, o
     assert_usage(body, len(prompt_ids), 10)
 
 
+def test_only_text_prompts_are_tokenized_on_a_thread(http: httpx.Client, tok: Tokenizer,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Token ids need no tokenizer: they skip the thread hop that keeps long text off the event loop."""
+    from pdserve.serving import completions
+
+    calls: list[object] = []
+    real = completions.asyncio.to_thread
+
+    async def counted(fn: Any, *args: Any) -> Any:
+        calls.append(fn)
+        return await real(fn, *args)
+
+    monkeypatch.setattr(completions.asyncio, "to_thread", counted)
+    ids = tok.encode("Token ids in")
+    for prompt, num_choices in ((ids, 1), ([ids, ids], 2)):
+        assert len(complete(http, prompt=prompt, max_tokens=2, ignore_eos=True)["choices"]) == num_choices
+    assert calls == []
+    complete(http, prompt="Text in", max_tokens=2, ignore_eos=True)
+    assert len(calls) == 1
+
+
 def test_completion_list_of_prompts_indexes_choices(http: httpx.Client, offline: LLM, tok: Tokenizer) -> None:
     prompts = ["Red", "Green is a colour", "Blue sky and"]
     body = complete(http, prompt=prompts, max_tokens=6, ignore_eos=True)

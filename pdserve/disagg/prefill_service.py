@@ -56,6 +56,7 @@ class _Attempt:
     decode_url: str  # the decode worker expecting it, told it is alive ("": nobody to tell)
     num_uncomputed_tokens: int  # prompt tokens still to compute (0 once the first token is out)
     token: str  # the decode reservation's, which every KV message of the attempt presents
+    seeded: bool = True  # has a seeded generator, whose state decode needs (Request.generator)
 
 
 @dataclass(slots=True)
@@ -79,6 +80,10 @@ class PrefillService:
         self._attempts: dict[str, _Attempt] = {}  # transfer id -> its record
         self._counts = _Counts()
         self._keepalive: asyncio.Task[None] | None = None
+        # NOTE: one client for the worker's life, made here: building an httpx client (its TLS
+        # context) blocks the event loop for 50-200 ms, which a client per keepalive task cost the
+        # first request after every idle spell (its hand-off, hence its TTFT, waited behind it).
+        self._decode_workers = WorkerClient(timeout_s=transfer_timeout_s, secret=secret)
 
     @property
     def num_in_flight(self) -> int:
@@ -107,7 +112,9 @@ class PrefillService:
         tid = job.transfer_id
         if tid in self._attempts:
             raise ValueError(f"attempt {tid!r} is already running here")
-        sender = await asyncio.to_thread(self.senders.get, job.kv_address)
+        sender = self.senders.connected(job.kv_address)
+        if sender is None:  # not connected yet (or broken, or another to close): connecting blocks
+            sender = await asyncio.to_thread(self.senders.get, job.kv_address)
         stream: OutputStream = asyncio.Queue()
         # NOTE: the streamer learns where the attempt's KV goes on the engine thread just before the
         # engine takes the request, and forgets it there after its blocks are released (`_release`):
@@ -119,7 +126,7 @@ class PrefillService:
             if_refused=partial(self.streamer.forget, tid)), stream)
         task = asyncio.create_task(self._finish(tid, sender, stream))
         self._attempts[tid] = _Attempt(task, job.decode_url, len(job.prompt_token_ids) - job.num_cached_tokens,
-                                       job.token)
+                                       job.token, seeded=params.seed is not None)
         if self._keepalive is None or self._keepalive.done():
             self._keepalive = asyncio.create_task(self._keep_alive())
         return task
@@ -127,13 +134,6 @@ class PrefillService:
     async def _keep_alive(self) -> None:
         """While jobs are in flight: POST /pd/alive {transfer ids} to their decode workers."""
         period_s = self.transfer_timeout_s / 2
-        decode_workers = WorkerClient(timeout_s=self.transfer_timeout_s, secret=self.secret)
-        try:
-            await self._send_keepalives(decode_workers, period_s)
-        finally:
-            await decode_workers.close()
-
-    async def _send_keepalives(self, decode_workers: WorkerClient, period_s: float) -> None:
         while self._attempts:
             await asyncio.sleep(period_s)
             if time.monotonic() - self.client.last_step_s > _ENGINE_STUCK_S:
@@ -145,7 +145,7 @@ class PrefillService:
             for url, tids in by_decode.items():
                 # NOTE: best effort: a decode worker that does not hear it times the transfer out
                 with contextlib.suppress(WorkerError):
-                    await decode_workers.alive(url, tids)
+                    await self._decode_workers.alive(url, tids)
 
     async def cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
         """Leading tokens of this prompt the prefix cache (pool, disk tier) holds now (prefix-affinity
@@ -194,7 +194,9 @@ class PrefillService:
         attempt = self._attempts.get(tid)
         if attempt is not None:
             attempt.num_uncomputed_tokens = 0
-        state = await self.client.send(GeneratorState(tid))
+        # NOTE: an unseeded request has no generator (Request.generator): no round trip to the
+        # engine thread for its state on the first token's path
+        state = await self.client.send(GeneratorState(tid)) if attempt is None or attempt.seeded else None
         phases = PrefillPhases.of(final.metrics)
         sender.send_done(tid, final.outputs[0].token_ids[0], state,
                          prefill_queue_s=None if phases is None else phases.queue_s,

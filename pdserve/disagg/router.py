@@ -290,6 +290,9 @@ class PDRouter:
                     self._count_recovery(0)
             else:
                 ticket = await self._dispatch(job, recovering, count_recovery=recovering)
+                # NOTE: the push to prefill (a task the queue started) goes out before the stream is
+                # opened: the job is on the first token's path, the stream only needed by then.
+                await asyncio.sleep(0)
             async for frame in self._frames(decode, rid):
                 if frame.kv_retry:
                     self._events.kv_retries += 1

@@ -3,7 +3,9 @@ connection lives. A sender whose connection broke (the decode worker died or res
 address) is closed and replaced by a new one, with a fresh handshake, on the next `get`: the
 attempts that were in flight on it have failed already (their hand-offs are retried), later ones
 reach the restarted worker. A sender unused for `idle_s` with nothing in flight is closed at the
-next `get` (a decode worker that left the pool leaves no connection behind)."""
+next `get` (a decode worker that left the pool leaves no connection behind). `connected` hands out
+a live sender without blocking, so the event loop asks it first and calls `get` on a thread only
+when it says None."""
 
 from __future__ import annotations
 
@@ -62,16 +64,36 @@ class SenderPool:
                 self._senders[address] = sender
             return sender
 
+    def connected(self, address: str) -> KVSender | None:
+        """The sender for a decode worker when `get` would hand it out without blocking: connected,
+        not broken, and no other sender due to be closed as idle. None otherwise (or while another
+        thread holds the pool, connecting): call `get` off the event loop then."""
+        # NOTE: the common case, a live connection, needs no thread hop (PrefillService.submit).
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            sender = self._senders.get(address)
+            now = self._clock()
+            if sender is None or sender.broken or self._idle_addresses(now, keep=address):
+                return None
+            self._last_used[address] = now
+            return sender
+        finally:
+            self._lock.release()
+
+    def _idle_addresses(self, now: float, keep: str) -> list[str]:
+        """Addresses whose senders were unused for `idle_s` and have nothing in flight (lock held)."""
+        return [address for address, sender in self._senders.items()
+                if address != keep and now - self._last_used.get(address, now) > self.idle_s
+                and not sender.pending_request_ids()]
+
     def _close_idle(self, keep: str) -> None:
         """Close senders unused for `idle_s` that have nothing in flight (lock held)."""
-        now = self._clock()
-        for address, sender in list(self._senders.items()):
-            if address != keep and now - self._last_used.get(address, now) > self.idle_s \
-                    and not sender.pending_request_ids():
-                logger.info("closing the idle KV connection to decode at %s", address)
-                del self._senders[address]
-                self._last_used.pop(address, None)
-                sender.close()
+        for address in self._idle_addresses(self._clock(), keep):
+            logger.info("closing the idle KV connection to decode at %s", address)
+            sender = self._senders.pop(address)
+            self._last_used.pop(address, None)
+            sender.close()
 
     def close(self) -> None:
         with self._lock:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -117,6 +118,13 @@ class _Samples:
             for sample in family.samples:
                 self._by_name.setdefault(sample.name, []).append(sample)
 
+    @classmethod
+    def from_samples(cls, other: _Samples, keep: Callable[[Sample], bool]) -> _Samples:
+        """The samples of `other` that `keep` says yes to (one label set of a labelled series)."""
+        kept = cls("")
+        kept._by_name = {name: [s for s in samples if keep(s)] for name, samples in other._by_name.items()}
+        return kept
+
     def named(self, name: str) -> list[Sample]:
         if name not in self._by_name:
             raise ValueError(f"the router's metrics have no {name}: is this a pdserve router, and a recent one?")
@@ -133,6 +141,21 @@ class _Samples:
         if math.inf not in buckets:
             raise ValueError(f"the router's {name} has no +Inf bucket")
         return HistogramSnapshot(buckets, self.total(f"{name}_sum"), self.total(f"{name}_count"))
+
+
+def histograms_by_label(text: str, name: str, label: str) -> dict[str, HistogramSnapshot]:
+    """Histogram `name` of a /metrics text, one snapshot per value of `label` (e.g. the TTFT
+    phases of `pdserve:ttft_phase_seconds` by `phase`); {} when the series is absent."""
+    samples = _Samples(text)
+    try:
+        values = {s.labels[label] for s in samples.named(f"{name}_count") if label in s.labels}
+    except ValueError:
+        return {}
+
+    def labelled(value: str) -> Callable[[Sample], bool]:
+        return lambda sample: sample.labels.get(label) == value
+
+    return {value: _Samples.from_samples(samples, labelled(value)).histogram(name) for value in values}
 
 
 def scrape(router_url: str, timeout_s: float = 1.0) -> Signals | None:

@@ -32,6 +32,11 @@ def _prompt_token_ids(body: CompletionRequest, tokenizer: Tokenizer) -> list[lis
             if not isinstance(p, int)]
 
 
+def _has_text(prompt: object) -> bool:
+    """Whether a completion's prompt holds any text (anything else is token ids)."""
+    return isinstance(prompt, str) or (isinstance(prompt, list) and any(isinstance(p, str) for p in prompt))
+
+
 def build_jobs(client: EngineClient, prompts: list[list[int]], requested_max_tokens: int | None,
                body: CompletionRequest | Any, request_id: str, max_tokens_limit: int | None) -> list[Job]:
     """Validate every prompt before anything is enqueued: bad input never costs compute."""
@@ -97,8 +102,12 @@ class CompletionHandler:
     async def prepare(self, body: CompletionRequest) -> tuple[str, list[Job]]:
         request_id = new_request_id("cmpl")
         bind_request_id(request_id)  # NOTE: from here on, every log line (and a 500) names it
-        # NOTE: tokenizing a long prompt takes long; on the event loop it would stall every stream
-        prompts = await asyncio.to_thread(_prompt_token_ids, body, self.client.tokenizer)
+        # NOTE: tokenizing a long prompt takes long; on the event loop it would stall every stream.
+        # Token ids need no tokenizer: no thread hop for them (it costs every request a wake-up).
+        if _has_text(body.prompt):
+            prompts = await asyncio.to_thread(_prompt_token_ids, body, self.client.tokenizer)
+        else:
+            prompts = _prompt_token_ids(body, self.client.tokenizer)
         return request_id, build_jobs(self.client, prompts, body.max_tokens, body, request_id, self.max_tokens_limit)
 
     async def full(self, body: CompletionRequest, request_id: str, jobs: list[Job]) -> dict[str, Any]:

@@ -62,6 +62,18 @@ def parse_worker_metrics(text: str) -> dict[str, float]:
 def install_dashboard(app: FastAPI, metrics: ServerMetrics, router: RouterState) -> None:
     """`router` lists the pool (`workers()`)."""
 
+    clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}  # made on the first poll
+
+    def scrape_client() -> httpx.AsyncClient:
+        # NOTE: one for the router's life (per event loop: its pooled connections belong to one):
+        # building an httpx client (its TLS context) blocks the event loop, and with it every
+        # request the router serves, for 50-200 ms.
+        loop = asyncio.get_running_loop()
+        if loop not in clients:
+            clients.clear()
+            clients[loop] = httpx.AsyncClient(timeout=_SCRAPE_TIMEOUT_S)
+        return clients[loop]
+
     def router_value(name: str) -> float:
         return metrics.registry.get_sample_value(name, metrics.labels) or 0.0
 
@@ -81,8 +93,7 @@ def install_dashboard(app: FastAPI, metrics: ServerMetrics, router: RouterState)
     @app.get("/dashboard/data", include_in_schema=False)
     async def dashboard_data() -> dict[str, Any]:
         views = router.workers()
-        async with httpx.AsyncClient(timeout=_SCRAPE_TIMEOUT_S) as http:
-            workers = await asyncio.gather(*(scrape(http, w) for w in views))
+        workers = await asyncio.gather(*(scrape(scrape_client(), w) for w in views))
         return {
             "time": time.time(),
             "model": metrics.model_name,

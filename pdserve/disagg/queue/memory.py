@@ -80,7 +80,7 @@ class MemoryPrefillQueue(PrefillQueue):
         if prefix_affinity:
             item.cached_tokens = await self._cached_tokens(job.prompt_token_ids)
         self._pending.append(item)
-        self._wakeup.set()
+        self._place()  # NOTE: at once: the job leaves in this turn of the loop, not the loop task's next one
         return item
 
     async def refresh(self) -> None:
@@ -105,18 +105,23 @@ class MemoryPrefillQueue(PrefillQueue):
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            for item in list(self._pending):
-                worker = self._pick(item)
-                if worker is None:
-                    continue
-                self._pending.remove(item)
-                item.worker = worker
-                item.trace.mark_left_router()
-                worker.in_flight += 1
-                worker.in_flight_tokens += item.num_tokens
-                task = asyncio.create_task(self._push(item, worker))
-                self._running.add(task)
-                task.add_done_callback(self._running.discard)
+            self._place()
+
+    def _place(self) -> None:
+        """Push every pending job, in order, that fits a ready worker now."""
+        for item in list(self._pending):
+            worker = self._pick(item)
+            if worker is None:
+                continue
+            self._pending.remove(item)
+            item.worker = worker
+            item.trace.mark_left_router()
+            worker.in_flight += 1
+            worker.in_flight_tokens += item.num_tokens
+            # NOTE: in a fresh context, as the loop task's own pushes (put runs in a request's task)
+            task = contextvars.Context().run(asyncio.create_task, self._push(item, worker))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
 
     async def _cached_tokens(self, prompt_token_ids: list[int]) -> dict[str, int]:
         """Prompt tokens each ready prefill worker caches (none asked when fewer than two are ready)."""
