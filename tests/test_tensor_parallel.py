@@ -23,6 +23,7 @@ from server_fixtures import parse_sse
 from pdserve import LLM, SamplingParams
 from pdserve.config import EngineArgs, RouterConfig, WorkerConfig, create_engine_config
 from pdserve.disagg.kv_layout import KVLayout, KVLayoutMismatch
+from pdserve.disagg.transport import nixl_available
 from pdserve.engine.async_llm import AsyncLLM, EngineDeadError
 from pdserve.engine.tensor_parallel import RankDiedError, TPModelRunner
 from pdserve.model.parallel import TPShard, check_tp_size
@@ -155,7 +156,9 @@ def test_a_rank_killed_mid_step_ends_the_engine_without_hanging(model_dirs: dict
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("transport", "prefill_tp", "decode_tp", "decode_kv"),
-                         [("tcp", 2, 1, "auto"), ("tcp", 1, 2, "auto"), ("nixl", 2, 1, "bfloat16")],
+                         [("tcp", 2, 1, "auto"), ("tcp", 1, 2, "auto"),
+                          pytest.param("nixl", 2, 1, "bfloat16", marks=pytest.mark.skipif(
+                              not nixl_available(), reason="nixl_cu12 is not installed"))],
                          ids=["tcp-P-TP2-to-D-TP1", "tcp-P-TP1-to-D-TP2", "nixl-P-TP2-to-D-TP1-KV-bf16"])
 def test_pd_hand_off_between_tp_sizes_matches_colocated(model_dirs: dict[str, Path], llm_factory: Callable[..., LLM],
                                                         transport: str, prefill_tp: int, decode_tp: int,
