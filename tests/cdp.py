@@ -30,7 +30,9 @@ def chromium_binary() -> str | None:
 
 class Browser:
     def __init__(self, binary: str, port: int) -> None:
-        self.profile = tempfile.TemporaryDirectory(prefix="pdserve-chromium-")
+        # NOTE: chromium's helper processes can still write to the profile after the browser exits
+        # (CI once failed the cleanup with "Directory not empty: 'Default'"): cleaning up is best effort
+        self.profile = tempfile.TemporaryDirectory(prefix="pdserve-chromium-", ignore_cleanup_errors=True)
         self.process = subprocess.Popen(
             [binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
              "--no-first-run", "--no-default-browser-check", "--disable-extensions", "--mute-audio",

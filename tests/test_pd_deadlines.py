@@ -87,6 +87,7 @@ def _lose_the_kv_connection(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _fail_computing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE: prefill reads the generator state of seeded requests only (the test's requests are seeded)
     def apply(self: GeneratorState, engine: object) -> bytes | None:
         raise RuntimeError("the sampler's state cannot be read")  # an error computing this request only
 
@@ -106,9 +107,10 @@ def test_a_prefill_side_failure_ends_the_request_at_once(model_dirs: dict[str, P
     try:
         with httpx.Client(base_url=cluster.router.url, timeout=10) as http:
             start = time.monotonic()
-            reply = http.post("/v1/completions", json={"prompt": LONG_PROMPT, "max_tokens": 4})
+            body = {"prompt": LONG_PROMPT, "max_tokens": 4, "seed": 7}
+            reply = http.post("/v1/completions", json=body)
             elapsed = time.monotonic() - start
-            streamed = http.post("/v1/completions", json={"prompt": LONG_PROMPT, "max_tokens": 4, "stream": True})
+            streamed = http.post("/v1/completions", json=body | {"stream": True})
         assert reply.status_code == 503, reply.text
         assert "prefill failed" in reply.json()["error"]["message"]
         assert elapsed < 1.5, elapsed
