@@ -237,7 +237,8 @@ def _ints(text: str | None, default: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def print_against_roofline(profile: Profile, samples: list[Sample], spec: DeviceSpec) -> None:
-    """Each measured step next to what `roofline` predicts for it on `spec` (same model and dtypes)."""
+    """Each measured step next to what `roofline` predicts for it on `spec` (same model; the KV's
+    element size stands for the weights' too, as with `--kv-cache-dtype auto`)."""
     from pdserve.bench.common import print_table
 
     element = profile.kv_bytes_per_token // max(1, profile.model.kv_bytes_per_token(1))
