@@ -200,7 +200,7 @@ class PDRouter:
         # NOTE: the deadline cancels the generator wherever it waits (a reservation, the queue, a
         # prefill, a resume); its `finally` blocks abort the request on decode and cancel its job.
         try:
-            return await asyncio.wait_for(anext(outputs), self.config.first_token_timeout_s or None)
+            return await _next_within(outputs, self.config.first_token_timeout_s or None)
         except StopAsyncIteration:
             return None
         except TimeoutError:
@@ -372,6 +372,25 @@ class PDRouter:
         if ticket is not None:
             await self.queue.cancel(ticket)
         await reach(decode, self.client.abort(decode.url, request_id))
+
+
+async def _next_within(outputs: AsyncGenerator[RequestOutput, None], timeout_s: float | None) -> RequestOutput:
+    """`anext(outputs)` within `timeout_s` (TimeoutError past it). A cancel of the awaiting task
+    (the client went away) always raises CancelledError and cancels the wait.
+    NOTE: not `asyncio.wait_for`: before Python 3.12 it returns the output instead when the cancel
+    comes just after the output did, and the router then streams to a client that is gone."""
+    step = asyncio.ensure_future(anext(outputs))
+    try:
+        await asyncio.wait((step,), timeout=timeout_s)
+    except asyncio.CancelledError:
+        step.cancel()  # NOTE: and waited for, so the generator is no longer running when it is closed
+        await asyncio.gather(step, return_exceptions=True)
+        raise
+    if not step.done():
+        step.cancel()
+        await asyncio.gather(step, return_exceptions=True)
+        raise TimeoutError
+    return step.result()
 
 
 def continuation(tokenizer: Tokenizer, params: SamplingParams, sent_tokens: list[int],

@@ -15,9 +15,10 @@ processes with each transport at two sizes; `latency_s` and `bytes_per_s` are th
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -95,9 +96,12 @@ def decode_sample(engine: LLMEngine, prompts: _Prompts, batch: int, context: int
 
 
 def fit(samples: list[Sample]) -> StepModel:
-    """Least squares with the columns whose coefficient would be negative dropped (held at 0)."""
-    x = np.array([s.row() for s in samples])
+    """Least squares on the relative error (each sample's row and time divided by its time, so a
+    19 s prefill does not drown a 0.4 s decode step), with the columns whose coefficient would be
+    negative dropped (held at 0)."""
     y = np.array([s.seconds for s in samples])
+    x = np.array([s.row() for s in samples]) / y[:, None]
+    y = np.ones_like(y)
     keep = list(range(x.shape[1]))
     coef = np.zeros(x.shape[1])
     while keep:
@@ -174,7 +178,6 @@ def calibrate(args: EngineArgs, transports: list[str], hardware: str,
 
 
 def _config_dict(model_path: str) -> dict:
-    import json
     from pathlib import Path
 
     return dict(json.loads((Path(model_path) / "config.json").read_text()))
@@ -219,6 +222,8 @@ def run(ns: argparse.Namespace) -> int:
     compare = device(ns.compare_device) if ns.compare_device else None  # an unknown name fails before measuring
     profile, samples = calibrate(config_from_args(EngineArgs, ns), transports, hardware_line(), grid)
     profile.save(Path(ns.out))
+    samples_path = Path(ns.out).with_suffix(".samples.json")
+    samples_path.write_text(json.dumps([asdict(x) for x in samples], indent=1) + "\n")
     s = profile.step
     print(f"step_s = {s.base_s * 1e3:.3f} ms + {s.prefill_token_s * 1e6:.3f} us x prefill tokens + "
           f"{s.prefill_pair_s * 1e9:.4f} ns x prefill pairs + {s.decode_seq_s * 1e6:.3f} us x decode seqs + "
@@ -228,7 +233,7 @@ def run(ns: argparse.Namespace) -> int:
         print(f"{name}: {t.latency_s * 1e3:.3f} ms + bytes / {t.bytes_per_s / 1e9:.2f} GB/s")
     if compare is not None:
         print_against_roofline(profile, samples, compare)
-    print(f"wrote {ns.out} in {time.perf_counter() - start:.1f} s")
+    print(f"wrote {ns.out} (samples: {samples_path}) in {time.perf_counter() - start:.1f} s")
     return 0
 
 
