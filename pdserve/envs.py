@@ -26,6 +26,15 @@ def cache_dir(default: str) -> str:
     return os.environ.get("PDSERVE_CACHE_DIR", default)
 
 
+STEP_LOG = "PDSERVE_STEP_LOG"
+
+
+def step_log_dir() -> str | None:
+    """PDSERVE_STEP_LOG=DIR: every engine appends its steps to DIR/steps-<pid>.jsonl
+    (engine/step_log.py; `pdserve calibrate --from-step-log` fits a profile to them)."""
+    return os.environ.get(STEP_LOG) or None
+
+
 HEAP_TUNING = "PDSERVE_HEAP_TUNING"
 
 

@@ -106,3 +106,48 @@ def test_workload_flops_count_prefill_once_and_each_later_token() -> None:
         layer * 2 + pair * 2 * (2 + 1.5) + head + layer + head + pair * 5)
     shapes = gemm_shapes(tiny, batch=24, chunk=512)
     assert len(shapes) == 9 and (24, tiny.hidden_size, tiny.vocab_size) in shapes
+
+
+def test_served_steps_are_logged_and_fitted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """PDSERVE_STEP_LOG: each step's work in the step model's columns (every prompt token counted
+    once as prefill, every later token as one decode sequence), and `calibrate --from-step-log`
+    fits a profile to those steps instead of timing its own."""
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.step_log import read_step_logs
+
+    monkeypatch.setenv("PDSERVE_STEP_LOG", str(tmp_path / "steps"))
+    llm = LLM(model=None, dtype="float32", num_threads=1, num_kv_blocks=64, max_num_batched_tokens=32)
+    prompts = [{"prompt_token_ids": list(range(1000 * i + 100, 1000 * i + 100 + n))} for i, n in enumerate((5, 40, 70))]
+    llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0))
+    llm.engine.close()
+    steps = read_step_logs([tmp_path / "steps"])
+    assert sum(w.prefill_tokens for w, _ in steps) == 5 + 40 + 70
+    assert sum(w.decode_seqs for w, _ in steps) == 3 * 5  # the first token comes with the prefill
+    assert max(w.prefill_tokens + w.decode_seqs for w, _ in steps) <= 32  # the step budget
+    assert all(s > 0 for _, s in steps)
+    first = next(w for w, _ in steps if w.decode_seqs)  # a decode step reads the whole context
+    assert first.decode_context >= 5 + 1
+    out = tmp_path / "served.json"
+    assert main(["calibrate", "--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "64",
+                 "--transports", "", "--from-step-log", str(tmp_path / "steps"), "--out", str(out)]) == 0
+    profile = load_profile(out)
+    assert f"{len(steps)} step samples (logged while serving)" in profile.notes
+    assert profile.step.base_s > 0
+    assert f"over {len(steps)} samples" in capsys.readouterr().out
+
+
+def test_a_bad_step_log_is_refused_with_its_line(tmp_path: Path) -> None:
+    from pdserve.sizing.calibrate import logged_samples
+
+    log = tmp_path / "steps-1.jsonl"
+    log.write_text('{"seconds": 0.1, "prefill_tokens": 3, "prefill_pairs": 4.5, "decode_seqs": 0, '
+                   '"decode_context": 0}\n{"seconds": 0.1}\n')
+    with pytest.raises(ValueError, match="steps-1.jsonl:2: not a step log line"):
+        logged_samples([log])
+    with pytest.raises(ValueError, match="no such step log"):
+        logged_samples([tmp_path / "missing"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no logged steps"):
+        logged_samples([tmp_path / "empty"])

@@ -21,6 +21,7 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import PromptLogprobs, TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler
+from pdserve.engine.step_log import StepLog, StepWork
 from pdserve.model.loader import load_model
 from pdserve.tokenizer import Tokenizer, load_tokenizer
 
@@ -124,6 +125,7 @@ class LLMEngine:
         self._num_prefill_tokens = 0
         self._last_prefill_batch = (0, 0)  # (requests, tokens) with a prefill chunk in the last step
         self.layer_observer: LayerObserver | None = None  # see configure_kv_transfer
+        self.step_log = StepLog.from_env()  # PDSERVE_STEP_LOG: each step's time and work
         self._failures: list[RequestFailure] = []  # requests failed on their own; see take_failures
 
     @classmethod
@@ -293,6 +295,8 @@ class LLMEngine:
         other tensor-parallel ranks."""
         if self.offload is not None:
             self.offload.tier.close()
+        if self.step_log is not None:
+            self.step_log.close()
         self.runner.close()
 
     def has_unfinished_requests(self) -> bool:
@@ -317,6 +321,7 @@ class LLMEngine:
             return []
         scheduled = time.perf_counter()
         self._count_prefill(out.chunks)
+        work = None if self.step_log is None else StepWork.of(out.chunks)
         observer = self.layer_observer
         layer_done = None if observer is None else (lambda layer: observer(layer, out.chunks))
         sampled = self.runner.execute(out, layer_done)
@@ -330,6 +335,8 @@ class LLMEngine:
         self._num_steps += 1
         self._schedule_time_s += (scheduled - start) + (done - executed)
         self._step_time_s += done - start
+        if work is not None and self.step_log is not None:
+            self.step_log.record(work, done - start)
         return outputs
 
     def _count_prefill(self, chunks: list[ScheduledChunk]) -> None:

@@ -5,8 +5,11 @@ scenario at a time, the median of a few repetitions each:
 - prefill: one prompt of T new tokens after C tokens already cached (prefix caching: the first
   request leaves C tokens in the cache, the second extends them), for a grid of T and C;
 - decode: B sequences of context C decoding together, for a grid of B and C.
-profile.StepModel is then fitted to all samples by least squares; a coefficient that comes out
-negative is dropped (held at 0) and the rest refitted.
+profile.StepModel is then fitted to all samples by least squares on the relative error; a
+coefficient that comes out negative is dropped (held at 0) and the rest refitted.
+
+`--from-step-log PATH...` fits the steps engines logged while serving instead (`PDSERVE_STEP_LOG`,
+engine/step_log.py): the step costs of a real run, with whatever shared the machine then.
 
 Transfer: `bench.kv_transport.run_workload` moves one prompt's KV (this model's shape) between two
 processes with each transport at two sizes; `latency_s` and `bytes_per_s` are the line through them.
@@ -19,12 +22,14 @@ import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
 from pdserve.config import EngineArgs
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.step_log import read_step_logs
 from pdserve.sizing.devices import DeviceSpec, device
 from pdserve.sizing.model_facts import ModelFacts
 from pdserve.sizing.profile import Profile, StepModel, TransferModel, roofline
@@ -157,20 +162,30 @@ def measure_transfer(model: ModelFacts, dtype: str, block_size: int, transports:
     return out
 
 
+def logged_samples(paths: list[Path]) -> list[Sample]:
+    """The steps an engine logged while serving (`PDSERVE_STEP_LOG`, engine/step_log.py)."""
+    samples = [Sample(w.prefill_tokens, w.prefill_pairs, w.decode_seqs, w.decode_context, seconds)
+               for w, seconds in read_step_logs(paths) if seconds > 0]
+    if not samples:
+        raise ValueError(f"no logged steps in {', '.join(map(str, paths))}")
+    return samples
+
+
 def calibrate(args: EngineArgs, transports: list[str], hardware: str,
-              grid: Grid = Grid()) -> tuple[Profile, list[Sample]]:  # noqa: B008 - frozen
-    """Measure, fit, and build the profile (limits: the engine's own)."""
+              grid: Grid = Grid(), logged: list[Sample] | None = None) -> tuple[Profile, list[Sample]]:  # noqa: B008
+    """Measure (or take `logged` steps), fit, and build the profile (limits: the engine's own)."""
     engine = LLMEngine.from_engine_args(args)
     cfg = engine.config
     model = ModelFacts.from_config(cfg.model_path.rstrip("/").split("/")[-1], _config_dict(cfg.model_path))
-    samples = measure_steps(engine, grid)
+    samples = logged if logged is not None else measure_steps(engine, grid)
     step = fit(samples)
     dtype = str(cfg.dtype).removeprefix("torch.")
     element = cfg.kv_bytes_per_block // (cfg.cache.block_size * 2 * model.num_layers * model.num_kv_heads
                                          * model.head_dim)
     transfer = measure_transfer(model, dtype, cfg.cache.block_size, transports) if transports else {}
     threads = cfg.num_threads or "default"
-    notes = f"{len(samples)} step samples ({_REPS} reps each, median); torch threads {threads}; {dtype}"
+    how = "logged while serving" if logged is not None else f"{_REPS} reps each, median"
+    notes = f"{len(samples)} step samples ({how}); torch threads {threads}; {dtype}"
     profile = Profile(model.name, f"calibrated on {hardware}", model, step,
                       model.kv_bytes_per_token(element), cfg.cache.block_size, cfg.cache.num_kv_blocks,
                       cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens, transfer, notes)
@@ -178,8 +193,6 @@ def calibrate(args: EngineArgs, transports: list[str], hardware: str,
 
 
 def _config_dict(model_path: str) -> dict:
-    from pathlib import Path
-
     return dict(json.loads((Path(model_path) / "config.json").read_text()))
 
 
@@ -199,6 +212,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="comma-separated: tcp, nixl (default: tcp, and nixl when importable); '': none")
     p.add_argument("--prefill-tokens", default=None, help="comma-separated prompt lengths timed (default 32,128,512)")
     p.add_argument("--decode-batches", default=None, help="comma-separated decode batch sizes timed (default 1,4,16)")
+    p.add_argument("--from-step-log", nargs="+", type=Path, default=None, metavar="PATH",
+                   help="fit the steps engines logged while serving (PDSERVE_STEP_LOG=DIR: files or DIRs) instead "
+                        "of timing steps here")
     p.add_argument("--compare-device", default=None,
                    help="also print each sample against that device's roofline profile (e.g. H200)")
     add_config_args(p, EngineArgs, title="engine")
@@ -206,8 +222,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from pdserve.bench.common import hardware_line
     from pdserve.config_flags import config_from_args
     from pdserve.disagg.transport import nixl_available
@@ -220,7 +234,8 @@ def run(ns: argparse.Namespace) -> int:
     grid = Grid(prefill_tokens=_ints(ns.prefill_tokens, Grid().prefill_tokens),
                 decode_batches=_ints(ns.decode_batches, Grid().decode_batches))
     compare = device(ns.compare_device) if ns.compare_device else None  # an unknown name fails before measuring
-    profile, samples = calibrate(config_from_args(EngineArgs, ns), transports, hardware_line(), grid)
+    logged = logged_samples(ns.from_step_log) if ns.from_step_log else None
+    profile, samples = calibrate(config_from_args(EngineArgs, ns), transports, hardware_line(), grid, logged)
     profile.save(Path(ns.out))
     samples_path = Path(ns.out).with_suffix(".samples.json")
     samples_path.write_text(json.dumps([asdict(x) for x in samples], indent=1) + "\n")
