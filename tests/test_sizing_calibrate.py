@@ -129,6 +129,10 @@ def test_served_steps_are_logged_and_fitted(tmp_path: Path, monkeypatch: pytest.
     assert all(s > 0 for _, s in steps)
     first = next(w for w, _ in steps if w.decode_seqs)  # a decode step reads the whole context
     assert first.decode_context >= 5 + 1
+    raw = [json.loads(line) for f in (tmp_path / "steps").iterdir() for line in f.read_text().splitlines()]
+    assert raw[0]["gap_s"] is None  # idle before the first step; busy between the others
+    assert all(r["gap_s"] is not None and r["gap_s"] >= 0 for r in raw[1:])
+    assert [period for _, period in steps] == pytest.approx([r["seconds"] + (r["gap_s"] or 0) for r in raw])
     out = tmp_path / "served.json"
     assert main(["calibrate", "--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "64",
                  "--transports", "", "--from-step-log", str(tmp_path / "steps"), "--out", str(out)]) == 0

@@ -336,7 +336,7 @@ class LLMEngine:
         self._schedule_time_s += (scheduled - start) + (done - executed)
         self._step_time_s += done - start
         if work is not None and self.step_log is not None:
-            self.step_log.record(work, done - start)
+            self.step_log.record(work, done - start, start, self.has_runnable_requests())
         return outputs
 
     def _count_prefill(self, chunks: list[ScheduledChunk]) -> None:

@@ -46,13 +46,16 @@ class StepWork:
 
 
 class StepLog:
-    """Appends `{"seconds": ..., <StepWork>}` lines; line-buffered, so a killed worker loses at
-    most the step it was in."""
+    """Appends `{"seconds": ..., "gap_s": ..., <StepWork>}` lines; line-buffered, so a killed worker
+    loses at most the step it was in. `gap_s`: from the previous step's end to this one's start
+    when the engine still had work then (time lost between steps: handing requests and outputs to
+    and from the API server, waiting for the GIL), else null (it was idle)."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._file: IO[str] = path.open("a", buffering=1)
+        self._busy_since: float | None = None  # the last step's end, if work was left then
 
     @classmethod
     def from_env(cls) -> StepLog | None:
@@ -61,15 +64,20 @@ class StepLog:
         directory = step_log_dir()
         return None if directory is None else cls(Path(directory) / f"steps-{os.getpid()}.jsonl")
 
-    def record(self, work: StepWork, seconds: float) -> None:
-        self._file.write(json.dumps({"seconds": round(seconds, 6), **asdict(work)}) + "\n")
+    def record(self, work: StepWork, seconds: float, start: float, busy_after: bool) -> None:
+        """One step of `seconds` that began at `start` (perf_counter); `busy_after`: work was left."""
+        gap = None if self._busy_since is None else round(start - self._busy_since, 6)
+        self._busy_since = start + seconds if busy_after else None
+        self._file.write(json.dumps({"seconds": round(seconds, 6), "gap_s": gap, **asdict(work)}) + "\n")
 
     def close(self) -> None:
         self._file.close()
 
 
 def read_step_logs(paths: Iterable[Path]) -> list[tuple[StepWork, float]]:
-    """Every logged step of these files (directories: their steps-*.jsonl), in order."""
+    """Every logged step of these files (directories: their steps-*.jsonl), in order, with its
+    period: its own time plus the gap before it when the engine had work waiting (the simulator's
+    steps follow each other with no gap, so that time belongs to the step)."""
     out = []
     for path in paths:
         if not Path(path).exists():
@@ -80,7 +88,8 @@ def read_step_logs(paths: Iterable[Path]) -> list[tuple[StepWork, float]]:
                 try:
                     raw = json.loads(line)
                     out.append((StepWork(int(raw["prefill_tokens"]), float(raw["prefill_pairs"]),
-                                         int(raw["decode_seqs"]), int(raw["decode_context"])), float(raw["seconds"])))
+                                         int(raw["decode_seqs"]), int(raw["decode_context"])),
+                                float(raw["seconds"]) + float(raw.get("gap_s") or 0.0)))
                 except (KeyError, TypeError, ValueError) as exc:
                     raise ValueError(f"{file}:{number}: not a step log line ({exc!r})") from None
     return out
