@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.config import EngineArgs
+from pdserve.config import EngineArgs, create_engine_config
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.step_log import read_step_logs
@@ -174,10 +174,9 @@ def logged_samples(paths: list[Path]) -> list[Sample]:
 def calibrate(args: EngineArgs, transports: list[str], hardware: str,
               grid: Grid = Grid(), logged: list[Sample] | None = None) -> tuple[Profile, list[Sample]]:  # noqa: B008
     """Measure (or take `logged` steps), fit, and build the profile (limits: the engine's own)."""
-    engine = LLMEngine.from_engine_args(args)
-    cfg = engine.config
+    cfg = create_engine_config(args)  # NOTE: an engine (weights, pool) only to time steps here
     model = ModelFacts.from_config(cfg.model_path.rstrip("/").split("/")[-1], _config_dict(cfg.model_path))
-    samples = logged if logged is not None else measure_steps(engine, grid)
+    samples = logged if logged is not None else measure_steps(LLMEngine.from_engine_args(args), grid)
     step = fit(samples)
     dtype = str(cfg.dtype).removeprefix("torch.")
     element = cfg.kv_bytes_per_block // (cfg.cache.block_size * 2 * model.num_layers * model.num_kv_heads
