@@ -123,16 +123,16 @@ def test_served_steps_are_logged_and_fitted(tmp_path: Path, monkeypatch: pytest.
     llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0))
     llm.engine.close()
     steps = read_step_logs([tmp_path / "steps"])
-    assert sum(w.prefill_tokens for w, _ in steps) == 5 + 40 + 70
-    assert sum(w.decode_seqs for w, _ in steps) == 3 * 5  # the first token comes with the prefill
-    assert max(w.prefill_tokens + w.decode_seqs for w, _ in steps) <= 32  # the step budget
-    assert all(s > 0 for _, s in steps)
-    first = next(w for w, _ in steps if w.decode_seqs)  # a decode step reads the whole context
+    assert sum(w.prefill_tokens for w, _, _ in steps) == 5 + 40 + 70
+    assert sum(w.decode_seqs for w, _, _ in steps) == 3 * 5  # the first token comes with the prefill
+    assert max(w.prefill_tokens + w.decode_seqs for w, _, _ in steps) <= 32  # the step budget
+    assert all(s > 0 and role is None for _, s, role in steps)  # not a worker: no role in the name
+    first = next(w for w, _, _ in steps if w.decode_seqs)  # a decode step reads the whole context
     assert first.decode_context >= 5 + 1
     raw = [json.loads(line) for f in (tmp_path / "steps").iterdir() for line in f.read_text().splitlines()]
     assert raw[0]["gap_s"] is None  # idle before the first step; busy between the others
     assert all(r["gap_s"] is not None and r["gap_s"] >= 0 for r in raw[1:])
-    assert [period for _, period in steps] == pytest.approx([r["seconds"] + (r["gap_s"] or 0) for r in raw])
+    assert [period for _, period, _ in steps] == pytest.approx([r["seconds"] + (r["gap_s"] or 0) for r in raw])
     out = tmp_path / "served.json"
     assert main(["calibrate", "--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "64",
                  "--transports", "", "--from-step-log", str(tmp_path / "steps"), "--out", str(out)]) == 0
@@ -155,3 +155,56 @@ def test_a_bad_step_log_is_refused_with_its_line(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no logged steps"):
         logged_samples([tmp_path / "empty"])
+
+
+def test_decode_workers_steps_get_a_model_of_their_own(tmp_path: Path) -> None:
+    """Logged decode workers' steps (file steps-decode-*.jsonl) are fitted apart from the other
+    roles' (`Profile.decode_step`), and the simulator's decode workers step with that model."""
+    from pdserve.sizing.calibrate import logged_samples
+    from pdserve.sizing.profile import StepModel
+    from pdserve.sizing.sim.cluster import Topology
+    from pdserve.sizing.sim.run import cluster_spec
+
+    others, decode = StepModel(0.01, 1e-4, 0.0, 2e-3, 0.0), StepModel(0.03, 1e-4, 0.0, 5e-3, 0.0)
+    (tmp_path / "logs").mkdir()
+    for name, model, rows in (("steps-prefill-7.jsonl", others, [(t, 0) for t in (16, 64, 128, 200)]),
+                              ("steps-colocated-8.jsonl", others, [(32, 2), (0, 3), (0, 8)]),
+                              ("steps-decode-9.jsonl", decode, [(0, b) for b in (1, 2, 4, 8, 16)])):
+        lines = [json.dumps({"seconds": model.step_s(t, 0.0, b, 0), "gap_s": None, "prefill_tokens": t,
+                             "prefill_pairs": 0.0, "decode_seqs": b, "decode_context": 0}) for t, b in rows]
+        (tmp_path / "logs" / name).write_text("\n".join(lines) + "\n")
+    logged = logged_samples([tmp_path / "logs"])
+    assert (len(logged.steps), len(logged.decode)) == (7, 5)
+    profile, samples = calibrate(EngineArgs(model=None, dtype="float32", num_kv_blocks=64), [], "test", logged=logged)
+    assert samples == logged.steps
+    assert profile.step.base_s == pytest.approx(others.base_s) and profile.step.decode_seq_s == pytest.approx(2e-3)
+    assert profile.decode_step is not None
+    assert profile.decode_step.base_s == pytest.approx(decode.base_s)
+    assert profile.decode_step.decode_seq_s == pytest.approx(5e-3)
+    profile.save(tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json") == profile
+    spec = cluster_spec(profile, Topology(num_prefill=1, num_decode=1), "tcp")
+    assert spec.decode_step == profile.decode_step and spec.step == profile.step
+
+
+@pytest.mark.slow
+def test_a_pd_clusters_workers_log_their_steps_under_their_role(model_dirs: dict[str, Path], tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import httpx
+    from pd_fixtures import start_cluster, stop_cluster
+
+    from pdserve.sizing.calibrate import logged_samples
+
+    monkeypatch.setenv("PDSERVE_STEP_LOG", str(tmp_path / "steps"))
+    cluster = start_cluster(model_dirs["tiny"], "tcp", 1, 1)
+    try:
+        with httpx.Client(base_url=cluster.router.url, timeout=30) as http:
+            reply = http.post("/v1/completions", json={"prompt": [5, 6, 7, 8, 9], "max_tokens": 4, "ignore_eos": True})
+        assert reply.status_code == 200, reply.text
+    finally:
+        stop_cluster(cluster)
+    names = sorted(p.name.rsplit("-", 1)[0] for p in (tmp_path / "steps").iterdir())
+    assert names == ["steps-decode", "steps-prefill"]
+    logged = logged_samples([tmp_path / "steps"])
+    assert sum(s.prefill_tokens for s in logged.steps) == 5 and not any(s.decode_seqs for s in logged.steps)
+    assert sum(s.decode_seqs for s in logged.decode) == 3  # the first token came from prefill

@@ -102,6 +102,8 @@ def build_worker(engine: LLMEngine, config: WorkerConfig, model_name: str, *,
     warn_if_open(secret, f"{config.role} worker")
     service: PrefillService | DecodeService
     consumer = None
+    if engine.step_log is not None:
+        engine.step_log.role = config.role
     if config.role == "decode":
         peers = KVPeerPolicy(secret, config.kv_max_connections, config.kv_handshake_timeout_s)
         receiver = make_receiver(transport, layout, engine.runner.kv_cache, host=config.kv_host, port=config.kv_port,

@@ -1,11 +1,12 @@
 """A log of the engine's steps as they ran, for fitting a step-time model to a served workload.
 
 With `PDSERVE_STEP_LOG=DIR` every engine (each worker of `pdserve up`, any role) appends one JSON
-line per step to `DIR/steps-<pid>.jsonl`: the step's wall time and the counts of its work in the
-columns of `sizing.profile.StepModel` (prefill tokens, prefill pairs, decode sequences, decode
-context tokens). `pdserve calibrate --from-step-log FILE...` fits a profile to them: step costs as
-they were on the machine while it served (neighbours on the other cores, the API server sharing
-the process, the KV transport's threads), which timing steps alone (`pdserve calibrate`) leaves out.
+line per step to `DIR/steps-<role>-<pid>.jsonl` (`steps-<pid>.jsonl` outside a worker): the
+step's wall time, the gap before it while work waited, and the counts of its work in the columns
+of `sizing.profile.StepModel` (prefill tokens, prefill pairs, decode sequences, decode context
+tokens). `pdserve calibrate --from-step-log FILE...` fits a profile to them: step costs as they
+were on the machine while it served (neighbours on the other cores, the API server sharing the
+process, the KV transport's threads), which timing steps alone (`pdserve calibrate`) leaves out.
 """
 
 from __future__ import annotations
@@ -51,10 +52,10 @@ class StepLog:
     when the engine still had work then (time lost between steps: handing requests and outputs to
     and from the API server, waiting for the GIL), else null (it was idle)."""
 
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
-        self._file: IO[str] = path.open("a", buffering=1)
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.role: str | None = None  # a worker's role, named in the file (set before the first step)
+        self._file: IO[str] | None = None  # opened at the first step
         self._busy_since: float | None = None  # the last step's end, if work was left then
 
     @classmethod
@@ -62,22 +63,36 @@ class StepLog:
         from pdserve.envs import step_log_dir
 
         directory = step_log_dir()
-        return None if directory is None else cls(Path(directory) / f"steps-{os.getpid()}.jsonl")
+        return None if directory is None else cls(Path(directory))
+
+    @property
+    def path(self) -> Path:
+        return self.directory / "-".join(["steps", *([self.role] if self.role else []), f"{os.getpid()}.jsonl"])
 
     def record(self, work: StepWork, seconds: float, start: float, busy_after: bool) -> None:
         """One step of `seconds` that began at `start` (perf_counter); `busy_after`: work was left."""
         gap = None if self._busy_since is None else round(start - self._busy_since, 6)
         self._busy_since = start + seconds if busy_after else None
+        if self._file is None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a", buffering=1)
         self._file.write(json.dumps({"seconds": round(seconds, 6), "gap_s": gap, **asdict(work)}) + "\n")
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
-def read_step_logs(paths: Iterable[Path]) -> list[tuple[StepWork, float]]:
+def step_log_role(path: Path) -> str | None:
+    """The worker role a step log's file name carries (`steps-decode-12.jsonl`: decode)."""
+    parts = path.stem.split("-")
+    return parts[1] if len(parts) == 3 else None
+
+
+def read_step_logs(paths: Iterable[Path]) -> list[tuple[StepWork, float, str | None]]:
     """Every logged step of these files (directories: their steps-*.jsonl), in order, with its
     period: its own time plus the gap before it when the engine had work waiting (the simulator's
-    steps follow each other with no gap, so that time belongs to the step)."""
+    steps follow each other with no gap, so that time belongs to the step), and the role that ran it."""
     out = []
     for path in paths:
         if not Path(path).exists():
@@ -89,7 +104,7 @@ def read_step_logs(paths: Iterable[Path]) -> list[tuple[StepWork, float]]:
                     raw = json.loads(line)
                     out.append((StepWork(int(raw["prefill_tokens"]), float(raw["prefill_pairs"]),
                                          int(raw["decode_seqs"]), int(raw["decode_context"])),
-                                float(raw["seconds"]) + float(raw.get("gap_s") or 0.0)))
+                                float(raw["seconds"]) + float(raw.get("gap_s") or 0.0), step_log_role(file)))
                 except (KeyError, TypeError, ValueError) as exc:
                     raise ValueError(f"{file}:{number}: not a step log line ({exc!r})") from None
     return out

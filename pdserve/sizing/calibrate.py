@@ -162,21 +162,39 @@ def measure_transfer(model: ModelFacts, dtype: str, block_size: int, transports:
     return out
 
 
-def logged_samples(paths: list[Path]) -> list[Sample]:
-    """The steps an engine logged while serving (`PDSERVE_STEP_LOG`, engine/step_log.py)."""
-    samples = [Sample(w.prefill_tokens, w.prefill_pairs, w.decode_seqs, w.decode_context, seconds)
-               for w, seconds in read_step_logs(paths) if seconds > 0]
-    if not samples:
+@dataclass(frozen=True, slots=True)
+class Logged:
+    """Steps engines logged while serving: decode workers' apart (a decode worker's steps may cost
+    more than the same work elsewhere: its KV receiver shares its core), every other role's."""
+
+    steps: list[Sample]
+    decode: list[Sample]
+
+
+def logged_samples(paths: list[Path]) -> Logged:
+    """The steps engines logged while serving (`PDSERVE_STEP_LOG`, engine/step_log.py)."""
+    logged = Logged([], [])
+    for w, seconds, role in read_step_logs(paths):
+        if seconds > 0:
+            sample = Sample(w.prefill_tokens, w.prefill_pairs, w.decode_seqs, w.decode_context, seconds)
+            (logged.decode if role == "decode" else logged.steps).append(sample)
+    if not logged.steps and not logged.decode:
         raise ValueError(f"no logged steps in {', '.join(map(str, paths))}")
-    return samples
+    return logged
 
 
 def calibrate(args: EngineArgs, transports: list[str], hardware: str,
-              grid: Grid = Grid(), logged: list[Sample] | None = None) -> tuple[Profile, list[Sample]]:  # noqa: B008
-    """Measure (or take `logged` steps), fit, and build the profile (limits: the engine's own)."""
+              grid: Grid = Grid(), logged: Logged | None = None) -> tuple[Profile, list[Sample]]:  # noqa: B008
+    """Measure (or take `logged` steps), fit, and build the profile (limits: the engine's own).
+    Logged decode workers' steps get a step model of their own when other roles' steps were
+    logged too (`Profile.decode_step`). Returns the samples `Profile.step` was fitted to."""
     cfg = create_engine_config(args)  # NOTE: an engine (weights, pool) only to time steps here
     model = ModelFacts.from_config(cfg.model_path.rstrip("/").split("/")[-1], _config_dict(cfg.model_path))
-    samples = logged if logged is not None else measure_steps(LLMEngine.from_engine_args(args), grid)
+    if logged is None:
+        samples, decode_step = measure_steps(LLMEngine.from_engine_args(args), grid), None
+    else:
+        samples = logged.steps or logged.decode
+        decode_step = fit(logged.decode) if logged.steps and logged.decode else None
     step = fit(samples)
     dtype = str(cfg.dtype).removeprefix("torch.")
     element = cfg.kv_bytes_per_block // (cfg.cache.block_size * 2 * model.num_layers * model.num_kv_heads
@@ -185,9 +203,12 @@ def calibrate(args: EngineArgs, transports: list[str], hardware: str,
     threads = cfg.num_threads or "default"
     how = "logged while serving" if logged is not None else f"{_REPS} reps each, median"
     notes = f"{len(samples)} step samples ({how}); torch threads {threads}; {dtype}"
+    if decode_step is not None and logged is not None:
+        notes += f"; decode workers' steps fitted apart ({len(logged.decode)} samples)"
     profile = Profile(model.name, f"calibrated on {hardware}", model, step,
                       model.kv_bytes_per_token(element), cfg.cache.block_size, cfg.cache.num_kv_blocks,
-                      cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens, transfer, notes)
+                      cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens, transfer, notes,
+                      decode_step)
     return profile, samples
 
 
@@ -243,6 +264,12 @@ def run(ns: argparse.Namespace) -> int:
           f"{s.prefill_pair_s * 1e9:.4f} ns x prefill pairs + {s.decode_seq_s * 1e6:.3f} us x decode seqs + "
           f"{s.decode_context_s * 1e9:.4f} ns x decode context tokens")
     print(f"fit: median relative error {fit_error(s, samples):.1%} over {len(samples)} samples")
+    if profile.decode_step is not None and logged is not None:
+        d = profile.decode_step
+        print(f"decode workers: step_s = {d.base_s * 1e3:.3f} ms + {d.decode_seq_s * 1e6:.3f} us x decode seqs + "
+              f"{d.decode_context_s * 1e9:.4f} ns x decode context tokens (+ prefill terms: "
+              f"{d.prefill_token_s * 1e6:.3f} us/token); fit: median relative error "
+              f"{fit_error(d, logged.decode):.1%} over {len(logged.decode)} samples")
     for name, t in profile.transports.items():
         print(f"{name}: {t.latency_s * 1e3:.3f} ms + bytes / {t.bytes_per_s / 1e9:.2f} GB/s")
     if compare is not None:

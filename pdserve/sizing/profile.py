@@ -85,6 +85,7 @@ class Profile:
     max_num_batched_tokens: int
     transports: dict[str, TransferModel] = field(default_factory=dict)
     notes: str = ""
+    decode_step: StepModel | None = None  # PD decode workers' own, when fitted apart (else `step`)
 
     def with_limits(self, num_kv_blocks: int | None = None, max_num_seqs: int | None = None,
                     max_num_batched_tokens: int | None = None) -> Profile:
@@ -108,7 +109,8 @@ class Profile:
         return cls(raw["name"], raw["source"], ModelFacts(**raw["model"]), StepModel(**raw["step"]),
                    int(raw["kv_bytes_per_token"]), int(raw["block_size"]), int(raw["num_kv_blocks"]),
                    int(raw["max_num_seqs"]), int(raw["max_num_batched_tokens"]),
-                   {k: TransferModel(**v) for k, v in raw.get("transports", {}).items()}, raw.get("notes", ""))
+                   {k: TransferModel(**v) for k, v in raw.get("transports", {}).items()}, raw.get("notes", ""),
+                   StepModel(**raw["decode_step"]) if raw.get("decode_step") else None)
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -68,6 +68,7 @@ class ClusterSpec:
     num_layers: int = 1
     layerwise: bool = True
     max_queued_requests: int = 512
+    decode_step: StepModel | None = None  # PD decode workers' step model, if not `step`
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +84,8 @@ class Cluster:
         t = spec.topology
         if t.is_pd:
             self.prefill = [SimWorker(i, "prefill", spec.colocated, spec.step) for i in range(t.num_prefill)]
-            self.decode = [SimWorker(i, "decode", spec.decode, spec.step) for i in range(t.num_decode)]
+            self.decode = [SimWorker(i, "decode", spec.decode, spec.decode_step or spec.step)
+                           for i in range(t.num_decode)]
         else:
             self.prefill = [SimWorker(i, "colocated", spec.colocated, spec.step) for i in range(t.num_colocated)]
             self.decode = []

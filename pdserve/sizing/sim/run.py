@@ -69,7 +69,7 @@ def cluster_spec(profile: Profile, topology: Topology, transport: str | None, la
     decode = WorkerLimits(profile.num_kv_blocks, profile.block_size, seqs, max(seqs, profile.max_num_batched_tokens))
     transfer = profile.transport(transport) if transport and topology.is_pd else None
     return ClusterSpec(topology, profile.step, limits, decode, transfer, profile.kv_bytes_per_token,
-                       profile.model.num_layers, layerwise, max_queued_requests)
+                       profile.model.num_layers, layerwise, max_queued_requests, profile.decode_step)
 
 
 def to_record(request_index: int, r: SimRequest) -> RequestRecord:
