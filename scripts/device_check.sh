@@ -6,7 +6,8 @@
 #      (random bf16 weights), each step next to the H200 roofline profile the simulator uses;
 #   3. the simulator against real runs here: a profile calibrated with the servers' flags, then
 #      `pdserve bench compare` (one colocated server, then PD 1+1 sharing the GPU) replayed by
-#      `python -m pdserve.bench.validate_sim`.
+#      `python -m pdserve.bench.validate_sim`; then again with a profile fitted to the steps the
+#      served engines logged (PDSERVE_STEP_LOG, `calibrate --from-step-log`).
 # STAGES picks them (default "correct timings validate"); TIMINGS=0 is STAGES=correct. Every stage has its own time limit; logs and profiles go to $OUT (default ./device-out).
 # Python packages the machine lacks travel as wheels in ./.whl (docs/BENCHMARKS.md says which).
 set -u
@@ -64,16 +65,24 @@ if has validate; then
 flags=(--model "$ck/qwen3-0.6b" --device cuda --dtype bfloat16 --max-num-seqs 256 --gpu-memory-utilization 0.35)
 TAIL=12 stage validate-calibrate 150 python3 -m pdserve.cli calibrate "${flags[@]}" --max-num-batched-tokens 2048 \
   --transports tcp --prefill-tokens 64,256,1024 --decode-batches 1,8,32,64 --out "$out/validate-profile.json"
-TAIL=30 stage validate-runs 300 python3 -m pdserve.cli bench compare --systems colocated-chunked,pd --prefill 1 \
+# NOTE: every served engine logs its steps (PDSERVE_STEP_LOG): the profile fitted to them (validate-fit) has
+# the step costs as served (the API server sharing the process, the GIL), which timing steps alone misses
+PDSERVE_STEP_LOG="$out/steps-1p1d" TAIL=30 stage validate-runs 300 python3 -m pdserve.cli bench compare --systems colocated-chunked,pd --prefill 1 \
   --decode 1 --engine-args "${flags[*]}" --max-num-batched-tokens 2048 --skip-capacity --no-progress \
   --workload seed-mix --scale "${VALIDATE_SCALE:-0.2}" --num-prompts "${VALIDATE_PROMPTS:-200}" \
   --max-concurrency "${VALIDATE_CONCURRENCY:-32}" --save "$out/validate.json"
-TAIL=12 stage validate-runs-1p2d 200 python3 -m pdserve.cli bench compare --systems pd --prefill 1 --decode 2 \
+PDSERVE_STEP_LOG="$out/steps-1p2d" TAIL=12 stage validate-runs-1p2d 200 python3 -m pdserve.cli bench compare --systems pd --prefill 1 --decode 2 \
   --engine-args "${flags[*]/0.35/0.25}" --max-num-batched-tokens 2048 --skip-capacity --no-progress \
   --workload seed-mix --scale "${VALIDATE_SCALE:-0.2}" --num-prompts "${VALIDATE_PROMPTS:-200}" \
   --max-concurrency "${VALIDATE_CONCURRENCY:-32}" --save "$out/validate12.json"
 TAIL=20 stage validate-sim 120 python3 -m pdserve.bench.validate_sim --profile "$out/validate-profile.json" \
   --transport tcp --max-num-seqs 256 --max-num-batched-tokens 2048 --run "colocated:1=$out/validate.colocated-chunked.json" \
   --run "pd:1:1=$out/validate.pd.json" --run "pd:1:2=$out/validate12.pd.json" --save "$out/validation.json"
+TAIL=12 stage validate-fit 120 python3 -m pdserve.cli calibrate "${flags[@]}" --max-num-batched-tokens 2048 \
+  --transports tcp --from-step-log "$out/steps-1p1d" "$out/steps-1p2d" --out "$out/validate-served-profile.json"
+TAIL=20 stage validate-sim-served 120 python3 -m pdserve.bench.validate_sim \
+  --profile "$out/validate-served-profile.json" --transport tcp --max-num-seqs 256 --max-num-batched-tokens 2048 \
+  --run "colocated:1=$out/validate.colocated-chunked.json" --run "pd:1:1=$out/validate.pd.json" \
+  --run "pd:1:2=$out/validate12.pd.json" --save "$out/validation-served.json"
 fi
 nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
