@@ -4,6 +4,7 @@ agreement with closed-form cases."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -78,6 +79,11 @@ def test_one_request_alone_ttft_is_prefill_plus_transfer() -> None:
     # decode alone: each later token is one step of one sequence over its growing context
     steps = [STEP.step_s(0, 0, 1, 1000 + k) for k in range(1, 5)]
     assert pd.summary.latency["tpot"].median_ms == pytest.approx(sum(steps) / 4 * 1e3)
+    # the router's early first token: the client has it when prefill sampled it; the transfer
+    # moves to the gap before the second token
+    early = simulate(dataclasses.replace(pd_spec, early_first_token=True), [Arrival(1000, 5, 0.0)], None)
+    assert early.summary.latency["ttft"].median_ms == pytest.approx(prefill_s * 1e3)
+    assert early.summary.latency["e2el"].median_ms == pytest.approx(pd.summary.latency["e2el"].median_ms)
 
 
 def test_saturated_decode_throughput_is_batch_over_step_time() -> None:

@@ -43,6 +43,9 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--transport", choices=TRANSPORTS, default="tcp",
                    help="PD hand-off: the profile's measured transport, or the seed's tcp/erdma/gdr rates")
     g.add_argument("--no-layerwise", action="store_true", help="send the KV only after the prefill step ends")
+    g.add_argument("--early-first-token", action=argparse.BooleanOptionalAction, default=True,
+                   help="PD: the client gets the first token when prefill sampled it (the router's default), "
+                        "not once decode has the KV")
     g.add_argument("--max-num-seqs", type=int, default=None, help="per worker (default: the profile's)")
     g.add_argument("--decode-max-num-seqs", type=int, default=None, help="PD decode workers (default: --max-num-seqs)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="per worker (default: the profile's)")
@@ -92,7 +95,7 @@ class _Setup:
 def run_one(ns: argparse.Namespace, setup: _Setup, topology: Topology, concurrency: int | None) -> SimRun:
     spec = cluster_spec(setup.profile, topology, None if ns.transport == "none" else ns.transport,
                         not ns.no_layerwise, ns.decode_max_num_seqs, ns.max_queued_requests,
-                        not ns.no_enable_chunked_prefill)
+                        not ns.no_enable_chunked_prefill, ns.early_first_token)
     return simulate(spec, arrivals(setup.lengths, ns.request_rate, ns.burstiness, ns.seed), concurrency, ns.slo,
                     f"sim {setup.profile.name}", ns.request_rate, ns.burstiness, ns.seed)
 

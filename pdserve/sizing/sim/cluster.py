@@ -69,6 +69,7 @@ class ClusterSpec:
     layerwise: bool = True
     max_queued_requests: int = 512
     decode_step: StepModel | None = None  # PD decode workers' step model, if not `step`
+    early_first_token: bool = False  # PD: the client has the first token when prefill sampled it
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,7 +260,8 @@ class Cluster:
         prefill.held_tokens -= request.prompt_len
         self._kick(prefill)
         self._dispatch_prefill()
-        request.token_times_s[-1] = self.now_s  # the client sees the first token once decode has the KV
+        if not self.spec.early_first_token:  # the client sees the first token once decode has the KV
+            request.token_times_s[-1] = self.now_s
         self._awaiting_first -= 1
         decode = self.decode[request.decode]
         request.worker = decode.index

@@ -61,15 +61,19 @@ def arrivals(lengths: Sequence[tuple[int, int]], request_rate: float, burstiness
 
 def cluster_spec(profile: Profile, topology: Topology, transport: str | None, layerwise: bool = True,
                  decode_max_num_seqs: int | None = None, max_queued_requests: int = 512,
-                 enable_chunked_prefill: bool = True) -> ClusterSpec:
-    """Every worker has the profile's limits; decode workers may have their own `max_num_seqs`."""
+                 enable_chunked_prefill: bool = True, early_first_token: bool = True) -> ClusterSpec:
+    """Every worker has the profile's limits; decode workers may have their own `max_num_seqs`.
+    `early_first_token`: as the router's `--early-first-token` (its default), the first token of a
+    PD request reaches the client when prefill sampled it (the router sends it early for greedy and
+    seeded requests of one sequence; bench's are greedy)."""
     limits = WorkerLimits(profile.num_kv_blocks, profile.block_size, profile.max_num_seqs,
                           profile.max_num_batched_tokens, enable_chunked_prefill)
     seqs = decode_max_num_seqs or profile.max_num_seqs
     decode = WorkerLimits(profile.num_kv_blocks, profile.block_size, seqs, max(seqs, profile.max_num_batched_tokens))
     transfer = profile.transport(transport) if transport and topology.is_pd else None
     return ClusterSpec(topology, profile.step, limits, decode, transfer, profile.kv_bytes_per_token,
-                       profile.model.num_layers, layerwise, max_queued_requests, profile.decode_step)
+                       profile.model.num_layers, layerwise, max_queued_requests, profile.decode_step,
+                       early_first_token)
 
 
 def to_record(request_index: int, r: SimRequest) -> RequestRecord:
