@@ -166,12 +166,20 @@ class NixlKVSender(KVSender):
                 reason = "an unexpected frame on the liveness link"
             except (ConnectionError, OSError) as e:  # EOF, a reset, or bytes that are no frame
                 reason = str(e)
-        if self._closing:
-            return
-        logger.warning("NIXL link to decode lost: %s", reason)
-        self._broken = f"link to decode lost ({reason})"
+        if not self._closing:
+            self._lose_decode(f"link to decode lost ({reason})")
+
+    def _lose_decode(self, reason: str) -> None:
+        """This sender can reach decode no more: fail everything, turn `broken` (its owner
+        connects a new one, with a new agent), and close the link so decode forgets our agent."""
+        logger.warning("NIXL sender gives up on decode: %s", reason)
+        self._broken = reason
         self._claims.clear()
-        self._acks.fail_all(self._broken)
+        self._acks.fail_all(reason)
+        if self._link is not None and not self._closing:
+            self._closing = True  # NOTE: the watch sees EOF and closes the socket
+            with contextlib.suppress(OSError):
+                self._link.shutdown(socket.SHUT_RDWR)
 
     def _claim(self, pending: _PendingClaim) -> None:
         claim_id = next(self._claim_ids)
@@ -226,6 +234,8 @@ class NixlKVSender(KVSender):
             self._acks.failed(header.request_id, "decode granted regions that do not match the claim")
             return
         src, dst = regions.coalesce_pairs(local, np.asarray(grant.dst_addrs, dtype=np.int64), self.layout.region_bytes)
+        if not self._load_grant(grant):
+            return
         try:
             handle = self._agent.initialize_xfer("WRITE", self._descs(src), self._descs(dst), self._peer,
                                                  encode_notif(Written(grant.claim_id, header)))
@@ -238,6 +248,22 @@ class NixlKVSender(KVSender):
             self._acks.failed(header.request_id, "NIXL WRITE failed")
         else:
             self._in_flight.append(_InFlight(header.request_id, handle))
+
+    def _load_grant(self, grant: Grant) -> bool:
+        """Load the metadata of the registration decode made for this grant (nixl.py, Trust): NIXL
+        merges it into what we hold of decode's agent; without it the WRITE has nowhere to go.
+        False: it failed, and with it this sender (NOTE: NIXL drops everything it held of an agent
+        whose metadata it could not load, so no later WRITE to decode could start)."""
+        if not grant.nixl_metadata:
+            return True
+        try:
+            name = agent_name(self._agent.add_remote_agent(grant.nixl_metadata))
+        except Exception as e:  # the bindings' own classes (nixl*Error)
+            name = f"none ({e!r})"
+        if name != self._peer:
+            self._lose_decode(f"could not load the NIXL metadata of decode's grant: agent {name}")
+            return False
+        return True
 
     def _descs(self, spans: regions.Spans) -> Any:
         """NIXL descriptors: rows of (address, length, device id)."""
