@@ -15,7 +15,15 @@ import torch
 from kv_transport_helpers import PoolSpec
 
 from pdserve.disagg.auth import ClusterSecret
-from pdserve.disagg.transport import KVDone, KVProgress, KVReceiver, make_receiver, make_sender, nixl_available
+from pdserve.disagg.transport import (
+    KVDone,
+    KVProgress,
+    KVReceiver,
+    KVTransferError,
+    make_receiver,
+    make_sender,
+    nixl_available,
+)
 from pdserve.disagg.transport.handshake import KVPeerPolicy
 from pdserve.disagg.transport.messages import Claim
 
@@ -44,14 +52,20 @@ class Pair:
 
     def write_directly(self, dst_addr: int, num_bytes: int) -> str:
         """What a hostile prefill does with its NIXL agent, ignoring the protocol: a WRITE of its
-        own bytes to `dst_addr` in decode's process. NIXL's answer: "refused: ..." or the state."""
+        own bytes to `dst_addr` in decode's process, naming any of the first device ids (decode
+        gives each host-memory registration its own, nixl_agent.register). NIXL's answer:
+        "refused: ..." when every one was refused, else the first transfer state."""
+        answers = [self._write_as(dst_addr, num_bytes, device_id) for device_id in range(8)]
+        return next((a for a in answers if not a.startswith("refused")), answers[0])
+
+    def _write_as(self, dst_addr: int, num_bytes: int, device_id: int) -> str:
         sender = self.sender
 
         def post() -> str:
             agent = sender._agent  # type: ignore[attr-defined]
             rows = np.array([[sender.kv_cache.data_ptr(), num_bytes, 0]], dtype=np.uint64)
             src = agent.get_xfer_descs(rows, "DRAM")
-            dst = agent.get_xfer_descs(np.array([[dst_addr, num_bytes, 0]], dtype=np.uint64), "DRAM")
+            dst = agent.get_xfer_descs(np.array([[dst_addr, num_bytes, device_id]], dtype=np.uint64), "DRAM")
             try:
                 handle = agent.initialize_xfer("WRITE", src, dst, sender._peer)  # type: ignore[attr-defined]
                 state = agent.transfer(handle)
@@ -166,3 +180,26 @@ def test_a_request_is_registered_once_for_all_its_layers_and_chunks(pair: Pair,
     assert len(loaded) == 2 * SPEC.num_layers and loaded[0] > 0 and loaded[1:] == [0] * (len(loaded) - 1)
     assert registrations(pair.receiver) == 0
     assert pair.receiver.reserved_request_ids() == frozenset() and pair.sender.pending_request_ids() == frozenset()
+
+
+def test_a_grant_whose_metadata_does_not_load_breaks_the_sender(pair: Pair) -> None:
+    """NIXL drops what it held of an agent whose metadata it failed to load (e.g. changed keys for
+    a span it already holds: NIXL_ERR_NOT_ALLOWED), so no later WRITE could start: the sender
+    fails its requests, turns broken (its owner connects a new one) and closes its link, so decode
+    forgets its agent."""
+    sender = pair.sender
+
+    def refuse(metadata: bytes) -> str:
+        raise RuntimeError("NIXL_ERR_NOT_ALLOWED")
+
+    sender._agent.add_remote_agent = refuse  # type: ignore[attr-defined]
+    pair.receiver.expect("r", [2, 3], "t")
+    sender.send_layer("r", 0, [1, 2], [2, 3], token="t")
+    with pytest.raises(KVTransferError, match="could not load the NIXL metadata"):
+        asyncio.run(sender.flush("r", TIMEOUT_S))
+    assert "could not load the NIXL metadata" in sender.broken
+    deadline = time.monotonic() + TIMEOUT_S
+    while pair.receiver._io.call(lambda: bool(pair.receiver._peers)) and time.monotonic() < deadline:  # type: ignore[attr-defined]
+        time.sleep(0.02)
+    assert not pair.receiver._io.call(lambda: bool(pair.receiver._peers))  # type: ignore[attr-defined]
+    assert pair.untouched(list(range(SPEC.num_blocks)))

@@ -147,13 +147,15 @@ class Grant:
     payload order (the K region of each block of `dst_block_ids`, then each V region), each
     `region_bytes` long. `nixl_metadata`: decode's agent metadata for the registration that covers
     them (the reservation's regions, or a staging range), which prefill loads before it WRITEs;
-    empty when this prefill agent already got it with an earlier grant."""
+    empty when this prefill agent already got it with an earlier grant. `dst_device_id`: the
+    device id the WRITE's remote descriptors name (that registration's, nixl_agent.register)."""
 
     request_id: str
     claim_id: int
     dst_addrs: tuple[int, ...]
     region_bytes: int
     nixl_metadata: bytes = b""
+    dst_device_id: int = 0
 
 
 @dataclass(frozen=True, slots=True)

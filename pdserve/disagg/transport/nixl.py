@@ -283,9 +283,9 @@ class NixlKVReceiver(KVReceiver):
         try:
             reservation = self._table.check_layer(header)
             if header.dtype == self.layout.dtype:
-                metadata = self._exposed.grant(peer, header.request_id, reservation, LATE_WRITE_WINDOW_S)
+                metadata, device_id = self._exposed.grant(peer, header.request_id, reservation, LATE_WRITE_WINDOW_S)
                 grant = Grant(header.request_id, claim.claim_id, self._pool_addrs(header), self.layout.region_bytes,
-                              metadata)
+                              metadata, device_id)
             elif self._staging.buffer is None:
                 raise PayloadRejected(header.request_id, f"dtype {header.dtype}: no handshake declared it, no staging",
                                       request_known=True)
@@ -295,7 +295,7 @@ class NixlKVReceiver(KVReceiver):
                     self._staging.waiting.append((peer, claim))
                     return None
                 grant = Grant(header.request_id, claim.claim_id, tuple(staged.addrs.tolist()), staged.region_bytes,
-                              staged.metadata)
+                              staged.metadata, staged.device_id)
         except PayloadRejected as e:
             return self._reject(e)
         except Exception as e:  # NOTE: a registration the bindings refused (nixl*Error): this request fails

@@ -5,6 +5,7 @@ metadata a peer gets (decode's grants: nixl_grants.py, nixl_staging.py)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import time
@@ -70,12 +71,26 @@ class Registration:
     descs: Any
     metadata: bytes
     num_bytes: int
+    device_id: int  # what a WRITE's remote descriptors must name (see `register`)
+
+
+_generations = itertools.count(1)
 
 
 def register(agent: Any, starts: np.ndarray, lengths: np.ndarray, kind: tuple[str, int]) -> Registration:
     """Register the ranges `starts[i]` .. `starts[i] + lengths[i]` (absolute addresses) of memory
-    of `kind` (`memory_kind`) as one registration."""
+    of `kind` (`memory_kind`) as one registration.
+
+    NOTE: a peer keeps every registration it loaded (NIXL cannot unload part of a remote agent),
+    and NIXL finds the registration covering a WRITE's remote range by its start address alone: a
+    revoked registration starting inside a live one (same memory, an earlier reservation) hides the
+    live one and the WRITE fails (NIXL_ERR_NOT_FOUND). Host memory ignores the device id, and NIXL
+    matches it too, so each host-memory registration gets a device id of its own (a generation):
+    old registrations never match a new grant's WRITE. GPU memory needs its real device id: not
+    isolated so (nixl.py, Trust)."""
     mem_type, device_id = kind
+    if mem_type == "DRAM":
+        device_id = next(_generations)
     rows = np.empty((len(starts), 3), dtype=np.uint64)
     rows[:, 0] = starts
     rows[:, 1] = lengths
@@ -86,7 +101,7 @@ def register(agent: Any, starts: np.ndarray, lengths: np.ndarray, kind: tuple[st
     except BaseException:
         agent.deregister_memory(descs)
         raise
-    return Registration(descs, metadata, int(np.sum(lengths)))
+    return Registration(descs, metadata, int(np.sum(lengths)), device_id)
 
 
 class Poller:

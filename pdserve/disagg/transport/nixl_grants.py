@@ -60,9 +60,10 @@ class ReservationGrants:
         """Registrations not yet deregistered, live or held (tests: none left behind)."""
         return len(self._live) + len(self._held)
 
-    def grant(self, peer: str, request_id: str, reservation: Reservation, hold_s: float) -> bytes:
+    def grant(self, peer: str, request_id: str, reservation: Reservation, hold_s: float) -> tuple[bytes, int]:
         """One more open grant of `reservation`; registers its regions on the first. The metadata
-        `peer` must load before it writes ("" when it already has it)."""
+        `peer` must load before it writes ("" when it already has it) and the registration's
+        device id."""
         exposed = self._live.get(request_id)
         if exposed is not None and exposed.reservation is not reservation:  # an ended one of that id
             self._revoke(request_id, hold_s)
@@ -70,10 +71,11 @@ class ReservationGrants:
         if exposed is None:
             exposed = self._live[request_id] = _Exposed(reservation, self._register(reservation))
         exposed.num_open_grants += 1
+        registration = exposed.registration
         if peer in exposed.peers:
-            return b""
+            return b"", registration.device_id
         exposed.peers.add(peer)
-        return exposed.registration.metadata
+        return registration.metadata, registration.device_id
 
     def written(self, request_id: str) -> None:
         """A grant of the request closed: its WRITE landed."""

@@ -237,7 +237,8 @@ class NixlKVSender(KVSender):
         if not self._load_grant(grant):
             return
         try:
-            handle = self._agent.initialize_xfer("WRITE", self._descs(src), self._descs(dst), self._peer,
+            handle = self._agent.initialize_xfer("WRITE", self._descs(src, self._device_id),
+                                                 self._descs(dst, grant.dst_device_id), self._peer,
                                                  encode_notif(Written(grant.claim_id, header)))
             state = self._agent.transfer(handle)
         except Exception as e:  # NOTE: the bindings raise their own exception classes (nixl*Error)
@@ -265,12 +266,12 @@ class NixlKVSender(KVSender):
             return False
         return True
 
-    def _descs(self, spans: regions.Spans) -> Any:
+    def _descs(self, spans: regions.Spans, device_id: int) -> Any:
         """NIXL descriptors: rows of (address, length, device id)."""
         rows = np.empty((len(spans.starts), 3), dtype=np.uint64)
         rows[:, 0] = spans.starts
         rows[:, 1] = spans.lengths
-        rows[:, 2] = self._device_id  # NOTE: decode's device id is assumed equal (one GPU per worker)
+        rows[:, 2] = device_id
         return self._agent.get_xfer_descs(rows, self._mem_type)
 
     def _check_in_flight(self) -> None:

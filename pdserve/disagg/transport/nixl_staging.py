@@ -48,6 +48,7 @@ class StagedGrant:
     addrs: np.ndarray
     region_bytes: int
     metadata: bytes
+    device_id: int
 
 
 class Staging:
@@ -88,7 +89,7 @@ class Staging:
         num_regions = 2 * len(header.dst_block_ids)
         region_bytes = header.num_bytes // num_regions
         addrs = base + np.arange(num_regions, dtype=np.int64) * region_bytes
-        return StagedGrant(addrs, region_bytes, registration.metadata)
+        return StagedGrant(addrs, region_bytes, registration.metadata, registration.device_id)
 
     def payload(self, key: GrantKey) -> torch.Tensor:
         """The bytes that landed for this grant (uint8, on the pool's device)."""
