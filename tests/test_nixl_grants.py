@@ -203,3 +203,37 @@ def test_a_grant_whose_metadata_does_not_load_breaks_the_sender(pair: Pair) -> N
         time.sleep(0.02)
     assert not pair.receiver._io.call(lambda: bool(pair.receiver._peers))  # type: ignore[attr-defined]
     assert pair.untouched(list(range(SPEC.num_blocks)))
+
+
+def test_a_sender_holding_too_much_grant_metadata_is_replaced_once_its_requests_are_through(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """NIXL keeps every grant's metadata a prefill agent loaded: past a bound the sender is worn,
+    and SenderPool sends new requests through a new one (new agent) and closes the old one once
+    nothing of it is pending."""
+    from pdserve.disagg.sender_pool import SenderPool
+    from pdserve.disagg.transport import nixl_sender
+
+    monkeypatch.setattr(nixl_sender, "MAX_LOADED_METADATA_BYTES", 0)
+    pool = SPEC.pool(1)
+    receiver = make_receiver("nixl", SPEC.layout(pool), pool, peers=KVPeerPolicy(SECRET))
+    src = SPEC.pool(2)
+    senders = SenderPool("nixl", SPEC.layout(src), src, secret=SECRET)
+    try:
+        first = senders.get(receiver.address)
+        for rid, dst in (("a", [3, 4]), ("b", [5, 6])):
+            sender = senders.get(receiver.address)
+            receiver.expect(rid, dst, rid)
+            for layer in range(SPEC.num_layers):
+                sender.send_layer(rid, layer, [1, 2], dst, token=rid)
+            sender.send_done(rid, 1, token=rid)
+            asyncio.run(sender.flush(rid, TIMEOUT_S))
+            assert isinstance(asyncio.run(drain(receiver, rid))[-1], KVDone)
+            assert (sender is first) == (rid == "a") and not sender.broken
+        assert first.worn and first.broken == "" and senders.connected(receiver.address) is None
+        senders.get(receiver.address)  # closes the retired one: nothing of it is pending
+        assert not first._io.running  # type: ignore[attr-defined]
+        assert torch.equal(pool[:, :, [3, 4]], src[:, :, [1, 2]]) and torch.equal(pool[:, :, [5, 6]], src[:, :, [1, 2]])
+        assert registrations(receiver) == 0
+    finally:
+        senders.close()
+        receiver.close()

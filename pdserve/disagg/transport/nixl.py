@@ -51,9 +51,19 @@ NIXL reaches neither a block before its claim was granted nor another reservatio
   a peer that forges metadata for any address can write anywhere in decode's process. On one host
   the boundary against a hostile local process is the OS user (CMA needs ptrace permission over
   decode), not NIXL; run untrusted code under another uid.
-Prefill loads each grant's metadata into its view of decode's agent, where it stays until the
-link closes (NIXL merges partial metadata and cannot drop part of it): ~KBs per request (see
-nixl_grants.py), bounded only by reconnects (`SenderPool` idle close, decode restarts).
+Prefill loads each grant's metadata into its view of decode's agent, where it stays until that
+agent goes (NIXL merges partial metadata and cannot drop part of it): ~47 bytes per descriptor,
+~100 KB for a 4,096-token request of a 16-layer model. Two consequences. A revoked registration
+could hide a live one over the same memory from the WRITE's lookup (NIXL finds a remote range's
+registration by its start): each host-memory registration gets a device id of its own, which the
+GRANT names (`nixl_agent.register`); GPU pools need their real device id, so there a WRITE can
+fail on such a shadow (the request then fails and is retried) — untested, no GPU build of NIXL
+here. And the metadata accumulates: past `MAX_LOADED_METADATA_BYTES` (4 MiB) the sender is
+`worn`, and `SenderPool` sends new requests through a new one (new agent, new handshake) and
+closes the old one once its requests are through. Over InfiniBand a re-registration has new
+remote keys; NIXL 1.5.1 may refuse metadata that changed for a range it holds (its source returns
+NIXL_ERR_NOT_ALLOWED and drops the agent): the sender then breaks and reconnects (untested: no
+InfiniBand here; the per-registration device ids make such a range new to NIXL on host memory).
 
 Late writes. A WRITE posted before prefill hears of a cancel lands after decode let go of the
 blocks. Two rules bound when that can happen, with no clock shared between hosts: prefill posts a

@@ -49,6 +49,11 @@ logger = logging.getLogger(__name__)
 _CONNECT_TIMEOUT_S = 10.0
 # Late writes (nixl.py's docstring): claims are granted within milliseconds; 2 s is far beyond that.
 GRANT_MAX_AGE_S = 2.0
+# NIXL keeps every grant's metadata this agent loaded until the agent goes (nixl.py, Trust): past
+# this much, the sender is `worn` and SenderPool replaces it (a new agent, a new handshake, ~30 ms).
+# ~47 bytes of metadata per descriptor: a 4,096-token request of a 16-layer model, served
+# placement, loads ~100 KB.
+MAX_LOADED_METADATA_BYTES = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,10 +89,15 @@ class NixlKVSender(KVSender):
         self._watch: asyncio.Task[None] | None = None  # held: the loop keeps only a weak reference
         self._closing = False
         self._broken = ""  # why decode is gone; set once, on the I/O thread
+        self._loaded_metadata_bytes = 0  # grants' metadata loaded into our view of decode's agent
 
     @property
     def broken(self) -> str:
         return self._broken
+
+    @property
+    def worn(self) -> bool:
+        return self._loaded_metadata_bytes > MAX_LOADED_METADATA_BYTES
 
     def connect(self, address: str) -> None:
         if self._peer:
@@ -264,6 +274,7 @@ class NixlKVSender(KVSender):
         if name != self._peer:
             self._lose_decode(f"could not load the NIXL metadata of decode's grant: agent {name}")
             return False
+        self._loaded_metadata_bytes += len(grant.nixl_metadata)
         return True
 
     def _descs(self, spans: regions.Spans, device_id: int) -> Any:
