@@ -70,6 +70,9 @@ class Cluster:
                 found.append(f"{served.url}: requests left")
             if pool.num_free_blocks != pool.num_blocks:
                 found.append(f"{served.url}: {pool.num_blocks - pool.num_free_blocks} blocks held")
+        for service in self.services:  # nixl: the registrations of reservations that ended are revoked
+            if isinstance(service, DecodeService) and getattr(service.receiver, "num_registrations", 0):
+                found.append(f"decode: {service.receiver.num_registrations} NIXL registrations left")
         return found
 
     def wait_until_idle(self, timeout_s: float = 10.0) -> None:

@@ -347,8 +347,8 @@ def test_pdserve_up_always_runs_with_a_secret(monkeypatch: pytest.MonkeyPatch, t
 @pytest.mark.parametrize("transport", ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(
     not nixl_available(), reason="nixl_cu12 is not installed"))])
 def test_each_transport_handshake_needs_the_secret(transport: str) -> None:
-    """Over nixl the handshake also hands out decode's agent metadata (its pool registration): only
-    a peer that proved the secret gets it."""
+    """Over nixl the handshake also hands out decode's agent connection info (no registration:
+    grants carry those, tests/test_nixl_grants.py): only a peer that proved the secret gets it."""
     pool = torch.zeros(2, 2, 8, 4, 2, 8)
     layout = KVLayout.from_pool("m", pool)
     receiver = make_receiver(transport, layout, pool, peers=KVPeerPolicy(secret()))

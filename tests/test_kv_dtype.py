@@ -171,6 +171,7 @@ def hand_off(transport: str, src_dtype: str, dst_dtype: str, *, staging_payloads
         assert receiver.num_dtype_conversions == len(plans)
         assert receiver.reserved_request_ids() == frozenset() and sender.pending_request_ids() == frozenset()
         assert getattr(receiver, "num_staging_bytes_in_use", 0) == 0
+        assert getattr(receiver, "num_registrations", 0) == 0  # nixl: each staging range's registration revoked
     finally:
         sender.close()
         receiver.close()

@@ -78,8 +78,11 @@ async def drain(receiver: KVReceiver, request_id: str) -> list:
     return events
 
 
-def assert_nothing_left(receiver: KVReceiver, *senders: KVSender) -> None:
+def assert_nothing_left(receiver: KVReceiver, *senders: KVSender, registrations: bool = True) -> None:
+    """`registrations` (nixl): no NIXL registration of decode's is left either (False: one may be
+    held through the late write window, after a cancel with a grant still open)."""
     assert receiver.reserved_request_ids() == frozenset()
+    assert not registrations or getattr(receiver, "num_registrations", 0) == 0
     for sender in senders:
         assert sender.pending_request_ids() == frozenset()
 
@@ -445,7 +448,8 @@ def test_released_request_is_never_sent_and_never_completes(transport: str, deco
     run(sender.flush("s", TIMEOUT_S))
     assert run(decode.receiver.wait("s", TIMEOUT_S)) == KVProgress("s", 0, (5,))
     assert isinstance(run(decode.receiver.wait("s", TIMEOUT_S)), KVDone)
-    assert_nothing_left(decode.receiver, sender)
+    # nixl: decode granted r's claims, which the released sender never wrote: r's registration is held
+    assert_nothing_left(decode.receiver, sender, registrations=False)
 
 
 def test_flush_and_wait_time_out_on_a_stall() -> None:
@@ -606,7 +610,7 @@ def test_nixl_never_writes_on_a_stale_grant(monkeypatch: pytest.MonkeyPatch) -> 
             run(sender.flush("r", TIMEOUT_S))
         assert decode.untouched()
         decode.receiver.cancel("r")
-        assert_nothing_left(decode.receiver, sender)
+        assert_nothing_left(decode.receiver, sender, registrations=False)  # the grant is open: held
     finally:
         sender.close()
         decode.receiver.close()

@@ -25,7 +25,9 @@ from pdserve.engine.model_runner import POOL_LAYOUT
 # reservation token. 4: the KV layout names tp_size and kv_head_start; DONE carries
 # prefill_cached_tokens (absent from an older peer's: 0, see wire.py). 5: DONE carries the prompt's
 # logprobs (prompt_logprobs through the router); an older decode would refuse the unknown field.
-WIRE_VERSION = 5
+# 6: nixl's WELCOME carries decode's connection info only, each GRANT the metadata of the
+# registration it writes into (an older prefill would find no registration to write to).
+WIRE_VERSION = 6
 
 # Element types a receiver converts between on arrival (any pair; not quantized formats: those
 # need scales the layout does not carry).

@@ -3,7 +3,9 @@ connection lives. A sender whose connection broke (the decode worker died or res
 address) is closed and replaced by a new one, with a fresh handshake, on the next `get`: the
 attempts that were in flight on it have failed already (their hand-offs are retried), later ones
 reach the restarted worker. A sender unused for `idle_s` with nothing in flight is closed at the
-next `get` (a decode worker that left the pool leaves no connection behind). `connected` hands out
+next `get` (a decode worker that left the pool leaves no connection behind). A `worn` sender (nixl:
+it holds too much of the grants' metadata) gets no new request: a new one takes its place, and it
+is closed once nothing of it is pending. `connected` hands out
 a live sender without blocking, so the event loop asks it first and calls `get` on a thread only
 when it says None."""
 
@@ -37,6 +39,7 @@ class SenderPool:
         self._clock = clock
         self._senders: dict[str, KVSender] = {}  # decode worker's KV address -> its sender
         self._last_used: dict[str, float] = {}  # address -> when `get` last handed its sender out
+        self._retiring: list[KVSender] = []  # worn, replaced: closed once nothing of theirs is pending
         self._lock = threading.Lock()
 
     def get(self, address: str) -> KVSender:
@@ -47,6 +50,10 @@ class SenderPool:
             self._close_idle(keep=address)
             self._last_used[address] = self._clock()
             sender = self._senders.get(address)
+            if sender is not None and sender.worn and not sender.broken:
+                logger.info("replacing the worn KV connection to decode at %s", address)
+                self._retiring.append(self._senders.pop(address))
+                sender = None
             if sender is not None and sender.broken:
                 logger.info("reconnecting to decode at %s: %s", address, sender.broken)
                 del self._senders[address]
@@ -74,7 +81,7 @@ class SenderPool:
         try:
             sender = self._senders.get(address)
             now = self._clock()
-            if sender is None or sender.broken or self._idle_addresses(now, keep=address):
+            if sender is None or sender.broken or sender.worn or self._idle_addresses(now, keep=address):
                 return None
             self._last_used[address] = now
             return sender
@@ -88,7 +95,11 @@ class SenderPool:
                 and not sender.pending_request_ids()]
 
     def _close_idle(self, keep: str) -> None:
-        """Close senders unused for `idle_s` that have nothing in flight (lock held)."""
+        """Close senders unused for `idle_s` that have nothing in flight, and retired ones whose
+        requests are through (lock held)."""
+        for sender in [s for s in self._retiring if s.broken or not s.pending_request_ids()]:
+            self._retiring.remove(sender)
+            sender.close()
         for address in self._idle_addresses(self._clock(), keep):
             logger.info("closing the idle KV connection to decode at %s", address)
             sender = self._senders.pop(address)
@@ -97,6 +108,7 @@ class SenderPool:
 
     def close(self) -> None:
         with self._lock:
-            for sender in self._senders.values():
+            for sender in [*self._senders.values(), *self._retiring]:
                 sender.close()
             self._senders.clear()
+            self._retiring.clear()

@@ -250,6 +250,8 @@ class KVSender(abc.ABC):
     - `broken` says why the connection to the receiver is gone for good ("" while usable): a
       broken sender fails every later send at once and never reconnects; its owner replaces it
       with a new one (`SenderPool`), e.g. when the decode worker restarted on the same address.
+      `worn`: it still works, but its owner should send new requests through a new one and close
+      it once nothing of it is pending.
     - Underscore methods are the implementations' shared steps (checks, headers, acks), not API.
     """
 
@@ -280,6 +282,12 @@ class KVSender(abc.ABC):
     def broken(self) -> str:
         """Why this sender can no longer reach its receiver; "" while it can (or cannot tell)."""
         return ""
+
+    @property
+    def worn(self) -> bool:
+        """It still works, but its owner should replace it once its requests are through (nixl:
+        the grants' metadata it holds grew past a bound, see nixl.py, Trust)."""
+        return False
 
     async def flush(self, request_id: str, timeout_s: float) -> None:
         await self._acks.flush(request_id, timeout_s)

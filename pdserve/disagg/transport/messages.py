@@ -71,6 +71,7 @@ class Hello:
 class Welcome:
     """decode -> prefill, the handshake's answer. A non-empty `refusal` means decode refused the
     layout and closes the connection; decode's layout is sent either way so prefill checks too.
+    `nixl_metadata` (nixl): decode's agent connection info, without any memory registration.
     `proof`: HMAC(cluster secret, "kv-welcome", both nonces), so prefill knows decode holds it too."""
 
     layout: KVLayout
@@ -144,12 +145,17 @@ class Claim:
 class Grant:
     """nixl only, decode -> prefill: the addresses of exactly the claimed destination regions, in
     payload order (the K region of each block of `dst_block_ids`, then each V region), each
-    `region_bytes` long."""
+    `region_bytes` long. `nixl_metadata`: decode's agent metadata for the registration that covers
+    them (the reservation's regions, or a staging range), which prefill loads before it WRITEs;
+    empty when this prefill agent already got it with an earlier grant. `dst_device_id`: the
+    device id the WRITE's remote descriptors name (that registration's, nixl_agent.register)."""
 
     request_id: str
     claim_id: int
     dst_addrs: tuple[int, ...]
     region_bytes: int
+    nixl_metadata: bytes = b""
+    dst_device_id: int = 0
 
 
 @dataclass(frozen=True, slots=True)

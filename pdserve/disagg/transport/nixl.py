@@ -1,38 +1,69 @@
 """KV transport over NIXL with the UCX backend: prefill WRITEs straight into decode's pool.
 
-Decode registers its whole pool with its NIXL agent; prefill registers its own. A TCP handshake
-exchanges layouts and agent metadata; after it, everything travels as NIXL notifications:
+Prefill registers its own pool with its NIXL agent. Decode registers nothing up front: each
+reservation's regions are registered when its first claim is granted (nixl_grants.py). A TCP
+handshake exchanges layouts and connection info; after it, everything travels as NIXL
+notifications:
 
     prefill I/O thread                            decode I/O thread
     TCP       <------ CHALLENGE {nonce}           (handshake.py: proofs of the cluster secret)
          HELLO {layout, conn info, proof} ------> check proof, layout; load prefill's conn info
-         <------ WELCOME {layout, agent metadata incl. the pool registration} | {refusal}
-    CLAIM {claim id, layer header}     ------>    validate against the reservation, then
-         <------ GRANT {addresses of exactly the claimed K/V regions} | REJECT
-    WRITE src regions -> granted addrs, notification WRITTEN {claim id, header}
+         <------ WELCOME {layout, decode's conn info (no registration)} | {refusal}
+    CLAIM {claim id, layer header}     ------>    validate against the reservation (token too),
+                                                  register the reservation's regions if not yet
+         <------ GRANT {addresses of exactly the claimed K/V regions, the registration's
+                        metadata the first time this agent writes into it} | REJECT
+    load the metadata; WRITE src regions -> granted addrs, notification WRITTEN {claim id, header}
                                        ------>    must match an open grant -> KVProgress
          <------ ACK | REJECT
     DONE {first token, state, n}       ------>    KVDone once n layers arrived (notifications
-         <------ ACK | REJECT                     may overtake each other)
+         <------ ACK | REJECT                     may overtake each other); the reservation's
+                                                  registration is revoked
 
 Layout: a layer payload is 2 * len(blocks) regions of `layout.region_bytes` (see `regions`); a
 WRITE has one descriptor per region, merged where both sides are adjacent. A payload in another
-element type than decode's pool (`--kv-cache-dtype`) is granted a staging range instead, and cast
-into its blocks on WRITTEN (nixl_staging.py). Each descriptor costs
+element type than decode's pool (`--kv-cache-dtype`) is granted a staging range instead (registered
+for that grant alone), and cast into its blocks on WRITTEN (nixl_staging.py). Each descriptor costs
 ~3 us on loopback (UCX CMA), so small regions in scattered blocks bound the throughput.
 
 Trust. Validation happens before any byte moves: decode hands out the addresses of a payload's
-destination regions only after checking its claim (request reserved, blocks reserved, byte count,
-dtype, shape), and prefill learns no other destination address. But RDMA is one-sided: the
-registration in the agent metadata authorizes writes anywhere in decode's pool (UCX keys cover
-a whole registration; NIXL refuses only addresses outside it). A prefill that ignores the protocol
-could therefore write outside its grants, and a WRITE granted before `cancel` may still land in
-the cancelled blocks (see Late writes). What bounds that: decode's agent metadata (which carries
-the registration's remote keys) goes only to a peer that proved the cluster secret in the
-handshake, notifications count only from agents that did, and a claim is granted only for a
-payload that presents its reservation's token. NOT done: limiting the registration itself to one
-reservation's regions (a registration, and its remote keys, per reservation or per grant, revoked
-when it ends); until then a peer holding the cluster secret can write anywhere in the pool.
+destination regions only after checking its claim (request reserved, reservation token, blocks,
+byte count, dtype, shape). RDMA is one-sided, so what a peer can WRITE is what NIXL lets it: its
+agent refuses (when the transfer is prepared) any remote address outside the registrations it
+loaded the metadata (remote keys) of. Decode's handshake gives a peer that proved the cluster
+secret its connection info only, no registration; a GRANT gives it the registration of that one
+reservation's regions (every layer's K and V of its blocks) or of one staging range, and the
+registration is deregistered when the reservation ends: at once when no grant of it is open (its
+KV arrived, or it was cancelled, rejected or expired between grants), else after
+`LATE_WRITE_WINDOW_S`, since a WRITE granted before the end may still be in flight (see Late
+writes; over InfiniBand a WRITE that meets a deregistered key fails the writer's connection).
+Notifications count only from agents that passed the handshake. So a peer that writes through
+NIXL reaches neither a block before its claim was granted nor another reservation's blocks
+(tests/test_nixl_grants.py). What a peer can still do:
+- write any layer of its own reservation's blocks while the reservation lives (its token lets it
+  send those bytes through the protocol anyway);
+- keep writing where it once was granted after the revocation, wherever the fabric does not check
+  remote keys. NIXL has no call to unload part of a remote agent's metadata, so the peer's agent
+  keeps every registration it loaded (until decode's agent is forgotten); after deregistration,
+  what refuses such a WRITE is the remote key, checked by the NIC on InfiniBand/RoCE. On one host
+  UCX moves the bytes with CMA (process_vm_writev), which checks no remote key at all: there a
+  revoked region stays writable to a peer that loaded it (into blocks decode may have reused), and
+  a peer that forges metadata for any address can write anywhere in decode's process. On one host
+  the boundary against a hostile local process is the OS user (CMA needs ptrace permission over
+  decode), not NIXL; run untrusted code under another uid.
+Prefill loads each grant's metadata into its view of decode's agent, where it stays until that
+agent goes (NIXL merges partial metadata and cannot drop part of it): ~47 bytes per descriptor,
+~100 KB for a 4,096-token request of a 16-layer model. Two consequences. A revoked registration
+could hide a live one over the same memory from the WRITE's lookup (NIXL finds a remote range's
+registration by its start): each host-memory registration gets a device id of its own, which the
+GRANT names (`nixl_agent.register`); GPU pools need their real device id, so there a WRITE can
+fail on such a shadow (the request then fails and is retried) — untested, no GPU build of NIXL
+here. And the metadata accumulates: past `MAX_LOADED_METADATA_BYTES` (4 MiB) the sender is
+`worn`, and `SenderPool` sends new requests through a new one (new agent, new handshake) and
+closes the old one once its requests are through. Over InfiniBand a re-registration has new
+remote keys; NIXL 1.5.1 may refuse metadata that changed for a range it holds (its source returns
+NIXL_ERR_NOT_ALLOWED and drops the agent): the sender then breaks and reconnects (untested: no
+InfiniBand here; the per-registration device ids make such a range new to NIXL on host memory).
 
 Late writes. A WRITE posted before prefill hears of a cancel lands after decode let go of the
 blocks. Two rules bound when that can happen, with no clock shared between hosts: prefill posts a
@@ -47,8 +78,9 @@ between that check and the WRITE itself, for longer than the margin.
 Restarts. The handshake's TCP socket stays open afterwards as a liveness link; nothing more is
 sent on it. When decode's process ends its kernel closes the link: the sender sees EOF, fails what
 is in flight at once and turns `broken`, so `SenderPool` handshakes again with the restarted
-worker and fetches its new agent (new name, new registrations), as over tcp. When prefill's
-process ends, decode sees EOF and forgets that agent and its grants.
+worker and learns its new agent (new name), as over tcp. When prefill's process ends, decode sees
+EOF and forgets that agent and its grants (their registrations are held through the late-write
+window when the reservations end; a new agent of that worker gets the metadata again).
 
 NIXL calls are confined to the I/O thread (the agent runs with NIXL_THREAD_SYNC_NONE). The agent's
 own progress thread is disabled: on a 2-core machine it busy-spins a core and cut loopback
@@ -63,6 +95,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
@@ -89,11 +122,13 @@ from pdserve.disagg.transport.nixl_agent import (
     Poller,
     accept_notif,
     agent_name,
+    conn_info_metadata,
     encode_notif,
     new_agent,
     poll_notifs,
     region_addrs,
 )
+from pdserve.disagg.transport.nixl_grants import ReservationGrants
 from pdserve.disagg.transport.nixl_sender import GRANT_MAX_AGE_S, NixlKVSender
 from pdserve.disagg.transport.nixl_staging import Staging
 from pdserve.disagg.transport.reservations import PayloadRejected
@@ -103,6 +138,7 @@ __all__ = ["GRANT_MAX_AGE_S", "LATE_WRITE_WINDOW_S", "NixlKVReceiver", "NixlKVSe
 logger = logging.getLogger(__name__)
 
 LATE_WRITE_WINDOW_S = GRANT_MAX_AGE_S + 3.0
+_REVOKE_SWEEP_S = 0.1  # how often the poll loop looks for ended reservations it was not told of
 
 
 class NixlKVReceiver(KVReceiver):
@@ -117,12 +153,14 @@ class NixlKVReceiver(KVReceiver):
         self._address = f"nixl://{host}:{self._listener.getsockname()[1]}"
         self._io = IoThread("pdserve-kv-nixl-recv")
         self._agent = self._io.call(new_agent, "decode")
-        self._registration = self._io.call(self._agent.register_memory, kv_cache)
-        self._metadata: bytes = self._io.call(self._agent.get_agent_metadata)
+        # NOTE: the handshake hands out our connection info only; no memory is registered until a
+        # claim is granted (nixl_grants.py, nixl_staging.py; this module's Trust note).
+        self._metadata: bytes = self._io.call(conn_info_metadata, self._agent)
         self._peers: set[str] = set()                       # I/O thread only
         self._links: set[socket.socket] = set()             # handshake sockets held open; I/O thread only
         self._grants: dict[tuple[str, int], LayerHeader] = {}  # (peer, claim id) -> granted; I/O thread only
-        self._staging = Staging(kv_cache, layout)  # I/O thread only
+        self._exposed = ReservationGrants(self._agent, kv_cache, layout)  # I/O thread only
+        self._staging = Staging(kv_cache, layout, self._agent)  # I/O thread only
         self._io.submit(self._accept_loop())
         self._io.submit(self._poll_loop())
 
@@ -143,6 +181,12 @@ class NixlKVReceiver(KVReceiver):
         """Staging taken by grants of converted payloads (tests: nothing left behind)."""
         return int(self._io.call(lambda: self._staging.num_bytes_in_use))
 
+    @property
+    def num_registrations(self) -> int:
+        """NIXL registrations not yet revoked: reservations' regions and staging ranges, granted or
+        held after a cancel (tests: nothing left behind)."""
+        return int(self._io.call(lambda: self._exposed.num_registrations + self._staging.num_registrations))
+
     def close(self) -> None:
         if not self._io.running:
             return
@@ -157,8 +201,8 @@ class NixlKVReceiver(KVReceiver):
         for peer in self._peers:
             with contextlib.suppress(Exception):
                 self._agent.remove_remote_agent(peer)
-        self._agent.deregister_memory(self._registration)
-        self._staging.close(self._agent)
+        self._exposed.close()
+        self._staging.close()
 
     async def _accept_loop(self) -> None:
         await frames.accept_forever(self._listener, self._handshake_on)
@@ -197,6 +241,7 @@ class NixlKVReceiver(KVReceiver):
                 del self._grants[key]
                 self._staging.hold(key, LATE_WRITE_WINDOW_S)  # a WRITE it posted may still land there
             self._staging.waiting = deque((p, c) for p, c in self._staging.waiting if p != peer)
+            self._exposed.forget_peer(peer)
             with contextlib.suppress(Exception):
                 self._agent.remove_remote_agent(peer)
 
@@ -207,8 +252,8 @@ class NixlKVReceiver(KVReceiver):
         # NOTE: load prefill's connection info before answering, so our first reply can reach it.
         try:
             added.append(agent_name(self._agent.add_remote_agent(hello.nixl_metadata)))
-            if self.layout.converts_from(hello.layout) and self._staging.register(self._agent):
-                self._metadata = self._agent.get_agent_metadata()  # now with the staging registration
+            if self.layout.converts_from(hello.layout):
+                self._staging.allocate()
         except Exception as e:  # NOTE: the bindings raise their own exception classes (nixl*Error)
             return replace(welcome, refusal=f"unusable NIXL agent metadata: {e!r}")
         self._peers.add(added[-1])
@@ -216,10 +261,15 @@ class NixlKVReceiver(KVReceiver):
 
     async def _poll_loop(self) -> None:
         poller = Poller()
+        swept_at = 0.0
         while True:
             notifs = poll_notifs(self._agent, self._on_notif)
             if self._staging.expire():
                 self._grant_waiting()
+            if time.monotonic() - swept_at > _REVOKE_SWEEP_S:  # e.g. a lease that ran out between notifications
+                swept_at = time.monotonic()
+                self._revoke_ended()
+                self._exposed.expire()
             await poller.pause(active=bool(notifs or self._grants or self._staging.waiting))
 
     def _on_notif(self, peer: str, raw: bytes) -> None:
@@ -232,28 +282,41 @@ class NixlKVReceiver(KVReceiver):
             self._on_written(peer, message)
         elif isinstance(message, DoneHeader):
             self._notify(peer, self._admit_done(message, in_order=False))
+            self._revoke_ended()
         else:
             logger.warning("dropped an unexpected %s notification from %s", type(message).__name__, peer)
 
     def _on_claim(self, peer: str, claim: Claim) -> Grant | Reject | None:
         """Grants the pool's regions, or a staging range to a payload to convert (None: it waits)."""
         header = claim.header
+        key = (peer, claim.claim_id)
         try:
-            self._table.check_layer(header)
-            if header.dtype != self.layout.dtype and self._staging.buffer is None:
+            reservation = self._table.check_layer(header)
+            if header.dtype == self.layout.dtype:
+                metadata, device_id = self._exposed.grant(peer, header.request_id, reservation, LATE_WRITE_WINDOW_S)
+                grant = Grant(header.request_id, claim.claim_id, self._pool_addrs(header), self.layout.region_bytes,
+                              metadata, device_id)
+            elif self._staging.buffer is None:
                 raise PayloadRejected(header.request_id, f"dtype {header.dtype}: no handshake declared it, no staging",
                                       request_known=True)
+            else:
+                staged = self._staging.grant(key, header)
+                if staged is None:
+                    self._staging.waiting.append((peer, claim))
+                    return None
+                grant = Grant(header.request_id, claim.claim_id, tuple(staged.addrs.tolist()), staged.region_bytes,
+                              staged.metadata, staged.device_id)
         except PayloadRejected as e:
             return self._reject(e)
-        key = (peer, claim.claim_id)
-        staged = None if header.dtype == self.layout.dtype else self._staging.grant(key, header)
-        if staged is None and header.dtype != self.layout.dtype:
-            self._staging.waiting.append((peer, claim))
-            return None
-        addrs, region_bytes = staged or (region_addrs(self.kv_cache, self.layout, header.layer, header.dst_block_ids),
-                                         self.layout.region_bytes)
+        except Exception as e:  # NOTE: a registration the bindings refused (nixl*Error): this request fails
+            logger.warning("could not register the regions of a grant for request %s: %r", header.request_id, e)
+            return self._reject(PayloadRejected(header.request_id, f"decode could not register its regions: {e!r}",
+                                                request_known=True))
         self._grants[key] = header
-        return Grant(header.request_id, claim.claim_id, tuple(addrs.tolist()), region_bytes)
+        return grant
+
+    def _pool_addrs(self, header: LayerHeader) -> tuple[int, ...]:
+        return tuple(region_addrs(self.kv_cache, self.layout, header.layer, header.dst_block_ids).tolist())
 
     def _grant_waiting(self) -> None:
         waiting, self._staging.waiting = self._staging.waiting, deque()
@@ -263,6 +326,8 @@ class NixlKVReceiver(KVReceiver):
     def _on_written(self, peer: str, written: Written) -> None:
         header = written.header
         granted = self._grants.pop((peer, written.claim_id), None)
+        if granted is not None and granted.dtype == self.layout.dtype:
+            self._exposed.written(granted.request_id)  # its WRITE landed
         if granted != header:
             self._staging.hold((peer, written.claim_id), LATE_WRITE_WINDOW_S)
             known = self._table.is_reserved(header.request_id)
@@ -279,6 +344,7 @@ class NixlKVReceiver(KVReceiver):
         done = self._table.take_ready_done(header.request_id)
         if done is not None:
             self._notify(peer, self._deliver_done(done))
+            self._revoke_ended()
 
     def _reject(self, error: PayloadRejected) -> Reject:
         self._drop_grants(error.request_id)
@@ -289,6 +355,11 @@ class NixlKVReceiver(KVReceiver):
             del self._grants[key]
             self._staging.hold(key, LATE_WRITE_WINDOW_S)  # a granted WRITE may still land there
         self._staging.waiting = deque((p, c) for p, c in self._staging.waiting if c.header.request_id != request_id)
+        self._revoke_ended()
+
+    def _revoke_ended(self) -> None:
+        """Revoke the registrations of reservations that ended (nixl_grants.py)."""
+        self._exposed.revoke_ended(self._table.is_live, LATE_WRITE_WINDOW_S)
 
     def _notify(self, peer: str, message: Message | None) -> None:
         if message is not None:  # None: no reply (yet)

@@ -1,14 +1,17 @@
 """The NIXL pieces both sides of the nixl transport share (see nixl.py): the agent, how its
-notifications are polled and read, and where a payload's regions are in a pool."""
+notifications are polled and read, where a payload's regions are in a pool, and registrations whose
+metadata a peer gets (decode's grants: nixl_grants.py, nixl_staging.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -57,6 +60,48 @@ def memory_kind(kv_cache: torch.Tensor) -> tuple[str, int]:
 def region_addrs(kv_cache: torch.Tensor, layout: KVLayout, layer: int, block_ids: tuple[int, ...]) -> np.ndarray:
     """Addresses of kv_cache[layer, 0, b] for b in block_ids, then of kv_cache[layer, 1, b]."""
     return kv_cache.data_ptr() + regions.payload_offsets(layout, kv_cache.shape[2], layer, block_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """Byte ranges registered with an agent: `descs` is what `deregister_memory` takes back,
+    `metadata` the agent's partial metadata for exactly them (their remote keys, no connection
+    info): what a peer loads (`add_remote_agent`) to WRITE into them, and nothing else."""
+
+    descs: Any
+    metadata: bytes
+    num_bytes: int
+    device_id: int  # what a WRITE's remote descriptors must name (see `register`)
+
+
+_generations = itertools.count(1)
+
+
+def register(agent: Any, starts: np.ndarray, lengths: np.ndarray, kind: tuple[str, int]) -> Registration:
+    """Register the ranges `starts[i]` .. `starts[i] + lengths[i]` (absolute addresses) of memory
+    of `kind` (`memory_kind`) as one registration.
+
+    NOTE: a peer keeps every registration it loaded (NIXL cannot unload part of a remote agent),
+    and NIXL finds the registration covering a WRITE's remote range by its start address alone: a
+    revoked registration starting inside a live one (same memory, an earlier reservation) hides the
+    live one and the WRITE fails (NIXL_ERR_NOT_FOUND). Host memory ignores the device id, and NIXL
+    matches it too, so each host-memory registration gets a device id of its own (a generation):
+    old registrations never match a new grant's WRITE. GPU memory needs its real device id: not
+    isolated so (nixl.py, Trust)."""
+    mem_type, device_id = kind
+    if mem_type == "DRAM":
+        device_id = next(_generations)
+    rows = np.empty((len(starts), 3), dtype=np.uint64)
+    rows[:, 0] = starts
+    rows[:, 1] = lengths
+    rows[:, 2] = device_id
+    descs = agent.register_memory(rows, mem_type)
+    try:
+        metadata = agent.get_partial_agent_metadata(descs, inc_conn_info=False)
+    except BaseException:
+        agent.deregister_memory(descs)
+        raise
+    return Registration(descs, metadata, int(np.sum(lengths)), device_id)
 
 
 class Poller:

@@ -49,6 +49,11 @@ logger = logging.getLogger(__name__)
 _CONNECT_TIMEOUT_S = 10.0
 # Late writes (nixl.py's docstring): claims are granted within milliseconds; 2 s is far beyond that.
 GRANT_MAX_AGE_S = 2.0
+# NIXL keeps every grant's metadata this agent loaded until the agent goes (nixl.py, Trust): past
+# this much, the sender is `worn` and SenderPool replaces it (a new agent, a new handshake, ~30 ms).
+# ~47 bytes of metadata per descriptor: a 4,096-token request of a 16-layer model, served
+# placement, loads ~100 KB.
+MAX_LOADED_METADATA_BYTES = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,10 +89,15 @@ class NixlKVSender(KVSender):
         self._watch: asyncio.Task[None] | None = None  # held: the loop keeps only a weak reference
         self._closing = False
         self._broken = ""  # why decode is gone; set once, on the I/O thread
+        self._loaded_metadata_bytes = 0  # grants' metadata loaded into our view of decode's agent
 
     @property
     def broken(self) -> str:
         return self._broken
+
+    @property
+    def worn(self) -> bool:
+        return self._loaded_metadata_bytes > MAX_LOADED_METADATA_BYTES
 
     def connect(self, address: str) -> None:
         if self._peer:
@@ -166,12 +176,20 @@ class NixlKVSender(KVSender):
                 reason = "an unexpected frame on the liveness link"
             except (ConnectionError, OSError) as e:  # EOF, a reset, or bytes that are no frame
                 reason = str(e)
-        if self._closing:
-            return
-        logger.warning("NIXL link to decode lost: %s", reason)
-        self._broken = f"link to decode lost ({reason})"
+        if not self._closing:
+            self._lose_decode(f"link to decode lost ({reason})")
+
+    def _lose_decode(self, reason: str) -> None:
+        """This sender can reach decode no more: fail everything, turn `broken` (its owner
+        connects a new one, with a new agent), and close the link so decode forgets our agent."""
+        logger.warning("NIXL sender gives up on decode: %s", reason)
+        self._broken = reason
         self._claims.clear()
-        self._acks.fail_all(self._broken)
+        self._acks.fail_all(reason)
+        if self._link is not None and not self._closing:
+            self._closing = True  # NOTE: the watch sees EOF and closes the socket
+            with contextlib.suppress(OSError):
+                self._link.shutdown(socket.SHUT_RDWR)
 
     def _claim(self, pending: _PendingClaim) -> None:
         claim_id = next(self._claim_ids)
@@ -226,8 +244,11 @@ class NixlKVSender(KVSender):
             self._acks.failed(header.request_id, "decode granted regions that do not match the claim")
             return
         src, dst = regions.coalesce_pairs(local, np.asarray(grant.dst_addrs, dtype=np.int64), self.layout.region_bytes)
+        if not self._load_grant(grant):
+            return
         try:
-            handle = self._agent.initialize_xfer("WRITE", self._descs(src), self._descs(dst), self._peer,
+            handle = self._agent.initialize_xfer("WRITE", self._descs(src, self._device_id),
+                                                 self._descs(dst, grant.dst_device_id), self._peer,
                                                  encode_notif(Written(grant.claim_id, header)))
             state = self._agent.transfer(handle)
         except Exception as e:  # NOTE: the bindings raise their own exception classes (nixl*Error)
@@ -239,12 +260,29 @@ class NixlKVSender(KVSender):
         else:
             self._in_flight.append(_InFlight(header.request_id, handle))
 
-    def _descs(self, spans: regions.Spans) -> Any:
+    def _load_grant(self, grant: Grant) -> bool:
+        """Load the metadata of the registration decode made for this grant (nixl.py, Trust): NIXL
+        merges it into what we hold of decode's agent; without it the WRITE has nowhere to go.
+        False: it failed, and with it this sender (NOTE: NIXL drops everything it held of an agent
+        whose metadata it could not load, so no later WRITE to decode could start)."""
+        if not grant.nixl_metadata:
+            return True
+        try:
+            name = agent_name(self._agent.add_remote_agent(grant.nixl_metadata))
+        except Exception as e:  # the bindings' own classes (nixl*Error)
+            name = f"none ({e!r})"
+        if name != self._peer:
+            self._lose_decode(f"could not load the NIXL metadata of decode's grant: agent {name}")
+            return False
+        self._loaded_metadata_bytes += len(grant.nixl_metadata)
+        return True
+
+    def _descs(self, spans: regions.Spans, device_id: int) -> Any:
         """NIXL descriptors: rows of (address, length, device id)."""
         rows = np.empty((len(spans.starts), 3), dtype=np.uint64)
         rows[:, 0] = spans.starts
         rows[:, 1] = spans.lengths
-        rows[:, 2] = self._device_id  # NOTE: decode's device id is assumed equal (one GPU per worker)
+        rows[:, 2] = device_id
         return self._agent.get_xfer_descs(rows, self._mem_type)
 
     def _check_in_flight(self) -> None:

@@ -2,14 +2,17 @@
 cast into the pool (a prefill worker whose `--kv-cache-dtype` differs from decode's).
 
 RDMA cannot convert: the bytes must land somewhere shaped like the sender's pool. `Staging` is one
-buffer next to the pool, registered with decode's NIXL agent on the first converting peer's
-handshake (so its keys travel in that WELCOME's agent metadata), and split into one range per
-grant:
+buffer next to the pool, allocated on the first converting peer's handshake and split into one
+range per grant. Like the pool (nixl_grants.py), it is never registered whole: each grant
+registers its own range, its GRANT carries that registration's metadata, and the range is
+deregistered when it frees:
 
-    claim (dtype bfloat16, n blocks)  -> range of n * sender's block bytes, granted as its regions
+    claim (dtype bfloat16, n blocks)  -> range of n * sender's block bytes, registered, granted as
+                                         its regions {addrs, the range's metadata}
     WRITTEN                           -> cast range -> pool blocks (`KVReceiver._copy_into_pool`),
-                                         range free again
-    cancel before WRITTEN             -> range held `hold_s` (a granted WRITE may still land), then free
+                                         range deregistered and free again
+    cancel before WRITTEN             -> range held `hold_s` (a granted WRITE may still land), then
+                                         deregistered and free
 
 Size: one layer of the whole pool in float32, so any admissible payload (at most one layer of the
 pool, in a type of at most 4 bytes) fits; a claim that does not fit now waits (`waiting`) until a
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,55 +34,75 @@ import torch
 
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.transport.messages import Claim, LayerHeader
+from pdserve.disagg.transport.nixl_agent import Registration, memory_kind, register
 
 GrantKey = tuple[str, int]  # (peer agent, claim id)
 _MAX_ELEMENT_BYTES = 4  # float32: the widest type a receiver converts from
 
 
+@dataclass(frozen=True, slots=True)
+class StagedGrant:
+    """Where a converted payload lands: its regions' addresses (payload order), their size, and
+    the metadata of the range's registration (what the peer loads to write there)."""
+
+    addrs: np.ndarray
+    region_bytes: int
+    metadata: bytes
+    device_id: int
+
+
 class Staging:
-    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout) -> None:
+    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, agent: Any) -> None:
         elements_per_layer = kv_cache.shape[2] * layout.block_bytes_per_layer // layout.element_bytes
         self.num_bytes = elements_per_layer * _MAX_ELEMENT_BYTES
         self.device = kv_cache.device
         self.buffer: torch.Tensor | None = None
-        self.registration: Any = None
         self.waiting: deque[tuple[str, Claim]] = deque()  # claims granted once a range frees
-        self._ranges: dict[GrantKey, tuple[int, int]] = {}  # granted or held: key -> (offset, bytes)
+        self._agent = agent
+        self._kind = memory_kind(kv_cache)
+        # granted or held: key -> (offset, bytes, the range's registration)
+        self._ranges: dict[GrantKey, tuple[int, int, Registration]] = {}
         self._held: dict[GrantKey, float] = {}  # cancelled grants' ranges -> when they free (monotonic)
 
     @property
     def num_bytes_in_use(self) -> int:
-        return sum(size for _, size in self._ranges.values())
+        return sum(size for _, size, _ in self._ranges.values())
 
-    def register(self, agent: Any) -> bool:
-        """Allocate and register the buffer once; True when this call did (the agent's metadata changed)."""
-        if self.buffer is not None:
-            return False
-        self.buffer = torch.empty(self.num_bytes, dtype=torch.uint8, device=self.device)
-        self.registration = agent.register_memory(self.buffer)
-        return True
+    @property
+    def num_registrations(self) -> int:
+        return len(self._ranges)
 
-    def grant(self, key: GrantKey, header: LayerHeader) -> tuple[np.ndarray, int] | None:
-        """A range for this payload: its regions' addresses (payload order) and region bytes; None
-        when no range is free now. The buffer must be registered."""
+    def allocate(self) -> None:
+        """The buffer, once (nothing of it is registered until a grant)."""
+        if self.buffer is None:
+            self.buffer = torch.empty(self.num_bytes, dtype=torch.uint8, device=self.device)
+
+    def grant(self, key: GrantKey, header: LayerHeader) -> StagedGrant | None:
+        """A range for this payload, registered; None when no range is free now. The buffer must
+        be allocated."""
         offset = self._free_offset(header.num_bytes)
         if offset is None or self.buffer is None:
             return None
-        self._ranges[key] = (offset, header.num_bytes)
+        base = self.buffer.data_ptr() + offset
+        registration = register(self._agent, np.array([base]), np.array([header.num_bytes]), self._kind)
+        self._ranges[key] = (offset, header.num_bytes, registration)
         num_regions = 2 * len(header.dst_block_ids)
         region_bytes = header.num_bytes // num_regions
-        base = self.buffer.data_ptr() + offset
-        return base + np.arange(num_regions, dtype=np.int64) * region_bytes, region_bytes
+        addrs = base + np.arange(num_regions, dtype=np.int64) * region_bytes
+        return StagedGrant(addrs, region_bytes, registration.metadata, registration.device_id)
 
     def payload(self, key: GrantKey) -> torch.Tensor:
         """The bytes that landed for this grant (uint8, on the pool's device)."""
         assert self.buffer is not None
-        offset, size = self._ranges[key]
+        offset, size, _ = self._ranges[key]
         return self.buffer[offset:offset + size]
 
     def release(self, key: GrantKey) -> bool:
-        """Free the grant's range; True if it had one."""
-        return self._ranges.pop(key, None) is not None
+        """Deregister and free the grant's range; True if it had one."""
+        taken = self._ranges.pop(key, None)
+        if taken is not None:
+            self._agent.deregister_memory(taken[2].descs)
+        return taken is not None
 
     def hold(self, key: GrantKey, hold_s: float) -> None:
         """A cancelled grant: its range stays taken `hold_s` (a WRITE granted earlier may land)."""
@@ -91,18 +115,18 @@ class Staging:
         due = [key for key, until in self._held.items() if until <= now]
         for key in due:
             del self._held[key]
-            self._ranges.pop(key, None)
+            self.release(key)
         return bool(due)
 
-    def close(self, agent: Any) -> None:
-        if self.registration is not None:
-            agent.deregister_memory(self.registration)
-            self.registration = None
+    def close(self) -> None:
+        for key in list(self._ranges):
+            self.release(key)
+        self._held.clear()
 
     def _free_offset(self, size: int) -> int | None:
         """First fit over the taken ranges, in address order."""
         at = 0
-        for offset, taken in sorted(self._ranges.values()):
+        for offset, taken, _ in sorted(self._ranges.values(), key=lambda r: r[0]):
             if offset - at >= size:
                 return at
             at = max(at, offset + taken)

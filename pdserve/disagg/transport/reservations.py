@@ -75,6 +75,11 @@ class ReservationTable:
         with self._lock:
             return request_id in self._reservations
 
+    def is_live(self, request_id: str, reservation: Reservation) -> bool:
+        """Whether `reservation` (from `check_layer`) is still the request's live one."""
+        with self._lock:
+            return self._reservations.get(request_id) is reservation
+
     def request_ids(self) -> frozenset[str]:
         with self._lock:
             return frozenset(self._reservations)
