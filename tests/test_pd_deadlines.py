@@ -102,8 +102,10 @@ def test_a_prefill_side_failure_ends_the_request_at_once(model_dirs: dict[str, P
     prefill side's failure message can end the request in time."""
     assert callable(failure)
     failure(monkeypatch)
+    # NOTE: the first token from decode only: one sent early from prefill would start the stream
+    # (status 200) before the hand-off fails (that case: test_pd_first_token.py)
     cluster = start_cluster(model_dirs["tiny"], "fake", 1, 1, prefill_options={"stall_after_layers": 0},
-                            worker_options={"reservation_lease_s": 600.0})
+                            worker_options={"reservation_lease_s": 600.0}, early_first_token=False)
     try:
         with httpx.Client(base_url=cluster.router.url, timeout=10) as http:
             start = time.monotonic()
@@ -168,8 +170,11 @@ def test_no_first_token_by_the_deadline_is_a_503_and_frees_everything(model_dirs
     The second one waits in the router's FIFO behind the first (the prefill worker has no room for
     it) until the first is aborted there."""
     deadline_s = 1.0
+    # NOTE: the first token from decode only: prefill computes these prompts, and would send their
+    # first tokens itself (test_pd_first_token.py)
     cluster = start_cluster(model_dirs["tiny"], "fake", 1, 1, timeout_s=60.0, prefill_options={"stall_after_layers": 0},
-                            worker_options={"reservation_lease_s": 600.0}, first_token_timeout_s=deadline_s)
+                            worker_options={"reservation_lease_s": 600.0}, first_token_timeout_s=deadline_s,
+                            early_first_token=False)
 
     async def both() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=cluster.router.url, timeout=20) as http:

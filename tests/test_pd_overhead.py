@@ -106,7 +106,7 @@ class _SlowPrefill(WorkerClient):
         super().__init__(timeout_s=1.0)
         self.release = asyncio.Event()
 
-    async def prefill(self, url: str, job: PrefillJob) -> HandOff | None:
+    async def prefill(self, url: str, job: PrefillJob, on_first_token: Any = None) -> HandOff | None:
         await self.release.wait()
         return HandOff(transfer_id=job.transfer_id, status="handed_off")
 
@@ -148,7 +148,7 @@ class _Recording(_SlowPrefill):
     async def reserve(self, url: str, request: ReserveRequest) -> ReserveReply | None:
         return ReserveReply(block_ids=[0], num_cached_tokens=0, kv_address="a:1", token="t")
 
-    async def prefill(self, url: str, job: PrefillJob) -> HandOff | None:
+    async def prefill(self, url: str, job: PrefillJob, on_first_token: Any = None) -> HandOff | None:
         self.calls.append("prefill")
         return await super().prefill(url, job)
 

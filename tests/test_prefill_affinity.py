@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import mark_ready, until
@@ -45,7 +46,7 @@ class StubWorkers(WorkerClient):
             await asyncio.sleep(10)
         return self.CACHED[url]
 
-    async def prefill(self, url: str, job: PrefillJob) -> HandOff | None:
+    async def prefill(self, url: str, job: PrefillJob, on_first_token: Any = None) -> HandOff | None:
         self.prefilled.append(url)
         if job.request_id == "stalls" and job.transfer_id.endswith("@0"):
             await asyncio.sleep(10)  # superseded by a retry (cancelled) before it ends

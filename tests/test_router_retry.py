@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 from helpers import mark_ready, until
 
@@ -33,7 +34,7 @@ class StubWorkers(WorkerClient):
         self.aborted: list[str] = []
         self.release = asyncio.Event()
 
-    async def prefill(self, url: str, job: PrefillJob) -> HandOff | None:
+    async def prefill(self, url: str, job: PrefillJob, on_first_token: Any = None) -> HandOff | None:
         self.prefilled.append(job.transfer_id)
         if len(self.prefilled) == 1:
             raise WorkerUnreachable(url, OSError("connection reset"))

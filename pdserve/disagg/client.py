@@ -11,7 +11,7 @@ that refuses the signature answers 401, which maps like any other refusal.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from http import HTTPStatus
 
 import httpx
@@ -20,9 +20,11 @@ from pydantic import BaseModel
 from pdserve.disagg.auth import ClusterSecret, SignedRequests
 from pdserve.disagg.control import (
     FailJob,
+    FirstToken,
     HandOff,
     Keepalive,
     OutputFrame,
+    PrefillEvent,
     PrefillJob,
     PrefixQuery,
     PrefixReply,
@@ -33,6 +35,7 @@ from pdserve.disagg.control import (
 )
 
 _INFO_TIMEOUT_S = 2.0
+NDJSON = "application/x-ndjson"  # streamed answers: one JSON document a line
 
 
 class WorkerError(Exception):
@@ -130,16 +133,32 @@ class WorkerClient:
         """Decode (request id) or prefill (transfer id): stop it and free its blocks, if still there."""
         await self._post(url, f"/pd/abort/{request_id}")
 
-    async def prefill(self, url: str, job: PrefillJob) -> HandOff | None:
+    async def prefill(self, url: str, job: PrefillJob,
+                      on_first_token: Callable[[FirstToken], None] | None = None) -> HandOff | None:
         """Prefill: compute the job and hand its KV off; answers once the hand-off ended. None:
         draining (503), try another worker; raises WorkerRefused for any other error (bad job,
-        KV layout mismatch, decode's receiver unreachable)."""
-        reply = await self._post(url, "/pd/prefill", job)
-        if reply.status_code == HTTPStatus.OK:
-            return HandOff.model_validate(reply.json())
-        if reply.status_code == HTTPStatus.SERVICE_UNAVAILABLE:
-            return None
-        raise WorkerRefused(reply.status_code, _error_message(reply))
+        KV layout mismatch, decode's receiver unreachable). `on_first_token`: called with the
+        job's first token as soon as prefill sampled it, before the hand-off ends (a worker that
+        answers in one piece, an older one, never calls it)."""
+        if on_first_token is None:
+            reply = await self._post(url, "/pd/prefill", job)
+            return _hand_off(reply)
+        try:
+            async with self._http.stream("POST", f"{url}/pd/prefill", json=job.model_dump(),
+                                         headers={"accept": NDJSON}) as response:
+                if response.status_code != HTTPStatus.OK or not response.headers.get(
+                        "content-type", "").startswith(NDJSON):
+                    await response.aread()
+                    return _hand_off(response)
+                async for line in response.aiter_lines():
+                    event = PrefillEvent.model_validate_json(line) if line else PrefillEvent()
+                    if event.first_token is not None:
+                        on_first_token(event.first_token)
+                    if event.hand_off is not None:
+                        return event.hand_off
+        except (httpx.HTTPError, ValueError) as exc:
+            raise WorkerUnreachable(url, exc) from exc
+        raise WorkerUnreachable(url, EOFError("the prefill answer ended before the hand-off did"))
 
     async def stream(self, url: str, request_id: str) -> AsyncGenerator[OutputFrame, None]:
         """Decode: the request's output frames until it finishes (or the stream breaks: then
@@ -159,6 +178,15 @@ class WorkerClient:
             return await self._http.post(f"{url}{path}", json={} if body is None else body.model_dump())
         except httpx.HTTPError as exc:
             raise WorkerUnreachable(url, exc) from exc
+
+
+def _hand_off(reply: httpx.Response) -> HandOff | None:
+    """POST /pd/prefill's answer in one piece (see `WorkerClient.prefill`)."""
+    if reply.status_code == HTTPStatus.OK:
+        return HandOff.model_validate(reply.json())
+    if reply.status_code == HTTPStatus.SERVICE_UNAVAILABLE:
+        return None
+    raise WorkerRefused(reply.status_code, _error_message(reply))
 
 
 def _error_message(reply: httpx.Response) -> str:

@@ -123,6 +123,27 @@ class HandOff(BaseModel):
     prefill_cached_tokens: int = 0
 
 
+class FirstToken(BaseModel):
+    """prefill -> router: a job's first token, as soon as prefill sampled it (the first line of
+    POST /pd/prefill's NDJSON answer, when the router asked for one), before the KV hand-off ends:
+    the router may send it to its client at once (router_outputs.py says when)."""
+
+    transfer_id: str
+    token_id: int
+    prefill_cached_tokens: int = 0  # prompt tokens prefill took from its prefix cache
+    # the TTFT phases prefill measured (disagg/phases.py), when it did
+    prefill_queue_s: float | None = None
+    prefill_compute_s: float | None = None
+
+
+class PrefillEvent(BaseModel):
+    """One NDJSON line of POST /pd/prefill's streamed answer: the first token (at most once), then
+    how the hand-off ended (always last)."""
+
+    first_token: FirstToken | None = None
+    hand_off: HandOff | None = None
+
+
 class WorkerInfo(BaseModel):
     """What a worker advertises (GET /pd/info); the router's view of its pool."""
 

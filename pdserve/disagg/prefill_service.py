@@ -11,7 +11,8 @@ Each job is one attempt (`job.transfer_id`): the id the engine, the streamer and
 here, so a retried request never collides with its earlier attempt. One `_Attempt` record per
 attempt (`_attempts`, keyed by transfer id), created when the engine took the job and removed when
 its hand-off ended. `run` returns how the hand-off ended (`HandOff`), which is what the router, or
-the queue consumer, acknowledges.
+the queue consumer, acknowledges. The first token is known before that (`first_token`): POST
+/pd/prefill streams it to a router that asked, before the final message goes to decode.
 
 The streaming itself is the engine's layer observer (`KVStreamer`), called on the engine thread
 right after each layer; the transport moves the bytes on its own I/O thread meanwhile. Where an
@@ -31,7 +32,7 @@ from typing import Literal
 
 from pdserve.disagg.auth import ClusterSecret, verify_job
 from pdserve.disagg.client import WorkerClient, WorkerError
-from pdserve.disagg.control import HandOff, PrefillJob
+from pdserve.disagg.control import FirstToken, HandOff, PrefillJob
 from pdserve.disagg.kv_streamer import KVStreamer
 from pdserve.disagg.phases import PrefillPhases
 from pdserve.disagg.prompt_logprobs_wire import pack
@@ -57,6 +58,9 @@ class _Attempt:
     num_uncomputed_tokens: int  # prompt tokens still to compute (0 once the first token is out)
     token: str  # the decode reservation's, which every KV message of the attempt presents
     seeded: bool = True  # has a seeded generator, whose state decode needs (Request.generator)
+    # its first token once sampled, before the hand-off (None: it ended without one)
+    first_token: asyncio.Future[FirstToken | None] = dataclasses.field(
+        default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 @dataclass(slots=True)
@@ -147,6 +151,11 @@ class PrefillService:
                 with contextlib.suppress(WorkerError):
                     await self._decode_workers.alive(url, tids)
 
+    def first_token(self, transfer_id: str) -> asyncio.Future[FirstToken | None]:
+        """The attempt's first token, as soon as it is sampled (None: it ended without one: see its
+        hand-off). Ask before the first await after `submit` (the record goes when the hand-off ends)."""
+        return self._attempts[transfer_id].first_token
+
     async def cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
         """Leading tokens of this prompt the prefix cache (pool, disk tier) holds now (prefix-affinity
         placement of prefill jobs: memory queue)."""
@@ -181,8 +190,21 @@ class PrefillService:
             self._counts.aborted += 1
             return HandOff(transfer_id=tid, status="aborted")
         finally:
-            self._attempts.pop(tid, None)
+            attempt = self._attempts.pop(tid, None)
+            if attempt is not None and not attempt.first_token.done():
+                attempt.first_token.set_result(None)
             await asyncio.shield(self._release(tid, sender))
+
+    def _first_token_out(self, tid: str, final: RequestOutput) -> None:
+        """Whoever follows the attempt (POST /pd/prefill's streamed answer) learns its first token now."""
+        attempt = self._attempts.get(tid)
+        if attempt is None or attempt.first_token.done():
+            return
+        phases = PrefillPhases.of(final.metrics)
+        attempt.first_token.set_result(FirstToken(
+            transfer_id=tid, token_id=final.outputs[0].token_ids[0], prefill_cached_tokens=final.num_cached_tokens,
+            prefill_queue_s=None if phases is None else phases.queue_s,
+            prefill_compute_s=None if phases is None else phases.compute_s))
 
     def _failed(self, tid: str, status: Literal["failed", "timed_out"], exc: Exception) -> HandOff:
         self._counts.failed += 1
@@ -197,6 +219,7 @@ class PrefillService:
         # NOTE: an unseeded request has no generator (Request.generator): no round trip to the
         # engine thread for its state on the first token's path
         state = await self.client.send(GeneratorState(tid)) if attempt is None or attempt.seeded else None
+        self._first_token_out(tid, final)  # NOTE: once all is known that decode needs to go on from it
         phases = PrefillPhases.of(final.metrics)
         sender.send_done(tid, final.outputs[0].token_ids[0], state,
                          prefill_queue_s=None if phases is None else phases.queue_s,

@@ -15,7 +15,9 @@ One request:
   2. conditional disaggregation: when what the decode worker does not already cache is shorter
      than `pd_threshold` tokens, it prefills that itself (POST /pd/prefill_here). Otherwise the
      prefill job goes onto the prefill queue.
-  3. stream the decode worker's outputs (GET /pd/stream/{id}) back as RequestOutputs. A
+  3. stream the decode worker's outputs (GET /pd/stream/{id}) back as RequestOutputs; the first
+     token, where it is exactly what decode would send, comes from the prefill worker as soon as
+     it is sampled (`early_first_token`, router_outputs.py), before decode has the KV. A
      `kv_retry` frame (the transfer stalled) makes a new prefill attempt. A decode worker lost
      mid-stream: the request resumes on another one, prefilled over prompt + tokens already sent
      (its job goes to the prefill worker whose cache, pool or disk tier, holds the prompt's KV:
@@ -34,7 +36,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from http import HTTPStatus
 
 from pdserve.config import RouterConfig
@@ -42,11 +44,11 @@ from pdserve.disagg.admission import Admission
 from pdserve.disagg.auth import load_cluster_secret, sign_job
 from pdserve.disagg.client import UnknownRequest, WorkerClient, WorkerRefused, WorkerUnreachable
 from pdserve.disagg.control import (
+    FirstToken,
     OutputFrame,
     PrefillJob,
     ReserveReply,
     ReserveRequest,
-    WirePromptLogprobs,
     WireSamplingParams,
     transfer_id,
 )
@@ -54,23 +56,29 @@ from pdserve.disagg.membership import Membership, Registry
 from pdserve.disagg.policy import DecodePolicy, make_decode_policy
 from pdserve.disagg.pool import Worker, WorkerPool, reach
 from pdserve.disagg.queue import PrefillQueue, PrefillTicket, QueueUnavailable, make_queue, next_attempt
+from pdserve.disagg.router_outputs import (
+    AttemptFailed,
+    DecodeLost,
+    EarlyFirstToken,
+    after_sent,
+    continuation,
+    early_first_token_wanted,
+    merged,
+    next_within,
+    request_output,
+)
 from pdserve.engine.output import CompletionOutput, RequestOutput
-from pdserve.engine.sampler import PromptLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.qwen3_config import Qwen3ModelConfig
 from pdserve.serving.errors import OpenAIError
 from pdserve.serving.router_stats import Recoveries, RouterEvents, RouterStats, WorkerView
 from pdserve.serving.trace import current_trace
 from pdserve.tokenizer import Tokenizer
-from pdserve.tokenizer.detokenizer import detokenize
 
+_next_within = next_within  # NOTE: its old name, which tests use
 logger = logging.getLogger(__name__)
 _RESERVE_RETRY_S = 0.05
 _CONNECT_TIMEOUT_S = 5.0
-
-
-class _DecodeLost(Exception):
-    """The decode worker went away mid-request (connection dropped, or its stream ended early)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -100,6 +108,7 @@ class PDRouter:
         self.membership = membership or Membership(pool, config)
         self.queue = queue
         self.client = client
+        self.vocab_size = model_config.vocab_size
         self.admission = Admission(config, pool, queue, max_model_len, model_config.vocab_size)
         self.policy: DecodePolicy = make_decode_policy(config.decode_policy, client)
         self._events = _Events()
@@ -200,7 +209,7 @@ class PDRouter:
         # NOTE: the deadline cancels the generator wherever it waits (a reservation, the queue, a
         # prefill, a resume); its `finally` blocks abort the request on decode and cancel its job.
         try:
-            return await _next_within(outputs, self.config.first_token_timeout_s or None)
+            return await next_within(outputs, self.config.first_token_timeout_s or None)
         except StopAsyncIteration:
             return None
         except TimeoutError:
@@ -228,11 +237,12 @@ class PDRouter:
                     if output.finished and prompt_logprobs is None and params.prompt_logprobs is not None:
                         raise OpenAIError(f"decode worker {decode.url} did not send the prompt's logprobs (an "
                                           "older version?)", HTTPStatus.BAD_GATEWAY)
-                    last = _after(request_id, prompt, sent, output, prompt_logprobs)
+                    last = after_sent(request_id, prompt, sent, output, prompt_logprobs)
                     yield last
                 return
-            except _DecodeLost as exc:
-                lost.add(instance)
+            except DecodeLost as exc:
+                if not isinstance(exc, AttemptFailed):  # its worker is still there
+                    lost.add(instance)
                 if last is not None:
                     sent = last.outputs[0]
                 # NOTE: n sequences that share a prompt's KV are not resumed one by one
@@ -273,7 +283,58 @@ class PDRouter:
                         reply: ReserveReply, recovering: bool) -> AsyncIterator[RequestOutput]:
         """The request's outputs from `decode`, which holds its reservation; prefilled there or
         through the queue (`recovering`: after a decode loss, counted by where the prompt's KV
-        came from). Raises _DecodeLost if the worker goes away before the request ends."""
+        came from), whose prefill worker may send the first token before decode does
+        (router_outputs.py). Raises DecodeLost if the worker goes away before the request ends."""
+        early = None
+        if self.config.early_first_token and early_first_token_wanted(params):
+            early = EarlyFirstToken(self.tokenizer, self.max_model_len, self.vocab_size, rid, prompt, params,
+                                    reply.num_cached_tokens)
+        ticket: PrefillTicket | None = None
+        finished = False
+        try:
+            ticket = await self._start(decode, rid, prompt, params, reply, recovering, early)
+            early = early if ticket is not None else None
+            frames = self._frames(decode, rid)
+            source: AsyncGenerator[OutputFrame | FirstToken, None] = frames if early is None else merged(
+                frames, early.inbox)
+            async with contextlib.aclosing(source) as items:
+                async for item in items:
+                    if isinstance(item, FirstToken):
+                        if (first := _first_token(early, ticket, item)) is not None:
+                            yield first
+                        continue
+                    if item.kv_retry:
+                        self._events.kv_retries += 1
+                        if ticket is not None:
+                            ticket = await self._retry_prefill(decode, ticket)
+                        continue
+                    if item.error is not None:
+                        if ticket is not None and ticket.refusal is not None:
+                            raise OpenAIError(ticket.refusal.message, HTTPStatus(ticket.refusal.status))
+                        raise OpenAIError(item.error, HTTPStatus.SERVICE_UNAVAILABLE)
+                    if item.phases is not None and (early is None or early.sent is None):
+                        current_trace().record(item.phases)
+                    output = request_output(rid, prompt, item)
+                    if early is not None and early.after(output) is None:
+                        continue  # the token prefill sent already
+                    finished = output.finished
+                    yield output
+            if not finished:
+                raise DecodeLost(f"decode worker {decode.url} ended the stream of {rid} early")
+        finally:
+            decode.in_flight -= 1
+            if not finished:
+                await asyncio.shield(self._abort(rid, decode, ticket))
+
+    async def _start(self, decode: Worker, rid: str, prompt: list[int], params: SamplingParams, reply: ReserveReply,
+                     recovering: bool, early: EarlyFirstToken | None) -> PrefillTicket | None:
+        """Have the prompt prefilled: by `decode` (its uncached part is short: None), or through the
+        queue (its ticket; its first token, once sampled, goes to `early`)."""
+        if len(prompt) - reply.num_cached_tokens < self.config.pd_threshold:
+            await self._prefill_on_decode(decode, rid)
+            if recovering:
+                self._count_recovery(0)
+            return None
         # NOTE: prefill computes the prompt's KV once for all n sequences; with n > 1 or logprobs,
         # decode samples the first tokens itself (LLMEngine.complete_remote)
         job = PrefillJob(request_id=rid, transfer_id=transfer_id(rid, 0), prompt_token_ids=prompt,
@@ -281,50 +342,24 @@ class PDRouter:
                          kv_address=reply.kv_address, block_ids=reply.block_ids,
                          num_cached_tokens=reply.num_cached_tokens, decode_url=decode.url, token=reply.token)
         job = sign_job(self.client.secret, job)  # prefill acts only on jobs a cluster member signed
-        ticket: PrefillTicket | None = None
-        finished = False
-        try:
-            if len(prompt) - reply.num_cached_tokens < self.config.pd_threshold:
-                await self._prefill_on_decode(decode, rid)
-                if recovering:
-                    self._count_recovery(0)
-            else:
-                ticket = await self._dispatch(job, recovering, count_recovery=recovering)
-                # NOTE: the push to prefill (a task the queue started) goes out before the stream is
-                # opened: the job is on the first token's path, the stream only needed by then.
-                await asyncio.sleep(0)
-            async for frame in self._frames(decode, rid):
-                if frame.kv_retry:
-                    self._events.kv_retries += 1
-                    if ticket is not None:
-                        ticket = await self._retry_prefill(decode, ticket)
-                    continue
-                if frame.error is not None:
-                    if ticket is not None and ticket.refusal is not None:
-                        raise OpenAIError(ticket.refusal.message, HTTPStatus(ticket.refusal.status))
-                    raise OpenAIError(frame.error, HTTPStatus.SERVICE_UNAVAILABLE)
-                if frame.phases is not None:
-                    current_trace().record(frame.phases)
-                output = _request_output(rid, prompt, frame)
-                finished = output.finished
-                yield output
-            if not finished:
-                raise _DecodeLost(f"decode worker {decode.url} ended the stream of {rid} early")
-        finally:
-            decode.in_flight -= 1
-            if not finished:
-                await asyncio.shield(self._abort(rid, decode, ticket))
+        ticket = await self._dispatch(job, recovering, count_recovery=recovering,
+                                      on_first_token=None if early is None else early.inbox.put_nowait)
+        # NOTE: the push to prefill (a task the queue started) goes out before the stream is
+        # opened: the job is on the first token's path, the stream only needed by then.
+        await asyncio.sleep(0)
+        return ticket
 
     async def _prefill_on_decode(self, decode: Worker, rid: str) -> None:
         self._events.prefilled_on_decode += 1
         current_trace().mark_left_router()
         if not await reach(decode, self.client.prefill_here(decode.url, rid)):
-            raise _DecodeLost(f"decode worker {decode.url} did not take the prefill")
+            raise DecodeLost(f"decode worker {decode.url} did not take the prefill")
 
-    async def _dispatch(self, job: PrefillJob, recovering: bool, count_recovery: bool = False) -> PrefillTicket:
+    async def _dispatch(self, job: PrefillJob, recovering: bool, count_recovery: bool = False,
+                        on_first_token: Callable[[FirstToken], None] | None = None) -> PrefillTicket:
         """Queue the job; a resume after a decode loss (`recovering`) goes where the prompt's KV is
         cached, if any prefill worker has it (re-sent instead of recomputed); `count_recovery`:
-        counted by what its hand-off reports."""
+        counted by what its hand-off reports; `on_first_token`: hears the first token prefill sampled."""
         affinity = recovering or self.config.prefill_policy == "prefix-affinity"
         try:
             ticket = await self.queue.put(job, prefix_affinity=affinity)
@@ -332,6 +367,7 @@ class PDRouter:
             self.admission.reject("queue_unavailable", str(exc), HTTPStatus.SERVICE_UNAVAILABLE)
         if count_recovery:  # NOTE: set before the next await: the hand-off cannot have ended yet
             ticket.on_handed_off = self._count_recovery
+        ticket.on_first_token = on_first_token  # NOTE: likewise: the push reads it when it starts
         return ticket
 
     def _count_recovery(self, prefill_cached_tokens: int) -> None:
@@ -355,18 +391,18 @@ class PDRouter:
             # cache the KV its stalled predecessor computed, which is no recovery from the cache
             ticket.on_handed_off = None
             self._count_recovery(0)
-        return await self._dispatch(retry, recovering)
+        return await self._dispatch(retry, recovering, on_first_token=ticket.on_first_token)
 
-    async def _frames(self, decode: Worker, request_id: str) -> AsyncIterator[OutputFrame]:
+    async def _frames(self, decode: Worker, request_id: str) -> AsyncGenerator[OutputFrame, None]:
         try:
             async with contextlib.aclosing(self.client.stream(decode.url, request_id)) as frames:
                 async for frame in frames:
                     yield frame
         except UnknownRequest as exc:
-            raise _DecodeLost(str(exc)) from exc
+            raise DecodeLost(str(exc)) from exc
         except WorkerUnreachable as exc:
             decode.mark_unreachable(exc)
-            raise _DecodeLost(f"decode worker {decode.url} failed mid-request: {exc.cause!r}") from exc
+            raise DecodeLost(f"decode worker {decode.url} failed mid-request: {exc.cause!r}") from exc
 
     async def _abort(self, request_id: str, decode: Worker, ticket: PrefillTicket | None) -> None:
         if ticket is not None:
@@ -374,68 +410,16 @@ class PDRouter:
         await reach(decode, self.client.abort(decode.url, request_id))
 
 
-async def _next_within(outputs: AsyncGenerator[RequestOutput, None], timeout_s: float | None) -> RequestOutput:
-    """`anext(outputs)` within `timeout_s` (TimeoutError past it). A cancel of the awaiting task
-    (the client went away) always raises CancelledError and cancels the wait.
-    NOTE: not `asyncio.wait_for`: before Python 3.12 it returns the output instead when the cancel
-    comes just after the output did, and the router then streams to a client that is gone."""
-    step = asyncio.ensure_future(anext(outputs))
-    try:
-        await asyncio.wait((step,), timeout=timeout_s)
-    except asyncio.CancelledError:
-        step.cancel()  # NOTE: and waited for, so the generator is no longer running when it is closed
-        await asyncio.gather(step, return_exceptions=True)
-        raise
-    if not step.done():
-        step.cancel()
-        await asyncio.gather(step, return_exceptions=True)
-        raise TimeoutError
-    return step.result()
-
-
-def continuation(tokenizer: Tokenizer, params: SamplingParams, sent_tokens: list[int],
-                 sent_text: str) -> SamplingParams:
-    """What is left of a request after `sent_tokens` went out (resuming on another worker). The
-    new worker's text starts with what those tokens made that the client did not get yet: text
-    held back as a possible start of a stop string, and the bytes of an unfinished character
-    (else those would be lost, and a stop string across the resume missed)."""
-    if not sent_tokens:
-        return params
-    made, unfinished = detokenize(tokenizer, sent_tokens, params.skip_special_tokens)
-    if not made.startswith(sent_text):
-        logger.error("resumed text does not continue what the client got (%r / %r)", sent_text[-20:], made[-20:])
-    held_back = made[len(sent_text):] if made.startswith(sent_text) else ""
-    num_sent = len(sent_tokens)
-    max_tokens = None if params.max_tokens is None else params.max_tokens - num_sent
-    # NOTE: the prompt's logprobs came with the first token: not asked again (over prompt + sent tokens)
-    return dataclasses.replace(params, max_tokens=max_tokens, min_tokens=max(0, params.min_tokens - num_sent),
-                               text_prefix=held_back, utf8_prefix=tuple(unfinished),
-                               seed_draws_done=params.seed_draws_done + num_sent, prompt_logprobs=None)
-
-
 def _instance(worker: Worker) -> tuple[str, str]:
     """Which process a worker is: its URL and the instance id of its last /pd/info answer."""
     return worker.url, worker.info.instance_id if worker.info is not None else ""
 
 
-
-
-
-def _after(request_id: str, prompt: list[int], sent: CompletionOutput, output: RequestOutput,
-           prompt_logprobs: list[PromptLogprobs | None] | None) -> RequestOutput:
-    """`output` of a resumed request as its client sees it: after what was sent before the loss,
-    with the prompt's logprobs (if asked for) on every output, as a colocated engine's."""
-    seqs = output.outputs
-    if sent.token_ids:
-        seq = seqs[0]
-        logprobs = None if seq.logprobs is None else (sent.logprobs or []) + seq.logprobs
-        seqs = [dataclasses.replace(seq, token_ids=sent.token_ids + seq.token_ids, text=sent.text + seq.text,
-                                    logprobs=logprobs)]
-    return RequestOutput(request_id, None, prompt, seqs, output.finished, output.num_cached_tokens,
-                         prompt_logprobs=prompt_logprobs)
-
-
-def _request_output(request_id: str, prompt: list[int], frame: OutputFrame) -> RequestOutput:
-    seqs = frame.sequences()
-    return RequestOutput(request_id, None, prompt, seqs, all(s.finished for s in seqs), frame.num_cached_tokens,
-                         prompt_logprobs=WirePromptLogprobs.build_list(frame.prompt_logprobs))
+def _first_token(early: EarlyFirstToken | None, ticket: PrefillTicket | None,
+                 first: FirstToken) -> RequestOutput | None:
+    """The output to send for a first token from prefill, if any (its TTFT phases recorded)."""
+    if early is None or ticket is None or (output := early.take(first, ticket.job.transfer_id)) is None:
+        return None
+    if (phases := early.phases(first)) is not None:
+        current_trace().record(phases)
+    return output

@@ -14,7 +14,9 @@
              POST /pd/fail/{id}  FailJob: end a request still waiting for KV (for that attempt) with an error | 404
              POST /pd/abort/{id}
     prefill: POST /pd/prefill  PrefillJob -> HandOff once the hand-off ended | 400 | 409 (KV layout
-                               mismatch) | 502 (decode unreachable) | 503 (draining)
+                               mismatch) | 502 (decode unreachable) | 503 (draining); with `Accept:
+                               application/x-ndjson`, NDJSON PrefillEvents: the FirstToken once
+                               sampled, then the HandOff
              POST /pd/abort/{transfer id}
              POST /pd/prefix   as decode's, pool and disk tier (prefix-affinity placement of jobs)
 

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from http import HTTPStatus
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.disagg.control import FailJob, Keepalive, PrefillJob, PrefixQuery, PrefixReply, ReserveRequest, Retarget
+from pdserve.disagg.client import NDJSON
+from pdserve.disagg.control import (
+    FailJob,
+    Keepalive,
+    PrefillEvent,
+    PrefillJob,
+    PrefixQuery,
+    PrefixReply,
+    ReserveRequest,
+    Retarget,
+)
 from pdserve.disagg.decode_service import DecodeService
 from pdserve.disagg.kv_layout import KVLayoutMismatch
 from pdserve.disagg.prefill_service import PrefillService
@@ -86,7 +97,7 @@ def _add_stream_routes(app: FastAPI, service: DecodeService) -> None:
             async for frame in frames:
                 yield frame.model_dump_json() + "\n"
 
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
+        return StreamingResponse(lines(), media_type=NDJSON)
 
     @app.post("/pd/abort/{request_id}")
     async def abort(request_id: str) -> JSONResponse:
@@ -96,18 +107,30 @@ def _add_stream_routes(app: FastAPI, service: DecodeService) -> None:
 
 def add_prefill_routes(app: FastAPI, service: PrefillService) -> None:
     @app.post("/pd/prefill")
-    async def prefill(job: PrefillJob) -> Response:
+    async def prefill(job: PrefillJob, request: Request) -> Response:
         if service.draining:
             return error_response("this prefill worker is draining", HTTPStatus.SERVICE_UNAVAILABLE)
         try:
-            hand_off = await service.run(job)
+            task = await service.submit(job)
         except KVLayoutMismatch as exc:
             return error_response(str(exc), HTTPStatus.CONFLICT)
         except ValueError as exc:
             return error_response(str(exc), HTTPStatus.BAD_REQUEST)
         except (KVTransferError, OSError) as exc:
             return error_response(f"cannot reach the decode worker's KV receiver: {exc}", HTTPStatus.BAD_GATEWAY)
-        return JSONResponse(hand_off.model_dump())
+        if NDJSON not in request.headers.get("accept", ""):
+            return JSONResponse((await asyncio.shield(task)).model_dump())
+        first_token = service.first_token(job.transfer_id)
+
+        async def events() -> AsyncIterator[str]:
+            # NOTE: the first token goes out as soon as it is sampled, before the KV hand-off ends
+            # (waited for beside the task: neither is cancelled when this stream is)
+            await asyncio.wait((first_token, task), return_when=asyncio.FIRST_COMPLETED)
+            if first_token.done() and not first_token.cancelled() and (token := first_token.result()) is not None:
+                yield PrefillEvent(first_token=token).model_dump_json() + "\n"
+            yield PrefillEvent(hand_off=await asyncio.shield(task)).model_dump_json() + "\n"
+
+        return StreamingResponse(events(), media_type=NDJSON)
 
     @app.post("/pd/abort/{request_id}")
     async def abort(request_id: str) -> JSONResponse:

@@ -110,7 +110,8 @@ class ServerMetrics:
         """The TTFT breakdown, and the latencies the autoscaler reads (pdserve/ops/signals.py)."""
         phases = Histogram("pdserve:ttft_phase_seconds",
                            "TTFT breakdown per request: router_queue, prefill_queue, prefill_compute, "
-                           "transfer (rest: hand-off tail + hops), first_decode_step (s)",
+                           "transfer (rest: hand-off tail + hops), first_decode_step (0: the first token came "
+                           "from prefill) (s)",
                            [*self.labels, "phase"], buckets=TTFT_BUCKETS, registry=self.registry)
         self.phases = {p: phases.labels(**self.labels, phase=p) for p in TTFT_PHASES}
         self.queue_latency = hist("pdserve:prefill_queue_latency_seconds",

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pdserve.disagg.control import PrefillJob, transfer_id
+from pdserve.disagg.control import FirstToken, PrefillJob, transfer_id
 from pdserve.serving.trace import RequestTrace, current_trace
 
 
@@ -55,6 +55,9 @@ class PrefillTicket:
     # took from its cache, not computed) when a prefill worker handed the job off (memory queue only:
     # a shared queue's consumers acknowledge to the stream, not to the router)
     on_handed_off: Callable[[int], None] | None = None
+    # called with the job's first token as soon as the prefill worker sampled it, before the hand-off
+    # ended (memory queue only; set before the first await after `put`: the push reads it)
+    on_first_token: Callable[[FirstToken], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

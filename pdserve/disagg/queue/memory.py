@@ -8,9 +8,11 @@ or every job with `--prefill-policy prefix-affinity`) goes to the worker, among 
 prefix cache (pool or disk tier) holds the longest part of its prompt (POST /pd/prefix, asked once
 when the job is put, only when more than one prefill worker is ready, each answer bounded by
 `_PREFIX_QUERY_TIMEOUT_S`; no answer counts as nothing cached); ties, and jobs without it, go to the
-least loaded. A worker lost (or draining) with a job: the job is queued again at the
-front as a new attempt, the decode worker told first. A worker that refuses a job for good: the
-decode worker ends the request, and the ticket carries the refusal to the client.
+least loaded. A ticket with `on_first_token` hears the job's first token as soon as the worker
+sampled it (the POST's answer then streams it, before the hand-off's end). A worker lost (or
+draining) with a job: the job is queued again at the front as a new attempt, the decode worker told
+first. A worker that refuses a job for good: the decode worker ends the request, and the ticket
+carries the refusal to the client.
 """
 
 from __future__ import annotations
@@ -168,7 +170,7 @@ class MemoryPrefillQueue(PrefillQueue):
         """The job on `worker`; True when it must go to another one (this one is gone, with
         whatever KV it computed, or draining) and the request is still on."""
         try:
-            hand_off = await reach(worker, self._client.prefill(worker.url, item.job))
+            hand_off = await reach(worker, self._client.prefill(worker.url, item.job, item.on_first_token))
         except WorkerRefused as exc:
             logger.warning("request %s: prefill refused the job: %s", item.job.request_id, exc.message)
             item.refusal = Refusal(exc.status, exc.message)
