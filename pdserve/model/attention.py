@@ -10,16 +10,17 @@ A *slot* is one token's place in the pool: ``slot = block_id * block_size + offs
 The runner computes slots and block tables (ids -> tensors); this module only writes the new
 tokens' K/V at their slots and reads back each sequence's whole context.
 
-Decode (one query token) on CPU reads most of its context in place: the longest run of adjacent
-blocks of its table is one strided view of the pool, attended without a copy (`DecodeRun`); the
-other blocks are gathered, with those of other decodes, into a padded batch (`DecodeBatch`), and
-the two partial results are joined by their log-sum-exp (split-KV, as in flash-decoding):
+Decode (one query token) on CPU in float32 reads most of its context in place: the longest run
+of adjacent blocks of its table is one strided view of the pool, attended without a copy
+(`DecodeRun`); the other blocks are gathered, with those of other decodes, into a padded batch
+(`DecodeBatch`), and the two partial results are joined by their log-sum-exp (split-KV, as in
+flash-decoding):
 
     table [7, 8, 9, 2, 12]   run 7..9 -> view of slots 28..39 (no copy)   rest [2, 12] -> gathered
     out = (o_run * exp(lse_run) + o_rest * exp(lse_rest)) / (exp(lse_run) + exp(lse_rest))
 
-Gathering copied the whole context each layer (a decode step's KV is as large as the model's
-weights here), then attention read it again: in place, it is read once.
+Gathering copied the whole context each layer (a decode step's KV can be as large as the model's
+weights), then attention read it again: in place, it is read once (`can_attend_in_place`).
 
 The pool's element type (`--kv-cache-dtype`) may differ from the model's (`--dtype`): new K/V are
 cast to the pool's type when written, and what is read from the pool is cast to the query's type
