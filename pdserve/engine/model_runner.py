@@ -15,7 +15,7 @@ from pdserve.engine.host_memory import zeroed_pages
 from pdserve.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.step_plan import StepPlan, plan_step
-from pdserve.model.attention import AttentionMetadata, DecodeBatch, PrefillSpan
+from pdserve.model.attention import AttentionMetadata, DecodeBatch, DecodeRun, PrefillSpan, can_attend_in_place
 from pdserve.model.qwen3 import Qwen3ForCausalLM
 
 # kv_cache[layer, k|v, block, slot, kv_head, head_dim]: what the KV layout descriptors (the
@@ -51,6 +51,7 @@ class ModelRunner:
         self.swap_cache = torch.empty(swap_shape, dtype=config.kv_dtype, device="cpu",
                                       pin_memory=self.device.type == "cuda" and config.cache.num_swap_blocks > 0)
         self.layer_caches = list(self.local_cache.unbind(0))
+        self.in_place_decode = can_attend_in_place(self.device, config.dtype, config.kv_dtype)
         self.sampler = Sampler(config.seed, self.device)
 
     @torch.inference_mode()
@@ -113,12 +114,29 @@ class ModelRunner:
         prefills = tuple(PrefillSpan(p.start, p.end, p.context_len,
                                      torch.tensor(p.block_ids, dtype=torch.long, device=self.device))
                          for p in plan.prefills)
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(plan.slots),
-            decodes=self._decode_batches(plan.decode_rows, plan.decode_tables, plan.decode_lens),
-            prefills=prefills,
-        )
+        decodes, runs = self._decode_layout(plan.decode_rows, plan.decode_tables, plan.decode_lens)
+        meta = AttentionMetadata(slot_mapping=self._tensor(plan.slots), decodes=decodes, prefills=prefills,
+                                 decode_runs=runs)
         return self._tensor(plan.token_ids), self._tensor(plan.positions), meta
+
+    def _decode_layout(self, rows: list[int], tables: list[list[int]], context_lens: list[int]
+                       ) -> tuple[tuple[DecodeBatch, ...], tuple[DecodeRun, ...]]:
+        """Where each decode's context is read: in place, its longest run of adjacent blocks (a
+        `DecodeRun`: every decode has one) and, gathered, the blocks left (model/attention.py)."""
+        if not self.in_place_decode or not rows:
+            return self._decode_batches(rows, tables, context_lens), ()
+        bs = self.block_size
+        runs: list[DecodeRun] = []
+        rest: tuple[list[int], list[list[int]], list[int]] = ([], [], [])
+        for row, table, context_len in zip(rows, tables, context_lens, strict=True):
+            first, end = longest_run(table)
+            num_tokens = min(end * bs, context_len) - first * bs
+            runs.append(DecodeRun(row, table[first] * bs, num_tokens))
+            if num_tokens < context_len:  # NOTE: a partly filled last block stays last in the rest
+                rest[0].append(row)
+                rest[1].append(table[:first] + table[end:])
+                rest[2].append(context_len - num_tokens)
+        return self._decode_batches(*rest), tuple(runs)
 
     def _decode_batches(self, rows: list[int], tables: list[list[int]],
                         context_lens: list[int]) -> tuple[DecodeBatch, ...]:
@@ -147,6 +165,18 @@ class ModelRunner:
 
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+
+def longest_run(block_ids: list[int]) -> tuple[int, int]:
+    """[first, end) indices of the longest run of adjacent ids in `block_ids` (the first such run
+    among equally long ones): [7, 8, 2, 3, 4] -> (2, 5)."""
+    best_first, best_end, first = 0, 1, 0
+    for index in range(1, len(block_ids)):
+        if block_ids[index] != block_ids[index - 1] + 1:
+            first = index
+        if index + 1 - first > best_end - best_first:
+            best_first, best_end = first, index + 1
+    return best_first, best_end
 
 
 def _zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

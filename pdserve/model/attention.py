@@ -10,6 +10,18 @@ A *slot* is one token's place in the pool: ``slot = block_id * block_size + offs
 The runner computes slots and block tables (ids -> tensors); this module only writes the new
 tokens' K/V at their slots and reads back each sequence's whole context.
 
+Decode (one query token) on CPU in float32 reads most of its context in place: the longest run
+of adjacent blocks of its table is one strided view of the pool, attended without a copy
+(`DecodeRun`); the other blocks are gathered, with those of other decodes, into a padded batch
+(`DecodeBatch`), and the two partial results are joined by their log-sum-exp (split-KV, as in
+flash-decoding):
+
+    table [7, 8, 9, 2, 12]   run 7..9 -> view of slots 28..39 (no copy)   rest [2, 12] -> gathered
+    out = (o_run * exp(lse_run) + o_rest * exp(lse_rest)) / (exp(lse_run) + exp(lse_rest))
+
+Gathering copied the whole context each layer (a decode step's KV can be as large as the model's
+weights), then attention read it again: in place, it is read once (`can_attend_in_place`).
+
 The pool's element type (`--kv-cache-dtype`) may differ from the model's (`--dtype`): new K/V are
 cast to the pool's type when written, and what is read from the pool is cast to the query's type
 before any math, so attention always computes in the model's dtype. A prompt's first chunk attends
@@ -35,8 +47,19 @@ class PrefillSpan:
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeRun:
+    """The part of one decode's context that lies in adjacent blocks: slots
+    [first_slot, first_slot + num_tokens) of the pool, attended in place."""
+
+    row: int  # its row in the flattened batch
+    first_slot: int
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class DecodeBatch:
-    """All single-token queries of a step, attended together over their gathered blocks."""
+    """Single-token queries attended together over their gathered blocks: their whole context, or
+    (with `AttentionMetadata.decode_runs`) what their run leaves out."""
 
     rows: torch.Tensor  # [num_decodes] int64: their rows in the flattened batch
     block_ids: torch.Tensor  # [num_decodes * max_blocks] int64: block tables padded with block 0, flattened
@@ -52,8 +75,11 @@ class AttentionMetadata:
     """Everything attention needs for one step; built by the model runner."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V is written
-    decodes: tuple[DecodeBatch, ...]  # single-token queries, bucketed by context length
+    decodes: tuple[DecodeBatch, ...]  # single-token queries, bucketed by (gathered) context length
     prefills: tuple[PrefillSpan, ...]
+    # NOTE: when not empty, every decode's context is its run (if any) plus its blocks in `decodes`
+    # (if any), joined by log-sum-exp; empty: `decodes` hold whole contexts
+    decode_runs: tuple[DecodeRun, ...] = ()
 
 
 def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -70,24 +96,73 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cac
     """
     write_kv(layer_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
-    for batch in meta.decodes:
-        out[batch.rows] = _decode_attention(q[batch.rows], layer_cache, batch, scale)
+    if meta.decode_runs:
+        _split_decode_attention(q, layer_cache, meta, scale, out)
+    else:
+        for batch in meta.decodes:
+            out[batch.rows] = _decode_attention(q[batch.rows], layer_cache, batch, scale)
     for span in meta.prefills:
         out[span.start:span.end] = _prefill_attention(q, k, v, layer_cache, span, scale)
     return out
+
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def can_attend_in_place(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    """Whether decode may read runs in place (`DecodeRun`): on CPU, with torch's CPU flash kernel
+    (it returns the log-sum-exp), and in float32 only, model and pool. NOTE: another pool type is
+    cast when read, a copy anyway; and in bfloat16 the join's rounding would differ from one pass
+    over the whole context, so a bfloat16 model's tokens would depend on its pool's type."""
+    return device.type == "cpu" and dtype == kv_dtype == torch.float32 and _FLASH_CPU is not None
+
+
+def _split_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                            out: torch.Tensor) -> None:
+    """Each decode's run in place, then the gathered rest of those that have one, joined by
+    log-sum-exp. GQA without copies: the query heads sharing a KV head act as its query rows."""
+    assert _FLASH_CPU is not None
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = layer_cache.shape[3]
+    grouped = q.view(-1, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    keys = layer_cache[0].view(-1, num_kv_heads, head_dim)  # [slot, kv_head, dim]
+    values = layer_cache[1].view(-1, num_kv_heads, head_dim)
+    lse = torch.empty(grouped.shape[:3], dtype=torch.float32)  # the kernel returns it in float32
+    for run in meta.decode_runs:
+        end = run.first_slot + run.num_tokens
+        run_out, run_lse = _FLASH_CPU(grouped[run.row:run.row + 1], keys[run.first_slot:end].transpose(0, 1)[None],
+                                      values[run.first_slot:end].transpose(0, 1)[None], 0.0, False, scale=scale)
+        out[run.row] = run_out.reshape(num_heads, head_dim)
+        lse[run.row] = run_lse[0]
+    for batch in meta.decodes:
+        keys_rest, values_rest = _gather(layer_cache, batch, q.dtype)
+        rest_out, rest_lse = _FLASH_CPU(grouped[batch.rows], keys_rest, values_rest, 0.0, False,
+                                        attn_mask=batch.mask, scale=scale)
+        run_lse = lse[batch.rows]
+        top = torch.maximum(run_lse, rest_lse)
+        run_weight, rest_weight = (run_lse - top).exp_()[..., None], (rest_lse - top).exp_()[..., None]
+        run_out = out[batch.rows].view(rest_out.shape)
+        joined = (run_out * run_weight + rest_out * rest_weight) / (run_weight + rest_weight)
+        out[batch.rows] = joined.reshape(-1, num_heads, head_dim)
+
+
+def _gather(layer_cache: torch.Tensor, batch: DecodeBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's blocks, copied: keys and values [num_decodes, num_kv_heads, kv_len, head_dim]."""
+    num_kv_heads, head_dim = layer_cache.shape[3:]
+    num_seqs, kv_len = batch.mask.shape[0], batch.mask.shape[-1]
+    torch.index_select(layer_cache[0], 0, batch.block_ids, out=batch.k_buf)
+    torch.index_select(layer_cache[1], 0, batch.block_ids, out=batch.v_buf)
+    keys = batch.k_buf.to(dtype).view(num_seqs, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+    values = batch.v_buf.to(dtype).view(num_seqs, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+    return keys, values
 
 
 def _decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, batch: DecodeBatch, scale: float) -> torch.Tensor:
     """q: [num_decodes, num_heads, head_dim]. Gathers each sequence's blocks (padded), masks the
     padding. GQA without copies: the query heads sharing a KV head act as that head's query rows."""
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = layer_cache.shape[3]
-    kv_len = batch.mask.shape[-1]
-    torch.index_select(layer_cache[0], 0, batch.block_ids, out=batch.k_buf)
-    torch.index_select(layer_cache[1], 0, batch.block_ids, out=batch.v_buf)
-    keys = batch.k_buf.to(q.dtype).view(num_seqs, kv_len, num_kv_heads, head_dim).transpose(1, 2)
-    values = batch.v_buf.to(q.dtype).view(num_seqs, kv_len, num_kv_heads, head_dim).transpose(1, 2)
-    grouped = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    keys, values = _gather(layer_cache, batch, q.dtype)
+    grouped = q.view(num_seqs, keys.shape[1], num_heads // keys.shape[1], head_dim)
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=batch.mask, scale=scale)
     return out.reshape(num_seqs, num_heads, head_dim)
 
