@@ -20,6 +20,7 @@ Model (what it includes, what it leaves out):
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -102,6 +103,7 @@ class Cluster:
         self._arrivals: Sequence[Arrival] = ()
         self.requests: list[SimRequest] = []
         self.num_transfers = 0
+        self._turn = itertools.count()  # colocated: the balancer's tie-break
         self._batching: set[SimWorker] | None = None  # while handling one event: the workers to kick after it
 
     @property
@@ -160,7 +162,9 @@ class Cluster:
                 self._router_backlog.append(request)
                 self._drain_router()
             else:
-                self._assign(min(self.prefill, key=_load), request)
+                # NOTE: as `pdserve balancer`: least in flight, ties taken in turn
+                turn, n = next(self._turn), len(self.prefill)
+                self._assign(min(self.prefill, key=lambda w: (_load(w), (w.index - turn) % n)), request)
 
     def _assign(self, worker: SimWorker, request: SimRequest) -> None:
         request.worker = worker.index
