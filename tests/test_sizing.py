@@ -167,3 +167,23 @@ def test_prefill_workers_take_jobs_while_they_fit_their_token_budget() -> None:
     ttfts = [r.ttft_s for r in run.result.records]
     assert ttfts[0] == ttfts[1] == ttfts[2]
     assert ttfts[3] is not None and ttfts[0] is not None and ttfts[3] - ttfts[0] >= transfer.latency_s
+
+
+def test_a_request_on_its_way_does_not_join_the_step_that_starts_before_it_arrives() -> None:
+    """`dispatch_s`: requests of a burst reach the worker one after another, and the worker starts
+    a step as soon as it has work: the second request of a burst waits for the step after the
+    first's (as a real engine does); with 0 both are batched into one step."""
+    limits = WorkerLimits(num_kv_blocks=1000, block_size=16, max_num_seqs=8, max_num_batched_tokens=4096)
+    burst = [Arrival(100, 2, 0.0), Arrival(100, 2, 0.0)]
+    batched = simulate(_spec(Topology(num_colocated=1), limits), burst, None)
+    together = STEP.step_s(200, 2 * 100 * 50, 0, 0)
+    assert [r.ttft_s for r in batched.result.records] == pytest.approx([together, together])
+    spec = dataclasses.replace(_spec(Topology(num_colocated=1), limits), dispatch_s=0.001)
+    staggered = simulate(spec, burst, None)
+    first = STEP.step_s(100, 100 * 50, 0, 0)
+    second = STEP.step_s(100, 100 * 50, 1, 101)  # its prefill beside the first's decode
+    ttfts = [r.ttft_s for r in staggered.result.records]
+    # both due at 0: the first sent at 0 reaches the worker at 0.001; the second, sent at 0.001,
+    # reaches it at 0.002, while the first's prefill step runs
+    assert ttfts[0] == pytest.approx(0.001 + first)
+    assert ttfts[1] == pytest.approx(0.001 + first + second)

@@ -62,7 +62,7 @@ def simulate_like(ns: argparse.Namespace, run: RealRun, doc: dict) -> dict:
     profile = build_profile(ns)
     spec = cluster_spec(profile, run.topology, None if ns.transport == "none" else ns.transport,
                         not ns.no_layerwise, ns.decode_max_num_seqs, ns.max_queued_requests,
-                        not ns.no_enable_chunked_prefill, ns.early_first_token)
+                        not ns.no_enable_chunked_prefill, ns.early_first_token, ns.dispatch_ms / 1e3)
     sim = simulate(spec, arrivals(lengths, rate, float(doc.get("burstiness", 1.0)), int(doc.get("seed", 0))),
                    doc.get("max_concurrency"))
     return sim.summary.to_vllm_dict()

@@ -30,7 +30,7 @@ from pdserve.sizing.model_facts import load_model_facts
 from pdserve.sizing.plan import PlanInputs, make_plan
 from pdserve.sizing.profile import Profile, load_profile, roofline
 from pdserve.sizing.sim.cluster import Topology
-from pdserve.sizing.sim.run import SimRun, arrivals, cluster_spec, simulate, workload_lengths
+from pdserve.sizing.sim.run import DISPATCH_S, SimRun, arrivals, cluster_spec, simulate, workload_lengths
 
 TRANSPORTS = ("tcp", "erdma", "gdr", "nixl", "none")
 
@@ -43,6 +43,9 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--transport", choices=TRANSPORTS, default="tcp",
                    help="PD hand-off: the profile's measured transport, or the seed's tcp/erdma/gdr rates")
     g.add_argument("--no-layerwise", action="store_true", help="send the KV only after the prefill step ends")
+    g.add_argument("--dispatch-ms", type=float, default=DISPATCH_S * 1e3,
+                   help="a request's way from the client to the router, and the gap between two sends; a worker "
+                        "does not wait for a request still on its way (0: requests of one instant are batched)")
     g.add_argument("--early-first-token", action=argparse.BooleanOptionalAction, default=True,
                    help="PD: the client gets the first token when prefill sampled it (the router's default), "
                         "not once decode has the KV")
@@ -95,7 +98,7 @@ class _Setup:
 def run_one(ns: argparse.Namespace, setup: _Setup, topology: Topology, concurrency: int | None) -> SimRun:
     spec = cluster_spec(setup.profile, topology, None if ns.transport == "none" else ns.transport,
                         not ns.no_layerwise, ns.decode_max_num_seqs, ns.max_queued_requests,
-                        not ns.no_enable_chunked_prefill, ns.early_first_token)
+                        not ns.no_enable_chunked_prefill, ns.early_first_token, ns.dispatch_ms / 1e3)
     return simulate(spec, arrivals(setup.lengths, ns.request_rate, ns.burstiness, ns.seed), concurrency, ns.slo,
                     f"sim {setup.profile.name}", ns.request_rate, ns.burstiness, ns.seed)
 

@@ -2,7 +2,11 @@
 
 Model (what it includes, what it leaves out):
 - Client: request i is due at its arrival offset (bench's gamma arrivals) and is sent when fewer
-  than `max_concurrency` are in flight (bench's semaphore).
+  than `max_concurrency` are in flight (bench's semaphore). With `dispatch_s` > 0 the client
+  sends one request at a time, `dispatch_s` apart, and each reaches the router `dispatch_s` after
+  it was sent: a worker that has work starts its next step at once, so a request sent as another
+  finished, or the later ones of a burst, wait for the step after (as over HTTP); 0: every
+  request of an instant is there when the workers schedule.
 - Router: admits at most `max_queued_requests` requests waiting for their first token (else a
   429, as the real router); a request whose prompt and output cannot fit a worker's KV pool at all
   is refused. Colocated: the replica with the fewest unfinished requests. PD: first a KV
@@ -14,7 +18,7 @@ Model (what it includes, what it leaves out):
   to decode over the transport model (layer-wise: only the part not hidden behind the prefill
   step remains); the client sees the first token when the KV has arrived, then decode generates
   the rest. Prefill keeps the blocks until the transfer ends. Transfers do not contend for links.
-- Not modelled: network and HTTP latency, detokenization, prefix caching, swap.
+- Not modelled: network and HTTP latency beyond `dispatch_s`, detokenization, prefix caching, swap.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from pdserve.sizing.profile import StepModel, TransferModel
 from pdserve.sizing.sim.request import SimRequest
 from pdserve.sizing.sim.worker import SimWorker, StepPlan, WorkerLimits
 
-_ARRIVAL, _STEP_END, _TRANSFER_DONE = 0, 1, 2
+_ARRIVAL, _STEP_END, _TRANSFER_DONE, _DELIVER = 0, 1, 2, 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +75,7 @@ class ClusterSpec:
     max_queued_requests: int = 512
     decode_step: StepModel | None = None  # PD decode workers' step model, if not `step`
     early_first_token: bool = False  # PD: the client has the first token when prefill sampled it
+    dispatch_s: float = 0.0  # a request's way from the client to the router (and the gap between sends)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +109,7 @@ class Cluster:
         self.requests: list[SimRequest] = []
         self.num_transfers = 0
         self._turn = itertools.count()  # colocated: the balancer's tie-break
+        self._last_sent_s = -float("inf")
         self._batching: set[SimWorker] | None = None  # while handling one event: the workers to kick after it
 
     @property
@@ -129,6 +135,8 @@ class Cluster:
                     self._on_arrival(payload)  # type: ignore[arg-type]
                 elif kind == _STEP_END:
                     self._on_step_end(*payload)  # type: ignore[misc]
+                elif kind == _DELIVER:
+                    self._deliver(payload)  # type: ignore[arg-type]
                 else:
                     self._on_transfer_done(payload)  # type: ignore[arg-type]
             workers, self._batching = self._batching, None
@@ -148,6 +156,15 @@ class Cluster:
         request = SimRequest(index, a.prompt_len, a.output_len, self.now_s)
         self.requests.append(request)
         self._in_flight += 1
+        if self.spec.dispatch_s <= 0:
+            self._deliver(request)
+            return
+        self._last_sent_s = max(self.now_s, self._last_sent_s + self.spec.dispatch_s)
+        self._push(self._last_sent_s + self.spec.dispatch_s, _DELIVER, request)
+
+    def _deliver(self, request: SimRequest) -> None:
+        """The request at the router: refused, or routed to a worker."""
+        a = self._arrivals[request.index]
         pools = [self.spec.colocated] + ([self.spec.decode] if self.spec.topology.is_pd else [])
         # NOTE: never fits: more KV than a pool, or (without chunked prefill) a prompt over the token
         # budget; the real engine's max_model_len check refuses these with a 400

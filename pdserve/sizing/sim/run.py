@@ -54,6 +54,12 @@ def workload_lengths(ns: argparse.Namespace) -> tuple[str, list[tuple[int, int]]
     return work.name, [(r.prompt_len, r.max_tokens) for r in work.requests]
 
 
+# NOTE: a request's way from the client to the router over loopback HTTP, and the gap between two
+# sends of one client: a few ms on the 2-vCPU VM (`pdserve serve` adds ~6 ms to the offline engine's
+# TTFT of a 4-token prompt, docs/BENCHMARKS.md, issue 19)
+DISPATCH_S = 0.002
+
+
 def arrivals(lengths: Sequence[tuple[int, int]], request_rate: float, burstiness: float, seed: int) -> list[Arrival]:
     offsets = workloads.arrival_offsets_s(len(lengths), request_rate, burstiness, seed)
     return [Arrival(p, o, t) for (p, o), t in zip(lengths, offsets, strict=True)]
@@ -61,11 +67,12 @@ def arrivals(lengths: Sequence[tuple[int, int]], request_rate: float, burstiness
 
 def cluster_spec(profile: Profile, topology: Topology, transport: str | None, layerwise: bool = True,
                  decode_max_num_seqs: int | None = None, max_queued_requests: int = 512,
-                 enable_chunked_prefill: bool = True, early_first_token: bool = True) -> ClusterSpec:
+                 enable_chunked_prefill: bool = True, early_first_token: bool = True,
+                 dispatch_s: float = DISPATCH_S) -> ClusterSpec:
     """Every worker has the profile's limits; decode workers may have their own `max_num_seqs`.
     `early_first_token`: as the router's `--early-first-token` (its default), the first token of a
     PD request reaches the client when prefill sampled it (the router sends it early for greedy and
-    seeded requests of one sequence; bench's are greedy)."""
+    seeded requests of one sequence; bench's are greedy). `dispatch_s`: see cluster.py's Client."""
     limits = WorkerLimits(profile.num_kv_blocks, profile.block_size, profile.max_num_seqs,
                           profile.max_num_batched_tokens, enable_chunked_prefill)
     seqs = decode_max_num_seqs or profile.max_num_seqs
@@ -73,7 +80,7 @@ def cluster_spec(profile: Profile, topology: Topology, transport: str | None, la
     transfer = profile.transport(transport) if transport and topology.is_pd else None
     return ClusterSpec(topology, profile.step, limits, decode, transfer, profile.kv_bytes_per_token,
                        profile.model.num_layers, layerwise, max_queued_requests, profile.decode_step,
-                       early_first_token)
+                       early_first_token, dispatch_s)
 
 
 def to_record(request_index: int, r: SimRequest) -> RequestRecord:
