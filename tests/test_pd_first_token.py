@@ -149,7 +149,7 @@ def test_after_an_early_token_a_retry_or_a_loss_continues_from_it(model_dirs: di
         resumed = [_frame(tokenizer, [t1]), _frame(tokenizer, [t1, t2], "length")]
         workers = StubWorkers({"r@0": t0, "r@1": other, "r~1@0": t1}, {"r": first_attempt, "r~1": resumed})
         workers.decode_has_kv.set()
-        router = _router(model_dirs["tiny"], tokenizer, workers, decode=(DECODE, DECODE2))
+        router = _router(model_dirs["tiny"], tokenizer, workers, decode=(DECODE, DECODE2), early_first_token=True)
         try:
             outputs = _seen([o async for o in router.generate("r", PROMPT, GREEDY)])
         finally:
@@ -203,7 +203,7 @@ def test_a_served_first_token_comes_before_decode_applies_the_kv(model_dirs: dic
     """A real cluster whose decode worker holds the final KV message until the client has a token:
     the text is still the colocated engine's. Then a hand-off that fails after the first token went
     out ends the stream with the prefill side's error, and frees every block."""
-    cluster = start_cluster(model_dirs["tiny"], "fake", 1, 1)
+    cluster = start_cluster(model_dirs["tiny"], "fake", 1, 1, early_first_token=True)
     decode: DecodeService = cluster.service(DecodeService)
     held = threading.Event()
     complete = decode._complete
