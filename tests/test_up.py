@@ -183,7 +183,9 @@ def test_up_serves_then_stops_everything_on_ctrl_c(model_dirs: dict[str, Path], 
         assert sorted(w["role"] for w in workers) == ["decode", "prefill"] and all(w["ready"] for w in workers)
         reply = httpx.post(f"{up.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=60)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
-        assert up.metric("pdserve:supervisor_workers", role="prefill", state="ready") == 1
+        # NOTE: the supervisor learns a worker is ready on its own poll, which may come after the router's
+        up.wait_for("the supervisor counts the prefill worker ready",
+                    lambda: up.metric("pdserve:supervisor_workers", role="prefill", state="ready") == 1, 15)
         assert f"supervisor: curl -s http://127.0.0.1:{up.supervisor_port}/metrics" in up.text()
 
 
