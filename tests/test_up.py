@@ -73,6 +73,12 @@ class Up:
         return {role: self.metric("pdserve:supervisor_restarts_total", role=role)
                 for role in ("router", "prefill", "decode")}
 
+    def exits(self, context: int = 30) -> str:
+        """The log before each worker exit the supervisor saw (what an unexpected restart's assertion shows)."""
+        lines = self.text().splitlines()
+        return "\n---\n".join("\n".join(lines[max(0, i - context):i + 1])
+                               for i, line in enumerate(lines) if " exited with " in line)
+
     def pids(self, url: str) -> list[int]:
         """The processes (children of `up`) started to listen at `url`: one, or none between a death and a restart."""
         port = url.rsplit(":", 1)[1]
@@ -344,7 +350,7 @@ def test_autoscale_grows_on_a_burst_and_drains_back_without_failing_a_request(mo
         assert up.metric("pdserve:autoscaler_decisions_total", role="decode", direction="out",
                          reason="running_per_worker") == 1
         assert up.metric("pdserve:autoscaler_decisions_total", role="decode", direction="in", reason="idle") == 2
-        assert up.restarts() == {"router": 0, "prefill": 0, "decode": 0}
+        assert up.restarts() == {"router": 0, "prefill": 0, "decode": 0}, up.exits()
         # every worker drained after it served exited 0 (one still loading may have been drained too)
         drained = re.findall(r"drained and exited with status (-?\d+)", text)
         assert len(drained) >= 2 and set(drained) == {"0"}, drained

@@ -7,7 +7,7 @@ it with HMAC-SHA256 over what they send.
       X-PD-Timestamp: unix seconds      X-PD-Nonce: 32 hex digits (random per request)
       X-PD-Signature: hex HMAC(secret, method, raw path, timestamp, nonce, SHA-256(body))
 
-  (`SignedRequests`, an httpx auth). `PeerAuth` (ASGI) answers 401 unless the signature is right,
+  (`signature_headers`; `SignedRequests` for httpx). `PeerAuth` (ASGI) answers 401 unless the signature is right,
   the timestamp within `MAX_CLOCK_SKEW_S` of its own clock and the nonce unseen in that window
   (a replayed request is refused). Open without it: GET /pd/info and GET /pd/stats (read-only
   status, like /metrics).
@@ -107,6 +107,17 @@ def _request_parts(method: str, raw_path: bytes, timestamp: str, nonce: str, bod
     return ("pd-http", method.upper(), raw_path, timestamp, nonce, hashlib.sha256(body).hexdigest())
 
 
+def signature_headers(secret: ClusterSecret | None, method: str, raw_path: bytes | str,
+                      body: bytes) -> dict[str, str]:
+    """The headers that sign one request (raw path: with its query string, as sent); {} without a secret."""
+    if secret is None:
+        return {}
+    timestamp, nonce = f"{time.time():.3f}", new_nonce()
+    raw = raw_path.encode() if isinstance(raw_path, str) else raw_path
+    return {HEADER_TIMESTAMP: timestamp, HEADER_NONCE: nonce,
+            HEADER_SIGNATURE: secret.mac(*_request_parts(method, raw, timestamp, nonce, body))}
+
+
 class SignedRequests(httpx.Auth):
     """httpx auth: signs every request with the cluster secret (nothing when there is none)."""
 
@@ -116,12 +127,7 @@ class SignedRequests(httpx.Auth):
         self.secret = secret
 
     def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
-        if self.secret is not None:
-            timestamp, nonce = f"{time.time():.3f}", new_nonce()
-            request.headers[HEADER_TIMESTAMP] = timestamp
-            request.headers[HEADER_NONCE] = nonce
-            request.headers[HEADER_SIGNATURE] = self.secret.mac(
-                *_request_parts(request.method, request.url.raw_path, timestamp, nonce, request.content))
+        request.headers.update(signature_headers(self.secret, request.method, request.url.raw_path, request.content))
         yield request
 
 

@@ -5,19 +5,24 @@ keepalives all talk to workers through it, so a route's URL and status codes are
 Every method raises `WorkerUnreachable` when the worker does not answer (connection refused or
 reset, timeout, a stream cut short); what each status means is mapped per method to a result or
 to `WorkerRefused` (an error whose status and message must reach the client) or `UnknownRequest`.
-No httpx type leaves this module. With a cluster secret every call is signed (auth.py); a worker
+No aiohttp type leaves this module. With a cluster secret every call is signed (auth.py); a worker
 that refuses the signature answers 401, which maps like any other refusal.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable
+import asyncio
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from http import HTTPStatus
 
-import httpx
+import aiohttp
 from pydantic import BaseModel
+from yarl import URL
 
-from pdserve.disagg.auth import ClusterSecret, SignedRequests
+from pdserve.disagg.auth import ClusterSecret, signature_headers
 from pdserve.disagg.control import (
     FailJob,
     FirstToken,
@@ -71,59 +76,78 @@ class UnknownRequest(WorkerError):
 class WorkerClient:
     """Typed calls to one worker at a time, by base URL. `timeout_s` bounds every call (None: a
     call may take as long as the work does, e.g. POST /pd/prefill answers once the hand-off
-    ended); `connect_timeout_s` bounds connecting (default: `timeout_s`); `secret` signs every call."""
+    ended); `connect_timeout_s` bounds connecting (default: `timeout_s`); `secret` signs every call.
+
+    Over aiohttp, whose client costs a third of httpx's per call (0.6 against 1.7 ms a round trip
+    on loopback here): two or three calls lie on every PD request's path to its first token. Its
+    session (a pool of kept-alive connections, no limit: every decode stream holds one) is made on
+    the first call, on the loop that makes it, and made again should a later call come from another."""
 
     def __init__(self, timeout_s: float | None = None, connect_timeout_s: float | None = None,
                  secret: ClusterSecret | None = None) -> None:
         connect = timeout_s if connect_timeout_s is None else connect_timeout_s
         self.secret = secret
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=connect), auth=SignedRequests(secret))
+        # NOTE: httpx's read timeout was per read, as sock_read is: a stream may last, a silence may not
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect, sock_read=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._loop is not loop or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0),
+                                                  auto_decompress=False)
+            self._loop = loop
+        return self._session
 
     async def close(self) -> None:
-        await self._http.aclose()
+        if self._session is not None and self._loop is asyncio.get_running_loop():
+            await self._session.close()
+        self._session = None
 
     async def info(self, url: str, timeout_s: float = _INFO_TIMEOUT_S) -> WorkerInfo:
         """GET /pd/info. A worker that answers an error or an unreadable body is unreachable too."""
         try:
-            reply = await self._http.get(f"{url}/pd/info", timeout=timeout_s)
-            reply.raise_for_status()
-            return WorkerInfo.model_validate(reply.json())
-        except (httpx.HTTPError, ValueError) as exc:
+            reply = await self._call("GET", url, "/pd/info", timeout=aiohttp.ClientTimeout(total=timeout_s))
+            if reply.status != HTTPStatus.OK:
+                raise ValueError(f"HTTP {reply.status}")
+            return WorkerInfo.model_validate_json(reply.body)
+        except ValueError as exc:
             raise WorkerUnreachable(url, exc) from exc
 
     async def reserve(self, url: str, request: ReserveRequest) -> ReserveReply | None:
         """Decode: hold blocks for the prompt. None: not now (no room, draining: try another one
         or later); raises WorkerRefused (400) for a request no worker can take."""
         reply = await self._post(url, "/pd/reserve", request)
-        if reply.status_code == HTTPStatus.OK:
-            return ReserveReply.model_validate(reply.json())
-        if reply.status_code == HTTPStatus.BAD_REQUEST:
-            raise WorkerRefused(reply.status_code, _error_message(reply))
+        if reply.status == HTTPStatus.OK:
+            return ReserveReply.model_validate_json(reply.body)
+        if reply.status == HTTPStatus.BAD_REQUEST:
+            raise WorkerRefused(reply.status, _error_message(reply))
         return None
 
     async def prefix(self, url: str, prompt_token_ids: list[int]) -> int | None:
         """Decode or prefill: leading prompt tokens its prefix cache (pool, disk tier) holds now; None
         if it would not say."""
         reply = await self._post(url, "/pd/prefix", PrefixQuery(prompt_token_ids=prompt_token_ids))
-        if not reply.is_success:
+        if not 200 <= reply.status < 300:
             return None
-        return PrefixReply.model_validate(reply.json()).num_cached_tokens
+        return PrefixReply.model_validate_json(reply.body).num_cached_tokens
 
     async def prefill_here(self, url: str, request_id: str) -> bool:
         """Decode: compute the uncached rest itself. False: the request no longer waits for KV."""
         reply = await self._post(url, f"/pd/prefill_here/{request_id}")
-        return reply.status_code == HTTPStatus.OK
+        return reply.status == HTTPStatus.OK
 
     async def retarget(self, url: str, request_id: str, transfer_id: str) -> bool:
         """Decode: expect this attempt instead. False: the request no longer waits for KV."""
         reply = await self._post(url, f"/pd/retarget/{request_id}", Retarget(transfer_id=transfer_id))
-        return reply.status_code == HTTPStatus.OK
+        return reply.status == HTTPStatus.OK
 
     async def fail(self, url: str, request_id: str, reason: str, transfer_id: str = "") -> bool:
         """Decode: end a request still waiting for KV (for attempt `transfer_id`; "": any) with this
         error. False: it no longer waits (for that attempt)."""
         reply = await self._post(url, f"/pd/fail/{request_id}", FailJob(reason=reason, transfer_id=transfer_id))
-        return reply.status_code == HTTPStatus.OK
+        return reply.status == HTTPStatus.OK
 
     async def alive(self, url: str, transfer_ids: list[str]) -> None:
         """Decode: these attempts are still being computed (prefill keepalive)."""
@@ -141,22 +165,18 @@ class WorkerClient:
         job's first token as soon as prefill sampled it, before the hand-off ends (a worker that
         answers in one piece, an older one, never calls it)."""
         if on_first_token is None:
-            reply = await self._post(url, "/pd/prefill", job)
-            return _hand_off(reply)
+            return _hand_off(await self._post(url, "/pd/prefill", job))
         try:
-            async with self._http.stream("POST", f"{url}/pd/prefill", json=job.model_dump(),
-                                         headers={"accept": NDJSON}) as response:
-                if response.status_code != HTTPStatus.OK or not response.headers.get(
-                        "content-type", "").startswith(NDJSON):
-                    await response.aread()
-                    return _hand_off(response)
-                async for line in response.aiter_lines():
+            async with self._open("POST", url, "/pd/prefill", job, accept=NDJSON) as response:
+                if response.status != HTTPStatus.OK or not response.content_type.startswith(NDJSON):
+                    return _hand_off(_Reply(response.status, await response.read()))
+                async for line in _lines(response):
                     event = PrefillEvent.model_validate_json(line) if line else PrefillEvent()
                     if event.first_token is not None:
                         on_first_token(event.first_token)
                     if event.hand_off is not None:
                         return event.hand_off
-        except (httpx.HTTPError, ValueError) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             raise WorkerUnreachable(url, exc) from exc
         raise WorkerUnreachable(url, EOFError("the prefill answer ended before the hand-off did"))
 
@@ -164,34 +184,75 @@ class WorkerClient:
         """Decode: the request's output frames until it finishes (or the stream breaks: then
         WorkerUnreachable). Raises UnknownRequest if the worker does not know it."""
         try:
-            async with self._http.stream("GET", f"{url}/pd/stream/{request_id}") as response:
-                if response.status_code != HTTPStatus.OK:
+            async with self._open("GET", url, f"/pd/stream/{request_id}") as response:
+                if response.status != HTTPStatus.OK:
                     raise UnknownRequest(f"decode worker {url} lost request {request_id}")
-                async for line in response.aiter_lines():
+                async for line in _lines(response):
                     if line:
                         yield OutputFrame.model_validate_json(line)
-        except httpx.HTTPError as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise WorkerUnreachable(url, exc) from exc
 
-    async def _post(self, url: str, path: str, body: BaseModel | None = None) -> httpx.Response:
+    async def _post(self, url: str, path: str, body: BaseModel | None = None) -> _Reply:
+        return await self._call("POST", url, path, body)
+
+    async def _call(self, method: str, url: str, path: str, body: BaseModel | None = None,
+                    timeout: aiohttp.ClientTimeout | None = None) -> _Reply:
+        """One call answered in one piece. Raises WorkerUnreachable when the worker does not answer."""
         try:
-            return await self._http.post(f"{url}{path}", json={} if body is None else body.model_dump())
-        except httpx.HTTPError as exc:
+            async with self._open(method, url, path, body, timeout=timeout) as response:
+                return _Reply(response.status, await response.read())
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise WorkerUnreachable(url, exc) from exc
 
+    @asynccontextmanager
+    async def _open(self, method: str, url: str, path: str, body: BaseModel | None = None, accept: str = "",
+                    timeout: aiohttp.ClientTimeout | None = None) -> AsyncIterator[aiohttp.ClientResponse]:
+        """The response to a signed request (a POST's body: `body` as JSON, {} when None)."""
+        target = URL(f"{url}{path}", encoded=True)
+        data = b"" if method == "GET" else (b"{}" if body is None else body.model_dump_json().encode())
+        headers = signature_headers(self.secret, method, target.raw_path_qs, data)
+        if method != "GET":
+            headers["content-type"] = "application/json"
+        if accept:
+            headers["accept"] = accept
+        async with self._http().request(method, target, data=data or None, headers=headers,
+                                        timeout=timeout or self._timeout) as response:
+            yield response
 
-def _hand_off(reply: httpx.Response) -> HandOff | None:
+
+@dataclass(frozen=True, slots=True)
+class _Reply:
+    """An answer read in one piece."""
+
+    status: int
+    body: bytes
+
+
+async def _lines(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The lines of an NDJSON answer, however long (aiohttp's own line reader stops at 64 KiB)."""
+    pending = b""
+    async for chunk in response.content.iter_any():
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            yield line
+    if pending:
+        yield pending
+
+
+def _hand_off(reply: _Reply) -> HandOff | None:
     """POST /pd/prefill's answer in one piece (see `WorkerClient.prefill`)."""
-    if reply.status_code == HTTPStatus.OK:
-        return HandOff.model_validate(reply.json())
-    if reply.status_code == HTTPStatus.SERVICE_UNAVAILABLE:
+    if reply.status == HTTPStatus.OK:
+        return HandOff.model_validate_json(reply.body)
+    if reply.status == HTTPStatus.SERVICE_UNAVAILABLE:
         return None
-    raise WorkerRefused(reply.status_code, _error_message(reply))
+    raise WorkerRefused(reply.status, _error_message(reply))
 
 
-def _error_message(reply: httpx.Response) -> str:
+def _error_message(reply: _Reply) -> str:
     """The message of the OpenAI-style error body the workers answer with."""
     try:
-        return str(reply.json()["error"]["message"])
+        return str(json.loads(reply.body)["error"]["message"])
     except (ValueError, KeyError, TypeError):
-        return f"HTTP {reply.status_code}"
+        return f"HTTP {reply.status}"

@@ -161,6 +161,7 @@ class NixlKVReceiver(KVReceiver):
         self._grants: dict[tuple[str, int], LayerHeader] = {}  # (peer, claim id) -> granted; I/O thread only
         self._exposed = ReservationGrants(self._agent, kv_cache, layout)  # I/O thread only
         self._staging = Staging(kv_cache, layout, self._agent)  # I/O thread only
+        self._poller = Poller()  # I/O thread only
         self._io.submit(self._accept_loop())
         self._io.submit(self._poll_loop())
 
@@ -171,6 +172,10 @@ class NixlKVReceiver(KVReceiver):
     @property
     def late_write_window_s(self) -> float:
         return LATE_WRITE_WINDOW_S
+
+    def expect(self, request_id: str, block_ids: list[int] | tuple[int, ...], token: str = "") -> None:
+        super().expect(request_id, block_ids, token)
+        self._io.call_soon(self._poller.wake)  # NOTE: its claims may come any moment: no quiet pause now
 
     def cancel(self, request_id: str) -> None:
         super().cancel(request_id)
@@ -260,7 +265,7 @@ class NixlKVReceiver(KVReceiver):
         return replace(welcome, nixl_metadata=self._metadata)
 
     async def _poll_loop(self) -> None:
-        poller = Poller()
+        poller = self._poller
         swept_at = 0.0
         while True:
             notifs = poll_notifs(self._agent, self._on_notif)
@@ -270,7 +275,9 @@ class NixlKVReceiver(KVReceiver):
                 swept_at = time.monotonic()
                 self._revoke_ended()
                 self._exposed.expire()
-            await poller.pause(active=bool(notifs or self._grants or self._staging.waiting))
+            await poller.pause(notifs, bool(self._grants or self._staging.waiting),
+                               (len(self._grants), len(self._staging.waiting)),
+                               expecting=bool(self._events.request_ids()))
 
     def _on_notif(self, peer: str, raw: bytes) -> None:
         message = accept_notif(peer, peer in self._peers, raw)

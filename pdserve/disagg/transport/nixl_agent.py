@@ -5,6 +5,7 @@ metadata a peer gets (decode's grants: nixl_grants.py, nixl_staging.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -24,14 +25,23 @@ from pdserve.disagg.transport.messages import Message, decode_message, encode_me
 
 logger = logging.getLogger(__name__)
 
-# Polling: NIXL's Python API offers no file descriptor to wait on, so the I/O thread polls. While
-# work is in flight, and for a short window after the last activity when replies are due, it polls
-# every ~50 us: a blocking nap, because asyncio rounds any timer below 1 ms up to 1 ms and a pure
-# spin starves the peer process when both share a core. Otherwise it polls every millisecond, so a
-# quiet worker costs ~no CPU and a new request waits at most ~1 ms to be noticed.
+# Polling: NIXL's Python API offers no file descriptor to wait on, so the I/O thread polls. Right
+# after any progress (a notification heard, a claim or grant opened or closed) it polls every
+# ~50 us: a blocking nap, because asyncio rounds any timer below 1 ms up to 1 ms and a pure spin
+# starves the peer process when both share a core. While nothing moves (a grant open while prefill
+# computes its next layer, a claim not yet answered), the nap doubles after each empty poll, up to
+# 1 ms. Every poll takes the GIL from the engine thread. With nothing open but something expected
+# (decode: a reservation waits for KV; prefill: an acknowledgement is due) and nothing moved for
+# `_ACTIVE_WINDOW_S`, it polls every millisecond, so a new claim waits at most ~1 ms to be noticed.
+# With nothing expected at all, it polls every `_QUIET_POLL_S` (housekeeping, UCX's own traffic),
+# or at once when woken (`Poller.wake`: a claim to send, a reservation opened). Polled every
+# millisecond instead, a prefill worker's I/O thread slowed a tiny model's prefill step by ~15 %.
 _ACTIVE_WINDOW_S = 0.005
 _ACTIVE_NAP_S = 0.00005
+_MAX_ACTIVE_NAP_S = 0.001
 _IDLE_POLL_S = 0.001
+_QUIET_POLL_S = 0.02
+_WARM_UP_S = 1.0  # after the poller starts (a new connection's UCX wire-up), never quiet
 
 
 def new_agent(role: str) -> Any:
@@ -105,20 +115,40 @@ def register(agent: Any, starts: np.ndarray, lengths: np.ndarray, kind: tuple[st
 
 
 class Poller:
-    """Decides how long the I/O thread pauses between two polls (see _ACTIVE_WINDOW_S)."""
+    """Decides how long the I/O thread pauses between two polls (see _ACTIVE_WINDOW_S). Made and
+    used on the I/O thread."""
 
     def __init__(self) -> None:
-        self._last_activity = 0.0
+        self._last_activity = time.monotonic() - _ACTIVE_WINDOW_S
+        self._quiet_after = time.monotonic() + _WARM_UP_S
+        self._nap_s = _ACTIVE_NAP_S
+        self._state: object = None
+        self._woken = asyncio.Event()
 
-    async def pause(self, active: bool) -> None:
+    def wake(self) -> None:
+        """Something is about to be expected: end a quiet pause now. I/O thread only."""
+        self._woken.set()
+
+    async def pause(self, heard: int, busy: bool, state: object = None, expecting: bool = True) -> None:
+        """`heard`: notifications this poll; `busy`: work is open (claims, grants, writes);
+        `state`: a snapshot of that work (a change counts as progress); `expecting`: something
+        may arrive without being asked for now."""
         now = time.monotonic()
-        if active:
+        if heard or state != self._state:
+            self._state = state
             self._last_activity = now
-        if now - self._last_activity < _ACTIVE_WINDOW_S:
-            time.sleep(_ACTIVE_NAP_S)  # NOTE: blocks this loop for 50 us; it only serves NIXL here
-            await asyncio.sleep(0)
+            self._nap_s = _ACTIVE_NAP_S
         else:
+            self._nap_s = min(2 * self._nap_s, _MAX_ACTIVE_NAP_S)
+        if busy or now - self._last_activity < _ACTIVE_WINDOW_S:
+            time.sleep(self._nap_s)  # NOTE: blocks this loop for <= 1 ms; it only serves NIXL here
+            await asyncio.sleep(0)
+        elif expecting or now < self._quiet_after:
             await asyncio.sleep(_IDLE_POLL_S)
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._woken.wait(), _QUIET_POLL_S)
+            self._woken.clear()
 
 
 def poll_notifs(agent: Any, handle: Callable[[str, bytes], None]) -> int:

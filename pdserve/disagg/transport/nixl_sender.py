@@ -83,6 +83,7 @@ class NixlKVSender(KVSender):
         self._peer = ""
         self._claim_ids = itertools.count()
         self._claims: dict[int, _PendingClaim] = {}   # I/O thread only
+        self._poller = Poller()  # I/O thread only (made again when connected)
         self._in_flight: list[_InFlight] = []          # I/O thread writes; `_reading` reads a copy
         self._writing = ""  # the request whose WRITE is being posted now
         self._link: socket.socket | None = None  # the handshake's socket, held open (module docstring)
@@ -164,6 +165,7 @@ class NixlKVSender(KVSender):
         # Start UCX wire-up now rather than inside the first request's first WRITE (~30 ms here);
         # the poll loop progresses it.
         self._agent.make_connection(self._peer)
+        self._poller = Poller()
         loop = asyncio.get_running_loop()
         loop.create_task(self._poll_loop())
         self._watch = loop.create_task(self._watch_link(sock))
@@ -197,11 +199,12 @@ class NixlKVSender(KVSender):
         self._notify(Claim(claim_id, pending.header))
 
     async def _poll_loop(self) -> None:
-        poller = Poller()
         while True:
             notifs = poll_notifs(self._agent, self._on_notif)
             self._check_in_flight()
-            await poller.pause(active=bool(notifs or self._claims or self._in_flight))
+            await self._poller.pause(notifs, bool(self._claims or self._in_flight),
+                                     (len(self._claims), len(self._in_flight)),
+                                     expecting=bool(self._acks.request_ids()))
 
     def _on_notif(self, peer: str, raw: bytes) -> None:
         message = accept_notif(peer, peer == self._peer, raw)
@@ -303,4 +306,5 @@ class NixlKVSender(KVSender):
 
     def _notify(self, message: Message) -> None:
         self._agent.send_notif(self._peer, encode_notif(message))
+        self._poller.wake()  # NOTE: its answer is due: no quiet pause now
 
