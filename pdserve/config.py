@@ -305,7 +305,7 @@ class RouterConfig:
     max_queued_tokens: int = knob(1 << 20, "their prompt tokens; beyond: 429")
     reserve_deadline_s: float = knob(30.0, "how long a request waits for KV room on a decode worker before a 503")
     max_resumes: int = knob(2, "times a request moves to another decode worker after losing its own")
-    early_first_token: bool = knob(False, "send a request's first token to its client as soon as the prefill worker "
+    early_first_token: bool = knob(True, "send a request's first token to its client as soon as the prefill worker "
                                          "sampled it, before decode has the KV (memory queue; one sequence, no "
                                          "logprobs; see disagg/router_outputs.py)")
     first_token_timeout_s: float = knob(300.0, "a request with no first token this long after it arrived gets a "

@@ -72,7 +72,9 @@ def test_one_request_alone_ttft_is_prefill_plus_transfer() -> None:
     prefill_s = STEP.step_s(1000, 1000 * 500, 0, 0)
     colocated = simulate(_spec(Topology(num_colocated=1), limits), [Arrival(1000, 5, 0.0)], None)
     assert colocated.summary.latency["ttft"].median_ms == pytest.approx(prefill_s * 1e3)
-    pd_spec = _spec(Topology(num_prefill=1, num_decode=1), limits, transfer=transfer)
+    # NOTE: first without the router's early first token (on by default): decode's first token
+    pd_spec = dataclasses.replace(_spec(Topology(num_prefill=1, num_decode=1), limits, transfer=transfer),
+                                  early_first_token=False)
     pd = simulate(pd_spec, [Arrival(1000, 5, 0.0)], None)
     expected = prefill_s + transfer.exposed_s(1000 * 1000, prefill_s, 4)
     assert pd.summary.latency["ttft"].median_ms == pytest.approx(expected * 1e3)

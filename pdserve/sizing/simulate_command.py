@@ -46,7 +46,7 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dispatch-ms", type=float, default=DISPATCH_S * 1e3,
                    help="a request's way from the client to the router, and the gap between two sends; a worker "
                         "does not wait for a request still on its way (0: requests of one instant are batched)")
-    g.add_argument("--early-first-token", action=argparse.BooleanOptionalAction, default=False,
+    g.add_argument("--early-first-token", action=argparse.BooleanOptionalAction, default=True,
                    help="PD: the client gets the first token when prefill sampled it (the router's "
                         "--early-first-token), "
                         "not once decode has the KV")

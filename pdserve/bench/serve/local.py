@@ -1,5 +1,7 @@
 """Servers that `pdserve bench sweep` and `compare` launch themselves: a colocated `pdserve serve`
-or a `pdserve up` cluster, as a child process on a free port, ready once a completion goes through.
+or a `pdserve up` cluster, as a child process on a free port, ready once a completion goes through
+(and, for `up`, once it said it is up: its own readiness check sends a completion too, which must
+not land among the measured requests).
 
 Each child gets its own process group and log file; `stop` sends SIGINT to the group (what `pdserve
 up` handles as Ctrl-C: it stops its workers), then SIGKILL if it lingers, so no run leaves a
@@ -21,6 +23,7 @@ from pathlib import Path
 import httpx
 
 _STOP_TIMEOUT_S = 30.0
+_UP_READY_LINE = "pdserve is up:"  # ops/up.py prints it once its own readiness check passed
 
 
 @dataclass
@@ -29,6 +32,7 @@ class LocalServer:
     url: str
     popen: subprocess.Popen[bytes]
     log_path: Path
+    ready_line: str = ""  # what the log says once the server calls itself ready ("": nothing to wait for)
 
     def log_tail(self, num_chars: int = 3000) -> str:
         try:
@@ -74,7 +78,10 @@ def start(name: str, cli_args: list[str], port: int, log_dir: Path) -> LocalServ
     cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", *cli_args]
     with log_path.open("w") as log:  # a file, not a pipe: nobody would drain a pipe
         popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    return LocalServer(name, f"http://127.0.0.1:{port}", popen, log_path)
+    # NOTE: `pdserve up` sends its own completions until one goes through, 0.5 s apart: one sent after
+    # ours went through would run beside the first measured requests (and count in their metrics)
+    return LocalServer(name, f"http://127.0.0.1:{port}", popen, log_path,
+                       ready_line=_UP_READY_LINE if cli_args[:1] == ["up"] else "")
 
 
 def wait_ready(server: LocalServer, timeout_s: float) -> None:
@@ -87,10 +94,17 @@ def wait_ready(server: LocalServer, timeout_s: float) -> None:
                                    f"{server.log_tail()}")
             try:
                 if http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2}).status_code == 200:
-                    return
+                    break
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
+        while time.monotonic() < deadline and server.popen.poll() is None:
+            if server.ready_line in server.log_tail(1 << 20):
+                return
+            time.sleep(0.1)
+        if server.popen.poll() is not None:
+            raise RuntimeError(f"{server.name} exited with status {server.popen.returncode}:\n"
+                               f"{server.log_tail()}")
     raise RuntimeError(f"{server.name} served nothing within {timeout_s:.0f} s:\n{server.log_tail()}")
 
 

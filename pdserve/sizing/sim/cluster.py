@@ -74,7 +74,7 @@ class ClusterSpec:
     layerwise: bool = True
     max_queued_requests: int = 512
     decode_step: StepModel | None = None  # PD decode workers' step model, if not `step`
-    early_first_token: bool = False  # PD: the client has the first token when prefill sampled it
+    early_first_token: bool = True  # PD: the client has the first token when prefill sampled it
     dispatch_s: float = 0.0  # a request's way from the client to the router (and the gap between sends)
 
 

@@ -67,10 +67,10 @@ def arrivals(lengths: Sequence[tuple[int, int]], request_rate: float, burstiness
 
 def cluster_spec(profile: Profile, topology: Topology, transport: str | None, layerwise: bool = True,
                  decode_max_num_seqs: int | None = None, max_queued_requests: int = 512,
-                 enable_chunked_prefill: bool = True, early_first_token: bool = False,
+                 enable_chunked_prefill: bool = True, early_first_token: bool = True,
                  dispatch_s: float = DISPATCH_S) -> ClusterSpec:
     """Every worker has the profile's limits; decode workers may have their own `max_num_seqs`.
-    `early_first_token`: as the router's `--early-first-token` (off by default), the first token of a
+    `early_first_token`: as the router's `--early-first-token` (on by default), the first token of a
     PD request reaches the client when prefill sampled it (the router sends it early for greedy and
     seeded requests of one sequence; bench's are greedy). `dispatch_s`: see cluster.py's Client."""
     limits = WorkerLimits(profile.num_kv_blocks, profile.block_size, profile.max_num_seqs,
