@@ -9,6 +9,12 @@ sent again, completed, with the next chunk:
     decode cached     [block 0, 1, 2 ]                                    (never sent)
     step 1 (chunk)                       [block 3, 4, 5 ]                 all layers, layer by layer
     step 2 (chunk)                                        [block 6, 7]    ...
+
+A small step holds its layers instead (`small_blocks`): a request whose step sends at most that
+many blocks a layer sends every layer at the end of the last one, in one burst while the
+vocabulary projection runs. Layer by layer, each send woke the transport's thread mid-forward,
+which took the GIL from the engine thread: a tiny model's 4-token prefill step took 10-11 ms
+instead of 7 here, for KV that moves in well under a millisecond anyway.
 """
 
 from __future__ import annotations
@@ -20,6 +26,13 @@ from pdserve.engine.scheduler import ScheduledChunk
 
 # (request id, layer, source block ids in this pool, destination block ids in the decode pool)
 SendLayer = Callable[[str, int, list[int], list[int]], None]
+# A step's KV below this (all layers) goes in one burst after its last layer (module docstring)
+SMALL_STEP_KV_BYTES = 1 << 21
+
+
+def small_step_blocks(block_bytes_per_layer: int, num_layers: int) -> int:
+    """Blocks a layer that a step may send and still be held for one burst (`KVStreamer.small_blocks`)."""
+    return SMALL_STEP_KV_BYTES // max(1, block_bytes_per_layer * num_layers)
 
 
 @dataclass(slots=True)
@@ -33,12 +46,17 @@ class KVStreamer:
     """An `LLMEngine.layer_observer` for the prefill role. Engine thread only: `expect` and `forget`
     are called there too (between steps), so a request's target never changes mid-step."""
 
-    def __init__(self, block_size: int, num_layers: int, send_layer: SendLayer | None = None) -> None:
-        """`send_layer`: where requests go unless `expect` names their own (one decode peer)."""
+    def __init__(self, block_size: int, num_layers: int, send_layer: SendLayer | None = None,
+                 small_blocks: int = 0) -> None:
+        """`send_layer`: where requests go unless `expect` names their own (one decode peer);
+        `small_blocks`: a request's step that sends at most this many blocks a layer sends them all
+        after its last layer (0: every step layer by layer)."""
         self.block_size = block_size
         self.last_layer = num_layers - 1
         self.send_layer = send_layer
+        self.small_blocks = small_blocks
         self._targets: dict[str, _Target] = {}
+        self._held: list[tuple[SendLayer, str, int, list[int], list[int]]] = []  # this step's, in order
 
     def expect(self, request_id: str, dst_block_ids: Sequence[int], num_cached_on_decode: int,
                send_layer: SendLayer | None = None) -> None:
@@ -65,7 +83,23 @@ class KVStreamer:
             first = target.sent_tokens // self.block_size
             last = (computed_end - 1) // self.block_size
             if last >= first:
-                target.send_layer(request.request_id, layer, request.block_ids[first:last + 1],
-                                  list(target.dst_block_ids[first:last + 1]))
+                send = (target.send_layer, request.request_id, layer, request.block_ids[first:last + 1],
+                        list(target.dst_block_ids[first:last + 1]))
+                if last - first < self.small_blocks and layer < self.last_layer:
+                    self._held.append(send)
+                else:
+                    if layer == self.last_layer:
+                        self._release_held(request.request_id)
+                    send[0](*send[1:])
             if layer == self.last_layer:
                 target.sent_tokens = computed_end
+        if layer == self.last_layer and self._held:  # NOTE: a request forgotten mid-step: nothing to send
+            self._held.clear()
+
+    def _release_held(self, request_id: str) -> None:
+        """Send the layers held for `request_id` this step, in order (before its last layer)."""
+        mine = [send for send in self._held if send[1] == request_id]
+        if mine:
+            self._held = [send for send in self._held if send[1] != request_id]
+            for send in mine:
+                send[0](*send[1:])

@@ -52,7 +52,7 @@ from pdserve.disagg.auth import PeerAuth, load_cluster_secret, warn_if_open
 from pdserve.disagg.control import ConsumerReport, Role, WorkerInfo, WorkerStatsReply
 from pdserve.disagg.decode_service import DecodeService
 from pdserve.disagg.kv_layout import KVLayout
-from pdserve.disagg.kv_streamer import KVStreamer
+from pdserve.disagg.kv_streamer import KVStreamer, small_step_blocks
 from pdserve.disagg.prefill_service import PrefillService
 from pdserve.disagg.registrar import Registrar
 from pdserve.disagg.sender_pool import SenderPool
@@ -115,7 +115,8 @@ def build_worker(engine: LLMEngine, config: WorkerConfig, model_name: str, *,
         service = DecodeService(client, receiver, config.kv_failure_policy, config.transfer_timeout_s,
                                 on_transfer=metrics.observe_transfer, lease_s=config.reservation_lease_s)
     else:
-        streamer = KVStreamer(layout.block_size, layout.num_layers)
+        streamer = KVStreamer(layout.block_size, layout.num_layers,
+                              small_blocks=small_step_blocks(layout.block_bytes_per_layer, layout.num_layers))
         client = AsyncLLM(engine, KVTransferSetup(layer_observer=streamer))
         senders = SenderPool(transport, layout, engine.runner.kv_cache, sender_options, secret)
         service = PrefillService(client, streamer, senders, config.transfer_timeout_s, secret)
