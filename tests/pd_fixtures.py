@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ from fastapi import FastAPI
 from server_fixtures import free_port
 
 from pdserve.config import ApiConfig, EngineArgs, RouterConfig, WorkerConfig
+from pdserve.disagg.client import WorkerClient
+from pdserve.disagg.control import FirstToken, HandOff, Placement, PrefillJob
 from pdserve.disagg.decode_service import DecodeService, FailurePolicy
 from pdserve.disagg.prefill_service import PrefillService
 from pdserve.disagg.router import PDRouter
@@ -122,3 +125,21 @@ def stop_cluster(cluster: Cluster) -> None:
         client.shutdown()
     for service in cluster.services:
         service.close()
+
+
+class StubPrefillClient(WorkerClient):
+    """A WorkerClient stub's prefill side, as the memory queue sees a prefill worker: it takes each
+    job at once (`on_accepted`) and every placement; `prefill_job` is what the stub does with a job."""
+
+    async def place(self, url: str, placement: Placement) -> bool:
+        return True
+
+    async def prefill(self, url: str, job: PrefillJob, on_first_token: Callable[[FirstToken], None] | None = None,
+                      on_accepted: Callable[[], None] | None = None) -> HandOff | None:
+        if on_accepted is not None:
+            on_accepted()
+        return await self.prefill_job(url, job, on_first_token)
+
+    async def prefill_job(self, url: str, job: PrefillJob,
+                          on_first_token: Callable[[FirstToken], None] | None) -> HandOff | None:
+        raise NotImplementedError

@@ -51,17 +51,27 @@ class StubWorkers(WorkerClient):
         self.streams = streams
         self.sampled: collections.defaultdict[str, asyncio.Event] = collections.defaultdict(asyncio.Event)
         self.decode_has_kv = asyncio.Event()
+        self.placed: collections.defaultdict[str, asyncio.Event] = collections.defaultdict(asyncio.Event)
         self.reserved: list[tuple[str, str, list[int]]] = []  # (decode url, request id, prompt)
 
     async def reserve(self, url: str, request: ReserveRequest) -> ReserveReply | None:
         self.reserved.append((url, request.request_id, request.prompt_token_ids))
         return ReserveReply(block_ids=[0], num_cached_tokens=0, kv_address="a:1", token="t")
 
-    async def prefill(self, url: str, job: PrefillJob, on_first_token: Any = None) -> HandOff | None:
+    async def place(self, url: str, placement: Any) -> bool:
+        self.placed[placement.transfer_id].set()
+        return True
+
+    async def prefill(self, url: str, job: PrefillJob, on_first_token: Any = None,
+                      on_accepted: Any = None) -> HandOff | None:
+        if on_accepted is not None:
+            on_accepted()
         if on_first_token is not None:
             on_first_token(FirstToken(transfer_id=job.transfer_id, token_id=self.first_tokens[job.transfer_id],
                                       prefill_queue_s=0.001, prefill_compute_s=0.002))
         self.sampled[job.request_id].set()
+        if not job.placed:  # NOTE: as a prefill worker: no hand-off before the job is placed
+            await self.placed[job.transfer_id].wait()
         await self.decode_has_kv.wait()
         return HandOff(transfer_id=job.transfer_id, status="handed_off")
 

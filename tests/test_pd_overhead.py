@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from helpers import generate_texts, mark_ready, random_prompt
-from pd_fixtures import start_cluster, stop_cluster
+from pd_fixtures import StubPrefillClient, start_cluster, stop_cluster
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from pdserve.bench import pd_overhead
@@ -99,14 +99,14 @@ def _record_commands(client: AsyncLLM, monkeypatch: pytest.MonkeyPatch) -> list[
     return names
 
 
-class _SlowPrefill(WorkerClient):
+class _SlowPrefill(StubPrefillClient):
     """A prefill worker that holds every job until released."""
 
     def __init__(self) -> None:
         super().__init__(timeout_s=1.0)
         self.release = asyncio.Event()
 
-    async def prefill(self, url: str, job: PrefillJob, on_first_token: Any = None) -> HandOff | None:
+    async def prefill_job(self, url: str, job: PrefillJob, on_first_token: Any = None) -> HandOff | None:
         await self.release.wait()
         return HandOff(transfer_id=job.transfer_id, status="handed_off")
 
@@ -144,12 +144,24 @@ class _Recording(_SlowPrefill):
         super().__init__()
         self.calls: list[str] = []
         self.release.set()
+        self.placed = asyncio.Event()
 
     async def reserve(self, url: str, request: ReserveRequest) -> ReserveReply | None:
+        self.calls.append("reserve")
         return ReserveReply(block_ids=[0], num_cached_tokens=0, kv_address="a:1", token="t")
 
-    async def prefill(self, url: str, job: PrefillJob, on_first_token: Any = None) -> HandOff | None:
+    async def place(self, url: str, placement: Any) -> bool:
+        self.calls.append("place")
+        self.placed.set()
+        return True
+
+    async def prefill(self, url: str, job: PrefillJob, on_first_token: Any = None,
+                      on_accepted: Any = None) -> HandOff | None:
         self.calls.append("prefill")
+        if on_accepted is not None:
+            on_accepted()
+        if not job.placed:  # NOTE: as a prefill worker: no hand-off before the job is placed
+            await self.placed.wait()
         return await super().prefill(url, job)
 
     async def stream(self, url: str, request_id: str) -> AsyncGenerator[OutputFrame, None]:
@@ -157,8 +169,10 @@ class _Recording(_SlowPrefill):
         yield OutputFrame(text="x", token_ids=[7], finish_reason="length")
 
 
-def test_the_router_sends_the_prefill_job_before_it_opens_the_stream(model_dirs: dict[str, Path]) -> None:
-    """The job is on the first token's path; the stream from decode is only needed once it is out."""
+def test_the_router_sends_the_prefill_job_before_it_reserves_and_opens_the_stream(
+        model_dirs: dict[str, Path]) -> None:
+    """The job is on the first token's path: it goes out before the reservation is made (and is
+    placed once it is); the stream from decode is only needed once the first token is out."""
 
     async def scenario() -> None:
         workers = _Recording()
@@ -172,7 +186,7 @@ def test_the_router_sends_the_prefill_job_before_it_opens_the_stream(model_dirs:
         try:
             outputs = [o async for o in router.generate("r", [1, 2, 3, 4], SamplingParams(max_tokens=1))]
             assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == [7]
-            assert workers.calls == ["prefill", "stream"]
+            assert workers.calls == ["prefill", "reserve", "place", "stream"]
         finally:
             await router.close()
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 from helpers import mark_ready, until
+from pd_fixtures import StubPrefillClient
 
 from pdserve.config import RouterConfig
-from pdserve.disagg.client import WorkerClient
 from pdserve.disagg.control import HandOff, PrefillJob, WireSamplingParams
 from pdserve.disagg.pool import WorkerPool
 from pdserve.disagg.queue import memory
@@ -29,7 +29,7 @@ DECODE = "http://decode"
 PROMPT = list(range(1, 80))
 
 
-class StubWorkers(WorkerClient):
+class StubWorkers(StubPrefillClient):
     """Prefill workers that cache a fixed part of any prompt (SLOW answers too late) and hand each
     job off at once, reporting that part as taken from their cache."""
 
@@ -46,7 +46,7 @@ class StubWorkers(WorkerClient):
             await asyncio.sleep(10)
         return self.CACHED[url]
 
-    async def prefill(self, url: str, job: PrefillJob, on_first_token: Any = None) -> HandOff | None:
+    async def prefill_job(self, url: str, job: PrefillJob, on_first_token: Any = None) -> HandOff | None:
         self.prefilled.append(url)
         if job.request_id == "stalls" and job.transfer_id.endswith("@0"):
             await asyncio.sleep(10)  # superseded by a retry (cancelled) before it ends

@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from helpers import mark_ready, until
+from pd_fixtures import StubPrefillClient
 
 from pdserve.config import RouterConfig
-from pdserve.disagg.client import WorkerClient, WorkerUnreachable
+from pdserve.disagg.client import WorkerUnreachable
 from pdserve.disagg.control import HandOff, PrefillJob, WireSamplingParams
 from pdserve.disagg.pool import WorkerPool
 from pdserve.disagg.queue.memory import MemoryPrefillQueue
@@ -23,7 +24,7 @@ from pdserve.tokenizer import load_tokenizer
 PREFILL, DECODE = "http://prefill", "http://decode"
 
 
-class StubWorkers(WorkerClient):
+class StubWorkers(StubPrefillClient):
     """The first prefill POST finds the worker gone; later ones compute until released. The
     decode worker always accepts a retarget."""
 
@@ -34,7 +35,7 @@ class StubWorkers(WorkerClient):
         self.aborted: list[str] = []
         self.release = asyncio.Event()
 
-    async def prefill(self, url: str, job: PrefillJob, on_first_token: Any = None) -> HandOff | None:
+    async def prefill_job(self, url: str, job: PrefillJob, on_first_token: Any = None) -> HandOff | None:
         self.prefilled.append(job.transfer_id)
         if len(self.prefilled) == 1:
             raise WorkerUnreachable(url, OSError("connection reset"))

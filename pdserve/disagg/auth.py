@@ -37,7 +37,7 @@ import httpx
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve import envs
-from pdserve.disagg.control import PrefillJob
+from pdserve.disagg.control import Placement, PrefillJob
 from pdserve.serving.errors import error_response
 
 logger = logging.getLogger(__name__)
@@ -235,6 +235,22 @@ def _job_parts(job: PrefillJob) -> tuple[str, ...]:
 
 def sign_job(secret: ClusterSecret | None, job: PrefillJob) -> PrefillJob:
     return job if secret is None else job.model_copy(update={"signature": secret.mac(*_job_parts(job))})
+
+
+def sign_placement(secret: ClusterSecret | None, placement: Placement) -> Placement:
+    if secret is None:
+        return placement
+    return placement.model_copy(update={"signature": secret.mac(*_placement_parts(placement))})
+
+
+def verify_placement(secret: ClusterSecret | None, placement: Placement) -> None:
+    """ValueError unless a holder of the secret signed the placement as it is (nothing without a secret)."""
+    if secret is not None and not secret.check(placement.signature, *_placement_parts(placement)):
+        raise ValueError(f"placement of {placement.transfer_id!r} is not signed with the cluster secret; refused")
+
+
+def _placement_parts(placement: Placement) -> tuple[str, ...]:
+    return ("pd-placement", placement.model_copy(update={"signature": ""}).model_dump_json())
 
 
 def verify_job(secret: ClusterSecret | None, job: PrefillJob) -> None:

@@ -29,6 +29,7 @@ from pdserve.disagg.control import (
     HandOff,
     Keepalive,
     OutputFrame,
+    Placement,
     PrefillEvent,
     PrefillJob,
     PrefixQuery,
@@ -157,22 +158,35 @@ class WorkerClient:
         """Decode (request id) or prefill (transfer id): stop it and free its blocks, if still there."""
         await self._post(url, f"/pd/abort/{request_id}")
 
-    async def prefill(self, url: str, job: PrefillJob,
-                      on_first_token: Callable[[FirstToken], None] | None = None) -> HandOff | None:
+    async def place(self, url: str, placement: Placement) -> bool:
+        """Prefill: the decode reservation of a job sent unplaced. False: the attempt is not
+        running there (any more); raises WorkerRefused for a placement it cannot use."""
+        reply = await self._post(url, f"/pd/place/{placement.transfer_id}", placement)
+        if reply.status == HTTPStatus.OK:
+            return True
+        if reply.status == HTTPStatus.NOT_FOUND:
+            return False
+        raise WorkerRefused(reply.status, _error_message(reply))
+
+    async def prefill(self, url: str, job: PrefillJob, on_first_token: Callable[[FirstToken], None] | None = None,
+                      on_accepted: Callable[[], None] | None = None) -> HandOff | None:
         """Prefill: compute the job and hand its KV off; answers once the hand-off ended. None:
         draining (503), try another worker; raises WorkerRefused for any other error (bad job,
         KV layout mismatch, decode's receiver unreachable). `on_first_token`: called with the
         job's first token as soon as prefill sampled it, before the hand-off ends (a worker that
-        answers in one piece, an older one, never calls it)."""
-        if on_first_token is None:
+        answers in one piece, an older one, never calls it). `on_accepted`: called once prefill took
+        the job (its answer started), which an unplaced job's placement must wait for."""
+        if on_first_token is None and on_accepted is None:
             return _hand_off(await self._post(url, "/pd/prefill", job))
         try:
             async with self._open("POST", url, "/pd/prefill", job, accept=NDJSON) as response:
                 if response.status != HTTPStatus.OK or not response.content_type.startswith(NDJSON):
                     return _hand_off(_Reply(response.status, await response.read()))
+                if on_accepted is not None:
+                    on_accepted()
                 async for line in _lines(response):
                     event = PrefillEvent.model_validate_json(line) if line else PrefillEvent()
-                    if event.first_token is not None:
+                    if event.first_token is not None and on_first_token is not None:
                         on_first_token(event.first_token)
                     if event.hand_off is not None:
                         return event.hand_off

@@ -62,16 +62,42 @@ class PrefillJob(BaseModel):
     its KV into the reservation. `transfer_id` names this attempt; `decode_url` is the decode
     worker holding the reservation (a consumer that gives up on the job tells it why); `token` is
     the reservation's (ReserveReply), which the KV stream presents; `signature` the router's over
-    everything else but `transfer_id` (disagg/auth.py: prefill refuses a job it cannot verify)."""
+    everything else but `transfer_id` (disagg/auth.py: prefill refuses a job it cannot verify).
+    A job without `kv_address` is not placed yet (the router dispatched it while it reserved, memory
+    queue): prefill computes it and sends its KV once a `Placement` names the reservation."""
 
     request_id: str
     transfer_id: str
     decode_url: str = ""
     prompt_token_ids: list[int] = Field(min_length=1)
     params: WireSamplingParams
-    kv_address: str
+    kv_address: str = ""
+    block_ids: list[int] = Field(default_factory=list)
+    num_cached_tokens: int = Field(default=0, ge=0)
+    token: str = ""
+    signature: str = ""
+
+    @property
+    def placed(self) -> bool:
+        return bool(self.kv_address)
+
+    def with_placement(self, placement: Placement) -> PrefillJob:
+        """This job with the reservation `placement` names (unsigned: sign it again)."""
+        return self.model_copy(update={"decode_url": placement.decode_url, "kv_address": placement.kv_address,
+                                       "block_ids": placement.block_ids,
+                                       "num_cached_tokens": placement.num_cached_tokens, "token": placement.token,
+                                       "signature": ""})
+
+
+class Placement(BaseModel):
+    """router -> prefill (POST /pd/place/{transfer_id}): the decode reservation of a job sent
+    unplaced; `signature` the router's over the rest (disagg/auth.py)."""
+
+    transfer_id: str
+    decode_url: str
+    kv_address: str = Field(min_length=1)
     block_ids: list[int]
-    num_cached_tokens: int
+    num_cached_tokens: int = Field(ge=0)
     token: str = ""
     signature: str = ""
 

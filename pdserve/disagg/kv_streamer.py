@@ -10,6 +10,11 @@ sent again, completed, with the next chunk:
     step 1 (chunk)                       [block 3, 4, 5 ]                 all layers, layer by layer
     step 2 (chunk)                                        [block 6, 7]    ...
 
+A job sent before its decode reservation was made (the router reserves and dispatches at once)
+has no destination yet: its layers are not sent as they are computed, and `place` (on the engine
+thread, between steps) sends every layer computed so far once the reservation is known; later
+steps stream as usual.
+
 A small step holds its layers instead (`small_blocks`): a request whose step sends at most that
 many blocks a layer sends every layer at the end of the last one, in one burst while the
 vocabulary projection runs. Layer by layer, each send woke the transport's thread mid-forward,
@@ -22,10 +27,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledChunk
 
 # (request id, layer, source block ids in this pool, destination block ids in the decode pool)
 SendLayer = Callable[[str, int, list[int], list[int]], None]
+_Send = tuple[SendLayer, str, int, list[int], list[int]]  # a `send_layer` call and its arguments
 # A step's KV below this (all layers) goes in one burst after its last layer (module docstring)
 SMALL_STEP_KV_BYTES = 1 << 21
 
@@ -39,7 +46,7 @@ def small_step_blocks(block_bytes_per_layer: int, num_layers: int) -> int:
 class _Target:
     dst_block_ids: tuple[int, ...]
     sent_tokens: int  # tokens whose KV (all layers) has been handed to the transport
-    send_layer: SendLayer  # to the request's decode worker
+    send_layer: SendLayer | None  # to the request's decode worker (None: not placed yet)
 
 
 class KVStreamer:
@@ -56,19 +63,40 @@ class KVStreamer:
         self.send_layer = send_layer
         self.small_blocks = small_blocks
         self._targets: dict[str, _Target] = {}
-        self._held: list[tuple[SendLayer, str, int, list[int], list[int]]] = []  # this step's, in order
+        self._held: list[_Send] = []  # this step's, in order
 
-    def expect(self, request_id: str, dst_block_ids: Sequence[int], num_cached_on_decode: int,
+    def expect(self, request_id: str, dst_block_ids: Sequence[int] | None, num_cached_on_decode: int = 0,
                send_layer: SendLayer | None = None) -> None:
         """Stream `request_id` into `dst_block_ids` through `send_layer` (default: the streamer's),
         skipping the first `num_cached_on_decode` tokens (a multiple of the block size) that the
-        decode worker already holds."""
+        decode worker already holds. `dst_block_ids` None: not placed yet (`place` says where)."""
+        if dst_block_ids is None:
+            self._targets[request_id] = _Target((), 0, None)
+            return
+        self._targets[request_id] = _Target((), 0, None)
+        self.place(request_id, dst_block_ids, num_cached_on_decode, send_layer)
+
+    def place(self, request_id: str, dst_block_ids: Sequence[int], num_cached_on_decode: int,
+              send_layer: SendLayer | None = None, request: Request | None = None) -> bool:
+        """Where an expected request's KV goes, from now on; `request` (the engine's, when it
+        already computed some of the prompt): every layer of what it computed is sent now.
+        Engine thread, between steps. False: the request is not expected (any more)."""
         if num_cached_on_decode % self.block_size:
             raise ValueError("the decode worker's cached prefix must be whole blocks")
         send = send_layer or self.send_layer
         if send is None:
             raise ValueError(f"request {request_id}: no KV destination (pass send_layer)")
-        self._targets[request_id] = _Target(tuple(dst_block_ids), num_cached_on_decode, send)
+        target = self._targets.get(request_id)
+        if target is None:
+            return False
+        target.dst_block_ids, target.sent_tokens, target.send_layer = tuple(dst_block_ids), num_cached_on_decode, send
+        computed = 0 if request is None else request.num_computed_tokens
+        if request is not None and computed > target.sent_tokens:
+            first, last = target.sent_tokens // self.block_size, (computed - 1) // self.block_size
+            for layer in range(self.last_layer + 1):
+                send(request_id, layer, request.block_ids[first:last + 1], list(target.dst_block_ids[first:last + 1]))
+            target.sent_tokens = computed
+        return True
 
     def forget(self, request_id: str) -> None:
         self._targets.pop(request_id, None)
@@ -77,14 +105,14 @@ class KVStreamer:
         for chunk in chunks:
             request = chunk.request
             target = self._targets.get(request.request_id)
-            if target is None:
+            if target is None or target.send_layer is None:
                 continue
             computed_end = request.num_computed_tokens + chunk.num_new_tokens
             first = target.sent_tokens // self.block_size
             last = (computed_end - 1) // self.block_size
             if last >= first:
-                send = (target.send_layer, request.request_id, layer, request.block_ids[first:last + 1],
-                        list(target.dst_block_ids[first:last + 1]))
+                send: _Send = (target.send_layer, request.request_id, layer, request.block_ids[first:last + 1],
+                               list(target.dst_block_ids[first:last + 1]))
                 if last - first < self.small_blocks and layer < self.last_layer:
                     self._held.append(send)
                 else:

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Literal
 
-from pdserve.disagg.auth import ClusterSecret, verify_job
+from pdserve.disagg.auth import ClusterSecret, verify_job, verify_placement
 from pdserve.disagg.client import WorkerClient, WorkerError
-from pdserve.disagg.control import FirstToken, HandOff, PrefillJob
+from pdserve.disagg.control import FirstToken, HandOff, Placement, PrefillJob
 from pdserve.disagg.kv_streamer import KVStreamer
 from pdserve.disagg.phases import PrefillPhases
 from pdserve.disagg.prompt_logprobs_wire import pack
@@ -40,7 +40,7 @@ from pdserve.disagg.sender_pool import SenderPool
 from pdserve.disagg.transport.base import KVSender
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.engine.async_llm import AsyncLLM, EngineDeadError, OutputStream, RequestFailedError
-from pdserve.engine.commands import AddPrefillOnly, CachedPrefixTokens, GeneratorState, ReleaseKV
+from pdserve.engine.commands import AddPrefillOnly, CachedPrefixTokens, GeneratorState, PlaceKV, ReleaseKV
 from pdserve.engine.output import RequestOutput
 from pdserve.logs import bind_request_id
 from pdserve.serving.worker_stats import PrefillStats
@@ -58,6 +58,9 @@ class _Attempt:
     num_uncomputed_tokens: int  # prompt tokens still to compute (0 once the first token is out)
     token: str  # the decode reservation's, which every KV message of the attempt presents
     seeded: bool = True  # has a seeded generator, whose state decode needs (Request.generator)
+    # the sender to its decode worker, once its reservation is known (at once for a placed job)
+    placed: asyncio.Future[KVSender] = dataclasses.field(
+        default_factory=lambda: asyncio.get_running_loop().create_future())
     # its first token once sampled, before the hand-off (None: it ended without one)
     first_token: asyncio.Future[FirstToken | None] = dataclasses.field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -116,24 +119,54 @@ class PrefillService:
         tid = job.transfer_id
         if tid in self._attempts:
             raise ValueError(f"attempt {tid!r} is already running here")
-        sender = self.senders.connected(job.kv_address)
-        if sender is None:  # not connected yet (or broken, or another to close): connecting blocks
-            sender = await asyncio.to_thread(self.senders.get, job.kv_address)
+        sender = await self._sender(job.kv_address) if job.placed else None
         stream: OutputStream = asyncio.Queue()
         # NOTE: the streamer learns where the attempt's KV goes on the engine thread just before the
-        # engine takes the request, and forgets it there after its blocks are released (`_release`):
-        # every layer the engine computes of it is streamed, and never after it is forgotten.
-        await self.client.send(AddPrefillOnly(
-            tid, job.prompt_token_ids, params,
-            before=partial(self.streamer.expect, tid, job.block_ids, job.num_cached_tokens,
-                           partial(sender.send_layer, token=job.token)),
-            if_refused=partial(self.streamer.forget, tid)), stream)
-        task = asyncio.create_task(self._finish(tid, sender, stream))
-        self._attempts[tid] = _Attempt(task, job.decode_url, len(job.prompt_token_ids) - job.num_cached_tokens,
-                                       job.token, seeded=params.seed is not None)
+        # engine takes the request (an unplaced job: that it has nowhere to go yet, `place`), and
+        # forgets it there after its blocks are released (`_release`): every layer the engine
+        # computes of it is streamed, and never after it is forgotten.
+        expect = partial(self.streamer.expect, tid, None)
+        if sender is not None:
+            expect = partial(self.streamer.expect, tid, job.block_ids, job.num_cached_tokens,
+                             partial(sender.send_layer, token=job.token))
+        await self.client.send(AddPrefillOnly(tid, job.prompt_token_ids, params, before=expect,
+                                              if_refused=partial(self.streamer.forget, tid)), stream)
+        task = asyncio.create_task(self._finish(tid, stream))
+        attempt = self._attempts[tid] = _Attempt(task, job.decode_url,
+                                                 len(job.prompt_token_ids) - job.num_cached_tokens, job.token,
+                                                 seeded=params.seed is not None)
+        if sender is not None:
+            attempt.placed.set_result(sender)
         if self._keepalive is None or self._keepalive.done():
             self._keepalive = asyncio.create_task(self._keep_alive())
         return task
+
+    async def place(self, placement: Placement) -> None:
+        """An unplaced job's decode reservation: its KV computed so far goes now, the rest as it is
+        computed. Raises KeyError (no such attempt here any more), ValueError (bad or repeated
+        placement), KVLayoutMismatch/KVTransferError (decode worker unusable)."""
+        verify_placement(self.secret, placement)
+        tid = placement.transfer_id
+        attempt = self._attempts.get(tid)
+        if attempt is None:
+            raise KeyError(tid)
+        if attempt.placed.done():
+            raise ValueError(f"attempt {tid!r} is placed already")
+        sender = await self._sender(placement.kv_address)
+        send = partial(sender.send_layer, token=placement.token)
+        if (self._attempts.get(tid) is not attempt or attempt.placed.done() or not await self.client.send(
+                PlaceKV(tid, partial(self.streamer.place, tid, placement.block_ids, placement.num_cached_tokens,
+                                     send)))):
+            raise KeyError(tid)  # NOTE: it ended (or was placed) while the sender connected
+        attempt.decode_url, attempt.token = placement.decode_url, placement.token
+        attempt.num_uncomputed_tokens = max(0, attempt.num_uncomputed_tokens - placement.num_cached_tokens)
+        attempt.placed.set_result(sender)
+
+    async def _sender(self, kv_address: str) -> KVSender:
+        sender = self.senders.connected(kv_address)
+        if sender is None:  # not connected yet (or broken, or another to close): connecting blocks
+            sender = await asyncio.to_thread(self.senders.get, kv_address)
+        return sender
 
     async def _keep_alive(self) -> None:
         """While jobs are in flight: POST /pd/alive {transfer ids} to their decode workers."""
@@ -166,17 +199,23 @@ class PrefillService:
         if attempt is not None:
             attempt.task.cancel()
 
-    async def _finish(self, tid: str, sender: KVSender, stream: OutputStream) -> HandOff:
-        """Wait for the first token, send the final message, wait for decode's acknowledgement,
-        release the blocks. Whatever happens (abort, rejection, timeout), the blocks are released
-        when it ends: the lease is the transfer timeout."""
+    async def _finish(self, tid: str, stream: OutputStream) -> HandOff:
+        """Wait for the first token (and tell whoever follows the attempt), for the placement of
+        an unplaced job, send the final message, wait for decode's acknowledgement, release the
+        blocks. Whatever happens (abort, rejection, timeout), the blocks are released when it
+        ends: the lease is the transfer timeout (a placement that does not come within it too)."""
         try:
             final = None
             async for output in self.client.consume(tid, stream):
                 final = output
             if final is None or final.outputs[0].finish_reason == "abort" or not final.outputs[0].token_ids:
                 return HandOff(transfer_id=tid, status="aborted")
-            await self._hand_off(tid, sender, final)
+            attempt = self._attempts.get(tid)
+            # NOTE: an unseeded request has no generator (Request.generator): no round trip to the
+            # engine thread for its state on the first token's path
+            state = await self.client.send(GeneratorState(tid)) if attempt is None or attempt.seeded else None
+            self._first_token_out(tid, final)  # NOTE: once all is known that decode needs to go on from it
+            await self._hand_off(tid, await self._placement(tid), final, state)
             self._counts.handed_off += 1
             return HandOff(transfer_id=tid, status="handed_off", prefill_cached_tokens=final.num_cached_tokens)
         except KVTransferTimeout as exc:  # decode's own transfer clock decides what happens next
@@ -191,8 +230,14 @@ class PrefillService:
             return HandOff(transfer_id=tid, status="aborted")
         finally:
             attempt = self._attempts.pop(tid, None)
-            if attempt is not None and not attempt.first_token.done():
-                attempt.first_token.set_result(None)
+            sender = None
+            if attempt is not None:
+                if not attempt.first_token.done():
+                    attempt.first_token.set_result(None)
+                if attempt.placed.done():
+                    sender = attempt.placed.result()
+                else:
+                    attempt.placed.cancel()
             await asyncio.shield(self._release(tid, sender))
 
     def _first_token_out(self, tid: str, final: RequestOutput) -> None:
@@ -211,15 +256,24 @@ class PrefillService:
         logger.warning("request %s: %s", tid, exc)
         return HandOff(transfer_id=tid, status=status, reason=str(exc) or repr(exc))
 
-    async def _hand_off(self, tid: str, sender: KVSender, final: RequestOutput) -> None:
+    async def _placement(self, tid: str) -> KVSender:
+        """The attempt's sender once it is placed (KVTransferTimeout: not within the transfer timeout)."""
+        attempt = self._attempts.get(tid)
+        if attempt is None:
+            raise KVTransferError(f"request {tid}: ended before it was placed")
+        placed = attempt.placed
+        if not placed.done():
+            await asyncio.wait((placed,), timeout=self.transfer_timeout_s)
+        if not placed.done() or placed.cancelled():
+            raise KVTransferTimeout(f"request {tid}: no decode reservation named within "
+                                    f"{self.transfer_timeout_s:g} s")
+        return placed.result()
+
+    async def _hand_off(self, tid: str, sender: KVSender, final: RequestOutput, state: bytes | None) -> None:
         """The first token is out: send the final message, wait until decode acknowledged it all."""
         attempt = self._attempts.get(tid)
         if attempt is not None:
             attempt.num_uncomputed_tokens = 0
-        # NOTE: an unseeded request has no generator (Request.generator): no round trip to the
-        # engine thread for its state on the first token's path
-        state = await self.client.send(GeneratorState(tid)) if attempt is None or attempt.seeded else None
-        self._first_token_out(tid, final)  # NOTE: once all is known that decode needs to go on from it
         phases = PrefillPhases.of(final.metrics)
         sender.send_done(tid, final.outputs[0].token_ids[0], state,
                          prefill_queue_s=None if phases is None else phases.queue_s,
@@ -229,12 +283,13 @@ class PrefillService:
                          prompt_logprobs=None if final.prompt_logprobs is None else pack(final.prompt_logprobs))
         await sender.flush(tid, self.transfer_timeout_s)
 
-    async def _release(self, tid: str, sender: KVSender) -> None:
+    async def _release(self, tid: str, sender: KVSender | None) -> None:
         """Free the attempt's blocks, but only once the transport no longer reads them: after a
         failed or abandoned hand-off, a send still queued must not read blocks that another
-        request reuses (decode would get wrong KV and never know)."""
+        request reuses (decode would get wrong KV and never know). No sender: nothing was sent."""
         try:
-            await sender.release(tid)
+            if sender is not None:
+                await sender.release(tid)
         except KVTransferError as exc:  # a send stuck reading them: better to leak than to corrupt
             logger.error("request %s: not freeing its KV blocks: %s", tid, exc)
             return

@@ -46,6 +46,7 @@ from pdserve.disagg.client import UnknownRequest, WorkerClient, WorkerRefused, W
 from pdserve.disagg.control import (
     FirstToken,
     OutputFrame,
+    Placement,
     PrefillJob,
     ReserveReply,
     ReserveRequest,
@@ -60,6 +61,7 @@ from pdserve.disagg.router_outputs import (
     AttemptFailed,
     DecodeLost,
     EarlyFirstToken,
+    Inbox,
     after_sent,
     continuation,
     early_first_token_wanted,
@@ -228,11 +230,19 @@ class PDRouter:
             sub_id = request_id if resume == 0 else f"{request_id}~{resume}"
             sub_prompt = prompt + sent.token_ids
             sub_params = continuation(self.tokenizer, params, sent.token_ids, sent.text)
-            decode, reply = await self._reserve(sub_id, sub_prompt, sub_params, lost)
+            early = self._early_first_token(sub_id, sub_prompt, sub_params)
+            ticket = await self._dispatch_unplaced(sub_id, sub_prompt, sub_params, early) if resume == 0 else None
+            try:
+                decode, reply = await self._reserve(sub_id, sub_prompt, sub_params, lost)
+            except BaseException:
+                if ticket is not None:
+                    await asyncio.shield(self.queue.cancel(ticket))
+                raise
             instance = _instance(decode)
             last: RequestOutput | None = None
             try:
-                async for output in self._serve_on(decode, sub_id, sub_prompt, sub_params, reply, resume > 0):
+                async for output in self._serve_on(decode, sub_id, sub_prompt, sub_params, reply, resume > 0, early,
+                                                   ticket):
                     prompt_logprobs = prompt_logprobs or output.prompt_logprobs
                     if output.finished and prompt_logprobs is None and params.prompt_logprobs is not None:
                         raise OpenAIError(f"decode worker {decode.url} did not send the prompt's logprobs (an "
@@ -279,20 +289,47 @@ class PDRouter:
                                       HTTPStatus.SERVICE_UNAVAILABLE)
             await asyncio.sleep(_RESERVE_RETRY_S)
 
+    def _early_first_token(self, rid: str, prompt: list[int], params: SamplingParams) -> EarlyFirstToken | None:
+        if not self.config.early_first_token or not early_first_token_wanted(params):
+            return None
+        return EarlyFirstToken(self.tokenizer, self.max_model_len, self.vocab_size, rid, prompt, params, 0)
+
+    async def _dispatch_unplaced(self, rid: str, prompt: list[int], params: SamplingParams,
+                                 early: EarlyFirstToken | None) -> PrefillTicket | None:
+        """The prefill job, sent before the reservation is made (placed by `_start` once it is),
+        where the queue allows it and the prompt is long enough to be prefilled there: prefill
+        computes while decode reserves, and the reservation's round trip leaves the first token's
+        path. None: the job goes once the reservation is made."""
+        if not self.queue.places_later or len(prompt) < self.config.pd_threshold:
+            return None
+        job = PrefillJob(request_id=rid, transfer_id=transfer_id(rid, 0), prompt_token_ids=prompt,
+                         params=WireSamplingParams.of(dataclasses.replace(params, n=1, logprobs=None)))
+        ticket = await self._dispatch(sign_job(self.client.secret, job), recovering=False,
+                                      on_first_token=None if early is None else early.inbox.put_nowait)
+        await asyncio.sleep(0)  # NOTE: the push (a task the queue started) goes out before the reservation
+        return ticket
+
     async def _serve_on(self, decode: Worker, rid: str, prompt: list[int], params: SamplingParams,
-                        reply: ReserveReply, recovering: bool) -> AsyncIterator[RequestOutput]:
+                        reply: ReserveReply, recovering: bool, early: EarlyFirstToken | None,
+                        unplaced: PrefillTicket | None) -> AsyncIterator[RequestOutput]:
         """The request's outputs from `decode`, which holds its reservation; prefilled there or
         through the queue (`recovering`: after a decode loss, counted by where the prompt's KV
-        came from), whose prefill worker may send the first token before decode does
-        (router_outputs.py). Raises DecodeLost if the worker goes away before the request ends."""
-        early = None
-        if self.config.early_first_token and early_first_token_wanted(params):
-            early = EarlyFirstToken(self.tokenizer, self.max_model_len, self.vocab_size, rid, prompt, params,
-                                    reply.num_cached_tokens)
-        ticket: PrefillTicket | None = None
+        came from; `unplaced`: its job, sent before the reservation), whose prefill worker may send
+        the first token before decode does (`early`, router_outputs.py). Raises DecodeLost if the
+        worker goes away before the request ends."""
+        if early is not None:
+            early.num_cached_tokens = reply.num_cached_tokens
+        ticket: PrefillTicket | None = unplaced
+        placing: asyncio.Task[None] | None = None
         finished = False
         try:
-            ticket = await self._start(decode, rid, prompt, params, reply, recovering, early)
+            if unplaced is not None and early is not None and not self._prefill_here(prompt, reply):
+                # NOTE: the first token, if it comes first, is not held up by the placement's round
+                # trip (which prefill's engine thread answers only between steps): it is placed
+                # meanwhile, and whatever stops it reaches the request through the inbox
+                placing = asyncio.create_task(self._place(unplaced, decode, reply, early.inbox))
+            else:
+                ticket = await self._start(decode, rid, prompt, params, reply, recovering, early, unplaced)
             early = early if ticket is not None else None
             frames = self._frames(decode, rid)
             source: AsyncGenerator[OutputFrame | FirstToken, None] = frames if early is None else merged(
@@ -323,18 +360,33 @@ class PDRouter:
                 raise DecodeLost(f"decode worker {decode.url} ended the stream of {rid} early")
         finally:
             decode.in_flight -= 1
+            if placing is not None and not placing.done():
+                placing.cancel()
             if not finished:
                 await asyncio.shield(self._abort(rid, decode, ticket))
 
     async def _start(self, decode: Worker, rid: str, prompt: list[int], params: SamplingParams, reply: ReserveReply,
-                     recovering: bool, early: EarlyFirstToken | None) -> PrefillTicket | None:
+                     recovering: bool, early: EarlyFirstToken | None,
+                     unplaced: PrefillTicket | None = None) -> PrefillTicket | None:
         """Have the prompt prefilled: by `decode` (its uncached part is short: None), or through the
-        queue (its ticket; its first token, once sampled, goes to `early`)."""
-        if len(prompt) - reply.num_cached_tokens < self.config.pd_threshold:
+        queue (its ticket; its first token, once sampled, goes to `early`; a job sent unplaced is
+        placed now)."""
+        if self._prefill_here(prompt, reply):
+            if unplaced is not None:
+                await self.queue.cancel(unplaced)
             await self._prefill_on_decode(decode, rid)
             if recovering:
                 self._count_recovery(0)
             return None
+        if unplaced is not None:
+            try:
+                if await self.queue.place(unplaced, _placement(unplaced, decode, reply)):
+                    return unplaced
+            except WorkerRefused as exc:
+                raise OpenAIError(exc.message, HTTPStatus(exc.status)) from exc
+            if unplaced.refusal is not None:
+                raise OpenAIError(unplaced.refusal.message, HTTPStatus(unplaced.refusal.status))
+            # NOTE: its prefill worker lost the job before it was placed: sent again, placed
         # NOTE: prefill computes the prompt's KV once for all n sequences; with n > 1 or logprobs,
         # decode samples the first tokens itself (LLMEngine.complete_remote)
         job = PrefillJob(request_id=rid, transfer_id=transfer_id(rid, 0), prompt_token_ids=prompt,
@@ -348,6 +400,24 @@ class PDRouter:
         # opened: the job is on the first token's path, the stream only needed by then.
         await asyncio.sleep(0)
         return ticket
+
+    def _prefill_here(self, prompt: list[int], reply: ReserveReply) -> bool:
+        """Whether the decode worker prefills what it does not cache itself (conditional disaggregation)."""
+        return len(prompt) - reply.num_cached_tokens < self.config.pd_threshold
+
+    async def _place(self, ticket: PrefillTicket, decode: Worker, reply: ReserveReply, inbox: Inbox) -> None:
+        """Place a job sent unplaced, beside the request's stream: what stops it goes into `inbox`
+        (a refusal, as the client's error; the job lost before it was placed, as a failed attempt:
+        the request resumes)."""
+        try:
+            if await self.queue.place(ticket, _placement(ticket, decode, reply)):
+                return
+            error: Exception = AttemptFailed(f"prefill lost the job of {ticket.job.request_id} before it was placed")
+            if ticket.refusal is not None:
+                error = OpenAIError(ticket.refusal.message, HTTPStatus(ticket.refusal.status))
+        except WorkerRefused as exc:
+            error = OpenAIError(exc.message, HTTPStatus(exc.status))
+        inbox.put_nowait(error)
 
     async def _prefill_on_decode(self, decode: Worker, rid: str) -> None:
         self._events.prefilled_on_decode += 1
@@ -413,6 +483,11 @@ class PDRouter:
 def _instance(worker: Worker) -> tuple[str, str]:
     """Which process a worker is: its URL and the instance id of its last /pd/info answer."""
     return worker.url, worker.info.instance_id if worker.info is not None else ""
+
+
+def _placement(ticket: PrefillTicket, decode: Worker, reply: ReserveReply) -> Placement:
+    return Placement(transfer_id=ticket.job.transfer_id, decode_url=decode.url, kv_address=reply.kv_address,
+                     block_ids=reply.block_ids, num_cached_tokens=reply.num_cached_tokens, token=reply.token)
 
 
 def _first_token(early: EarlyFirstToken | None, ticket: PrefillTicket | None,

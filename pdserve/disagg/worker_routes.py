@@ -13,6 +13,7 @@ from pdserve.disagg.client import NDJSON
 from pdserve.disagg.control import (
     FailJob,
     Keepalive,
+    Placement,
     PrefillEvent,
     PrefillJob,
     PrefixQuery,
@@ -112,12 +113,8 @@ def add_prefill_routes(app: FastAPI, service: PrefillService) -> None:
             return error_response("this prefill worker is draining", HTTPStatus.SERVICE_UNAVAILABLE)
         try:
             task = await service.submit(job)
-        except KVLayoutMismatch as exc:
-            return error_response(str(exc), HTTPStatus.CONFLICT)
-        except ValueError as exc:
-            return error_response(str(exc), HTTPStatus.BAD_REQUEST)
-        except (KVTransferError, OSError) as exc:
-            return error_response(f"cannot reach the decode worker's KV receiver: {exc}", HTTPStatus.BAD_GATEWAY)
+        except (ValueError, KVTransferError, OSError) as exc:
+            return _refused(exc)
         if NDJSON not in request.headers.get("accept", ""):
             return JSONResponse((await asyncio.shield(task)).model_dump())
         first_token = service.first_token(job.transfer_id)
@@ -132,6 +129,18 @@ def add_prefill_routes(app: FastAPI, service: PrefillService) -> None:
 
         return StreamingResponse(events(), media_type=NDJSON)
 
+    @app.post("/pd/place/{transfer_id}")
+    async def place(transfer_id: str, body: Placement) -> Response:
+        if body.transfer_id != transfer_id:
+            return error_response("the placement names another attempt than its path", HTTPStatus.BAD_REQUEST)
+        try:
+            await service.place(body)
+        except KeyError:
+            return error_response(f"attempt {transfer_id!r} is not running here", HTTPStatus.NOT_FOUND)
+        except (ValueError, KVTransferError, OSError) as exc:
+            return _refused(exc)
+        return JSONResponse({"placed": transfer_id})
+
     @app.post("/pd/abort/{request_id}")
     async def abort(request_id: str) -> JSONResponse:
         await service.abort(request_id)
@@ -140,3 +149,13 @@ def add_prefill_routes(app: FastAPI, service: PrefillService) -> None:
     @app.post("/pd/prefix")
     async def prefix(body: PrefixQuery) -> PrefixReply:
         return PrefixReply(num_cached_tokens=await service.cached_prefix_tokens(body.prompt_token_ids))
+
+
+def _refused(exc: Exception) -> Response:
+    """A prefill job (or its placement) that cannot run: a KV layout decode cannot map (409), a bad
+    job (400), or decode's KV receiver out of reach (502)."""
+    if isinstance(exc, KVLayoutMismatch):
+        return error_response(str(exc), HTTPStatus.CONFLICT)
+    if isinstance(exc, ValueError):
+        return error_response(str(exc), HTTPStatus.BAD_REQUEST)
+    return error_response(f"cannot reach the decode worker's KV receiver: {exc}", HTTPStatus.BAD_GATEWAY)

@@ -21,6 +21,7 @@ from typing import Generic, TypeVar
 
 from pdserve.engine.llm_engine import LLMEngine, RemoteReservation
 from pdserve.engine.output import RequestOutput
+from pdserve.engine.request import Request
 from pdserve.engine.sampler import PromptLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -144,6 +145,19 @@ class PrefillLocally(Command[None]):
 
     def apply(self, engine: LLMEngine) -> None:
         engine.prefill_locally(self.request_id)
+
+
+@dataclass(frozen=True, slots=True)
+class PlaceKV(Command[bool]):
+    """Prefill role: the request's KV destination is known now (`place`, the layer observer's,
+    called with the request as the engine has it, or None when it is gone). Between steps, so
+    what it sends of the layers computed so far and what the next step streams never overlap."""
+
+    request_id: str
+    place: Callable[[Request | None], bool]
+
+    def apply(self, engine: LLMEngine) -> bool:
+        return self.place(engine.prefill_request(self.request_id))
 
 
 @dataclass(frozen=True, slots=True)

@@ -399,6 +399,10 @@ class LLMEngine:
         failures, self._failures = self._failures, []
         return failures
 
+    def prefill_request(self, request_id: str) -> Request | None:
+        """Prefill role: a `prefill_only` request, running or finished with its blocks held (None: gone)."""
+        return self.scheduler.requests.get(request_id) or self.scheduler.held.get(request_id)
+
     def held_block_ids(self, request_id: str) -> list[int]:
         """Prefill role: the blocks a finished `prefill_only` request still holds, in token order."""
         return list(self.scheduler.held[request_id].block_ids)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pdserve.disagg.control import FirstToken, PrefillJob, transfer_id
+from pdserve.disagg.control import FirstToken, Placement, PrefillJob, transfer_id
 from pdserve.serving.trace import RequestTrace, current_trace
 
 
@@ -74,7 +74,8 @@ class PrefillQueue(abc.ABC):
     """Router side of the prefill queue. One per router, used from its event loop only.
 
     The router calls `put` once per prefill attempt, after reserving the prompt's blocks on a
-    decode worker (the job names that reservation), and keeps the ticket; `cancel` when the
+    decode worker (the job names that reservation; or at once, and `place` when the reservation
+    is made, where the queue `places_later`), and keeps the ticket; `cancel` when the
     attempt is superseded (a stalled transfer is retried) or the request ends early; `refresh`
     after each poll of its worker pool (every 0.5 s), and reads `ready`/`error` to admit requests.
     The ticket's trace is marked when the job leaves this router (`mark_left_router`).
@@ -91,6 +92,15 @@ class PrefillQueue(abc.ABC):
         """Queue one attempt; raises QueueUnavailable. `prefix_affinity`: prefer the prefill worker
         whose prefix cache (pool, disk tier) holds the longest part of the prompt (memory queue; a
         shared queue's workers pull jobs, so it does not apply there)."""
+
+    # NOTE: whether `put` takes a job not placed yet (no decode reservation), `place` naming it later
+    places_later = False
+
+    async def place(self, ticket: PrefillTicket, placement: Placement) -> bool:
+        """The decode reservation of a job put unplaced (`places_later` queues only). False: the
+        attempt is not running any more (cancelled, or its worker lost it: then it is queued again
+        with this placement); raises WorkerRefused when the prefill worker cannot use it."""
+        raise NotImplementedError
 
     @abc.abstractmethod
     async def cancel(self, ticket: PrefillTicket) -> None:

@@ -23,8 +23,9 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from pdserve.disagg.auth import sign_job, sign_placement
 from pdserve.disagg.client import WorkerClient, WorkerError, WorkerRefused
-from pdserve.disagg.control import PrefillJob
+from pdserve.disagg.control import Placement, PrefillJob
 from pdserve.disagg.pool import Worker, WorkerPool, reach
 from pdserve.disagg.queue.base import PrefillQueue, PrefillTicket, QueueStats, Refusal, next_attempt
 from pdserve.logs import bind_request_id
@@ -41,6 +42,10 @@ class _Dispatch(PrefillTicket):
 
     done: bool = False  # handed off, refused, or cancelled: nothing more to do for it
     worker: Worker | None = None  # where it is being computed
+    # the push under way: its worker took the job (its answer started), or the push ended
+    accepted: asyncio.Event = field(default_factory=asyncio.Event)
+    pushed_placed: bool = False  # the job of the push under way named its reservation already
+    charged_tokens: int = 0  # what the push under way added to its worker's `in_flight_tokens`
     cancelled: bool = False
     cached_tokens: dict[str, int] = field(default_factory=dict)  # prefill URL -> prompt tokens it caches
 
@@ -52,6 +57,8 @@ class _Dispatch(PrefillTicket):
 
 class MemoryPrefillQueue(PrefillQueue):
     """See the module docstring. Needs the router's pool (whom to push to) and a client."""
+
+    places_later = True
 
     def __init__(self, pool: WorkerPool, client: WorkerClient) -> None:
         self._pool = pool
@@ -84,6 +91,27 @@ class MemoryPrefillQueue(PrefillQueue):
         self._pending.append(item)
         self._place()  # NOTE: at once: the job leaves in this turn of the loop, not the loop task's next one
         return item
+
+    async def place(self, ticket: PrefillTicket, placement: Placement) -> bool:
+        if not isinstance(ticket, _Dispatch):
+            raise TypeError("not a ticket of this queue")
+        if ticket.done or ticket.cancelled:
+            return False
+        # NOTE: the job carries it from now on: a re-dispatch (its worker lost) goes out placed
+        ticket.job = sign_job(self._client.secret, ticket.job.with_placement(placement))
+        worker = ticket.worker
+        if worker is None:  # still here: it leaves placed
+            return True
+        await ticket.accepted.wait()  # NOTE: the worker must know the attempt before it hears where it goes
+        if ticket.done or ticket.cancelled:
+            return False
+        if ticket.worker is not worker or ticket.pushed_placed:
+            return True  # re-queued meanwhile: it goes (went) out placed
+        placed = placement.model_copy(update={"transfer_id": ticket.job.transfer_id})
+        if await reach(worker, self._client.place(worker.url, sign_placement(self._client.secret, placed))):
+            return True
+        # NOTE: the worker is gone, or no longer runs the attempt: a re-dispatch goes out placed
+        return not ticket.done and not ticket.cancelled
 
     async def refresh(self) -> None:
         self._wakeup.set()
@@ -119,7 +147,9 @@ class MemoryPrefillQueue(PrefillQueue):
             item.worker = worker
             item.trace.mark_left_router()
             worker.in_flight += 1
-            worker.in_flight_tokens += item.num_tokens
+            # NOTE: what is added is taken off again, though a placement may change `num_tokens` meanwhile
+            item.charged_tokens = item.num_tokens
+            worker.in_flight_tokens += item.charged_tokens
             # NOTE: in a fresh context, as the loop task's own pushes (put runs in a request's task)
             task = contextvars.Context().run(asyncio.create_task, self._push(item, worker))
             self._running.add(task)
@@ -155,7 +185,7 @@ class MemoryPrefillQueue(PrefillQueue):
             requeue = await self._send(item, worker)
         finally:
             worker.in_flight -= 1
-            worker.in_flight_tokens -= item.num_tokens
+            worker.in_flight_tokens -= item.charged_tokens
             self._wakeup.set()
         retry = next_attempt(item.job)
         if requeue and await self._retarget(item.job, retry):
@@ -169,13 +199,18 @@ class MemoryPrefillQueue(PrefillQueue):
     async def _send(self, item: _Dispatch, worker: Worker) -> bool:
         """The job on `worker`; True when it must go to another one (this one is gone, with
         whatever KV it computed, or draining) and the request is still on."""
+        item.accepted.clear()
+        item.pushed_placed = item.job.placed
         try:
-            hand_off = await reach(worker, self._client.prefill(worker.url, item.job, item.on_first_token))
+            hand_off = await reach(worker, self._client.prefill(worker.url, item.job, item.on_first_token,
+                                                                None if item.job.placed else item.accepted.set))
         except WorkerRefused as exc:
             logger.warning("request %s: prefill refused the job: %s", item.job.request_id, exc.message)
             item.refusal = Refusal(exc.status, exc.message)
             await self._fail(item.job, f"prefill refused the job: {exc.message}")
             return False
+        finally:
+            item.accepted.set()  # NOTE: a placement waiting for this push looks again
         if hand_off is None:
             return not item.cancelled
         if hand_off.status == "handed_off" and item.on_handed_off is not None:

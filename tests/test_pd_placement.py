@@ -1,0 +1,102 @@
+"""The router sends a prefill job before the decode reservation is made, and places it once it is
+(POST /pd/place): prefill computes meanwhile and sends what it computed when it learns where. The
+output must not depend on when the placement comes, and a request that never gets its reservation
+must leave nothing behind on the prefill worker."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from helpers import generate_texts, random_prompt
+from pd_fixtures import start_cluster, stop_cluster
+
+from pdserve import LLM, SamplingParams
+from pdserve.disagg.control import Placement
+from pdserve.disagg.decode_service import DecodeService
+from pdserve.disagg.prefill_service import PrefillService
+from pdserve.disagg.transport import nixl_available
+
+pytestmark = pytest.mark.slow  # every test starts a cluster
+
+PROMPTS = [random_prompt(n, seed=7000 + n) for n in (3, 130)]
+MAX_TOKENS = 8
+_NO_NIXL = pytest.mark.skipif(not nixl_available(), reason="nixl_cu12 is not installed")
+
+
+def _delay_reservations(service: DecodeService, delay_s: float) -> None:
+    reserve = service.reserve
+
+    async def slow(body: Any) -> Any:
+        await asyncio.sleep(delay_s)
+        return await reserve(body)
+
+    service.reserve = slow  # type: ignore[method-assign]
+
+
+def _note_placements(service: PrefillService, computed: list[tuple[int, int]]) -> None:
+    """Each placement: (prompt tokens the prefill engine had computed when it came, prompt tokens)."""
+    place = service.place
+
+    async def noted(placement: Placement) -> None:
+        request = service.client.engine.prefill_request(placement.transfer_id)
+        if request is not None:
+            computed.append((request.num_computed_tokens, request.num_prompt_tokens))
+        await place(placement)
+
+    service.place = noted  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("nixl", marks=_NO_NIXL)])
+def test_a_job_placed_after_prefill_computed_it_hands_off_the_same_kv(model_dirs: dict[str, Path], colocated: LLM,
+                                                                      transport: str) -> None:
+    cluster = start_cluster(model_dirs["tiny"], transport, 1, 1)
+    computed: list[tuple[int, int]] = []
+    try:
+        [decode] = [s for s in cluster.services if isinstance(s, DecodeService)]
+        [prefill] = [s for s in cluster.services if isinstance(s, PrefillService)]
+        _delay_reservations(decode, 0.5)  # far longer than the prefill of either prompt here
+        _note_placements(prefill, computed)
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        want = generate_texts(colocated, PROMPTS, params)
+        with httpx.Client(base_url=cluster.router.url, timeout=60) as http:
+            for prompt, text in zip(PROMPTS, want, strict=True):
+                for stream in (False, True):
+                    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+                    if not stream:
+                        reply = http.post("/v1/completions", json=body)
+                        assert reply.status_code == 200, reply.text
+                        assert reply.json()["choices"][0]["text"] == text
+                        continue
+                    with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as response:
+                        assert response.status_code == 200
+                        chunks = [line for line in response.iter_lines() if line.startswith("data: {")]
+                    assert "".join(httpx.Response(200, content=c[6:]).json()["choices"][0]["text"]
+                                   for c in chunks) == text
+        # every placement came once the whole prompt was computed: its KV went at the placement
+        assert len(computed) == 2 * len(PROMPTS) and all(done == total for done, total in computed), computed
+        cluster.wait_until_idle()
+    finally:
+        stop_cluster(cluster)
+
+
+def test_a_request_that_gets_no_reservation_leaves_nothing_on_the_prefill_worker(model_dirs: dict[str, Path]
+                                                                                 ) -> None:
+    """Decode has room for no prompt this long (its pool is 4 blocks): the client gets the error, and
+    the prefill job sent before the reservation was tried is cancelled, its blocks freed."""
+    cluster = start_cluster(model_dirs["tiny"], "tcp", 1, 1, decode_kv_blocks=4, reserve_deadline_s=0.5)
+    try:
+        [decode] = [s for s in cluster.services if isinstance(s, DecodeService)]
+        _delay_reservations(decode, 0.3)  # NOTE: prefill has the job by the time the reservation fails
+        with httpx.Client(base_url=cluster.router.url, timeout=60) as http:
+            reply = http.post("/v1/completions", json={"prompt": random_prompt(200, seed=3), "max_tokens": 4})
+        assert reply.status_code in (400, 503), reply.text
+        assert reply.json()["error"]["message"]
+        cluster.wait_until_idle()
+        [prefill] = [s for s in cluster.services if isinstance(s, PrefillService)]
+        assert prefill.num_in_flight == 0
+    finally:
+        stop_cluster(cluster)
