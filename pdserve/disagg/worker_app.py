@@ -17,6 +17,8 @@
                                mismatch) | 502 (decode unreachable) | 503 (draining); with `Accept:
                                application/x-ndjson`, NDJSON PrefillEvents: the FirstToken once
                                sampled, then the HandOff
+             POST /pd/place/{transfer id}  Placement: the decode reservation of a job sent without one
+                               (its KV computed so far goes now) | 404 (not running here) | 400 | 409 | 502
              POST /pd/abort/{transfer id}
              POST /pd/prefix   as decode's, pool and disk tier (prefix-affinity placement of jobs)
 
