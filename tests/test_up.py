@@ -168,13 +168,15 @@ def stream(url: str, prompt: list[int], max_tokens: int, on_chunk: Any = None) -
 
 
 def busy_prefill_worker(up: Up, timeout_s: float = 30.0) -> str:
-    """The URL of a prefill worker with a job in hand (polled until one has)."""
+    """The URL of a prefill worker computing a job (polled until one is): its engine runs a prompt,
+    so the job is far from its hand-off's end (a job in hand, /pd/stats' `in_flight`, may be in its
+    last milliseconds, and a kill then finds nothing left to re-deliver)."""
     urls = up.ready("prefill")
 
     def find() -> str | None:
         for url in urls:
             try:
-                if httpx.get(f"{url}/pd/stats", timeout=2).json()["in_flight"]:
+                if httpx.get(f"{url}/pd/info", timeout=2).json()["num_running"]:
                     return url
             except httpx.HTTPError:
                 pass
@@ -199,10 +201,11 @@ def test_a_prefill_worker_killed_mid_load_is_restarted_and_no_request_fails(
         model_dirs: dict[str, Path], colocated: LLM, tmp_path: Path) -> None:
     redis = start_redis(tmp_path)
     try:
+        # NOTE: long prompts in small chunks: a job computes for ~40 steps, so the kill lands well inside one
         with pdserve_up(model_dirs["tiny"], tmp_path, "--queue", redis.url, "--prefill", "2", "--decode", "1",
-                        "--queue-claim-idle-s", "2") as up:
+                        "--queue-claim-idle-s", "2", "--max-num-batched-tokens", "16") as up:
             up.wait_pool(prefill=2, decode=1)
-            prompts = [random_prompt(300, seed=seed) for seed in range(12)]
+            prompts = [random_prompt(600, seed=seed) for seed in range(12)]
             with ThreadPoolExecutor(len(prompts)) as pool:
                 replies = [pool.submit(complete, up.url, prompt, 6) for prompt in prompts]
                 victim = busy_prefill_worker(up)
