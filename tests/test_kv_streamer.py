@@ -5,6 +5,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from pdserve.disagg.kv_streamer import SMALL_STEP_KV_BYTES, KVStreamer, small_step_blocks
 
 BLOCK = 4
@@ -60,3 +62,17 @@ def test_layer_by_layer_without_small_blocks_and_nothing_held_across_steps() -> 
 def test_the_threshold_follows_the_kv_bytes_of_a_block() -> None:
     assert small_step_blocks(SMALL_STEP_KV_BYTES // 8, 2) == 4
     assert small_step_blocks(SMALL_STEP_KV_BYTES, 28) == 0  # a real model's block: layer by layer
+
+
+def test_a_refused_destination_leaves_no_target() -> None:
+    sent: list[tuple] = []
+    streamer = KVStreamer(BLOCK, LAYERS, lambda *a: sent.append(a))
+    with pytest.raises(ValueError, match="whole blocks"):
+        streamer.expect("r", [5], BLOCK + 1)
+    assert "r" not in streamer._targets
+    assert _step(streamer, [_chunk("r", 0, 3, 1)], sent) == [0, 0, 0]
+    streamer.expect("u", None)  # not placed yet: nothing goes out until `place`
+    assert _step(streamer, [_chunk("u", 0, 3, 1)], sent) == [0, 0, 0]
+    assert streamer.place("u", [9], 0, request=_chunk("u", 3, 0, 1).request)
+    assert [(s[0], s[1], s[2], s[3]) for s in sent] == [("u", layer, [100], [9]) for layer in range(LAYERS)]
+    assert not streamer.place("gone", [9], 0)

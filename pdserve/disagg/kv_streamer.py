@@ -70,33 +70,38 @@ class KVStreamer:
         """Stream `request_id` into `dst_block_ids` through `send_layer` (default: the streamer's),
         skipping the first `num_cached_on_decode` tokens (a multiple of the block size) that the
         decode worker already holds. `dst_block_ids` None: not placed yet (`place` says where)."""
-        if dst_block_ids is None:
-            self._targets[request_id] = _Target((), 0, None)
-            return
+        # NOTE: checked before the target exists: a refused destination leaves nothing behind
+        send = None if dst_block_ids is None else self._destination(request_id, num_cached_on_decode, send_layer)
         self._targets[request_id] = _Target((), 0, None)
-        self.place(request_id, dst_block_ids, num_cached_on_decode, send_layer)
+        if dst_block_ids is not None:
+            self.place(request_id, dst_block_ids, num_cached_on_decode, send)
 
     def place(self, request_id: str, dst_block_ids: Sequence[int], num_cached_on_decode: int,
               send_layer: SendLayer | None = None, request: Request | None = None) -> bool:
         """Where an expected request's KV goes, from now on; `request` (the engine's, when it
         already computed some of the prompt): every layer of what it computed is sent now.
         Engine thread, between steps. False: the request is not expected (any more)."""
-        if num_cached_on_decode % self.block_size:
-            raise ValueError("the decode worker's cached prefix must be whole blocks")
-        send = send_layer or self.send_layer
-        if send is None:
-            raise ValueError(f"request {request_id}: no KV destination (pass send_layer)")
+        send = self._destination(request_id, num_cached_on_decode, send_layer)
         target = self._targets.get(request_id)
         if target is None:
             return False
         target.dst_block_ids, target.sent_tokens, target.send_layer = tuple(dst_block_ids), num_cached_on_decode, send
-        computed = 0 if request is None else request.num_computed_tokens
-        if request is not None and computed > target.sent_tokens:
+        if request is not None and request.num_computed_tokens > target.sent_tokens:
+            computed = request.num_computed_tokens
             first, last = target.sent_tokens // self.block_size, (computed - 1) // self.block_size
             for layer in range(self.last_layer + 1):
                 send(request_id, layer, request.block_ids[first:last + 1], list(target.dst_block_ids[first:last + 1]))
             target.sent_tokens = computed
         return True
+
+    def _destination(self, request_id: str, num_cached_on_decode: int, send_layer: SendLayer | None) -> SendLayer:
+        """The send of a request's KV (ValueError: a cached prefix that is no whole blocks, or nowhere to send)."""
+        if num_cached_on_decode % self.block_size:
+            raise ValueError("the decode worker's cached prefix must be whole blocks")
+        send = send_layer or self.send_layer
+        if send is None:
+            raise ValueError(f"request {request_id}: no KV destination (pass send_layer)")
+        return send
 
     def forget(self, request_id: str) -> None:
         self._targets.pop(request_id, None)

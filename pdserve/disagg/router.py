@@ -327,7 +327,7 @@ class PDRouter:
                 # NOTE: the first token, if it comes first, is not held up by the placement's round
                 # trip (which prefill's engine thread answers only between steps): it is placed
                 # meanwhile, and whatever stops it reaches the request through the inbox
-                placing = asyncio.create_task(self._place(unplaced, decode, reply, early.inbox))
+                placing = asyncio.create_task(self._place_beside(unplaced, decode, reply, early.inbox))
             else:
                 ticket = await self._start(decode, rid, prompt, params, reply, recovering, early, unplaced)
             early = early if ticket is not None else None
@@ -379,13 +379,10 @@ class PDRouter:
                 self._count_recovery(0)
             return None
         if unplaced is not None:
-            try:
-                if await self.queue.place(unplaced, _placement(unplaced, decode, reply)):
-                    return unplaced
-            except WorkerRefused as exc:
-                raise OpenAIError(exc.message, HTTPStatus(exc.status)) from exc
-            if unplaced.refusal is not None:
-                raise OpenAIError(unplaced.refusal.message, HTTPStatus(unplaced.refusal.status))
+            if (error := await self._place(unplaced, decode, reply)) is None:
+                return unplaced
+            if not isinstance(error, AttemptFailed):
+                raise error
             # NOTE: its prefill worker lost the job before it was placed: sent again, placed
         # NOTE: prefill computes the prompt's KV once for all n sequences; with n > 1 or logprobs,
         # decode samples the first tokens itself (LLMEngine.complete_remote)
@@ -405,19 +402,23 @@ class PDRouter:
         """Whether the decode worker prefills what it does not cache itself (conditional disaggregation)."""
         return len(prompt) - reply.num_cached_tokens < self.config.pd_threshold
 
-    async def _place(self, ticket: PrefillTicket, decode: Worker, reply: ReserveReply, inbox: Inbox) -> None:
-        """Place a job sent unplaced, beside the request's stream: what stops it goes into `inbox`
-        (a refusal, as the client's error; the job lost before it was placed, as a failed attempt:
-        the request resumes)."""
+    async def _place(self, ticket: PrefillTicket, decode: Worker, reply: ReserveReply) -> Exception | None:
+        """Place a job sent unplaced. None once placed; else what stops it: a refusal, as the
+        client's error, or AttemptFailed (the job lost before it was placed)."""
         try:
             if await self.queue.place(ticket, _placement(ticket, decode, reply)):
-                return
-            error: Exception = AttemptFailed(f"prefill lost the job of {ticket.job.request_id} before it was placed")
-            if ticket.refusal is not None:
-                error = OpenAIError(ticket.refusal.message, HTTPStatus(ticket.refusal.status))
+                return None
         except WorkerRefused as exc:
-            error = OpenAIError(exc.message, HTTPStatus(exc.status))
-        inbox.put_nowait(error)
+            return OpenAIError(exc.message, HTTPStatus(exc.status))
+        if ticket.refusal is not None:
+            return OpenAIError(ticket.refusal.message, HTTPStatus(ticket.refusal.status))
+        return AttemptFailed(f"prefill lost the job of {ticket.job.request_id} before it was placed")
+
+    async def _place_beside(self, ticket: PrefillTicket, decode: Worker, reply: ReserveReply, inbox: Inbox) -> None:
+        """`_place` beside the request's stream: what stops it goes into `inbox` (an error for the
+        client; a failed attempt: the request resumes)."""
+        if (error := await self._place(ticket, decode, reply)) is not None:
+            inbox.put_nowait(error)
 
     async def _prefill_on_decode(self, decode: Worker, rid: str) -> None:
         self._events.prefilled_on_decode += 1
