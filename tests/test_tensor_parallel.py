@@ -1,4 +1,4 @@
-"""Tensor parallelism (`tensor_parallel_size=2`, gloo on CPU): the same tokens as one process, the
+"""Tensor parallelism (`tensor_parallel_size=2`, shared memory and gloo on CPU): the same tokens as one process, the
 same seeded samples, no block left behind, and a rank that dies ends the engine (no hang).
 
 Models: `tiny` (GQA 4/2: each rank one KV head) and `untied` (GQA 4/1: the KV head replicated on
@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from helpers import assert_no_leak, generate_texts, generate_token_ids, greedy, random_prompt, token_prompts
 from pd_fixtures import start_cluster, stop_cluster
 from server_fixtures import parse_sse
@@ -24,6 +25,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.config import EngineArgs, RouterConfig, WorkerConfig, create_engine_config
 from pdserve.disagg.kv_layout import KVLayout, KVLayoutMismatch
 from pdserve.disagg.transport import nixl_available
+from pdserve.engine import shared_memory_group
 from pdserve.engine.async_llm import AsyncLLM, EngineDeadError
 from pdserve.engine.tensor_parallel import RankDiedError, TPModelRunner
 from pdserve.model.parallel import TPShard, check_tp_size
@@ -101,6 +103,9 @@ def test_tp2_greedy_tokens_and_logprobs_match_one_process(tp_pair: tuple[LLM, LL
     assert tp.engine.stats().num_preemptions > 0 and tp.engine.scheduler.config.preemption_mode == "swap"
     runner = tp.engine.runner
     assert isinstance(runner, TPModelRunner) and all(p.poll() is None for p in runner.processes)
+    if shared_memory_group.available():  # the all-reduces went through shared memory, the logits' gather
+        assert runner.group.shared is not None and runner.group.shared.calls > 0  # (too big a slot) gloo
+        assert not runner.group.shared.fits(torch.empty(1, tp.engine.config.model.vocab_size // 2))
 
 
 @pytest.mark.slow
@@ -128,7 +133,7 @@ def test_a_rank_killed_mid_step_ends_the_engine_without_hanging(model_dirs: dict
 
     engine.layer_observer = kill_rank1_at_layer0
     try:
-        with pytest.raises(RuntimeError):  # the collective fails: its peer closed the connection
+        with pytest.raises(RuntimeError):  # the collective fails: its peer is gone
             llm.generate(token_prompts(PROMPTS[:2]), greedy(4))
         assert_no_leak(llm)
         engine.layer_observer = None

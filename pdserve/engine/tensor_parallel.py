@@ -3,8 +3,9 @@
     engine process (rank 0)                         rank r = 1..N-1 (spawned)
     scheduler -> plan_step -> StepPlan --pipe--->   recv StepPlan
     ModelRunner.run(plan) (heads of rank 0)   <->   ModelRunner.run(plan) (heads of rank r)
-        all-reduce after o_proj and down_proj, all-gather of the logit slices (gloo on CPU,
-        NCCL on CUDA; the collectives are inside the model, see model/parallel.py)
+        all-reduce after o_proj and down_proj, all-gather of the logit slices (on CPU through a
+        shared-memory file, gloo for what does not fit; NCCL on CUDA; the collectives are inside
+        the model, see model/parallel.py and shared_memory_group.py)
     sampler (rank 0 only)
 
 Rank 0 runs the scheduler and sends each step's plan (plain integers) to the other ranks; they
@@ -29,6 +30,7 @@ import dataclasses
 import logging
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -46,17 +48,21 @@ import torch
 import torch.distributed as dist
 
 from pdserve.config import EngineConfig
+from pdserve.engine import shared_memory_group
 from pdserve.engine.host_memory import keep_large_allocations_on_heap
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.shared_memory_group import SharedMemoryGroup
 from pdserve.engine.step_plan import StepPlan
 from pdserve.model.loader import load_model
 from pdserve.model.parallel import TPShard
 
 logger = logging.getLogger(__name__)
 # NOTE: a safety net only: a collective waits this long for a rank that is alive but stuck. A rank
-# that dies closes its sockets, which fails the collective at once (gloo).
+# that dies closes its sockets, which fails a gloo collective at once; a shared-memory one notices
+# within ~20 ms (its waiters ask whether the ranks' processes are alive).
 _COLLECTIVE_TIMEOUT = timedelta(seconds=300)
 _START_TIMEOUT_S = 300.0
+_MAX_SLOT_BYTES = 16 * 1024**2  # per rank and half of the shared collective file (sparse: touched pages only)
 
 
 class RankDiedError(RuntimeError):
@@ -65,27 +71,51 @@ class RankDiedError(RuntimeError):
 
 class TorchGroup:
     """`ParallelGroup` over a standalone torch.distributed process group (no global default group,
-    so several engines may live in one process, as tests do)."""
+    so several engines may live in one process, as tests do). On CPU, collectives that fit go
+    through `shared` (the ranks' shared-memory file) instead of gloo: see shared_memory_group.py."""
 
-    def __init__(self, rank: int, size: int, store: dist.Store, device: torch.device) -> None:
+    def __init__(self, rank: int, size: int, store: dist.Store, device: torch.device,
+                 shared: SharedMemoryGroup | None = None) -> None:
         self.rank, self.size = rank, size
         if device.type == "cuda":
             torch.cuda.set_device(device)
             self.pg: Any = dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
         else:
             self.pg = dist.ProcessGroupGloo(store, rank, size, _COLLECTIVE_TIMEOUT)
+        self.shared = shared
         self.reduce_s = 0.0  # time spent in all-reduces (the benchmark's share of a step)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
-        self.pg.allreduce([tensor]).wait()
+        if self.shared is not None and self.shared.fits(tensor):
+            self.shared.all_reduce(tensor)
+        else:
+            self.pg.allreduce([tensor]).wait()
         self.reduce_s += time.perf_counter() - start
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.shared is not None and self.shared.fits(tensor):
+            return self.shared.all_gather(tensor)
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         self.pg.allgather([parts], [tensor.contiguous()]).wait()
         return torch.cat(parts, dim=-1)
+
+
+def collective_slot_bytes(config: EngineConfig) -> int:
+    """One rank's slot in the shared collective file: the largest step's activations ([tokens,
+    hidden] in the model's dtype), at most `_MAX_SLOT_BYTES` (bigger ones go through gloo)."""
+    element = torch.empty((), dtype=config.dtype).element_size()
+    wanted = config.scheduler.max_num_batched_tokens * config.model.hidden_size * element
+    return -(-min(wanted, _MAX_SLOT_BYTES) // 64) * 64
+
+
+def shared_group(path: str | None, config: EngineConfig, rank: int,
+                 alive: Callable[[], bool]) -> SharedMemoryGroup | None:
+    if path is None:
+        return None
+    return SharedMemoryGroup(path, rank, config.tensor_parallel_size, collective_slot_bytes(config), alive,
+                             _COLLECTIVE_TIMEOUT.total_seconds())
 
 
 def build_rank_runner(config: EngineConfig, group: TorchGroup, pool_path: str | None,
@@ -111,11 +141,15 @@ class RankStart:
     rank: int
     store_port: int
     pool_path: str | None  # the shared KV pool file (CPU), else None
+    collective_path: str | None  # the shared-memory collective file (CPU on x86), else None
 
 
 def rank_main(conn: Connection) -> None:
     """A rank other than 0 (`python -m pdserve.engine.tp_rank`): build its runner, then run every
     plan rank 0 sends until told to stop."""
+    # NOTE: Ctrl-C (or `pdserve up`'s SIGINT to the group) reaches every rank; rank 0 handles it
+    # and stops this one (None, or EOF once it is gone), with no traceback from here
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     start: RankStart = conn.recv()
     conn.send("started")
     config, rank = rank_config(start.config, start.rank), start.rank
@@ -125,7 +159,9 @@ def rank_main(conn: Connection) -> None:
     try:
         store = dist.TCPStore("127.0.0.1", start.store_port, config.tensor_parallel_size, is_master=False,
                               timeout=_COLLECTIVE_TIMEOUT)
-        runner = build_rank_runner(config, TorchGroup(rank, config.tensor_parallel_size, store, config.device),
+        parent = os.getppid()
+        shared = shared_group(start.collective_path, config, rank, lambda: os.getppid() == parent)
+        runner = build_rank_runner(config, TorchGroup(rank, config.tensor_parallel_size, store, config.device, shared),
                                    start.pool_path)
     except Exception as exc:  # noqa: BLE001 - rank 0 reports it
         conn.send(repr(exc))
@@ -201,7 +237,9 @@ def start_tensor_parallel(config: EngineConfig) -> TPModelRunner:
     size = config.tensor_parallel_size
     torch.set_num_threads(rank_threads(config))
     store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False, timeout=_COLLECTIVE_TIMEOUT)
-    pool_path = _new_pool_file() if config.device.type == "cpu" else None
+    cpu = config.device.type == "cpu"
+    pool_path = _new_shared_file("kv") if cpu else None
+    collective_path = _new_shared_file("collectives") if cpu and shared_memory_group.available() else None
     processes: list[subprocess.Popen[bytes]] = []
     conns: list[Connection] = []
     try:
@@ -209,31 +247,35 @@ def start_tensor_parallel(config: EngineConfig) -> TPModelRunner:
             process, conn = _spawn_rank()
             processes.append(process)
             conns.append(conn)
-            conn.send(RankStart(config, rank, store.port, pool_path))
+            conn.send(RankStart(config, rank, store.port, pool_path, collective_path))
         # NOTE: a rank that cannot even start is reported now, not after the group's timeout
         _wait_for(processes, conns, "started")
-        group = TorchGroup(0, size, store, config.device)
+        shared = shared_group(collective_path, config, 0, lambda: all(p.poll() is None for p in processes))
+        group = TorchGroup(0, size, store, config.device, shared)
         runner = build_rank_runner(config, group, pool_path, TPModelRunner)
         assert isinstance(runner, TPModelRunner)
         runner.attach_ranks(processes, conns, group, store)
         _wait_for(processes, conns, "ready")
         logger.info("tensor parallel: %d ranks (rank 0: pid %d; others: %s), %s", size, os.getpid(),
-                    ", ".join(str(p.pid) for p in processes), "gloo" if config.device.type == "cpu" else "nccl")
+                    ", ".join(str(p.pid) for p in processes),
+                    "nccl" if not cpu else "gloo" if collective_path is None else "shared memory (gloo for large)")
     except BaseException:
         for process in processes:
             process.kill()
             process.wait()
         raise
     finally:
-        if pool_path is not None:
-            os.unlink(pool_path)  # NOTE: every rank has mapped it (or failed): the mappings live on
+        for path in (pool_path, collective_path):
+            if path is not None:
+                os.unlink(path)  # NOTE: every rank has mapped it (or failed): the mappings live on
     return runner
 
 
-def _new_pool_file() -> str:
-    """An empty file in shared memory that every rank maps as its KV pool (pages commit on write)."""
+def _new_shared_file(kind: str) -> str:
+    """An empty file in shared memory that every rank maps (the KV pool, the collectives' slots;
+    pages commit on write)."""
     directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    fd, path = tempfile.mkstemp(prefix="pdserve-kv-", dir=directory)
+    fd, path = tempfile.mkstemp(prefix=f"pdserve-{kind}-", dir=directory)
     os.close(fd)
     return path
 
