@@ -20,7 +20,7 @@ only, and the rest use gloo. A tensor bigger than a slot (a long prefill chunk, 
 noise) goes to gloo too: `fits` decides, the same way on every rank (same shapes).
 
 Waiting: spin briefly (a peer is usually microseconds behind), then nap 50 us at a time, so a
-waiting rank does not hold a core its peer needs on a busy machine; every ~10 ms of waiting it
+waiting rank does not hold a core its peer needs on a busy machine; every ~20 ms of waiting it
 asks `alive()` (rank 0: are the other ranks' processes running; the others: is rank 0) and raises
 `PeerGoneError` when not, or after `timeout_s`.
 """
