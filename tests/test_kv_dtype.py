@@ -236,7 +236,7 @@ def test_nixl_refuses_a_dtype_its_handshake_never_declared() -> None:
         sender.layout = sender.layout.as_dtype("bfloat16")  # what its headers now announce
         receiver.expect("r", [3, 4])
         sender.send_layer("r", 0, [1, 2], [3, 4])
-        with pytest.raises(KVTransferError, match="no handshake declared it"):
+        with pytest.raises(KVTransferError, match="no handshake declared them"):
             asyncio.run(sender.flush("r", 10.0))
         assert isinstance(asyncio.run(drain(receiver, "r"))[-1], KVRejected)
         assert receiver.reserved_request_ids() == frozenset() and sender.pending_request_ids() == frozenset()

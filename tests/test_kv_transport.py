@@ -184,7 +184,9 @@ def header(request_id: str = "r", layer: int = 0, dst: tuple[int, ...] = (3, 5),
     (header(dst=(3, 3)), "must be distinct"),
     (header(num_bytes=1), "byte count 1"),
     (header(dtype="uint8"), "dtype uint8"),  # float16 would be converted (test_kv_dtype.py)
-    (header(shape=(2, 2, 4, 8, 2)), "shape"),
+    (header(shape=(2, 2, 8, 2, 4)), "shape"),
+    (header(shape=(2, 2, 4, 8, 2)), r"KV heads \[0, 8\) are not within this pool's \[0, 2\)"),
+    (header(kv_head_start=1), r"KV heads \[1, 3\)"),
 ])
 def test_reservation_table_rejects_each_bad_header(bad: LayerHeader, reason: str) -> None:
     table = ReservationTable(SPEC.layout(SPEC.pool(0)), SPEC.num_blocks)

@@ -27,7 +27,9 @@ from pdserve.engine.model_runner import POOL_LAYOUT
 # logprobs (prompt_logprobs through the router); an older decode would refuse the unknown field.
 # 6: nixl's WELCOME carries decode's connection info only, each GRANT the metadata of the
 # registration it writes into (an older prefill would find no registration to write to).
-WIRE_VERSION = 6
+# 7: a layer header names the KV heads its payload holds (one tensor-parallel rank's, see
+# KVLayout.check_handoff); an older decode would take a rank's heads for the whole pool's.
+WIRE_VERSION = 7
 
 # Element types a receiver converts between on arrival (any pair; not quantized formats: those
 # need scales the layout does not carry).
@@ -55,8 +57,9 @@ class KVLayout:
     the pool stores a quantized format in a storage type (e.g. fp8 in uint8).
     Tensor parallelism: the pool holds the model's KV heads [kv_head_start, kv_head_start +
     num_kv_heads). A worker with `tp_size` ranks on CPU presents one pool its ranks share, holding
-    every head, so any two TP sizes map (the peer's `tp_size` is reported, not compared); a pool
-    holding another head range is refused, naming the field.
+    every head, so any two TP sizes map (the peer's `tp_size` is reported, not compared). A prefill
+    worker whose ranks each have a pool of their own (CUDA) hands off from every rank: each rank's
+    pool, holding its heads, may send into a decode pool holding them (`check_handoff`).
     """
 
     model_id: str
@@ -110,6 +113,18 @@ class KVLayout:
         """Shape of one layer's payload for `num_blocks` blocks: [k|v, block, slot, head, dim]."""
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
+    @property
+    def kv_head_end(self) -> int:
+        return self.kv_head_start + self.num_kv_heads
+
+    def holds_heads(self, start: int, count: int) -> bool:
+        """Whether this pool holds KV heads [start, start + count)."""
+        return count >= 1 and self.kv_head_start <= start and start + count <= self.kv_head_end
+
+    def with_heads(self, start: int, count: int) -> KVLayout:
+        """This layout holding heads [start, start + count): what a payload of those heads looks like."""
+        return dataclasses.replace(self, kv_head_start=start, num_kv_heads=count)
+
     def converts_from(self, peer: KVLayout) -> bool:
         """Whether a receiver with this layout converts `peer`'s payloads on arrival: both pools hold
         plain (unquantized) float types of `CONVERTIBLE_DTYPES`, and they differ."""
@@ -120,11 +135,26 @@ class KVLayout:
         """This layout holding `dtype` elements: what a payload a peer sends in `dtype` looks like."""
         return dataclasses.replace(self, dtype=dtype, kv_cache_dtype=dtype)
 
+    def check_handoff(self, decode: KVLayout) -> None:
+        """This (prefill) pool may send its KV into `decode`'s: `check_compatible` with dtype
+        conversion, except that the decode pool need only hold every head this one holds (one
+        rank of a prefill worker whose ranks each send their own heads)."""
+        self.check_compatible(decode, self_role="prefill", peer_role="decode", convert_dtype=True,
+                              heads_within=True)
+
     def check_compatible(self, peer: KVLayout, *, self_role: str = "local", peer_role: str = "peer",
-                         convert_dtype: bool = False) -> None:
+                         convert_dtype: bool = False, heads_within: bool = False) -> None:
         """Raise KVLayoutMismatch naming the first field (in declaration order) that differs.
-        `convert_dtype` (the KV hand-off): element types that `converts_from` maps are no mismatch."""
+        `convert_dtype` (the KV hand-off): element types that `converts_from` maps are no mismatch.
+        `heads_within`: this pool's heads need only lie within the peer's."""
         skip = {"dtype", "kv_cache_dtype"} if convert_dtype and self.converts_from(peer) else set()
+        if heads_within:
+            skip |= {"num_kv_heads", "kv_head_start"}
+            if not peer.holds_heads(self.kv_head_start, self.num_kv_heads):
+                mine = f"[{self.kv_head_start}, {self.kv_head_end})"
+                theirs = f"[{peer.kv_head_start}, {peer.kv_head_end})"
+                raise KVLayoutMismatch("kv_head_start", mine, theirs, f"KV layout mismatch on kv_head_start: "
+                                       f"{self_role} holds KV heads {mine}, not within {peer_role}'s {theirs}")
         for field in dataclasses.fields(self):
             if not field.compare or field.name in skip:
                 continue

@@ -156,7 +156,7 @@ class KVReceiver(abc.ABC):
     def _handshake(self, peer_layout: KVLayout) -> Welcome:
         """Decode's half of the layout check; the answer goes back to prefill either way."""
         try:
-            peer_layout.check_compatible(self.layout, self_role="prefill", peer_role="decode", convert_dtype=True)
+            peer_layout.check_handoff(self.layout)
         except KVLayoutMismatch as e:
             with self._refusals_lock:
                 self._refusals = [*self._refusals[-_MAX_REFUSALS_KEPT + 1:], e]
@@ -189,20 +189,29 @@ class KVReceiver(abc.ABC):
         return self._table.num_converted
 
     def _copy_into_pool(self, header: LayerHeader, payload: torch.Tensor) -> None:
-        """Payload bytes (uint8) -> the pool's blocks, converted when the sender's dtype differs
-        (the payload is then the staging buffer the cast reads)."""
+        """Payload bytes (uint8) -> the pool's blocks (the payload's heads of them), converted when
+        the sender's dtype differs (the payload is then the staging buffer the cast reads)."""
         values = payload.view(getattr(torch, header.dtype)).view(header.shape).to(self.kv_cache.device,
                                                                                  non_blocking=True)
-        if values.dtype != self.kv_cache.dtype:
-            cast_into_blocks(self.kv_cache[header.layer], values, header.dst_block_ids)
+        layer_cache = self.kv_cache[header.layer]
+        if not self._whole_pool(header):
+            layer_cache = layer_cache.narrow(3, header.kv_head_start - self.layout.kv_head_start, header.shape[3])
+        if values.dtype != self.kv_cache.dtype or not self._whole_pool(header):
+            cast_into_blocks(layer_cache, values, header.dst_block_ids)
             return
         dst = torch.tensor(header.dst_block_ids, dtype=torch.long, device=self.kv_cache.device)
-        self.kv_cache[header.layer].index_copy_(1, dst, values)
+        layer_cache.index_copy_(1, dst, values)
 
-    def _admit_done(self, header: DoneHeader, *, in_order: bool) -> Ack | Reject | None:
-        """The final message: KVDone now (Ack), later once layers arrive (None), or rejected."""
+    def _whole_pool(self, header: LayerHeader) -> bool:
+        """The payload holds every head of the pool (not one tensor-parallel rank's share): its
+        regions are the pool's own, so it may land in place."""
+        return header.kv_head_start == self.layout.kv_head_start and header.shape[3:4] == (self.layout.num_kv_heads,)
+
+    def _admit_done(self, header: DoneHeader, *, in_order: bool, origin: object = None) -> Ack | Reject | None:
+        """The final message: KVDone now (Ack), later once layers arrive (None: `_ready_done`
+        hands it back with `origin`, to answer), or rejected."""
         try:
-            if not self._table.admit_done(header, in_order=in_order):
+            if not self._table.admit_done(header, in_order=in_order, origin=origin):
                 return None
         except PayloadRejected as e:
             return self._reject(e)
@@ -212,12 +221,29 @@ class KVReceiver(abc.ABC):
         self._events.put(header.event())
         return Ack(header.request_id)
 
+    def _ready_done(self, request_id: str) -> tuple[Ack, object] | None:
+        """After a layer payload was admitted: the request's deferred final message, delivered now
+        that its last layer arrived (the answer and the origin to send it to), else None."""
+        ready = self._table.take_ready_done(request_id)
+        if ready is None:
+            return None
+        done, origin = ready
+        return self._deliver_done(done), origin
+
     def _reject(self, error: PayloadRejected) -> Reject:
         """A rejected payload ends its request: decode hears KVRejected, prefill a Reject."""
+        reply = Reject(error.request_id, error.reason)
         if error.request_known:
-            self._table.remove(error.request_id)
+            removed = self._table.remove(error.request_id)
             self._events.put(KVRejected(error.request_id, error.reason))
-        return Reject(error.request_id, error.reason)
+            if removed is not None and removed.pending_origin is not None:
+                self._answer_deferred(removed.pending_origin, reply)  # its final message waited
+        return reply
+
+    def _answer_deferred(self, origin: object, reply: Reject) -> None:
+        """Send `reply` to the sender of a final message that waited for layers (`origin`, see
+        `_admit_done`), on the I/O thread. Transports that defer final messages implement it."""
+        raise NotImplementedError
 
 
 class KVSender(abc.ABC):
@@ -331,11 +357,12 @@ class KVSender(abc.ABC):
                       dst_block_ids: list[int], token: str) -> LayerHeader:
         """Describes what the sender actually sends: `num_src_blocks` blocks' worth of bytes."""
         return LayerHeader(request_id, layer, tuple(dst_block_ids), num_src_blocks * self.layout.block_bytes_per_layer,
-                           self.layout.dtype, self.layout.payload_shape(num_src_blocks), token)
+                           self.layout.dtype, self.layout.payload_shape(num_src_blocks), token,
+                           self.layout.kv_head_start)
 
     def _check_welcome(self, welcome: Welcome) -> None:
         """Prefill's half of the layout check, independent of decode's verdict."""
-        self.layout.check_compatible(welcome.layout, self_role="prefill", peer_role="decode", convert_dtype=True)
+        self.layout.check_handoff(welcome.layout)
         if welcome.refusal:  # decode refused although our check passed: trust decode's message
             raise KVLayoutMismatch("layout", "", "", welcome.refusal)
 

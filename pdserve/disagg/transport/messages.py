@@ -85,7 +85,9 @@ class LayerHeader:
     """Announces one layer's K and V for some destination blocks. The payload is `num_bytes` raw
     bytes shaped `shape` = [k|v, block, slot, head, dim] of `dtype`, blocks in `dst_block_ids` order.
     Over tcp the payload follows in the same frame; over nixl it travels inside Claim and Written.
-    `token`: the reservation's (decode checks it before anything of the payload is admitted)."""
+    `token`: the reservation's (decode checks it before anything of the payload is admitted).
+    `kv_head_start`: the model's KV head that `shape`'s heads start at (a tensor-parallel rank
+    sends its own heads; decode writes them into those heads of its blocks)."""
 
     request_id: str
     layer: int
@@ -94,6 +96,7 @@ class LayerHeader:
     dtype: str
     shape: tuple[int, ...]
     token: str = ""
+    kv_head_start: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,8 +22,9 @@ notifications:
 
 Layout: a layer payload is 2 * len(blocks) regions of `layout.region_bytes` (see `regions`); a
 WRITE has one descriptor per region, merged where both sides are adjacent. A payload in another
-element type than decode's pool (`--kv-cache-dtype`) is granted a staging range instead (registered
-for that grant alone), and cast into its blocks on WRITTEN (nixl_staging.py). Each descriptor costs
+element type than decode's pool (`--kv-cache-dtype`), or holding one tensor-parallel rank's KV heads
+(strided within each block), is granted a staging range instead (registered for that grant alone),
+and cast or copied into its blocks on WRITTEN (nixl_staging.py). Each descriptor costs
 ~3 us on loopback (UCX CMA), so small regions in scattered blocks bound the throughput.
 
 Trust. Validation happens before any byte moves: decode hands out the addresses of a payload's
@@ -257,8 +258,8 @@ class NixlKVReceiver(KVReceiver):
         # NOTE: load prefill's connection info before answering, so our first reply can reach it.
         try:
             added.append(agent_name(self._agent.add_remote_agent(hello.nixl_metadata)))
-            if self.layout.converts_from(hello.layout):
-                self._staging.allocate()
+            if self.layout.converts_from(hello.layout) or hello.layout.num_kv_heads != self.layout.num_kv_heads:
+                self._staging.allocate()  # a payload to convert, or one rank's heads, lands there
         except Exception as e:  # NOTE: the bindings raise their own exception classes (nixl*Error)
             return replace(welcome, refusal=f"unusable NIXL agent metadata: {e!r}")
         self._peers.add(added[-1])
@@ -288,7 +289,7 @@ class NixlKVReceiver(KVReceiver):
         elif isinstance(message, Written):
             self._on_written(peer, message)
         elif isinstance(message, DoneHeader):
-            self._notify(peer, self._admit_done(message, in_order=False))
+            self._notify(peer, self._admit_done(message, in_order=False, origin=peer))
             self._revoke_ended()
         else:
             logger.warning("dropped an unexpected %s notification from %s", type(message).__name__, peer)
@@ -299,12 +300,13 @@ class NixlKVReceiver(KVReceiver):
         key = (peer, claim.claim_id)
         try:
             reservation = self._table.check_layer(header)
-            if header.dtype == self.layout.dtype:
+            if self._in_place(header):
                 metadata, device_id = self._exposed.grant(peer, header.request_id, reservation, LATE_WRITE_WINDOW_S)
                 grant = Grant(header.request_id, claim.claim_id, self._pool_addrs(header), self.layout.region_bytes,
                               metadata, device_id)
             elif self._staging.buffer is None:
-                raise PayloadRejected(header.request_id, f"dtype {header.dtype}: no handshake declared it, no staging",
+                raise PayloadRejected(header.request_id, f"dtype {header.dtype}, KV heads from "
+                                      f"{header.kv_head_start}: no handshake declared them, no staging",
                                       request_known=True)
             else:
                 staged = self._staging.grant(key, header)
@@ -322,6 +324,11 @@ class NixlKVReceiver(KVReceiver):
         self._grants[key] = header
         return grant
 
+    def _in_place(self, header: LayerHeader) -> bool:
+        """The payload may be written straight into the pool's regions: same element type, every
+        head of the pool. Otherwise it is staged, then cast or copied into its heads of the blocks."""
+        return header.dtype == self.layout.dtype and self._whole_pool(header)
+
     def _pool_addrs(self, header: LayerHeader) -> tuple[int, ...]:
         return tuple(region_addrs(self.kv_cache, self.layout, header.layer, header.dst_block_ids).tolist())
 
@@ -333,7 +340,7 @@ class NixlKVReceiver(KVReceiver):
     def _on_written(self, peer: str, written: Written) -> None:
         header = written.header
         granted = self._grants.pop((peer, written.claim_id), None)
-        if granted is not None and granted.dtype == self.layout.dtype:
+        if granted is not None and self._in_place(granted):
             self._exposed.written(granted.request_id)  # its WRITE landed
         if granted != header:
             self._staging.hold((peer, written.claim_id), LATE_WRITE_WINDOW_S)
@@ -345,17 +352,21 @@ class NixlKVReceiver(KVReceiver):
         # NOTE: a payload to convert landed in staging: cast into the blocks, then its range frees
         key = (peer, written.claim_id)
         cast: Callable[[], None] = lambda: self._copy_into_pool(header, self._staging.payload(key))  # noqa: E731
-        self._notify(peer, self._admit_layer(header, cast if header.dtype != self.layout.dtype else lambda: None))
+        self._notify(peer, self._admit_layer(header, lambda: None if self._in_place(header) else cast()))
         if self._staging.release(key):
             self._grant_waiting()
-        done = self._table.take_ready_done(header.request_id)
-        if done is not None:
-            self._notify(peer, self._deliver_done(done))
+        ready = self._ready_done(header.request_id)
+        if ready is not None:  # NOTE: answered to the final message's sender (a TP worker's rank 0)
+            ack, origin = ready
+            self._notify(str(origin), ack)
             self._revoke_ended()
 
     def _reject(self, error: PayloadRejected) -> Reject:
         self._drop_grants(error.request_id)
         return super()._reject(error)
+
+    def _answer_deferred(self, origin: object, reply: Reject) -> None:
+        self._notify(str(origin), reply)
 
     def _drop_grants(self, request_id: str) -> None:
         for key in [k for k, granted in self._grants.items() if granted.request_id == request_id]:

@@ -4,7 +4,8 @@ the pool. Every transport's receiver asks it, so all of them validate the same w
 A reservation is the set of destination blocks one request may receive. A payload is admitted
 only if its request is reserved, it presents the reservation's token, every destination block is
 in that set (each at most once), its layer exists, and its byte count, dtype and shape are exactly
-one layer of K and V for those blocks. The dtype is the pool's, or one the pool converts from
+one layer of K and V for those blocks, of the KV heads it names (all of the pool's, or one
+tensor-parallel rank's within them). The dtype is the pool's, or one the pool converts from
 (`KVLayout.converts_from`): the byte count is then counted in the payload's dtype.
 """
 
@@ -39,8 +40,11 @@ class Reservation:
     token: bytes = b""  # what every payload of it must present
     num_layer_payloads: int = 0
     converted: bool = False  # a payload of it came in another dtype (counted once, when it completes)
-    # nixl: the final message can overtake layer notifications; it waits here until they arrive.
+    # The final message can overtake layer payloads (nixl's notifications; over tcp, a
+    # tensor-parallel prefill worker's other ranks' connections); it waits here until they arrive,
+    # with what the transport needs to answer it (`pending_origin`: its sender).
     pending_done: DoneHeader | None = None
+    pending_origin: object = None
 
 
 class ReservationTable:
@@ -67,9 +71,10 @@ class ReservationTable:
                 raise ValueError(f"request {request_id} already has a reservation")
             self._reservations[request_id] = Reservation(ids, token.encode())
 
-    def remove(self, request_id: str) -> bool:
+    def remove(self, request_id: str) -> Reservation | None:
+        """Drop the reservation; the one dropped (None: there was none)."""
         with self._lock:
-            return self._reservations.pop(request_id, None) is not None
+            return self._reservations.pop(request_id, None)
 
     def is_reserved(self, request_id: str) -> bool:
         with self._lock:
@@ -106,10 +111,10 @@ class ReservationTable:
             reservation.num_layer_payloads += 1
             reservation.converted |= header.dtype != self.layout.dtype
 
-    def admit_done(self, header: DoneHeader, *, in_order: bool) -> bool:
+    def admit_done(self, header: DoneHeader, *, in_order: bool, origin: object = None) -> bool:
         """True: every layer payload announced by `header` was received, the reservation is closed.
         False (only when not `in_order`): layer payloads are still on their way; `take_ready_done`
-        returns the header once they arrived."""
+        returns the header and `origin` once they arrived."""
         with self._lock:
             reservation = self._get_as(header.request_id, header.token)
             received, announced = reservation.num_layer_payloads, header.num_layer_payloads
@@ -117,20 +122,21 @@ class ReservationTable:
                 raise PayloadRejected(header.request_id, f"final message announces {announced} layer payloads, "
                                       f"{received} were received", request_known=True)
             if received < announced:
-                reservation.pending_done = header
+                reservation.pending_done, reservation.pending_origin = header, origin
                 return False
             self._close(header.request_id, reservation)
             return True
 
-    def take_ready_done(self, request_id: str) -> DoneHeader | None:
-        """The request's final message if it was waiting and all its layers have now arrived."""
+    def take_ready_done(self, request_id: str) -> tuple[DoneHeader, object] | None:
+        """The request's final message and its origin, if it was waiting and all its layers have
+        now arrived."""
         with self._lock:
             reservation = self._reservations.get(request_id)
             done = reservation.pending_done if reservation is not None else None
             if done is None or reservation is None or reservation.num_layer_payloads < done.num_layer_payloads:
                 return None
             self._close(request_id, reservation)
-            return done
+            return done, reservation.pending_origin
 
     def _close(self, request_id: str, reservation: Reservation) -> None:
         """Its KV arrived whole (lock held)."""
@@ -176,6 +182,11 @@ class ReservationTable:
             if header.dtype not in CONVERTIBLE_DTYPES or not layout.converts_from(layout.as_dtype(header.dtype)):
                 return f"dtype {header.dtype} != {layout.dtype} (and not one it converts from)"
             layout = layout.as_dtype(header.dtype)  # what the payload's bytes are
+        num_heads = header.shape[3] if len(header.shape) == 5 else 0
+        if not layout.holds_heads(header.kv_head_start, num_heads):
+            return (f"KV heads [{header.kv_head_start}, {header.kv_head_start + num_heads}) are not within this "
+                    f"pool's [{layout.kv_head_start}, {layout.kv_head_end})")
+        layout = layout.with_heads(header.kv_head_start, num_heads)  # a rank's heads, or all of them
         expected_bytes = len(dst) * layout.block_bytes_per_layer
         if header.num_bytes != expected_bytes:
             return (f"byte count {header.num_bytes} != {len(dst)} blocks x {layout.block_bytes_per_layer} "

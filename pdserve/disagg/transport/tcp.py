@@ -12,8 +12,11 @@ Bytes go straight between the pools and the kernel, with no copy in Python:
 A pool on an accelerator goes through host memory instead: the sender gathers the blocks
 (`index_select`) and copies them to the host, the receiver reads into a host staging tensor and
 `index_copy_`s it into the pool after the same validation. So does a payload in another element
-type than the decode pool's (`--kv-cache-dtype` differs between the roles): the receiver reads it
-into staging (one buffer per connection, kept) and casts it into the blocks, one layer at a time.
+type than the decode pool's (`--kv-cache-dtype` differs between the roles), or of one
+tensor-parallel rank's KV heads (strided within each block): the receiver reads it into staging
+(one buffer per connection, kept) and casts or copies it into the blocks, one layer at a time.
+A tensor-parallel prefill worker whose ranks have pools of their own opens one connection per
+rank; its final message (rank 0's) waits for the layers the other ranks send on theirs.
 
     prefill I/O thread                         decode I/O thread
                                  <------       CHALLENGE {nonce}   (handshake.py: the cluster secret)
@@ -89,26 +92,40 @@ class TcpKVReceiver(KVReceiver):
     async def _serve(self, sock: socket.socket) -> None:
         with sock, self.gate.slot(sock) as admitted:
             try:
-                if admitted and await self.gate.handshake(sock, lambda hello: self._handshake(hello.layout)):
-                    await self._receive_loop(sock)
+                decide = lambda hello: self._handshake(hello.layout)  # noqa: E731
+                hello = await self.gate.handshake(sock, decide) if admitted else None
+                if hello is not None:
+                    await self._receive_loop(_Connection(sock), hello.layout.num_kv_heads == self.layout.num_kv_heads)
             except (ConnectionError, OSError) as e:
                 logger.info("KV connection from prefill closed: %s", e)
             except Exception:  # a bug: drop this connection, keep serving the others
                 logger.exception("KV receiver connection handler crashed")
 
-    async def _receive_loop(self, sock: socket.socket) -> None:
-        staging = _Staging()  # this connection's: its frames arrive one after the other
+    async def _receive_loop(self, connection: _Connection, whole_pool: bool) -> None:
+        """`whole_pool`: the peer sends every head of the pool, so a request's frames all come
+        this way, in order; else (one rank of a tensor-parallel prefill worker) its final message
+        may come before other ranks' layers, on their connections, and waits for them."""
+        sock, staging = connection.sock, _Staging()  # this connection's: its frames arrive one after the other
         while True:
             frame = await frames.recv_frame(sock, self._max_payload_bytes, self._max_header_bytes)
             if isinstance(frame.header, LayerHeader):
-                reply = await self._receive_layer(sock, frame, frame.header, staging)
+                reply: Ack | Reject | None = await self._receive_layer(sock, frame, frame.header, staging)
+                ready = self._ready_done(frame.header.request_id)
+                if ready is not None:  # a deferred final message, answered on its own connection
+                    ack, origin = ready
+                    assert isinstance(origin, _Connection)
+                    await origin.send(ack)
             elif isinstance(frame.header, DoneHeader) and not frame.payload_len:
-                done_reply = self._admit_done(frame.header, in_order=True)
-                assert done_reply is not None, "frames arrive in order: a final message is never deferred"
-                reply = done_reply
+                reply = self._admit_done(frame.header, in_order=whole_pool, origin=connection)
+                assert reply is not None or not whole_pool, "frames in order: the final message is never deferred"
             else:
                 raise ProtocolError(f"unexpected {frame.kind.name} frame from prefill")
-            await frames.send_frame(sock, reply)
+            if reply is not None:
+                await connection.send(reply)
+
+    def _answer_deferred(self, origin: object, reply: Reject) -> None:
+        assert isinstance(origin, _Connection)
+        asyncio.get_running_loop().create_task(origin.send(reply))
 
     async def _receive_layer(self, sock: socket.socket, frame: Frame, header: LayerHeader,
                              staging: _Staging) -> Ack | Reject:
@@ -120,7 +137,7 @@ class TcpKVReceiver(KVReceiver):
         except PayloadRejected as e:
             await frames.discard(sock, frame.payload_len)
             return self._reject(e)
-        if self._flat is None or header.dtype != self.layout.dtype:
+        if self._flat is None or header.dtype != self.layout.dtype or not self._whole_pool(header):
             return await self._receive_staged(sock, header, staging.take(header.num_bytes))
         views = regions.payload_views(self.layout, self.kv_cache, self._flat, header.layer, header.dst_block_ids)
         unread = await frames.recv_into_views(sock, views, lambda: self._table.writing(header.request_id, reservation))
@@ -132,6 +149,19 @@ class TcpKVReceiver(KVReceiver):
     async def _receive_staged(self, sock: socket.socket, header: LayerHeader, staging: torch.Tensor) -> Ack | Reject:
         await frames.recv_into(sock, staging.numpy().data)
         return self._write_layer(header, staging)
+
+
+class _Connection:
+    """A prefill connection; replies to it go one frame at a time (a deferred final message's
+    answer is sent from the connection whose layer completed it)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._sending = asyncio.Lock()
+
+    async def send(self, reply: Ack | Reject) -> None:
+        async with self._sending:
+            await frames.send_frame(self.sock, reply)
 
 
 class _Staging:
