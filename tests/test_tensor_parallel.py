@@ -21,7 +21,7 @@ from helpers import assert_no_leak, generate_texts, generate_token_ids, greedy, 
 from pd_fixtures import start_cluster, stop_cluster
 from server_fixtures import parse_sse
 
-from pdserve import LLM, SamplingParams
+from pdserve import LLM, SamplingParams, envs
 from pdserve.config import EngineArgs, RouterConfig, WorkerConfig, create_engine_config
 from pdserve.disagg.kv_layout import KVLayout, KVLayoutMismatch
 from pdserve.disagg.transport import nixl_available
@@ -159,19 +159,28 @@ def test_a_rank_killed_mid_step_ends_the_engine_without_hanging(model_dirs: dict
         engine.close()
 
 
+NIXL = pytest.mark.skipif(not nixl_available(), reason="nixl_cu12 is not installed")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("transport", "prefill_tp", "decode_tp", "decode_kv"),
-                         [("tcp", 2, 1, "auto"), ("tcp", 1, 2, "auto"),
-                          pytest.param("nixl", 2, 1, "bfloat16", marks=pytest.mark.skipif(
-                              not nixl_available(), reason="nixl_cu12 is not installed"))],
-                         ids=["tcp-P-TP2-to-D-TP1", "tcp-P-TP1-to-D-TP2", "nixl-P-TP2-to-D-TP1-KV-bf16"])
+@pytest.mark.parametrize(("transport", "prefill_tp", "decode_tp", "decode_kv", "rank_pools"),
+                         [("tcp", 2, 1, "auto", False), ("tcp", 1, 2, "auto", False),
+                          pytest.param("nixl", 2, 1, "bfloat16", False, marks=NIXL),
+                          ("tcp", 2, 1, "auto", True),
+                          pytest.param("nixl", 2, 1, "bfloat16", True, marks=NIXL)],
+                         ids=["tcp-P-TP2-to-D-TP1", "tcp-P-TP1-to-D-TP2", "nixl-P-TP2-to-D-TP1-KV-bf16",
+                              "tcp-P-TP2-each-rank-sends-to-D-TP1", "nixl-P-TP2-each-rank-sends-to-D-TP1-KV-bf16"])
 def test_pd_hand_off_between_tp_sizes_matches_colocated(model_dirs: dict[str, Path], llm_factory: Callable[..., LLM],
-                                                        transport: str, prefill_tp: int, decode_tp: int,
-                                                        decode_kv: str) -> None:
+                                                        monkeypatch: pytest.MonkeyPatch, transport: str,
+                                                        prefill_tp: int, decode_tp: int, decode_kv: str,
+                                                        rank_pools: bool) -> None:
     """`decode_kv` bfloat16: the hand-off also converts (prefill's pool is float32, its ranks'
     shared one); the reference is then a colocated engine with a bfloat16 pool, which rounds the
     prompt's KV as decode does on arrival (prefill reads its own earlier chunks back unrounded, as
-    the reference, which computes the prompt in one chunk, never reads them)."""
+    the reference, which computes the prompt in one chunk, never reads them). `rank_pools`: each
+    prefill rank has its own pool, as on CUDA, and sends its own head over its own connection."""
+    if rank_pools:
+        monkeypatch.setenv(envs.TP_RANK_POOLS, "1")
     colocated = llm_factory("tiny", kv_cache_dtype=decode_kv)
     engine_options = {"prefill": {"tensor_parallel_size": prefill_tp, "num_threads": 1},
                       "decode": {"tensor_parallel_size": decode_tp, "num_threads": 1, "kv_cache_dtype": decode_kv}}
@@ -194,5 +203,9 @@ def test_pd_hand_off_between_tp_sizes_matches_colocated(model_dirs: dict[str, Pa
         assert prefill_stats.num_prefill_tokens > 0  # the prompts were computed there and handed off
         decode = cluster.services[0].stats()  # the decode worker is built first
         assert decode.completed > 0 and decode.kv_dtype_conversions == (0 if decode_kv == "auto" else decode.completed)
+        prefill_runner = cluster.workers[1][1].engine.runner
+        assert isinstance(prefill_runner, TPModelRunner) == (prefill_tp > 1)
+        if prefill_tp > 1:
+            assert isinstance(prefill_runner, TPModelRunner) and prefill_runner.rank_pools == rank_pools
     finally:
         stop_cluster(cluster)

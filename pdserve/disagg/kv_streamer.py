@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from pdserve.disagg.transport.base import KVSender
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledChunk
 
@@ -40,6 +41,20 @@ SMALL_STEP_KV_BYTES = 1 << 21
 def small_step_blocks(block_bytes_per_layer: int, num_layers: int) -> int:
     """Blocks a layer that a step may send and still be held for one burst (`KVStreamer.small_blocks`)."""
     return SMALL_STEP_KV_BYTES // max(1, block_bytes_per_layer * num_layers)
+
+
+@dataclass(frozen=True, slots=True)
+class KVDestination:
+    """A `SendLayer` into one decode reservation: the sender to its decode worker (at `address`)
+    and the reservation's token. The ranks of a tensor-parallel prefill worker each send their own
+    heads to the same address with the same token (rank_streaming.py)."""
+
+    sender: KVSender
+    address: str
+    token: str
+
+    def __call__(self, request_id: str, layer: int, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+        self.sender.send_layer(request_id, layer, src_block_ids, dst_block_ids, token=self.token)
 
 
 @dataclass(slots=True)
@@ -105,6 +120,10 @@ class KVStreamer:
 
     def forget(self, request_id: str) -> None:
         self._targets.pop(request_id, None)
+
+    def has_target(self, request_id: str) -> bool:
+        """The request is expected here (placed or not)."""
+        return request_id in self._targets
 
     def __call__(self, layer: int, chunks: list[ScheduledChunk]) -> None:
         for chunk in chunks:

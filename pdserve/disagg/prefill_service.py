@@ -33,7 +33,7 @@ from typing import Literal
 from pdserve.disagg.auth import ClusterSecret, verify_job, verify_placement
 from pdserve.disagg.client import WorkerClient, WorkerError
 from pdserve.disagg.control import FirstToken, HandOff, Placement, PrefillJob
-from pdserve.disagg.kv_streamer import KVStreamer
+from pdserve.disagg.kv_streamer import KVDestination, KVStreamer
 from pdserve.disagg.phases import PrefillPhases
 from pdserve.disagg.prompt_logprobs_wire import pack
 from pdserve.disagg.sender_pool import SenderPool
@@ -128,7 +128,7 @@ class PrefillService:
         expect = partial(self.streamer.expect, tid, None)
         if sender is not None:
             expect = partial(self.streamer.expect, tid, job.block_ids, job.num_cached_tokens,
-                             partial(sender.send_layer, token=job.token))
+                             KVDestination(sender, job.kv_address, job.token))
         await self.client.send(AddPrefillOnly(tid, job.prompt_token_ids, params, before=expect,
                                               if_refused=partial(self.streamer.forget, tid)), stream)
         task = asyncio.create_task(self._finish(tid, stream))
@@ -153,7 +153,7 @@ class PrefillService:
         if attempt.placed.done():
             raise ValueError(f"attempt {tid!r} is placed already")
         sender = await self._sender(placement.kv_address)
-        send = partial(sender.send_layer, token=placement.token)
+        send = KVDestination(sender, placement.kv_address, placement.token)
         if (self._attempts.get(tid) is not attempt or attempt.placed.done() or not await self.client.send(
                 PlaceKV(tid, partial(self.streamer.place, tid, placement.block_ids, placement.num_cached_tokens,
                                      send)))):

@@ -28,14 +28,15 @@ logger = logging.getLogger(__name__)
 class SenderPool:
     def __init__(self, transport: str, layout: KVLayout, kv_cache: torch.Tensor,
                  options: Mapping[str, object] | None = None, secret: ClusterSecret | None = None, *,
-                 idle_s: float = 600.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 idle_s: float = 600.0, clock: Callable[[], float] = time.monotonic, copies: int = 1) -> None:
         """`kv_cache`: this worker's pool, which the senders read; `options` go to each sender, with
-        the cluster `secret` each handshake proves."""
+        the cluster `secret` each handshake proves; `copies`: each sender's (`KVSender.copies`)."""
         self.transport = transport
         self.layout = layout
         self.kv_cache = kv_cache
         self.options = {**(options or {}), "secret": secret}
         self.idle_s = idle_s
+        self.copies = copies
         self._clock = clock
         self._senders: dict[str, KVSender] = {}  # decode worker's KV address -> its sender
         self._last_used: dict[str, float] = {}  # address -> when `get` last handed its sender out
@@ -63,6 +64,7 @@ class SenderPool:
                 sender = None
             if sender is None:
                 sender = make_sender(self.transport, self.layout, self.kv_cache, **self.options)
+                sender.copies = self.copies
                 try:
                     sender.connect(address)
                 except BaseException:

@@ -56,6 +56,7 @@ from pdserve.disagg.decode_service import DecodeService
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.kv_streamer import KVStreamer, small_step_blocks
 from pdserve.disagg.prefill_service import PrefillService
+from pdserve.disagg.rank_streaming import MirroredKVStreamer, RankStreamingSpec, rank_layout, sending_ranks
 from pdserve.disagg.registrar import Registrar
 from pdserve.disagg.sender_pool import SenderPool
 from pdserve.disagg.transport import make_receiver, nixl_available
@@ -63,6 +64,7 @@ from pdserve.disagg.transport.handshake import KVPeerPolicy
 from pdserve.disagg.worker_routes import add_decode_routes, add_prefill_routes
 from pdserve.engine.async_llm import AsyncLLM
 from pdserve.engine.llm_engine import KVTransferSetup, LLMEngine
+from pdserve.engine.tensor_parallel import TPModelRunner
 from pdserve.serving.app import Lifespan
 from pdserve.serving.errors import EXCEPTION_HANDLERS
 from pdserve.serving.metrics import ServerMetrics, install_engine_metrics
@@ -96,11 +98,15 @@ def build_worker(engine: LLMEngine, config: WorkerConfig, model_name: str, *,
     `sender_options` go to each KV sender (tests: the fake transport's `stall_after_layers`). A
     prefill worker whose `config.queue` is Redis pulls its jobs from the shared queue
     (`RedisJobConsumer`, started with the app, drained and awaited when the app stops)."""
-    if engine.runner.kv_cache.shape[4] != engine.config.model.num_key_value_heads:
-        raise ValueError("a disaggregated worker with --tensor-parallel-size > 1 needs the CPU device (its ranks share "
-                         "one KV pool); on CUDA each rank's pool holds only its heads: not supported yet")
-    layout = KVLayout.from_pool(model_name, engine.runner.kv_cache, tp_size=engine.config.tensor_parallel_size)
+    runner = engine.runner
+    rank_pools = isinstance(runner, TPModelRunner) and runner.rank_pools
     transport = config.kv_transport or ("nixl" if nixl_available() else "tcp")
+    if rank_pools and (config.role == "decode" or transport == "fake"):
+        raise ValueError(f"a {config.role} worker over {transport} with --tensor-parallel-size > 1 needs its ranks to "
+                         "share one KV pool (CPU); with a pool per rank (CUDA) only a prefill worker over tcp or nixl "
+                         "is supported yet (each rank sends its heads)")
+    layout = (rank_layout(model_name, runner, engine.config, 0) if rank_pools
+              else KVLayout.from_pool(model_name, runner.kv_cache, tp_size=engine.config.tensor_parallel_size))
     metrics = ServerMetrics(model_name, config.role)
     secret = load_cluster_secret(config.cluster_secret_file)
     warn_if_open(secret, f"{config.role} worker")
@@ -110,17 +116,23 @@ def build_worker(engine: LLMEngine, config: WorkerConfig, model_name: str, *,
         engine.step_log.role = config.role
     if config.role == "decode":
         peers = KVPeerPolicy(secret, config.kv_max_connections, config.kv_handshake_timeout_s)
-        receiver = make_receiver(transport, layout, engine.runner.kv_cache, host=config.kv_host, port=config.kv_port,
+        receiver = make_receiver(transport, layout, runner.kv_cache, host=config.kv_host, port=config.kv_port,
                                  peers=peers)
         # NOTE: the quarantine must be known before the engine thread starts: only it reads it then
         client = AsyncLLM(engine, KVTransferSetup(remote_kv_quarantine_s=receiver.late_write_window_s))
         service = DecodeService(client, receiver, config.kv_failure_policy, config.transfer_timeout_s,
                                 on_transfer=metrics.observe_transfer, lease_s=config.reservation_lease_s)
     else:
-        streamer = KVStreamer(layout.block_size, layout.num_layers,
-                              small_blocks=small_step_blocks(layout.block_bytes_per_layer, layout.num_layers))
+        small_blocks = small_step_blocks(layout.block_bytes_per_layer, layout.num_layers)
+        streamer, copies = KVStreamer(layout.block_size, layout.num_layers, small_blocks=small_blocks), 1
+        if rank_pools:
+            assert isinstance(runner, TPModelRunner)
+            streamer = MirroredKVStreamer(runner, layout.block_size, layout.num_layers, small_blocks)
+            runner.install_rank_hook(RankStreamingSpec(transport, model_name, small_blocks,
+                                                       config.cluster_secret_file), streamer.step_message)
+            copies = len(sending_ranks(engine.config))
         client = AsyncLLM(engine, KVTransferSetup(layer_observer=streamer))
-        senders = SenderPool(transport, layout, engine.runner.kv_cache, sender_options, secret)
+        senders = SenderPool(transport, layout, runner.kv_cache, sender_options, secret, copies=copies)
         service = PrefillService(client, streamer, senders, config.transfer_timeout_s, secret)
         consumer = _queue_consumer(service, config)
     registrar = None

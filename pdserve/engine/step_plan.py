@@ -42,6 +42,9 @@ class StepPlan:
     prompt_rows: list[int] = field(default_factory=list)  # rows whose logits give prompt logprobs
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
+    # tensor parallelism: what the ranks' hooks do with this step (a prefill worker's ranks: which
+    # requests' KV to stream), see TPModelRunner.install_rank_hook
+    rank_message: object = None
 
 
 def plan_step(out: SchedulerOutput, block_size: int) -> tuple[StepPlan, list[Request], list[tuple[Request, int]]]:

@@ -11,7 +11,14 @@
 Rank 0 runs the scheduler and sends each step's plan (plain integers) to the other ranks; they
 only compute. On CPU every rank maps one shared KV pool file and writes only its heads into it, so
 rank 0's `kv_cache` holds every head: the KV transports and the disk tier use it as with one
-process (the KV hand-off across TP sizes needs nothing more). On CUDA each rank has its own pool.
+process (the KV hand-off across TP sizes needs nothing more). On CUDA each rank has its own pool
+(`rank_pools`; on CPU too with PDSERVE_TP_RANK_POOLS=1): a prefill worker's ranks then each send
+their own heads, which a rank hook does on every rank (`install_rank_hook`, disagg/rank_streaming.py):
+
+    rank 0                                            rank r
+    install_rank_hook(spec)        --pipe-->          hook = spec(runner, config, r)  -> "ok"
+    rank_command(message)          --pipe-->          hook.command(message)          -> its reply
+    StepPlan{rank_message}         --pipe-->          runner.run(plan, hook.step(rank_message))
 
 KV heads replicated on several ranks (fewer KV heads than ranks) are written by each of them to the
 same slots of the shared pool: the same bytes (same weights, same all-reduced input, same kernel
@@ -42,15 +49,18 @@ from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from pdserve import envs
 from pdserve.config import EngineConfig
 from pdserve.engine import shared_memory_group
 from pdserve.engine.host_memory import keep_large_allocations_on_heap
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.sampler import TokenLogprobs
+from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 from pdserve.engine.shared_memory_group import SharedMemoryGroup
 from pdserve.engine.step_plan import StepPlan
 from pdserve.model.loader import load_model
@@ -67,6 +77,33 @@ _MAX_SLOT_BYTES = 16 * 1024**2  # per rank and half of the shared collective fil
 
 class RankDiedError(RuntimeError):
     """A tensor-parallel rank exited: the engine cannot compute another step."""
+
+
+class RankHook(Protocol):
+    """What a rank other than 0 does besides computing, with its own runner (its own KV pool).
+    Built on the rank by a picklable spec (`install_rank_hook`). Its methods must not raise for
+    one request's trouble: the rank has to keep computing every step with the others."""
+
+    def command(self, message: Any) -> Any:
+        """Rank 0's `rank_command`, between steps; the reply goes back to rank 0."""
+
+    def step(self, message: Any) -> Callable[[int], None] | None:
+        """Before a step, with its plan's `rank_message`: the step's per-layer callback."""
+
+    def close(self) -> None: ...
+
+
+RankHookSpec = Callable[[ModelRunner, EngineConfig, int], RankHook]
+
+
+@dataclass(frozen=True, slots=True)
+class _InstallHook:
+    spec: RankHookSpec
+
+
+@dataclass(frozen=True, slots=True)
+class _HookCommand:
+    message: Any
 
 
 class TorchGroup:
@@ -167,14 +204,30 @@ def rank_main(conn: Connection) -> None:
         conn.send(repr(exc))
         raise SystemExit(1) from exc
     conn.send("ready")
+    hook: RankHook | None = None
     while True:
         try:
-            plan: StepPlan | None = conn.recv()
+            message: StepPlan | _InstallHook | _HookCommand | None = conn.recv()
         except EOFError:  # rank 0 is gone
             os._exit(1)
-        if plan is None:
+        if message is None:
+            if hook is not None:
+                hook.close()
             return
-        runner.run(plan)
+        if isinstance(message, StepPlan):
+            runner.run(message, None if hook is None else hook.step(message.rank_message))
+            continue
+        try:
+            if isinstance(message, _InstallHook):
+                hook, reply = message.spec(runner, config, rank), None
+            else:
+                assert hook is not None, "a rank command before its hook"
+                reply = hook.command(message.message)
+        except Exception as exc:  # noqa: BLE001 - rank 0 raises it
+            logger.exception("tensor-parallel rank %d: hook failed", rank)
+            conn.send(("error", repr(exc)))
+        else:
+            conn.send(("ok", reply))
 
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
@@ -195,6 +248,54 @@ class TPModelRunner(ModelRunner):
     """Rank 0: a `ModelRunner` over its own heads that first sends each step's plan to the other
     ranks. Build it with `start_tensor_parallel`."""
 
+    step_message: Callable[[list[ScheduledChunk]], object] | None = None  # see install_rank_hook
+    _chunks: list[ScheduledChunk] = []  # the step's, while it runs
+
+    @property
+    def rank_pools(self) -> bool:
+        """Each rank has a KV pool of its own, holding its heads (CUDA; CPU with
+        PDSERVE_TP_RANK_POOLS=1): `kv_cache` holds rank 0's only."""
+        return self.local_cache is self.kv_cache  # NOTE: a shared pool's local cache is a view of it
+
+    def install_rank_hook(self, spec: RankHookSpec,
+                          step_message: Callable[[list[ScheduledChunk]], object] | None = None) -> None:
+        """Build `spec`'s hook on every other rank (RuntimeError naming the rank that failed);
+        from now on each step's plan carries `step_message(the step's chunks)` to them."""
+        self._ask(_InstallHook(spec))
+        self.step_message = step_message
+
+    def rank_command(self, message: Any) -> list[Any]:
+        """Run `message` through every other rank's hook, between steps (engine thread); their
+        replies, rank 1 first. RuntimeError naming the rank whose hook raised."""
+        return self._ask(_HookCommand(message))
+
+    def _ask(self, message: _InstallHook | _HookCommand) -> list[Any]:
+        try:
+            for conn in self.conns:
+                conn.send(message)
+        except OSError as exc:
+            raise RankDiedError(f"a tensor-parallel rank is gone: {exc}") from exc
+        replies, errors = [], []
+        for rank, (process, conn) in enumerate(zip(self.processes, self.conns, strict=True), start=1):
+            try:
+                status, reply = conn.recv()
+            except EOFError as exc:
+                raise RankDiedError(f"tensor-parallel rank {rank} exited (code {process.wait()})") from exc
+            if status != "ok":
+                errors.append(f"rank {rank}: {reply}")
+            replies.append(reply)
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        return replies
+
+    def execute(self, out: SchedulerOutput, layer_done: Callable[[int], None] | None = None
+                ) -> dict[str, tuple[int, TokenLogprobs | None]]:
+        self._chunks = out.chunks
+        try:
+            return super().execute(out, layer_done)
+        finally:
+            self._chunks = []
+
     def attach_ranks(self, processes: list[subprocess.Popen[bytes]], conns: list[Connection], group: TorchGroup,
                      store: dist.Store) -> None:
         """`store`: the rendezvous store rank 0 serves; it lives as long as the group. The ranks
@@ -206,6 +307,8 @@ class TPModelRunner(ModelRunner):
         for rank, process in enumerate(self.processes, start=1):
             if process.poll() is not None:
                 raise RankDiedError(f"tensor-parallel rank {rank} exited (code {process.returncode})")
+        if self.step_message is not None:
+            plan.rank_message = self.step_message(self._chunks)
         try:
             for conn in self.conns:
                 conn.send(plan)
@@ -238,7 +341,7 @@ def start_tensor_parallel(config: EngineConfig) -> TPModelRunner:
     torch.set_num_threads(rank_threads(config))
     store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False, timeout=_COLLECTIVE_TIMEOUT)
     cpu = config.device.type == "cpu"
-    pool_path = _new_shared_file("kv") if cpu else None
+    pool_path = _new_shared_file("kv") if cpu and not envs.tp_rank_pools() else None
     collective_path = _new_shared_file("collectives") if cpu and shared_memory_group.available() else None
     processes: list[subprocess.Popen[bytes]] = []
     conns: list[Connection] = []

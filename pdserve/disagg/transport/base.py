@@ -53,9 +53,10 @@ _RELEASE_POLL_S = 0.001
 
 def check_pool(layout: KVLayout, kv_cache: torch.Tensor) -> None:
     """The pool a transport is given must be the one `layout` describes."""
-    # NOTE: the wire version is the peer protocol's, not the pool's: only the pool's fields are checked
+    # NOTE: the wire version is the peer protocol's, not the pool's, and which of the model's heads
+    # a pool holds is the layout's to say: only the pool's own fields are checked
     actual = dataclasses.replace(KVLayout.from_pool(layout.model_id, kv_cache, layout.kv_cache_dtype),
-                                 wire_version=layout.wire_version)
+                                 wire_version=layout.wire_version, kv_head_start=layout.kv_head_start)
     actual.check_compatible(layout, self_role="pool", peer_role="layout")
 
 
@@ -273,6 +274,10 @@ class KVSender(abc.ABC):
       completes a request whose KV may be partial), and it returns once no send is reading those
       blocks. After a successful `flush` it returns at once.
     - `close()` stops the I/O thread; outstanding requests fail.
+    - `copies`: how many senders send each layer payload this one sends, each with KV heads of its
+      own (the ranks of a tensor-parallel prefill worker with a pool per rank, all into the same
+      reservation; 1 otherwise). This one sends the final message, which announces them all.
+      The other ranks' senders send no final message; `release_blocking` ends their requests.
     - `broken` says why the connection to the receiver is gone for good ("" while usable): a
       broken sender fails every later send at once and never reconnects; its owner replaces it
       with a new one (`SenderPool`), e.g. when the decode worker restarted on the same address.
@@ -285,6 +290,7 @@ class KVSender(abc.ABC):
         check_pool(layout, kv_cache)
         self.layout = layout
         self.kv_cache = kv_cache
+        self.copies = 1
         self._acks = AckTracker()
         self._abandoned: OrderedDict[str, None] = OrderedDict()  # released request ids, most recent last
         self._abandoned_lock = threading.Lock()
@@ -319,17 +325,39 @@ class KVSender(abc.ABC):
         await self._acks.flush(request_id, timeout_s)
 
     async def release(self, request_id: str) -> None:
+        deadline = self._abandon(request_id)
+        while self._still_reading(request_id, deadline):
+            await asyncio.sleep(_RELEASE_POLL_S)
+
+    def release_blocking(self, request_id: str) -> None:
+        """`release` for a thread without an event loop, which then forgets the request (no
+        `flush` follows: another sender's final message ended it; see `copies`)."""
+        deadline = self._abandon(request_id)
+        try:
+            while self._still_reading(request_id, deadline):
+                time.sleep(_RELEASE_POLL_S)
+        finally:
+            self._acks.forget(request_id)
+
+    def _abandon(self, request_id: str) -> float:
+        """Nothing more of the request is sent; the deadline for sends still reading its blocks."""
         with self._abandoned_lock:
             self._abandoned[request_id] = None
             while len(self._abandoned) > _MAX_ABANDONED_KEPT:
                 self._abandoned.popitem(last=False)
         self._acks.failed(request_id, "released by the caller")
-        deadline = time.monotonic() + _RELEASE_TIMEOUT_S
-        while self._reading(request_id):
-            if time.monotonic() > deadline:
-                raise KVTransferError(f"request {request_id}: a send still reads its blocks after "
-                                      f"{_RELEASE_TIMEOUT_S:g} s")
-            await asyncio.sleep(_RELEASE_POLL_S)
+        return time.monotonic() + _RELEASE_TIMEOUT_S
+
+    def _still_reading(self, request_id: str, deadline: float) -> bool:
+        if not self._reading(request_id):
+            return False
+        if time.monotonic() > deadline:
+            raise KVTransferError(f"request {request_id}: a send still reads its blocks after {_RELEASE_TIMEOUT_S:g} s")
+        return True
+
+    def _announced_layers(self, request_id: str) -> int:
+        """Record the final message; the layer payloads it announces (see `copies`)."""
+        return self._acks.sent_done(request_id) * self.copies
 
     def pending_request_ids(self) -> frozenset[str]:
         """Requests sent but not yet flushed to completion (tests: nothing left behind)."""

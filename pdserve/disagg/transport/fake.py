@@ -93,7 +93,7 @@ class FakeKVSender(KVSender):
                   prefill_queue_s: float | None = None, prefill_compute_s: float | None = None,
                   token: str = "", prefill_cached_tokens: int = 0, prompt_logprobs: bytes | None = None) -> None:
         peer = self._connected()
-        num_layers = self._acks.sent_done(request_id)
+        num_layers = self._announced_layers(request_id)
         if self._abandoned_request(request_id) or self._stalled(request_id, count=False):
             return
         with self._lock:

@@ -123,7 +123,7 @@ class NixlKVSender(KVSender):
                   token: str = "", prefill_cached_tokens: int = 0, prompt_logprobs: bytes | None = None) -> None:
         if not self._peer:
             raise RuntimeError("connect() first")
-        num_layers = self._acks.sent_done(request_id)
+        num_layers = self._announced_layers(request_id)
         if self._broken:
             self._acks.failed(request_id, self._broken)
             return

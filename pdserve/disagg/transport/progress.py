@@ -178,6 +178,11 @@ class AckTracker:
         for request_id in request_ids:
             self.failed(request_id, reason)
 
+    def forget(self, request_id: str) -> None:
+        """Stop tracking the request (nobody will flush it)."""
+        with self._lock:
+            self._requests.pop(request_id, None)
+
     def request_ids(self) -> frozenset[str]:
         with self._lock:
             return frozenset(self._requests)

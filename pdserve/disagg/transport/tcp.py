@@ -218,7 +218,7 @@ class TcpKVSender(KVSender):
     def send_done(self, request_id: str, first_token_id: int, generator_state: bytes | None = None, *,
                   prefill_queue_s: float | None = None, prefill_compute_s: float | None = None,
                   token: str = "", prefill_cached_tokens: int = 0, prompt_logprobs: bytes | None = None) -> None:
-        num_layers = self._acks.sent_done(request_id)
+        num_layers = self._announced_layers(request_id)
         self._enqueue(request_id, DoneHeader(request_id, first_token_id, num_layers, generator_state,
                                              prefill_queue_s, prefill_compute_s, token,
                                              prefill_cached_tokens, prompt_logprobs))
