@@ -166,10 +166,13 @@ NIXL = pytest.mark.skipif(not nixl_available(), reason="nixl_cu12 is not install
 @pytest.mark.parametrize(("transport", "prefill_tp", "decode_tp", "decode_kv", "rank_pools"),
                          [("tcp", 2, 1, "auto", False), ("tcp", 1, 2, "auto", False),
                           pytest.param("nixl", 2, 1, "bfloat16", False, marks=NIXL),
-                          ("tcp", 2, 1, "auto", True),
-                          pytest.param("nixl", 2, 1, "bfloat16", True, marks=NIXL)],
+                          ("tcp", 2, 1, "auto", True), ("tcp", 1, 2, "auto", True), ("tcp", 2, 2, "auto", True),
+                          pytest.param("nixl", 2, 1, "bfloat16", True, marks=NIXL),
+                          pytest.param("nixl", 2, 2, "auto", True, marks=NIXL)],
                          ids=["tcp-P-TP2-to-D-TP1", "tcp-P-TP1-to-D-TP2", "nixl-P-TP2-to-D-TP1-KV-bf16",
-                              "tcp-P-TP2-each-rank-sends-to-D-TP1", "nixl-P-TP2-each-rank-sends-to-D-TP1-KV-bf16"])
+                              "tcp-rank-pools-P-TP2-to-D-TP1", "tcp-rank-pools-P-TP1-to-D-TP2",
+                              "tcp-rank-pools-P-TP2-to-D-TP2", "nixl-rank-pools-P-TP2-to-D-TP1-KV-bf16",
+                              "nixl-rank-pools-P-TP2-to-D-TP2"])
 def test_pd_hand_off_between_tp_sizes_matches_colocated(model_dirs: dict[str, Path], llm_factory: Callable[..., LLM],
                                                         monkeypatch: pytest.MonkeyPatch, transport: str,
                                                         prefill_tp: int, decode_tp: int, decode_kv: str,
@@ -203,9 +206,13 @@ def test_pd_hand_off_between_tp_sizes_matches_colocated(model_dirs: dict[str, Pa
         assert prefill_stats.num_prefill_tokens > 0  # the prompts were computed there and handed off
         decode = cluster.services[0].stats()  # the decode worker is built first
         assert decode.completed > 0 and decode.kv_dtype_conversions == (0 if decode_kv == "auto" else decode.completed)
-        prefill_runner = cluster.workers[1][1].engine.runner
-        assert isinstance(prefill_runner, TPModelRunner) == (prefill_tp > 1)
-        if prefill_tp > 1:
-            assert isinstance(prefill_runner, TPModelRunner) and prefill_runner.rank_pools == rank_pools
+        for (_, client), tp in zip(cluster.workers, (decode_tp, prefill_tp), strict=True):
+            runner = client.engine.runner
+            assert isinstance(runner, TPModelRunner) == (tp > 1)
+            assert not isinstance(runner, TPModelRunner) or runner.rank_pools == rank_pools
+        receiver = cluster.services[0].receiver  # type: ignore[union-attr]
+        assert len(receiver.kv_address.split(",")) == (decode_tp if rank_pools else 1)
+        if receiver.ranks is not None:  # each rank let go of every reservation
+            assert receiver.ranks.reserved_request_ids() == frozenset()
     finally:
         stop_cluster(cluster)

@@ -134,7 +134,7 @@ class DecodeService:
         record = self._requests[rid] = _Reserved(stream, reservation.block_ids, token, tid)
         record.watcher = asyncio.create_task(self._watch(rid, tid))
         return ReserveReply(block_ids=list(reservation.block_ids), num_cached_tokens=reservation.num_cached_tokens,
-                            kv_address=self.receiver.address, token=token)
+                            kv_address=self.receiver.kv_address, token=token)
 
     async def cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
         """Leading tokens of this prompt the prefix cache holds now (prefix-affinity routing)."""

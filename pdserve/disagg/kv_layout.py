@@ -83,12 +83,13 @@ class KVLayout:
 
     @classmethod
     def from_pool(cls, model_id: str, kv_cache: torch.Tensor, kv_cache_dtype: str | None = None,
-                  tp_size: int = 1) -> KVLayout:
-        """Describe an engine pool of shape [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
+                  tp_size: int = 1, *, strided: bool = False) -> KVLayout:
+        """Describe an engine pool of shape [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
+        `strided`: the pool may be a view of some heads of a larger one (a tcp sender gathers)."""
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
             raise ValueError(f"expected a pool shaped [layers, 2, blocks, block_size, kv_heads, head_dim], "
                              f"got {tuple(kv_cache.shape)}")
-        if not kv_cache.is_contiguous():
+        if not strided and not kv_cache.is_contiguous():
             raise ValueError("the KV pool must be contiguous: transports address blocks by offset")
         dtype = str(kv_cache.dtype).removeprefix("torch.")
         num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape

@@ -36,6 +36,7 @@ from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.kv_streamer import KVDestination, KVStreamer, SendLayer
 from pdserve.disagg.sender_pool import SenderPool
 from pdserve.disagg.transport.base import KVSender
+from pdserve.disagg.transport.ranked import HeadRange
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledChunk
@@ -62,6 +63,11 @@ def sending_ranks(config: EngineConfig) -> list[int]:
     return [rank for rank, heads in enumerate(ranges) if heads not in ranges[:rank]]
 
 
+def sending_heads(config: EngineConfig) -> list[HeadRange]:
+    """The heads of each rank that sends (`sending_ranks`)."""
+    return [TPShard(rank, config.tensor_parallel_size).kv_head_range(config.model) for rank in sending_ranks(config)]
+
+
 @dataclass(frozen=True, slots=True)
 class RankStreamingSpec:
     """Picklable: builds a rank's `RankStreaming` there (`TPModelRunner.install_rank_hook`)."""
@@ -84,7 +90,8 @@ class RankStreaming:
         layout = rank_layout(spec.model_name, runner, config, rank)
         self.streamer = KVStreamer(layout.block_size, layout.num_layers, small_blocks=spec.small_blocks)
         self.senders = SenderPool(spec.transport, layout, runner.kv_cache, None,
-                                  load_cluster_secret(spec.cluster_secret_file))
+                                  load_cluster_secret(spec.cluster_secret_file),
+                                  sending_heads=sending_heads(config), num_kv_heads=config.model.num_key_value_heads)
         self._request_senders: dict[str, KVSender] = {}
 
     def command(self, message: tuple[Any, ...]) -> None:

@@ -22,21 +22,27 @@ from pdserve.disagg.auth import ClusterSecret
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.transport import make_sender
 from pdserve.disagg.transport.base import KVSender
+from pdserve.disagg.transport.ranked import HeadRange, RankedKVSender, count_links, split_address
 
 logger = logging.getLogger(__name__)
 
 class SenderPool:
     def __init__(self, transport: str, layout: KVLayout, kv_cache: torch.Tensor,
                  options: Mapping[str, object] | None = None, secret: ClusterSecret | None = None, *,
-                 idle_s: float = 600.0, clock: Callable[[], float] = time.monotonic, copies: int = 1) -> None:
-        """`kv_cache`: this worker's pool, which the senders read; `options` go to each sender, with
-        the cluster `secret` each handshake proves; `copies`: each sender's (`KVSender.copies`)."""
+                 idle_s: float = 600.0, clock: Callable[[], float] = time.monotonic,
+                 sending_heads: list[HeadRange] | None = None, num_kv_heads: int | None = None) -> None:
+        """`kv_cache`: this worker's pool (or this rank's), which the senders read; `options` go to
+        each sender, with the cluster `secret` each handshake proves. Tensor parallelism with a pool
+        per rank: `sending_heads`, the heads of each rank that sends (default: this pool's), of the
+        model's `num_kv_heads` (default: this pool's), say how many connections carry each layer
+        (`KVSender.copies`, transport/ranked.py)."""
         self.transport = transport
         self.layout = layout
         self.kv_cache = kv_cache
         self.options = {**(options or {}), "secret": secret}
         self.idle_s = idle_s
-        self.copies = copies
+        self.sending_heads = sending_heads or [(layout.kv_head_start, layout.kv_head_end)]
+        self.num_kv_heads = num_kv_heads or layout.num_kv_heads
         self._clock = clock
         self._senders: dict[str, KVSender] = {}  # decode worker's KV address -> its sender
         self._last_used: dict[str, float] = {}  # address -> when `get` last handed its sender out
@@ -63,8 +69,7 @@ class SenderPool:
                 sender.close()
                 sender = None
             if sender is None:
-                sender = make_sender(self.transport, self.layout, self.kv_cache, **self.options)
-                sender.copies = self.copies
+                sender = self._new_sender(address)
                 try:
                     sender.connect(address)
                 except BaseException:
@@ -72,6 +77,17 @@ class SenderPool:
                     raise
                 self._senders[address] = sender
             return sender
+
+    def _new_sender(self, address: str) -> KVSender:
+        """A sender for `address`, not connected: a receiver per decode rank takes a RankedKVSender."""
+        num_receivers = len(split_address(address))
+        sender: KVSender
+        if num_receivers > 1:
+            sender = RankedKVSender(self.transport, self.layout, self.kv_cache, self.num_kv_heads, **self.options)
+        else:
+            sender = make_sender(self.transport, self.layout, self.kv_cache, **self.options)
+        sender.copies = count_links(self.sending_heads, num_receivers, self.num_kv_heads)
+        return sender
 
     def connected(self, address: str) -> KVSender | None:
         """The sender for a decode worker when `get` would hand it out without blocking: connected,

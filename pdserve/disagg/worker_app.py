@@ -56,7 +56,8 @@ from pdserve.disagg.decode_service import DecodeService
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.kv_streamer import KVStreamer, small_step_blocks
 from pdserve.disagg.prefill_service import PrefillService
-from pdserve.disagg.rank_streaming import MirroredKVStreamer, RankStreamingSpec, rank_layout, sending_ranks
+from pdserve.disagg.rank_receiving import link_ranks
+from pdserve.disagg.rank_streaming import MirroredKVStreamer, RankStreamingSpec, rank_layout, sending_heads
 from pdserve.disagg.registrar import Registrar
 from pdserve.disagg.sender_pool import SenderPool
 from pdserve.disagg.transport import make_receiver, nixl_available
@@ -101,10 +102,9 @@ def build_worker(engine: LLMEngine, config: WorkerConfig, model_name: str, *,
     runner = engine.runner
     rank_pools = isinstance(runner, TPModelRunner) and runner.rank_pools
     transport = config.kv_transport or ("nixl" if nixl_available() else "tcp")
-    if rank_pools and (config.role == "decode" or transport == "fake"):
-        raise ValueError(f"a {config.role} worker over {transport} with --tensor-parallel-size > 1 needs its ranks to "
-                         "share one KV pool (CPU); with a pool per rank (CUDA) only a prefill worker over tcp or nixl "
-                         "is supported yet (each rank sends its heads)")
+    if rank_pools and transport == "fake":
+        raise ValueError("the fake KV transport moves KV within one process: a worker with --tensor-parallel-size > 1 "
+                         "and a KV pool per rank (CUDA) needs tcp or nixl")
     layout = (rank_layout(model_name, runner, engine.config, 0) if rank_pools
               else KVLayout.from_pool(model_name, runner.kv_cache, tp_size=engine.config.tensor_parallel_size))
     metrics = ServerMetrics(model_name, config.role)
@@ -118,21 +118,26 @@ def build_worker(engine: LLMEngine, config: WorkerConfig, model_name: str, *,
         peers = KVPeerPolicy(secret, config.kv_max_connections, config.kv_handshake_timeout_s)
         receiver = make_receiver(transport, layout, runner.kv_cache, host=config.kv_host, port=config.kv_port,
                                  peers=peers)
+        if rank_pools:  # every rank receives its heads (rank_receiving.py)
+            assert isinstance(runner, TPModelRunner)
+            link_ranks(runner, receiver, transport, model_name, config.kv_host, config.kv_port,
+                       config.cluster_secret_file, peers)
         # NOTE: the quarantine must be known before the engine thread starts: only it reads it then
         client = AsyncLLM(engine, KVTransferSetup(remote_kv_quarantine_s=receiver.late_write_window_s))
         service = DecodeService(client, receiver, config.kv_failure_policy, config.transfer_timeout_s,
                                 on_transfer=metrics.observe_transfer, lease_s=config.reservation_lease_s)
     else:
         small_blocks = small_step_blocks(layout.block_bytes_per_layer, layout.num_layers)
-        streamer, copies = KVStreamer(layout.block_size, layout.num_layers, small_blocks=small_blocks), 1
+        streamer = KVStreamer(layout.block_size, layout.num_layers, small_blocks=small_blocks)
         if rank_pools:
             assert isinstance(runner, TPModelRunner)
             streamer = MirroredKVStreamer(runner, layout.block_size, layout.num_layers, small_blocks)
             runner.install_rank_hook(RankStreamingSpec(transport, model_name, small_blocks,
                                                        config.cluster_secret_file), streamer.step_message)
-            copies = len(sending_ranks(engine.config))
         client = AsyncLLM(engine, KVTransferSetup(layer_observer=streamer))
-        senders = SenderPool(transport, layout, runner.kv_cache, sender_options, secret, copies=copies)
+        senders = SenderPool(transport, layout, runner.kv_cache, sender_options, secret,
+                             sending_heads=sending_heads(engine.config) if rank_pools else None,
+                             num_kv_heads=engine.config.model.num_key_value_heads)
         service = PrefillService(client, streamer, senders, config.transfer_timeout_s, secret)
         consumer = _queue_consumer(service, config)
     registrar = None
@@ -192,7 +197,7 @@ def _background(consumer: RedisJobConsumer | None, registrar: Registrar | None) 
 def _add_common_routes(worker: Worker, role: Role, model_name: str, layout: KVLayout, transport: str) -> None:
     client, service, app = worker.client, worker.service, worker.app
     instance_id = uuid.uuid4().hex[:12]
-    kv_address = service.receiver.address if isinstance(service, DecodeService) else None
+    kv_address = service.receiver.kv_address if isinstance(service, DecodeService) else None
 
     @app.get("/health")
     async def health() -> JSONResponse:

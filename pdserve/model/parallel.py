@@ -61,11 +61,8 @@ class TPShard:
 
     def kv_head_range(self, cfg: Qwen3ModelConfig) -> tuple[int, int]:
         """[first, end) of the model's KV heads in this rank's pool."""
-        num = self.num_local_kv_heads(cfg)
-        if cfg.num_key_value_heads >= self.size:
-            return self.rank * num, (self.rank + 1) * num
-        first = self.rank // (self.size // cfg.num_key_value_heads)
-        return first, first + 1
+        return kv_head_range(self.rank, self.size, cfg.num_key_value_heads)
+
 
     def vocab_start(self, cfg: Qwen3ModelConfig) -> int:
         return self.rank * (cfg.vocab_size // self.size)
@@ -112,3 +109,13 @@ def check_tp_size(cfg: Qwen3ModelConfig, size: int) -> None:
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+
+
+def kv_head_range(rank: int, size: int, num_kv_heads: int) -> tuple[int, int]:
+    """[first, end) of a model's `num_kv_heads` KV heads that rank `rank` of `size` holds: an equal
+    share, or one head replicated on `size / num_kv_heads` consecutive ranks."""
+    if num_kv_heads >= size:
+        num = num_kv_heads // size
+        return rank * num, (rank + 1) * num
+    first = rank // (size // num_kv_heads)
+    return first, first + 1

@@ -26,6 +26,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -51,11 +52,11 @@ _RELEASE_TIMEOUT_S = 30.0
 _RELEASE_POLL_S = 0.001
 
 
-def check_pool(layout: KVLayout, kv_cache: torch.Tensor) -> None:
-    """The pool a transport is given must be the one `layout` describes."""
+def check_pool(layout: KVLayout, kv_cache: torch.Tensor, *, strided: bool = False) -> None:
+    """The pool a transport is given must be the one `layout` describes (`strided`: KVLayout.from_pool)."""
     # NOTE: the wire version is the peer protocol's, not the pool's, and which of the model's heads
     # a pool holds is the layout's to say: only the pool's own fields are checked
-    actual = dataclasses.replace(KVLayout.from_pool(layout.model_id, kv_cache, layout.kv_cache_dtype),
+    actual = dataclasses.replace(KVLayout.from_pool(layout.model_id, kv_cache, layout.kv_cache_dtype, strided=strided),
                                  wire_version=layout.wire_version, kv_head_start=layout.kv_head_start)
     actual.check_compatible(layout, self_role="pool", peer_role="layout")
 
@@ -69,6 +70,18 @@ def cast_into_blocks(layer_cache: torch.Tensor, values: torch.Tensor, block_ids:
     for lo, hi in itertools.pairwise(bounds):
         first = int(ids[lo])
         layer_cache[:, first:first + hi - lo].copy_(values[:, lo:hi])
+
+
+class RankReceivers(Protocol):
+    """The other ranks' receivers, as rank 0's receiver drives them (disagg/rank_receiving.py)."""
+
+    addresses: list[str]
+
+    def expect(self, request_id: str, block_ids: list[int] | tuple[int, ...], token: str) -> None: ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+    def end(self, request_id: str) -> None: ...
 
 
 class KVReceiver(abc.ABC):
@@ -95,6 +108,10 @@ class KVReceiver(abc.ABC):
     - Every implementation runs its network I/O on its own thread (`IoThread`) except the fake,
       which runs in the sender's calling thread. `close()` stops it; the pool is not touched after.
     - Underscore methods are the implementations' shared steps (handshake, admission), not API.
+    - Tensor parallelism with a pool per rank (disagg/rank_receiving.py): rank 0's receiver has
+      `ranks` (the other ranks' receivers: `kv_address` lists them; expect and cancel reach them;
+      `remote_admitted` / `remote_rejected` count their payloads here, any thread); a rank's
+      receiver reports through `on_admitted` / `on_rejected` (its I/O thread).
     """
 
     def __init__(self, layout: KVLayout, kv_cache: torch.Tensor) -> None:
@@ -105,6 +122,14 @@ class KVReceiver(abc.ABC):
         self._events = EventBox()
         self._refusals: list[KVLayoutMismatch] = []
         self._refusals_lock = threading.Lock()
+        self.ranks: RankReceivers | None = None
+        self.on_admitted: Callable[[str, int, tuple[int, ...]], None] | None = None
+        self.on_rejected: Callable[[str, str], None] | None = None
+
+    @property
+    def kv_address(self) -> str:
+        """What prefill workers are told to send to: `address`, then each other rank's."""
+        return ",".join([self.address, *(self.ranks.addresses if self.ranks is not None else ())])
 
     @property
     @abc.abstractmethod
@@ -128,13 +153,39 @@ class KVReceiver(abc.ABC):
         self._events.open(request_id)
         try:
             self._table.expect(request_id, block_ids, token)
-        except ValueError:
+            if self.ranks is not None:
+                self.ranks.expect(request_id, block_ids, token)
+        except BaseException:
+            self._table.remove(request_id)
             self._events.close(request_id, "reservation refused")
             raise
 
     def cancel(self, request_id: str) -> None:
         self._table.remove(request_id)
         self._events.close(request_id, "cancelled")
+        if self.ranks is not None:
+            self.ranks.cancel(request_id)
+
+    def remote_admitted(self, request_id: str, layer: int, dst_block_ids: tuple[int, ...]) -> None:
+        """Another rank admitted a layer payload of the request (rank 0; any thread)."""
+        self._on_io(self._count_remote, request_id, layer, tuple(dst_block_ids))
+
+    def remote_rejected(self, request_id: str, reason: str) -> None:
+        """Another rank rejected a payload of the request, which ends it (rank 0; any thread)."""
+        self._on_io(lambda: self._reject(PayloadRejected(request_id, f"a decode rank: {reason}",
+                                                         self._table.is_reserved(request_id))))
+
+    def _on_io(self, fn: Callable[..., object], *args: object) -> None:
+        """Run `fn` on the transport's I/O thread (the transports that link ranks implement it)."""
+        raise NotImplementedError
+
+    def _count_remote(self, request_id: str, layer: int, dst_block_ids: tuple[int, ...]) -> None:
+        if self._table.count_remote(request_id):
+            self._events.put(KVProgress(request_id, layer, dst_block_ids))
+            ready = self._ready_done(request_id)
+            if ready is not None:  # the final message waited for this payload
+                ack, origin = ready
+                self._answer_deferred(origin, ack)
 
     async def wait(self, request_id: str, timeout_s: float) -> KVEvent:
         return await self._events.get(request_id, timeout_s)
@@ -182,6 +233,8 @@ class KVReceiver(abc.ABC):
         except PayloadRejected as e:
             return self._reject(e)
         self._events.put(KVProgress(header.request_id, header.layer, header.dst_block_ids))
+        if self.on_admitted is not None:
+            self.on_admitted(header.request_id, header.layer, header.dst_block_ids)
         return Ack(header.request_id)
 
     @property
@@ -220,6 +273,8 @@ class KVReceiver(abc.ABC):
 
     def _deliver_done(self, header: DoneHeader) -> Ack:
         self._events.put(header.event())
+        if self.ranks is not None:
+            self.ranks.end(header.request_id)
         return Ack(header.request_id)
 
     def _ready_done(self, request_id: str) -> tuple[Ack, object] | None:
@@ -239,9 +294,13 @@ class KVReceiver(abc.ABC):
             self._events.put(KVRejected(error.request_id, error.reason))
             if removed is not None and removed.pending_origin is not None:
                 self._answer_deferred(removed.pending_origin, reply)  # its final message waited
+            if self.ranks is not None:
+                self.ranks.end(error.request_id)
+            if self.on_rejected is not None:
+                self.on_rejected(error.request_id, error.reason)
         return reply
 
-    def _answer_deferred(self, origin: object, reply: Reject) -> None:
+    def _answer_deferred(self, origin: object, reply: Ack | Reject) -> None:
         """Send `reply` to the sender of a final message that waited for layers (`origin`, see
         `_admit_done`), on the I/O thread. Transports that defer final messages implement it."""
         raise NotImplementedError
@@ -286,8 +345,9 @@ class KVSender(abc.ABC):
     - Underscore methods are the implementations' shared steps (checks, headers, acks), not API.
     """
 
-    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor) -> None:
-        check_pool(layout, kv_cache)
+    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, strided: bool = False) -> None:
+        """`strided`: `kv_cache` may be a view of some heads of a larger pool (see RankedKVSender)."""
+        check_pool(layout, kv_cache, strided=strided)
         self.layout = layout
         self.kv_cache = kv_cache
         self.copies = 1
@@ -337,7 +397,7 @@ class KVSender(abc.ABC):
             while self._still_reading(request_id, deadline):
                 time.sleep(_RELEASE_POLL_S)
         finally:
-            self._acks.forget(request_id)
+            self.forget(request_id)
 
     def _abandon(self, request_id: str) -> float:
         """Nothing more of the request is sent; the deadline for sends still reading its blocks."""
@@ -358,6 +418,11 @@ class KVSender(abc.ABC):
     def _announced_layers(self, request_id: str) -> int:
         """Record the final message; the layer payloads it announces (see `copies`)."""
         return self._acks.sent_done(request_id) * self.copies
+
+    def forget(self, request_id: str) -> None:
+        """Stop tracking the request's acknowledgements: another sender's final message covered
+        them (RankedKVSender); nothing of it is sent any more."""
+        self._acks.forget(request_id)
 
     def pending_request_ids(self) -> frozenset[str]:
         """Requests sent but not yet flushed to completion (tests: nothing left behind)."""

@@ -109,6 +109,7 @@ from pdserve.disagg.transport.base import KVReceiver
 from pdserve.disagg.transport.handshake import KVPeerGate, KVPeerPolicy
 from pdserve.disagg.transport.io_thread import IoThread
 from pdserve.disagg.transport.messages import (
+    Ack,
     Claim,
     DoneHeader,
     Grant,
@@ -365,8 +366,12 @@ class NixlKVReceiver(KVReceiver):
         self._drop_grants(error.request_id)
         return super()._reject(error)
 
-    def _answer_deferred(self, origin: object, reply: Reject) -> None:
+    def _answer_deferred(self, origin: object, reply: Ack | Reject) -> None:
         self._notify(str(origin), reply)
+        self._revoke_ended()
+
+    def _on_io(self, fn: Callable[..., object], *args: object) -> None:
+        self._io.call_soon(fn, *args)
 
     def _drop_grants(self, request_id: str) -> None:
         for key in [k for k, granted in self._grants.items() if granted.request_id == request_id]:

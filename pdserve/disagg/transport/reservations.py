@@ -127,6 +127,15 @@ class ReservationTable:
             self._close(header.request_id, reservation)
             return True
 
+    def count_remote(self, request_id: str) -> bool:
+        """Another rank's receiver admitted a layer payload of the request (it validated it);
+        False when the request is not reserved any more."""
+        with self._lock:
+            reservation = self._reservations.get(request_id)
+            if reservation is not None:
+                reservation.num_layer_payloads += 1
+            return reservation is not None
+
     def take_ready_done(self, request_id: str) -> tuple[DoneHeader, object] | None:
         """The request's final message and its origin, if it was waiting and all its layers have
         now arrived."""

@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -123,9 +124,12 @@ class TcpKVReceiver(KVReceiver):
             if reply is not None:
                 await connection.send(reply)
 
-    def _answer_deferred(self, origin: object, reply: Reject) -> None:
+    def _answer_deferred(self, origin: object, reply: Ack | Reject) -> None:
         assert isinstance(origin, _Connection)
         asyncio.get_running_loop().create_task(origin.send(reply))
+
+    def _on_io(self, fn: Callable[..., object], *args: object) -> None:
+        self._io.call_soon(fn, *args)
 
     async def _receive_layer(self, sock: socket.socket, frame: Frame, header: LayerHeader,
                              staging: _Staging) -> Ack | Reject:
@@ -189,9 +193,11 @@ class TcpKVSender(KVSender):
     in call order over one connection, so a request's frames arrive in layer order."""
 
     def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, secret: ClusterSecret | None = None) -> None:
-        super().__init__(layout, kv_cache)
+        super().__init__(layout, kv_cache, strided=True)
         self._secret = secret
-        self._flat = regions.pool_bytes(kv_cache) if kv_cache.device.type == "cpu" else None
+        # NOTE: some heads of a larger pool (RankedKVSender) are gathered like an accelerator's blocks
+        contiguous = kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
+        self._flat = regions.pool_bytes(kv_cache) if contiguous else None
         self._io = IoThread("pdserve-kv-tcp-send")
         self._sock: socket.socket | None = None
         self._jobs: asyncio.Queue[_LayerJob | DoneHeader] | None = None
@@ -274,11 +280,12 @@ class TcpKVSender(KVSender):
         return self._sending == request_id
 
     def _payload(self, job: _LayerJob) -> list[memoryview]:
-        """The source blocks' regions of the pool itself, or a host copy for an accelerator pool."""
+        """The source blocks' regions of the pool itself, or a host copy (an accelerator pool, or
+        some heads of a pool)."""
         if self._flat is not None:
             return regions.payload_views(self.layout, self.kv_cache, self._flat, job.header.layer, job.src_block_ids)
         src = torch.tensor(job.src_block_ids, dtype=torch.long, device=self.kv_cache.device)
-        host = self.kv_cache[job.header.layer].index_select(1, src).cpu()
+        host = self.kv_cache[job.header.layer].index_select(1, src).cpu().contiguous()
         return [host.view(-1).view(torch.uint8).numpy().data]
 
     async def _read_loop(self, sock: socket.socket) -> None:
