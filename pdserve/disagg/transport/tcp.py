@@ -103,9 +103,10 @@ class TcpKVReceiver(KVReceiver):
                 logger.exception("KV receiver connection handler crashed")
 
     async def _receive_loop(self, connection: _Connection, whole_pool: bool) -> None:
-        """`whole_pool`: the peer sends every head of the pool, so a request's frames all come
-        this way, in order; else (one rank of a tensor-parallel prefill worker) its final message
-        may come before other ranks' layers, on their connections, and waits for them."""
+        """`whole_pool`: the peer sends every head of the pool and no other decode rank takes a
+        share of the request, so its frames all come this way, in order; else (one rank of a
+        tensor-parallel prefill worker, or decode ranks with a pool each) its final message may
+        come before other connections' layers and waits for them."""
         sock, staging = connection.sock, _Staging()  # this connection's: its frames arrive one after the other
         while True:
             frame = await frames.recv_frame(sock, self._max_payload_bytes, self._max_header_bytes)
@@ -117,8 +118,9 @@ class TcpKVReceiver(KVReceiver):
                     assert isinstance(origin, _Connection)
                     await origin.send(ack)
             elif isinstance(frame.header, DoneHeader) and not frame.payload_len:
-                reply = self._admit_done(frame.header, in_order=whole_pool, origin=connection)
-                assert reply is not None or not whole_pool, "frames in order: the final message is never deferred"
+                in_order = whole_pool and self.ranks is None
+                reply = self._admit_done(frame.header, in_order=in_order, origin=connection)
+                assert reply is not None or not in_order, "frames in order: the final message is never deferred"
             else:
                 raise ProtocolError(f"unexpected {frame.kind.name} frame from prefill")
             if reply is not None:
