@@ -73,6 +73,8 @@ class Cluster:
                 found.append(f"{served.url}: requests left")
             if pool.num_free_blocks != pool.num_blocks:
                 found.append(f"{served.url}: {pool.num_blocks - pool.num_free_blocks} blocks held")
+            if served.server.server_state.tasks:  # e.g. a stream that waits for a request nobody ends
+                found.append(f"{served.url}: {len(served.server.server_state.tasks)} requests still answered")
         for service in self.services:  # nixl: the registrations of reservations that ended are revoked
             if isinstance(service, DecodeService) and getattr(service.receiver, "num_registrations", 0):
                 found.append(f"decode: {service.receiver.num_registrations} NIXL registrations left")

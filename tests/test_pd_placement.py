@@ -19,6 +19,7 @@ from pdserve.disagg.control import Placement
 from pdserve.disagg.decode_service import DecodeService
 from pdserve.disagg.prefill_service import PrefillService
 from pdserve.disagg.transport import nixl_available
+from pdserve.engine.commands import PlaceKV
 
 pytestmark = pytest.mark.slow  # every test starts a cluster
 
@@ -98,5 +99,78 @@ def test_a_request_that_gets_no_reservation_leaves_nothing_on_the_prefill_worker
         cluster.wait_until_idle()
         [prefill] = [s for s in cluster.services if isinstance(s, PrefillService)]
         assert prefill.num_in_flight == 0
+    finally:
+        stop_cluster(cluster)
+
+
+def test_an_attempt_that_ends_while_it_is_placed_is_a_404_and_the_request_goes_on(model_dirs: dict[str, Path],
+                                                                                  colocated: LLM) -> None:
+    """The attempt ends (an abort) after the engine took its placement, before POST /pd/place
+    answered: prefill answers 404 (the attempt is not running here), never a 500; the router
+    retries the request, which gets the colocated answer; nothing is left behind."""
+    cluster = start_cluster(model_dirs["tiny"], "tcp", 1, 1)
+    try:
+        [decode] = [s for s in cluster.services if isinstance(s, DecodeService)]
+        [prefill] = [s for s in cluster.services if isinstance(s, PrefillService)]
+        _delay_reservations(decode, 0.3)  # NOTE: the job is sent unplaced, placed after prefill computed it
+        send, aborted, answers = prefill.client.send, [], []
+
+        async def abort_once_placed(command: Any, sink: Any = None) -> Any:
+            result = await send(command, sink)
+            if isinstance(command, PlaceKV) and not aborted:
+                aborted.append(command.request_id)
+                await prefill.abort(command.request_id)
+                await asyncio.sleep(0.2)  # the attempt's task ends (its blocks released) meanwhile
+            return result
+
+        place = prefill.place
+
+        async def noted(placement: Placement) -> None:
+            try:
+                await place(placement)
+            except Exception as exc:
+                answers.append(type(exc).__name__)
+                raise
+
+        prefill.client.send = abort_once_placed  # type: ignore[method-assign]
+        prefill.place = noted  # type: ignore[method-assign]
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        [want] = generate_texts(colocated, PROMPTS[1:], params)
+        body = {"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+        reply = httpx.post(f"{cluster.router.url}/v1/completions", json=body, timeout=60)
+        assert aborted and answers[:1] == ["KeyError"], (aborted, answers)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == want
+        cluster.wait_until_idle()
+        assert prefill.num_in_flight == 0
+    finally:
+        stop_cluster(cluster)
+
+
+def test_a_placement_that_fails_on_the_prefill_worker_is_retried_not_a_500(model_dirs: dict[str, Path],
+                                                                          colocated: LLM) -> None:
+    """POST /pd/place answers 500 (a bug on the prefill worker): the router resumes the request
+    (the job is lost there) instead of handing the client the worker's 500."""
+    cluster = start_cluster(model_dirs["tiny"], "tcp", 1, 1)
+    try:
+        [decode] = [s for s in cluster.services if isinstance(s, DecodeService)]
+        [prefill] = [s for s in cluster.services if isinstance(s, PrefillService)]
+        _delay_reservations(decode, 0.3)
+        place, failed = prefill.place, []
+
+        async def broken_once(placement: Placement) -> None:
+            if not failed:
+                failed.append(placement.transfer_id)
+                raise RuntimeError("a bug")
+            await place(placement)
+
+        prefill.place = broken_once  # type: ignore[method-assign]
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        [want] = generate_texts(colocated, PROMPTS[1:], params)
+        body = {"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+        reply = httpx.post(f"{cluster.router.url}/v1/completions", json=body, timeout=60)
+        assert failed and reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == want
+        cluster.wait_until_idle()
     finally:
         stop_cluster(cluster)

@@ -100,6 +100,13 @@ class Up:
             time.sleep(0.2)
         return result
 
+    def tracebacks(self, context: int = 40) -> str:
+        """Every logged traceback (an unhandled error in any process `up` started), with the lines
+        that lead to it: what a failed request's assertion shows."""
+        lines = self.text().splitlines()
+        return "\n---\n".join("\n".join(lines[max(0, i - 2):i + context])
+                               for i, line in enumerate(lines) if line.startswith("Traceback"))
+
     def story(self) -> str:
         """What the supervisor and the autoscaler did (its log lines), then the log's tail."""
         lines = [line for line in self.text().splitlines() if "pdserve.ops" in line]
@@ -343,7 +350,8 @@ def test_autoscale_grows_on_a_burst_and_drains_back_without_failing_a_request(mo
             up.wait_pool(prefill=1, decode=1, timeout_s=10)
         finally:
             trickle.stop()
-        assert not burst.failures and not trickle.failures, (burst.failures + trickle.failures)[:5]
+        assert not burst.failures and not trickle.failures, \
+            f"{(burst.failures + trickle.failures)[:5]}\n{up.tracebacks()}\n{up.story()}"
         assert trickle.num_ok > 0
         text = up.text()
         assert re.search(r"autoscale: prefill 1 -> 2: queue depth [\d.]+ > 2 for 3 s", text)

@@ -39,7 +39,7 @@ from pdserve.disagg.prompt_logprobs_wire import unpack
 from pdserve.disagg.transport.base import KVReceiver
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.disagg.transport.messages import KVDone, KVRejected
-from pdserve.engine.async_llm import AsyncLLM
+from pdserve.engine.async_llm import AsyncLLM, RequestFailedError
 from pdserve.engine.commands import CachedPrefixTokens, CompleteRemote, PrefillLocally, ReserveRemote
 from pdserve.engine.llm_engine import RemoteReservation
 from pdserve.engine.output import RequestOutput
@@ -217,8 +217,13 @@ class DecodeService:
             self._forget(request_id)
 
     async def abort(self, request_id: str) -> None:
+        record = self._requests.get(request_id)
         self._forget(request_id)
         self.client.abort(request_id)
+        if record is not None:
+            # NOTE: a request still waiting for its KV is not in the engine yet: no output would
+            # ever end a stream of it that waits (GET /pd/stream, whose reader may be gone)
+            record.stream.put_nowait(RequestFailedError(f"request {request_id}: aborted"))
 
     def close(self) -> None:
         self.receiver.close()

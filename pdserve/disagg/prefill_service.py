@@ -61,6 +61,9 @@ class _Attempt:
     # the sender to its decode worker, once its reservation is known (at once for a placed job)
     placed: asyncio.Future[KVSender] = dataclasses.field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
+    # the sender a placement under way hands to the engine, before `placed` is set: the attempt's
+    # end releases through it too (a send it started must stop reading the blocks before they go)
+    placing: KVSender | None = None
     # its first token once sampled, before the hand-off (None: it ended without one)
     first_token: asyncio.Future[FirstToken | None] = dataclasses.field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -145,8 +148,9 @@ class PrefillService:
         """An unplaced job's decode reservation: its KV computed so far goes now, the rest as it is
         computed. Raises KeyError (no such attempt here any more), ValueError (bad or repeated
         placement), KVLayoutMismatch/KVTransferError (decode worker unusable)."""
-        verify_placement(self.secret, placement)
         tid = placement.transfer_id
+        bind_request_id(tid)  # NOTE: its log lines (and a 500) name the attempt
+        verify_placement(self.secret, placement)
         attempt = self._attempts.get(tid)
         if attempt is None:
             raise KeyError(tid)
@@ -154,10 +158,15 @@ class PrefillService:
             raise ValueError(f"attempt {tid!r} is placed already")
         sender = await self._sender(placement.kv_address)
         send = KVDestination(sender, placement.kv_address, placement.token)
-        if (self._attempts.get(tid) is not attempt or attempt.placed.done() or not await self.client.send(
-                PlaceKV(tid, partial(self.streamer.place, tid, placement.block_ids, placement.num_cached_tokens,
-                                     send)))):
+        if self._attempts.get(tid) is not attempt or attempt.placed.done():
             raise KeyError(tid)  # NOTE: it ended (or was placed) while the sender connected
+        attempt.placing = sender
+        if not await self.client.send(PlaceKV(tid, partial(self.streamer.place, tid, placement.block_ids,
+                                                           placement.num_cached_tokens, send))) \
+                or self._attempts.get(tid) is not attempt or attempt.placed.done():
+            # NOTE: it ended before the engine took the placement, or while the answer came back
+            # (an abort): its end released its blocks through `placing`
+            raise KeyError(tid)
         attempt.decode_url, attempt.token = placement.decode_url, placement.token
         attempt.num_uncomputed_tokens = max(0, attempt.num_uncomputed_tokens - placement.num_cached_tokens)
         attempt.placed.set_result(sender)
@@ -238,6 +247,7 @@ class PrefillService:
                     sender = attempt.placed.result()
                 else:
                     attempt.placed.cancel()
+                    sender = attempt.placing
             await asyncio.shield(self._release(tid, sender))
 
     def _first_token_out(self, tid: str, final: RequestOutput) -> None:

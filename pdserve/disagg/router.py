@@ -409,6 +409,8 @@ class PDRouter:
             if await self.queue.place(ticket, _placement(ticket, decode, reply)):
                 return None
         except WorkerRefused as exc:
+            if exc.status >= HTTPStatus.INTERNAL_SERVER_ERROR:  # its failure, not the request's: go on elsewhere
+                return AttemptFailed(f"prefill failed to place the job of {ticket.job.request_id}: {exc.message}")
             return OpenAIError(exc.message, HTTPStatus(exc.status))
         if ticket.refusal is not None:
             return OpenAIError(ticket.refusal.message, HTTPStatus(ticket.refusal.status))

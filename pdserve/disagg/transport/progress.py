@@ -28,8 +28,19 @@ async def _await_future(fut: concurrent.futures.Future[Any], timeout_s: float) -
     NOTE: not `asyncio.wait_for`: before Python 3.12 it returns the result instead when the cancel
     comes just after `fut` completed. A decode watcher cancelled for a superseded attempt then went
     on with that attempt's KVDone while the new attempt still wrote into the blocks (issue 16)."""
-    await asyncio.wait((asyncio.wrap_future(fut),), timeout=timeout_s)
+    wrapped = asyncio.wrap_future(fut)
+    try:
+        await asyncio.wait((wrapped,), timeout=timeout_s)
+    finally:
+        # NOTE: the outcome is read from `fut`; this copy's exception (a close after the waiting
+        # task was cancelled, or timed out) is no "exception never retrieved" then
+        wrapped.add_done_callback(_retrieved)
     return fut.done()
+
+
+def _retrieved(wrapped: asyncio.Future[Any]) -> None:
+    if not wrapped.cancelled():
+        wrapped.exception()
 
 
 class EventBox:
