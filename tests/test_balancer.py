@@ -114,33 +114,69 @@ def test_successful_probe_polls_leave_no_access_log_line() -> None:
     assert keep(record("POST", "/v1/completions", 200)) and keep(record("GET", "/workers", 200))
 
 
-def test_a_replica_that_breaks_off_before_answering_is_a_502_in_the_envelope() -> None:
-    """It took the request and closed the connection: the request may have run, so it is not sent
-    again elsewhere; the client gets a 502, never a 500."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    stop = threading.Event()
+class _Replica:
+    """A replica on a raw socket: answers GET /ready with 200; every other request `answer`s
+    (None: the connection is dropped unanswered, as by a replica that dies)."""
 
-    def accept_and_close() -> None:
-        listener.settimeout(0.1)
-        while not stop.is_set():
+    def __init__(self, answer: bytes | None) -> None:
+        self.answer = answer
+        self.requests = 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        self.listener.settimeout(0.1)
+        while not self._stop.is_set():
             try:
-                conn, _ = listener.accept()
+                conn, _ = self.listener.accept()
             except TimeoutError:
                 continue
             with conn:
-                if conn.recv(65536).startswith(b"GET /ready"):  # ready; anything else: dropped unanswered
+                if conn.recv(65536).startswith(b"GET /ready"):
                     conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}")
+                    continue
+                self.requests += 1
+                if self.answer is not None:
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s"
+                                 % (len(self.answer), self.answer))
 
-    thread = threading.Thread(target=accept_and_close, daemon=True)
-    thread.start()
-    balancer = Balancer([f"http://127.0.0.1:{listener.getsockname()[1]}"])
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.listener.close()
+
+
+def test_a_replica_that_breaks_off_before_answering_is_a_502_in_the_envelope() -> None:
+    """It took the request and closed the connection, and no other replica is ready: the client
+    gets a 502, never a 500; the replica leaves the rotation until its next good probe."""
+    replica = _Replica(None)
+    balancer = Balancer([replica.url])
     try:
         with TestClient(create_balancer_app(balancer)) as client:
             assert balancer.replicas[0].ready
             reply = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             assert reply.status_code == 502 and reply.json()["error"]["message"].startswith("the replica serving")
-            assert balancer.replicas[0].in_flight == 0
+            assert balancer.replicas[0].in_flight == 0 and not balancer.replicas[0].ready
     finally:
-        stop.set()
-        thread.join(5)
-        listener.close()
+        replica.close()
+
+
+def test_a_request_a_replica_broke_off_before_answering_is_answered_by_another() -> None:
+    """A replica that dies with the request (nothing of the answer reached the client): the next
+    ready replica answers it, and the first leaves the rotation."""
+    broken, good = _Replica(None), _Replica(b'{"answered": true}')
+    balancer = Balancer([broken.url, good.url])
+    try:
+        with TestClient(create_balancer_app(balancer)) as client:
+            assert all(r.ready for r in balancer.replicas)
+            for _ in range(3):
+                reply = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+                assert reply.status_code == 200 and reply.json() == {"answered": True}, reply.text
+            assert broken.requests >= 1 and good.requests == 3  # out of the rotation once it broke off
+            assert [r.in_flight for r in balancer.replicas] == [0, 0]
+    finally:
+        broken.close()
+        good.close()

@@ -9,9 +9,10 @@ replicas, not a proxy's translation of them.
 
 - Readiness: GET /ready of every replica every `poll_s`; a replica whose connection fails leaves
   the rotation at once, until its next 200.
-- A request whose connection to a replica fails before anything was sent is tried on the next
-  ready replica; one that reached a replica stays there (a replica that dies mid-response ends
-  that response, as the colocated server itself would).
+- A request whose replica fails before answering (the connection refused, or broken off before
+  the status line: a replica that died) is tried on the next ready replica, each replica once: a
+  completion has no effect but its answer, and nothing of it reached the client yet. A replica
+  that dies mid-response ends that response, as the colocated server itself would.
 - A client that goes away closes the upstream stream, so the replica aborts the request.
 - GET /workers lists the replicas (role "replica") as the PD router lists its workers, which is
   what `pdserve up`'s supervisor reads.
@@ -141,6 +142,7 @@ async def forward(balancer: Balancer, http: httpx.AsyncClient, request: Request,
     body = await request.body()
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROPPED_HEADERS}
     tried: set[str] = set()
+    broken_off: httpx.HTTPError | None = None
     while (replica := balancer.pick(tried)) is not None:
         tried.add(replica.url)
         upstream = http.build_request(request.method, f"{replica.url}{path}", params=request.query_params,
@@ -153,16 +155,20 @@ async def forward(balancer: Balancer, http: httpx.AsyncClient, request: Request,
             replica.ready = False
             logger.warning("replica %s unreachable (%r): trying another", replica.url, exc)
             continue
-        except httpx.HTTPError as exc:  # it took the request and broke off: not retried (it may have run)
+        except httpx.HTTPError as exc:  # it took the request and broke off (died?): another one answers it
             replica.in_flight -= 1
-            logger.warning("replica %s failed a request before answering: %r", replica.url, exc)
-            return error_response(f"the replica serving this request failed before answering ({type(exc).__name__})",
-                                  HTTPStatus.BAD_GATEWAY)
+            replica.ready = False  # NOTE: until its next good probe
+            broken_off = exc
+            logger.warning("replica %s failed a request before answering (%r): trying another", replica.url, exc)
+            continue
         except BaseException:
             replica.in_flight -= 1
             raise
         return StreamingResponse(_relay(replica, reply), status_code=reply.status_code,
                                  headers={k: v for k, v in reply.headers.items() if k.lower() not in _DROPPED_HEADERS})
+    if broken_off is not None:
+        return error_response("the replica serving this request failed before answering "
+                              f"({type(broken_off).__name__})", HTTPStatus.BAD_GATEWAY)
     return error_response(balancer.unready_reason or "every ready replica refused the connection",
                           HTTPStatus.SERVICE_UNAVAILABLE)
 
