@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -57,19 +59,31 @@ def assert_heads_landed(decode: torch.Tensor, prefill: torch.Tensor, first_head:
     assert torch.equal(heads, prefill[:, :, SRC])
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_each_prefill_rank_sends_its_heads_and_the_final_message_waits_for_the_other_rank(transport: str) -> None:
-    """Prefill TP=2, a pool per rank -> decode with one pool: rank 0's final message (announcing
-    both ranks' payloads) arrives before rank 1's layers and is answered only once they landed."""
-    decode, before = SPEC.pool(1), SPEC.pool(1)
-    rank0, rank1 = RANK_SPEC.pool(2), RANK_SPEC.pool(3)
+@contextmanager
+def two_prefill_ranks(transport: str) -> Iterator[tuple[KVReceiver, torch.Tensor, list[torch.Tensor], list[KVSender]]]:
+    """Prefill TP=2 with a pool per rank, each rank's sender connected to one decode pool of every
+    head; rank 0 announces both ranks' payloads; request "r" is expected on DST with token "t"."""
+    decode, ranks = SPEC.pool(1), [RANK_SPEC.pool(2), RANK_SPEC.pool(3)]
     receiver = make_receiver(transport, SPEC.layout(decode), decode)
-    senders = [make_sender(transport, rank_layout(pool, 2 * rank), pool) for rank, pool in enumerate((rank0, rank1))]
+    senders = [make_sender(transport, rank_layout(pool, 2 * rank), pool) for rank, pool in enumerate(ranks)]
     try:
         for sender in senders:
             sender.connect(receiver.address)
         senders[0].copies = 2
         receiver.expect("r", DST, "t")
+        yield receiver, decode, ranks, senders
+    finally:
+        for sender in senders:
+            sender.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_each_prefill_rank_sends_its_heads_and_the_final_message_waits_for_the_other_rank(transport: str) -> None:
+    """Prefill TP=2, a pool per rank -> decode with one pool: rank 0's final message (announcing
+    both ranks' payloads) arrives before rank 1's layers and is answered only once they landed."""
+    before = SPEC.pool(1)
+    with two_prefill_ranks(transport) as (receiver, decode, (rank0, rank1), senders):
         send_all_layers(senders[0])
         senders[0].send_done("r", 42, token="t")
         with pytest.raises(KVTransferError, match="no progress"):  # nothing answers it before rank 1's layers
@@ -86,23 +100,11 @@ def test_each_prefill_rank_sends_its_heads_and_the_final_message_waits_for_the_o
         senders[1].release_blocking("r")
         assert receiver.reserved_request_ids() == frozenset()
         assert all(s.pending_request_ids() == frozenset() for s in senders)
-    finally:
-        for sender in senders:
-            sender.close()
-        receiver.close()
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_payload_another_rank_gets_rejected_ends_the_waiting_final_message_at_once(transport: str) -> None:
-    decode = SPEC.pool(1)
-    rank0, rank1 = RANK_SPEC.pool(2), RANK_SPEC.pool(3)
-    receiver = make_receiver(transport, SPEC.layout(decode), decode)
-    senders = [make_sender(transport, rank_layout(pool, 2 * rank), pool) for rank, pool in enumerate((rank0, rank1))]
-    try:
-        for sender in senders:
-            sender.connect(receiver.address)
-        senders[0].copies = 2
-        receiver.expect("r", DST, "t")
+    with two_prefill_ranks(transport) as (receiver, _, _, senders):
         send_all_layers(senders[0])
         senders[0].send_done("r", 42, token="t")
         for _ in range(SPEC.num_layers):  # rank 0's layers landed; its final message waits right behind them
@@ -114,10 +116,6 @@ def test_a_payload_another_rank_gets_rejected_ends_the_waiting_final_message_at_
         assert isinstance(asyncio.run(events_until_last(receiver, "r"))[-1], KVRejected)
         senders[1].release_blocking("r")
         assert receiver.reserved_request_ids() == frozenset()
-    finally:
-        for sender in senders:
-            sender.close()
-        receiver.close()
 
 
 def test_a_pool_holding_heads_the_decode_pool_lacks_is_refused_by_name_on_both_sides() -> None:
