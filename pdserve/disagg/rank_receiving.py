@@ -9,10 +9,12 @@ into its pool. Rank 0 keeps the reservations and decides when a request's KV is 
     end (KV whole or failed)  --- control --------->   drops its reservation
     counts rank r's payloads  <-- reports ----------   admitted (request, layer, blocks) | rejected
 
-The control and report connections are `multiprocessing.connection` pairs over loopback with a
-random key (the ranks of one worker share a host). Rank 0's final message waits until every
-rank's payloads were counted (`KVReceiver.remote_admitted`); a payload a rank rejects ends the
-request on rank 0 too. Rank r's receiver answers its prefill peers itself (acks, rejections).
+The control and report connections are `multiprocessing.connection` pairs over a Unix socket with
+a random key (the ranks of one worker share a host; a TCP one would hold back a run of small
+reports behind Nagle's algorithm and the peer's delayed ack: ~13 ms of every hand-off here).
+Rank 0's final message waits until every rank's payloads were counted
+(`KVReceiver.remote_admitted`); a payload a rank rejects ends the request on rank 0 too. Rank r's
+receiver answers its prefill peers itself (acks, rejections).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class RankReceivingSpec:
     cluster_secret_file: str | None
     max_connections: int
     handshake_timeout_s: float
-    rank0: tuple[str, int]  # where rank 0 listens for the control and report connections
+    rank0: str  # where rank 0 listens for the control and report connections (a Unix socket's path)
     authkey: bytes
 
     def __call__(self, runner: ModelRunner, config: EngineConfig, rank: int) -> RankReceiving:
@@ -204,7 +206,7 @@ def link_ranks(runner: TPModelRunner, receiver: KVReceiver, transport: str, mode
                kv_port: int, cluster_secret_file: str | None, peers: KVPeerPolicy) -> RankLinks:
     """Receivers on the other ranks, linked to rank 0's `receiver` (`receiver.kv_address` lists them)."""
     authkey = secrets.token_bytes(32)
-    listener = Listener(("127.0.0.1", 0), authkey=authkey)
+    listener = Listener(family="AF_UNIX", authkey=authkey)
     spec = RankReceivingSpec(transport, model_name, kv_host, kv_port, cluster_secret_file, peers.max_connections,
                              peers.handshake_timeout_s, listener.address, authkey)
     return RankLinks(runner, receiver, spec, listener)
