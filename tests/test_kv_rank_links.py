@@ -152,30 +152,27 @@ class _OtherRanks:
         self.rank1.cancel(request_id)
 
 
+@pytest.mark.parametrize("prefill_ranks", [1, 2])
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_prefill_pool_sends_each_decode_rank_the_heads_both_hold(transport: str) -> None:
+def test_a_prefill_pool_sends_each_decode_rank_the_heads_both_hold(transport: str, prefill_ranks: int) -> None:
     """Decode TP=2 with a pool per rank: rank 0 counts rank 1's payloads before it completes.
-    Prefill ranks of TP=2 send whole pools (nixl too); a single 4-head pool sends part of itself
-    to each decode rank: tcp gathers those heads, nixl refuses, naming the field."""
+    A single 4-head pool sends part of itself to each decode rank (tcp gathers those heads, nixl
+    writes each token's row of them); prefill ranks of TP=2 send rank to rank."""
     decode = [RANK_SPEC.pool(1), RANK_SPEC.pool(4)]
     receivers = [make_receiver(transport, rank_layout(pool, 2 * rank), pool) for rank, pool in enumerate(decode)]
     receivers[0].ranks = _OtherRanks(receivers[0], receivers[1])
     whole = SPEC.pool(2)
+    senders: list[RankedKVSender] = []
     try:
         address = receivers[0].kv_address
         assert address.split(",") == [receivers[0].address, receivers[1].address]
-        if transport == "nixl":
-            sender = RankedKVSender(transport, SPEC.layout(whole), whole, SPEC.num_kv_heads)
-            with pytest.raises(KVLayoutMismatch, match="over nixl a pool sends all of its heads") as refused:
-                sender.connect(address)
-            assert refused.value.field == "num_kv_heads"
-            prefill_ranks = [RANK_SPEC.pool(2), RANK_SPEC.pool(3)]
-            senders = [RankedKVSender(transport, rank_layout(pool, 2 * rank), pool, SPEC.num_kv_heads)
-                       for rank, pool in enumerate(prefill_ranks)]
-            sources = prefill_ranks
-        else:
+        if prefill_ranks == 1:
             senders = [RankedKVSender(transport, SPEC.layout(whole), whole, SPEC.num_kv_heads)]
             sources = [whole.narrow(4, 0, 2), whole.narrow(4, 2, 2)]
+        else:
+            sources = [RANK_SPEC.pool(2), RANK_SPEC.pool(3)]
+            senders = [RankedKVSender(transport, rank_layout(pool, 2 * rank), pool, SPEC.num_kv_heads)
+                       for rank, pool in enumerate(sources)]
         for sender in senders:
             sender.connect(address)
             assert [rank for rank, _ in sender.links] == ([0, 1] if len(senders) == 1 else [senders.index(sender)])

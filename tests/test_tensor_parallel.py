@@ -169,12 +169,13 @@ NIXL = pytest.mark.skipif(not nixl_available(), reason="nixl_cu12 is not install
                           pytest.param("nixl", 1, 2, "auto", False, marks=NIXL),
                           ("tcp", 2, 1, "auto", True), ("tcp", 1, 2, "auto", True), ("tcp", 2, 2, "auto", True),
                           pytest.param("nixl", 2, 1, "bfloat16", True, marks=NIXL),
-                          pytest.param("nixl", 2, 2, "auto", True, marks=NIXL)],
+                          pytest.param("nixl", 2, 2, "auto", True, marks=NIXL),
+                          pytest.param("nixl", 1, 2, "auto", True, marks=NIXL)],
                          ids=["tcp-P-TP2-to-D-TP1", "tcp-P-TP1-to-D-TP2", "nixl-P-TP2-to-D-TP1-KV-bf16",
                               "nixl-P-TP1-to-D-TP2",
                               "tcp-rank-pools-P-TP2-to-D-TP1", "tcp-rank-pools-P-TP1-to-D-TP2",
                               "tcp-rank-pools-P-TP2-to-D-TP2", "nixl-rank-pools-P-TP2-to-D-TP1-KV-bf16",
-                              "nixl-rank-pools-P-TP2-to-D-TP2"])
+                              "nixl-rank-pools-P-TP2-to-D-TP2", "nixl-rank-pools-P-TP1-to-D-TP2"])
 def test_pd_hand_off_between_tp_sizes_matches_colocated(model_dirs: dict[str, Path], llm_factory: Callable[..., LLM],
                                                         monkeypatch: pytest.MonkeyPatch, transport: str,
                                                         prefill_tp: int, decode_tp: int, decode_kv: str,

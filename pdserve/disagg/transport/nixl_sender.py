@@ -74,12 +74,21 @@ class NixlKVSender(KVSender):
     decode's grant arrives, so claims of later layers overlap earlier layers' writes."""
 
     def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, secret: ClusterSecret | None = None) -> None:
-        super().__init__(layout, kv_cache)
+        """`kv_cache` may be a view of some heads of a larger pool (RankedKVSender: a prefill pool
+        that holds more heads than a decode rank): each WRITE then names every token's row of
+        those heads (`regions.row_pairs`), straight from the pool, no copy."""
+        super().__init__(layout, kv_cache, strided=True)
         self._secret = secret
+        self._mem_type, self._device_id = memory_kind(kv_cache)
         self._io = IoThread("pdserve-kv-nixl-send")
         self._agent = self._io.call(new_agent, "prefill")
-        self._registration = self._io.call(self._agent.register_memory, kv_cache)
-        self._mem_type, self._device_id = memory_kind(kv_cache)
+        self._rows = not kv_cache.is_contiguous()
+        if self._rows:  # NOTE: the span its rows lie in (a tensor view registers only numel's bytes)
+            start, length = regions.view_span(kv_cache)
+            span = np.array([[start, length, self._device_id]], dtype=np.uint64)
+            self._registration = self._io.call(self._agent.register_memory, span, self._mem_type)
+        else:
+            self._registration = self._io.call(self._agent.register_memory, kv_cache)
         self._peer = ""
         self._claim_ids = itertools.count()
         self._claims: dict[int, _PendingClaim] = {}   # I/O thread only
@@ -242,11 +251,15 @@ class NixlKVSender(KVSender):
 
     def _post_write(self, grant: Grant, pending: _PendingClaim) -> None:
         header = pending.header
-        local = region_addrs(self.kv_cache, self.layout, header.layer, pending.src_block_ids)
-        if len(grant.dst_addrs) != len(local) or grant.region_bytes != self.layout.region_bytes:
+        if len(grant.dst_addrs) != 2 * len(pending.src_block_ids) or grant.region_bytes != self.layout.region_bytes:
             self._acks.failed(header.request_id, "decode granted regions that do not match the claim")
             return
-        src, dst = regions.coalesce_pairs(local, np.asarray(grant.dst_addrs, dtype=np.int64), self.layout.region_bytes)
+        remote = np.asarray(grant.dst_addrs, dtype=np.int64)
+        if self._rows:
+            src, dst = regions.row_pairs(self.kv_cache, header.layer, pending.src_block_ids, remote)
+        else:
+            local = region_addrs(self.kv_cache, self.layout, header.layer, pending.src_block_ids)
+            src, dst = regions.coalesce_pairs(local, remote, self.layout.region_bytes)
         if not self._load_grant(grant):
             return
         try:

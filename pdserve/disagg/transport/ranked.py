@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pdserve.disagg.kv_layout import KVLayout, KVLayoutMismatch
+from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.transport.base import KVSender
 from pdserve.model.parallel import kv_head_range
 
@@ -50,8 +50,8 @@ def count_links(sending: list[HeadRange], num_decode_ranks: int, num_kv_heads: i
 
 class RankedKVSender(KVSender):
     """Sends one prefill pool's KV to a decode worker with a receiver per rank: a sender per decode
-    rank that holds some of this pool's heads (`make_sender` over a view of those heads: a pool
-    view that is not contiguous goes through the transport's gather path). Contract: KVSender's;
+    rank that holds some of this pool's heads (`make_sender` over a view of those heads; one that
+    is not contiguous, some heads of each token's row, tcp gathers and nixl writes row by row). Contract: KVSender's;
     the final message goes to decode rank 0, and `flush` waits for its acknowledgement, which
     decode gives only once every rank received everything."""
 
@@ -73,12 +73,6 @@ class RankedKVSender(KVSender):
                 if shared is None:
                     continue
                 view = self.kv_cache.narrow(4, shared[0] - mine[0], shared[1] - shared[0])
-                if not view.is_contiguous() and self.transport != "tcp":
-                    theirs = f"[{heads[0]}, {heads[1]})"
-                    raise KVLayoutMismatch("num_kv_heads", str(self.layout.num_kv_heads), str(heads[1] - heads[0]), (
-                        f"KV layout mismatch on num_kv_heads: prefill holds KV heads [{mine[0]}, {mine[1]}), decode "
-                        f"rank {rank} {theirs}; over {self.transport} a pool sends all of its heads to a rank (use "
-                        "--kv-transport tcp, or a prefill TP size at least decode's)"))
                 sender = make_sender(self.transport, self.layout.with_heads(shared[0], shared[1] - shared[0]), view,
                                      **self.options)
                 self.links.append((rank, sender))

@@ -40,6 +40,31 @@ def payload_offsets(layout: KVLayout, num_pool_blocks: int, layer: int,
     return rows * layout.region_bytes
 
 
+def row_pairs(kv_cache: torch.Tensor, layer: int, block_ids: tuple[int, ...] | list[int],
+              remote: np.ndarray) -> tuple[Spans, Spans]:
+    """A pool view that holds some heads of a larger pool (not contiguous: each token's row of
+    these heads is contiguous, the rows are not): every row of the payload's regions (`region_addrs`
+    order: K of each block, then V), paired with its row in the remote regions `remote`, which
+    hold exactly these heads (their rows follow one another). Adjacent pairs merged."""
+    _, _, _, block_size, num_heads, head_dim = kv_cache.shape
+    elem = kv_cache.element_size()
+    layer_stride, kv_stride, block_stride, row_stride = (elem * s for s in kv_cache.stride()[:4])
+    ids = np.asarray(block_ids, dtype=np.int64)
+    starts = kv_cache.data_ptr() + layer * layer_stride + np.concatenate([kv * kv_stride + ids * block_stride
+                                                                          for kv in (0, 1)])
+    row_bytes = num_heads * head_dim * elem
+    slots = np.arange(block_size, dtype=np.int64)
+    local = (starts[:, None] + slots[None, :] * row_stride).ravel()
+    far = (np.asarray(remote, dtype=np.int64)[:, None] + slots[None, :] * row_bytes).ravel()
+    return coalesce_pairs(local, far, row_bytes)
+
+
+def view_span(kv_cache: torch.Tensor) -> tuple[int, int]:
+    """(start address, bytes) of the memory a (possibly strided) pool view's elements lie in."""
+    last = sum((size - 1) * stride for size, stride in zip(kv_cache.shape, kv_cache.stride(), strict=True))
+    return kv_cache.data_ptr(), (last + 1) * kv_cache.element_size()
+
+
 def coalesce(offsets: np.ndarray, size: int) -> Spans:
     """Regions of `size` bytes at `offsets` (in order) -> ranges, adjacent regions merged."""
     first = _run_starts(np.diff(offsets) != size, len(offsets))
