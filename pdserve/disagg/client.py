@@ -150,9 +150,10 @@ class WorkerClient:
         reply = await self._post(url, f"/pd/fail/{request_id}", FailJob(reason=reason, transfer_id=transfer_id))
         return reply.status == HTTPStatus.OK
 
-    async def alive(self, url: str, transfer_ids: list[str]) -> None:
-        """Decode: these attempts are still being computed (prefill keepalive)."""
-        await self._post(url, "/pd/alive", Keepalive(transfer_ids=transfer_ids))
+    async def alive(self, url: str, transfer_ids: list[str], ended: list[str] | None = None) -> None:
+        """Decode: these attempts are still being computed (prefill keepalive); `ended` ones will
+        never hand off (see Keepalive)."""
+        await self._post(url, "/pd/alive", Keepalive(transfer_ids=transfer_ids, ended=ended or []))
 
     async def abort(self, url: str, request_id: str) -> None:
         """Decode (request id) or prefill (transfer id): stop it and free its blocks, if still there."""

@@ -131,16 +131,19 @@ class PrefixReply(BaseModel):
 
 
 class Keepalive(BaseModel):
-    """prefill -> decode: these attempts are still being computed (POST /pd/alive)."""
+    """prefill -> decode: these attempts are still being computed (POST /pd/alive); `ended`: these
+    ended on the prefill side without a complete hand-off (its flush timed out: what was not sent
+    never will be), so decode stops waiting for them now rather than at its lease."""
 
     transfer_ids: list[str]
+    ended: list[str] = []
 
 
 class HandOff(BaseModel):
     """prefill -> router: how one prefill job ended (the reply to POST /pd/prefill). `failed`: the
     prefill side gave up (compute error, no first token, the KV connection lost): whoever ran the
     job tells the decode worker at once (POST /pd/fail). `timed_out`: decode did not acknowledge
-    in time; decode's own transfer clock decides (retry, recompute), so it is not reported."""
+    in time; the prefill service told decode itself (Keepalive.ended), which retries or recomputes."""
 
     transfer_id: str
     status: Literal["handed_off", "failed", "timed_out", "aborted"]

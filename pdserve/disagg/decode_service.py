@@ -168,6 +168,17 @@ class DecodeService:
         for tid in transfer_ids:
             self.receiver.touch(tid)
 
+    async def attempts_ended(self, transfer_ids: list[str]) -> None:
+        """Attempts their prefill worker gave up on (its hand-off timed out): a request still
+        waiting for one asks for a new attempt, as at its own transfer timeout (before any payload
+        arrived only the lease would end the wait), or, having asked once, gets its failure policy."""
+        for tid in transfer_ids:
+            rid = tid.rpartition("@")[0]
+            if not self._expects(rid, tid):
+                continue  # done, superseded or ended meanwhile
+            if not self._retry_once(rid, tid, "its prefill worker gave up on the hand-off"):
+                await self._apply_failure_policy(rid, "KV cache transfer timed out on the prefill side")
+
     async def fail(self, request_id: str, reason: str, transfer_id: str = "") -> bool:
         """End a request that is still waiting for its KV with an error (its prefill job was
         dead-lettered, or the prefill side gave up on attempt `transfer_id`; "": whatever attempt).
@@ -300,13 +311,14 @@ class DecodeService:
         if record is not None and not record.streaming:
             self._forget(rid)  # nobody reads the error: drop the record too
 
-    def _retry_once(self, rid: str, tid: str) -> bool:
+    def _retry_once(self, rid: str, tid: str, why: str = "") -> bool:
         """A timeout: the first asks the router for a new attempt (True: keep listening meanwhile)."""
         self._counts.timeouts += 1
         record = self._requests.get(rid)
         retry = record is None or not record.retried
-        logger.warning("KV cache transfer timed out: request %s (%s), no progress for %.0f ms%s", rid, tid,
-                       1000 * self.transfer_timeout_s, "; asking for a new attempt" if retry else "")
+        why = why or f"no progress for {1000 * self.transfer_timeout_s:.0f} ms"
+        logger.warning("KV cache transfer timed out: request %s (%s), %s%s", rid, tid, why,
+                       "; asking for a new attempt" if retry else "")
         if not retry:
             return False
         self._counts.retried += 1

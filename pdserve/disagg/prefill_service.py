@@ -227,7 +227,8 @@ class PrefillService:
             await self._hand_off(tid, await self._placement(tid), final, state)
             self._counts.handed_off += 1
             return HandOff(transfer_id=tid, status="handed_off", prefill_cached_tokens=final.num_cached_tokens)
-        except KVTransferTimeout as exc:  # decode's own transfer clock decides what happens next
+        except KVTransferTimeout as exc:  # decode is told: it may have no clock running (nothing arrived)
+            await self._report_ended(tid)
             return self._failed(tid, "timed_out", exc)
         except (KVTransferError, RequestFailedError, EngineDeadError) as exc:  # decode is told at once
             return self._failed(tid, "failed", exc)
@@ -249,6 +250,14 @@ class PrefillService:
                     attempt.placed.cancel()
                     sender = attempt.placing
             await asyncio.shield(self._release(tid, sender))
+
+    async def _report_ended(self, tid: str) -> None:
+        """The attempt will not hand off (its blocks go now, and with them what was not sent): its
+        decode worker stops waiting for it (Keepalive.ended). Best effort: else its clocks decide."""
+        attempt = self._attempts.get(tid)
+        if attempt is not None and attempt.decode_url:
+            with contextlib.suppress(WorkerError):
+                await self._decode_workers.alive(attempt.decode_url, [], ended=[tid])
 
     def _first_token_out(self, tid: str, final: RequestOutput) -> None:
         """Whoever follows the attempt (POST /pd/prefill's streamed answer) learns its first token now."""

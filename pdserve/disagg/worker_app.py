@@ -8,7 +8,8 @@
     decode:  POST /pd/reserve  ReserveRequest -> ReserveReply | 503 (no room now, or draining) | 400
              POST /pd/prefix   {"prompt_token_ids": [...]} -> {"num_cached_tokens": n} (prefix affinity)
              GET  /pd/stream/{id}  NDJSON OutputFrames until the request finishes
-             POST /pd/alive    {"transfer_ids": [...]}: keepalives from prefill workers computing them
+             POST /pd/alive    {"transfer_ids": [...], "ended": [...]}: keepalives from prefill workers
+                               computing them; attempts they gave up on (their hand-off timed out)
              POST /pd/retarget/{id}  Retarget: expect a new prefill attempt | 404
              POST /pd/prefill_here/{id}  compute the (short) uncached rest here | 404
              POST /pd/fail/{id}  FailJob: end a request still waiting for KV (for that attempt) with an error | 404

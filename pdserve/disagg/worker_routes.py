@@ -61,6 +61,7 @@ def _add_attempt_routes(app: FastAPI, service: DecodeService) -> None:
     @app.post("/pd/alive")
     async def alive(body: Keepalive) -> JSONResponse:
         service.touch(body.transfer_ids)
+        await service.attempts_ended(body.ended)
         return JSONResponse({})
 
     @app.post("/pd/retarget/{request_id}")
