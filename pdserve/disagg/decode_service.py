@@ -176,6 +176,7 @@ class DecodeService:
             rid = tid.rpartition("@")[0]
             if not self._expects(rid, tid):
                 continue  # done, superseded or ended meanwhile
+            bind_request_id(rid)
             if not self._retry_once(rid, tid, "its prefill worker gave up on the hand-off"):
                 await self._apply_failure_policy(rid, "KV cache transfer timed out on the prefill side")
 
