@@ -47,6 +47,7 @@ from pdserve.serving.worker_stats import PrefillStats
 
 logger = logging.getLogger(__name__)
 _ENGINE_STUCK_S = 30.0
+_REPORT_TIMEOUT_S = 10.0  # telling decode an attempt ended (`_report_ended`)
 
 
 @dataclass(slots=True)
@@ -90,6 +91,7 @@ class PrefillService:
         self._attempts: dict[str, _Attempt] = {}  # transfer id -> its record
         self._counts = _Counts()
         self._keepalive: asyncio.Task[None] | None = None
+        self._reports: set[asyncio.Task[None]] = set()  # attempts' ends being told to decode
         # NOTE: one client for the worker's life, made here: building an httpx client (its TLS
         # context) blocks the event loop for 50-200 ms, which a client per keepalive task cost the
         # first request after every idle spell (its hand-off, hence its TTFT, waited behind it).
@@ -228,7 +230,7 @@ class PrefillService:
             self._counts.handed_off += 1
             return HandOff(transfer_id=tid, status="handed_off", prefill_cached_tokens=final.num_cached_tokens)
         except KVTransferTimeout as exc:  # decode is told: it may have no clock running (nothing arrived)
-            await self._report_ended(tid)
+            self._report_ended(tid)
             return self._failed(tid, "timed_out", exc)
         except (KVTransferError, RequestFailedError, EngineDeadError) as exc:  # decode is told at once
             return self._failed(tid, "failed", exc)
@@ -251,13 +253,22 @@ class PrefillService:
                     sender = attempt.placing
             await asyncio.shield(self._release(tid, sender))
 
-    async def _report_ended(self, tid: str) -> None:
+    def _report_ended(self, tid: str) -> None:
         """The attempt will not hand off (its blocks go now, and with them what was not sent): its
-        decode worker stops waiting for it (Keepalive.ended). Best effort: else its clocks decide."""
+        decode worker stops waiting for it (Keepalive.ended), told beside the release. Best effort:
+        else its clocks decide. NOTE: not within the transfer timeout (the keepalives' client's,
+        100 ms by default): a busy decode worker is what timed the hand-off out."""
         attempt = self._attempts.get(tid)
-        if attempt is not None and attempt.decode_url:
+        if attempt is None or not attempt.decode_url:
+            return
+
+        async def report(url: str) -> None:
             with contextlib.suppress(WorkerError):
-                await self._decode_workers.alive(attempt.decode_url, [], ended=[tid])
+                await self._decode_workers.alive(url, [], ended=[tid], timeout_s=_REPORT_TIMEOUT_S)
+
+        task = asyncio.create_task(report(attempt.decode_url))
+        self._reports.add(task)  # NOTE: the loop keeps only a weak reference to a task
+        task.add_done_callback(self._reports.discard)
 
     def _first_token_out(self, tid: str, final: RequestOutput) -> None:
         """Whoever follows the attempt (POST /pd/prefill's streamed answer) learns its first token now."""
