@@ -208,3 +208,16 @@ def test_a_prefill_pool_sends_each_decode_rank_the_heads_both_hold(transport: st
 ])
 def test_links_per_layer(sending: list[tuple[int, int]], decode_ranks: int, heads: int, links: int) -> None:
     assert count_links(sending, decode_ranks, heads) == links
+
+
+def test_the_head_view_benchmark_runs_and_checks_what_landed(capsys: pytest.CaptureFixture[str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m pdserve.bench.kv_head_views`, tiny: a row per transport, each send verified."""
+    from pdserve.bench import kv_head_views
+
+    transports = "tcp,nixl" if nixl_available() else "tcp"
+    monkeypatch.setattr("sys.argv", ["kv_head_views", "--tokens", "32", "--reps", "1", "--transports", transports])
+    kv_head_views.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| tcp", "| nixl"))]
+    assert [row.split("|")[1].strip() for row in rows] == transports.split(",")
+    assert all(row.rstrip(" |").endswith("x") for row in rows), rows
