@@ -37,6 +37,11 @@ def transfer_id(request_id: str, attempt: int) -> str:
     return f"{request_id}@{attempt}"
 
 
+def request_id_of(tid: str) -> str:
+    """The request a `transfer_id` is an attempt of ("" for an id that is none)."""
+    return tid.rpartition("@")[0]
+
+
 class ReserveRequest(BaseModel):
     """router -> decode: hold blocks for this prompt before prefill starts; the KV receiver expects
     `transfer_id` (attempt 0 of the request)."""

@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from pdserve.disagg.control import OutputFrame, ReserveReply, ReserveRequest
+from pdserve.disagg.control import OutputFrame, ReserveReply, ReserveRequest, request_id_of
 from pdserve.disagg.phases import TransferMeter
 from pdserve.disagg.prompt_logprobs_wire import unpack
 from pdserve.disagg.transport.base import KVReceiver
@@ -173,7 +173,7 @@ class DecodeService:
         waiting for one asks for a new attempt, as at its own transfer timeout (before any payload
         arrived only the lease would end the wait), or, having asked once, gets its failure policy."""
         for tid in transfer_ids:
-            rid = tid.rpartition("@")[0]
+            rid = request_id_of(tid)
             if not self._expects(rid, tid):
                 continue  # done, superseded or ended meanwhile
             bind_request_id(rid)

@@ -50,10 +50,10 @@ def count_links(sending: list[HeadRange], num_decode_ranks: int, num_kv_heads: i
 
 class RankedKVSender(KVSender):
     """Sends one prefill pool's KV to a decode worker with a receiver per rank: a sender per decode
-    rank that holds some of this pool's heads (`make_sender` over a view of those heads; one that
-    is not contiguous, some heads of each token's row, tcp gathers and nixl writes row by row). Contract: KVSender's;
-    the final message goes to decode rank 0, and `flush` waits for its acknowledgement, which
-    decode gives only once every rank received everything."""
+    rank that holds some of this pool's heads (`make_sender` over a view of those heads; a view
+    that is not contiguous, some heads of each token's row, tcp gathers and nixl writes row by
+    row). Contract: KVSender's; the final message goes to decode rank 0, and `flush` waits for its
+    acknowledgement, which decode gives only once every rank received everything."""
 
     def __init__(self, transport: str, layout: KVLayout, kv_cache: torch.Tensor, num_kv_heads: int,
                  **options: Any) -> None:
