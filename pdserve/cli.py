@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import logging
 import os
 import signal
@@ -18,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -33,6 +32,7 @@ from pdserve.sizing.commands import add_sizing_commands, guarded
 if TYPE_CHECKING:
     from pdserve.disagg.router import PDRouter
     from pdserve.engine.async_llm import AsyncLLM
+    from pdserve.engine.core_client import EngineCoreClient
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.ops.up import UpOptions
 
@@ -45,6 +45,9 @@ _ENGINE_FAILED = 3  # exit status of a server whose engine thread died
 
 
 def _serve(ns: argparse.Namespace) -> int:
+    from pdserve import envs
+    from pdserve.engine.core_client import EngineCoreClient, EngineStartError
+    from pdserve.engine.core_proc import inject_model_step_failure
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.ops.threads import pin_to
 
@@ -53,27 +56,42 @@ def _serve(ns: argparse.Namespace) -> int:
     if worker is not None and worker.register and worker.advertise_url is None:
         worker = replace(worker, advertise_url=_advertise_url(ns.host, ns.port))
     api = config_from_args(ApiConfig, ns)
+    # NOTE: the prefill and decode roles' KV transports hook into the engine thread: in-process still
+    in_process = worker is not None or ns.engine_in_process or envs.engine_in_process()
+    engine: LLMEngine | None = None
+    core: EngineCoreClient | None = None
     try:
-        if ns.cpu_affinity is not None:  # NOTE: before torch starts its threads, which inherit it
+        if ns.cpu_affinity is not None:  # NOTE: before torch's threads and the engine process, which inherit it
             pin_to(ns.cpu_affinity)
         _validate_worker(worker)
         api.validate()
         api.api_keys()  # NOTE: an unreadable --api-key-file fails here, before the engine loads
-        engine = LLMEngine.from_engine_args(args)
-    except (ValueError, OSError) as exc:
+        if in_process:
+            engine = LLMEngine.from_engine_args(args)
+            inject_model_step_failure(engine)
+        else:
+            core = EngineCoreClient.start(args)
+    except (ValueError, OSError, EngineStartError) as exc:
         print(f"pdserve: {exc}", file=sys.stderr)
         return 2
-    _inject_model_step_failure(engine)
     name = ns.served_model_name or (args.model or _DEMO_MODEL_NAME)
-    cfg = engine.config
+    cfg = engine.config if engine is not None else core.config if core is not None else None
+    assert cfg is not None
     logging.getLogger("pdserve").info(
-        "%s worker serving %s on http://%s:%d (%s, %s, KV %s, %d KV blocks of %d tokens, max_model_len %d)", ns.role,
-        name, ns.host, ns.port, cfg.device, str(cfg.dtype).removeprefix("torch."),
+        "%s worker serving %s on http://%s:%d (%s, %s, KV %s, %d KV blocks of %d tokens, max_model_len %d; engine %s)",
+        ns.role, name, ns.host, ns.port, cfg.device, str(cfg.dtype).removeprefix("torch."),
         str(cfg.kv_dtype).removeprefix("torch."), cfg.cache.num_kv_blocks,
-        cfg.cache.block_size, cfg.scheduler.max_model_len)
-    if worker is None:
+        cfg.cache.block_size, cfg.scheduler.max_model_len, "in this process" if core is None else "in its own process")
+    client: AsyncLLM | EngineCoreClient
+    if core is not None:
+        from pdserve.serving.app import create_app
+
+        app, on_exit, client = create_app(core, name, api=api), None, core
+    elif worker is None:
+        assert engine is not None
         app, on_exit, client = _colocated_app(engine, name, api)
     else:
+        assert engine is not None
         app, on_exit, client = _worker_app(engine, worker, name)
     client.on_fatal = _drain_after_engine_failure
     try:
@@ -82,26 +100,6 @@ def _serve(ns: argparse.Namespace) -> int:
     finally:
         client.shutdown()
     return _ENGINE_FAILED if client.failure is not None else 0
-
-
-def _inject_model_step_failure(engine: LLMEngine) -> None:
-    """Tests only, off unless PDSERVE_TEST_FAIL_MODEL_STEP is set: no request can make a real
-    process's model step fail, so this makes it raise from the N-th step on."""
-    from pdserve import envs
-
-    fail_at = envs.test_fail_model_step()
-    if fail_at is None:
-        return
-    logging.getLogger("pdserve").warning("%s=%d: the model step will fail (tests only)", envs.TEST_FAIL_MODEL_STEP,
-                                         fail_at)
-    execute, calls = engine.runner.execute, itertools.count(1)
-
-    def failing(*args: Any) -> Any:
-        if next(calls) >= fail_at:
-            raise RuntimeError(f"injected model step failure ({envs.TEST_FAIL_MODEL_STEP})")
-        return execute(*args)
-
-    setattr(engine.runner, "execute", failing)  # noqa: B010 - mypy refuses assigning a method
 
 
 def _drain_after_engine_failure(exc: BaseException) -> None:
@@ -316,6 +314,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
     # NOTE: not WorkerConfig.role: "colocated" is no worker role, it means no WorkerConfig at all
     serve.add_argument("--role", choices=["colocated", "prefill", "decode"], default="colocated")
+    serve.add_argument("--engine-in-process", action="store_true",
+                       help="run the engine on a thread of the API server's process, not in its own process "
+                            "(the prefill and decode roles always do; also PDSERVE_ENGINE_IN_PROCESS=1)")
     serve.add_argument("--cpu-affinity", type=_argparse_type(parse_cpu_list), default=None, metavar="CPUS",
                        help="pin this process to these cores, e.g. 0-3 or 0,2 (one worker = one 'device')")
     add_config_args(serve, EngineArgs, title="engine")

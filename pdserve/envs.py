@@ -65,6 +65,16 @@ def supervisor_pid() -> int | None:
     return int(raw) if raw and raw.isdigit() else None
 
 
+ENGINE_IN_PROCESS = "PDSERVE_ENGINE_IN_PROCESS"
+
+
+def engine_in_process() -> bool:
+    """PDSERVE_ENGINE_IN_PROCESS=1: a colocated `pdserve serve` (and the tests' servers) runs its
+    engine on a thread of the API process, as before issue 29 (default: in its own process); the
+    same as `--engine-in-process`."""
+    return os.environ.get(ENGINE_IN_PROCESS, "0") == "1"
+
+
 TEST_FAIL_MODEL_STEP = "PDSERVE_TEST_FAIL_MODEL_STEP"
 
 

@@ -1,8 +1,10 @@
 """Helpers for tests/test_server.py: a real pdserve HTTP server on a background thread, SSE parsing,
 and the "nothing leaked" check.
 
-The server runs in-process (uvicorn on a thread, the engine on its own thread inside `AsyncLLM`) so
-tests can look at the engine after a request: no unfinished request, every KV block back in the pool.
+The server runs in-process (uvicorn on a thread) with its engine in an engine core process
+(`EngineCoreClient`, as `pdserve serve` runs it), or with PDSERVE_ENGINE_IN_PROCESS=1 on a thread
+inside `AsyncLLM`. Tests look at the engine after a request through its stats: no unfinished
+request, every KV block back in the pool.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from typing import Any
 import httpx
 import uvicorn
 
+from pdserve import envs
 from pdserve.config import ApiConfig, EngineArgs
 from pdserve.engine.async_llm import AsyncLLM
+from pdserve.engine.core_client import EngineCoreClient
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.serving.app import create_app
 
@@ -35,7 +39,7 @@ def free_port() -> int:
 
 @dataclass
 class ServerHandle:
-    client: AsyncLLM
+    client: AsyncLLM | EngineCoreClient
     server: uvicorn.Server
     thread: threading.Thread
     base_url: str
@@ -43,6 +47,8 @@ class ServerHandle:
 
     @property
     def engine(self) -> LLMEngine:
+        """The engine object itself: only with the engine in this process (PDSERVE_ENGINE_IN_PROCESS=1)."""
+        assert isinstance(self.client, AsyncLLM), "the engine runs in its own process"
         return self.client.engine
 
     def http(self, timeout_s: float = 60.0) -> httpx.Client:
@@ -53,15 +59,17 @@ class ServerHandle:
 
     def leaks(self) -> list[str]:
         """What the engine still holds; empty when every request is gone and every block is free."""
-        scheduler = self.engine.scheduler
-        pool = scheduler.kv.pool
         found = []
-        if self.engine.has_unfinished_requests():
+        if isinstance(self.client, EngineCoreClient) and self.client.num_in_flight:
+            found.append(f"the API process still streams {self.client.num_in_flight} requests")
+        stats = self.client.stats()  # NOTE: the engine process sends them whenever it goes idle
+        if stats.num_engine_requests:
             found.append("the engine has unfinished requests")
-        if scheduler.num_unfinished:
-            found.append(f"the scheduler still tracks {scheduler.num_unfinished} requests")
-        if pool.num_free_blocks != pool.num_blocks:
-            found.append(f"{pool.num_blocks - pool.num_free_blocks} of {pool.num_blocks} KV blocks are in use")
+        if stats.num_scheduler_requests:
+            found.append(f"the scheduler still tracks {stats.num_scheduler_requests} requests")
+        if stats.num_free_kv_blocks != stats.num_kv_blocks:
+            found.append(f"{stats.num_kv_blocks - stats.num_free_kv_blocks} of {stats.num_kv_blocks} KV blocks "
+                         "are in use")
         return found
 
     def wait_until_idle(self, timeout_s: float = _LEAK_POLL_S) -> float:
@@ -81,7 +89,8 @@ class ServerHandle:
 
 def start_server(model_dir: Path, model_name: str, api: ApiConfig | None = None, **engine_args: Any) -> ServerHandle:
     args = EngineArgs(model=str(model_dir), **engine_args)
-    client = AsyncLLM(LLMEngine.from_engine_args(args))
+    client: AsyncLLM | EngineCoreClient = (AsyncLLM(LLMEngine.from_engine_args(args)) if envs.engine_in_process()
+                                           else EngineCoreClient.start(args))
     port = free_port()
     config = uvicorn.Config(create_app(client, model_name, api=api), host="127.0.0.1", port=port, log_level="warning")
     server = uvicorn.Server(config)

@@ -62,15 +62,17 @@ class _Envelope:
 
     def reply(self, result: object) -> None:
         if self.loop is not None and self.future is not None:
-            self.loop.call_soon_threadsafe(_set_result, self.future, result)
+            self.loop.call_soon_threadsafe(set_result, self.future, result)
 
     def fail(self, exc: BaseException) -> None:
         if self.loop is not None and self.future is not None:
-            self.loop.call_soon_threadsafe(_set_exception, self.future, exc)
+            self.loop.call_soon_threadsafe(set_exception, self.future, exc)
 
 
 @dataclass(frozen=True, slots=True)
-class _Stream:
+class LoopStream:
+    """A request's output sink and the event loop it belongs to (filled from another thread)."""
+
     sink: OutputSink
     loop: asyncio.AbstractEventLoop
 
@@ -88,7 +90,7 @@ class AsyncLLM:
         self.max_model_len = engine.config.scheduler.max_model_len
         self.model_path = engine.config.model_path
         self._inbox: queue.SimpleQueue[_Envelope | None] = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._streams: dict[str, LoopStream] = {}  # engine thread only
         self._error: BaseException | None = None
         self._stats = engine.stats()
         # Called on the engine thread with every output delivered (and an aborted request's last
@@ -143,17 +145,8 @@ class AsyncLLM:
 
     async def consume(self, request_id: str, stream: OutputStream) -> AsyncIterator[RequestOutput]:
         """Yield a request's outputs until it finishes; leaving early aborts it."""
-        finished = False
-        try:
-            while not finished:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self.abort(request_id)
+        async for output in consume_outputs(request_id, stream, self.abort):
+            yield output
 
     def abort(self, request_id: str) -> None:
         """Fire and forget (callable from `finally` blocks): the engine applies it in order."""
@@ -236,7 +229,7 @@ class AsyncLLM:
             return
         opened = command.stream_of(result)
         if opened is not None and envelope.sink is not None and envelope.loop is not None:
-            self._streams[opened] = _Stream(envelope.sink, envelope.loop)
+            self._streams[opened] = LoopStream(envelope.sink, envelope.loop)
         closed = command.closes()
         if closed is not None:
             self._streams.pop(closed, None)
@@ -257,11 +250,28 @@ class AsyncLLM:
         stream.put(output)
 
 
-def _set_result(future: asyncio.Future[Any], result: object) -> None:
+async def consume_outputs(request_id: str, stream: OutputStream,
+                          abort: Callable[[str], None]) -> AsyncIterator[RequestOutput]:
+    """Yield a request's outputs until it finishes (an exception in the stream is raised); leaving
+    early calls `abort`."""
+    finished = False
+    try:
+        while not finished:
+            item = await stream.get()
+            if isinstance(item, BaseException):
+                raise item
+            finished = item.finished
+            yield item
+    finally:
+        if not finished:
+            abort(request_id)
+
+
+def set_result(future: asyncio.Future[Any], result: object) -> None:
     if not future.done():
         future.set_result(result)
 
 
-def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
+def set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
     if not future.done():
         future.set_exception(exc)

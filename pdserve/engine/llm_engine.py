@@ -53,6 +53,13 @@ class EngineStats:
     schedule_time_s: float  # total time in schedule() + update() bookkeeping
     step_time_s: float  # total wall time of steps
     kv_tier: TierStats | None = None  # with --kv-disk-dir
+    num_engine_requests: int = 0  # user requests the engine tracks (their output state included)
+    num_scheduler_requests: int = 0  # sequences the scheduler tracks (waiting, running, swapped, remote, held)
+
+
+def _child_id(request_id: str, index: int) -> str:
+    """The engine request id of sequence `index` of a user request (n > 1)."""
+    return request_id if index == 0 else f"{request_id}#{index}"
 
 
 def check_request(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int) -> None:
@@ -127,6 +134,9 @@ class LLMEngine:
         self.layer_observer: LayerObserver | None = None  # see configure_kv_transfer
         self.step_log = StepLog.from_env()  # PDSERVE_STEP_LOG: each step's time and work
         self._failures: list[RequestFailure] = []  # requests failed on their own; see take_failures
+        # False in the engine core process (engine/core_proc.py): outputs carry token ids, no text;
+        # its API process detokenizes and applies stop strings (`stop_sequence`). Set before requests.
+        self.detokenize = True
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -180,7 +190,7 @@ class LLMEngine:
                 child_params = dataclasses.replace(params, seed=hash((params.seed, index)) & (2**63 - 1))
             if index > 0 and params.prompt_logprobs is not None:  # the prompt's are computed once, by child 0
                 child_params = dataclasses.replace(child_params, prompt_logprobs=None)
-            child_id = request_id if index == 0 else f"{request_id}#{index}"  # a reservation is child 0
+            child_id = _child_id(request_id, index)  # a reservation is child 0
             children.append(Request(child_id, token_ids, child_params, self.tokenizer.eos_token_ids,
                                     self.config.scheduler.max_model_len, arrival, self.config.device))
         return children
@@ -348,9 +358,8 @@ class LLMEngine:
 
     def _new_state(self, request_id: str, prompt_text: str | None, token_ids: list[int], params: SamplingParams,
                    arrival_time: float) -> RequestState:
-        return RequestState(request_id, prompt_text, token_ids, params.n, self.tokenizer, params.skip_special_tokens,
-                            params.logprobs is not None, params.stop, params.include_stop_str_in_output,
-                            params.min_tokens, arrival_time, params.text_prefix, bytes(params.utf8_prefix))
+        return RequestState.of_request(request_id, prompt_text, token_ids, params, self.tokenizer, arrival_time,
+                                       self.detokenize)
 
     def _emit(self, updated: list[tuple[Request, TokenLogprobs | None]]) -> list[RequestOutput]:
         """Feed each request's newest token to its output state (detokenize, stop strings) and
@@ -380,8 +389,7 @@ class LLMEngine:
         stop = state.add_token(index, request.all_token_ids[-1], logprobs)
         if stop is not None:
             # A stop string wins over a token-level stop in the same step.
-            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-            request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+            self._stop(request, stop)
         if request.status.finished:
             state.finish(index, request.status, request.stop_reason)
             del self._children[request.request_id]
@@ -392,6 +400,29 @@ class LLMEngine:
         if (state.prompt_logprobs is None and request.prompt_logprobs is not None
                 and len(request.prompt_logprobs) == request.num_prompt_tokens):
             state.prompt_logprobs = list(request.prompt_logprobs)  # complete: the prompt's last chunk sampled
+
+    def _stop(self, request: Request, stop: str) -> None:
+        self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+        request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+
+    def stop_sequence(self, request_id: str, index: int, stop: str) -> None:
+        """Engine core process: the API process found stop string `stop` in sequence `index` of this
+        request (`detokenize` False). Ends that sequence as `_advance` would have, frees its blocks;
+        nothing is emitted (the API process has the output). A sequence already ended is left so."""
+        child_id = _child_id(request_id, index)
+        entry = self._children.get(child_id)
+        request = self.scheduler.requests.get(child_id)
+        if entry is None or request is None:
+            return
+        state, _ = entry
+        self._stop(request, stop)
+        state.finish(index, request.status, stop)
+        del self._children[child_id]
+        if state.finished:
+            del self._states[request_id]
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._states
 
     def take_failures(self) -> list[RequestFailure]:
         """The requests ended since the last call because handling them raised (`RequestFailure`);
@@ -439,4 +470,6 @@ class LLMEngine:
             schedule_time_s=self._schedule_time_s,
             step_time_s=self._step_time_s,
             kv_tier=None if self.offload is None else self.offload.stats(),
+            num_engine_requests=len(self._states),
+            num_scheduler_requests=self.scheduler.num_unfinished,
         )

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.request import RequestStatus
 from pdserve.engine.sampler import PromptLogprobs, TokenLogprobs
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -74,14 +75,17 @@ class RequestState:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], n: int,
                  tokenizer: Tokenizer, skip_special_tokens: bool, want_logprobs: bool, stop: tuple[str, ...],
                  include_stop: bool, min_tokens: int, arrival_time: float, text_prefix: str = "",
-                 utf8_prefix: bytes = b"") -> None:
+                 utf8_prefix: bytes = b"", detokenize: bool = True) -> None:
+        """`detokenize` False: token ids, logprobs and finish reasons only, no text and no stop
+        strings (the engine core process: its API process's output processor makes the text)."""
         self.request_id = request_id
+        self.detokenize = detokenize
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         # NOTE: a resumed request's text starts where its client's text stopped (SamplingParams.text_prefix)
         self.sequences = [_Sequence(IncrementalDetokenizer(tokenizer, skip_special_tokens, utf8_prefix),
                                     logprobs=[] if want_logprobs else None, text=text_prefix) for _ in range(n)]
-        self.stop = stop
+        self.stop = stop if detokenize else ()
         self.include_stop = include_stop
         self.min_tokens = min_tokens  # like stop tokens, stop strings cannot end a shorter output
         # Text that could still become a stop string is held back until it cannot.
@@ -89,6 +93,13 @@ class RequestState:
         self.metrics = RequestMetrics(arrival_time)
         self.num_cached_tokens = 0
         self.prompt_logprobs: list[PromptLogprobs | None] | None = None
+
+    @classmethod
+    def of_request(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                   tokenizer: Tokenizer, arrival_time: float, detokenize: bool = True) -> RequestState:
+        return cls(request_id, prompt, prompt_token_ids, params.n, tokenizer, params.skip_special_tokens,
+                   params.logprobs is not None, params.stop, params.include_stop_str_in_output, params.min_tokens,
+                   arrival_time, params.text_prefix, bytes(params.utf8_prefix), detokenize)
 
     @property
     def finished(self) -> bool:
@@ -102,6 +113,8 @@ class RequestState:
         seq.token_ids.append(token_id)
         if seq.logprobs is not None and logprobs is not None:
             seq.logprobs.append(logprobs)
+        if not self.detokenize:
+            return None
         new_text = seq.detokenizer.push(token_id)
         if not new_text or not self.stop or len(seq.token_ids) < self.min_tokens:
             seq.text += new_text
@@ -119,7 +132,7 @@ class RequestState:
         seq = self.sequences[index]
         if seq.finish_reason is not None:
             return
-        if reason != RequestStatus.FINISHED_STOPPED or not isinstance(stop_reason, str):
+        if self.detokenize and (reason != RequestStatus.FINISHED_STOPPED or not isinstance(stop_reason, str)):
             seq.text += seq.detokenizer.flush()
         seq.finish_reason = reason.value
         seq.stop_reason = stop_reason

@@ -383,17 +383,22 @@ def _new_shared_file(kind: str) -> str:
     return path
 
 
-def _spawn_rank() -> tuple[subprocess.Popen[bytes], Connection]:
-    """A fresh interpreter (no fork of a threaded process, no re-import of the caller's script)
-    holding the other end of a socket pair: the connection is private to the two processes, and
-    each sees EOF when the other dies."""
+def spawn_module(module: str) -> tuple[subprocess.Popen[bytes], socket.socket]:
+    """`python -m module FD`: a fresh interpreter (no fork of a threaded process, no re-import of the
+    caller's script) holding the other end FD of a socket pair: the link is private to the two
+    processes, and each sees EOF when the other dies. (TP ranks; the engine core process.)"""
     ours, theirs = socket.socketpair()
     # NOTE: the child imports the very pdserve this process runs, wherever it was imported from
     package_root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
     with theirs:
-        process = subprocess.Popen([sys.executable, "-m", "pdserve.engine.tp_rank", str(theirs.fileno())],
+        process = subprocess.Popen([sys.executable, "-m", module, str(theirs.fileno())],
                                    pass_fds=(theirs.fileno(),), env=env)
+    return process, ours
+
+
+def _spawn_rank() -> tuple[subprocess.Popen[bytes], Connection]:
+    process, ours = spawn_module("pdserve.engine.tp_rank")
     return process, Connection(ours.detach())
 
 

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pdserve.config import ApiConfig
 from pdserve.engine.async_llm import AsyncLLM
+from pdserve.engine.core_client import EngineCoreClient
 from pdserve.serving.chat import ChatHandler
 from pdserve.serving.completions import CompletionHandler
 from pdserve.serving.dashboard import install_dashboard
@@ -56,7 +57,7 @@ def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None 
     if router is not None:
         client, metrics = instrument_router_app(app, client, router, model_name)
         install_dashboard(app, metrics, router)
-    elif isinstance(client, AsyncLLM):
+    elif isinstance(client, AsyncLLM | EngineCoreClient):
         instrument_engine_app(app, client, model_name, "colocated")
     completions = CompletionHandler(client, model_name, api.max_tokens_limit)
     chat = ChatHandler(client, model_name, api)

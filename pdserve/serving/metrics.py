@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pdserve.engine.async_llm import AsyncLLM
+from pdserve.engine.core_client import EngineCoreClient
 from pdserve.engine.llm_engine import EngineStats
 from pdserve.engine.output import RequestOutput
 from pdserve.serving.kv_tier_metrics import kv_tier_series
@@ -371,14 +372,17 @@ def install_metrics(app: FastAPI, metrics: ServerMetrics, stats: Callable[[], En
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-def instrument_engine_app(app: FastAPI, engine: AsyncLLM, model_name: str, role: ServerRole) -> ServerMetrics:
-    """A colocated worker: observe the engine thread's outputs, read its stats."""
+LocalEngine = AsyncLLM | EngineCoreClient  # an engine this server owns (on a thread, or in its own process)
+
+
+def instrument_engine_app(app: FastAPI, engine: LocalEngine, model_name: str, role: ServerRole) -> ServerMetrics:
+    """A colocated worker: observe the engine thread's (or engine process's) outputs, read its stats."""
     metrics = ServerMetrics(model_name, role)
     install_engine_metrics(app, engine, metrics)
     return metrics
 
 
-def install_engine_metrics(app: FastAPI, engine: AsyncLLM, metrics: ServerMetrics,
+def install_engine_metrics(app: FastAPI, engine: LocalEngine, metrics: ServerMetrics,
                            service_stats: Callable[[], ServiceStats] | None = None) -> None:
     """A worker whose `metrics` exist before its app (a PD worker's service reports transfers to
     them): observe the engine thread's outputs, read its stats and its service's."""

@@ -1,0 +1,235 @@
+"""The engine core process: `python -m pdserve.engine.core_proc FD`, started by its API process
+(engine/core_client.py) with FD its end of a private socket pair.
+
+It builds the `LLMEngine` (and with --tensor-parallel-size its ranks, children of this process), then
+runs a busy loop that never waits on the API process:
+
+    loop:  commands that arrived (waiting for one only while nothing is runnable) -> apply each
+           step() (one forward) -> ONE `FromCore` with every request's new token ids, the failures,
+           the commands' replies, and the stats when due (every STATS_EVERY_S, and on going idle)
+
+Token ids only: the API process detokenizes and applies stop strings, and sends `stop_sequence` back
+on a hit. Outputs are deltas against what was sent before (`_DeltaTracker`).
+
+Lifecycle. SIGINT/SIGTERM are ignored (`pdserve up` signals the whole process group; the API
+process decides when this one stops: `shutdown`, or EOF on the link when it is gone, then this
+process exits at once). A step that raises is fatal: a last `FromCore` with `fatal`, exit 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import select
+import signal
+import socket
+import sys
+import time
+from typing import Any
+
+from pdserve import envs
+from pdserve.config import EngineArgs
+from pdserve.engine.core_wire import (
+    CoreReply,
+    CoreWireError,
+    FrameReader,
+    FromCore,
+    RequestDelta,
+    SequenceDelta,
+    ToCore,
+    decode_to_core,
+    encode_from_core,
+    recv_frames,
+)
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.output import RequestOutput
+from pdserve.logs import configure_logging
+
+logger = logging.getLogger(__name__)
+STATS_EVERY_S = 0.05  # how stale /metrics' engine gauges may be while the engine is busy
+
+
+def inject_model_step_failure(engine: LLMEngine) -> None:
+    """Tests only, off unless PDSERVE_TEST_FAIL_MODEL_STEP is set: no request can make a real
+    process's model step fail, so this makes it raise from the N-th step on."""
+    fail_at = envs.test_fail_model_step()
+    if fail_at is None:
+        return
+    logger.warning("%s=%d: the model step will fail (tests only)", envs.TEST_FAIL_MODEL_STEP, fail_at)
+    execute, calls = engine.runner.execute, itertools.count(1)
+
+    def failing(*args: Any) -> Any:
+        if next(calls) >= fail_at:
+            raise RuntimeError(f"injected model step failure ({envs.TEST_FAIL_MODEL_STEP})")
+        return execute(*args)
+
+    setattr(engine.runner, "execute", failing)  # noqa: B010 - mypy refuses assigning a method
+
+
+class _DeltaTracker:
+    """Turns the engine's cumulative snapshots into what is new since the last message."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, list[tuple[int, bool]]] = {}  # request -> per sequence (tokens sent, finish sent)
+        self._prompt_logprobs_sent: set[str] = set()
+
+    def delta(self, output: RequestOutput) -> RequestDelta:
+        sent = self._sent.setdefault(output.request_id, [(0, False)] * len(output.outputs))
+        sequences = []
+        for seq in output.outputs:
+            num_sent, finish_sent = sent[seq.index]
+            new = seq.token_ids[num_sent:]
+            ending = seq.finish_reason is not None and not finish_sent
+            if not new and not ending:
+                continue
+            logprobs = None if seq.logprobs is None else seq.logprobs[num_sent:]
+            sequences.append(SequenceDelta(seq.index, new, logprobs, seq.finish_reason if ending else None,
+                                           seq.stop_reason if ending else None))
+            sent[seq.index] = (len(seq.token_ids), finish_sent or ending)
+        prompt_logprobs = None
+        if output.prompt_logprobs is not None and output.request_id not in self._prompt_logprobs_sent:
+            prompt_logprobs = output.prompt_logprobs
+            self._prompt_logprobs_sent.add(output.request_id)
+        scheduled = output.metrics.first_scheduled_time if output.metrics is not None else None
+        if output.finished:
+            self.forget(output.request_id)
+        return RequestDelta(output.request_id, sequences, output.num_cached_tokens, scheduled, prompt_logprobs)
+
+    def forget(self, request_id: str) -> None:
+        self._sent.pop(request_id, None)
+        self._prompt_logprobs_sent.discard(request_id)
+
+
+class EngineCore:
+    def __init__(self, engine: LLMEngine, sock: socket.socket) -> None:
+        engine.detokenize = False
+        self.engine = engine
+        self.sock = sock
+        self.reader = FrameReader()
+        self.tracker = _DeltaTracker()
+        self._stats_sent_s = 0.0
+
+    def send(self, message: FromCore) -> None:
+        self.sock.sendall(encode_from_core(message))
+
+    def run(self) -> None:
+        """Until `shutdown` or EOF; raises what a step raised (fatal)."""
+        engine = self.engine
+        while True:
+            runnable = engine.has_runnable_requests()
+            # NOTE: blocking only while nothing is runnable; quarantined KV blocks bound the wait
+            timeout = 0.0 if runnable else engine.release_quarantined_blocks()
+            commands = self._receive(timeout)
+            if commands is None:
+                return
+            replies: list[CoreReply] = []
+            outputs: list[RequestDelta] = []
+            for command in commands:
+                if command.kind == "shutdown":
+                    return
+                self._apply(command, replies)
+            if engine.has_runnable_requests():
+                outputs = [self.tracker.delta(output) for output in engine.step()]
+            failures = [(f.request_id, f.error) for f in engine.take_failures()]
+            for request_id, _ in failures:
+                self.tracker.forget(request_id)
+            now = time.monotonic()
+            idle = not engine.has_runnable_requests()
+            stats_due = now - self._stats_sent_s >= STATS_EVERY_S or (idle and (commands or outputs or failures))
+            if outputs or replies or failures or stats_due:
+                stats = engine.stats() if stats_due else None
+                if stats is not None:
+                    self._stats_sent_s = now
+                self.send(FromCore(outputs, failures, replies, stats))
+
+    def _receive(self, timeout: float | None) -> list[ToCore] | None:
+        """Every command that arrived, waiting up to `timeout` (None: forever) for the first; None on EOF."""
+        commands: list[ToCore] = []
+        while True:
+            readable, _, _ = select.select([self.sock], [], [], timeout)
+            if not readable:
+                return commands
+            frames = recv_frames(self.sock, self.reader)
+            if frames is None:
+                return None
+            commands.extend(decode_to_core(frame) for frame in frames)
+            timeout = 0.0
+
+    def _apply(self, command: ToCore, replies: list[CoreReply]) -> None:
+        engine = self.engine
+        try:
+            value: int | None = None
+            if command.kind == "add":
+                assert command.params is not None, "add without params"
+                engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+            elif command.kind == "abort":
+                engine.abort_request(command.request_id)
+                self.tracker.forget(command.request_id)
+            elif command.kind == "stop_sequence":
+                engine.stop_sequence(command.request_id, command.index, command.stop)
+                if not engine.has_request(command.request_id):
+                    self.tracker.forget(command.request_id)
+            elif command.kind == "cached_prefix":
+                value = engine.num_cached_prefix_tokens(command.prompt_token_ids)
+            else:
+                raise CoreWireError(f"command {command.kind!r} after start")
+        except Exception as exc:  # noqa: BLE001 - the caller gets it, the engine carries on
+            if command.call_id:
+                replies.append(CoreReply(command.call_id, None, str(exc) or repr(exc), isinstance(exc, ValueError)))
+            else:
+                logger.warning("engine core: %s %s failed: %r", command.kind, command.request_id, exc)
+            return
+        if command.call_id:
+            replies.append(CoreReply(command.call_id, value))
+
+
+def _start(sock: socket.socket, reader: FrameReader) -> ToCore:
+    while True:
+        frames = recv_frames(sock, reader)
+        if frames is None:
+            raise SystemExit(1)  # the API process is gone already
+        if frames:
+            start = decode_to_core(frames[0])
+            if start.kind != "start" or start.engine_args is None:
+                raise CoreWireError(f"expected start, got {start.kind!r}")
+            return start
+
+
+def main(fd: int) -> int:
+    # NOTE: the API process stops this one (shutdown, or EOF when it is gone): `pdserve up`'s signals
+    # to the process group must not kill the engine under a draining server
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    sock = socket.socket(fileno=fd)
+    reader = FrameReader()
+    start = _start(sock, reader)
+    configure_logging(start.log_level, "json" if start.log_format == "json" else "text")
+    try:
+        assert start.engine_args is not None
+        engine = LLMEngine.from_engine_args(EngineArgs(**start.engine_args))
+        inject_model_step_failure(engine)
+    except Exception as exc:  # noqa: BLE001 - the API process reports it (a bad flag: exit 2)
+        logger.debug("engine core failed to start", exc_info=True)
+        sock.sendall(encode_from_core(FromCore(fatal=f"{exc}")))
+        return 1
+    core = EngineCore(engine, sock)
+    core.reader = reader
+    core.send(FromCore(stats=engine.stats(), ready=True))
+    try:
+        core.run()
+    except (BrokenPipeError, ConnectionResetError):
+        os._exit(1)  # the API process is gone: nobody to tell, nothing to drain
+    except BaseException as exc:  # noqa: BLE001 - the API process fails every request and exits non-zero
+        logger.exception("engine core failed: the engine is dead")
+        with contextlib.suppress(OSError):
+            core.send(FromCore(fatal=f"{exc}"))
+        engine.close()
+        return 1
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1])))
