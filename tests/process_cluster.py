@@ -110,6 +110,31 @@ def spawn_worker(role: str, model_dir: Path, log_dir: Path, flags: list[str], ho
     return WorkerProcess(role, f"http://{host}:{port}", popen, log)
 
 
+def engine_process_of(server_pid: int, timeout_s: float = 10.0) -> int:
+    """The engine core process (engine/core_proc.py) of the `pdserve serve` process `server_pid`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = subprocess.run(["pgrep", "-P", str(server_pid), "-f", "pdserve.engine.core_proc"],
+                               capture_output=True, text=True).stdout.split()
+        if len(found) == 1:
+            return int(found[0])
+        assert time.monotonic() < deadline, f"server {server_pid}: engine processes {found}"
+        time.sleep(0.1)
+
+
+def pid_gone(pid: int, timeout_s: float) -> bool:
+    """Whether process `pid` exits (or is a zombie) within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z"):
+                return True
+        except (FileNotFoundError, IndexError):
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def wait_healthy(workers: list[WorkerProcess]) -> None:
     deadline = time.monotonic() + _START_TIMEOUT_S
     for worker in workers:

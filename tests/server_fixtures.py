@@ -87,9 +87,14 @@ class ServerHandle:
         self.client.shutdown()
 
 
-def start_server(model_dir: Path, model_name: str, api: ApiConfig | None = None, **engine_args: Any) -> ServerHandle:
+def start_server(model_dir: Path, model_name: str, api: ApiConfig | None = None, in_process: bool | None = None,
+                 **engine_args: Any) -> ServerHandle:
+    """`in_process`: the engine on a thread of this process (a test that patches the engine's code, or
+    reads its log records); default: in its own process, unless PDSERVE_ENGINE_IN_PROCESS=1."""
     args = EngineArgs(model=str(model_dir), **engine_args)
-    client: AsyncLLM | EngineCoreClient = (AsyncLLM(LLMEngine.from_engine_args(args)) if envs.engine_in_process()
+    if in_process is None:
+        in_process = envs.engine_in_process()
+    client: AsyncLLM | EngineCoreClient = (AsyncLLM(LLMEngine.from_engine_args(args)) if in_process
                                            else EngineCoreClient.start(args))
     port = free_port()
     config = uvicorn.Config(create_app(client, model_name, api=api), host="127.0.0.1", port=port, log_level="warning")

@@ -168,11 +168,14 @@ def test_transfer_timeouts_are_counted(model_dirs: dict[str, Path], caplog: pyte
         stop_cluster(cluster)
 
 
-def test_colocated_metrics_preemption_and_allocation_failures(model_dirs: dict[str, Path],
+@pytest.mark.parametrize("in_process", [False, True], ids=["engine-process", "engine-thread"])
+def test_colocated_metrics_preemption_and_allocation_failures(model_dirs: dict[str, Path], in_process: bool,
                                                               caplog: pytest.LogCaptureFixture) -> None:
     """A tiny pool: concurrent requests preempt each other (`No available block`), one that can
-    never fit is refused (`Cannot allocate for request`); the counters match the usage."""
-    server = start_server(model_dirs["tiny"], "colo", dtype="float32", num_kv_blocks=8, max_num_batched_tokens=64)
+    never fit is refused (`Cannot allocate for request`); the counters match the usage. The engine's
+    log lines are checked where it logs into this process (on a thread)."""
+    server = start_server(model_dirs["tiny"], "colo", in_process=in_process, dtype="float32", num_kv_blocks=8,
+                          max_num_batched_tokens=64)
     try:
         caplog.set_level(logging.WARNING, logger="pdserve")
         prompts = [random_prompt(30, seed=900 + i) for i in range(3)]
@@ -200,6 +203,8 @@ def test_colocated_metrics_preemption_and_allocation_failures(model_dirs: dict[s
         assert metrics.value("vllm:num_requests_running") == 0
         assert metrics.value("pdserve:rejections_total", code="400", reason="invalid_request") == 1
         assert metrics.value("pdserve:cannot_allocate_total") == 1
+        if not in_process:
+            return
         messages = [r for r in caplog.records if r.name.startswith("pdserve")]
         no_block = [r for r in messages if r.getMessage().startswith("No available block")]
         assert no_block and all(getattr(r, "request_id", "-") != "-" for r in no_block)

@@ -35,7 +35,8 @@ IM_END = 151645
 
 @pytest.fixture(scope="module")
 def servers(model_dirs: dict[str, Path]) -> Iterator[tuple[ServerHandle, Cluster]]:
-    colocated = start_server(model_dirs["tiny"], MODEL, api=API, dtype="float32", num_kv_blocks=256)
+    # NOTE: in-process: `forced` patches the sampler of every engine in this process
+    colocated = start_server(model_dirs["tiny"], MODEL, api=API, in_process=True, dtype="float32", num_kv_blocks=256)
     cluster = start_cluster(model_dirs["tiny"], "tcp", 1, 1, api=API)
     yield colocated, cluster
     stop_cluster(cluster)

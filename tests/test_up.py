@@ -22,7 +22,7 @@ import httpx
 import pytest
 from helpers import generate_texts, greedy, random_prompt
 from metrics_helpers import scrape
-from process_cluster import pending_entries, start_redis
+from process_cluster import engine_process_of, pending_entries, pid_gone, start_redis
 from prometheus_client.parser import text_string_to_metric_families
 from server_fixtures import free_port
 
@@ -365,6 +365,24 @@ def test_autoscale_grows_on_a_burst_and_drains_back_without_failing_a_request(mo
         # every worker drained after it served exited 0 (one still loading may have been drained too)
         drained = re.findall(r"drained and exited with status (-?\d+)", text)
         assert len(drained) >= 2 and set(drained) == {"0"}, drained
+
+
+def test_a_colocated_replica_whose_engine_process_is_killed_exits_and_is_restarted(
+        model_dirs: dict[str, Path], colocated: LLM, tmp_path: Path) -> None:
+    """The engine core runs in a process of its own under each replica's API process: killed, its
+    server fails what it had (503), exits non-zero, and the supervisor restarts the replica."""
+    with pdserve_up(model_dirs["tiny"], tmp_path, "--colocated", "1") as up:
+        (replica,) = up.wait_for("a ready replica", lambda: up.ready("replica"), _START_TIMEOUT_S)
+        api_pid = up.pid(replica)
+        engine_pid = engine_process_of(api_pid)
+        prompt = random_prompt(30, seed=4)
+        (expected,) = generate_texts(colocated, [prompt], greedy(8))
+        os.kill(engine_pid, signal.SIGKILL)
+        up.wait_for(f"{replica} back", lambda: up.pids(replica) not in ([], [api_pid])
+                    and replica in up.ready("replica"), _BACK_WITHIN_S)
+        assert re.search(r"replica-\d \(replica, .*\) exited with status 3; restarting", up.text()), up.exits()
+        assert pid_gone(engine_pid, 5) and engine_process_of(up.pid(replica)) != engine_pid
+        assert complete(up.url, prompt, 8) == expected
 
 
 def test_colocated_replicas_pinned_to_their_own_cores_behind_a_balancer(

@@ -1,0 +1,159 @@
+"""The engine core in its own process (engine/core_proc.py, engine/core_client.py): the wire refuses
+what it cannot decode; a dead engine process fails every request in flight (EngineDeadError: 503)
+and the server exits non-zero; a dead API process takes its engine process with it. (`pdserve up`
+restarting a replica whose engine process died: tests/test_up.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import msgpack
+import pytest
+from helpers import greedy, random_prompt
+from process_cluster import engine_process_of, pid_gone, spawn_worker, wait_healthy
+
+from pdserve.config import EngineArgs
+from pdserve.engine.async_llm import EngineDeadError
+from pdserve.engine.core_client import EngineCoreClient, EngineStartError
+from pdserve.engine.core_wire import (
+    WIRE_VERSION,
+    CoreWireError,
+    FrameReader,
+    FromCore,
+    RequestDelta,
+    SequenceDelta,
+    ToCore,
+    decode_from_core,
+    decode_to_core,
+    encode_from_core,
+    encode_to_core,
+)
+from pdserve.engine.sampler import PromptLogprobs, TokenLogprobs
+from pdserve.engine.sampling_params import SamplingParams
+
+ENGINE_FAILED = 3  # cli._ENGINE_FAILED
+FLAGS = ["--num-kv-blocks", "256", "--max-num-batched-tokens", "16"]
+
+
+def _body(frame: bytes) -> bytes:
+    (frame,) = FrameReader().feed(frame)
+    return frame
+
+
+def test_both_records_round_trip_and_a_bad_frame_is_refused() -> None:
+    command = ToCore("add", 7, "r1", [1, 2, 3], SamplingParams(n=2, seed=5, stop=("x",), logprobs=1))
+    assert decode_to_core(_body(encode_to_core(command))) == command
+    delta = RequestDelta("r1", [SequenceDelta(1, [4, 5], [TokenLogprobs(4, -0.5, ((4, -0.5),)),
+                                                          TokenLogprobs(5, -1.0, ((6, -0.25),))], "stop", 5)],
+                         3, 12.5, [None, PromptLogprobs(2, -2.0, 3, ((9, -0.1),))])
+    message = FromCore([delta], [("r2", "boom")], [], None, None, False)
+    assert decode_from_core(_body(encode_from_core(message))) == message
+    with pytest.raises(CoreWireError, match="wire version"):
+        decode_to_core(msgpack.packb([WIRE_VERSION + 1, "abort", 0, "r", [], None, 0, "", None, "INFO", "text"]))
+    with pytest.raises(CoreWireError, match="unknown kind"):
+        decode_to_core(msgpack.packb([WIRE_VERSION, "exec", 0, "r", [], None, 0, "", None, "INFO", "text"]))
+    with pytest.raises(CoreWireError, match="params"):  # SamplingParams' own checks
+        decode_to_core(msgpack.packb([WIRE_VERSION, "add", 1, "r", [1], {"n": 0}, 0, "", None, "INFO", "text"]))
+    with pytest.raises(CoreWireError, match="token_ids"):
+        decode_from_core(msgpack.packb([WIRE_VERSION, [["r", [[0, ["1"], None, None, None]], 0, None, None]], [], [],
+                                        None, None, False]))
+    with pytest.raises(CoreWireError, match="not msgpack"):
+        decode_from_core(b"\xc1")
+
+
+def test_a_killed_engine_process_fails_its_requests_and_later_ones(model_dirs: dict[str, Path]) -> None:
+    client = EngineCoreClient.start(EngineArgs(model=str(model_dirs["tiny"]), dtype="float32", num_kv_blocks=64))
+    fatal: list[BaseException] = []
+    client.on_fatal = fatal.append
+
+    async def run_one(prompt: list[int], kill_after: int | None = None) -> BaseException | None:
+        try:
+            count = 0
+            async for _ in client.generate(str(prompt[0]), prompt, greedy(400)):
+                count += 1
+                if count == kill_after:
+                    os.kill(client.process.pid, signal.SIGKILL)
+        except EngineDeadError as exc:
+            return exc
+        return None
+
+    async def run_all() -> list[BaseException | None]:
+        prompts = [random_prompt(20, seed=seed) for seed in range(3)]
+        return await asyncio.wait_for(asyncio.gather(run_one(prompts[0], kill_after=3),
+                                                     *(run_one(p) for p in prompts[1:])), timeout=60)
+
+    try:
+        errors = asyncio.run(run_all())
+        assert all(isinstance(e, EngineDeadError) and "exited" in str(e) for e in errors), errors
+        client._reader.join(10)  # on_fatal runs on the reader thread, after the errors went out
+        assert not client.alive and len(fatal) == 1 and client.failure is fatal[0]
+        assert isinstance(asyncio.run(run_one(random_prompt(5, seed=9))), EngineDeadError)  # refused at once
+    finally:
+        client.shutdown()
+
+
+def test_an_engine_that_cannot_start_is_reported_with_its_reason(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    # NOTE: the API process reads the config and the tokenizer; only the engine process reads the weights
+    broken = Path(shutil.copytree(model_dirs["tiny"], tmp_path / "broken"))
+    for weights in broken.glob("*.safetensors"):
+        weights.write_bytes(b"not safetensors")
+    with pytest.raises(EngineStartError, match="failed to start"):
+        EngineCoreClient.start(EngineArgs(model=str(broken), dtype="float32", num_kv_blocks=64))
+
+
+@pytest.mark.slow
+def test_a_server_whose_engine_process_is_killed_answers_503_and_exits_non_zero(
+        model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    server = spawn_worker("colocated", model_dirs["tiny"], tmp_path, FLAGS)
+    try:
+        wait_healthy([server])
+        engine_pid = engine_process_of(server.popen.pid)
+        body = {"prompt": random_prompt(20, seed=1), "max_tokens": 2000, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        events: list[str] = []
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    if len(events) == 3:
+                        os.kill(engine_pid, signal.SIGKILL)
+        # the stream had started: its error comes in-band, then [DONE]; nothing hangs
+        assert events[-1] == "data: [DONE]" and "engine failed" in events[-2], events[-3:]
+        with contextlib.suppress(httpx.HTTPError):  # a request meanwhile: 503 (or refused once it closed)
+            reply = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
+            assert reply.status_code == 503, reply.text
+        assert server.popen.wait(30) == ENGINE_FAILED, server.tail()
+        assert "the engine core failed" in server.tail()
+    finally:
+        server.kill()
+
+
+@pytest.mark.slow
+def test_a_killed_server_takes_its_engine_process_with_it(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    server = spawn_worker("colocated", model_dirs["tiny"], tmp_path, FLAGS)
+    try:
+        wait_healthy([server])
+        engine_pid = engine_process_of(server.popen.pid)
+        body = {"prompt": random_prompt(20, seed=2), "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
+        busy = threading.Thread(target=_post_quietly, args=(server.url, body), daemon=True)
+        busy.start()
+        time.sleep(1.0)  # the engine is stepping
+        server.kill(signal.SIGKILL)
+        server.popen.wait(10)
+        assert pid_gone(engine_pid, 10), "the engine process outlived its server"
+    finally:
+        server.kill()
+
+
+def _post_quietly(url: str, body: dict[str, object]) -> None:
+    with contextlib.suppress(httpx.HTTPError):
+        httpx.post(f"{url}/v1/completions", json=body, timeout=30)
