@@ -10,6 +10,7 @@ import contextlib
 import os
 import shutil
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest
 from helpers import greedy, random_prompt
 from process_cluster import engine_process_of, pid_gone, spawn_worker, wait_healthy
 
+from pdserve import LLM
 from pdserve.config import EngineArgs
 from pdserve.engine.async_llm import EngineDeadError
 from pdserve.engine.core_client import EngineCoreClient, EngineStartError
@@ -157,3 +159,39 @@ def test_a_killed_server_takes_its_engine_process_with_it(model_dirs: dict[str, 
 def _post_quietly(url: str, body: dict[str, object]) -> None:
     with contextlib.suppress(httpx.HTTPError):
         httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+
+
+def test_a_tensor_parallel_engine_process_serves_what_one_process_does(model_dirs: dict[str, Path]) -> None:
+    """--tensor-parallel-size 2 in the engine process: its rank 1 is that process's child; the same
+    greedy tokens as the offline engine, nothing left held, and the ranks gone after shutdown."""
+    prompts = [random_prompt(24, seed=seed) for seed in (11, 12)]
+    offline = LLM(str(model_dirs["tiny"]), dtype="float32", num_kv_blocks=64)
+    expected = [o.outputs[0].token_ids for o in offline.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                   greedy(10))]
+    offline.engine.close()
+    client = EngineCoreClient.start(EngineArgs(model=str(model_dirs["tiny"]), dtype="float32", num_kv_blocks=64,
+                                               tensor_parallel_size=2, num_threads=1))
+
+    async def run_one(prompt: list[int]) -> list[int]:
+        last = None
+        async for output in client.generate(str(prompt[0]), prompt, greedy(10)):
+            last = output
+        assert last is not None
+        return last.outputs[0].token_ids
+
+    async def run_all() -> list[list[int]]:
+        return await asyncio.wait_for(asyncio.gather(*(run_one(p) for p in prompts)), timeout=120)
+
+    try:
+        ranks = subprocess.run(["pgrep", "-P", str(client.process.pid), "-f", "pdserve.engine.tp_rank"],
+                               capture_output=True, text=True).stdout.split()
+        assert len(ranks) == 1, ranks
+        assert asyncio.run(run_all()) == expected
+        deadline = time.monotonic() + 5
+        while client.stats().num_free_kv_blocks != client.stats().num_kv_blocks and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = client.stats()
+        assert stats.num_engine_requests == 0 and stats.num_free_kv_blocks == stats.num_kv_blocks
+    finally:
+        client.shutdown()
+    assert client.process.returncode == 0 and pid_gone(int(ranks[0]), 10)

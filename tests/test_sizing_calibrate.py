@@ -208,3 +208,19 @@ def test_a_pd_clusters_workers_log_their_steps_under_their_role(model_dirs: dict
     logged = logged_samples([tmp_path / "steps"])
     assert sum(s.prefill_tokens for s in logged.steps) == 5 and not any(s.decode_seqs for s in logged.steps)
     assert sum(s.decode_seqs for s in logged.decode) == 3  # the first token came from prefill
+
+
+def test_calibrate_times_the_engine_with_the_threads_up_gives_a_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 29: calibrate on every core and `up`'s workers on CPUs // workers each disagreed; the
+    default is now up's share (`--workers`, default up's 1 prefill + 1 decode), `--num-threads` wins."""
+    from pdserve.cli import build_parser
+    from pdserve.ops import threads
+    from pdserve.sizing.calibrate import engine_args
+
+    monkeypatch.setattr(threads, "num_cpus", lambda: 8)
+    parse = build_parser().parse_args
+    assert engine_args(parse(["calibrate", "--out", "p.json"])).num_threads == 4
+    assert engine_args(parse(["calibrate", "--out", "p.json", "--workers", "8"])).num_threads == 1
+    assert engine_args(parse(["calibrate", "--out", "p.json", "--num-threads", "3"])).num_threads == 3
+    with pytest.raises(ValueError, match="--workers 0"):
+        engine_args(parse(["calibrate", "--out", "p.json", "--workers", "0"]))

@@ -8,6 +8,11 @@ scenario at a time, the median of a few repetitions each:
 profile.StepModel is then fitted to all samples by least squares on the relative error; a
 coefficient that comes out negative is dropped (held at 0) and the rest refitted.
 
+Threads: by default the engine gets the torch threads `pdserve up` gives each of its workers
+(CPUs // `--workers`, default 2: up's one prefill and one decode worker), so that the profile times
+the engine the simulator stands in for (timed on every core, calibrate missed served TTFT by 69 %);
+`--num-threads` overrides it.
+
 `--from-step-log PATH...` fits the steps engines logged while serving instead (`PDSERVE_STEP_LOG`,
 engine/step_log.py): the step costs of a real run, with whatever shared the machine then.
 
@@ -21,7 +26,7 @@ import argparse
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -235,15 +240,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--from-step-log", nargs="+", type=Path, default=None, metavar="PATH",
                    help="fit the steps engines logged while serving (PDSERVE_STEP_LOG=DIR: files or DIRs) instead "
                         "of timing steps here")
+    p.add_argument("--workers", type=int, default=2,
+                   help="without --num-threads: time the engine with the torch threads `pdserve up` gives each of "
+                        "this many workers (CPUs // workers; default 2, up's 1 prefill + 1 decode)")
     p.add_argument("--compare-device", default=None,
                    help="also print each sample against that device's roofline profile (e.g. H200)")
     add_config_args(p, EngineArgs, title="engine")
     p.set_defaults(func=run)
 
 
+def engine_args(ns: argparse.Namespace) -> EngineArgs:
+    """The engine flags, with `--num-threads` defaulting to what `pdserve up` gives each of `--workers`."""
+    from pdserve.config_flags import config_from_args
+    from pdserve.ops.threads import threads_per_worker
+
+    args = config_from_args(EngineArgs, ns)
+    if ns.workers < 1:
+        raise ValueError(f"--workers {ns.workers}: expected at least 1")
+    if args.num_threads is None and args.tensor_parallel_size == 1:
+        args = replace(args, num_threads=threads_per_worker(ns.workers))
+    return args
+
+
 def run(ns: argparse.Namespace) -> int:
     from pdserve.bench.common import hardware_line
-    from pdserve.config_flags import config_from_args
     from pdserve.disagg.transport import nixl_available
 
     text = ns.transports if ns.transports is not None else "tcp,nixl" if nixl_available() else "tcp"
@@ -255,7 +275,7 @@ def run(ns: argparse.Namespace) -> int:
                 decode_batches=_ints(ns.decode_batches, Grid().decode_batches))
     compare = device(ns.compare_device) if ns.compare_device else None  # an unknown name fails before measuring
     logged = logged_samples(ns.from_step_log) if ns.from_step_log else None
-    profile, samples = calibrate(config_from_args(EngineArgs, ns), transports, hardware_line(), grid, logged)
+    profile, samples = calibrate(engine_args(ns), transports, hardware_line(), grid, logged)
     profile.save(Path(ns.out))
     samples_path = Path(ns.out).with_suffix(".samples.json")
     samples_path.write_text(json.dumps([asdict(x) for x in samples], indent=1) + "\n")
