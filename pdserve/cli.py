@@ -82,6 +82,8 @@ def _serve(ns: argparse.Namespace) -> int:
         ns.role, name, ns.host, ns.port, cfg.device, str(cfg.dtype).removeprefix("torch."),
         str(cfg.kv_dtype).removeprefix("torch."), cfg.cache.num_kv_blocks,
         cfg.cache.block_size, cfg.scheduler.max_model_len, "in this process" if core is None else "in its own process")
+    app: ASGIApp
+    on_exit: Callable[[], None] | None
     client: AsyncLLM | EngineCoreClient
     if core is not None:
         from pdserve.serving.app import create_app

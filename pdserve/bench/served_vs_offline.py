@@ -28,6 +28,7 @@ from pdserve.bench.common import hardware_line, print_table
 from pdserve.bench.serve import local
 from pdserve.bench.serve.client import LoadConfig, LoadResult, run_load
 from pdserve.bench.serve.workloads import Workload, random_lengths
+from pdserve.engine.llm import TokensPrompt
 from pdserve.engine.step_log import read_step_logs
 from pdserve.envs import STEP_LOG
 from pdserve.model.demo_checkpoint import PRESETS, QWEN3_SHAPES, write_checkpoint
@@ -57,16 +58,21 @@ def run_offline(model: str, work: Workload, engine_args: dict[str, int], step_di
     finally:
         del os.environ[STEP_LOG]
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in work.requests]
-    prompts = [{"prompt_token_ids": list(r.prompt)} for r in work.requests]
+    prompts = [TokensPrompt(prompt_token_ids=_token_ids(r.prompt)) for r in work.requests]
     llm.generate(prompts[:1], params[:1])  # warm-up, as the served runs' readiness request
     before = len(_steps(step_dir))
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)  # type: ignore[arg-type]
+    outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     llm.engine.close()
     steps = _steps(step_dir)[before:]
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return Run("offline (LLM.generate)", tokens / elapsed, statistics.fmean(steps), len(steps))
+
+
+def _token_ids(prompt: list[int] | str) -> list[int]:
+    assert not isinstance(prompt, str), "random_lengths makes token-id prompts"
+    return list(prompt)
 
 
 def run_served(name: str, model: str, work: Workload, flags: list[str], concurrency: int, step_dir: Path,

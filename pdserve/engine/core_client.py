@@ -269,8 +269,8 @@ class EngineCoreClient:
                 if reply.error is None:
                     loop.call_soon_threadsafe(set_result, future, reply.value)
                 else:
-                    error = ValueError(reply.error) if reply.error_is_value else RuntimeError(reply.error)
-                    loop.call_soon_threadsafe(set_exception, future, error)
+                    raised = ValueError(reply.error) if reply.error_is_value else RuntimeError(reply.error)
+                    loop.call_soon_threadsafe(set_exception, future, raised)
 
     def _process(self, delta: RequestDelta) -> None:
         """Feed one request's new tokens to its output state, as `LLMEngine._advance` does in-process;

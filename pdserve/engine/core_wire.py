@@ -153,7 +153,7 @@ def _ints(value: Any, what: str) -> list[int]:
     _is(value, list, what)
     for v in value:
         _is(v, int, what)
-    return value  # type: ignore[no-any-return]
+    return value
 
 
 def _fields(data: bytes, count: int, what: str) -> list[Any]:
