@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -24,9 +25,11 @@ from process_cluster import engine_process_of, pid_gone, spawn_worker, wait_heal
 from pdserve import LLM
 from pdserve.config import EngineArgs
 from pdserve.engine.async_llm import EngineDeadError
+from pdserve.engine.commands import CachedPrefixTokens
 from pdserve.engine.core_client import EngineCoreClient, EngineStartError
 from pdserve.engine.core_wire import (
     WIRE_VERSION,
+    CoreReply,
     CoreWireError,
     FrameReader,
     FromCore,
@@ -38,6 +41,9 @@ from pdserve.engine.core_wire import (
     encode_from_core,
     encode_to_core,
 )
+from pdserve.engine.disk_offload import TierStats
+from pdserve.engine.kv_disk_tier import KVTierStats
+from pdserve.engine.llm_engine import EngineStats
 from pdserve.engine.sampler import PromptLogprobs, TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -56,8 +62,13 @@ def test_both_records_round_trip_and_a_bad_frame_is_refused() -> None:
     delta = RequestDelta("r1", [SequenceDelta(1, [4, 5], [TokenLogprobs(4, -0.5, ((4, -0.5),)),
                                                           TokenLogprobs(5, -1.0, ((6, -0.25),))], "stop", 5)],
                          3, 12.5, [None, PromptLogprobs(2, -2.0, 3, ((9, -0.1),))])
-    message = FromCore([delta], [("r2", "boom")], [], None, None, False)
+    message = FromCore([delta], [("r2", "boom")], [CoreReply(7, None, "in use", True), CoreReply(8, 32)], None, None,
+                       False)
     assert decode_from_core(_body(encode_from_core(message))) == message
+    disk = KVTierStats(True, 1 << 30, 4096, 2, 3, 1, 0, 0, 8192, 4096, (1, 2, 0), 0.25)
+    stats = EngineStats(**{f.name: 1 for f in dataclasses.fields(EngineStats)} | {  # type: ignore[arg-type]
+        "kv_cache_usage": 0.5, "step_time_s": 1.5, "kv_tier": TierStats(disk, 6)})
+    assert decode_from_core(_body(encode_from_core(FromCore(stats=stats, ready=True)))).stats == stats
     with pytest.raises(CoreWireError, match="wire version"):
         decode_to_core(msgpack.packb([WIRE_VERSION + 1, "abort", 0, "r", [], None, 0, "", None, "INFO", "text"]))
     with pytest.raises(CoreWireError, match="unknown kind"):
@@ -195,3 +206,30 @@ def test_a_tensor_parallel_engine_process_serves_what_one_process_does(model_dir
     finally:
         client.shutdown()
     assert client.process.returncode == 0 and pid_gone(int(ranks[0]), 10)
+
+
+def test_the_disk_tier_and_the_prefix_cache_answer_through_the_engine_process(model_dirs: dict[str, Path],
+                                                                              tmp_path: Path) -> None:
+    """--kv-disk-dir in the engine process: its blocks are written there, its stats (TierStats) reach
+    the API process's `stats()`, and `CachedPrefixTokens` is answered across the link."""
+    client = EngineCoreClient.start(EngineArgs(model=str(model_dirs["tiny"]), dtype="float32", num_kv_blocks=64,
+                                               kv_disk_dir=str(tmp_path / "kv")))
+    prompt = random_prompt(80, seed=3)  # 5 blocks of 16 tokens; the last stays the prompt's own
+
+    async def run() -> int:
+        async for _ in client.generate("disk", prompt, greedy(2)):
+            pass
+        deadline = time.monotonic() + 10
+        while True:  # NOTE: written behind; each command's reply brings the stats of the moment
+            cached = await client.send(CachedPrefixTokens(prompt))
+            tier = client.stats().kv_tier
+            if tier is not None and tier.disk.bytes_written > 0 or time.monotonic() > deadline:
+                return cached
+            await asyncio.sleep(0.05)
+
+    try:
+        assert asyncio.run(run()) == 64
+        tier = client.stats().kv_tier
+        assert tier is not None and tier.disk.enabled and tier.disk.bytes_written > 0 and tier.disk.num_files >= 4
+    finally:
+        client.shutdown()

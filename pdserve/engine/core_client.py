@@ -10,7 +10,8 @@ output_listener), and is its output processor.
 The reader thread does what the engine thread's `_emit` did in-process (`RequestState`, the same
 code), so the engine process spends no time on text. One lock covers the request table: the event
 loop (generate, abort) and the reader thread both change it, and the output listener (metrics)
-runs under it, so it stays single-threaded.
+runs under it, so it stays single-threaded. A writer thread alone writes the socket (commands
+queue for it), so no thread of this process ever waits on the engine process reading.
 
 Failures, as with `AsyncLLM`: a request whose output processing raised (here, or in the core) ends
 alone with RequestFailedError and is aborted in the core. The engine core's end (a fatal step, a
@@ -25,6 +26,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import queue
 import socket
 import subprocess
 import threading
@@ -52,6 +54,7 @@ from pdserve.engine.core_wire import (
     ToCore,
     decode_from_core,
     encode_to_core,
+    link_buffers,
     recv_frames,
 )
 from pdserve.engine.llm_engine import EngineStats, check_request
@@ -91,7 +94,12 @@ class EngineCoreClient:
         self._error: BaseException | None = None
         self._closing = False
         self._lock = threading.Lock()  # _requests, _pending, and the output listener's calls
-        self._send_lock = threading.Lock()
+        # NOTE: one thread writes the socket: neither the event loop nor the reader thread ever waits
+        # on the engine process reading (a reader blocked on a full socket while the engine blocks on
+        # sending it outputs would be a deadlock)
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write, name="pdserve-engine-core-writer", daemon=True)
+        self._writer.start()
         self._requests: dict[str, _Tracked] = {}
         self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
         self._call_ids = itertools.count(1)
@@ -108,6 +116,7 @@ class EngineCoreClient:
         ValueError here, before anything starts; a failure in the engine process EngineStartError."""
         config = create_engine_config(args)
         process, sock = spawn_module("pdserve.engine.core_proc")
+        link_buffers(sock)
         root = logging.getLogger()
         json_logs = any(type(h.formatter).__name__ == "JsonFormatter" for h in root.handlers)
         reader = FrameReader()
@@ -194,12 +203,14 @@ class EngineCoreClient:
     def shutdown(self) -> None:
         self._closing = True
         self._send_quietly(ToCore("shutdown"))
+        self._outbox.put(None)
         try:
             self.process.wait(timeout=_SHUTDOWN_WAIT_S)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
         self._reader.join(timeout=_SHUTDOWN_WAIT_S)
+        self._writer.join(timeout=_SHUTDOWN_WAIT_S)
         self._sock.close()
 
     # -- the link ------------------------------------------------------------------------------
@@ -218,13 +229,17 @@ class EngineCoreClient:
         return await future
 
     def _send_quietly(self, message: ToCore) -> None:
-        """Send; a link that is gone is the reader thread's to report (EOF), not the sender's."""
-        data = encode_to_core(message)
-        try:
-            with self._send_lock:
+        """Queue for the writer thread; a link that is gone is the reader thread's to report (EOF)."""
+        self._outbox.put(encode_to_core(message))
+
+    def _write(self) -> None:
+        """The writer thread: frames to the engine process, in the order they were queued."""
+        while (data := self._outbox.get()) is not None:
+            try:
                 self._sock.sendall(data)
-        except OSError:
-            logger.debug("engine core link closed: %s not sent", message.kind)
+            except OSError:
+                logger.debug("engine core link closed: the writer stops")
+                return
 
     def _read(self) -> None:
         """The reader thread: every message of the engine core, until it ends."""

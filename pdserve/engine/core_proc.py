@@ -19,6 +19,7 @@ process exits at once). A step that raises is fatal: a last `FromCore` with `fat
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import logging
 import os
@@ -41,6 +42,7 @@ from pdserve.engine.core_wire import (
     ToCore,
     decode_to_core,
     encode_from_core,
+    link_buffers,
     recv_frames,
 )
 from pdserve.engine.llm_engine import LLMEngine
@@ -203,6 +205,7 @@ def main(fd: int) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
+    link_buffers(sock)
     reader = FrameReader()
     start = _start(sock, reader)
     configure_logging(start.log_level, "json" if start.log_format == "json" else "text")
@@ -216,6 +219,10 @@ def main(fd: int) -> int:
         return 1
     core = EngineCore(engine, sock)
     core.reader = reader
+    # NOTE: as the API server does (cli._run_server): what lives as long as the process (modules, the
+    # model) leaves the collector's sight, so a full collection never stalls a step scanning it
+    gc.collect()
+    gc.freeze()
     core.send(FromCore(stats=engine.stats(), ready=True))
     try:
         core.run()

@@ -261,6 +261,14 @@ class FrameReader:
             yield frame
 
 
+LINK_BUFFER_BYTES = 8 << 20  # a burst of large prompts or of outputs waits in the socket, not in a sender
+
+
+def link_buffers(sock: socket.socket) -> None:
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, option, LINK_BUFFER_BYTES)
+
+
 def recv_frames(sock: socket.socket, reader: FrameReader, size: int = 1 << 20) -> list[bytes] | None:
     """The frames completed by one `recv` (which may block); None when the peer closed the link."""
     data = sock.recv(size)
