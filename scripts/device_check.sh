@@ -7,8 +7,10 @@
 #   3. the simulator against real runs here: a profile calibrated with the servers' flags, then
 #      `pdserve bench compare` (one colocated server, then PD 1+1 sharing the GPU) replayed by
 #      `python -m pdserve.bench.validate_sim`; then again with a profile fitted to the steps the
-#      served engines logged (PDSERVE_STEP_LOG, `calibrate --from-step-log`).
-# STAGES picks them (default "correct timings validate"); TIMINGS=0 is STAGES=correct. Every stage has its own time limit; logs and profiles go to $OUT (default ./device-out).
+#      served engines logged (PDSERVE_STEP_LOG, `calibrate --from-step-log`);
+#   4. served against offline (issue 29): qwen3-0.6b in bfloat16 at 1, 16 and 64 streams, the engine on a
+#      thread of the API server and in its own process (`python -m pdserve.bench.served_vs_offline`).
+# STAGES picks them (default "correct timings validate served"); TIMINGS=0 is STAGES=correct. Every stage has its own time limit; logs and profiles go to $OUT (default ./device-out).
 # Python packages the machine lacks travel as wheels in ./.whl (docs/BENCHMARKS.md says which).
 set -u
 out=${OUT:-device-out}
@@ -32,7 +34,7 @@ stage() {  # stage NAME LIMIT_S COMMAND...: its output to $out/NAME.log, its tai
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 python3 -m pdserve.cli make-model "$ck/qwen3-0.6b" --preset qwen3-0.6b --device cuda >/dev/null || exit 1
-stages=${STAGES:-correct timings validate}
+stages=${STAGES:-correct timings validate served}
 [ "${TIMINGS:-1}" = 1 ] || stages=correct
 has() { [[ " $stages " == *" $1 "* ]]; }
 maker=
@@ -84,5 +86,13 @@ TAIL=20 stage validate-sim-served 120 python3 -m pdserve.bench.validate_sim \
   --profile "$out/validate-served-profile.json" --transport tcp --max-num-seqs 256 --max-num-batched-tokens 2048 \
   --run "colocated:1=$out/validate.colocated-chunked.json" --run "pd:1:1=$out/validate.pd.json" \
   --run "pd:1:2=$out/validate12.pd.json" --save "$out/validation-served.json"
+fi
+
+if has served; then
+for streams in 1 16 64; do
+  TAIL=8 stage "served-vs-offline-$streams" 150 python3 -m pdserve.bench.served_vs_offline --model "$ck/qwen3-0.6b" \
+    --device cuda --dtype bfloat16 --num-kv-blocks 4096 --num-requests "$((streams * 2))" --concurrency "$streams" \
+    --input-len 128 --output-len 128
+done
 fi
 nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader

@@ -3,7 +3,7 @@ subprocess (concurrent streams over HTTP), with the engine on a thread of the AP
 (`--engine-in-process`, before issue 29) and in its own process (the default), in one run.
 
     python -m pdserve.bench.served_vs_offline [--preset small | --model DIR] [--num-requests 64]
-        [--concurrency 64] [--input-len 64] [--output-len 64] [--num-threads 1]
+        [--concurrency 64] [--input-len 64] [--output-len 64] [--num-threads 1] [--device cuda --dtype bfloat16]
 
 Every engine gets `--num-threads` torch threads (default 1) and the same pool; requests are greedy
 with `ignore_eos`, so each produces exactly its max_tokens. Printed per system: output tok/s and
@@ -51,7 +51,7 @@ def _steps(directory: Path) -> list[float]:
     return [period for _, period, _ in read_step_logs([directory])] if any(directory.glob("steps-*.jsonl")) else []
 
 
-def run_offline(model: str, work: Workload, engine_args: dict[str, int], step_dir: Path) -> Run:
+def run_offline(model: str, work: Workload, engine_args: dict[str, int | str], step_dir: Path) -> Run:
     os.environ[STEP_LOG] = str(step_dir)
     try:
         llm = LLM(model, **engine_args)
@@ -128,17 +128,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--num-threads", type=int, default=1, help="torch threads of every engine")
     parser.add_argument("--num-kv-blocks", type=int, default=2048)
+    parser.add_argument("--device", default="auto", help="every engine's --device")
+    parser.add_argument("--dtype", default="float32", help="every engine's --dtype (the weights are written in it)")
     parser.add_argument("--seed", type=int, default=0)
     ns = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="pdserve-served-vs-offline-") as tmp:
         root = Path(tmp)
-        model = ns.model or str(write_checkpoint(root / "model", (PRESETS | QWEN3_SHAPES)[ns.preset], seed=ns.seed))
+        model = ns.model or str(write_checkpoint(root / "model", (PRESETS | QWEN3_SHAPES)[ns.preset], seed=ns.seed,
+                                                 device="cuda" if ns.device.startswith("cuda") else "cpu"))
         vocab = Qwen3ModelConfig.from_dir(model).vocab_size
         work = random_lengths(ns.num_requests, ns.input_len, ns.output_len, seed=ns.seed, vocab_size=vocab)
-        engine = {"num_threads": ns.num_threads, "num_kv_blocks": ns.num_kv_blocks}
-        flags = ["--num-threads", str(ns.num_threads), "--num-kv-blocks", str(ns.num_kv_blocks)]
+        engine: dict[str, int | str] = {"num_threads": ns.num_threads, "num_kv_blocks": ns.num_kv_blocks,
+                                        "device": ns.device, "dtype": ns.dtype}
+        flags = [f"--{key.replace('_', '-')}={value}" for key, value in engine.items()]
         print(f"# served vs offline: {ns.preset if ns.model is None else model}, {work.name}, {ns.num_requests} "
-              f"requests, {ns.concurrency} streams, {ns.num_threads} torch thread(s)\n# {hardware_line()}")
+              f"requests, {ns.concurrency} streams, {ns.num_threads} torch thread(s), {ns.device}, {ns.dtype}\n"
+              f"# {hardware_line()}")
         runs = [run_offline(model, work, engine, root / "steps-offline")]
         for name, extra in (("served, engine thread (--engine-in-process)", ["--engine-in-process"]),
                             ("served, engine process", [])):
