@@ -1,0 +1,156 @@
+"""The GPU step path on CPU: the Triton backend (its kernels in Triton's interpreter, conftest.py)
+with persistent step buffers, and decode steps padded to their CUDA-graph bucket, run eagerly
+(engine/cuda_graphs.py; only capture and replay need a GPU). Against the CPU path
+(model/attention.py): the same logits; a padded row never writes the pool; a padded step gives
+the unpadded step's outputs; greedy generation gives the same tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import MODEL_NAMES
+
+pytest.importorskip("triton")
+
+from pdserve import LLM, SamplingParams  # noqa: E402
+from pdserve.engine.cuda_graphs import bucket_for, decode_buckets, pad_decode_plan, replay_bucket  # noqa: E402
+from pdserve.engine.model_runner import ModelRunner  # noqa: E402
+from pdserve.engine.step_plan import PlannedPrefill, StepPlan  # noqa: E402
+
+BLOCK_SIZE = 4
+# (block table, context length): a run; scattered, ending mid-block; one block (no decode uses block 0)
+DECODES = [([3, 4, 5], 12), ([10, 11, 12, 30, 20], 18), ([40, 33, 34, 35], 14), ([60], 2), ([13, 14], 7)]
+
+
+def _decode_plan(decodes: list[tuple[list[int], int]]) -> StepPlan:
+    plan = StepPlan()
+    for row, (table, context_len) in enumerate(decodes):
+        position = context_len - 1
+        plan.token_ids.append(100 + row)
+        plan.positions.append(position)
+        plan.slots.append(table[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE)
+        plan.decode_rows.append(row)
+        plan.decode_tables.append(table)
+        plan.decode_lens.append(context_len)
+        plan.sample_rows.append(row)
+    return plan
+
+
+def _mixed_plan() -> StepPlan:
+    """The decodes, then a 5-token chunk over 6 cached tokens (blocks 50..52, context 11), then a
+    fresh 5-token prompt (blocks 61..62), in one step."""
+    plan = _decode_plan(DECODES)
+    for table, cached, new in (([50, 51, 52], 6, 5), ([61, 62], 0, 5)):
+        start = len(plan.token_ids)
+        plan.token_ids.extend(range(200 + cached, 200 + cached + new))
+        plan.positions.extend(range(cached, cached + new))
+        plan.slots.extend(table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(cached, cached + new))
+        plan.prefills.append(PlannedPrefill(start, start + new, cached + new, table))
+        plan.sample_rows.append(start + new - 1)
+    return plan
+
+
+def _runner(model_dirs: dict[str, Path], model: str) -> ModelRunner:
+    llm = LLM(model=str(model_dirs[model]), dtype="float32", num_kv_blocks=64, block_size=BLOCK_SIZE,
+              max_num_seqs=8, max_model_len=128)
+    runner = llm.engine.runner
+    assert runner.step_buffers is None and runner.decode_graphs is None  # CPU: the torch backend
+    torch.manual_seed(0)
+    runner.kv_cache.normal_()  # every block holds some earlier tokens' K/V
+    return runner
+
+
+def _slots(plan: StepPlan) -> list[int]:
+    return [s for s in plan.slots if s >= 0]
+
+
+def test_buckets() -> None:
+    assert decode_buckets(256) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    assert decode_buckets(48) == (1, 2, 4, 8, 16, 32, 48)
+    assert decode_buckets(1) == (1,)
+    buckets = decode_buckets(48)
+    assert [bucket_for(n, buckets) for n in (1, 2, 3, 5, 16, 17, 33, 48, 49)] == [1, 2, 4, 8, 16, 32, 48, 48, None]
+    decode = _decode_plan(DECODES[:3])
+    assert replay_bucket(decode, buckets, None) == 4
+    assert replay_bucket(_mixed_plan(), buckets, None) is None  # a mixed step runs eagerly
+    prefill_only = _mixed_plan()
+    prefill_only.decode_rows, prefill_only.decode_tables, prefill_only.decode_lens = [], [], []
+    assert replay_bucket(prefill_only, buckets, None) is None
+    assert replay_bucket(StepPlan(), buckets, None) is None
+    assert replay_bucket(decode, (1, 2), None) is None  # above the largest bucket
+    assert replay_bucket(decode, buckets, lambda layer: None) is None  # KV streaming calls back per layer
+
+
+def test_pad_decode_plan() -> None:
+    plan = _decode_plan(DECODES[:3])
+    padded = pad_decode_plan(plan, 8)
+    assert padded.token_ids[:3] == plan.token_ids and len(padded.token_ids) == len(padded.positions) == 8
+    assert padded.slots == plan.slots + [-1] * 5
+    assert padded.decode_rows == list(range(8)) and padded.decode_lens == plan.decode_lens + [1] * 5
+    assert padded.decode_tables == plan.decode_tables + [[0]] * 5
+    assert padded.sample_rows == plan.sample_rows and padded.prompt_rows == plan.prompt_rows
+    assert len(plan.token_ids) == 3  # the step's own plan is left alone
+
+
+@pytest.mark.parametrize("model", MODEL_NAMES)  # GQA 4 query heads on 2 KV heads, and on 1
+def test_triton_backend_matches_cpu_backend(model: str, model_dirs: dict[str, Path]) -> None:
+    """A mixed step (decodes, a prompt chunk over a cached prefix, a fresh prompt): the same logits
+    and the same pool after it."""
+    runner = _runner(model_dirs, model)
+    before = runner.kv_cache.clone()
+    plan = _mixed_plan()
+    expected = runner.run(plan)
+    expected_pool = runner.kv_cache.clone()
+    runner.kv_cache.copy_(before)
+    runner.use_paged_step(graphs=False)
+    input_ids, _, meta = runner._prepare(plan)
+    assert input_ids.dtype == torch.int32 and meta.max_prefix_query_len == 5  # type: ignore[union-attr]
+    got = runner.run(plan)
+    assert expected is not None and got is not None
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(runner.kv_cache, expected_pool, rtol=1e-5, atol=1e-5)
+
+
+def test_padded_decode_step_writes_real_slots_only(model_dirs: dict[str, Path]) -> None:
+    """Decode steps padded to their bucket (3 -> 4, 4 -> 4, 1 -> 1, 5 -> 8 rows): the logits equal
+    the unpadded step's; the pool changes at the real rows' slots only (padded rows: slot -1)."""
+    runner = _runner(model_dirs, "tiny")
+    runner.use_paged_step(graphs=True)
+    assert runner.decode_graphs is not None and runner.decode_graphs.buckets == (1, 2, 4, 8)
+    before = runner.kv_cache.clone()
+    for decodes, bucket in ((DECODES[:3], 4), (DECODES[:4], 4), (DECODES[1:2], 1), (DECODES, 8)):
+        plan = _decode_plan(decodes)
+        runner.kv_cache.copy_(before)
+        graphs, runner.decode_graphs = runner.decode_graphs, None
+        unpadded = runner.run(plan)  # eager, as many rows as decodes
+        unpadded_pool = runner.kv_cache.clone()
+        runner.decode_graphs = graphs
+        runner.kv_cache.copy_(before)
+        assert replay_bucket(plan, graphs.buckets, None) == bucket
+        padded = runner.run(plan)
+        assert padded is not None and unpadded is not None and padded.shape == unpadded.shape
+        torch.testing.assert_close(padded, unpadded, rtol=1e-5, atol=1e-5)
+        pool = runner.kv_cache
+        flat = pool.view(*pool.shape[:2], -1, *pool.shape[4:])  # [layer, k|v, slot, head, dim]
+        written = torch.tensor(_slots(plan))
+        others = torch.ones(flat.shape[2], dtype=torch.bool)
+        others[written] = False
+        assert torch.equal(flat[:, :, others], before.view(flat.shape)[:, :, others])  # padding wrote nothing
+        assert not torch.equal(flat[:, :, written], before.view(flat.shape)[:, :, written])
+        torch.testing.assert_close(runner.kv_cache, unpadded_pool, rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_generation_equal_on_the_gpu_step_path(model_dirs: dict[str, Path]) -> None:
+    """Whole requests through the Triton backend with padded decode steps (prefix cache hits,
+    chunked prefill, decodes joining and leaving) give the CPU path's tokens."""
+    prompts = [{"prompt_token_ids": ids} for ids in (list(range(10, 40)), list(range(10, 40)) + [7, 8, 9],
+                                                     list(range(50, 53)))]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    llm = LLM(model=str(model_dirs["tiny"]), dtype="float32", num_kv_blocks=64, block_size=BLOCK_SIZE,
+              max_num_seqs=8, max_model_len=128, max_num_batched_tokens=16)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    llm.engine.runner.use_paged_step(graphs=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == expected
