@@ -2,10 +2,12 @@
 with persistent step buffers, and decode steps padded to their CUDA-graph bucket, run eagerly
 (engine/cuda_graphs.py; only capture and replay need a GPU). Against the CPU path
 (model/attention.py): the same logits; a padded row never writes the pool; a padded step gives
-the unpadded step's outputs; greedy generation gives the same tokens."""
+the unpadded step's outputs; greedy generation gives the same tokens. With a GPU (no interpreter),
+the last test checks replayed graphs against `--enforce-eager` and the CPU path on CUDA."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,8 @@ from pdserve.engine.cuda_graphs import bucket_for, decode_buckets, pad_decode_pl
 from pdserve.engine.model_runner import ModelRunner  # noqa: E402
 from pdserve.engine.step_plan import PlannedPrefill, StepPlan  # noqa: E402
 
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # conftest.py: set when there is no GPU
+on_cpu = pytest.mark.skipif(not INTERPRETED, reason="Triton kernels on CPU tensors need Triton's interpreter")
 BLOCK_SIZE = 4
 # (block table, context length): a run; scattered, ending mid-block; one block (no decode uses block 0)
 DECODES = [([3, 4, 5], 12), ([10, 11, 12, 30, 20], 18), ([40, 33, 34, 35], 14), ([60], 2), ([13, 14], 7)]
@@ -53,7 +57,7 @@ def _mixed_plan() -> StepPlan:
 
 
 def _runner(model_dirs: dict[str, Path], model: str) -> ModelRunner:
-    llm = LLM(model=str(model_dirs[model]), dtype="float32", num_kv_blocks=64, block_size=BLOCK_SIZE,
+    llm = LLM(model=str(model_dirs[model]), device="cpu", dtype="float32", num_kv_blocks=64, block_size=BLOCK_SIZE,
               max_num_seqs=8, max_model_len=128)
     runner = llm.engine.runner
     assert runner.step_buffers is None and runner.decode_graphs is None  # CPU: the torch backend
@@ -94,6 +98,7 @@ def test_pad_decode_plan() -> None:
     assert len(plan.token_ids) == 3  # the step's own plan is left alone
 
 
+@on_cpu
 @pytest.mark.parametrize("model", MODEL_NAMES)  # GQA 4 query heads on 2 KV heads, and on 1
 def test_triton_backend_matches_cpu_backend(model: str, model_dirs: dict[str, Path]) -> None:
     """A mixed step (decodes, a prompt chunk over a cached prefix, a fresh prompt): the same logits
@@ -113,6 +118,7 @@ def test_triton_backend_matches_cpu_backend(model: str, model_dirs: dict[str, Pa
     torch.testing.assert_close(runner.kv_cache, expected_pool, rtol=1e-5, atol=1e-5)
 
 
+@on_cpu
 def test_padded_decode_step_writes_real_slots_only(model_dirs: dict[str, Path]) -> None:
     """Decode steps padded to their bucket (3 -> 4, 4 -> 4, 1 -> 1, 5 -> 8 rows): the logits equal
     the unpadded step's; the pool changes at the real rows' slots only (padded rows: slot -1)."""
@@ -142,15 +148,38 @@ def test_padded_decode_step_writes_real_slots_only(model_dirs: dict[str, Path]) 
         torch.testing.assert_close(runner.kv_cache, unpadded_pool, rtol=1e-5, atol=1e-5)
 
 
+@on_cpu
 def test_greedy_generation_equal_on_the_gpu_step_path(model_dirs: dict[str, Path]) -> None:
     """Whole requests through the Triton backend with padded decode steps (prefix cache hits,
     chunked prefill, decodes joining and leaving) give the CPU path's tokens."""
     prompts = [{"prompt_token_ids": ids} for ids in (list(range(10, 40)), list(range(10, 40)) + [7, 8, 9],
                                                      list(range(50, 53)))]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    llm = LLM(model=str(model_dirs["tiny"]), dtype="float32", num_kv_blocks=64, block_size=BLOCK_SIZE,
-              max_num_seqs=8, max_model_len=128, max_num_batched_tokens=16)
+    llm = LLM(model=str(model_dirs["tiny"]), device="cpu", dtype="float32", num_kv_blocks=64,
+              block_size=BLOCK_SIZE, max_num_seqs=8, max_model_len=128, max_num_batched_tokens=16)
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     llm.engine.runner.use_paged_step(graphs=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == expected
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_decode_graphs_on_cuda_give_the_eager_and_cpu_tokens(model_dirs: dict[str, Path]) -> None:
+    """On CUDA: one graph per bucket captured at start-up; greedy tokens with graphs equal those of
+    --enforce-eager and of the CPU path (float32)."""
+    prompts = [{"prompt_token_ids": list(range(10, 10 + n))} for n in (3, 30, 70, 5, 9)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    common = {"dtype": "float32", "num_kv_blocks": 128, "block_size": BLOCK_SIZE, "max_num_seqs": 8,
+              "max_model_len": 256}
+    tokens = {}
+    for name, extra in (("graphs", {"device": "cuda"}), ("eager", {"device": "cuda", "enforce_eager": True}),
+                        ("cpu", {"device": "cpu"})):
+        llm = LLM(model=str(model_dirs["tiny"]), **common, **extra)
+        runner = llm.engine.runner
+        if name == "graphs":
+            assert runner.decode_graphs is not None and sorted(runner.decode_graphs.graphs) == [1, 2, 4, 8]
+        if name == "eager":
+            assert runner.decode_graphs is None and runner.step_buffers is not None
+        tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        llm.engine.close()
+    assert tokens["graphs"] == tokens["eager"] == tokens["cpu"]
