@@ -11,8 +11,9 @@ Sequences 0..d-1 of `lens`/`tables` are the step's decodes, then its prompt chun
 prefix. A step fills the host buffer from its `StepPlan` (numpy, no torch op per request) and
 copies the regions' used part to the device at once: up to the last table row used, so a step
 that uses fewer sequences copies fewer rows. The attention metadata is then views, built once a
-step, not per request per layer. NOTE: the copy is asynchronous from pinned memory; the host
-buffer is refilled only for the next step, after this one's sampled tokens were read back (a sync).
+step, not per request per layer. NOTE: the copy is asynchronous from pinned memory; before the
+host buffer is refilled, the previous copy is waited for (an event: a step that samples nothing
+never synchronises, and its copy may still be queued behind earlier kernels).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class StepBuffers:
         self.host = torch.zeros(size, dtype=torch.int32, pin_memory=on_gpu)
         self.device_buf = torch.zeros(size, dtype=torch.int32, device=device) if on_gpu else self.host
         self._np = self.host.numpy()
+        self._copied = torch.cuda.Event() if on_gpu else None  # the last copy out of `host`
 
     def _region(self, buf: torch.Tensor | np.ndarray, name: str, length: int, at: int = 0) -> torch.Tensor:
         start = self._offsets[name] + at
@@ -57,6 +59,8 @@ class StepBuffers:
         if num_tokens > self.max_tokens or num_seqs > self.max_seqs:
             raise ValueError(f"a step of {num_tokens} tokens, {num_seqs} sequences exceeds the step buffers "
                              f"({self.max_tokens}, {self.max_seqs})")
+        if self._copied is not None:
+            self._copied.synchronize()  # NOTE: the previous step's copy has read the host buffer
         fill = self._np
         for name, values in (("ids", plan.token_ids), ("positions", plan.positions), ("slots", plan.slots),
                              ("rows", plan.decode_rows), ("lens", plan.decode_lens + [p.context_len for p in prefix]),
@@ -68,8 +72,9 @@ class StepBuffers:
                 raise ValueError(f"a block table of {len(table)} blocks exceeds the step buffers' {self.width}")
             tables[row, :len(table)] = table
         used = self._offsets["tables"] + num_seqs * self.width
-        if self.device_buf is not self.host:
+        if self._copied is not None:
             self.device_buf[:used].copy_(self.host[:used], non_blocking=True)
+            self._copied.record()
         buf = self.device_buf
         all_tables = self._region(buf, "tables", num_seqs * self.width).view(num_seqs, self.width)
         meta = PagedMetadata(
