@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import MODEL_NAMES
+from test_decode_attention import decode_plan
 
 pytest.importorskip("triton")
 
@@ -29,17 +30,7 @@ DECODES = [([3, 4, 5], 12), ([10, 11, 12, 30, 20], 18), ([40, 33, 34, 35], 14), 
 
 
 def _decode_plan(decodes: list[tuple[list[int], int]]) -> StepPlan:
-    plan = StepPlan()
-    for row, (table, context_len) in enumerate(decodes):
-        position = context_len - 1
-        plan.token_ids.append(100 + row)
-        plan.positions.append(position)
-        plan.slots.append(table[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE)
-        plan.decode_rows.append(row)
-        plan.decode_tables.append(table)
-        plan.decode_lens.append(context_len)
-        plan.sample_rows.append(row)
-    return plan
+    return decode_plan(decodes, BLOCK_SIZE)
 
 
 def _mixed_plan() -> StepPlan:

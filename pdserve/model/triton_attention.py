@@ -76,6 +76,16 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor, slot_m
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))
 
 
+def _shapes(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor
+            ) -> tuple[int, int, int, int]:
+    """num_heads, head_dim, num_kv_heads, block_size, once the layouts the kernels assume are checked."""
+    _check_pool(layer_cache)
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads, block_size = layer_cache.shape[3], layer_cache.shape[2]
+    assert num_heads % num_kv_heads == 0 and q.stride(2) == 1 and out.stride(2) == 1 and block_tables.stride(1) == 1
+    return num_heads, head_dim, num_kv_heads, block_size
+
+
 def _check_pool(layer_cache: torch.Tensor) -> None:
     """[2, blocks, block_size, kv_heads, head_dim], blocks and slots dense: one stride per slot."""
     assert layer_cache.dim() == 5 and layer_cache.stride(4) == 1
@@ -162,11 +172,8 @@ def decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: t
     num_seqs = rows.shape[0]
     if num_seqs == 0:
         return
-    _check_pool(layer_cache)
-    num_heads, head_dim = q.shape[1:]
-    num_kv_heads, block_size = layer_cache.shape[3], layer_cache.shape[2]
-    assert num_heads % num_kv_heads == 0 and num_splits >= 1 and num_splits & (num_splits - 1) == 0
-    assert q.stride(2) == 1 and out.stride(2) == 1 and block_tables.stride(1) == 1
+    num_heads, head_dim, num_kv_heads, block_size = _shapes(q, layer_cache, block_tables, out)
+    assert num_splits >= 1 and num_splits & (num_splits - 1) == 0
     group = num_heads // num_kv_heads
     block_d = _dim(head_dim)
     part_out = torch.empty((num_seqs, num_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
@@ -241,11 +248,7 @@ def prefix_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: t
     num_seqs = starts.shape[0]
     if num_seqs == 0:
         return
-    _check_pool(layer_cache)
-    num_heads, head_dim = q.shape[1:]
-    num_kv_heads, block_size = layer_cache.shape[3], layer_cache.shape[2]
-    assert num_heads % num_kv_heads == 0 and q.stride(2) == 1 and out.stride(2) == 1
-    assert block_tables.stride(1) == 1
+    num_heads, head_dim, num_kv_heads, block_size = _shapes(q, layer_cache, block_tables, out)
     grid = (triton.cdiv(max_query_len, PREFIX_BLOCK_M), num_seqs, num_heads)
     _prefix_kernel[grid](
         q, layer_cache, block_tables, context_lens, starts, ends, out, scale, q.stride(0), q.stride(1),
