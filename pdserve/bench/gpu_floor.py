@@ -28,6 +28,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -119,12 +120,13 @@ def greedy_check(model: str, device_name: str, max_tokens: int = 32) -> tuple[in
     ours = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     del llm
     gc.collect()
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device_name).eval()
+    hf: Any = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)  # NOTE: its `to` is mistyped
+    hf = hf.to(torch.device(device_name)).eval()
+    hf.generation_config.eos_token_id = None  # NOTE: never stop early, as pdserve with ignore_eos
     equal = 0
     with torch.inference_mode():
         for prompt, tokens in zip(prompts, ours, strict=True):
-            out = hf.generate(torch.tensor([prompt], device=device_name), max_new_tokens=max_tokens, do_sample=False,
-                              min_new_tokens=max_tokens)
+            out = hf.generate(torch.tensor([prompt], device=device_name), max_new_tokens=max_tokens, do_sample=False)
             equal += out[0, len(prompt):].tolist() == list(tokens)
     return equal, len(prompts)
 
@@ -157,11 +159,11 @@ def main(argv: list[str] | None = None) -> int:
             rows += measure(args, spec, batches, ns.context, 0 if eager else ns.prefill_tokens)
             print(f"{Path(model).name} {'eager' if eager else 'graphs'}: {time.perf_counter() - start:.1f} s",
                   flush=True)
-    graphs = {(r.model, r.step): r for r in rows if r.mode == "graphs" or r.bound == "FLOPs"}
-    eager = {(r.model, r.step): r for r in rows if r.mode == "eager" and r.bound == "HBM"}
+    with_graphs = {(r.model, r.step): r for r in rows if r.mode == "graphs" or r.bound == "FLOPs"}
+    eager_rows = {(r.model, r.step): r for r in rows if r.mode == "eager" and r.bound == "HBM"}
     table = []
-    for key, r in graphs.items():
-        e = eager.get(key)
+    for key, r in with_graphs.items():
+        e = eager_rows.get(key)
         table.append([r.model, r.step, f"{r.measured_s * 1e3:.2f}", f"{r.floor_s * 1e3:.3f}", r.bound,
                       f"{r.ratio:.2f}", f"{r.measured_s / r.roofline_s:.2f}", f"{e.measured_s * 1e3:.2f}" if e else "",
                       f"{e.ratio:.2f}" if e else ""])

@@ -47,9 +47,9 @@ class StepBuffers:
         self._np = self.host.numpy()
         self._copied = torch.cuda.Event() if on_gpu else None  # the last copy out of `host`
 
-    def _region(self, buf: torch.Tensor | np.ndarray, name: str, length: int, at: int = 0) -> torch.Tensor:
+    def _region(self, buf: torch.Tensor, name: str, length: int, at: int = 0) -> torch.Tensor:
         start = self._offsets[name] + at
-        return buf[start:start + length]  # type: ignore[return-value]
+        return buf[start:start + length]
 
     def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, PagedMetadata]:
         """The step's input ids, positions and metadata: views of the device buffer."""
@@ -65,7 +65,8 @@ class StepBuffers:
         for name, values in (("ids", plan.token_ids), ("positions", plan.positions), ("slots", plan.slots),
                              ("rows", plan.decode_rows), ("lens", plan.decode_lens + [p.context_len for p in prefix]),
                              ("starts", [p.start for p in prefix]), ("ends", [p.end for p in prefix])):
-            self._region(fill, name, len(values))[:] = values
+            start = self._offsets[name]
+            fill[start:start + len(values)] = values
         tables = fill[self._offsets["tables"]:self._offsets["tables"] + num_seqs * self.width].reshape(-1, self.width)
         for row, table in enumerate(plan.decode_tables + [p.block_ids for p in prefix]):
             if len(table) > self.width:
