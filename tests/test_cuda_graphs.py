@@ -174,3 +174,39 @@ def test_decode_graphs_on_cuda_give_the_eager_and_cpu_tokens(model_dirs: dict[st
         tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         llm.engine.close()
     assert tokens["graphs"] == tokens["eager"] == tokens["cpu"]
+
+
+def test_backend_by_device_and_splits_by_batch_size() -> None:
+    from pdserve.model.attention_backend import TORCH, TRITON, decode_splits, select_backend
+
+    assert select_backend(torch.device("cpu")) is TORCH
+    assert select_backend(torch.device("cuda")) is TRITON  # triton is installed here (the test extra)
+    assert not TORCH.graph_safe and TRITON.graph_safe
+    # 132 SMs, 8 KV heads: small batches split up to 16 ways, a batch that fills the GPU not at all
+    assert [decode_splits(b, 8, 132) for b in (1, 2, 4, 16, 33, 64, 256)] == [16, 16, 8, 2, 1, 1, 1]
+    assert all(s & (s - 1) == 0 for b in range(1, 300) for s in [decode_splits(b, 2, 4)])
+
+
+def test_step_buffers_keep_their_addresses() -> None:
+    """A bucket's inputs are views at the same addresses whatever the step (what a captured graph
+    reads), filled with this step's values; a step larger than the buffers is refused."""
+    from pdserve.engine.step_buffers import StepBuffers
+
+    buffers = StepBuffers(max_tokens=16, max_seqs=8, max_blocks_per_seq=6, device=torch.device("cpu"),
+                          splits=lambda n: 2)
+    first = buffers.prepare(pad_decode_plan(_decode_plan(DECODES[:3]), 4))
+    pointers = [t.data_ptr() for t in (first[0], first[1], first[2].slot_mapping, first[2].decode_tables,
+                                       first[2].decode_lens, first[2].decode_rows)]
+    second = buffers.prepare(pad_decode_plan(_decode_plan(DECODES[1:5]), 4))
+    ids, positions, meta = second
+    assert [t.data_ptr() for t in (ids, positions, meta.slot_mapping, meta.decode_tables, meta.decode_lens,
+                                   meta.decode_rows)] == pointers
+    assert meta.decode_lens.tolist() == [n for _, n in DECODES[1:5]]
+    assert meta.decode_tables[0, :5].tolist() == DECODES[1][0] and meta.num_splits == 2
+    assert meta.slot_mapping.tolist() == _decode_plan(DECODES[1:5]).slots and ids.dtype == torch.int32
+    mixed = buffers.prepare(_mixed_plan())[2]
+    assert mixed.prefix_lens.tolist() == [11] and mixed.prefix_tables[0, :3].tolist() == [50, 51, 52]
+    assert (mixed.prefix_starts.tolist(), mixed.prefix_ends.tolist()) == ([5], [10])
+    assert mixed.fresh_prefills == ((10, 15),) and mixed.decode_lens.tolist() == [n for _, n in DECODES]
+    with pytest.raises(ValueError, match="exceeds the step buffers"):
+        buffers.prepare(_decode_plan([([1, 2, 3, 4, 5, 6, 7], 27)]))
