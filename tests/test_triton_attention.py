@@ -11,6 +11,9 @@ splits than a short context has tiles too), prefill over a cached prefix with an
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -185,3 +188,14 @@ def test_store_kv_writes_real_slots_only(dtype: torch.dtype) -> None:
         assert torch.equal(flat[0, slot], k[row].to(dtype)) and torch.equal(flat[1, slot], v[row].to(dtype))
     others = [s for s in range(24) if s not in written]
     assert (flat[:, others] == 0).all()
+
+
+@pytest.mark.skipif(CUDA, reason="with a GPU the tests above compile the kernels for it")
+def test_kernels_compile_for_hopper(tmp_path: Path) -> None:
+    """The interpreter checks no types or layouts: compile each kernel for sm_90 (no GPU needed)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    script = Path(__file__).with_name("triton_hopper_compile.py")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("shared") == 6, done.stdout
