@@ -118,6 +118,7 @@ class EngineArgs:
     kv_disk_dir: str | None = knob(None, "disk tier under the prefix cache: full KV blocks are kept in this directory "
                                          "(e.g. /kvcache; shareable by workers of one node) and loaded on prefix hits")
     kv_disk_size: str | int = knob("20GiB", "most bytes the disk tier keeps (least recently used files go first)")
+    enforce_eager: bool = knob(False, "CUDA: run every step eagerly (no decode CUDA graphs, no capture at start-up)")
 
     def validate(self) -> None:
         checks = [
@@ -155,6 +156,7 @@ class EngineConfig:
     kv_disk: KVDiskConfig | None = None
     tensor_parallel_size: int = 1
     kv_cache_dtype: torch.dtype | None = None  # the pool's element type; None: `dtype`
+    enforce_eager: bool = False  # CUDA: no decode CUDA graphs (engine/cuda_graphs.py)
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -252,6 +254,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
                                                                    parse_size_bytes(args.kv_disk_size)),
         tensor_parallel_size=args.tensor_parallel_size,
         kv_cache_dtype=kv_dtype,
+        enforce_eager=args.enforce_eager,
     )
 
 

@@ -2,15 +2,20 @@
 # What a session runs on a lent GPU machine (docs/BENCHMARKS.md, "On a GPU"), in one go:
 #   1. correctness: the engine's reference suite on CUDA (transformers on the same GPU), and PD
 #      against colocated through the HTTP API with both workers on one GPU (pd_parity), together;
-#   2. timings, alone on the GPU: `pdserve calibrate` step times of qwen3-0.6b and qwen3-8b shapes
+#   2. floor (issue 30): the Triton kernels on CUDA (bfloat16 too) and decode graphs against
+#      --enforce-eager and the CPU path (pytest), then `python -m pdserve.bench.gpu_floor` on the
+#      qwen3-0.6b and qwen3-8b shapes in bfloat16: one table of decode steps at batch 1/16/64/256
+#      against the HBM floor, graphs on and --enforce-eager, prefill of 8,192 tokens against peak
+#      FLOPs; greedy float32 with graphs against transformers. Alone: STAGES=floor (~6 min);
+#   3. timings, alone on the GPU: `pdserve calibrate` step times of qwen3-0.6b and qwen3-8b shapes
 #      (random bf16 weights), each step next to the H200 roofline profile the simulator uses;
-#   3. the simulator against real runs here: a profile calibrated with the servers' flags, then
+#   4. the simulator against real runs here: a profile calibrated with the servers' flags, then
 #      `pdserve bench compare` (one colocated server, then PD 1+1 sharing the GPU) replayed by
 #      `python -m pdserve.bench.validate_sim`; then again with a profile fitted to the steps the
 #      served engines logged (PDSERVE_STEP_LOG, `calibrate --from-step-log`);
-#   4. served against offline (issue 29): qwen3-0.6b in bfloat16 at 1, 16 and 64 streams, the engine on a
+#   5. served against offline (issue 29): qwen3-0.6b in bfloat16 at 1, 16 and 64 streams, the engine on a
 #      thread of the API server and in its own process (`python -m pdserve.bench.served_vs_offline`).
-# STAGES picks them (default "correct timings validate served"); TIMINGS=0 is STAGES=correct. Every stage has its own time limit; logs and profiles go to $OUT (default ./device-out).
+# STAGES picks them (default "correct floor timings validate served"); TIMINGS=0 is STAGES=correct. Every stage has its own time limit; logs and profiles go to $OUT (default ./device-out).
 # Python packages the machine lacks travel as wheels in ./.whl (docs/BENCHMARKS.md says which).
 set -u
 out=${OUT:-device-out}
@@ -34,11 +39,11 @@ stage() {  # stage NAME LIMIT_S COMMAND...: its output to $out/NAME.log, its tai
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 python3 -m pdserve.cli make-model "$ck/qwen3-0.6b" --preset qwen3-0.6b --device cuda >/dev/null || exit 1
-stages=${STAGES:-correct timings validate served}
+stages=${STAGES:-correct floor timings validate served}
 [ "${TIMINGS:-1}" = 1 ] || stages=correct
 has() { [[ " $stages " == *" $1 "* ]]; }
 maker=
-if has timings; then
+if has timings || has floor; then
   python3 -m pdserve.cli make-model "$ck/qwen3-8b" --preset qwen3-8b --device cuda >"$out/make-8b.log" 2>&1 &
   maker=$!
 fi
@@ -53,6 +58,14 @@ stage pd-parity 200 python3 -m pdserve.bench.pd_parity --model "$ck/qwen3-0.6b" 
 wait $tests
 fi
 wait $maker
+
+if has floor; then
+TAIL=40 stage kernels-cuda 150 python3 -m pytest -q -p no:cacheprovider -rfs tests/test_triton_attention.py \
+  tests/test_cuda_graphs.py
+TAIL=30 stage floor 420 python3 -m pdserve.bench.gpu_floor --model "$ck/qwen3-0.6b" --model "$ck/qwen3-8b" \
+  --device cuda --dtype bfloat16 --compare-device H200 --batches 1,16,64,256 --context 256 --prefill-tokens 8192 \
+  --greedy-check --save "$out/floor.json"
+fi
 
 if has timings; then
 grid=(--transports '' --compare-device H200 --max-num-seqs 256 --max-num-batched-tokens 8192

@@ -3,6 +3,7 @@ Hugging Face reference for greedy outputs and logits."""
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,6 +19,10 @@ from pdserve.model.demo_checkpoint import PRESETS, ModelShape, write_checkpoint
 # wake-ups dominate); one thread keeps the suite fast and changes no result (fp32, same kernels
 # for pdserve and the reference).
 torch.set_num_threads(1)
+# NOTE: without a GPU, Triton kernels (the CUDA attention backend's) run in Triton's interpreter on CPU
+# tensors; it is chosen when a kernel is defined, so before any test module imports one
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # name -> (shape, weight seed, max_shard_bytes)
 MODEL_SPECS: dict[str, tuple[ModelShape, int, int | None]] = {

@@ -30,18 +30,24 @@ def test_longest_run_is_the_first_of_the_longest() -> None:
     assert longest_run([3, 2, 1]) == (0, 1)
 
 
-def _plan() -> StepPlan:
-    """The decodes above, plus a 5-token prompt in blocks 61..62, in one step."""
+def decode_plan(decodes: list[tuple[list[int], int]], block_size: int = BLOCK_SIZE) -> StepPlan:
+    """A step of these (block table, context length) decodes, rows 0..n-1, each sampling."""
     plan = StepPlan()
-    for row, (table, context_len) in enumerate(DECODES):
+    for row, (table, context_len) in enumerate(decodes):
         position = context_len - 1
         plan.token_ids.append(100 + row)
         plan.positions.append(position)
-        plan.slots.append(table[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE)
+        plan.slots.append(table[position // block_size] * block_size + position % block_size)
         plan.decode_rows.append(row)
         plan.decode_tables.append(table)
         plan.decode_lens.append(context_len)
         plan.sample_rows.append(row)
+    return plan
+
+
+def _plan() -> StepPlan:
+    """The decodes above, plus a 5-token prompt in blocks 61..62, in one step."""
+    plan = decode_plan(DECODES)
     start = len(DECODES)
     plan.token_ids.extend(range(200, 205))
     plan.positions.extend(range(5))

@@ -11,11 +11,14 @@ from collections.abc import Callable
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.engine.cuda_graphs import DecodeGraphs, bucket_for, decode_buckets
 from pdserve.engine.host_memory import zeroed_pages
 from pdserve.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.step_buffers import StepBuffers
 from pdserve.engine.step_plan import StepPlan, plan_step
 from pdserve.model.attention import AttentionMetadata, DecodeBatch, DecodeRun, PrefillSpan, can_attend_in_place
+from pdserve.model.attention_backend import StepMetadata, decode_splits, select_backend
 from pdserve.model.qwen3 import Qwen3ForCausalLM
 
 # kv_cache[layer, k|v, block, slot, kv_head, head_dim]: what the KV layout descriptors (the
@@ -23,6 +26,7 @@ from pdserve.model.qwen3 import Qwen3ForCausalLM
 POOL_LAYOUT = "layer,kv,block,slot,head,dim"
 _MAX_DECODE_BUCKETS = 4
 _MIN_DECODE_BUCKET = 8
+_CPU_SPLIT_PROGRAMS = 4  # the Triton backend on CPU (tests, interpreter): split decodes as on a 4-SM GPU
 
 
 class ModelRunner:
@@ -53,6 +57,34 @@ class ModelRunner:
         self.layer_caches = list(self.local_cache.unbind(0))
         self.in_place_decode = can_attend_in_place(self.device, config.dtype, config.kv_dtype)
         self.sampler = Sampler(config.seed, self.device)
+        # the Triton backend (CUDA): persistent step buffers, decode from CUDA graphs (model/attention_backend.py)
+        self.step_buffers: StepBuffers | None = None
+        self.decode_graphs: DecodeGraphs | None = None
+        if select_backend(self.device).name == "triton":
+            graphs = not config.enforce_eager and config.tensor_parallel_size == 1
+            self.use_paged_step(graphs)
+            if self.decode_graphs is not None:
+                with torch.inference_mode():
+                    self.decode_graphs.capture()
+
+    def use_paged_step(self, graphs: bool) -> None:
+        """Steps through the Triton backend: persistent step buffers, and with `graphs` decode steps
+        padded to their bucket (engine/cuda_graphs.py: replayed once captured, eager until then,
+        as on CPU where the tests take this path)."""
+        sched, m = self.config.scheduler, self.model.cfg
+        if self.device.type == "cuda":
+            programs = torch.cuda.get_device_properties(self.device).multi_processor_count
+        else:
+            programs = _CPU_SPLIT_PROGRAMS
+        buckets = decode_buckets(sched.max_num_seqs)
+
+        def splits(num_decodes: int) -> int:  # a padded step splits as its bucket does
+            size = (bucket_for(num_decodes, buckets) or num_decodes) if graphs else num_decodes
+            return decode_splits(size, m.num_key_value_heads, programs)
+
+        self.step_buffers = StepBuffers(max(sched.max_num_batched_tokens, sched.max_num_seqs), sched.max_num_seqs,
+                                        -(-sched.max_model_len // self.block_size), self.device, splits)
+        self.decode_graphs = DecodeGraphs(self.model, self.layer_caches, self.step_buffers, buckets) if graphs else None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, layer_done: Callable[[int], None] | None = None
@@ -76,8 +108,10 @@ class ModelRunner:
         when there are none). Every tensor-parallel rank runs this with the same plan (the
         collectives are inside the model)."""
         self._swap(plan)
-        input_ids, positions, meta = self._prepare(plan)
-        hidden = self.model(input_ids, positions, self.layer_caches, meta, layer_done)
+        hidden = None if self.decode_graphs is None else self.decode_graphs.run(plan, layer_done)
+        if hidden is None:
+            input_ids, positions, meta = self._prepare(plan)
+            hidden = self.model(input_ids, positions, self.layer_caches, meta, layer_done)
         rows = plan.sample_rows + plan.prompt_rows
         if not rows:
             return None
@@ -110,7 +144,9 @@ class ModelRunner:
         for block_id, kv in zip(block_ids, blocks, strict=True):
             self.kv_cache[:, :, block_id].copy_(kv, non_blocking=True)
 
-    def _prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, StepMetadata]:
+        if self.step_buffers is not None:
+            return self.step_buffers.prepare(plan)
         prefills = tuple(PrefillSpan(p.start, p.end, p.context_len,
                                      torch.tensor(p.block_ids, dtype=torch.long, device=self.device))
                          for p in plan.prefills)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.model.attention import AttentionMetadata, paged_attention
+from pdserve.model.attention_backend import StepMetadata, attend
 from pdserve.model.parallel import ParallelGroup
 from pdserve.model.qwen3_config import Qwen3ModelConfig
 
@@ -70,13 +70,13 @@ class Qwen3Attention(nn.Module):
         self.scale = self.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, layer_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: StepMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))
         k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         q, k = rope(positions, q, k)
-        out = paged_attention(q, k, v, layer_cache, meta, self.scale)
+        out = attend(q, k, v, layer_cache, meta, self.scale)
         out = self.o_proj(out.reshape(-1, self.q_size))
         return out if self.group is None else self.group.all_reduce(out)
 
@@ -104,7 +104,7 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, layer_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: StepMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, rope, layer_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -129,7 +129,7 @@ class Qwen3ForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+                meta: StepMetadata, layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size].
         `layer_done(l)` runs once layer l's K/V for this step are in the cache (KV streaming)."""
         x = self.embed_tokens(input_ids) if self.group is None else self._embed_parallel(input_ids)

@@ -1,0 +1,95 @@
+"""Persistent step inputs for the Triton backend (model/attention_backend.py): one host buffer,
+one device buffer, one copy a step.
+
+Both buffers are int32, laid out in fixed regions sized for the engine's limits, so a region's
+views keep their addresses from step to step (what a CUDA graph replays reads them there):
+
+    ids[T] | positions[T] | slots[T] | decode rows[S] | prefix starts[S] | prefix ends[S] |
+    lens[S] | tables[S, W]                       T = max tokens, S = max sequences, W = max blocks a sequence
+
+Sequences 0..d-1 of `lens`/`tables` are the step's decodes, then its prompt chunks over a cached
+prefix. A step fills the host buffer from its `StepPlan` (numpy, no torch op per request) and
+copies the regions' used part to the device at once: up to the last table row used, so a step
+that uses fewer sequences copies fewer rows. The attention metadata is then views, built once a
+step, not per request per layer. NOTE: the copy is asynchronous from pinned memory; before the
+host buffer is refilled, the previous copy is waited for (an event: a step that samples nothing
+never synchronises, and its copy may still be queued behind earlier kernels).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from pdserve.engine.step_plan import StepPlan
+from pdserve.model.attention_backend import PagedMetadata
+
+PAD_SLOT = -1  # a row whose K/V is written nowhere (a CUDA graph's padding)
+
+
+class StepBuffers:
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device,
+                 splits: Callable[[int], int]) -> None:
+        """`splits(num_decodes)`: the split-KV parts of a decode batch (attention_backend.decode_splits)."""
+        self.max_tokens, self.max_seqs, self.width = max_tokens, max_seqs, max_blocks_per_seq
+        self.device = device
+        self.splits = splits
+        t, s = max_tokens, max_seqs
+        self._offsets = {name: at for name, at in zip(
+            ("ids", "positions", "slots", "rows", "starts", "ends", "lens", "tables"),
+            np.cumsum([0, t, t, t, s, s, s, s]).tolist(), strict=True)}
+        size = self._offsets["tables"] + s * max_blocks_per_seq
+        on_gpu = device.type == "cuda"
+        self.host = torch.zeros(size, dtype=torch.int32, pin_memory=on_gpu)
+        self.device_buf = torch.zeros(size, dtype=torch.int32, device=device) if on_gpu else self.host
+        self._np = self.host.numpy()
+        self._copied = torch.cuda.Event() if on_gpu else None  # the last copy out of `host`
+
+    def _region(self, buf: torch.Tensor, name: str, length: int, at: int = 0) -> torch.Tensor:
+        start = self._offsets[name] + at
+        return buf[start:start + length]
+
+    def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, PagedMetadata]:
+        """The step's input ids, positions and metadata: views of the device buffer."""
+        num_tokens, num_decodes = len(plan.token_ids), len(plan.decode_rows)
+        prefix = [p for p in plan.prefills if p.context_len > p.end - p.start]
+        num_seqs = num_decodes + len(prefix)
+        if num_tokens > self.max_tokens or num_seqs > self.max_seqs:
+            raise ValueError(f"a step of {num_tokens} tokens, {num_seqs} sequences exceeds the step buffers "
+                             f"({self.max_tokens}, {self.max_seqs})")
+        if self._copied is not None:
+            self._copied.synchronize()  # NOTE: the previous step's copy has read the host buffer
+        fill = self._np
+        for name, values in (("ids", plan.token_ids), ("positions", plan.positions), ("slots", plan.slots),
+                             ("rows", plan.decode_rows), ("lens", plan.decode_lens + [p.context_len for p in prefix]),
+                             ("starts", [p.start for p in prefix]), ("ends", [p.end for p in prefix])):
+            start = self._offsets[name]
+            fill[start:start + len(values)] = values
+        tables = fill[self._offsets["tables"]:self._offsets["tables"] + num_seqs * self.width].reshape(-1, self.width)
+        for row, table in enumerate(plan.decode_tables + [p.block_ids for p in prefix]):
+            if len(table) > self.width:
+                raise ValueError(f"a block table of {len(table)} blocks exceeds the step buffers' {self.width}")
+            tables[row, :len(table)] = table
+        used = self._offsets["tables"] + num_seqs * self.width
+        if self._copied is not None:
+            self.device_buf[:used].copy_(self.host[:used], non_blocking=True)
+            self._copied.record()
+        buf = self.device_buf
+        all_tables = self._region(buf, "tables", num_seqs * self.width).view(num_seqs, self.width)
+        meta = PagedMetadata(
+            slot_mapping=self._region(buf, "slots", num_tokens),
+            decode_rows=self._region(buf, "rows", num_decodes),
+            decode_tables=all_tables[:num_decodes],
+            decode_lens=self._region(buf, "lens", num_decodes),
+            num_splits=self.splits(num_decodes),
+            prefix_starts=self._region(buf, "starts", len(prefix)),
+            prefix_ends=self._region(buf, "ends", len(prefix)),
+            prefix_tables=all_tables[num_decodes:],
+            prefix_lens=self._region(buf, "lens", len(prefix), at=num_decodes),
+            max_prefix_query_len=max((p.end - p.start for p in prefix), default=0),
+            fresh_prefills=tuple((p.start, p.end) for p in plan.prefills if p.context_len == p.end - p.start),
+        )
+        return self._region(buf, "ids", num_tokens), self._region(buf, "positions", num_tokens), meta
+

@@ -1,0 +1,258 @@
+"""Paged attention in Triton: the CUDA backend's kernels (model/attention_backend.py).
+
+Pool layout, one tensor per layer (model/attention.py): ``[2 (k|v), num_blocks, block_size,
+num_kv_heads, head_dim]``; a token's KV lives at slot ``block_table[pos // block_size] *
+block_size + pos % block_size``. The kernels read the block table themselves (no gather copy):
+
+    store_kv            each new token's K/V to its slot; slot -1 (a padded row) writes nothing
+    decode_attention    one query token per sequence, split-KV: program (seq, kv_head, split)
+                        attends its query heads (GQA: the group shares each K/V load) to one
+                        contiguous part of the context; `_merge_splits` joins the parts by their
+                        log-sum-exp. The split count is a launch constant and each sequence's split
+                        length comes from its context length (a tensor), so a CUDA graph captured
+                        for a batch size replays for any context lengths.
+    prefix_attention    varlen queries over a cached prefix: program (query tile, seq, head)
+                        attends its queries to the sequence's paged context; query i of a span of
+                        q_len new tokens sits at position context_len - q_len + i and sees the
+                        keys up to it (the new tokens' K/V are in the pool by then).
+
+Every load is cast to float32 at once and the math is float32 (bfloat16 arithmetic is wrong in
+Triton's interpreter, `TRITON_INTERPRET=1`, which runs these kernels on CPU tensors in the tests);
+only the output is cast back. Fixed launch configurations, no autotuning (a CUDA graph captures
+one launch; autotuning would time kernels at capture). `tl.dot` multiplies float32 in IEEE
+precision for a float32 model and in TF32 otherwise (a bfloat16/float16 pool's K/V are exact in
+TF32; the probabilities round to it, less than flash attention's rounding to 16 bits).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+DECODE_BLOCK_N = 64  # context tokens per tile
+PREFIX_BLOCK_M = 32  # queries per program
+PREFIX_BLOCK_N = 32
+_MIN_DOT = 16  # tl.dot's smallest M, N and K
+
+
+def _dim(n: int) -> int:
+    return max(_MIN_DOT, triton.next_power_of_2(n))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_kv,
+                     stride_slot, stride_head, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    slots = tl.zeros([BLOCK_H, BLOCK_D], tl.int64) + slot
+    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM) & (slots >= 0)
+    safe_slot = tl.maximum(slots, 0)
+    dst = cache_ptr + safe_slot * stride_slot + heads * stride_head + dims
+    k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst + stride_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k, v: [num_tokens, num_kv_heads, head_dim] (any row and head strides); slot_mapping:
+    [num_tokens], -1 for a row that writes nothing (a CUDA graph's padding)."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    _check_pool(layer_cache)
+    assert k.stride(2) == 1 and v.stride(2) == 1
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        k, v, layer_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1), layer_cache.stride(0),
+        layer_cache.stride(2), layer_cache.stride(3), NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))
+
+
+def _shapes(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor
+            ) -> tuple[int, int, int, int]:
+    """num_heads, head_dim, num_kv_heads, block_size, once the layouts the kernels assume are checked."""
+    _check_pool(layer_cache)
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads, block_size = layer_cache.shape[3], layer_cache.shape[2]
+    assert num_heads % num_kv_heads == 0 and q.stride(2) == 1 and out.stride(2) == 1 and block_tables.stride(1) == 1
+    return num_heads, head_dim, num_kv_heads, block_size
+
+
+def _check_pool(layer_cache: torch.Tensor) -> None:
+    """[2, blocks, block_size, kv_heads, head_dim], blocks and slots dense: one stride per slot."""
+    assert layer_cache.dim() == 5 and layer_cache.stride(4) == 1
+    assert layer_cache.stride(1) == layer_cache.shape[2] * layer_cache.stride(2), "slots of a block must be dense"
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, rows_ptr, part_out_ptr, part_lse_ptr, scale,
+                         stride_qt, stride_qh, stride_kv, stride_slot, stride_head, stride_table,
+                         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(lens_ptr + seq)
+    row = tl.load(rows_ptr + seq).to(tl.int64)
+    # each split gets whole tiles: the last splits of a short context are empty
+    split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, context_len)
+
+    groups = tl.arange(0, BLOCK_G)
+    dims = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + groups
+    q_mask = (groups < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=q_mask,
+                other=0.0).to(tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table = tables_ptr + seq.to(tl.int64) * stride_table
+    head_base = cache_ptr + kv_head * stride_head
+    for first in range(start, end, BLOCK_N):
+        tokens = first + tl.arange(0, BLOCK_N)
+        inside = tokens < end
+        blocks = tl.load(table + tokens // BLOCK_SIZE, mask=inside, other=0).to(tl.int64)
+        slots = blocks * BLOCK_SIZE + tokens % BLOCK_SIZE
+        kv_mask = inside[None, :] & (dims < HEAD_DIM)[:, None]
+        keys = tl.load(head_base + slots[None, :] * stride_slot + dims[:, None], mask=kv_mask,
+                       other=0.0).to(tl.float32)  # [D, N]
+        scores = tl.dot(q, keys, input_precision=PRECISION) * scale
+        scores = tl.where(inside[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        values = tl.load(head_base + stride_kv + slots[:, None] * stride_slot + dims[None, :],
+                         mask=inside[:, None] & (dims < HEAD_DIM)[None, :], other=0.0).to(tl.float32)  # [N, D]
+        acc = acc * alpha[:, None] + tl.dot(p, values, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    # partials: out [seq, head, split, dim], lse [seq, head, split]
+    part = (seq.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
+    tl.store(part_out_ptr + part[:, None] * BLOCK_D + dims[None, :], out, mask=(groups < GROUP)[:, None])
+    tl.store(part_lse_ptr + part, lse, mask=groups < GROUP)
+
+
+@triton.jit
+def _merge_splits_kernel(part_out_ptr, part_lse_ptr, rows_ptr, out_ptr, stride_ot, stride_oh,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    row = tl.load(rows_ptr + seq).to(tl.int64)
+    part = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, BLOCK_D)
+    lse = tl.load(part_lse_ptr + part)
+    top = tl.max(lse, 0)
+    weight = tl.exp(lse - top)  # an empty split: exp(-inf) = 0
+    parts = tl.load(part_out_ptr + part[:, None] * BLOCK_D + dims[None, :])
+    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+def decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, rows: torch.Tensor, scale: float, num_splits: int,
+                     out: torch.Tensor) -> None:
+    """For each sequence s: out[rows[s]] = attention of q[rows[s]] over its context_lens[s] tokens
+    read through block_tables[s]. q, out: [num_tokens, num_heads, head_dim]; block_tables
+    [num_seqs, width] (any width covering the contexts); num_splits a power of two."""
+    num_seqs = rows.shape[0]
+    if num_seqs == 0:
+        return
+    num_heads, head_dim, num_kv_heads, block_size = _shapes(q, layer_cache, block_tables, out)
+    assert num_splits >= 1 and num_splits & (num_splits - 1) == 0
+    group = num_heads // num_kv_heads
+    block_d = _dim(head_dim)
+    part_out = torch.empty((num_seqs, num_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, layer_cache, block_tables, context_lens, rows, part_out, part_lse, scale, q.stride(0), q.stride(1),
+        layer_cache.stride(0), layer_cache.stride(2), layer_cache.stride(3), block_tables.stride(0),
+        BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=_dim(group), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype), num_warps=4)
+    _merge_splits_kernel[(num_seqs, num_heads)](
+        part_out, part_lse, rows, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        NUM_SPLITS=num_splits, num_warps=4)
+
+
+@triton.jit
+def _prefix_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, starts_ptr, ends_ptr, out_ptr, scale,
+                   stride_qt, stride_qh, stride_ot, stride_oh, stride_kv, stride_slot, stride_head, stride_table,
+                   BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    kv_head = head // GROUP
+    q_start = tl.load(starts_ptr + seq).to(tl.int64)
+    q_len = tl.load(ends_ptr + seq).to(tl.int64) - q_start
+    context_len = tl.load(lens_ptr + seq).to(tl.int64)
+    first_query = tile * BLOCK_M
+    offsets = first_query + tl.arange(0, BLOCK_M)
+    valid = offsets < q_len
+    positions = context_len - q_len + offsets  # each query's absolute position
+    dims = tl.arange(0, BLOCK_D)
+    d_mask = dims < HEAD_DIM
+    q = tl.load(q_ptr + (q_start + offsets)[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                mask=valid[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    # keys up to this tile's last query; none for a tile past the span's end
+    kv_end = tl.where(first_query < q_len, tl.minimum(context_len, context_len - q_len + first_query + BLOCK_M), 0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table = tables_ptr + seq.to(tl.int64) * stride_table
+    head_base = cache_ptr + kv_head * stride_head
+    for first in range(0, kv_end, BLOCK_N):
+        tokens = first + tl.arange(0, BLOCK_N)
+        inside = tokens < kv_end
+        blocks = tl.load(table + tokens // BLOCK_SIZE, mask=inside, other=0).to(tl.int64)
+        slots = blocks * BLOCK_SIZE + tokens % BLOCK_SIZE
+        keys = tl.load(head_base + slots[None, :] * stride_slot + dims[:, None],
+                       mask=inside[None, :] & d_mask[:, None], other=0.0).to(tl.float32)
+        scores = tl.dot(q, keys, input_precision=PRECISION) * scale
+        seen = inside[None, :] & (tokens[None, :] <= positions[:, None])
+        scores = tl.where(seen, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        values = tl.load(head_base + stride_kv + slots[:, None] * stride_slot + dims[None, :],
+                         mask=inside[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, values, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + (q_start + offsets)[:, None] * stride_ot + head * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & d_mask[None, :])
+
+
+def prefix_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, max_query_len: int,
+                     scale: float, out: torch.Tensor) -> None:
+    """Sequence s's queries are rows [starts[s], ends[s]) of q (its newest tokens, their K/V
+    already in the pool); they attend causally to its context_lens[s] tokens through
+    block_tables[s]. Writes those rows of out. max_query_len: the longest span (the grid)."""
+    num_seqs = starts.shape[0]
+    if num_seqs == 0:
+        return
+    num_heads, head_dim, num_kv_heads, block_size = _shapes(q, layer_cache, block_tables, out)
+    grid = (triton.cdiv(max_query_len, PREFIX_BLOCK_M), num_seqs, num_heads)
+    _prefix_kernel[grid](
+        q, layer_cache, block_tables, context_lens, starts, ends, out, scale, q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), layer_cache.stride(0), layer_cache.stride(2), layer_cache.stride(3),
+        block_tables.stride(0), BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_D=_dim(head_dim), BLOCK_M=PREFIX_BLOCK_M, BLOCK_N=PREFIX_BLOCK_N, PRECISION=_precision(q.dtype),
+        num_warps=4)

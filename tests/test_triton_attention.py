@@ -1,0 +1,201 @@
+"""The CUDA backend's Triton kernels (model/triton_attention.py) against a torch reference. Without
+a GPU, Triton's interpreter runs them on CPU tensors (`TRITON_INTERPRET=1`, set before triton is
+imported; the first test checks that it is really the interpreter), in float32 and float16:
+bfloat16 arithmetic is wrong in the interpreter. With one (scripts/device_check.sh, stage
+`floor`), compiled on CUDA tensors, bfloat16 too.
+
+Cases: block tables of many shapes (adjacent, scattered, reversed, one block), block sizes 1 to
+16, GQA ratios 1/2/4/8, contexts ending mid-block, split-KV with 1 and several splits (more
+splits than a short context has tiles too), prefill over a cached prefix with and without one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # NOTE: before triton is imported, here or by pdserve
+
+triton = pytest.importorskip("triton")
+from pdserve.model import triton_attention as ta  # noqa: E402
+
+HEAD_DIM = 32
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+DTYPES = [torch.float32, torch.float16, *([torch.bfloat16] if CUDA else [])]
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+if CUDA:
+    TOLERANCE[torch.float32] = 2e-4  # NOTE: torch's reference on CUDA may multiply in TF32
+
+
+def test_kernels_run_in_the_interpreter_without_a_gpu() -> None:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    kernels = (ta._decode_split_kernel, ta._merge_splits_kernel, ta._prefix_kernel, ta._store_kv_kernel)
+    assert all(isinstance(k, InterpretedFunction) != CUDA for k in kernels)
+
+
+def _ints(values: list[int] | list[list[int]]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+
+def _pool(num_blocks: int, block_size: int, num_kv_heads: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn((2, num_blocks, block_size, num_kv_heads, HEAD_DIM), generator=gen).to(DEVICE, dtype)
+
+
+def _context(pool: torch.Tensor, table: list[int], context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys, values [kv_heads, context_len, dim] in float32, read through the table."""
+    num_kv_heads = pool.shape[3]
+    ids = torch.tensor(table, device=DEVICE)
+    keys = pool[0][ids].reshape(-1, num_kv_heads, HEAD_DIM)[:context_len].float()
+    values = pool[1][ids].reshape(-1, num_kv_heads, HEAD_DIM)[:context_len].float()
+    return keys.transpose(0, 1), values.transpose(0, 1)
+
+
+def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+               scale: float) -> torch.Tensor:
+    """q [n, heads, dim] at absolute positions; causal over keys [kv_heads, ctx, dim]."""
+    mask = torch.arange(keys.shape[1], device=DEVICE)[None, :] <= positions.to(DEVICE)[:, None]
+    out = F.scaled_dot_product_attention(q.float().transpose(0, 1), keys, values, attn_mask=mask, scale=scale,
+                                         enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def _tables(block_size: int, lens: list[int], shapes: str, num_blocks: int) -> list[list[int]]:
+    """Disjoint tables of each context's block count: 'adjacent', 'scattered' or 'reversed'."""
+    counts = [-(-n // block_size) for n in lens]
+    ids = list(range(num_blocks))
+    if shapes == "scattered":
+        gen = torch.Generator().manual_seed(sum(lens))
+        ids = torch.randperm(num_blocks, generator=gen).tolist()
+    elif shapes == "reversed":
+        ids = ids[::-1]
+    tables, at = [], 0
+    for count in counts:
+        tables.append(ids[at:at + count])
+        at += count
+    assert at <= num_blocks
+    return tables
+
+
+# (block size, kv heads, GQA ratio, context lengths, table shapes, splits)
+DECODE_CASES = [
+    (16, 2, 1, [1, 16, 17, 100], "adjacent", 1),
+    (16, 2, 2, [5, 33, 130], "scattered", 4),
+    (4, 1, 4, [3, 4, 9, 70, 200], "reversed", 2),
+    (8, 2, 8, [8, 61, 129], "scattered", 8),
+    (1, 2, 4, [1, 2, 40], "scattered", 2),  # one token a block
+    (16, 1, 2, [300], "scattered", 16),  # one long context, many splits
+    (16, 4, 1, [2], "adjacent", 4),  # more splits than tiles: empty splits merge to nothing
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("block_size", "num_kv_heads", "group", "lens", "shapes", "splits"), DECODE_CASES)
+def test_decode_matches_reference(dtype: torch.dtype, block_size: int, num_kv_heads: int, group: int,
+                                  lens: list[int], shapes: str, splits: int) -> None:
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    pool = _pool(num_blocks, block_size, num_kv_heads, dtype)
+    tables = _tables(block_size, lens, shapes, num_blocks)
+    width = max(len(t) for t in tables) + 2  # wider than any table: the kernel reads only what the length covers
+    padded = torch.tensor([t + [num_blocks + 99] * (width - len(t)) for t in tables], dtype=torch.int32,
+                          device=DEVICE)
+    num_heads, num_rows = num_kv_heads * group, 2 * len(lens) + 1
+    rows = torch.tensor([2 * i + 1 for i in range(len(lens))], dtype=torch.int32, device=DEVICE)  # rows in between
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn((num_rows, num_heads, HEAD_DIM), generator=gen).to(DEVICE, dtype)
+    out = torch.full_like(q, 7.0)
+    scale = HEAD_DIM**-0.5
+    ta.decode_attention(q, pool, padded, _ints(lens), rows, scale, splits, out)
+    for i, (table, n) in enumerate(zip(tables, lens, strict=True)):
+        keys, values = _context(pool, table, n)
+        row = int(rows[i])
+        expected = _reference(q[row:row + 1], keys, values, torch.tensor([n - 1]), scale)
+        torch.testing.assert_close(out[row:row + 1].float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    untouched = [r for r in range(num_rows) if r not in rows.tolist()]
+    assert (out[untouched] == 7.0).all()
+
+
+def test_decode_splits_agree() -> None:
+    """1 split and 8 splits give the same output (log-sum-exp merge), up to float rounding."""
+    pool = _pool(40, 8, 2, torch.float32)
+    tables = _ints([list(range(0, 20)), list(range(39, 19, -1))])
+    lens, rows = _ints([155, 97]), _ints([0, 1])
+    q = torch.randn((2, 8, HEAD_DIM), device=DEVICE)
+    one, eight = torch.empty_like(q), torch.empty_like(q)
+    ta.decode_attention(q, pool, tables, lens, rows, 0.2, 1, one)
+    ta.decode_attention(q, pool, tables, lens, rows, 0.2, 8, eight)
+    torch.testing.assert_close(one, eight, atol=1e-5, rtol=1e-5)
+
+
+# (block size, kv heads, GQA ratio, [(cached tokens, new tokens)], table shapes)
+PREFIX_CASES = [
+    (16, 2, 2, [(16, 5), (0, 40), (33, 1)], "scattered"),  # a block-aligned prefix, none, a decode-like row
+    (4, 1, 4, [(7, 13), (30, 36)], "reversed"),  # prefixes ending mid-block; a span over two query tiles
+    (8, 2, 8, [(50, 9)], "scattered"),
+    (16, 4, 1, [(100, 70), (3, 2)], "adjacent"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("block_size", "num_kv_heads", "group", "spans", "shapes"), PREFIX_CASES)
+def test_prefix_prefill_matches_reference(dtype: torch.dtype, block_size: int, num_kv_heads: int, group: int,
+                                          spans: list[tuple[int, int]], shapes: str) -> None:
+    lens = [cached + new for cached, new in spans]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 2
+    pool = _pool(num_blocks, block_size, num_kv_heads, dtype, seed=2)
+    tables = _tables(block_size, lens, shapes, num_blocks)
+    width = max(len(t) for t in tables)
+    padded = _ints([t + [0] * (width - len(t)) for t in tables])
+    starts, ends, at = [], [], 3  # three rows before the first span (decodes in a mixed step)
+    for _, new in spans:
+        starts.append(at)
+        ends.append(at + new)
+        at += new
+    num_heads = num_kv_heads * group
+    q = torch.randn((at + 1, num_heads, HEAD_DIM), generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+    out = torch.full_like(q, 7.0)
+    scale = 0.3
+    ta.prefix_attention(q, pool, padded, _ints(lens), _ints(starts), _ints(ends), max(new for _, new in spans), scale,
+                        out)
+    for table, n, (cached, new), start in zip(tables, lens, spans, starts, strict=True):
+        keys, values = _context(pool, table, n)
+        expected = _reference(q[start:start + new], keys, values, torch.arange(cached, n), scale)
+        torch.testing.assert_close(out[start:start + new].float(), expected, atol=TOLERANCE[dtype],
+                                   rtol=TOLERANCE[dtype])
+    assert (out[:3] == 7.0).all() and (out[at:] == 7.0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_writes_real_slots_only(dtype: torch.dtype) -> None:
+    """Each row's K/V lands at its slot, cast to the pool's type; a -1 slot (padding) writes nothing.
+    K/V come as views of a fused projection (row stride wider than the heads)."""
+    pool = torch.zeros((2, 6, 4, 2, HEAD_DIM), dtype=dtype, device=DEVICE)
+    fused = torch.randn((5, 3, 2, HEAD_DIM), device=DEVICE)  # q|k|v per row
+    k, v = fused[:, 1], fused[:, 2]
+    slots = _ints([9, -1, 0, 23, -1])
+    ta.store_kv(k, v, pool, slots)
+    flat = pool.view(2, -1, 2, HEAD_DIM)
+    written = [0, 9, 23]
+    for row, slot in ((0, 9), (2, 0), (3, 23)):
+        assert torch.equal(flat[0, slot], k[row].to(dtype)) and torch.equal(flat[1, slot], v[row].to(dtype))
+    others = [s for s in range(24) if s not in written]
+    assert (flat[:, others] == 0).all()
+
+
+@pytest.mark.skipif(CUDA, reason="with a GPU the tests above compile the kernels for it")
+def test_kernels_compile_for_hopper(tmp_path: Path) -> None:
+    """The interpreter checks no types or layouts: compile each kernel for sm_90 (no GPU needed)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    script = Path(__file__).with_name("triton_hopper_compile.py")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("shared") == 6, done.stdout
