@@ -346,3 +346,27 @@ def test_pd_over_transports_matches_transformers(family_dirs: dict[str, Path], r
         cluster.wait_until_idle()
     finally:
         stop_cluster(cluster)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("transport", "prefill_tp", "decode_tp"),
+                         [("tcp", 2, 1), pytest.param("nixl", 1, 2, marks=_NO_NIXL)])
+def test_moe_pd_hand_off_between_tp_sizes_matches_transformers(family_dirs: dict[str, Path], reference: HFReference,
+                                                               llms: dict[str, LLM], transport: str, prefill_tp: int,
+                                                               decode_tp: int) -> None:
+    engine_options = {"prefill": {"tensor_parallel_size": prefill_tp, "num_threads": 1},
+                      "decode": {"tensor_parallel_size": decode_tp, "num_threads": 1}}
+    cluster = start_cluster(family_dirs["moe"], transport, 1, 1, max_num_batched_tokens=32,
+                            engine_options=engine_options)
+    try:
+        with httpx.Client(base_url=cluster.router.url, timeout=60) as http:
+            for prompt in PROMPTS[1:]:
+                reply = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": MAX_TOKENS,
+                                                           "temperature": 0, "ignore_eos": True})
+                assert reply.status_code == 200, reply.text
+                assert reply.json()["choices"][0]["text"] == _texts(llms, family_dirs, "moe", [prompt], reference,
+                                                                    "moe")[0]
+        cluster.wait_until_idle()
+        assert cluster.workers[1][1].engine.stats().num_prefill_tokens > 0  # computed by prefill, handed off
+    finally:
+        stop_cluster(cluster)
