@@ -370,3 +370,16 @@ def test_moe_pd_hand_off_between_tp_sizes_matches_transformers(family_dirs: dict
         assert cluster.workers[1][1].engine.stats().num_prefill_tokens > 0  # computed by prefill, handed off
     finally:
         stop_cluster(cluster)
+
+
+def test_moe_benchmark_runs_and_checks_its_outputs(monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """`python -m pdserve.bench.moe`, tiny: both tables, greedy outputs equal to transformers."""
+    from pdserve.bench import moe
+
+    monkeypatch.setattr("sys.argv", ["moe", "--preset", "tiny-moe", "--num-requests", "2", "--input-len", "4", "8",
+                                     "--output-len", "2", "3", "--experts", "5", "--top-k", "2", "--hidden", "16",
+                                     "--expert-width", "8", "--tokens", "1", "7", "--reps", "1"])
+    moe.main()
+    out = capsys.readouterr().out
+    assert "| transformers generate" in out and "| 2/2 " in out and "loop / grouped" in out

@@ -63,6 +63,9 @@ PRESETS: dict[str, ModelShape] = {
     # an odd number of experts, top-2, layer 1 dense among sparse ones (mlp_only_layers), GQA 4/2
     "tiny-moe": ModelShape(64, 128, 3, 4, 2, 32, tie_word_embeddings=True, num_experts=5, num_experts_per_tok=2,
                            moe_intermediate_size=32, mlp_only_layers=(1,)),
+    # benchmarks (bench/moe.py): 16 experts, top-4, every layer sparse
+    "small-moe": ModelShape(256, 768, 4, 8, 2, 64, tie_word_embeddings=False, num_experts=16, num_experts_per_tok=4,
+                            moe_intermediate_size=192),
 }
 
 # Qwen/Qwen3-{8B,14B,32B} config.json (hidden, intermediate, layers, heads, KV heads, head_dim): sizing
