@@ -62,6 +62,9 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block_size: tuple[
     if tuple(scale_inv.shape) != expected:
         raise ValueError(f"weight_scale_inv of shape {tuple(scale_inv.shape)} for a weight of {(rows, cols)} "
                          f"in blocks of {block_size}: expected {expected}")
+    if rows % bn == 0 and cols % bk == 0:  # whole blocks: each scale broadcast over its block, no expanded copy
+        blocks = weight.float().view(expected[0], bn, expected[1], bk) * scale_inv.float()[:, None, :, None]
+        return blocks.view(rows, cols).to(dtype)
     scales = scale_inv.float().repeat_interleave(bn, 0)[:rows].repeat_interleave(bk, 1)[:, :cols]
     return (weight.float() * scales).to(dtype)
 
