@@ -15,6 +15,7 @@ equal. Every ratio is measured in the same run.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import tempfile
 import time
@@ -69,8 +70,8 @@ def layer_rows(ns: argparse.Namespace) -> list[list[str]]:
             looped = per_token_loop(experts, x, expert_ids, weights)
             if not torch.allclose(grouped, looped, rtol=1e-4, atol=1e-5):
                 raise AssertionError(f"{tokens} tokens: the grouped experts differ from the per-token loop")
-            grouped_s = _median_s(lambda x=x, i=expert_ids, w=weights: experts(x, i, w), ns.reps)
-            looped_s = _median_s(lambda x=x, i=expert_ids, w=weights: per_token_loop(experts, x, i, w), ns.reps)
+            grouped_s = _median_s(functools.partial(experts, x, expert_ids, weights), ns.reps)
+            looped_s = _median_s(functools.partial(per_token_loop, experts, x, expert_ids, weights), ns.reps)
         active = int(expert_ids.unique().numel())
         rows.append([str(tokens), str(active), f"{grouped_s * 1e3:.2f}", f"{looped_s * 1e3:.2f}",
                      f"{looped_s / grouped_s:.1f}x"])

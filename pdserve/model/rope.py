@@ -57,7 +57,7 @@ class RopeConfig:
         if original is None and rope_type == "yarn":
             original = raw.get("original_max_position_embeddings", raw.get("max_position_embeddings", 40960))
         if factor is None:
-            if rope_type != "yarn":
+            if rope_type != "yarn" or original is None:
                 raise ValueError(f"rope type {rope_type!r} needs a 'factor'")
             factor = int(raw.get("max_position_embeddings", 40960)) / int(original)  # transformers' fallback
         if float(factor) < 1.0:
