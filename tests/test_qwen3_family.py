@@ -409,3 +409,19 @@ def test_sizing_counts_every_expert_for_memory_and_a_tokens_experts_for_flops() 
 
     exact = Qwen3ModelConfig.from_dict(_config_json(QWEN3_SHAPES["qwen3-30b-a3b"], torch.bfloat16)).num_params
     assert abs(exact - moe.num_params) / exact < 1e-4
+
+
+def test_make_model_writes_moe_fp8_and_scaled_rope_checkpoints(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    yarn = json.dumps(YARN)
+    out = tmp_path / "m"
+    assert pdserve_main(["make-model", str(out), "--preset", "tiny-moe", "--quantize", "fp8", "--weight-block-size",
+                         "32", "--rope-scaling", yarn]) == 0
+    cfg = Qwen3ModelConfig.from_dir(out)
+    assert cfg.moe is not None and cfg.moe.num_experts == 5 and cfg.moe.mlp_only_layers == (1,)
+    assert cfg.quantization == FP8BlockQuantization((32, 32)) and cfg.rope.rope_type == "yarn"
+    tensors = load_file(str(out / "model.safetensors"))
+    assert tensors["model.layers.0.mlp.experts.4.gate_proj.weight"].dtype == torch.float8_e4m3fn
+    assert tensors["model.layers.0.mlp.experts.4.gate_proj.weight_scale_inv"].shape == (1, 2)  # [32, 64] in 32x32
+    assert pdserve_main(["make-model", str(tmp_path / "x"), "--rope-scaling", '{"rope_type": "longrope"}']) == 2
+    assert "longrope" in capsys.readouterr().err

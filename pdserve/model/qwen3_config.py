@@ -35,8 +35,8 @@ class MoEConfig:
     @classmethod
     def from_config(cls, raw: dict) -> MoEConfig:
         experts = raw.get("num_experts", raw.get("num_local_experts"))
-        if experts is None:
-            raise ValueError("a qwen3_moe config needs num_experts (or num_local_experts)")
+        if experts is None or raw.get("moe_intermediate_size") is None:
+            raise ValueError("a qwen3_moe config needs num_experts (or num_local_experts) and moe_intermediate_size")
         moe = cls(int(experts), int(raw.get("num_experts_per_tok", 8)), int(raw["moe_intermediate_size"]),
                   bool(raw.get("norm_topk_prob", False)), int(raw.get("decoder_sparse_step", 1)),
                   tuple(int(n) for n in raw.get("mlp_only_layers") or ()))
