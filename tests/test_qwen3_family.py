@@ -317,12 +317,15 @@ def test_pdserve_serve_answers_as_transformers(family_dirs: dict[str, Path], ref
 
 
 @pytest.mark.slow
-def test_moe_tensor_parallel_2_matches_transformers(family_dirs: dict[str, Path], reference: HFReference) -> None:
-    """Each rank holds half of every expert's intermediate rows (and of the dense layer's)."""
-    llm = LLM(model=str(family_dirs["moe"]), tensor_parallel_size=2, num_threads=1, **ENGINE)
+@pytest.mark.parametrize(("name", "reference_name"), [("moe", "moe"), ("fp8", "fp8-ref"), ("yarn", "yarn")])
+def test_tensor_parallel_2_matches_transformers(family_dirs: dict[str, Path], reference: HFReference, name: str,
+                                                reference_name: str) -> None:
+    """Each rank holds half of every expert's intermediate rows (and of the dense layer's); an FP8
+    weight is dequantized whole, then sliced."""
+    llm = LLM(model=str(family_dirs[name]), tensor_parallel_size=2, num_threads=1, **ENGINE)
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(token_prompts(PROMPTS), greedy(MAX_TOKENS))]
-        assert got == _expected(reference, "moe", PROMPTS)
+        assert got == _expected(reference, reference_name, PROMPTS)
         assert_no_leak(llm)
     finally:
         llm.engine.close()
