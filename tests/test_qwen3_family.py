@@ -275,18 +275,22 @@ def test_fp8_round_trip_error_is_bounded_by_the_block_scale() -> None:
         dequantize(q, scale_inv[:3], (32, 32), torch.float32)
 
 
-def test_grouped_experts_equal_a_per_token_loop() -> None:
+@pytest.mark.parametrize("grouped_mm", [True, False], ids=["grouped_mm", "expert-loop"])
+def test_grouped_experts_equal_a_per_token_loop(monkeypatch: pytest.MonkeyPatch, grouped_mm: bool) -> None:
+    """Both grouped paths (torch's grouped GEMM; the per-expert loop CUDA float16/float32 take)."""
+    from pdserve.bench.moe import per_token_loop
+
+    monkeypatch.setattr("pdserve.model.moe._has_grouped_mm", lambda x: grouped_mm)
     torch.manual_seed(0)
     experts = GroupedExperts(num_experts=7, hidden_size=16, intermediate_size=8)
     torch.nn.init.normal_(experts.gate_up_proj, std=0.3)
     torch.nn.init.normal_(experts.down_proj, std=0.3)
     x = torch.randn(33, 16)
     ids = torch.stack([torch.randperm(7)[:3] for _ in range(33)])
+    ids[ids == 5] = 6  # expert 5 gets no token: an empty group
     weights = torch.rand(33, 3)
-    got = experts(x, ids, weights)
-    want = torch.stack([sum(weights[t, j] * experts.expert_forward(int(ids[t, j]), x[t:t + 1])[0]
-                            for j in range(3)) for t in range(33)])
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(experts(x, ids, weights), per_token_loop(experts, x, ids, weights), rtol=1e-5,
+                               atol=1e-6)
 
 
 def test_weight_memory_is_logged_at_start(family_dirs: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
@@ -385,7 +389,7 @@ def test_moe_benchmark_runs_and_checks_its_outputs(monkeypatch: pytest.MonkeyPat
                                      "--expert-width", "8", "--tokens", "1", "7", "--reps", "1"])
     moe.main()
     out = capsys.readouterr().out
-    assert "| transformers generate" in out and "| 2/2 " in out and "loop / grouped" in out
+    assert "| transformers generate" in out and "| 2/2 " in out and "per-token / grouped" in out
 
 
 def test_sizing_counts_every_expert_for_memory_and_a_tokens_experts_for_flops() -> None:

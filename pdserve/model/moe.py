@@ -2,8 +2,9 @@
 run grouped by expert, and their outputs are summed with the router's weights.
 
 Grouped by expert: the T x k (token, expert) pairs are sorted by expert id, so each expert's tokens
-are one contiguous run of rows and the expert is one matmul pair over that run (a Python loop over
-the active experts, never over tokens), then the rows are weighted and added back to their tokens:
+are one contiguous run of rows and the expert is one matmul pair over that run (torch's
+`grouped_mm` over all runs at once where it runs, else a loop over the active experts; never a loop
+over tokens), then the rows are weighted and added back to their tokens:
 
     expert_ids [T, k] --flatten, stable argsort--> order [T*k]     token of row r = order[r] // k
     rows = x[order // k]          | e0 e0 e0 | e1 | e3 e3 | ...     counts = bincount(expert_ids)
@@ -23,6 +24,17 @@ from torch import nn
 
 from pdserve.model.parallel import ParallelGroup
 from pdserve.model.qwen3_config import Qwen3ModelConfig
+
+
+def _has_grouped_mm(x: torch.Tensor) -> bool:
+    """torch's grouped GEMM runs on CPU (any float dtype) and on CUDA in bfloat16 from SM 8.0; other
+    CUDA dtypes (float16, float32) take the per-expert loop."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        return True
+    return (x.device.type == "cuda" and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device) >= (8, 0))
 
 
 class Router(nn.Module):
@@ -56,19 +68,27 @@ class GroupedExperts(nn.Module):
         top_k = expert_ids.shape[1]
         order = torch.argsort(expert_ids.flatten(), stable=True)
         token_of_row = order // top_k
-        # NOTE: one host sync per layer, for the run lengths
-        counts = torch.bincount(expert_ids.flatten(), minlength=self.num_experts).tolist()
+        counts = torch.bincount(expert_ids.flatten(), minlength=self.num_experts)
         rows = x[token_of_row]
-        out = torch.empty_like(rows)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            run = slice(start, start + count)
-            out[run] = self.expert_forward(expert, rows[run])
-            start += count
+        out = self._grouped_mm(rows, counts) if _has_grouped_mm(x) else self._expert_loop(rows, counts)
         out *= weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, token_of_row, out)
+
+    def _grouped_mm(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """One grouped GEMM per projection over every expert's run: no host sync, no Python loop."""
+        offsets = counts.cumsum(0).to(torch.int32)
+        gate, up = F.grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+        return F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
+
+    def _expert_loop(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """A matmul pair per active expert (a loop over experts, never over tokens)."""
+        out = torch.empty_like(rows)
+        start = 0
+        for expert, count in enumerate(counts.tolist()):  # NOTE: one host sync per layer
+            if count:
+                out[start:start + count] = self.expert_forward(expert, rows[start:start + count])
+                start += count
+        return out
 
     def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """One expert's SwiGLU MLP on rows x [n, H] -> [n, H]."""
