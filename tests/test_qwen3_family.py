@@ -293,6 +293,31 @@ def test_grouped_experts_equal_a_per_token_loop(monkeypatch: pytest.MonkeyPatch,
                                atol=1e-6)
 
 
+def test_a_grouped_gemm_that_raises_falls_back_to_the_expert_loop_for_good(monkeypatch: pytest.MonkeyPatch,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    from pdserve.model import moe
+
+    calls = []
+
+    def refuse(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        raise RuntimeError("grouped_mm: unsupported layout")
+
+    monkeypatch.setattr(moe, "_GROUPED_MM_REFUSED", set())
+    monkeypatch.setattr(moe.F, "grouped_mm", refuse)
+    experts = GroupedExperts(num_experts=3, hidden_size=8, intermediate_size=4)
+    torch.nn.init.normal_(experts.gate_up_proj)
+    torch.nn.init.normal_(experts.down_proj)
+    x, ids, weights = torch.randn(5, 8), torch.tensor([[0, 1]] * 5), torch.rand(5, 2)
+    with caplog.at_level("WARNING", logger="pdserve.model.moe"):
+        first = experts(x, ids, weights)
+        second = experts(x, ids, weights)
+    assert len(calls) == 1 and "grouped GEMM refused on cpu" in caplog.text
+    torch.testing.assert_close(first, second)
+    monkeypatch.undo()
+    torch.testing.assert_close(first, experts(x, ids, weights), rtol=1e-5, atol=1e-6)
+
+
 def test_weight_memory_is_logged_at_start(family_dirs: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level("INFO", logger="pdserve.model.loader"):
         model = load_model(family_dirs["fp8"], torch.float32, torch.device("cpu"), 64)

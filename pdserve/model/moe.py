@@ -18,6 +18,8 @@ the dense MLP is split) and the block's partial sums are added by one all-reduce
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,11 +27,14 @@ from torch import nn
 from pdserve.model.parallel import ParallelGroup
 from pdserve.model.qwen3_config import Qwen3ModelConfig
 
+logger = logging.getLogger(__name__)
+_GROUPED_MM_REFUSED: set[str] = set()  # devices whose grouped GEMM raised once
+
 
 def _has_grouped_mm(x: torch.Tensor) -> bool:
     """torch's grouped GEMM runs on CPU (any float dtype) and on CUDA in bfloat16 from SM 8.0; other
     CUDA dtypes (float16, float32) take the per-expert loop."""
-    if not hasattr(F, "grouped_mm"):
+    if not hasattr(F, "grouped_mm") or str(x.device) in _GROUPED_MM_REFUSED:
         return False
     if x.device.type == "cpu":
         return True
@@ -70,7 +75,15 @@ class GroupedExperts(nn.Module):
         token_of_row = order // top_k
         counts = torch.bincount(expert_ids.flatten(), minlength=self.num_experts)
         rows = x[token_of_row]
-        out = self._grouped_mm(rows, counts) if _has_grouped_mm(x) else self._expert_loop(rows, counts)
+        out = None
+        if _has_grouped_mm(x):
+            try:
+                out = self._grouped_mm(rows, counts)
+            except RuntimeError as exc:  # NOTE: a kernel limit this device or shape hits: never try again
+                _GROUPED_MM_REFUSED.add(str(x.device))
+                logger.warning("grouped GEMM refused on %s (%s); experts run one matmul pair each", x.device, exc)
+        if out is None:
+            out = self._expert_loop(rows, counts)
         out *= weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, token_of_row, out)
 
