@@ -209,7 +209,9 @@ def _cuda_kv_budget(args: EngineArgs, model: Qwen3ModelConfig, dtype: torch.dtyp
     moe = model.moe
     i = model.intermediate_size if moe is None else moe.num_experts_per_tok * moe.moe_intermediate_size
     qkv = (model.num_attention_heads + 2 * model.num_key_value_heads) * model.head_dim
-    weights = model.num_params * element  # NOTE: float weights, also for FP8 checkpoints (dequantized at load)
+    embeddings = v * h * (1 if model.tie_word_embeddings else 2)
+    # NOTE: float weights, also for FP8 checkpoints (dequantized at load); every expert of a MoE
+    weights = (model.num_hidden_layers * (4 * h * h + qkv * h) + model.num_mlp_params + embeddings) * element
     activations = max_batched_tokens * (4 * h + 2 * i + qkv) * element * 2 + args.max_num_seqs * v * 4 * 3
     free, total = torch.cuda.mem_get_info(device)
     return int(min(total * args.gpu_memory_utilization, free) - weights - activations)

@@ -119,12 +119,18 @@ class Qwen3ModelConfig:
         """Every weight, all experts included (what device memory holds)."""
         h, hd = self.hidden_size, self.head_dim
         attention = 2 * h * (self.num_attention_heads + self.num_key_value_heads) * hd + 2 * hd + 2 * h
-        total = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+        return embeddings + self.num_hidden_layers * attention + self.num_mlp_params
+
+    @property
+    def num_mlp_params(self) -> int:
+        """The MLP weights of every layer: dense ones, or every expert and the router of sparse ones."""
+        h, total = self.hidden_size, 0
         for layer in range(self.num_hidden_layers):
             if self.moe is not None and self.moe.is_sparse(layer):
-                total += attention + self.moe.num_experts * (3 * h * self.moe.moe_intermediate_size + h)
+                total += self.moe.num_experts * (3 * h * self.moe.moe_intermediate_size + h)
             else:
-                total += attention + 3 * h * self.intermediate_size
+                total += 3 * h * self.intermediate_size
         return total
 
     def __post_init__(self) -> None:
