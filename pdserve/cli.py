@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
+import json
 import logging
 import os
 import signal
@@ -221,7 +223,7 @@ def _router_client(router: RouterConfig, model_dir: str, max_model_len: int | No
 
     model = Qwen3ModelConfig.from_dir(model_dir)
     return PDRouter.from_config(router, load_tokenizer(model_dir), model, model_dir,
-                                max_model_len or model.max_position_embeddings)
+                                max_model_len or model.max_context_len)
 
 
 def _up(ns: argparse.Namespace, engine_flags: list[str]) -> int:
@@ -289,12 +291,23 @@ def up_plan(ns: argparse.Namespace, engine_flags: list[str]) -> tuple[UpOptions,
 
 def _make_model(ns: argparse.Namespace) -> int:
     from pdserve.model.demo_checkpoint import PRESETS, QWEN3_SHAPES, write_checkpoint
+    from pdserve.model.fp8 import FP8BlockQuantization
+    from pdserve.model.rope import RopeConfig
 
     shape = (PRESETS | QWEN3_SHAPES)[ns.preset]
     # NOTE: the real shapes in shards of 4 GiB, as Hugging Face writes large checkpoints
     shard = 4 << 30 if ns.preset in QWEN3_SHAPES else None
-    out = write_checkpoint(ns.out, shape, seed=ns.seed, device=ns.device, max_shard_bytes=shard)
-    print(f"wrote random-weight Qwen3 ({ns.preset}) to {out}; its text output is random")
+    try:
+        rope_scaling = None if ns.rope_scaling is None else json.loads(ns.rope_scaling)
+        RopeConfig.from_config({"rope_scaling": rope_scaling, "max_position_embeddings": shape.max_position_embeddings})
+    except (ValueError, TypeError, AttributeError) as exc:
+        print(f"pdserve make-model: --rope-scaling: {exc}", file=sys.stderr)
+        return 2
+    quantization = None if ns.quantize is None else FP8BlockQuantization((ns.weight_block_size, ns.weight_block_size))
+    out = write_checkpoint(ns.out, shape, seed=ns.seed, device=ns.device, max_shard_bytes=shard,
+                           rope_scaling=rope_scaling, quantization=quantization)
+    kind = "" if quantization is None else f", block-FP8 weights ({ns.weight_block_size}x{ns.weight_block_size})"
+    print(f"wrote random-weight Qwen3 ({ns.preset}{kind}) to {out}; its text output is random")
     return 0
 
 
@@ -431,6 +444,13 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--device", default="cpu", help="where the random weights are drawn (cuda: much faster for "
                       "large shapes; the same seed gives other weights than on cpu)")
+    make.add_argument("--quantize", choices=["fp8"], default=None,
+                      help="write the projection weights in block-wise FP8 (e4m3) with their weight_scale_inv, as "
+                           "Qwen's -FP8 checkpoints")
+    make.add_argument("--weight-block-size", type=int, default=128, help="--quantize fp8: the square block size")
+    make.add_argument("--rope-scaling", default=None,
+                      help='config.json\'s rope_scaling, e.g. \'{"rope_type": "yarn", "factor": 4.0, '
+                           '"original_max_position_embeddings": 32768}\'')
     make.set_defaults(func=_make_model)
     add_bench_command(sub)
     add_sizing_commands(sub)

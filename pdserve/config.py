@@ -207,11 +207,13 @@ def _cuda_kv_budget(args: EngineArgs, model: Qwen3ModelConfig, dtype: torch.dtyp
     """gpu_memory_utilization x device memory (no more than is free now: other processes, e.g. the
     other role's worker on the same GPU, keep theirs), minus weights and activations of the largest step."""
     element = torch.empty((), dtype=dtype).element_size()
-    h, i, v = model.hidden_size, model.intermediate_size, model.vocab_size
+    h, v = model.hidden_size, model.vocab_size
+    moe = model.moe
+    i = model.intermediate_size if moe is None else moe.num_experts_per_tok * moe.moe_intermediate_size
     qkv = (model.num_attention_heads + 2 * model.num_key_value_heads) * model.head_dim
-    per_layer = 4 * h * h + 3 * h * i + qkv * h
     embeddings = v * h * (1 if model.tie_word_embeddings else 2)
-    weights = (model.num_hidden_layers * per_layer + embeddings) * element
+    # NOTE: float weights, also for FP8 checkpoints (dequantized at load); every expert of a MoE
+    weights = (model.num_hidden_layers * (4 * h * h + qkv * h) + model.num_mlp_params + embeddings) * element
     activations = max_batched_tokens * (4 * h + 2 * i + qkv) * element * 2 + args.max_num_seqs * v * 4 * 3
     free, total = torch.cuda.mem_get_info(device)
     return int(min(total * args.gpu_memory_utilization, free) - weights - activations)
@@ -228,10 +230,10 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     device = _device(args.device)
     dtype = resolve_dtype(args.dtype, model.torch_dtype, device)
     kv_dtype = dtype if args.kv_cache_dtype == "auto" else DTYPES[args.kv_cache_dtype]
-    max_model_len = args.max_model_len or model.max_position_embeddings
-    if max_model_len > model.max_position_embeddings:
-        raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-                         f"{model.max_position_embeddings}")
+    max_model_len = args.max_model_len or model.max_context_len
+    if max_model_len > model.max_context_len:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context ({model.max_context_len}: "
+                         f"max_position_embeddings, stretched by a scaled rope)")
     max_batched = args.max_num_batched_tokens or (
         _DEFAULT_MAX_BATCHED_TOKENS if args.enable_chunked_prefill else max(max_model_len, _DEFAULT_MAX_BATCHED_TOKENS))
     if not args.enable_chunked_prefill and max_batched < max_model_len:

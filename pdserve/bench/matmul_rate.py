@@ -33,7 +33,7 @@ class Rate:
 
 def workload_flops(model: ModelFacts, prompt_lens: Sequence[int], output_lens: Sequence[int],
                    cached_lens: Sequence[int] | None = None) -> float:
-    layer = 2.0 * model.num_layers * model.layer_params
+    layer = 2.0 * model.layers_matmul_params
     head = 2.0 * model.vocab_size * model.hidden_size
     pair = model.attention_flops_per_pair()
     total = 0.0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from pdserve import envs
+from pdserve.model.fp8 import FP8BlockQuantization, quantize_state_dict
 
 QWEN3_VOCAB_SIZE = 151936
 
@@ -32,6 +34,24 @@ class ModelShape:
     max_position_embeddings: int = 4096
     rope_theta: float = 1_000_000.0
     vocab_size: int = QWEN3_VOCAB_SIZE
+    # mixture of experts (Qwen3-MoE) when num_experts > 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.is_moe and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+
+_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+               "mlp_only_layers")
 
 
 PRESETS: dict[str, ModelShape] = {
@@ -40,6 +60,12 @@ PRESETS: dict[str, ModelShape] = {
     "small": ModelShape(256, 768, 4, 8, 2, 64, tie_word_embeddings=False),
     "qwen3-0.6b": ModelShape(1024, 3072, 28, 16, 8, 128, tie_word_embeddings=True,
                              max_position_embeddings=40960),
+    # an odd number of experts, top-2, layer 1 dense among sparse ones (mlp_only_layers), GQA 4/2
+    "tiny-moe": ModelShape(64, 128, 3, 4, 2, 32, tie_word_embeddings=True, num_experts=5, num_experts_per_tok=2,
+                           moe_intermediate_size=32, mlp_only_layers=(1,)),
+    # benchmarks (bench/moe.py): 16 experts, top-4, every layer sparse
+    "small-moe": ModelShape(256, 768, 4, 8, 2, 64, tie_word_embeddings=False, num_experts=16, num_experts_per_tok=4,
+                            moe_intermediate_size=192),
 }
 
 # Qwen/Qwen3-{8B,14B,32B} config.json (hidden, intermediate, layers, heads, KV heads, head_dim): sizing
@@ -48,19 +74,32 @@ QWEN3_SHAPES: dict[str, ModelShape] = {
     "qwen3-8b": ModelShape(4096, 12288, 36, 32, 8, 128, tie_word_embeddings=False, max_position_embeddings=40960),
     "qwen3-14b": ModelShape(5120, 17408, 40, 40, 8, 128, tie_word_embeddings=False, max_position_embeddings=40960),
     "qwen3-32b": ModelShape(5120, 25600, 64, 64, 8, 128, tie_word_embeddings=False, max_position_embeddings=40960),
+    # Qwen/Qwen3-30B-A3B and Qwen3-235B-A22B config.json: 128 experts, 8 per token, every layer sparse
+    "qwen3-30b-a3b": ModelShape(2048, 6144, 48, 32, 4, 128, tie_word_embeddings=False, max_position_embeddings=40960,
+                                num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+    "qwen3-235b-a22b": ModelShape(4096, 12288, 94, 64, 4, 128, tie_word_embeddings=False,
+                                  max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8,
+                                  moe_intermediate_size=1536),
 }
 
 
-def _config_json(shape: ModelShape, dtype: torch.dtype) -> dict:
+def _config_json(shape: ModelShape, dtype: torch.dtype, rope_scaling: dict | None = None,
+                 quantization: FP8BlockQuantization | None = None) -> dict:
+    """The official checkpoints' spelling: `num_experts`, `rope_scaling` + `rope_theta`, `torch_dtype`."""
+    fields = asdict(shape)
+    if not shape.is_moe:
+        fields = {k: v for k, v in fields.items() if k not in _MOE_FIELDS}
+    quant = {} if quantization is None else {"quantization_config": quantization.to_config()}
     return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        **asdict(shape),
+        "architectures": ["Qwen3MoeForCausalLM" if shape.is_moe else "Qwen3ForCausalLM"],
+        "model_type": "qwen3_moe" if shape.is_moe else "qwen3",
+        **fields,
+        **quant,
         "attention_bias": False,
         "attention_dropout": 0.0,
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
-        "rope_scaling": None,
+        "rope_scaling": rope_scaling,
         "bos_token_id": 151643,
         "eos_token_id": 151645,
         "torch_dtype": str(dtype).removeprefix("torch."),
@@ -80,7 +119,7 @@ def _random_weights(shape: ModelShape, dtype: torch.dtype, seed: int,
     def norm_weight(size: int) -> torch.Tensor:
         return (1.0 + torch.randn(size, generator=gen, device=device) * 0.1).to(dtype).cpu()
 
-    h, i = shape.hidden_size, shape.intermediate_size
+    h = shape.hidden_size
     q_size = shape.num_attention_heads * shape.head_dim
     kv_size = shape.num_key_value_heads * shape.head_dim
     weights = {"model.embed_tokens.weight": normal(shape.vocab_size, h)}
@@ -93,15 +132,29 @@ def _random_weights(shape: ModelShape, dtype: torch.dtype, seed: int,
             p + "self_attn.o_proj.weight": normal(h, q_size, std=q_size**-0.5),
             p + "self_attn.q_norm.weight": norm_weight(shape.head_dim),
             p + "self_attn.k_norm.weight": norm_weight(shape.head_dim),
-            p + "mlp.gate_proj.weight": normal(i, h, std=h**-0.5),
-            p + "mlp.up_proj.weight": normal(i, h, std=h**-0.5),
-            p + "mlp.down_proj.weight": normal(h, i, std=i**-0.5),
+            **_mlp_weights(shape, n, normal),
             p + "input_layernorm.weight": norm_weight(h),
             p + "post_attention_layernorm.weight": norm_weight(h),
         }
     weights["model.norm.weight"] = norm_weight(h)
     if not shape.tie_word_embeddings:
         weights["lm_head.weight"] = normal(shape.vocab_size, h)
+    return weights
+
+
+def _mlp_weights(shape: ModelShape, layer: int, normal: Callable[..., torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A dense MLP, or a router and per-expert MLPs (`mlp.experts.{e}.gate_proj.weight`, as Qwen's)."""
+    h, p = shape.hidden_size, f"model.layers.{layer}.mlp."
+    if not shape.is_sparse(layer):
+        i = shape.intermediate_size
+        return {p + "gate_proj.weight": normal(i, h, std=h**-0.5), p + "up_proj.weight": normal(i, h, std=h**-0.5),
+                p + "down_proj.weight": normal(h, i, std=i**-0.5)}
+    i = shape.moe_intermediate_size
+    weights = {p + "gate.weight": normal(shape.num_experts, h, std=h**-0.5)}
+    for e in range(shape.num_experts):
+        weights |= {f"{p}experts.{e}.gate_proj.weight": normal(i, h, std=h**-0.5),
+                    f"{p}experts.{e}.up_proj.weight": normal(i, h, std=h**-0.5),
+                    f"{p}experts.{e}.down_proj.weight": normal(h, i, std=i**-0.5)}
     return weights
 
 
@@ -129,18 +182,47 @@ def _save_shards(weights: dict[str, torch.Tensor], out: Path, max_shard_bytes: i
 
 
 def write_checkpoint(out_dir: str | Path, shape: ModelShape, *, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                     max_shard_bytes: int | None = None, device: str = "cpu") -> Path:
-    """Write config.json, generation_config.json, safetensors weights and the Qwen3 tokenizer."""
+                     max_shard_bytes: int | None = None, device: str = "cpu", rope_scaling: dict | None = None,
+                     quantization: FP8BlockQuantization | None = None) -> Path:
+    """Write config.json, generation_config.json, safetensors weights and the Qwen3 tokenizer.
+    `rope_scaling`: e.g. {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}.
+    `quantization`: the projection weights in block FP8 with their scales (fp8.py)."""
+    weights = _random_weights(shape, dtype, seed, device)
+    return write_weights(out_dir, _config_json(shape, dtype, rope_scaling, quantization),
+                         weights if quantization is None else quantize_state_dict(weights, quantization.block_size),
+                         max_shard_bytes)
+
+
+def write_weights(out_dir: str | Path, config: dict, weights: dict[str, torch.Tensor],
+                  max_shard_bytes: int | None = None) -> Path:
+    """A checkpoint directory of `config` (config.json's content) and `weights`, with the Qwen3 tokenizer."""
     from pdserve.tokenizer import write_qwen3_tokenizer_files
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(_config_json(shape, dtype), indent=2))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     generation = {"bos_token_id": 151643, "eos_token_id": [151645, 151643], "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    _save_shards(_random_weights(shape, dtype, seed, device), out, max_shard_bytes)
+    _save_shards(weights, out, max_shard_bytes)
     write_qwen3_tokenizer_files(out)
     return out
+
+
+def quantize_checkpoint(src_dir: str | Path, out_dir: str | Path, block_size: tuple[int, int] = (128, 128)) -> Path:
+    """A block-FP8 copy of the float checkpoint in `src_dir` (config.json gains its quantization_config)."""
+    from safetensors.torch import load_file
+
+    from pdserve.model.loader import safetensors_files
+
+    src = Path(src_dir)
+    weights: dict[str, torch.Tensor] = {}
+    for path in safetensors_files(src):
+        weights |= load_file(str(path))
+    config = json.loads((src / "config.json").read_text())
+    if config.get("quantization_config"):
+        raise ValueError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')})")
+    config["quantization_config"] = FP8BlockQuantization(block_size).to_config()
+    return write_weights(out_dir, config, quantize_state_dict(weights, block_size))
 
 
 def default_model_dir(preset: str = "tiny") -> Path:

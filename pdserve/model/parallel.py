@@ -3,7 +3,8 @@
 N ranks, rank r (Megatron/vLLM layout):
 
     qkv_proj, gate_up_proj   column-parallel: rank r holds heads [r*H/N, (r+1)*H/N) of q, its KV
-                             heads, and intermediate rows [r*I/N, (r+1)*I/N)
+                             heads, and intermediate rows [r*I/N, (r+1)*I/N) (each MoE expert's
+                             rows of its own moe_intermediate_size likewise; routers replicated)
     o_proj, down_proj        row-parallel: the matching input columns; the partial sums of every
                              rank are added by one all-reduce each
     embed_tokens, lm_head    vocabulary-parallel: token rows [r*V/N, (r+1)*V/N); the embedding
@@ -51,10 +52,12 @@ class TPShard:
 
     def local_config(self, cfg: Qwen3ModelConfig) -> Qwen3ModelConfig:
         """The shapes of this rank's modules: a Qwen3 with fewer heads, rows and tokens."""
+        moe = None if cfg.moe is None else dataclasses.replace(
+            cfg.moe, moe_intermediate_size=cfg.moe.moe_intermediate_size // self.size)
         return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // self.size,
                                    num_key_value_heads=self.num_local_kv_heads(cfg),
                                    intermediate_size=cfg.intermediate_size // self.size,
-                                   vocab_size=cfg.vocab_size // self.size)
+                                   vocab_size=cfg.vocab_size // self.size, moe=moe)
 
     def num_local_kv_heads(self, cfg: Qwen3ModelConfig) -> int:
         return max(1, cfg.num_key_value_heads // self.size)
@@ -73,6 +76,9 @@ class TPShard:
             return tensor
         head_dim, n = cfg.head_dim, self.size
         kind = module.rsplit(".", 1)[-1]
+        # per-expert tensors: model.layers.L.mlp.experts.E.{gate,up,down}_proj
+        intermediate = cfg.moe.moe_intermediate_size if cfg.moe is not None and ".experts." in module \
+            else cfg.intermediate_size
         if kind == "q_proj":
             rows = cfg.num_attention_heads // n * head_dim
             return tensor.narrow(0, self.rank * rows, rows)
@@ -80,17 +86,17 @@ class TPShard:
             first, end = self.kv_head_range(cfg)
             return tensor.narrow(0, first * head_dim, (end - first) * head_dim)
         if kind in ("gate_proj", "up_proj"):
-            rows = cfg.intermediate_size // n
+            rows = intermediate // n
             return tensor.narrow(0, self.rank * rows, rows)
         if kind == "o_proj":
             cols = cfg.num_attention_heads // n * head_dim
             return tensor.narrow(1, self.rank * cols, cols)
         if kind == "down_proj":
-            cols = cfg.intermediate_size // n
+            cols = intermediate // n
             return tensor.narrow(1, self.rank * cols, cols)
         if kind in ("embed_tokens", "lm_head"):
             return tensor.narrow(0, self.vocab_start(cfg), cfg.vocab_size // n)
-        return tensor  # norms: replicated
+        return tensor  # norms, MoE routers: replicated
 
 
 def check_tp_size(cfg: Qwen3ModelConfig, size: int) -> None:
@@ -105,6 +111,9 @@ def check_tp_size(cfg: Qwen3ModelConfig, size: int) -> None:
         (cfg.intermediate_size % size == 0,
          f"tensor_parallel_size {size} must divide intermediate_size ({cfg.intermediate_size})"),
         (cfg.vocab_size % size == 0, f"tensor_parallel_size {size} must divide vocab_size ({cfg.vocab_size})"),
+        (cfg.moe is None or cfg.moe.moe_intermediate_size % size == 0,
+         f"tensor_parallel_size {size} must divide moe_intermediate_size "
+         f"({cfg.moe.moe_intermediate_size if cfg.moe else 0})"),
     ]
     for ok, message in checks:
         if not ok:

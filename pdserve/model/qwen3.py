@@ -1,6 +1,7 @@
-"""Qwen3 dense decoder: `forward` returns hidden states, `compute_logits` is separate so the runner
-asks for logits only at the rows that sample. Math mirrors Hugging Face's Qwen3 (same op order,
-fp32 RMSNorm and RoPE tables) so greedy outputs match it token for token."""
+"""Qwen3 decoder, dense or mixture-of-experts (moe.py): `forward` returns hidden states,
+`compute_logits` is separate so the runner asks for logits only at the rows that sample. Math
+mirrors Hugging Face's Qwen3 / Qwen3-MoE (same op order, fp32 RMSNorm, router and RoPE tables) so
+greedy outputs match it token for token."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model.attention_backend import StepMetadata, attend
+from pdserve.model.moe import SparseMoeBlock
 from pdserve.model.parallel import ParallelGroup
 from pdserve.model.qwen3_config import Qwen3ModelConfig
 
@@ -32,13 +34,11 @@ class RotaryEmbedding(nn.Module):
     cos: torch.Tensor  # [max_positions, head_dim] buffers, declared for the type checker
     sin: torch.Tensor
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
+    def __init__(self, cfg: Qwen3ModelConfig, max_positions: int) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        cos, sin = cfg.rope.tables(cfg.head_dim, max_positions, cfg.max_position_embeddings)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
@@ -96,10 +96,11 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3ModelConfig, group: ParallelGroup | None = None) -> None:
+    def __init__(self, cfg: Qwen3ModelConfig, index: int, group: ParallelGroup | None = None) -> None:
         super().__init__()
         self.self_attn = Qwen3Attention(cfg, group)
-        self.mlp = Qwen3MLP(cfg, group)
+        self.mlp: Qwen3MLP | SparseMoeBlock = (SparseMoeBlock(cfg, group) if cfg.moe is not None and
+                                               cfg.moe.is_sparse(index) else Qwen3MLP(cfg, group))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -121,9 +122,9 @@ class Qwen3ForCausalLM(nn.Module):
         self.group = group
         self.vocab_start = vocab_start
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, group) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, index, group) for index in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions)
+        self.rope = RotaryEmbedding(cfg, max_positions)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

@@ -1,4 +1,8 @@
-"""The part of a Hugging Face Qwen3 `config.json` the engine needs, typed and validated."""
+"""The part of a Hugging Face Qwen3 `config.json` the engine needs, typed and validated: dense
+(`qwen3`) and mixture-of-experts (`qwen3_moe`) models, their rope type, FP8 block quantization.
+
+transformers writes two spellings of several fields; both are read: `num_experts` /
+`num_local_experts`, `rope_scaling` + `rope_theta` / `rope_parameters`, `torch_dtype` / `dtype`."""
 
 from __future__ import annotations
 
@@ -8,7 +12,43 @@ from pathlib import Path
 
 import torch
 
+from pdserve.model.fp8 import FP8BlockQuantization
+from pdserve.model.rope import RopeConfig
+
+MODEL_TYPES = ("qwen3", "qwen3_moe")
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """Qwen3-MoE's sparse MLP: layer l is sparse unless it is in `mlp_only_layers` or (l + 1) is not
+    a multiple of `decoder_sparse_step`; a sparse layer routes each token to `num_experts_per_tok`
+    of `num_experts` experts of `moe_intermediate_size` (a dense layer uses `intermediate_size`)."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    decoder_sparse_step: int
+    mlp_only_layers: tuple[int, ...]
+
+    @classmethod
+    def from_config(cls, raw: dict) -> MoEConfig:
+        experts = raw.get("num_experts", raw.get("num_local_experts"))
+        if experts is None or raw.get("moe_intermediate_size") is None:
+            raise ValueError("a qwen3_moe config needs num_experts (or num_local_experts) and moe_intermediate_size")
+        moe = cls(int(experts), int(raw.get("num_experts_per_tok", 8)), int(raw["moe_intermediate_size"]),
+                  bool(raw.get("norm_topk_prob", False)), int(raw.get("decoder_sparse_step", 1)),
+                  tuple(int(n) for n in raw.get("mlp_only_layers") or ()))
+        if not 1 <= moe.num_experts_per_tok <= moe.num_experts:
+            raise ValueError(f"num_experts_per_tok {moe.num_experts_per_tok} must be in [1, num_experts "
+                             f"{moe.num_experts}]")
+        if moe.decoder_sparse_step < 1:
+            raise ValueError("decoder_sparse_step must be >= 1")
+        return moe
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,23 +62,21 @@ class Qwen3ModelConfig:
     # NOTE: Qwen3's head_dim is its own field (e.g. 0.6B: hidden 1024, 16 heads, head_dim 128).
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
+    rope: RopeConfig
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
     torch_dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
+    moe: MoEConfig | None = None  # None: dense
+    quantization: FP8BlockQuantization | None = None  # the checkpoint's weights; dequantized at load
 
     @classmethod
     def from_dict(cls, raw: dict) -> Qwen3ModelConfig:
         model_type = raw.get("model_type", "qwen3")
-        if model_type != "qwen3":
-            raise ValueError(f"unsupported model_type {model_type!r}: pdserve serves Qwen3 dense models (qwen3)")
-        rope = raw.get("rope_parameters") or {}
-        scaling = raw.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-        if rope_type != "default":
-            raise ValueError(f"unsupported rope type {rope_type!r}: only default RoPE is implemented")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r}: pdserve serves Qwen3 dense (qwen3) and "
+                             "mixture-of-experts (qwen3_moe) models")
         heads = int(raw["num_attention_heads"])
         eos = raw.get("eos_token_id")
         return cls(
@@ -50,13 +88,15 @@ class Qwen3ModelConfig:
             num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 1_000_000.0))),
+            rope=RopeConfig.from_config(raw),
             max_position_embeddings=int(raw.get("max_position_embeddings", 40960)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
             torch_dtype=_TORCH_DTYPES.get(str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
                                           torch.bfloat16),
             eos_token_ids=_as_ids(eos),
+            moe=MoEConfig.from_config(raw) if model_type == "qwen3_moe" else None,
+            quantization=FP8BlockQuantization.from_config(raw.get("quantization_config")),
         )
 
     @classmethod
@@ -65,6 +105,33 @@ class Qwen3ModelConfig:
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: --model must be a Hugging Face Qwen3 checkpoint directory")
         return cls.from_dict(json.loads(path.read_text()))
+
+    @property
+    def max_context_len(self) -> int:
+        """The longest context this model's positions are meant for (a scaled rope stretches it)."""
+        return self.rope.context_len(self.max_position_embeddings)
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.moe is not None and self.moe.is_sparse(layer)
+
+    @property
+    def num_params(self) -> int:
+        """Every weight, all experts included (what device memory holds)."""
+        h, hd = self.hidden_size, self.head_dim
+        attention = 2 * h * (self.num_attention_heads + self.num_key_value_heads) * hd + 2 * hd + 2 * h
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+        return embeddings + self.num_hidden_layers * attention + self.num_mlp_params
+
+    @property
+    def num_mlp_params(self) -> int:
+        """The MLP weights of every layer: dense ones, or every expert and the router of sparse ones."""
+        h, total = self.hidden_size, 0
+        for layer in range(self.num_hidden_layers):
+            if self.moe is not None and self.moe.is_sparse(layer):
+                total += self.moe.num_experts * (3 * h * self.moe.moe_intermediate_size + h)
+            else:
+                total += 3 * h * self.intermediate_size
+        return total
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:

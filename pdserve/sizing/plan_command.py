@@ -18,8 +18,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="size one worker: weights, KV per token/block/request, blocks, --max-num-seqs",
                        description=sys.modules["pdserve.sizing.plan"].__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="checkpoint dir, config.json, preset (tiny, small, qwen3-0.6b) or "
-                                                 "Qwen3 shape (qwen3-8b, qwen3-14b, qwen3-32b)")
+    p.add_argument("--model", default=None, help="checkpoint dir, config.json, preset (tiny, small, qwen3-0.6b, "
+                                                 "tiny-moe) or Qwen3 shape (qwen3-8b, qwen3-14b, qwen3-32b, "
+                                                 "qwen3-30b-a3b, qwen3-235b-a22b)")
     p.add_argument("--device", choices=sorted(DEVICES), default=None, help="a known accelerator (memory)")
     p.add_argument("--device-memory-gib", type=float, default=None, help="device memory (instead of --device)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
@@ -75,7 +76,10 @@ def format_plan(inputs: PlanInputs, plan: Plan) -> str:
     low, high = plan.max_num_seqs_range
     given = inputs.kv_per_request_bytes is not None
     lengths = "" if given else f" ({inputs.mean_input_len:g} in + {inputs.output_len} out)"
-    rows = [
+    model = inputs.model
+    rows = [] if model is None else [("parameters (total / active per token)",
+                                      f"{model.num_params / 1e9:.2f} B / {model.num_active_params / 1e9:.2f} B")]
+    rows += [
         ("device memory x utilization",
          f"{inputs.device_memory_bytes / GIB:.2f} GiB x {inputs.gpu_memory_utilization:g}"),
         ("weights (one TP rank)", _gib(plan.weights_bytes)),
@@ -103,7 +107,9 @@ def run(ns: argparse.Namespace) -> int:
     inputs = plan_inputs(ns)
     plan = make_plan(inputs)
     if ns.json:
-        print(json.dumps({**plan.to_dict(), "flags_prefill": plan.flags("prefill"),
+        params = {} if inputs.model is None else {"num_params": inputs.model.num_params,
+                                                  "num_active_params": inputs.model.num_active_params}
+        print(json.dumps({**plan.to_dict(), **params, "flags_prefill": plan.flags("prefill"),
                           "flags_decode": plan.flags("decode")}, indent=2))
     else:
         print(format_plan(inputs, plan))

@@ -127,13 +127,14 @@ def load_profile(path: Path) -> Profile:
 def roofline(model: ModelFacts, device: DeviceSpec, *, tp: int = 1, dtype_bytes: int = 2, kv_dtype_bytes: int = 2,
              block_size: int = 16, num_kv_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
              bw_efficiency: float = BW_EFFICIENCY, flops_efficiency: float = FLOPS_EFFICIENCY) -> Profile:
-    """A datasheet profile: every step reads one rank's weights; decode reads each sequence's KV;
-    each token costs 2 FLOPs per matmul parameter; attention 4 x layers x heads x head_dim per pair."""
+    """A datasheet profile: every step reads one rank's (active: a token's experts) weights; decode
+    reads each sequence's KV; each token costs 2 FLOPs per matmul parameter (of MoE layers, its
+    top-k experts'); attention 4 x layers x heads x head_dim per pair."""
     bw = device.bandwidth_bytes_per_s * bw_efficiency
     flops = device.flops_per_s * flops_efficiency
     per_token_flops = 2.0 * model.matmul_params / tp
     kv_per_token = model.kv_bytes_per_token(kv_dtype_bytes, tp)
-    step = StepModel(base_s=STEP_OVERHEAD_S + model.num_params * dtype_bytes / tp / bw,
+    step = StepModel(base_s=STEP_OVERHEAD_S + model.num_active_params * dtype_bytes / tp / bw,
                      prefill_token_s=per_token_flops / flops,
                      prefill_pair_s=model.attention_flops_per_pair(tp) / flops,
                      decode_seq_s=per_token_flops / flops,
