@@ -101,7 +101,7 @@ def test_the_handshake_maps_float_kv_dtypes_and_refuses_the_rest_naming_the_fiel
         with pytest.raises(KVLayoutMismatch) as plain:  # the pool's own checks never convert
             layout(dst).check_compatible(layout(src))
         assert plain.value.field == "dtype"
-    refusals = [("dtype", layout("float8_e4m3fn")), ("dtype", layout("uint8", kv_cache_dtype="float8_e4m3fn")),
+    refusals = [("dtype", layout("uint8", kv_cache_dtype="float8_e4m3fn", k_scales=(1.0, 1.0), v_scales=(1.0, 1.0))),
                 ("head_dim", layout("bfloat16", head_dim=64)), ("block_size", layout("bfloat16", block_size=8)),
                 ("model_id", layout("bfloat16", model_id="other"))]
     for field, peer in refusals:
@@ -122,8 +122,11 @@ def test_the_receiver_counts_a_converted_payloads_bytes_in_its_own_dtype() -> No
     table.check_layer(header("bfloat16", 2 * per_block["bfloat16"]))
     with pytest.raises(PayloadRejected, match="byte count"):
         table.check_layer(header("bfloat16", 2 * per_block["float32"]))
-    with pytest.raises(PayloadRejected, match="dtype float8_e4m3fn"):
-        table.check_layer(header("float8_e4m3fn", 2 * per_block["bfloat16"] // 2))
+    table.check_layer(header("float8_e4m3fn", 2 * per_block["bfloat16"] // 2))  # FP8: 1 byte an element
+    with pytest.raises(PayloadRejected, match="byte count"):
+        table.check_layer(header("float8_e4m3fn", 2 * per_block["bfloat16"]))
+    with pytest.raises(PayloadRejected, match="dtype uint8"):
+        table.check_layer(header("uint8", 2 * per_block["bfloat16"] // 2))
 
 
 # -- the transports --------------------------------------------------------------------------------
