@@ -2,9 +2,10 @@
 only ever make us build the dataclasses named here, with fields of the declared types.
 
 Supported field types: str, int, bool, float (finite), bytes (base64 text), tuple[int, ...],
-tuple[float, ...], nested records, and `X | None` of these (null). Decoding is strict: exactly the declared keys, exactly the
-declared types (a bool is not an int; an int is a float). The one leniency: a field with a default
-may be absent (a peer from before the field was added) and takes its default.
+tuple[float, ...], nested records, and `X | None` of these (null). Decoding is strict: exactly the
+declared keys, exactly the declared types (a bool is not an int; an int is a float). The one
+leniency: a field with a default may be absent (a peer from before the field was added) and takes
+its default.
 """
 
 from __future__ import annotations
