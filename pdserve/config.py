@@ -173,6 +173,15 @@ class EngineConfig:
         return kv_bytes_per_block(self.model, self.cache.block_size, self.kv_dtype)
 
 
+def kv_dtype_description(config: EngineConfig) -> str:
+    """The pool's element type as the start-up line names it: 'bfloat16', 'float8_e4m3fn (scales from
+    the checkpoint)', 'float8_e4m3fn (scales 1.0)'."""
+    name = str(config.kv_dtype).removeprefix("torch.")
+    if config.kv_scales is None:
+        return name
+    return f"{name} (scales {'from the checkpoint' if config.kv_scales.from_checkpoint else '1.0'})"
+
+
 def kv_bytes_per_block(model: Qwen3ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     element_bytes = torch.empty((), dtype=dtype).element_size()
     return 2 * model.num_hidden_layers * block_size * model.num_key_value_heads * model.head_dim * element_bytes
