@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_no_leak, generate_token_ids, greedy, random_prompt, token_prompts
+from helpers import assert_no_leak, generate_token_ids, greedy, random_prompt, token_prompts, with_scales
 from safetensors.torch import save_file
 
 from pdserve import LLM, SamplingParams
@@ -31,17 +31,6 @@ from pdserve.sizing.plan import GIB, PlanInputs, make_plan
 BUDGET = 32  # tokens a step: prompts longer than this prefill in chunks that read the pool back
 PROMPTS = [random_prompt(n, seed=900 + n) for n in (5, 23, 40)]
 NUM_OUTPUT = 110  # x 3 prompts: ~280 teacher-forced positions past the first chunk
-
-
-def with_scales(src: Path, dst: Path, k: list[float], v: list[float], *, name: str = "self_attn.{}_scale") -> Path:
-    """A copy of checkpoint `src` with per-layer KV scales in a file of their own (vLLM's names)."""
-    shutil.copytree(src, dst)
-    tensors = {}
-    for layer, (k_scale, v_scale) in enumerate(zip(k, v, strict=True)):
-        tensors[f"model.layers.{layer}.{name.format('k')}"] = torch.tensor(k_scale)
-        tensors[f"model.layers.{layer}.{name.format('v')}"] = torch.tensor(v_scale)
-    save_file(tensors, str(dst / "kv_scales.safetensors"))
-    return dst
 
 
 # -- configuration ---------------------------------------------------------------------------------
