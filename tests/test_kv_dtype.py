@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers import assert_no_leak, generate_token_ids, greedy, random_prompt, token_prompts
+from helpers import assert_no_leak, generate_token_ids, greedy, random_prompt, token_prompts, with_scales
 from kv_transport_helpers import PoolSpec
 from metrics_helpers import scrape
 from pd_fixtures import start_cluster, stop_cluster
@@ -309,6 +309,44 @@ def test_pd_bfloat16_prefill_to_float32_kv_decode_gives_the_bfloat16_colocated_t
         assert getattr(decode.receiver, "num_staging_bytes_in_use", 0) == 0
     finally:
         stop_cluster(cluster)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["tcp", NIXL])
+def test_pd_bfloat16_prefill_to_fp8_decode_gives_the_fp8_colocated_text(
+        model_dirs: dict[str, Path], tmp_path: Path, transport: str) -> None:
+    """Why identical: the prompt's one chunk attends to its fresh bfloat16 K/V on the prefill worker
+    as in the colocated FP8 engine; decode quantizes the arriving bfloat16 values with its own
+    scales (the checkpoint's) exactly as the colocated engine's writes do (in float32, model/
+    kv_scales.py), and every later step reads the same FP8 bytes. (A prompt in several chunks would
+    differ: a bfloat16 prefill pool's later chunks read unquantized K/V.)"""
+    num_layers = create_engine_config(EngineArgs(model=str(model_dirs["tiny"]))).model.num_hidden_layers
+    scaled = with_scales(model_dirs["tiny"], tmp_path / "scaled", [0.25 * (i + 1) for i in range(num_layers)],
+                         [2.0 / (i + 1) for i in range(num_layers)])
+    reference = LLM(model=str(scaled), dtype="bfloat16", kv_cache_dtype="fp8", **ENGINE_ARGS)
+    engine_options = {"prefill": {"dtype": "bfloat16"}, "decode": {"dtype": "bfloat16", "kv_cache_dtype": "fp8"}}
+    cluster = start_cluster(scaled, transport, 1, 1, max_num_batched_tokens=32, engine_options=engine_options)
+    try:
+        decode: DecodeService = cluster.service(DecodeService)
+        assert decode.receiver.kv_cache.dtype == torch.float8_e4m3fn
+        assert decode.receiver.layout.k_scales == tuple(0.25 * (i + 1) for i in range(num_layers))
+        with httpx.Client(base_url=cluster.router.url, timeout=60) as http:
+            seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True)
+            for prompt, params in ((PROMPTS[0], greedy(24)), (PROMPTS[1], greedy(24)), (PROMPTS[1], seeded)):
+                [want] = reference.generate(token_prompts([prompt]), params)
+                body = {"prompt": prompt, "max_tokens": 24, "ignore_eos": True,
+                        "temperature": params.temperature, "seed": params.seed}
+                reply = http.post("/v1/completions", json=body)
+                assert reply.status_code == 200, reply.text
+                assert reply.json()["choices"][0]["text"] == want.outputs[0].text
+        cluster.wait_until_idle()
+        assert decode.stats().kv_dtype_conversions == decode.stats().completed == 3
+        assert scrape(cluster.workers[0][0].url).value("pdserve:kv_dtype_conversions_total") == 3
+        assert decode.receiver.reserved_request_ids() == frozenset()
+        assert getattr(decode.receiver, "num_staging_bytes_in_use", 0) == 0
+    finally:
+        stop_cluster(cluster)
+    assert_no_leak(reference)
 
 
 @pytest.mark.skipif(not nixl_available(), reason="nixl_cu12 is not installed")
