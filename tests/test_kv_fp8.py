@@ -209,3 +209,18 @@ def test_the_disk_tier_keys_fp8_blocks_by_dtype_and_scales(model_dirs: dict[str,
     stats = restarted.engine.stats().kv_tier
     assert stats is not None and stats.disk.num_hit_blocks == 4 * 15
     assert_no_leak(restarted)
+
+
+def test_the_benchmark_runs_and_reports_twice_the_blocks(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """`python -m pdserve.bench.kv_fp8`, tiny: one row per KV dtype, FP8 at twice bfloat16's blocks."""
+    from pdserve.bench import kv_fp8
+
+    monkeypatch.setattr("sys.argv", ["kv_fp8", "--preset", "tiny", "--num-seqs", "2", "--context", "40",
+                                     "--steps", "1", "--drift-tokens", "8"])
+    kv_fp8.main()
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "KV dtype" not in line}
+    assert set(rows) == set(kv_fp8.KV_DTYPES)
+    assert rows["fp8"][1] == rows["fp8_e5m2"][1] == "2.00x" and rows["float32"][1] == "0.50x"
+    assert float(rows["float32"][4]) == 0.0 < float(rows["fp8"][4])  # drift against the float32 pool itself: none

@@ -74,15 +74,19 @@ class DecodeBatch:
     v_buf: torch.Tensor
 
 
+KVScale = tuple[float, float]  # (k_scale, v_scale) of one layer
+_UNSCALED: KVScale = (1.0, 1.0)
+
+
 @dataclass(frozen=True, slots=True)
 class KVQuant:
     """An FP8 pool's (k_scale, v_scale) per layer, found by the address of the layer's cache tensor.
     NOTE: the model hands attention each layer's cache tensor and nothing else (model/qwen3.py), so
     its code is the same for every pool type; the runner, which owns the pool, builds this once."""
 
-    scales: dict[int, tuple[float, float]]  # layer_cache.data_ptr() -> (k_scale, v_scale)
+    scales: dict[int, KVScale]  # layer_cache.data_ptr() -> (k_scale, v_scale)
 
-    def of(self, layer_cache: torch.Tensor) -> tuple[float, float]:
+    def of(self, layer_cache: torch.Tensor) -> KVScale:
         return self.scales[layer_cache.data_ptr()]
 
 
@@ -97,10 +101,6 @@ class AttentionMetadata:
     # (if any), joined by log-sum-exp; empty: `decodes` hold whole contexts
     decode_runs: tuple[DecodeRun, ...] = ()
     kv_quant: KVQuant | None = None  # an FP8 pool's scales; None: a float pool (scale 1.0)
-
-
-KVScale = tuple[float, float]  # (k_scale, v_scale) of one layer
-_UNSCALED: KVScale = (1.0, 1.0)
 
 
 def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
