@@ -134,8 +134,8 @@ def test_fp8_layouts_carry_their_scales_and_any_two_convert() -> None:
 
 
 @pytest.mark.parametrize(("changes", "error"), [
-    ({"dtype": "float8_e4m3fn"}, "one K and one V scale per layer, got 0 and 0"),
-    ({"dtype": "float8_e4m3fn", "k_scales": (1.0,), "v_scales": (1.0,)}, "needs 2 K and V scales"),
+    ({"dtype": "float8_e4m3fn"}, "an FP8 KV layout needs 2 K and V scales .one per layer., got 0 and 0"),
+    ({"dtype": "float8_e4m3fn", "k_scales": (1.0,), "v_scales": (1.0, 1.0)}, "needs 2 K and V scales"),
     ({"dtype": "float8_e4m3fn", "k_scales": (1.0, -2.0), "v_scales": (1.0, 1.0)}, "finite and > 0, got -2.0"),
     ({"dtype": "bfloat16", "k_scales": (1.0, 1.0), "v_scales": (1.0, 1.0)}, "FP8 pools only"),
 ])

@@ -1,13 +1,15 @@
 """The FP8 KV cache against bfloat16 (and float32) KV on CPU: blocks per GiB, decode step time, and
 how far the FP8 pool's logprobs drift from a float32 pool's.
 
-    python -m pdserve.bench.kv_fp8 [--preset small] [--num-seqs 16] [--context 512] [--steps 16]
+    python -m pdserve.bench.kv_fp8 [--preset small] [--num-seqs 16] [--context 512] [--steps 8] [--rounds 5]
 
 A random-weight demo checkpoint (`--preset`), written with per-layer K/V scales that are not 1.0
 (so the FP8 rows pay for the multiply a real FP8 checkpoint's scales cost), computing in float32.
-Per KV dtype, one engine with the same `--kv-cache-memory` (1 GiB): its blocks per GiB; the mean
-step time of `--steps` decode steps of `--num-seqs` sequences whose contexts are `--context` tokens
-(after their prefill, one warm-up step); and, against the float32 pool, the teacher-forced drift:
+Per KV dtype, one engine with the same `--kv-cache-memory` (1 GiB): its blocks per GiB; its decode
+step time with `--num-seqs` sequences whose contexts are `--context` tokens (after their prefill
+and one warm-up step): `--rounds` rounds, each timing `--steps` steps of every engine in turn (so
+a load that changes on a shared machine weighs on every row alike), the median round's mean; and,
+against the float32 pool, the teacher-forced drift:
 each prompt plus the float32 engine's greedy continuation, prefilled in 32-token chunks with prompt
 logprobs, the mean and largest |logprob difference| of the positions past the first chunk (those
 read K/V back from the pool). Ratios are against the bfloat16 row of the same run.
@@ -16,6 +18,7 @@ read K/V back from the pool). Ratios are against the bfloat16 row of the same ru
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -49,22 +52,22 @@ def prompts(num: int, length: int, seed: int) -> list[list[int]]:
     return torch.randint(_VOCAB_LOW, _VOCAB_HIGH, (num, length), generator=gen).tolist()
 
 
-def decode_step_s(llm: LLM, token_prompts: list[list[int]], num_steps: int) -> float:
-    """Mean wall time of one decode step of every sequence, after their prefill and a warm-up step."""
+def start_decodes(llm: LLM, token_prompts: list[list[int]], max_tokens: int) -> None:
+    """The sequences prefilled and one decode step (warm-up) taken: every later step decodes them all."""
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=num_steps + 2, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for index, prompt in enumerate(token_prompts):
         engine.add_request(f"step-{index}", prompt, params)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
         engine.step()
     engine.step()
+
+
+def mean_step_s(llm: LLM, num_steps: int) -> float:
     start = time.perf_counter()
     for _ in range(num_steps):
-        engine.step()
-    elapsed = time.perf_counter() - start
-    while engine.has_unfinished_requests():
-        engine.step()
-    return elapsed / num_steps
+        llm.engine.step()
+    return (time.perf_counter() - start) / num_steps
 
 
 def teacher_forced(llm: LLM, sequences: list[list[int]]) -> list[float]:
@@ -78,7 +81,8 @@ def main() -> None:
     parser.add_argument("--preset", default="small", choices=sorted(PRESETS))
     parser.add_argument("--num-seqs", type=int, default=16)
     parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=8, help="decode steps timed per round and engine")
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--drift-tokens", type=int, default=100, help="greedy tokens per drift prompt (3 prompts)")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -86,24 +90,30 @@ def main() -> None:
         model_dir = write_model(Path(root), args.preset)
         step_prompts = prompts(args.num_seqs, args.context, seed=1)
         drift_prompts = prompts(3, 40, seed=2)
-        rows: dict[str, tuple[int, float, tuple[float, float]]] = {}
-        sequences: list[list[int]] = []
-        reference: list[float] = []
-        for kv in ("float32", *[k for k in KV_DTYPES if k != "float32"]):
-            llm = LLM(model=str(model_dir), dtype="float32", kv_cache_dtype=kv, kv_cache_memory="1GiB",
-                      max_num_batched_tokens=_CHUNK, enable_prefix_caching=False)
-            if kv == "float32":
-                greedy = SamplingParams(temperature=0.0, max_tokens=args.drift_tokens, ignore_eos=True)
-                outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in drift_prompts], greedy)
-                sequences = [p + o.outputs[0].token_ids for p, o in zip(drift_prompts, outs, strict=True)]
-                reference = teacher_forced(llm, sequences)
+        engines = {kv: LLM(model=str(model_dir), dtype="float32", kv_cache_dtype=kv, kv_cache_memory="1GiB",
+                           max_num_batched_tokens=_CHUNK, enable_prefix_caching=False)
+                   for kv in ("float32", *[k for k in KV_DTYPES if k != "float32"])}
+        greedy = SamplingParams(temperature=0.0, max_tokens=args.drift_tokens, ignore_eos=True)
+        outs = engines["float32"].generate([TokensPrompt(prompt_token_ids=p) for p in drift_prompts], greedy)
+        sequences = [p + o.outputs[0].token_ids for p, o in zip(drift_prompts, outs, strict=True)]
+        reference = teacher_forced(engines["float32"], sequences)
+        drift = {}
+        for kv, llm in engines.items():
             gaps = [abs(a - b) for a, b in zip(reference, teacher_forced(llm, sequences), strict=True)]
-            step_s = decode_step_s(llm, step_prompts, args.steps)
-            rows[kv] = (llm.engine.config.cache.num_kv_blocks, step_s, (sum(gaps) / len(gaps), max(gaps)))
-            del llm
+            drift[kv] = (sum(gaps) / len(gaps), max(gaps))
+            start_decodes(llm, step_prompts, args.rounds * args.steps + 2)
+        samples: dict[str, list[float]] = {kv: [] for kv in engines}
+        for _ in range(args.rounds):
+            for kv, llm in engines.items():
+                samples[kv].append(mean_step_s(llm, args.steps))
+        rows = {kv: (llm.engine.config.cache.num_kv_blocks, statistics.median(samples[kv]), drift[kv])
+                for kv, llm in engines.items()}
+        for llm in engines.values():
+            while llm.engine.has_unfinished_requests():
+                llm.engine.step()
     print(f"{hardware_line()}; preset {args.preset} (float32 compute, K/V scales 0.5/0.25), "
-          f"{args.num_seqs} sequences x {args.context} tokens of context, mean of {args.steps} decode steps; "
-          f"drift over {len(reference)} teacher-forced positions")
+          f"{args.num_seqs} sequences x {args.context} tokens of context, median of {args.rounds} rounds of "
+          f"{args.steps} decode steps, engines in turn; drift over {len(reference)} teacher-forced positions")
     base_blocks, base_step, _ = rows["bfloat16"]
     table = [[kv, f"{blocks:,}", f"{blocks / base_blocks:.2f}x", f"{1000 * step:.1f}", f"{step / base_step:.2f}x",
               f"{drift[0]:.4f}", f"{drift[1]:.4f}"] for kv, (blocks, step, drift) in rows.items()]

@@ -97,10 +97,10 @@ class KVLayout:
             if getattr(self, name) < 1:
                 raise ValueError(f"KV layout {name} must be >= 1, got {getattr(self, name)}")
         if self.kv_cache_dtype in FP8_DTYPES:
-            KVScales(self.k_scales, self.v_scales)  # raises unless finite, > 0
-            if len(self.k_scales) != self.num_layers:
+            if not len(self.k_scales) == len(self.v_scales) == self.num_layers:
                 raise ValueError(f"an FP8 KV layout needs {self.num_layers} K and V scales (one per layer), "
-                                 f"got {len(self.k_scales)}")
+                                 f"got {len(self.k_scales)} and {len(self.v_scales)}")
+            KVScales(self.k_scales, self.v_scales)  # raises unless finite, > 0
         elif self.k_scales or self.v_scales:
             raise ValueError(f"KV scales belong to FP8 pools only, not to a {self.kv_cache_dtype} pool")
 
