@@ -24,7 +24,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.config import EngineArgs, create_engine_config
 from pdserve.engine.kv_disk_format import DiskLayout
 from pdserve.engine.step_plan import StepPlan
-from pdserve.model.kv_scales import KVScales, quantize
+from pdserve.model.kv_scales import KVScales, dequantize, quantize
 from pdserve.sizing.model_facts import dtype_bytes, load_model_facts
 from pdserve.sizing.plan import GIB, PlanInputs, make_plan
 
@@ -123,6 +123,19 @@ def test_vllm_older_kv_scale_name_and_per_projection_names_are_read(model_dirs: 
                        name="self_attn.{0}_proj.{0}_scale")
     assert create_engine_config(EngineArgs(model=str(proj), kv_cache_dtype="fp8")).kv_scales == KVScales(
         (2.0, 3.0), (4.0, 5.0))
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_fp8_code_reads_back_as_torch_casts_it_times_the_scale(fp8: torch.dtype, dtype: torch.dtype) -> None:
+    """`dequantize` (e4m3 on CPU: by moving bits, not torch's slow cast) against torch's cast, all
+    256 codes but NaN; `quantize` clamps to the format's finite range, never to inf or NaN."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8).reshape(16, 16)
+    finite = codes.float().isfinite()
+    for scale in (1.0, 0.5, 3.7):
+        assert torch.equal(dequantize(codes, dtype, scale)[finite], codes.to(dtype).mul(scale)[finite])
+    big = quantize(torch.tensor([1e6, -1e6, 3.0]), fp8, 0.5)
+    assert big.float().tolist() == [torch.finfo(fp8).max, -torch.finfo(fp8).max, 6.0]
 
 
 # -- agreement with a float pool ---------------------------------------------------------------------
