@@ -84,6 +84,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=8, help="decode steps timed per round and engine")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the engines (on a shared, loaded "
+                                                               "machine, two threads wait on each other's barriers)")
     parser.add_argument("--drift-tokens", type=int, default=100, help="greedy tokens per drift prompt (3 prompts)")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -107,7 +109,7 @@ def main() -> None:
             drift[kv] = (sum(gaps) / len(gaps), max(gaps))
             del llm
         engines = {kv: LLM(model=str(model_dir), dtype="float32", kv_cache_dtype=kv, kv_cache_memory="1GiB",
-                           enable_prefix_caching=False) for kv in kv_dtypes}
+                           enable_prefix_caching=False, num_threads=args.threads) for kv in kv_dtypes}
         for llm in engines.values():
             start_decodes(llm, step_prompts, args.rounds * args.steps + 2)
         samples: dict[str, list[float]] = {kv: [] for kv in engines}
