@@ -147,8 +147,8 @@ def teacher_forced(llm: LLM, sequences: list[list[int]]) -> list[float]:
 
 
 def test_fp8_kv_logprob_drift_against_a_float_pool_is_bounded(llm_factory: Callable[..., LLM]) -> None:
-    """Measured on the tiny random model (docs/BENCHMARKS.md, FP8 KV cache): e4m3 drifts ~0.004 nats
-    on average, ~0.03 at most; bfloat16 ten times less. Random weights give near-flat logits, so
+    """Measured on the tiny random model (docs/BENCHMARKS.md, FP8 KV cache): e4m3 drifts ~0.005 nats
+    on average, ~0.04 at most; bfloat16 ten times less. Random weights give near-flat logits, so
     free-running greedy text parts from the float pool's after a few tokens (ties flip); the
     first token of a one-chunk prompt is exact."""
     args = {"max_num_batched_tokens": BUDGET}
@@ -166,7 +166,7 @@ def test_fp8_kv_logprob_drift_against_a_float_pool_is_bounded(llm_factory: Calla
         assert_no_leak(llm)
     assert len(want) >= 250
     mean, worst = drift["fp8"]
-    assert 0 < mean < 0.015 and worst < 0.1, drift  # measured 0.0039 and 0.028
+    assert 0 < mean < 0.015 and worst < 0.1, drift  # measured 0.0047 and 0.036
     assert drift["bfloat16"][0] < mean / 4, drift
 
 
