@@ -237,3 +237,20 @@ def test_the_benchmark_runs_and_reports_twice_the_blocks(monkeypatch: pytest.Mon
     assert set(rows) == set(kv_fp8.KV_DTYPES)
     assert rows["fp8"][1] == rows["fp8_e5m2"][1] == "2.00x" and rows["float32"][1] == "0.50x"
     assert float(rows["float32"][4]) == 0.0 < float(rows["fp8"][4])  # drift against the float32 pool itself: none
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_share_an_fp8_pool_and_its_scales(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Two CPU ranks map one shared FP8 pool (each its own heads, the checkpoint's scales per
+    layer): the tokens of one rank's engine."""
+    scaled = with_scales(model_dirs["tiny"], tmp_path / "scaled", [0.5, 2.0], [0.25, 1.5])
+    args = {"model": str(scaled), "dtype": "float32", "num_kv_blocks": 64, "kv_cache_dtype": "fp8",
+            "max_num_batched_tokens": BUDGET}
+    want = generate_token_ids(LLM(**args), PROMPTS, greedy(12))  # type: ignore[arg-type]
+    ranked = LLM(tensor_parallel_size=2, num_threads=1, **args)  # type: ignore[arg-type]
+    try:
+        assert ranked.engine.runner.kv_cache.dtype == torch.float8_e4m3fn
+        assert generate_token_ids(ranked, PROMPTS, greedy(12)) == want
+        assert_no_leak(ranked)
+    finally:
+        ranked.engine.close()
