@@ -21,7 +21,8 @@ from helpers import assert_no_leak, generate_token_ids, greedy, random_prompt, t
 from safetensors.torch import save_file
 
 from pdserve import LLM, SamplingParams
-from pdserve.config import EngineArgs, create_engine_config
+from pdserve.cli import build_parser
+from pdserve.config import EngineArgs, create_engine_config, kv_dtype_description
 from pdserve.engine.kv_disk_format import DiskLayout
 from pdserve.engine.step_plan import StepPlan
 from pdserve.model.kv_scales import KVScales, dequantize, quantize
@@ -70,6 +71,21 @@ def test_plan_sizes_fp8_blocks_as_the_engine_does(model_dirs: dict[str, Path]) -
         assert plans[kv].kv_bytes_per_block == engine.kv_bytes_per_block
     assert plans["fp8"].num_kv_blocks == 2 * plans["bfloat16"].num_kv_blocks  # type: ignore[operator]
     assert plans["fp8"].flags("decode")[-2:] == ["--kv-cache-dtype", "fp8"]
+
+
+def test_the_start_up_line_names_the_pool_type_and_its_scales(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """What `pdserve serve` logs beside the KV block count (cli.py), and `up` takes fp8 per role."""
+    args = EngineArgs(model=str(model_dirs["tiny"]), dtype="bfloat16", kv_cache_memory="1GiB")
+    assert kv_dtype_description(create_engine_config(args)) == "bfloat16"
+    fp8 = create_engine_config(dataclasses.replace(args, kv_cache_dtype="fp8"))
+    assert kv_dtype_description(fp8) == "float8_e4m3fn (scales 1.0)"
+    assert GIB // fp8.kv_bytes_per_block == fp8.cache.num_kv_blocks  # the "(M per GiB)" of a 1 GiB pool
+    scaled = with_scales(model_dirs["tiny"], tmp_path / "scaled", [2.0, 2.0], [1.0, 1.0])
+    assert kv_dtype_description(create_engine_config(dataclasses.replace(args, model=str(scaled),
+                                                                         kv_cache_dtype="fp8_e5m2"))) == (
+        "float8_e5m2 (scales from the checkpoint)")
+    ns = build_parser().parse_args(["up", "--decode-kv-cache-dtype", "fp8", "--prefill-kv-cache-dtype", "bfloat16"])
+    assert (ns.decode_kv_cache_dtype, ns.prefill_kv_cache_dtype) == ("fp8", "bfloat16")
 
 
 # -- scales from the checkpoint ----------------------------------------------------------------------
