@@ -151,8 +151,9 @@ class KVLayout:
         return dataclasses.replace(self, kv_head_start=start, num_kv_heads=count)
 
     def layer_scales(self, layer: int) -> tuple[float, float]:
-        """(k_scale, v_scale) of `layer`: element * scale is the value (1.0 in a float pool)."""
-        return (self.k_scales[layer], self.v_scales[layer]) if self.k_scales else (1.0, 1.0)
+        """(k_scale, v_scale) of `layer`: element * scale is the value (1.0 in a float pool). NOTE: a
+        quantized format stored in another type (FP8 in uint8) names none: its bytes convert to nothing."""
+        return (self.k_scales[layer], self.v_scales[layer]) if self.dtype in FP8_DTYPES else (1.0, 1.0)
 
     def stores_as(self, dtype: str, scales: tuple[float, float], layer: int) -> bool:
         """Whether a payload of `layer` in `dtype` elements with these scales holds exactly this
@@ -191,7 +192,7 @@ class KVLayout:
         """Raise KVLayoutMismatch naming the first field (in declaration order) that differs.
         `convert_dtype` (the KV hand-off): element types that `converts_from` maps are no mismatch.
         `heads_within`: this pool's heads need only lie within the peer's."""
-        converts = convert_dtype and peer.converts_from(self)
+        converts = convert_dtype and self.converts_from(peer)
         skip = {"dtype", "kv_cache_dtype", "k_scales", "v_scales"} if converts else set()
         if heads_within:
             skip |= {"num_kv_heads", "kv_head_start"}
