@@ -373,7 +373,7 @@ def test_layout_mismatch_refused_across_processes(remote: tuple[str, RemotePrefi
     transport, prefill = remote
     decode = Decode(transport)
     try:
-        bad = {"block_size": 16, "dtype": "float8_e4m3fn"}[field]
+        bad = {"block_size": 16, "dtype": "uint8"}[field]  # NOTE: a float8 pool would be converted (test_kv_dtype.py)
         prefill.new_sender(f"bad-{field}", SPEC.with_(**{field: bad}), 3)
         with pytest.raises(KVLayoutMismatch, match=f"KV layout mismatch on {field}") as e:
             prefill.call(f"bad-{field}", "connect", decode.receiver.address)
