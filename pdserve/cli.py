@@ -25,7 +25,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from pdserve.addresses import http_url, parse_member
-from pdserve.config import KV_CACHE_DTYPES, ApiConfig, EngineArgs, RouterConfig, WorkerConfig
+from pdserve.config import KV_CACHE_DTYPES, ApiConfig, EngineArgs, RouterConfig, WorkerConfig, kv_dtype_description
 from pdserve.config_flags import add_config_args, config_from_args
 from pdserve.ops.supervisor import exit_with_supervisor
 from pdserve.ops.threads import CorePlan, parse_cpu_list
@@ -80,10 +80,11 @@ def _serve(ns: argparse.Namespace) -> int:
     cfg = engine.config if engine is not None else core.config if core is not None else None
     assert cfg is not None
     logging.getLogger("pdserve").info(
-        "%s worker serving %s on http://%s:%d (%s, %s, KV %s, %d KV blocks of %d tokens, max_model_len %d; engine %s)",
-        ns.role, name, ns.host, ns.port, cfg.device, str(cfg.dtype).removeprefix("torch."),
-        str(cfg.kv_dtype).removeprefix("torch."), cfg.cache.num_kv_blocks,
-        cfg.cache.block_size, cfg.scheduler.max_model_len, "in this process" if core is None else "in its own process")
+        "%s worker serving %s on http://%s:%d (%s, %s, KV %s, %d KV blocks of %d tokens (%d per GiB), "
+        "max_model_len %d; engine %s)", ns.role, name, ns.host, ns.port, cfg.device,
+        str(cfg.dtype).removeprefix("torch."), kv_dtype_description(cfg), cfg.cache.num_kv_blocks,
+        cfg.cache.block_size, 1024**3 // cfg.kv_bytes_per_block, cfg.scheduler.max_model_len,
+        "in this process" if core is None else "in its own process")
     app: ASGIApp
     on_exit: Callable[[], None] | None
     client: AsyncLLM | EngineCoreClient

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
 from pdserve.addresses import is_http_url, parse_host_port, parse_member
+from pdserve.model.kv_scales import KVScales, fp8_kv_scales, is_fp8
 from pdserve.model.parallel import check_tp_size
 from pdserve.model.qwen3_config import Qwen3ModelConfig
 
@@ -26,9 +28,12 @@ DTYPES: dict[str, torch.dtype] = {
     "half": torch.float16,
 }
 
+# FP8 KV pools (model/kv_scales.py): "fp8" is vLLM's name for e4m3
+FP8_KV_DTYPES: dict[str, torch.dtype] = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                                         "fp8_e5m2": torch.float8_e5m2}
 # What --kv-cache-dtype accepts: the pool's element type ("auto": the model's compute dtype). Any two
 # of these map at the PD hand-off (the receiver converts, disagg/kv_layout.py).
-KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16", *FP8_KV_DTYPES)
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
                "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
@@ -96,8 +101,9 @@ class EngineArgs:
     model: str | None = knob(None, "Hugging Face Qwen3 checkpoint directory (default: a random-weight demo model "
                                    "built once)")
     dtype: str = knob("auto", "auto, float32, bfloat16 or float16")
-    kv_cache_dtype: str = knob("auto", "element type of the KV pool: auto (the model's --dtype), float32, bfloat16 "
-                                       "or float16; attention reads KV in it and computes in --dtype")
+    kv_cache_dtype: str = knob("auto", "element type of the KV pool: auto (the model's --dtype), float32, bfloat16, "
+                                       "float16, or fp8 (= fp8_e4m3) / fp8_e5m2 with the checkpoint's per-layer "
+                                       "k_scale/v_scale (else 1.0); attention reads KV in it and computes in --dtype")
     device: str = knob("auto", "auto, cpu or cuda[:N]")
     block_size: int = knob(16, "tokens per KV block")
     max_num_seqs: int = knob(256, "max sequences running at once")
@@ -157,6 +163,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     kv_cache_dtype: torch.dtype | None = None  # the pool's element type; None: `dtype`
     enforce_eager: bool = False  # CUDA: no decode CUDA graphs (engine/cuda_graphs.py)
+    kv_scales: KVScales | None = None  # an FP8 pool's per-layer K/V scales (model/kv_scales.py); else None
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -166,6 +173,15 @@ class EngineConfig:
     @property
     def kv_bytes_per_block(self) -> int:
         return kv_bytes_per_block(self.model, self.cache.block_size, self.kv_dtype)
+
+
+def kv_dtype_description(config: EngineConfig) -> str:
+    """The pool's element type as the start-up line names it: 'bfloat16', 'float8_e4m3fn (scales from
+    the checkpoint)', 'float8_e4m3fn (scales 1.0)'."""
+    name = str(config.kv_dtype).removeprefix("torch.")
+    if config.kv_scales is None:
+        return name
+    return f"{name} (scales {'from the checkpoint' if config.kv_scales.from_checkpoint else '1.0'})"
 
 
 def kv_bytes_per_block(model: Qwen3ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -229,7 +245,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     check_tp_size(model, args.tensor_parallel_size)
     device = _device(args.device)
     dtype = resolve_dtype(args.dtype, model.torch_dtype, device)
-    kv_dtype = dtype if args.kv_cache_dtype == "auto" else DTYPES[args.kv_cache_dtype]
+    kv_dtype = dtype if args.kv_cache_dtype == "auto" else FP8_KV_DTYPES.get(args.kv_cache_dtype) or DTYPES[
+        args.kv_cache_dtype]
     max_model_len = args.max_model_len or model.max_context_len
     if max_model_len > model.max_context_len:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's context ({model.max_context_len}: "
@@ -257,7 +274,17 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         kv_cache_dtype=kv_dtype,
         enforce_eager=args.enforce_eager,
+        kv_scales=_kv_scales(model_path, model, kv_dtype),
     )
+
+
+def _kv_scales(model_path: str, model: Qwen3ModelConfig, kv_dtype: torch.dtype) -> KVScales | None:
+    """An FP8 pool's scales: read once here, at the edge, from the checkpoint (else 1.0)."""
+    if not is_fp8(kv_dtype):
+        return None
+    from pdserve.model.loader import safetensors_files
+
+    return fp8_kv_scales(safetensors_files(Path(model_path)), model.num_hidden_layers)
 
 
 DecodePolicyName = Literal["least-loaded", "round-robin", "prefix-affinity"]

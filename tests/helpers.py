@@ -1,15 +1,19 @@
 """Small builders shared by the engine tests: random prompts, model-free schedulers and requests (with
-a fake clock), a fake-model driver for the scheduler, and the "no block, no request left behind" checks."""
+a fake clock), a fake-model driver for the scheduler, the "no block, no request left behind" checks, and
+a checkpoint copy with FP8 KV scales."""
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 import zlib
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from pdserve import LLM
 from pdserve.config import CacheConfig, SchedulerConfig
@@ -187,3 +191,14 @@ async def until(condition: Callable[[], object], what: str) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def with_scales(src: Path, dst: Path, k: list[float], v: list[float], *, name: str = "self_attn.{}_scale") -> Path:
+    """A copy of checkpoint `src` with per-layer KV scales in a file of their own (vLLM's names)."""
+    shutil.copytree(src, dst)
+    tensors = {}
+    for layer, (k_scale, v_scale) in enumerate(zip(k, v, strict=True)):
+        tensors[f"model.layers.{layer}.{name.format('k')}"] = torch.tensor(k_scale)
+        tensors[f"model.layers.{layer}.{name.format('v')}"] = torch.tensor(v_scale)
+    save_file(tensors, str(dst / "kv_scales.safetensors"))
+    return dst

@@ -12,6 +12,7 @@ import torch
 
 from pdserve.disagg.kv_layout import KVLayout, KVLayoutMismatch
 from pdserve.disagg.transport import KVSender, KVTransferError, KVTransferTimeout, make_sender
+from pdserve.model.kv_scales import KVScales, is_fp8
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,8 +35,11 @@ class PoolSpec:
         gen = torch.Generator().manual_seed(seed)
         return torch.randn(shape, generator=gen).to(getattr(torch, self.dtype))
 
-    def layout(self, pool: torch.Tensor) -> KVLayout:
-        return KVLayout.from_pool(self.model_id, pool)
+    def layout(self, pool: torch.Tensor, scales: KVScales | None = None) -> KVLayout:
+        """`scales`: an FP8 pool's (default 1.0)."""
+        if scales is None and is_fp8(pool.dtype):
+            scales = KVScales.ones(self.num_layers)
+        return KVLayout.from_pool(self.model_id, pool, scales=scales)
 
 
 _ERRORS: dict[str, type[Exception]] = {

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers import assert_no_leak, generate_token_ids, greedy, random_prompt, token_prompts
+from helpers import assert_no_leak, generate_token_ids, greedy, random_prompt, token_prompts, with_scales
 from kv_transport_helpers import PoolSpec
 from metrics_helpers import scrape
 from pd_fixtures import start_cluster, stop_cluster
@@ -41,8 +41,10 @@ from pdserve.disagg.transport import (
     make_sender,
     nixl_available,
 )
-from pdserve.disagg.transport.messages import LayerHeader
+from pdserve.disagg.transport.messages import DoneHeader, LayerHeader
 from pdserve.disagg.transport.reservations import PayloadRejected, ReservationTable
+from pdserve.disagg.wire import WireFormatError
+from pdserve.model.kv_scales import KVScales, requantize
 
 NIXL = pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="nixl_cu12 is not installed"))
 SPEC = PoolSpec()
@@ -91,7 +93,9 @@ def test_a_bfloat16_pool_under_float32_compute_rounds_only_what_is_read_back(
 
 # -- the handshake and the receiver's validation ---------------------------------------------------
 def layout(dtype: str = "float32", **changes: object) -> KVLayout:
-    return dataclasses.replace(KVLayout("m", dtype, dtype, 16, 2, 2, 32), **changes)  # type: ignore[arg-type]
+    fields = {"model_id": "m", "dtype": dtype, "kv_cache_dtype": dtype, "block_size": 16, "num_layers": 2,
+              "num_kv_heads": 2, "head_dim": 32}
+    return KVLayout(**(fields | changes))  # type: ignore[arg-type]
 
 
 def test_the_handshake_maps_float_kv_dtypes_and_refuses_the_rest_naming_the_field() -> None:
@@ -101,13 +105,68 @@ def test_the_handshake_maps_float_kv_dtypes_and_refuses_the_rest_naming_the_fiel
         with pytest.raises(KVLayoutMismatch) as plain:  # the pool's own checks never convert
             layout(dst).check_compatible(layout(src))
         assert plain.value.field == "dtype"
-    refusals = [("dtype", layout("float8_e4m3fn")), ("dtype", layout("uint8", kv_cache_dtype="float8_e4m3fn")),
+    refusals = [("dtype", layout("uint8", kv_cache_dtype="float8_e4m3fn", k_scales=(1.0, 1.0), v_scales=(1.0, 1.0))),
                 ("head_dim", layout("bfloat16", head_dim=64)), ("block_size", layout("bfloat16", block_size=8)),
                 ("model_id", layout("bfloat16", model_id="other"))]
     for field, peer in refusals:
         with pytest.raises(KVLayoutMismatch, match=f"KV layout mismatch on {field}") as e:
             layout().check_compatible(peer, convert_dtype=True)
         assert e.value.field == field
+
+
+def test_fp8_layouts_carry_their_scales_and_any_two_convert() -> None:
+    """FP8 against a float pool, against the other FP8 format, against other scales: converted at
+    the hand-off (never by a pool's own checks). The same type and scales: the bytes as they are."""
+    fp8 = layout("float8_e4m3fn", k_scales=(0.5, 2.0), v_scales=(1.0, 4.0))
+    assert KVLayout.from_json(fp8.to_json()) == fp8 and fp8.layer_scales(1) == (2.0, 4.0)
+    peers = [layout("bfloat16"), layout("float32"), dataclasses.replace(fp8, k_scales=(1.0, 2.0)),
+             dataclasses.replace(fp8, dtype="float8_e5m2", kv_cache_dtype="float8_e5m2")]
+    for peer in peers:
+        for src, dst in ((fp8, peer), (peer, fp8)):
+            src.check_handoff(dst)
+            assert dst.converts_from(src)
+            with pytest.raises(KVLayoutMismatch) as plain:
+                dst.check_compatible(src)
+            assert plain.value.field in ("dtype", "k_scales")
+    assert not fp8.converts_from(fp8)
+    assert fp8.stores_as("float8_e4m3fn", (2.0, 4.0), 1) and not fp8.stores_as("float8_e4m3fn", (2.0, 4.0), 0)
+    assert layout("bfloat16").stores_as("bfloat16", (1.0, 1.0), 0) and not fp8.stores_as("bfloat16", (1.0, 1.0), 0)
+
+
+@pytest.mark.parametrize(("changes", "error"), [
+    ({"dtype": "float8_e4m3fn"}, "an FP8 KV layout needs 2 K and V scales .one per layer., got 0 and 0"),
+    ({"dtype": "float8_e4m3fn", "k_scales": (1.0,), "v_scales": (1.0, 1.0)}, "needs 2 K and V scales"),
+    ({"dtype": "float8_e4m3fn", "k_scales": (1.0, -2.0), "v_scales": (1.0, 1.0)}, "finite and > 0, got -2.0"),
+    ({"dtype": "bfloat16", "k_scales": (1.0, 1.0), "v_scales": (1.0, 1.0)}, "FP8 pools only"),
+])
+def test_bad_fp8_layouts_are_refused_clearly(changes: dict[str, object], error: str) -> None:
+    dtype = str(changes.pop("dtype"))
+    with pytest.raises(ValueError, match=error):
+        layout(dtype, kv_cache_dtype=dtype, **changes)
+    good = layout("float8_e4m3fn", k_scales=(1.0, 2.0), v_scales=(1.0, 1.0)).to_json()
+    for bad in (good.replace("2.0", "NaN"), good.replace("2.0", "-2.0"), good.replace("[1.0,2.0]", '["2"]')):
+        with pytest.raises(WireFormatError):  # what a peer's handshake carries is checked the same way
+            KVLayout.from_json(bad)
+
+
+def test_the_receiver_checks_a_payloads_scales() -> None:
+    """Only FP8 payloads are scaled; an FP8 payload with other scales than the pool's is converted."""
+    fp8 = layout("float8_e4m3fn", k_scales=(0.5, 2.0), v_scales=(1.0, 4.0))
+    table = ReservationTable(fp8, num_blocks=8)
+    table.expect("r", [1, 2])
+
+    def header(dtype: str, scales: tuple[float, float], layer: int = 0) -> LayerHeader:
+        num_bytes = 2 * fp8.as_dtype(dtype).block_bytes_per_layer
+        return LayerHeader("r", layer, (1, 2), num_bytes, dtype, fp8.payload_shape(2), "", 0, *scales)
+
+    table.check_layer(header("float8_e4m3fn", (0.5, 1.0)))
+    table.check_layer(header("float8_e4m3fn", (3.0, 3.0)))
+    table.check_layer(header("bfloat16", (1.0, 1.0)))
+    with pytest.raises(PayloadRejected, match=r"scales \[2.0, 1.0\] on a bfloat16 payload"):
+        table.check_layer(header("bfloat16", (2.0, 1.0)))
+    with table.admit_layer(header("float8_e4m3fn", (2.0, 4.0), layer=1)):
+        pass  # its own scales: no conversion
+    assert table.admit_done(DoneHeader("r", 7, 1), in_order=True) and table.num_converted == 0
 
 
 def test_the_receiver_counts_a_converted_payloads_bytes_in_its_own_dtype() -> None:
@@ -122,8 +181,11 @@ def test_the_receiver_counts_a_converted_payloads_bytes_in_its_own_dtype() -> No
     table.check_layer(header("bfloat16", 2 * per_block["bfloat16"]))
     with pytest.raises(PayloadRejected, match="byte count"):
         table.check_layer(header("bfloat16", 2 * per_block["float32"]))
-    with pytest.raises(PayloadRejected, match="dtype float8_e4m3fn"):
-        table.check_layer(header("float8_e4m3fn", 2 * per_block["bfloat16"] // 2))
+    table.check_layer(header("float8_e4m3fn", 2 * per_block["bfloat16"] // 2))  # FP8: 1 byte an element
+    with pytest.raises(PayloadRejected, match="byte count"):
+        table.check_layer(header("float8_e4m3fn", 2 * per_block["bfloat16"]))
+    with pytest.raises(PayloadRejected, match="dtype uint8"):
+        table.check_layer(header("uint8", 2 * per_block["bfloat16"] // 2))
 
 
 # -- the transports --------------------------------------------------------------------------------
@@ -134,15 +196,18 @@ async def drain(receiver: KVReceiver, request_id: str) -> list:
     return events
 
 
-def hand_off(transport: str, src_dtype: str, dst_dtype: str, *, staging_payloads: int | None = None) -> None:
+def hand_off(transport: str, src_dtype: str, dst_dtype: str, *, staging_payloads: int | None = None,
+             src_scales: KVScales | None = None, dst_scales: KVScales | None = None) -> None:
     """Two interleaved requests, two chunks each, every layer: each destination block holds its
-    source block cast to decode's dtype, every other block is untouched, nothing is left behind.
-    `staging_payloads` (nixl): shrink the staging buffer to that many payloads, so claims wait."""
+    source block cast to decode's dtype (FP8: its values requantized with decode's scales), every
+    other block is untouched, nothing is left behind. `staging_payloads` (nixl): shrink the staging
+    buffer to that many payloads, so claims wait. `*_scales`: FP8 pools' (default 1.0)."""
     src_spec, dst_spec = SPEC.with_(dtype=src_dtype), SPEC.with_(dtype=dst_dtype)
     src_pool, dst_pool = src_spec.pool(2), dst_spec.pool(1)
     before = dst_pool.clone()
-    receiver = make_receiver(transport, dst_spec.layout(dst_pool), dst_pool)
-    sender = make_sender(transport, src_spec.layout(src_pool), src_pool)
+    src_layout, dst_layout = src_spec.layout(src_pool, src_scales), dst_spec.layout(dst_pool, dst_scales)
+    receiver = make_receiver(transport, dst_layout, dst_pool)
+    sender = make_sender(transport, src_layout, src_pool)
     if staging_payloads is not None:
         receiver._staging.num_bytes = staging_payloads * 3 * src_spec.layout(src_pool).block_bytes_per_layer
     plans = {"a": ([1, 2, 3, 9, 10, 11], [20, 21, 4, 5, 6, 0]), "b": ([4, 5, 13, 7, 8, 6], [9, 8, 7, 12, 13, 14])}
@@ -162,13 +227,15 @@ def hand_off(transport: str, src_dtype: str, dst_dtype: str, *, staging_payloads
             return [await drain(receiver, rid) for rid in plans]
 
         assert all(isinstance(events[-1], KVDone) for events in asyncio.run(finish()))
-        for src, dst in plans.values():
-            for s, d in zip(src, dst, strict=True):
-                assert torch.equal(dst_pool[:, :, d], src_pool[:, :, s].to(dst_pool.dtype)), (s, d)
+        for layer in range(SPEC.num_layers):
+            for src, dst in plans.values():
+                want = requantize(src_pool[layer][:, src], src_layout.layer_scales(layer), dst_pool.dtype,
+                                  dst_layout.layer_scales(layer))
+                assert torch.equal(dst_pool[layer][:, dst].view(torch.uint8), want.view(torch.uint8)), (layer, dst)
         others = torch.ones(SPEC.num_blocks, dtype=torch.bool)
         others[[d for _, dst in plans.values() for d in dst]] = False
-        assert torch.equal(dst_pool[:, :, others], before[:, :, others])
-        assert receiver.num_dtype_conversions == len(plans)
+        assert torch.equal(dst_pool[:, :, others].view(torch.uint8), before[:, :, others].view(torch.uint8))
+        assert receiver.num_dtype_conversions == (len(plans) if dst_layout.converts_from(src_layout) else 0)
         assert receiver.reserved_request_ids() == frozenset() and sender.pending_request_ids() == frozenset()
         assert getattr(receiver, "num_staging_bytes_in_use", 0) == 0
         assert getattr(receiver, "num_registrations", 0) == 0  # nixl: each staging range's registration revoked
@@ -181,6 +248,26 @@ def hand_off(transport: str, src_dtype: str, dst_dtype: str, *, staging_payloads
 @pytest.mark.parametrize(("src", "dst"), [("bfloat16", "float32"), ("float32", "bfloat16"), ("float16", "bfloat16")])
 def test_a_payload_in_another_float_dtype_is_converted_into_the_blocks(transport: str, src: str, dst: str) -> None:
     hand_off(transport, src, dst)
+
+
+# per layer of SPEC's 3: scales other than 1.0, each layer its own
+DECODE_SCALES = KVScales((0.5, 2.0, 0.125), (4.0, 0.25, 1.5))
+PREFILL_SCALES = KVScales((0.25, 1.0, 2.0), (1.0, 0.5, 3.0))
+
+
+@pytest.mark.parametrize("transport", ["fake", "tcp", NIXL])
+@pytest.mark.parametrize(("src", "dst", "src_scales", "dst_scales"), [
+    ("bfloat16", "float8_e4m3fn", None, DECODE_SCALES),  # a bfloat16 prefill worker into an FP8 decode pool
+    ("float32", "float8_e5m2", None, DECODE_SCALES),
+    ("float8_e4m3fn", "bfloat16", PREFILL_SCALES, None),  # and back
+    ("float8_e4m3fn", "float8_e4m3fn", PREFILL_SCALES, DECODE_SCALES),  # rescaled, not refused
+    ("float8_e5m2", "float8_e4m3fn", PREFILL_SCALES, DECODE_SCALES),
+    ("float8_e4m3fn", "float8_e4m3fn", DECODE_SCALES, DECODE_SCALES),  # the same bytes: in place, no conversion
+])
+def test_fp8_payloads_are_converted_with_the_receivers_scales(transport: str, src: str, dst: str,
+                                                             src_scales: KVScales | None,
+                                                             dst_scales: KVScales | None) -> None:
+    hand_off(transport, src, dst, src_scales=src_scales, dst_scales=dst_scales)
 
 
 @pytest.mark.skipif(not nixl_available(), reason="nixl_cu12 is not installed")
@@ -222,6 +309,44 @@ def test_pd_bfloat16_prefill_to_float32_kv_decode_gives_the_bfloat16_colocated_t
         assert getattr(decode.receiver, "num_staging_bytes_in_use", 0) == 0
     finally:
         stop_cluster(cluster)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["tcp", NIXL])
+def test_pd_bfloat16_prefill_to_fp8_decode_gives_the_fp8_colocated_text(
+        model_dirs: dict[str, Path], tmp_path: Path, transport: str) -> None:
+    """Why identical: the prompt's one chunk attends to its fresh bfloat16 K/V on the prefill worker
+    as in the colocated FP8 engine; decode quantizes the arriving bfloat16 values with its own
+    scales (the checkpoint's) exactly as the colocated engine's writes do (in float32, model/
+    kv_scales.py), and every later step reads the same FP8 bytes. (A prompt in several chunks would
+    differ: a bfloat16 prefill pool's later chunks read unquantized K/V.)"""
+    num_layers = create_engine_config(EngineArgs(model=str(model_dirs["tiny"]))).model.num_hidden_layers
+    scaled = with_scales(model_dirs["tiny"], tmp_path / "scaled", [0.25 * (i + 1) for i in range(num_layers)],
+                         [2.0 / (i + 1) for i in range(num_layers)])
+    reference = LLM(model=str(scaled), dtype="bfloat16", kv_cache_dtype="fp8", **ENGINE_ARGS)
+    engine_options = {"prefill": {"dtype": "bfloat16"}, "decode": {"dtype": "bfloat16", "kv_cache_dtype": "fp8"}}
+    cluster = start_cluster(scaled, transport, 1, 1, max_num_batched_tokens=32, engine_options=engine_options)
+    try:
+        decode: DecodeService = cluster.service(DecodeService)
+        assert decode.receiver.kv_cache.dtype == torch.float8_e4m3fn
+        assert decode.receiver.layout.k_scales == tuple(0.25 * (i + 1) for i in range(num_layers))
+        with httpx.Client(base_url=cluster.router.url, timeout=60) as http:
+            seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True)
+            for prompt, params in ((PROMPTS[0], greedy(24)), (PROMPTS[1], greedy(24)), (PROMPTS[1], seeded)):
+                [want] = reference.generate(token_prompts([prompt]), params)
+                body = {"prompt": prompt, "max_tokens": 24, "ignore_eos": True,
+                        "temperature": params.temperature, "seed": params.seed}
+                reply = http.post("/v1/completions", json=body)
+                assert reply.status_code == 200, reply.text
+                assert reply.json()["choices"][0]["text"] == want.outputs[0].text
+        cluster.wait_until_idle()
+        assert decode.stats().kv_dtype_conversions == decode.stats().completed == 3
+        assert scrape(cluster.workers[0][0].url).value("pdserve:kv_dtype_conversions_total") == 3
+        assert decode.receiver.reserved_request_ids() == frozenset()
+        assert getattr(decode.receiver, "num_staging_bytes_in_use", 0) == 0
+    finally:
+        stop_cluster(cluster)
+    assert_no_leak(reference)
 
 
 @pytest.mark.skipif(not nixl_available(), reason="nixl_cu12 is not installed")

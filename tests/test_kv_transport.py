@@ -334,8 +334,8 @@ def test_transfer_crosses_processes(remote: tuple[str, RemotePrefill]) -> None:
 
 @pytest.mark.parametrize("field", ["block_size", "dtype", "num_layers", "head_dim", "model_id"])
 def test_layout_mismatch_refused_at_connect_on_both_sides(transport: str, decode: Decode, field: str) -> None:
-    # NOTE: a float16 pool would be converted (test_kv_dtype.py); a float8 one cannot be
-    changed = {"block_size": 8, "dtype": "float8_e4m3fn", "num_layers": 2, "head_dim": 16, "model_id": "other-model"}
+    # NOTE: a float16 or float8 pool would be converted (test_kv_dtype.py); a uint8 one cannot be
+    changed = {"block_size": 8, "dtype": "uint8", "num_layers": 2, "head_dim": 16, "model_id": "other-model"}
     spec = SPEC.with_(**{field: changed[field]})
     pool = spec.pool(PREFILL_SEED)
     sender = make_sender(transport, spec.layout(pool), pool)
@@ -373,7 +373,7 @@ def test_layout_mismatch_refused_across_processes(remote: tuple[str, RemotePrefi
     transport, prefill = remote
     decode = Decode(transport)
     try:
-        bad = {"block_size": 16, "dtype": "float8_e4m3fn"}[field]
+        bad = {"block_size": 16, "dtype": "uint8"}[field]  # NOTE: a float8 pool would be converted (test_kv_dtype.py)
         prefill.new_sender(f"bad-{field}", SPEC.with_(**{field: bad}), 3)
         with pytest.raises(KVLayoutMismatch, match=f"KV layout mismatch on {field}") as e:
             prefill.call(f"bad-{field}", "connect", decode.receiver.address)

@@ -5,6 +5,14 @@ A prefill worker may only write into a decode worker's pool when both pools agre
 `KVLayout` captures exactly that (the number of blocks is each pool's own business). The element
 type may differ between two float types (`CONVERTIBLE_DTYPES`, each side's `--kv-cache-dtype`): the
 sender sends its own bytes and the receiver converts them on arrival into its pool's type.
+
+An FP8 pool's bytes mean `element * scale`, one K and one V scale per layer (model/kv_scales.py):
+its layout carries them (`k_scales`, `v_scales`), and every layer payload names the scales of its
+own bytes (LayerHeader), so a receiver converts float payloads into FP8 with its own scales, FP8
+payloads into float, and rescales an FP8 payload whose scales are not its own:
+
+    payload (dtype, k_scale, v_scale)  ->  float32 values = element * scale  ->  pool (quantize)
+    the same dtype and scales          ->  bytes copied as they are (in place over tcp and nixl)
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import torch
 
 from pdserve.disagg import wire
 from pdserve.engine.model_runner import POOL_LAYOUT
+from pdserve.model.kv_scales import KVScales
 
 # The schema of the records the KV transports exchange (transport/messages.py). Bump it with any
 # change to one of them: two workers that disagree refuse each other at the handshake, naming this
@@ -29,11 +38,14 @@ from pdserve.engine.model_runner import POOL_LAYOUT
 # registration it writes into (an older prefill would find no registration to write to).
 # 7: a layer header names the KV heads its payload holds (one tensor-parallel rank's, see
 # KVLayout.check_handoff); an older decode would take a rank's heads for the whole pool's.
-WIRE_VERSION = 7
+# 8: FP8 pools: the layout carries per-layer K/V scales, a layer header the scales of its bytes (an
+# older decode would take FP8 bytes with other scales for its own).
+WIRE_VERSION = 8
 
-# Element types a receiver converts between on arrival (any pair; not quantized formats: those
-# need scales the layout does not carry).
-CONVERTIBLE_DTYPES = frozenset({"float32", "bfloat16", "float16"})
+FP8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2"})
+# Element types a receiver converts between on arrival (any pair; FP8 with the scales in the headers;
+# not a quantized format stored in another type, e.g. FP8 in uint8: its bytes name no scales).
+CONVERTIBLE_DTYPES = frozenset({"float32", "bfloat16", "float16"}) | FP8_DTYPES
 
 _ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1}
 
@@ -60,6 +72,8 @@ class KVLayout:
     every head, so any two TP sizes map (the peer's `tp_size` is reported, not compared). A prefill
     worker whose ranks each have a pool of their own (CUDA) hands off from every rank: each rank's
     pool, holding its heads, may send into a decode pool holding them (`check_handoff`).
+    `k_scales`, `v_scales`: an FP8 pool's, one per layer (element * scale = value); empty for a
+    float pool (its scales are 1.0).
     """
 
     model_id: str
@@ -73,6 +87,8 @@ class KVLayout:
     wire_version: int = WIRE_VERSION
     kv_head_start: int = 0
     tp_size: int = dataclasses.field(default=1, compare=False)
+    k_scales: tuple[float, ...] = ()
+    v_scales: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.dtype not in _ELEMENT_BYTES:
@@ -80,12 +96,20 @@ class KVLayout:
         for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"KV layout {name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_cache_dtype in FP8_DTYPES:
+            if not len(self.k_scales) == len(self.v_scales) == self.num_layers:
+                raise ValueError(f"an FP8 KV layout needs {self.num_layers} K and V scales (one per layer), "
+                                 f"got {len(self.k_scales)} and {len(self.v_scales)}")
+            KVScales(self.k_scales, self.v_scales)  # raises unless finite, > 0
+        elif self.k_scales or self.v_scales:
+            raise ValueError(f"KV scales belong to FP8 pools only, not to a {self.kv_cache_dtype} pool")
 
     @classmethod
     def from_pool(cls, model_id: str, kv_cache: torch.Tensor, kv_cache_dtype: str | None = None,
-                  tp_size: int = 1, *, strided: bool = False) -> KVLayout:
+                  tp_size: int = 1, *, strided: bool = False, scales: KVScales | None = None) -> KVLayout:
         """Describe an engine pool of shape [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
-        `strided`: the pool may be a view of some heads of a larger one (a tcp sender gathers)."""
+        `strided`: the pool may be a view of some heads of a larger one (a tcp sender gathers).
+        `scales`: an FP8 pool's (`EngineConfig.kv_scales`)."""
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
             raise ValueError(f"expected a pool shaped [layers, 2, blocks, block_size, kv_heads, head_dim], "
                              f"got {tuple(kv_cache.shape)}")
@@ -94,7 +118,7 @@ class KVLayout:
         dtype = str(kv_cache.dtype).removeprefix("torch.")
         num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         return cls(model_id, dtype, kv_cache_dtype or dtype, block_size, num_layers, num_kv_heads, head_dim,
-                   tp_size=tp_size)
+                   tp_size=tp_size, k_scales=scales.k if scales else (), v_scales=scales.v if scales else ())
 
     @property
     def element_bytes(self) -> int:
@@ -126,15 +150,35 @@ class KVLayout:
         """This layout holding heads [start, start + count): what a payload of those heads looks like."""
         return dataclasses.replace(self, kv_head_start=start, num_kv_heads=count)
 
+    def layer_scales(self, layer: int) -> tuple[float, float]:
+        """(k_scale, v_scale) of `layer`: element * scale is the value (1.0 in a float pool). NOTE: a
+        quantized format stored in another type (FP8 in uint8) names none: its bytes convert to nothing."""
+        return (self.k_scales[layer], self.v_scales[layer]) if self.dtype in FP8_DTYPES else (1.0, 1.0)
+
+    def stores_as(self, dtype: str, scales: tuple[float, float], layer: int) -> bool:
+        """Whether a payload of `layer` in `dtype` elements with these scales holds exactly this
+        pool's bytes (copied as they are; otherwise converted, `converts_payload`)."""
+        return dtype == self.dtype and (dtype not in FP8_DTYPES or scales == self.layer_scales(layer))
+
+    def converts_payload(self, dtype: str) -> bool:
+        """Whether this pool converts payloads of `dtype` elements on arrival: both are types of
+        `CONVERTIBLE_DTYPES`, and this pool stores its logical type as it is."""
+        return {self.dtype, dtype} <= CONVERTIBLE_DTYPES and self.kv_cache_dtype == self.dtype
+
     def converts_from(self, peer: KVLayout) -> bool:
         """Whether a receiver with this layout converts `peer`'s payloads on arrival: both pools hold
-        plain (unquantized) float types of `CONVERTIBLE_DTYPES`, and they differ."""
-        return (self.dtype != peer.dtype and {self.dtype, peer.dtype} <= CONVERTIBLE_DTYPES
-                and self.kv_cache_dtype == self.dtype and peer.kv_cache_dtype == peer.dtype)
+        types of `CONVERTIBLE_DTYPES` as they are, and their element types or scales differ."""
+        return (peer.kv_cache_dtype == peer.dtype and self.converts_payload(peer.dtype)
+                and (self.dtype, self.k_scales, self.v_scales) != (peer.dtype, peer.k_scales, peer.v_scales))
 
     def as_dtype(self, dtype: str) -> KVLayout:
-        """This layout holding `dtype` elements: what a payload a peer sends in `dtype` looks like."""
-        return dataclasses.replace(self, dtype=dtype, kv_cache_dtype=dtype)
+        """This layout holding `dtype` elements: what a payload a peer sends in `dtype` looks like
+        (its byte counts and shapes). NOTE: an FP8 one keeps this layout's scales, else gets 1.0:
+        a payload's own scales are in its header."""
+        fp8 = dtype in FP8_DTYPES
+        k = (self.k_scales or (1.0,) * self.num_layers) if fp8 else ()
+        v = (self.v_scales or (1.0,) * self.num_layers) if fp8 else ()
+        return dataclasses.replace(self, dtype=dtype, kv_cache_dtype=dtype, k_scales=k, v_scales=v)
 
     def check_handoff(self, decode: KVLayout) -> None:
         """This (prefill) pool may send its KV into `decode`'s: `check_compatible` with dtype
@@ -148,7 +192,8 @@ class KVLayout:
         """Raise KVLayoutMismatch naming the first field (in declaration order) that differs.
         `convert_dtype` (the KV hand-off): element types that `converts_from` maps are no mismatch.
         `heads_within`: this pool's heads need only lie within the peer's."""
-        skip = {"dtype", "kv_cache_dtype"} if convert_dtype and self.converts_from(peer) else set()
+        converts = convert_dtype and self.converts_from(peer)
+        skip = {"dtype", "kv_cache_dtype", "k_scales", "v_scales"} if converts else set()
         if heads_within:
             skip |= {"num_kv_heads", "kv_head_start"}
             if not peer.holds_heads(self.kv_head_start, self.num_kv_heads):

@@ -52,7 +52,8 @@ _StepChunk = tuple[str, int, int, list[int]]
 def rank_layout(model_name: str, runner: ModelRunner, config: EngineConfig, rank: int) -> KVLayout:
     """The KV layout of one rank's own pool: its heads of the model's."""
     start, _ = TPShard(rank, config.tensor_parallel_size).kv_head_range(config.model)
-    layout = KVLayout.from_pool(model_name, runner.kv_cache, tp_size=config.tensor_parallel_size)
+    layout = KVLayout.from_pool(model_name, runner.kv_cache, tp_size=config.tensor_parallel_size,
+                                scales=config.kv_scales)
     return dataclasses.replace(layout, kv_head_start=start)
 
 

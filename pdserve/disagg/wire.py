@@ -1,10 +1,11 @@
 """Typed records <-> JSON for everything that crosses a process boundary. No pickle: a peer can
 only ever make us build the dataclasses named here, with fields of the declared types.
 
-Supported field types: str, int, bool, float (finite), bytes (base64 text), tuple[int, ...], nested
-records, and `X | None` of these (null). Decoding is strict: exactly the declared keys, exactly the
-declared types (a bool is not an int; an int is a float). The one leniency: a field with a default
-may be absent (a peer from before the field was added) and takes its default.
+Supported field types: str, int, bool, float (finite), bytes (base64 text), tuple[int, ...],
+tuple[float, ...], nested records, and `X | None` of these (null). Decoding is strict: exactly the
+declared keys, exactly the declared types (a bool is not an int; an int is a float). The one
+leniency: a field with a default may be absent (a peer from before the field was added) and takes
+its default.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def _hints(cls: type) -> dict[str, Any]:
         _HINTS[cls] = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
         _REQUIRED[cls] = {f.name for f in dataclasses.fields(cls)
                           if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-        _INT_TUPLES.update(h for h in _HINTS[cls].values() if typing.get_origin(h) is tuple)
+        _INT_TUPLES.update(h for h in _HINTS[cls].values() if typing.get_args(h) == (int, Ellipsis))
     return _HINTS[cls]
 
 
@@ -96,6 +97,10 @@ def _decode(hint: Any, value: object, where: str) -> object:
         if type(value) is not hint:
             raise WireFormatError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
         return value
+    if hint == tuple[float, ...]:
+        if not isinstance(value, list):
+            raise WireFormatError(f"{where}: expected a list of numbers")
+        return tuple(_decode_float(item, where) for item in value)
     if hint in _INT_TUPLES:
         # NOTE: set(map(type, ...)) runs in C: a KV header's 256-block list is checked in ~5 us
         if not isinstance(value, list) or not set(map(type, value)) <= {int}:

@@ -107,7 +107,8 @@ def build_worker(engine: LLMEngine, config: WorkerConfig, model_name: str, *,
         raise ValueError("the fake KV transport moves KV within one process: a worker with --tensor-parallel-size > 1 "
                          "and a KV pool per rank (CUDA) needs tcp or nixl")
     layout = (rank_layout(model_name, runner, engine.config, 0) if rank_pools
-              else KVLayout.from_pool(model_name, runner.kv_cache, tp_size=engine.config.tensor_parallel_size))
+              else KVLayout.from_pool(model_name, runner.kv_cache, tp_size=engine.config.tensor_parallel_size,
+                                                 scales=engine.config.kv_scales))
     metrics = ServerMetrics(model_name, config.role)
     secret = load_cluster_secret(config.cluster_secret_file)
     warn_if_open(secret, f"{config.role} worker")

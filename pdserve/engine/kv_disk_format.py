@@ -8,6 +8,7 @@ under a directory named by the pool's layout.
     8       4     header length H (little endian), the bytes from offset 12 to the payload
     12      H     JSON: {"layout": {...}, "block_hash": hex, "payload_bytes": n, "crc32": c}
     12 + H  n     the block's KV: kv_cache[:, :, block] as [layer, k|v, slot, head, dim], pool dtype
+                  (an FP8 pool's elements as they are: the layout names their dtype and scales)
 
 A file is loaded only when every field matches what the reader expects (its layout, the hash it
 looked up, the payload length, the checksum); anything else (torn by a crash, truncated, corrupt,
@@ -60,15 +61,24 @@ class DiskLayout:
     tp_size: int = 1
     layout: str = POOL_LAYOUT
     format_version: int = FORMAT_VERSION
+    # An FP8 pool's per-layer scales (model/kv_scales.py): its bytes mean element * scale, so a pool
+    # with other scales must not read them; empty for a float pool
+    k_scales: tuple[float, ...] = ()
+    v_scales: tuple[float, ...] = ()
 
     @classmethod
     def of_engine(cls, config: EngineConfig) -> DiskLayout:
-        m = config.model
+        m, scales = config.model, config.kv_scales
         return cls(_model_id(config.model_path), str(config.kv_dtype).removeprefix("torch."), config.cache.block_size,
-                   m.num_hidden_layers, m.num_key_value_heads, m.head_dim)
+                   m.num_hidden_layers, m.num_key_value_heads, m.head_dim, k_scales=scales.k if scales else (),
+                   v_scales=scales.v if scales else ())
 
     def to_dict(self) -> dict[str, object]:
-        return dataclasses.asdict(self)
+        """As JSON reads it back (lists); a float pool's empty scales left out, so its key (and its
+        files) stay those of before FP8 pools had scales."""
+        fields = {name: list(value) if isinstance(value, tuple) else value
+                  for name, value in dataclasses.asdict(self).items()}
+        return {name: value for name, value in fields.items() if value != []}
 
     @property
     def key(self) -> str:

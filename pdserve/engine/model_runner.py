@@ -17,7 +17,14 @@ from pdserve.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.step_buffers import StepBuffers
 from pdserve.engine.step_plan import StepPlan, plan_step
-from pdserve.model.attention import AttentionMetadata, DecodeBatch, DecodeRun, PrefillSpan, can_attend_in_place
+from pdserve.model.attention import (
+    AttentionMetadata,
+    DecodeBatch,
+    DecodeRun,
+    KVQuant,
+    PrefillSpan,
+    can_attend_in_place,
+)
 from pdserve.model.attention_backend import StepMetadata, decode_splits, select_backend
 from pdserve.model.qwen3 import Qwen3ForCausalLM
 
@@ -55,6 +62,9 @@ class ModelRunner:
         self.swap_cache = torch.empty(swap_shape, dtype=config.kv_dtype, device="cpu",
                                       pin_memory=self.device.type == "cuda" and config.cache.num_swap_blocks > 0)
         self.layer_caches = list(self.local_cache.unbind(0))
+        scales = config.kv_scales
+        self.kv_quant = None if scales is None else KVQuant(
+            {cache.data_ptr(): scales.layer(index) for index, cache in enumerate(self.layer_caches)})
         self.in_place_decode = can_attend_in_place(self.device, config.dtype, config.kv_dtype)
         self.sampler = Sampler(config.seed, self.device)
         # the Triton backend (CUDA): persistent step buffers, decode from CUDA graphs (model/attention_backend.py)
@@ -152,7 +162,7 @@ class ModelRunner:
                          for p in plan.prefills)
         decodes, runs = self._decode_layout(plan.decode_rows, plan.decode_tables, plan.decode_lens)
         meta = AttentionMetadata(slot_mapping=self._tensor(plan.slots), decodes=decodes, prefills=prefills,
-                                 decode_runs=runs)
+                                 decode_runs=runs, kv_quant=self.kv_quant)
         return self._tensor(plan.token_ids), self._tensor(plan.positions), meta
 
     def _decode_layout(self, rows: list[int], tables: list[list[int]], context_lens: list[int]

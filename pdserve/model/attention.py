@@ -25,7 +25,9 @@ weights), then attention read it again: in place, it is read once (`can_attend_i
 The pool's element type (`--kv-cache-dtype`) may differ from the model's (`--dtype`): new K/V are
 cast to the pool's type when written, and what is read from the pool is cast to the query's type
 before any math, so attention always computes in the model's dtype. A prompt's first chunk attends
-to its own fresh K/V (never read back from the pool), as with an equal pool type.
+to its own fresh K/V (never read back from the pool), as with an equal pool type. An FP8 pool
+(`KVQuant`) stores K/V divided by its layer's scale and is read back times it (model/kv_scales.py):
+the same two calls, with scale 1.0, make the plain casts of a float pool.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from pdserve.model.kv_scales import dequantize, is_fp8, quantize
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +74,22 @@ class DecodeBatch:
     v_buf: torch.Tensor
 
 
+KVScale = tuple[float, float]  # (k_scale, v_scale) of one layer
+_UNSCALED: KVScale = (1.0, 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class KVQuant:
+    """An FP8 pool's (k_scale, v_scale) per layer, found by the address of the layer's cache tensor.
+    NOTE: the model hands attention each layer's cache tensor and nothing else (model/qwen3.py), so
+    its code is the same for every pool type; the runner, which owns the pool, builds this once."""
+
+    scales: dict[int, KVScale]  # layer_cache.data_ptr() -> (k_scale, v_scale)
+
+    def of(self, layer_cache: torch.Tensor) -> KVScale:
+        return self.scales[layer_cache.data_ptr()]
+
+
 @dataclass(frozen=True, slots=True)
 class AttentionMetadata:
     """Everything attention needs for one step; built by the model runner."""
@@ -80,12 +100,18 @@ class AttentionMetadata:
     # NOTE: when not empty, every decode's context is its run (if any) plus its blocks in `decodes`
     # (if any), joined by log-sum-exp; empty: `decodes` hold whole contexts
     decode_runs: tuple[DecodeRun, ...] = ()
+    kv_quant: KVQuant | None = None  # an FP8 pool's scales; None: a float pool (scale 1.0)
 
 
-def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             kv_scale: KVScale = _UNSCALED) -> None:
     num_kv_heads, head_dim = k.shape[-2:]
-    layer_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(layer_cache.dtype))
-    layer_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(layer_cache.dtype))
+    for index, (values, scale) in enumerate(((k, kv_scale[0]), (v, kv_scale[1]))):
+        stored = quantize(values, layer_cache.dtype, scale)
+        dst = layer_cache[index].view(-1, num_kv_heads, head_dim)
+        if is_fp8(layer_cache.dtype):  # NOTE: torch's CPU index_copy_ has no float8 kernel; bytes are bytes
+            dst, stored = dst.view(torch.uint8), stored.view(torch.uint8)
+        dst.index_copy_(0, slot_mapping, stored)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
@@ -94,15 +120,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cac
 
     Writes k/v into the cache, then returns [num_tokens, num_heads, head_dim].
     """
-    write_kv(layer_cache, k, v, meta.slot_mapping)
+    kv_scale = _UNSCALED if meta.kv_quant is None else meta.kv_quant.of(layer_cache)
+    write_kv(layer_cache, k, v, meta.slot_mapping, kv_scale)
     out = torch.empty_like(q)
     if meta.decode_runs:
         _split_decode_attention(q, layer_cache, meta, scale, out)
     else:
         for batch in meta.decodes:
-            out[batch.rows] = _decode_attention(q[batch.rows], layer_cache, batch, scale)
+            out[batch.rows] = _decode_attention(q[batch.rows], layer_cache, batch, scale, kv_scale)
     for span in meta.prefills:
-        out[span.start:span.end] = _prefill_attention(q, k, v, layer_cache, span, scale)
+        out[span.start:span.end] = _prefill_attention(q, k, v, layer_cache, span, scale, kv_scale)
     return out
 
 
@@ -146,29 +173,31 @@ def _split_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: At
         out[batch.rows] = joined.reshape(-1, num_heads, head_dim)
 
 
-def _gather(layer_cache: torch.Tensor, batch: DecodeBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather(layer_cache: torch.Tensor, batch: DecodeBatch, dtype: torch.dtype,
+            kv_scale: KVScale = _UNSCALED) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch's blocks, copied: keys and values [num_decodes, num_kv_heads, kv_len, head_dim]."""
     num_kv_heads, head_dim = layer_cache.shape[3:]
     num_seqs, kv_len = batch.mask.shape[0], batch.mask.shape[-1]
     torch.index_select(layer_cache[0], 0, batch.block_ids, out=batch.k_buf)
     torch.index_select(layer_cache[1], 0, batch.block_ids, out=batch.v_buf)
-    keys = batch.k_buf.to(dtype).view(num_seqs, kv_len, num_kv_heads, head_dim).transpose(1, 2)
-    values = batch.v_buf.to(dtype).view(num_seqs, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+    keys = dequantize(batch.k_buf, dtype, kv_scale[0]).view(num_seqs, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+    values = dequantize(batch.v_buf, dtype, kv_scale[1]).view(num_seqs, kv_len, num_kv_heads, head_dim).transpose(1, 2)
     return keys, values
 
 
-def _decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, batch: DecodeBatch, scale: float) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, batch: DecodeBatch, scale: float,
+                      kv_scale: KVScale) -> torch.Tensor:
     """q: [num_decodes, num_heads, head_dim]. Gathers each sequence's blocks (padded), masks the
     padding. GQA without copies: the query heads sharing a KV head act as that head's query rows."""
     num_seqs, num_heads, head_dim = q.shape
-    keys, values = _gather(layer_cache, batch, q.dtype)
+    keys, values = _gather(layer_cache, batch, q.dtype, kv_scale)
     grouped = q.view(num_seqs, keys.shape[1], num_heads // keys.shape[1], head_dim)
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=batch.mask, scale=scale)
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
-                       span: PrefillSpan, scale: float) -> torch.Tensor:
+                       span: PrefillSpan, scale: float, kv_scale: KVScale) -> torch.Tensor:
     num_new = span.end - span.start
     query = q[span.start:span.end].transpose(0, 1).unsqueeze(0)
     if span.context_len == num_new:
@@ -178,8 +207,10 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_
         out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)
     num_kv_heads, head_dim = layer_cache.shape[3:]
-    keys = layer_cache[0][span.block_table].view(-1, num_kv_heads, head_dim)[:span.context_len].to(q.dtype)
-    values = layer_cache[1][span.block_table].view(-1, num_kv_heads, head_dim)[:span.context_len].to(q.dtype)
+    keys = dequantize(layer_cache[0][span.block_table].view(-1, num_kv_heads, head_dim)[:span.context_len], q.dtype,
+                      kv_scale[0])
+    values = dequantize(layer_cache[1][span.block_table].view(-1, num_kv_heads, head_dim)[:span.context_len],
+                        q.dtype, kv_scale[1])
     # Query i sits at absolute position (context_len - num_new + i) and sees keys up to it.
     offset = span.context_len - num_new
     rows = torch.arange(num_new, device=q.device)[:, None] + offset

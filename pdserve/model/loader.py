@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from pdserve.model.fp8 import SCALE_SUFFIX, FP8BlockQuantization, dequantize
+from pdserve.model.kv_scales import is_kv_scale_name
 from pdserve.model.packed_linear import can_pack, pack_linears
 from pdserve.model.parallel import ParallelGroup, TPShard
 from pdserve.model.qwen3 import Qwen3ForCausalLM, RotaryEmbedding
@@ -159,6 +160,8 @@ def _copy_weights(model: Qwen3ForCausalLM, cfg: Qwen3ModelConfig, model_dir: Pat
     for name, full in _checkpoint_tensors(model_dir, cfg.quantization, dtype, params["embed_tokens.weight"].device):
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue  # the tied head is the embedding; some tied checkpoints still store a copy
+        if is_kv_scale_name(name):
+            continue  # an FP8 KV cache's scale (config.py reads them), not a weight
         tensor = slice_for_rank(name.rsplit(".", 1)[0], full)
         target, view = _target(cfg, name)
         if target not in params:

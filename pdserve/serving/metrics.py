@@ -316,8 +316,9 @@ def _service_series(stats: ServiceStats, labels: dict[str, str],
         yield counter("pdserve:kv_recomputations", "Prompts recomputed on decode after a failed hand-off",
                       stats.recomputed)
         yield counter("pdserve:kv_transfers_completed", "Hand-offs completed", stats.completed)
-        yield counter("pdserve:kv_dtype_conversions", "Hand-offs whose KV arrived in another dtype (the prefill "
-                      "worker's --kv-cache-dtype) and was converted into this pool's", stats.kv_dtype_conversions)
+        yield counter("pdserve:kv_dtype_conversions", "Hand-offs whose KV arrived in another dtype or with other FP8 "
+                      "scales (the prefill worker's --kv-cache-dtype) and was converted into this pool's",
+                      stats.kv_dtype_conversions)
         yield counter("pdserve:decode_local_prefills", "Short uncached prompts decode prefilled itself (conditional "
                       "disaggregation)", stats.prefilled_locally)
         failures.add_metric([*labels.values(), "timeout"], stats.timeouts - stats.retried)

@@ -33,7 +33,7 @@ class DecodeStats(Counts):
     rejected: int = 0  # hand-offs whose payload the KV receiver refused
     prefilled_locally: int = 0  # short uncached prompts prefilled here (conditional disaggregation)
     lease_expired: int = 0  # reservations ended because no KV (nor keepalive) came within the lease
-    kv_dtype_conversions: int = 0  # hand-offs whose KV came in another dtype, converted on arrival
+    kv_dtype_conversions: int = 0  # hand-offs whose KV came in another dtype (or FP8 scales), converted on arrival
     in_flight: int = 0  # requests reserved and not yet finished
 
 

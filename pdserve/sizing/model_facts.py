@@ -19,7 +19,8 @@ from pathlib import Path
 from pdserve.model.demo_checkpoint import PRESETS, QWEN3_SHAPES, QWEN3_VOCAB_SIZE, ModelShape
 from pdserve.model.qwen3_config import Qwen3ModelConfig
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "float8": 1, "int8": 1}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "float8": 1,
+               "int8": 1}
 
 
 @dataclass(frozen=True, slots=True)

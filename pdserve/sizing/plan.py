@@ -42,6 +42,7 @@ class PlanInputs:
     max_input_len: int = 0
     output_len: int = 0
     buffer: float = SEED_BUFFER
+    kv_cache_dtype: str | None = None  # the engine's --kv-cache-dtype this sizes for (None: its default)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +59,7 @@ class Plan:
     max_num_seqs_range: tuple[int, int]  # floor and ceiling of fits x (1 - buffer)
     max_num_batched_tokens_prefill: int
     max_num_batched_tokens_decode: int
+    kv_cache_dtype: str | None = None  # NOTE: the block count holds for this pool type only: flags name it
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -68,6 +70,8 @@ class Plan:
         out = ["--max-num-seqs", str(self.max_num_seqs), "--max-num-batched-tokens", str(budget)]
         if self.num_kv_blocks is not None:
             out += ["--num-kv-blocks", str(self.num_kv_blocks)]
+        if self.kv_cache_dtype is not None:
+            out += ["--kv-cache-dtype", self.kv_cache_dtype]
         return out
 
 
@@ -109,7 +113,7 @@ def make_plan(inputs: PlanInputs) -> Plan:
                 (max_seqs, max(max_seqs, math.ceil(target))), _prefill_budget(inputs.max_input_len, max_seqs),
                 # NOTE: a decode step has one token per sequence; the floor leaves room for a
                 # recomputed prompt (after a preemption or a failed transfer)
-                max(max_seqs, MIN_BATCHED_TOKENS))
+                max(max_seqs, MIN_BATCHED_TOKENS), inputs.kv_cache_dtype)
 
 
 def _kv_per_request(inputs: PlanInputs, per_block: int | None) -> float:

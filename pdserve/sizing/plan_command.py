@@ -7,6 +7,7 @@ import json
 import sys
 
 from pdserve.bench.serve import workloads
+from pdserve.config import KV_CACHE_DTYPES
 from pdserve.sizing.devices import DEVICES, device
 from pdserve.sizing.model_facts import dtype_bytes, load_model_facts
 from pdserve.sizing.plan import GIB, SEED_BUFFER, Plan, PlanInputs, make_plan
@@ -30,7 +31,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overhead-gib", type=float, default=2.0, help="activations, CUDA graphs, allocator slack")
     p.add_argument("--kv-per-request-gib", type=float, default=None, help="KV of one request, given instead of derived")
     p.add_argument("--dtype", default="bfloat16", help="weight dtype")
-    p.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: --dtype)")
+    p.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: --dtype); one of the engine's "
+                                                    "--kv-cache-dtype values (fp8: 1 byte an element) goes into the "
+                                                    "flags")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (weights and KV heads split)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--workload", choices=["seed-mix", "fixed"], default="seed-mix",
@@ -65,7 +68,7 @@ def plan_inputs(ns: argparse.Namespace) -> PlanInputs:
     return PlanInputs(memory, utilization, model, weight_bytes, dtype_bytes(ns.kv_dtype or ns.dtype), ns.tp,
                       ns.block_size, ns.overhead_gib * GIB, None if not explicit else ns.reserved_gib * GIB,
                       None if ns.kv_per_request_gib is None else ns.kv_per_request_gib * GIB, mean_in, max_in, out,
-                      ns.buffer)
+                      ns.buffer, ns.kv_dtype if ns.kv_dtype in KV_CACHE_DTYPES else None)
 
 
 def _gib(value: float | None) -> str:
@@ -89,7 +92,9 @@ def format_plan(inputs: PlanInputs, plan: Plan) -> str:
         ("KV per block", "n/a" if plan.kv_bytes_per_block is None else
          f"{plan.kv_bytes_per_block:,} B ({inputs.block_size} tokens)"),
         ("KV per request", _gib(plan.kv_per_request_bytes) + lengths),
-        ("KV blocks", "n/a" if plan.num_kv_blocks is None else f"{plan.num_kv_blocks:,}"),
+        ("KV blocks", "n/a" if plan.num_kv_blocks is None else
+         f"{plan.num_kv_blocks:,} ({GIB // plan.kv_bytes_per_block:,} per GiB)" if plan.kv_bytes_per_block else
+         f"{plan.num_kv_blocks:,}"),
         ("requests that fit", str(plan.requests_fit)),
         (f"--max-num-seqs ({inputs.buffer:.0%} buffer)", f"{plan.max_num_seqs}" + (
             f" (set {low}-{high})" if high != low else "")),

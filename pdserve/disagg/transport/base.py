@@ -45,6 +45,7 @@ from pdserve.disagg.transport.messages import (
 )
 from pdserve.disagg.transport.progress import AckTracker, EventBox
 from pdserve.disagg.transport.reservations import PayloadRejected, ReservationTable
+from pdserve.model.kv_scales import KVScales, is_fp8, requantize
 
 _MAX_REFUSALS_KEPT = 16
 _MAX_ABANDONED_KEPT = 4096
@@ -56,7 +57,9 @@ def check_pool(layout: KVLayout, kv_cache: torch.Tensor, *, strided: bool = Fals
     """The pool a transport is given must be the one `layout` describes (`strided`: KVLayout.from_pool)."""
     # NOTE: the wire version is the peer protocol's, not the pool's, and which of the model's heads
     # a pool holds is the layout's to say: only the pool's own fields are checked
-    actual = dataclasses.replace(KVLayout.from_pool(layout.model_id, kv_cache, layout.kv_cache_dtype, strided=strided),
+    scales = KVScales(layout.k_scales, layout.v_scales) if layout.k_scales else None  # the pool does not know them
+    actual = dataclasses.replace(KVLayout.from_pool(layout.model_id, kv_cache, layout.kv_cache_dtype, strided=strided,
+                                                    scales=scales),
                                  wire_version=layout.wire_version, kv_head_start=layout.kv_head_start)
     actual.check_compatible(layout, self_role="pool", peer_role="layout")
 
@@ -244,16 +247,22 @@ class KVReceiver(abc.ABC):
 
     def _copy_into_pool(self, header: LayerHeader, payload: torch.Tensor) -> None:
         """Payload bytes (uint8) -> the pool's blocks (the payload's heads of them), converted when
-        the sender's dtype differs (the payload is then the staging buffer the cast reads)."""
+        the sender's dtype or FP8 scales differ (the payload is then the staging buffer the cast
+        reads): FP8 on either side through float32 values and this pool's scales of the layer."""
         values = payload.view(getattr(torch, header.dtype)).view(header.shape).to(self.kv_cache.device,
                                                                                  non_blocking=True)
         layer_cache = self.kv_cache[header.layer]
         if not self._whole_pool(header):
             layer_cache = layer_cache.narrow(3, header.kv_head_start - self.layout.kv_head_start, header.shape[3])
-        if values.dtype != self.kv_cache.dtype or not self._whole_pool(header):
+        same = self.layout.stores_as(header.dtype, header.scales, header.layer)
+        if not same and (is_fp8(values.dtype) or is_fp8(self.kv_cache.dtype)):
+            values = requantize(values, header.scales, self.kv_cache.dtype, self.layout.layer_scales(header.layer))
+        if not same or not self._whole_pool(header):
             cast_into_blocks(layer_cache, values, header.dst_block_ids)
             return
         dst = torch.tensor(header.dst_block_ids, dtype=torch.long, device=self.kv_cache.device)
+        if is_fp8(values.dtype):  # NOTE: torch's CPU index_copy_ has no float8 kernel; bytes are bytes
+            layer_cache, values = layer_cache.view(torch.uint8), values.view(torch.uint8)
         layer_cache.index_copy_(1, dst, values)
 
     def _whole_pool(self, header: LayerHeader) -> bool:
@@ -451,7 +460,7 @@ class KVSender(abc.ABC):
         """Describes what the sender actually sends: `num_src_blocks` blocks' worth of bytes."""
         return LayerHeader(request_id, layer, tuple(dst_block_ids), num_src_blocks * self.layout.block_bytes_per_layer,
                            self.layout.dtype, self.layout.payload_shape(num_src_blocks), token,
-                           self.layout.kv_head_start)
+                           self.layout.kv_head_start, *self.layout.layer_scales(layer))
 
     def _check_welcome(self, welcome: Welcome) -> None:
         """Prefill's half of the layout check, independent of decode's verdict."""

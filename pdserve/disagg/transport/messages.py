@@ -87,7 +87,9 @@ class LayerHeader:
     Over tcp the payload follows in the same frame; over nixl it travels inside Claim and Written.
     `token`: the reservation's (decode checks it before anything of the payload is admitted).
     `kv_head_start`: the model's KV head that `shape`'s heads start at (a tensor-parallel rank
-    sends its own heads; decode writes them into those heads of its blocks)."""
+    sends its own heads; decode writes them into those heads of its blocks).
+    `k_scale`, `v_scale`: what the payload's K and V elements are multiplied by to give the values
+    (the sender's FP8 pool's scales of this layer; 1.0 for a float payload)."""
 
     request_id: str
     layer: int
@@ -97,6 +99,12 @@ class LayerHeader:
     shape: tuple[int, ...]
     token: str = ""
     kv_head_start: int = 0
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    @property
+    def scales(self) -> tuple[float, float]:
+        return self.k_scale, self.v_scale
 
 
 @dataclass(frozen=True, slots=True)

@@ -326,9 +326,10 @@ class NixlKVReceiver(KVReceiver):
         return grant
 
     def _in_place(self, header: LayerHeader) -> bool:
-        """The payload may be written straight into the pool's regions: same element type, every
-        head of the pool. Otherwise it is staged, then cast or copied into its heads of the blocks."""
-        return header.dtype == self.layout.dtype and self._whole_pool(header)
+        """The payload may be written straight into the pool's regions: same element type (and FP8
+        scales), every head of the pool. Otherwise it is staged, then converted or copied into its
+        heads of the blocks."""
+        return self.layout.stores_as(header.dtype, header.scales, header.layer) and self._whole_pool(header)
 
     def _pool_addrs(self, header: LayerHeader) -> tuple[int, ...]:
         return tuple(region_addrs(self.kv_cache, self.layout, header.layer, header.dst_block_ids).tolist())

@@ -6,7 +6,8 @@ only if its request is reserved, it presents the reservation's token, every dest
 in that set (each at most once), its layer exists, and its byte count, dtype and shape are exactly
 one layer of K and V for those blocks, of the KV heads it names (all of the pool's, or one
 tensor-parallel rank's within them). The dtype is the pool's, or one the pool converts from
-(`KVLayout.converts_from`): the byte count is then counted in the payload's dtype.
+(`KVLayout.converts_payload`): the byte count is then counted in the payload's dtype. A payload's
+scales (LayerHeader) are 1.0 unless its dtype is FP8; FP8 ones other than the pool's are converted.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from pdserve.disagg.kv_layout import CONVERTIBLE_DTYPES, KVLayout
+from pdserve.disagg.kv_layout import FP8_DTYPES, KVLayout
 from pdserve.disagg.transport.messages import DoneHeader, LayerHeader
 
 
@@ -109,7 +110,7 @@ class ReservationTable:
             reservation = self._check_layer(header)
             yield
             reservation.num_layer_payloads += 1
-            reservation.converted |= header.dtype != self.layout.dtype
+            reservation.converted |= not self.layout.stores_as(header.dtype, header.scales, header.layer)
 
     def admit_done(self, header: DoneHeader, *, in_order: bool, origin: object = None) -> bool:
         """True: every layer payload announced by `header` was received, the reservation is closed.
@@ -187,8 +188,10 @@ class ReservationTable:
             return f"destination blocks {outside} are not reserved for this request"
         if len(set(dst)) != len(dst) or not dst:
             return f"destination blocks must be distinct and non-empty, got {list(dst)}"
-        if header.dtype != layout.dtype:
-            if header.dtype not in CONVERTIBLE_DTYPES or not layout.converts_from(layout.as_dtype(header.dtype)):
+        if header.dtype not in FP8_DTYPES and header.scales != (1.0, 1.0):
+            return f"scales {list(header.scales)} on a {header.dtype} payload (only FP8 payloads are scaled)"
+        if not layout.stores_as(header.dtype, header.scales, header.layer):
+            if not layout.converts_payload(header.dtype):
                 return f"dtype {header.dtype} != {layout.dtype} (and not one it converts from)"
             layout = layout.as_dtype(header.dtype)  # what the payload's bytes are
         num_heads = header.shape[3] if len(header.shape) == 5 else 0

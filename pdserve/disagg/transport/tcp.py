@@ -12,7 +12,7 @@ Bytes go straight between the pools and the kernel, with no copy in Python:
 A pool on an accelerator goes through host memory instead: the sender gathers the blocks
 (`index_select`) and copies them to the host, the receiver reads into a host staging tensor and
 `index_copy_`s it into the pool after the same validation. So does a payload in another element
-type than the decode pool's (`--kv-cache-dtype` differs between the roles), or of one
+type (or FP8 scales) than the decode pool's (`--kv-cache-dtype` differs between the roles), or of one
 tensor-parallel rank's KV heads (strided within each block): the receiver reads it into staging
 (one buffer per connection, kept) and casts or copies it into the blocks, one layer at a time.
 A tensor-parallel prefill worker whose ranks have pools of their own opens one connection per
@@ -143,7 +143,8 @@ class TcpKVReceiver(KVReceiver):
         except PayloadRejected as e:
             await frames.discard(sock, frame.payload_len)
             return self._reject(e)
-        if self._flat is None or header.dtype != self.layout.dtype or not self._whole_pool(header):
+        if (self._flat is None or not self.layout.stores_as(header.dtype, header.scales, header.layer)
+                or not self._whole_pool(header)):
             return await self._receive_staged(sock, header, staging.take(header.num_bytes))
         views = regions.payload_views(self.layout, self.kv_cache, self._flat, header.layer, header.dst_block_ids)
         unread = await frames.recv_into_views(sock, views, lambda: self._table.writing(header.request_id, reservation))
