@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.request import Request
+from pdserve.engine.structured import MaskFiller
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,11 +58,15 @@ class SampleResult:
 class Sampler:
     def __init__(self, seed: int, device: torch.device) -> None:
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.masks = MaskFiller()  # structured outputs: each constrained row's grammar mask
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         """logits: [len(requests), vocab] float32, one row per request, in order."""
         logprobs = self._logprobs(logits, requests)
         logits = self._apply_penalties_and_masks(logits, requests)
+        constrained = [i for i, r in enumerate(requests) if r.matcher is not None]
+        if constrained:
+            logits = self.masks.apply(logits, constrained, [requests[i].matcher for i in constrained])
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:
