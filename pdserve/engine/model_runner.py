@@ -53,12 +53,14 @@ class ModelRunner:
         self.layer_caches = list(self.local_cache.unbind(0))
         self.in_place_decode = can_attend_in_place(self.device, config.dtype, config.kv_dtype)
         self.sampler = Sampler(config.seed, self.device)
+        self.vocab_size = config.model.vocab_size  # the logits' width
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, layer_done: Callable[[int], None] | None = None
                 ) -> dict[str, tuple[int, TokenLogprobs | None]]:
         """Run one step; returns request id -> (sampled token, its logprobs) for the chunks that sample."""
         plan, samplers, targets = plan_step(out, self.block_size)
+        masks = self.sampler.start_masks(samplers, self.vocab_size)  # structured outputs: beside the forward
         logits = self.run(plan, layer_done)
         if logits is None:
             return {}
@@ -67,7 +69,7 @@ class ModelRunner:
             logits = logits[:len(samplers)]
         if not samplers:
             return {}
-        result = self.sampler(logits, samplers)
+        result = self.sampler(logits, samplers, masks)
         return {r.request_id: (t, lp) for r, t, lp in zip(samplers, result.token_ids, result.logprobs, strict=True)}
 
     @torch.inference_mode()

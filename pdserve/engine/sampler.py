@@ -7,6 +7,7 @@ Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) picks token i 
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -60,13 +61,23 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.masks = MaskFiller()  # structured outputs: each constrained row's grammar mask
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
-        """logits: [len(requests), vocab] float32, one row per request, in order."""
+    def start_masks(self, requests: list[Request], vocab: int) -> Future[torch.Tensor] | None:
+        """Structured outputs: start filling the grammar masks of the constrained requests (one
+        bitmask, a row each), to run while the model computes the logits; None: none is."""
+        matchers = [r.matcher for r in requests if r.matcher is not None]
+        return self.masks.start(matchers, vocab) if matchers else None
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request],
+                 masks: Future[torch.Tensor] | None = None) -> SampleResult:
+        """logits: [len(requests), vocab] float32, one row per request, in order; `masks`: what
+        `start_masks` started for these requests (None: filled now, if any is constrained)."""
         logprobs = self._logprobs(logits, requests)
         logits = self._apply_penalties_and_masks(logits, requests)
         constrained = [i for i, r in enumerate(requests) if r.matcher is not None]
         if constrained:
-            logits = self.masks.apply(logits, constrained, [requests[i].matcher for i in constrained])
+            masks = masks or self.start_masks(requests, logits.shape[-1])
+            assert masks is not None
+            logits = self.masks.apply(logits, constrained, masks)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:

@@ -20,6 +20,7 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -183,29 +184,49 @@ class GrammarCache:
 
 class MaskFiller:
     """Fills and applies the masks of a batch's constrained rows: one bitmask filled by
-    llguidance's batch call (its threads, not a Python loop over rows or the vocabulary), unpacked
-    with one table lookup and applied with one `masked_fill_`."""
+    llguidance's batch call (not a Python loop over rows or the vocabulary), on a thread of its own
+    while the model computes the step's logits (`start`, before the forward), then unpacked with
+    one table lookup (a byte of the bitmask -> the 8 bools of its tokens, as one int64) and applied
+    with one `masked_fill_` (`apply`)."""
 
     def __init__(self, num_threads: int = 1) -> None:
         self._num_threads = num_threads
         self._executor: llguidance.LLExecutor | None = None
-        # bit b of byte x, for every byte value: the bitmask's bytes -> one bool per token
-        self._bits = ((torch.arange(256)[:, None] >> torch.arange(8)[None, :]) & 1).bool()
+        self._thread: ThreadPoolExecutor | None = None
+        # for every byte value x: 8 bytes, byte b = 1 where bit b of x is 0 (that token is refused)
+        refused = ((torch.arange(256)[:, None] >> torch.arange(8)[None, :]) & 1) == 0
+        self._refused = refused.to(torch.uint8).contiguous().view(torch.int64).view(256)
 
-    def apply(self, logits: torch.Tensor, rows: list[int], matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
-        """`logits` with every token the row's matcher does not allow next at -inf (a new tensor)."""
-        import llguidance
+    def start(self, matchers: list[llguidance.LLMatcher], vocab: int) -> Future[torch.Tensor]:
+        """The bitmask of these matchers' next tokens (a row each, in order), being filled."""
+        if self._thread is None:
+            import llguidance
 
-        if self._executor is None:
             self._executor = llguidance.LLExecutor(self._num_threads)
-        vocab = logits.shape[-1]
-        bitmask = torch.zeros((len(rows), (vocab + 31) // 32), dtype=torch.int32)
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
+        return self._thread.submit(self._fill, matchers, vocab)
+
+    def _fill(self, matchers: list[llguidance.LLMatcher], vocab: int) -> torch.Tensor:
+        assert self._executor is not None
+        bitmask = torch.zeros((len(matchers), (vocab + 31) // 32), dtype=torch.int32)
         # NOTE: what llguidance.torch.fill_next_token_bitmask_par does (that module compiles a
         # kernel with torch.compile when imported): one call, the rows' masks written in place
-        self._executor.unsafe_compute_mask_ptr(list(zip(matchers, range(len(rows)), strict=True)),
-                                               bitmask.data_ptr(), bitmask.shape[1] * 4, len(rows))
-        allowed = self._bits[bitmask.view(torch.uint8).long()].view(len(rows), -1)[:, :vocab]
+        self._executor.unsafe_compute_mask_ptr(list(zip(matchers, range(len(matchers)), strict=True)),
+                                               bitmask.data_ptr(), bitmask.shape[1] * 4, len(matchers))
+        return bitmask
+
+    def apply(self, logits: torch.Tensor, rows: list[int], bitmask: Future[torch.Tensor] | torch.Tensor
+              ) -> torch.Tensor:
+        """`logits` with every token a row's bitmask does not allow at -inf, in place (the
+        sampler's logits are its own: the logprobs were taken before)."""
+        if isinstance(bitmask, Future):
+            bitmask = bitmask.result()
+        num_rows, vocab = len(rows), logits.shape[-1]
+        # NOTE: little-endian words: byte j of word w holds the bits of tokens 32w + 8j ... + 7
+        refused = self._refused.index_select(0, bitmask.view(torch.uint8).view(-1).int())
+        refused = refused.view(torch.bool).view(num_rows, -1)[:, :vocab].to(logits.device, non_blocking=True)
+        if num_rows == logits.shape[0]:  # every row constrained: the rows are 0..n-1, in order
+            return logits.masked_fill_(refused, float("-inf"))
         index = torch.tensor(rows, device=logits.device)
-        logits = logits.clone()
-        logits[index] = logits[index].masked_fill_(~allowed.to(logits.device), float("-inf"))
+        logits[index] = logits[index].masked_fill_(refused, float("-inf"))
         return logits
