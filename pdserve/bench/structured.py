@@ -22,6 +22,7 @@ from typing import Any
 
 from pdserve import LLM, SamplingParams
 from pdserve.bench.common import hardware_line, print_table
+from pdserve.engine.llm import TokensPrompt
 from pdserve.engine.structured import StructuredOutput, grammar_of
 from pdserve.model.demo_checkpoint import default_model_dir
 
@@ -49,7 +50,8 @@ def person_schema(tag: str = "", min_items: int = 1000) -> dict[str, Any]:
 
 def decode_rate(llm: LLM, streams: int, tokens: int, structured: StructuredOutput | None, reps: int) -> float:
     """Output tokens per second of `streams` concurrent requests of `tokens` tokens (best of `reps`)."""
-    prompts = [{"prompt_token_ids": [(97 * i + 13 * j) % _PAD_ID for j in range(16)]} for i in range(streams)]
+    prompts = [TokensPrompt(prompt_token_ids=[(97 * i + 13 * j) % _PAD_ID for j in range(16)])
+               for i in range(streams)]
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, structured=structured)
     best = 0.0
     for _ in range(reps):

@@ -139,8 +139,10 @@ class _SamplingFields(BaseModel):
                            structured: StructuredOutput | None = None) -> SamplingParams:
         """`structured`: the constraint the server adds (chat's tool_choice), else the request's own."""
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        param, spec = ("tools", structured) if structured is not None else \
-            (self.structured_constraints() or [(None, None)])[0]
+        found = self.structured_constraints()
+        param, spec = "tools", structured
+        if spec is None and found:
+            param, spec = found[0]
         if spec is not None:
             try:
                 check_structured(spec)
