@@ -225,27 +225,33 @@ def test_served_outputs_are_valid_and_greedy_matches_the_engine(server: ServerHa
 
 
 def test_tool_choice_required_and_named_give_calls_that_parse(server: ServerHandle) -> None:
+    with server.http() as http:
+        check_tool_calls(http, seeds=4)
+    server.wait_until_idle()
+
+
+def check_tool_calls(http: httpx.Client, seeds: int) -> None:
+    """`tool_choice` required and named: one call, of a tool (the named one), whose arguments match
+    its schema, whole and streamed."""
     chat = {"messages": [{"role": "user", "content": "Weather or time?"}], "tools": TOOLS, "max_tokens": 200,
             "temperature": 1.0}
-    with server.http() as http:
-        for seed in range(4):
-            for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-                body = chat | {"tool_choice": choice, "seed": seed}
-                reply = http.post("/v1/chat/completions", json=body)
-                assert reply.status_code == 200, reply.text
-                message = reply.json()["choices"][0]["message"]
-                assert len(message["tool_calls"]) == 1, message
-                call = message["tool_calls"][0]["function"]
-                tool = next(t["function"] for t in TOOLS if t["function"]["name"] == call["name"])
-                jsonschema.validate(json.loads(call["arguments"]), tool["parameters"])
-                if choice != "required":
-                    assert call["name"] == "get_weather"
-                streamed = http.post("/v1/chat/completions", json=body | {"stream": True})
-                calls = [tc for e in parse_sse(streamed.text) if isinstance(e, dict) and e["choices"]
-                         for tc in e["choices"][0]["delta"].get("tool_calls") or []]
-                assert [c["function"]["name"] for c in calls if "id" in c] == [call["name"]]
-                assert "".join(c["function"]["arguments"] for c in calls) == call["arguments"]
-    server.wait_until_idle()
+    for seed in range(seeds):
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            body = chat | {"tool_choice": choice, "seed": seed}
+            reply = http.post("/v1/chat/completions", json=body)
+            assert reply.status_code == 200, reply.text
+            message = reply.json()["choices"][0]["message"]
+            assert len(message["tool_calls"]) == 1, message
+            call = message["tool_calls"][0]["function"]
+            tool = next(t["function"] for t in TOOLS if t["function"]["name"] == call["name"])
+            jsonschema.validate(json.loads(call["arguments"]), tool["parameters"])
+            if choice != "required":
+                assert call["name"] == "get_weather"
+            streamed = http.post("/v1/chat/completions", json=body | {"stream": True})
+            calls = [tc for e in parse_sse(streamed.text) if isinstance(e, dict) and e["choices"]
+                     for tc in e["choices"][0]["delta"].get("tool_calls") or []]
+            assert [c["function"]["name"] for c in calls if "id" in c] == [call["name"]]
+            assert "".join(c["function"]["arguments"] for c in calls) == call["arguments"]
 
 
 @pytest.mark.parametrize(("path", "extra", "words"), [
@@ -292,6 +298,7 @@ def test_pd_outputs_are_valid_and_greedy_matches_colocated(model_dirs: dict[str,
             assert reply.status_code == 200, reply.text
             for choice in reply.json()["choices"]:
                 check_json(choice["text"])
+            check_tool_calls(http, seeds=1)
         cluster.wait_until_idle()
     finally:
         stop_cluster(cluster)
@@ -308,3 +315,16 @@ def test_the_benchmark_runs(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Capt
     out = capsys.readouterr().out
     assert re.search(r"^\| 3 +\| \d+ +\| \d+ +\| \d\.\d\d +\|$", out, re.M), out
     assert "grammar compile: cold" in out
+
+
+def test_a_resume_replays_every_token_sent_so_far(colocated: LLM) -> None:
+    """The router's continuation after a decode loss: the sent tokens end the new prompt, and the
+    matcher replays them all (after a second loss, those of both workers)."""
+    from pdserve.disagg.router_outputs import continuation
+
+    params = constrained("json", temperature=0)
+    first = continuation(colocated.engine.tokenizer, params, [90, 91, 92], "")
+    assert first.structured_replay == 3 and first.structured == params.structured
+    assert continuation(colocated.engine.tokenizer, first, [93, 94], "").structured_replay == 5
+    free = SamplingParams(max_tokens=MAX_TOKENS)
+    assert continuation(colocated.engine.tokenizer, free, [93, 94], "").structured_replay == 0
