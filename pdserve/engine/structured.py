@@ -9,8 +9,9 @@ a copy of the cached one) that lives on the `Request` and advances with every to
 (`Request.append_token`). A resumed request (another decode worker, after a loss) rebuilds the
 matcher exactly by replaying the output tokens already generated, which are the last
 `SamplingParams.structured_replay` tokens of its prompt. The sampler fills one bitmask for all the
-constrained rows of a batch with llguidance's batch call and applies it with one tensor op
-(`apply_masks`). The request ends when the grammar does (EOS is allowed only where it may end).
+constrained rows of a batch with llguidance's batch call, beside the model's forward, and applies it
+with one tensor op (`MaskFiller`). The request ends when the grammar does (EOS is allowed only where
+it may end).
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ KINDS = {
     "lark": "a Lark grammar (llguidance's dialect: %json {schema} embeds a schema)",
 }
 _CACHE_SIZE = 256
-# JSON as `json.dumps` writes it (", " and ": "), not any whitespace anywhere: a model may otherwise
-# spend its tokens on whitespace (random weights do, to max_tokens). A schema's "x-guidance" wins.
+# Compact JSON ("," and ":", no whitespace between tokens), not any whitespace anywhere: a model may
+# otherwise spend its tokens on whitespace (random weights do, to max_tokens). A schema's own
+# "x-guidance" options win.
 _JSON_OPTIONS: Any = {"whitespace_flexible": False}
 
 
