@@ -60,7 +60,7 @@ class ModelRunner:
                 ) -> dict[str, tuple[int, TokenLogprobs | None]]:
         """Run one step; returns request id -> (sampled token, its logprobs) for the chunks that sample."""
         plan, samplers, targets = plan_step(out, self.block_size)
-        masks = self.sampler.start_masks(samplers, self.vocab_size)  # structured outputs: beside the forward
+        self.sampler.start_masks(samplers, self.vocab_size)  # structured outputs: beside the forward
         logits = self.run(plan, layer_done)
         if logits is None:
             return {}
@@ -69,7 +69,7 @@ class ModelRunner:
             logits = logits[:len(samplers)]
         if not samplers:
             return {}
-        result = self.sampler(logits, samplers, masks)
+        result = self.sampler(logits, samplers)
         return {r.request_id: (t, lp) for r, t, lp in zip(samplers, result.token_ids, result.logprobs, strict=True)}
 
     @torch.inference_mode()

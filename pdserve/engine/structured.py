@@ -90,7 +90,10 @@ def _llguidance_grammar(spec: StructuredOutput) -> str:
     if spec.kind == "regex":
         return LLMatcher.grammar_from_regex(spec.text)
     if spec.kind == "choice":
-        choices = json.loads(spec.text)
+        try:
+            choices = json.loads(spec.text)
+        except ValueError as exc:
+            raise ValueError(f"choice: not a JSON list: {exc}") from exc
         if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
             raise ValueError("choice: a non-empty list of non-empty strings")
         return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
@@ -109,7 +112,12 @@ def grammar_of(spec: StructuredOutput) -> str:
     server checks a request with it before anything is queued (engine.llm_engine.check_request)."""
     from llguidance import LLMatcher
 
-    grammar = _llguidance_grammar(spec)
+    try:
+        grammar = _llguidance_grammar(spec)
+    except ValueError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever llguidance raises for a spec, the client's 400
+        raise ValueError(f"{spec.kind}: {exc}") from exc
     error = LLMatcher.validate_grammar(grammar)
     if error:
         raise ValueError(f"{spec.kind}: {error.strip()}")

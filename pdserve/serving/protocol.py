@@ -6,7 +6,7 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured import StructuredOutput, check_structured
@@ -21,7 +21,7 @@ class JsonSchemaFormat(BaseModel):
 
     name: str = "response"
     description: str | None = None
-    json_schema: dict[str, Any] | bool = Field(alias="schema")
+    json_schema: dict[str, Any] | StrictBool = Field(alias="schema")
     strict: bool | None = None  # NOTE: the output is constrained either way (as vLLM does)
 
 
@@ -41,7 +41,7 @@ class StructuredOutputsParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    json_schema: dict[str, Any] | str | bool | None = Field(None, alias="json")
+    json_schema: dict[str, Any] | str | StrictBool | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = Field(None, min_length=1)
     grammar: str | None = None
@@ -63,7 +63,7 @@ class StructuredOutputsParams(BaseModel):
         return found
 
 
-def _json_constraint(schema: dict[str, Any] | str | bool) -> StructuredOutput:
+def _json_constraint(schema: dict[str, Any] | str | StrictBool) -> StructuredOutput:
     return StructuredOutput("json", schema if isinstance(schema, str) else json.dumps(schema))
 
 
@@ -96,7 +96,7 @@ class _SamplingFields(BaseModel):
     # structured outputs (engine/structured.py): OpenAI's, vLLM's, and vLLM's older names
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
-    guided_json: dict[str, Any] | str | bool | None = None
+    guided_json: dict[str, Any] | str | StrictBool | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(None, min_length=1)
     guided_grammar: str | None = None
