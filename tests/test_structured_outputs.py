@@ -328,3 +328,20 @@ def test_a_resume_replays_every_token_sent_so_far(colocated: LLM) -> None:
     assert continuation(colocated.engine.tokenizer, first, [93, 94], "").structured_replay == 5
     free = SamplingParams(max_tokens=MAX_TOKENS)
     assert continuation(colocated.engine.tokenizer, free, [93, 94], "").structured_replay == 0
+
+
+@pytest.mark.slow
+def test_tensor_parallel_outputs_match_one_process(model_dirs: dict[str, Path], colocated: LLM) -> None:
+    """TP=2: rank 0 samples under the masks; greedy text as one process's."""
+    tp = LLM(model=str(model_dirs["tiny"]), dtype="float32", tensor_parallel_size=2, num_threads=1,
+             num_kv_blocks=64)
+    try:
+        for kind in sorted(CASES):
+            params = constrained(kind, temperature=0)
+            want = [o.outputs[0].text for o in colocated.generate(token_prompts(PROMPTS), params)]
+            got = [o.outputs[0].text for o in tp.generate(token_prompts(PROMPTS), params)]
+            assert got == want
+            for text in got:
+                CASES[kind][2](text)
+    finally:
+        tp.engine.close()
