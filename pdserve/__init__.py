@@ -3,6 +3,7 @@
 from pdserve.engine.llm import LLM
 from pdserve.engine.output import CompletionOutput, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured import StructuredOutput
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutput", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

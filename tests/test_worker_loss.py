@@ -6,6 +6,7 @@ the client gets an in-band error, then [DONE]."""
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -17,7 +18,8 @@ import pytest
 from helpers import generate_texts, greedy, random_prompt
 from process_cluster import ProcessCluster, WorkerProcess, spawn_worker, start_router, wait_healthy
 
-from pdserve import LLM
+from pdserve import LLM, SamplingParams
+from pdserve.engine.structured import StructuredOutput
 from pdserve.serving.router_stats import Recoveries
 
 pytestmark = pytest.mark.slow  # workers as processes, killed and replaced
@@ -63,11 +65,12 @@ def signal_busy(workers: list[WorkerProcess], sig: int) -> WorkerProcess:
     return victim
 
 
-def stream_events(url: str, prompt: list[int], max_tokens: int, on_tokens: int, action) -> list[object]:  # type: ignore[no-untyped-def]
+def stream_events(url: str, prompt: list[int], max_tokens: int, on_tokens: int, action,  # type: ignore[no-untyped-def]
+                  extra: dict[str, object] | None = None) -> list[object]:
     """Stream a greedy completion; call `action()` once `on_tokens` text chunks arrived."""
     events: list[object] = []
     body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}} | (extra or {})
     with httpx.Client(base_url=url, timeout=120) as http, http.stream("POST", "/v1/completions", json=body) as reply:
         assert reply.status_code == 200
         chunks = 0
@@ -177,17 +180,52 @@ def test_decode_sigkill_mid_stream_resumes_with_the_prompt_kv_from_prefill_cache
     assert sigkill_mid_stream(cluster, colocated, random_prompt(50, seed=13)) == Recoveries(prefill_cache=1)
 
 
-def test_decode_sigkill_mid_stream_recomputes_what_prefill_does_not_cache(
-        cluster: ProcessCluster, colocated: LLM, model_dirs: dict[str, Path], tmp_path: Path) -> None:
-    replacement = spawn_worker("decode", model_dirs["tiny"], tmp_path, FLAGS + ["--register", cluster.router.url])
+def add_decode_worker(cluster: ProcessCluster, model_dir: Path, logs: Path) -> None:
+    """A decode worker that joins by registering (the cluster has two ready ones again)."""
+    replacement = spawn_worker("decode", model_dir, logs, FLAGS + ["--register", cluster.router.url])
     cluster.decode.append(replacement)
     wait_healthy([replacement])
     deadline = time.monotonic() + 10
     while sum(w.role == "decode" and w.ready for w in cluster.router.client.workers()) < 2:
         assert time.monotonic() < deadline, "the replacement did not join by registering"
         time.sleep(0.1)
+
+
+def test_decode_sigkill_mid_stream_recomputes_what_prefill_does_not_cache(
+        cluster: ProcessCluster, colocated: LLM, model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    add_decode_worker(cluster, model_dirs["tiny"], tmp_path)
     # a prompt shorter than a block: prefill never held a full block of what the resume computes
     assert sigkill_mid_stream(cluster, colocated, random_prompt(10, seed=15)) == Recoveries(recompute=1)
+
+
+# twenty numbers: ~60 tokens of JSON, so the decode worker dies in the middle of it
+NUMBERS_SCHEMA = {"type": "object", "properties": {"numbers": {
+    "type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": 20, "maxItems": 20}},
+    "required": ["numbers"], "additionalProperties": False}
+
+
+def test_decode_sigkill_mid_stream_under_a_schema_still_ends_in_valid_json(
+        cluster: ProcessCluster, colocated: LLM, model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """The resumed request's new decode worker (and its prefill) replay the tokens sent so far into
+    their matchers: the output continues the same grammar, the colocated greedy text, valid JSON."""
+    add_decode_worker(cluster, model_dirs["tiny"], tmp_path)
+    prompt = random_prompt(30, seed=17)
+    schema = json.dumps(NUMBERS_SCHEMA)
+    want = colocated.generate([{"prompt_token_ids": prompt}], SamplingParams(
+        temperature=0, max_tokens=200, structured=StructuredOutput("json", schema)))[0].outputs[0]
+    assert want.finish_reason == "stop" and len(want.token_ids) > 30
+    before = cluster.router.client.stats()
+    killed: list[WorkerProcess] = []
+    events = stream_events(cluster.router.url, prompt, 200, 10,
+                           lambda: killed.append(signal_busy(cluster.decode, signal.SIGKILL)),
+                           {"ignore_eos": False, "response_format": {
+                               "type": "json_schema", "json_schema": {"name": "numbers", "schema": NUMBERS_SCHEMA}}})
+    assert cluster.router.client.stats().events.resumed == before.events.resumed + 1
+    assert text_of(events) == want.text
+    assert len(json.loads(text_of(events))["numbers"]) == 20
+    assert events[-2]["usage"]["completion_tokens"] == len(want.token_ids)  # type: ignore[index]
+    killed[0].popen.wait(10)
+    cluster.wait_until_idle()
 
 
 def test_no_decode_worker_left_is_an_in_band_error_then_done(cluster: ProcessCluster) -> None:

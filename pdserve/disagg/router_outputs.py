@@ -136,7 +136,8 @@ def continuation(tokenizer: Tokenizer, params: SamplingParams, sent_tokens: list
     """What is left of a request after `sent_tokens` went out (resuming on another worker). The
     new worker's text starts with what those tokens made that the client did not get yet: text
     held back as a possible start of a stop string, and the bytes of an unfinished character
-    (else those would be lost, and a stop string across the resume missed)."""
+    (else those would be lost, and a stop string across the resume missed). A structured output's
+    matcher replays them (they end the new prompt), so it continues the same grammar."""
     if not sent_tokens:
         return params
     made, unfinished = detokenize(tokenizer, sent_tokens, params.skip_special_tokens)
@@ -148,7 +149,8 @@ def continuation(tokenizer: Tokenizer, params: SamplingParams, sent_tokens: list
     # NOTE: the prompt's logprobs came with the first token: not asked again (over prompt + sent tokens)
     return dataclasses.replace(params, max_tokens=max_tokens, min_tokens=max(0, params.min_tokens - num_sent),
                                text_prefix=held_back, utf8_prefix=tuple(unfinished),
-                               seed_draws_done=params.seed_draws_done + num_sent, prompt_logprobs=None)
+                               seed_draws_done=params.seed_draws_done + num_sent, prompt_logprobs=None,
+                               structured_replay=params.structured_replay + num_sent if params.structured else 0)
 
 
 def after_sent(request_id: str, prompt: list[int], sent: CompletionOutput, output: RequestOutput,

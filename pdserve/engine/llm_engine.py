@@ -22,6 +22,7 @@ from pdserve.engine.sampler import PromptLogprobs, TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler
 from pdserve.engine.step_log import StepLog, StepWork
+from pdserve.engine.structured import GrammarCache, check_structured
 from pdserve.model.loader import load_model
 from pdserve.tokenizer import Tokenizer, load_tokenizer
 
@@ -77,6 +78,9 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, max_model
     bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
     if bad is not None:
         raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if params.structured_replay >= len(prompt_token_ids):
+        raise ValueError("structured_replay must be shorter than the prompt")
+    check_structured(params.structured)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +141,7 @@ class LLMEngine:
         # False in the engine core process (engine/core_proc.py): outputs carry token ids, no text;
         # its API process detokenizes and applies stop strings (`stop_sequence`). Set before requests.
         self.detokenize = True
+        self.grammars = GrammarCache(tokenizer, config.model.vocab_size)  # structured outputs
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -184,6 +189,10 @@ class LLMEngine:
         """The `n` engine sequences of one user request; with n > 1 each has its own id and seed."""
         children = []
         for index in range(params.n):
+            matcher = None
+            if params.structured is not None:
+                replay = token_ids[len(token_ids) - params.structured_replay:] if params.structured_replay else []
+                matcher = self.grammars.matcher(params.structured, replay)
             child_params = params
             if index > 0 and params.seed is not None:
                 # Distinct per sequence, and unlike seed + index, not another request's seed.
@@ -192,7 +201,7 @@ class LLMEngine:
                 child_params = dataclasses.replace(child_params, prompt_logprobs=None)
             child_id = _child_id(request_id, index)  # a reservation is child 0
             children.append(Request(child_id, token_ids, child_params, self.tokenizer.eos_token_ids,
-                                    self.config.scheduler.max_model_len, arrival, self.config.device))
+                                    self.config.scheduler.max_model_len, arrival, self.config.device, matcher))
         return children
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -267,6 +276,8 @@ class LLMEngine:
         expected = request.generator.get_state().numel() if request.generator is not None else None
         if generator_state is not None and expected is not None and len(generator_state) != expected:
             raise ValueError(f"generator state of {len(generator_state)} bytes, expected {expected}")
+        if request.matcher is not None and request.matcher.validate_tokens([first_token_id]) != 1:
+            raise ValueError(f"first token id {first_token_id} does not follow the request's structured output")
         request.take_prompt_logprobs(prompt_logprobs, self.config.model.vocab_size)  # the last check: it sets them
         # Both hits are leading prefixes of the same prompt: their union is the longer one (a block
         # held by both workers counts once). Decode's hit was not sent, prefill's not recomputed.

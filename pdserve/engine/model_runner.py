@@ -67,6 +67,7 @@ class ModelRunner:
             {cache.data_ptr(): scales.layer(index) for index, cache in enumerate(self.layer_caches)})
         self.in_place_decode = can_attend_in_place(self.device, config.dtype, config.kv_dtype)
         self.sampler = Sampler(config.seed, self.device)
+        self.vocab_size = config.model.vocab_size  # the logits' width
         # the Triton backend (CUDA): persistent step buffers, decode from CUDA graphs (model/attention_backend.py)
         self.step_buffers: StepBuffers | None = None
         self.decode_graphs: DecodeGraphs | None = None
@@ -101,6 +102,7 @@ class ModelRunner:
                 ) -> dict[str, tuple[int, TokenLogprobs | None]]:
         """Run one step; returns request id -> (sampled token, its logprobs) for the chunks that sample."""
         plan, samplers, targets = plan_step(out, self.block_size)
+        self.sampler.start_masks(samplers, self.vocab_size)  # structured outputs: beside the forward
         logits = self.run(plan, layer_done)
         if logits is None:
             return {}

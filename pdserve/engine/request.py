@@ -15,6 +15,8 @@ import torch
 from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import llguidance
+
     from pdserve.engine.sampler import PromptLogprobs
 
 
@@ -37,11 +39,11 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "all_token_ids", "params", "eos_token_ids", "max_total_tokens",
                  "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes", "swapped_block_ids",
                  "status", "stop_reason", "generator", "pending_draws", "arrival_time", "first_scheduled_time",
-                 "num_preemptions", "hold_blocks", "disk_checked", "prompt_logprobs")
+                 "num_preemptions", "hold_blocks", "disk_checked", "prompt_logprobs", "matcher")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...], max_model_len: int, arrival_time: float | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, matcher: llguidance.LLMatcher | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
@@ -70,6 +72,8 @@ class Request:
         self.hold_blocks = False
         # The disk tier was asked for this request's prefix since it last had none computed.
         self.disk_checked = False
+        # with params.structured: the grammar's state after the tokens so far (engine/structured.py)
+        self.matcher = matcher
 
     @property
     def num_tokens(self) -> int:
@@ -89,6 +93,10 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+        if self.matcher is not None:
+            # NOTE: a token the mask did not allow (only a peer's first token could be one) leaves
+            # the matcher in its error state, which ends the request (check_stop)
+            self.matcher.consume_token(token_id)
 
     def take_prompt_logprobs(self, entries: list[PromptLogprobs | None] | None, vocab_size: int) -> None:
         """Decode role: the prompt's logprobs, computed by the prefill worker that sent its KV (one
@@ -109,6 +117,8 @@ class Request:
         """Token-level stop conditions after a token was appended (stop strings live in the
         output processor, which sees text)."""
         last = self.all_token_ids[-1]
+        if self.matcher is not None and (self.matcher.is_stopped() or self.matcher.is_error()):
+            return RequestStatus.FINISHED_STOPPED  # the grammar ended (or, above, could not go on)
         if self.num_output_tokens >= self.params.min_tokens:
             if not self.params.ignore_eos and last in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED

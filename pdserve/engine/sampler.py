@@ -7,11 +7,13 @@ Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) picks token i 
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
 from pdserve.engine.request import Request
+from pdserve.engine.structured import MaskFiller
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,11 +59,28 @@ class SampleResult:
 class Sampler:
     def __init__(self, seed: int, device: torch.device) -> None:
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.masks = MaskFiller()  # structured outputs: each constrained row's grammar mask
+        self._pending: tuple[list[str], Future[torch.Tensor]] | None = None  # see start_masks
+
+    def start_masks(self, requests: list[Request], vocab: int) -> None:
+        """Structured outputs: start filling the grammar masks of the constrained requests among
+        the next call's `requests` (one bitmask, a row each), to run while the model computes the
+        logits; that call waits for them."""
+        matchers = [r.matcher for r in requests if r.matcher is not None]
+        self._pending = ([r.request_id for r in requests], self.masks.start(matchers, vocab)) if matchers else None
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         """logits: [len(requests), vocab] float32, one row per request, in order."""
         logprobs = self._logprobs(logits, requests)
         logits = self._apply_penalties_and_masks(logits, requests)
+        pending, self._pending = self._pending, None
+        constrained = [i for i, r in enumerate(requests) if r.matcher is not None]
+        if constrained:
+            if pending is None or pending[0] != [r.request_id for r in requests]:  # not started for these
+                self.start_masks(requests, logits.shape[-1])
+                pending, self._pending = self._pending, None
+            assert pending is not None
+            logits = self.masks.apply(logits, constrained, pending[1])
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:

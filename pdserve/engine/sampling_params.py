@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.engine.structured import StructuredOutput
+
 _GREEDY_EPS = 1e-5
 
 
@@ -27,6 +29,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same, for every prompt token after the first
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured: StructuredOutput | None = None  # what the output must match (engine/structured.py)
     # NOTE: not user knobs: what the output's text starts with when the router resumes a request on
     # another decode worker: text its earlier tokens made that the client was not sent yet (held
     # back as a possible start of a stop string), and the bytes of an unfinished UTF-8 character
@@ -35,6 +38,9 @@ class SamplingParams:
     # ... and, with a seed, the draws its seeded generator made for the tokens already sent: the new
     # worker's generator skips them, so its tokens are the ones the first worker would have sampled
     seed_draws_done: int = 0
+    # ... and, with `structured`, how many of the prompt's last tokens are that output so far: the
+    # new worker's matcher replays them, so it continues the same grammar where the first one was
+    structured_replay: int = 0
 
     def __post_init__(self) -> None:
         # Accept lists/strings the way callers write them, store tuples (frozen, hashable).
@@ -43,6 +49,7 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
         object.__setattr__(self, "utf8_prefix", tuple(int(b) for b in self.utf8_prefix or ()))
+        object.__setattr__(self, "structured", StructuredOutput.of(self.structured))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         for ok, message in self._checks():
@@ -63,6 +70,8 @@ class SamplingParams:
             (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
             (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
             (self.seed_draws_done >= 0, f"seed_draws_done must be >= 0, got {self.seed_draws_done}"),
+            (self.structured_replay >= 0, f"structured_replay must be >= 0, got {self.structured_replay}"),
+            (self.structured is not None or not self.structured_replay, "structured_replay needs `structured`"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),
             (all(s for s in self.stop), "stop strings must be non-empty"),

@@ -1,7 +1,7 @@
 """How a chat request's answers are read (reasoning.py, tool_calls.py) and what its prompt gets
 for it: the tools the chat template renders and, for tool_choice `required` or a named function,
-the start of the call the prompt puts in the model's mouth (no guided decoding here: the model
-continues a call it cannot leave unmade).
+the start of the call the prompt puts in the model's mouth, and the grammar the rest of the answer
+is constrained to (engine/structured.py): one call whose arguments match that tool's parameters.
 
     tool_choice     needs                                   prompt ends with
     none / absent   -                                       -   (tools not rendered, no parsing)
@@ -18,10 +18,11 @@ from http import HTTPStatus
 from typing import Any
 
 from pdserve.config import ApiConfig
+from pdserve.engine.structured import StructuredOutput
 from pdserve.serving.errors import OpenAIError
 from pdserve.serving.protocol import ChatCompletionRequest, NamedToolChoice
 from pdserve.serving.reasoning import ReasoningDelta, ReasoningSplitter
-from pdserve.serving.tool_calls import TOOL_CALL_START, ToolCall, ToolCallSplitter, ToolDelta
+from pdserve.serving.tool_calls import TOOL_CALL_END, TOOL_CALL_START, ToolCall, ToolCallSplitter, ToolDelta
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +34,32 @@ class ChatReading:
     named: bool = False  # a named function: its finish_reason stays "stop", as OpenAI's
     forced: str = ""  # appended to the rendered prompt: the answer's start, read with it
     template_tools: list[dict[str, Any]] | None = None
+    structured: StructuredOutput | None = None  # what the answer after `forced` is constrained to
+
+
+# NOTE: compact JSON (as StructuredOutput "json"): with any whitespace allowed a model may loop in it
+_COMPACT = {"x-guidance": {"whitespace_flexible": False}}
+
+
+def _arguments_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
+    return parameters if parameters is not None else {"type": "object"}
+
+
+def _call_grammar(body: ChatCompletionRequest, name: str | None) -> StructuredOutput:
+    """The rest of a forced call, as a Lark grammar (llguidance's `%json` embeds a schema): for
+    `required` (the prompt ends with `<tool_call>`), a call of any of the tools; for a named one (it
+    ends with its name and `"arguments": `), its arguments and the call's end."""
+    assert body.tools is not None
+    end = json.dumps("\n" + TOOL_CALL_END)
+    if name is not None:
+        tool = next(t for t in body.tools if t.function.name == name)
+        schema = _arguments_schema(tool.function.parameters) | _COMPACT
+        return StructuredOutput("lark", f'start: args "}}" {end}\nargs: %json {json.dumps(schema)}')
+    calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                               "arguments": _arguments_schema(t.function.parameters)},
+              "required": ["name", "arguments"], "additionalProperties": False} for t in body.tools]
+    schema = {"anyOf": calls} | _COMPACT
+    return StructuredOutput("lark", f"start: call {end}\ncall: %json {json.dumps(schema)}")
 
 
 def _refuse(message: str) -> OpenAIError:
@@ -55,14 +82,20 @@ def plan_reading(body: ChatCompletionRequest, api: ApiConfig) -> ChatReading:
         if not api.enable_auto_tool_choice:
             raise _refuse('"auto" tool choice needs a server started with --enable-auto-tool-choice')
         return ChatReading(reasoning=reasoning, tools=True, template_tools=tools)
+    if body.structured_constraints():
+        raise _refuse(f"tool_choice {choice if isinstance(choice, str) else 'naming a function'} constrains the "
+                      "answer: it goes with no other structured-output constraint (response_format, "
+                      "structured_outputs, guided_*)")
     if choice == "required":
-        return ChatReading(tools=True, forced=TOOL_CALL_START + "\n", template_tools=tools)
+        return ChatReading(tools=True, forced=TOOL_CALL_START + "\n", template_tools=tools,
+                           structured=_call_grammar(body, None))
     assert isinstance(choice, NamedToolChoice)
     name = choice.function.name
     if name not in {tool.function.name for tool in body.tools}:
         raise _refuse(f"tool_choice names the function {name!r}, which is not among the request's tools")
     return ChatReading(tools=True, named=True, template_tools=tools,
-                       forced=f'{TOOL_CALL_START}\n{{"name": {json.dumps(name)}, "arguments": ')
+                       forced=f'{TOOL_CALL_START}\n{{"name": {json.dumps(name)}, "arguments": ',
+                       structured=_call_grammar(body, name))
 
 
 @dataclass(slots=True)

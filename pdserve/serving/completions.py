@@ -10,6 +10,7 @@ from typing import Any
 
 from pdserve.engine.output import CompletionOutput, RequestOutput
 from pdserve.engine.sampler import TokenLogprobs
+from pdserve.engine.structured import StructuredOutput
 from pdserve.logs import bind_request_id
 from pdserve.serving import echo, generation
 from pdserve.serving.engine_client import EngineClient
@@ -38,15 +39,17 @@ def _has_text(prompt: object) -> bool:
 
 
 def build_jobs(client: EngineClient, prompts: list[list[int]], requested_max_tokens: int | None,
-               body: CompletionRequest | Any, request_id: str, max_tokens_limit: int | None) -> list[Job]:
-    """Validate every prompt before anything is enqueued: bad input never costs compute."""
+               body: CompletionRequest | Any, request_id: str, max_tokens_limit: int | None,
+               structured: StructuredOutput | None = None) -> list[Job]:
+    """Validate every prompt before anything is enqueued: bad input never costs compute.
+    `structured`: a constraint the handler adds (chat's tool_choice)."""
     jobs = []
     logprobs, prompt_logprobs = requested_logprobs(body), requested_prompt_logprobs(body)
     for index, token_ids in enumerate(prompts):
         max_tokens = generation.resolve_max_tokens(len(token_ids), requested_max_tokens, client.max_model_len,
                                                    max_tokens_limit)
         try:
-            params = body.to_sampling_params(max_tokens, logprobs, prompt_logprobs)
+            params = body.to_sampling_params(max_tokens, logprobs, prompt_logprobs, structured)
             client.validate_request(token_ids, params)
         except ValueError as exc:
             raise OpenAIError(str(exc), HTTPStatus.BAD_REQUEST) from exc

@@ -2,16 +2,69 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured import StructuredOutput, check_structured
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`."""
+
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | StrictBool = Field(alias="schema")
+    strict: bool | None = None  # NOTE: the output is constrained either way (as vLLM does)
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('response_format: "json_schema" goes with type "json_schema", and only with it')
+        return self
+
+
+class StructuredOutputsParams(BaseModel):
+    """vLLM's `structured_outputs`: one of these (what vLLM also has beyond them is refused)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_schema: dict[str, Any] | str | StrictBool | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def constraints(self) -> list[tuple[str, StructuredOutput]]:
+        """(parameter, constraint) for each field set."""
+        found = []
+        if self.json_schema is not None:
+            found.append(("structured_outputs.json", _json_constraint(self.json_schema)))
+        if self.regex is not None:
+            found.append(("structured_outputs.regex", StructuredOutput("regex", self.regex)))
+        if self.choice is not None:
+            found.append(("structured_outputs.choice", StructuredOutput("choice", json.dumps(self.choice))))
+        if self.grammar is not None:
+            found.append(("structured_outputs.grammar", StructuredOutput("grammar", self.grammar)))
+        if self.json_object:
+            found.append(("structured_outputs.json_object", StructuredOutput("json_object")))
+        return found
+
+
+def _json_constraint(schema: dict[str, Any] | str | StrictBool) -> StructuredOutput:
+    return StructuredOutput("json", schema if isinstance(schema, str) else json.dumps(schema))
 
 
 class _SamplingFields(BaseModel):
@@ -40,6 +93,39 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    # structured outputs (engine/structured.py): OpenAI's, vLLM's, and vLLM's older names
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | str | StrictBool | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
+
+    def structured_constraints(self) -> list[tuple[str, StructuredOutput]]:
+        """(parameter, constraint) for each structured-output parameter the request sets."""
+        found = []
+        if self.response_format is not None and self.response_format.type != "text":
+            schema = self.response_format.json_schema
+            found.append(("response_format", StructuredOutput("json_object") if schema is None
+                          else _json_constraint(schema.json_schema)))
+        if self.structured_outputs is not None:
+            found += self.structured_outputs.constraints()
+        if self.guided_json is not None:
+            found.append(("guided_json", _json_constraint(self.guided_json)))
+        if self.guided_regex is not None:
+            found.append(("guided_regex", StructuredOutput("regex", self.guided_regex)))
+        if self.guided_choice is not None:
+            found.append(("guided_choice", StructuredOutput("choice", json.dumps(self.guided_choice))))
+        if self.guided_grammar is not None:
+            found.append(("guided_grammar", StructuredOutput("grammar", self.guided_grammar)))
+        return found
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> _SamplingFields:
+        found = self.structured_constraints()
+        if len(found) > 1:
+            raise ValueError(f"only one structured-output constraint per request; got {', '.join(p for p, _ in found)}")
+        return self
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
@@ -49,9 +135,19 @@ class _SamplingFields(BaseModel):
             raise ValueError("prompt_logprobs are not available when stream is true")
         return self
 
-    def to_sampling_params(self, max_tokens: int, logprobs: int | None,
-                           prompt_logprobs: int | None = None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                           structured: StructuredOutput | None = None) -> SamplingParams:
+        """`structured`: the constraint the server adds (chat's tool_choice), else the request's own."""
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        found = self.structured_constraints()
+        param, spec = "tools", structured
+        if spec is None and found:
+            param, spec = found[0]
+        if spec is not None:
+            try:
+                check_structured(spec)
+            except ValueError as exc:
+                raise ValueError(f"{param}: {exc}") from exc
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -71,6 +167,7 @@ class _SamplingFields(BaseModel):
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured=spec,
         )
 
     @property

@@ -1,0 +1,242 @@
+"""Structured outputs: decoding constrained to a JSON schema, a regex, a choice or a grammar, with
+llguidance (docs/BENCHMARKS.md has why: it names the schema features it does not support, where
+xgrammar ignores them; compiles in ~1 ms; needs no other package).
+
+A request's constraint is a `StructuredOutput` in its SamplingParams: a kind and a text, plain
+strings, so it crosses processes and the network as the rest of the params do. Each engine turns
+it into a matcher (`GrammarCache.matcher`; compiled grammars are cached, a new request's matcher is
+a copy of the cached one) that lives on the `Request` and advances with every token appended to it
+(`Request.append_token`). A resumed request (another decode worker, after a loss) rebuilds the
+matcher exactly by replaying the output tokens already generated, which are the last
+`SamplingParams.structured_replay` tokens of its prompt. The sampler fills one bitmask for all the
+constrained rows of a batch with llguidance's batch call, beside the model's forward, and applies it
+with one tensor op (`MaskFiller`). The request ends when the grammar does (EOS is allowed only where
+it may end).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    import llguidance
+
+    from pdserve.tokenizer import Tokenizer
+
+# kind -> what `text` holds
+KINDS = {
+    "json": "a JSON schema (as JSON text)",
+    "json_object": "nothing: any JSON object",
+    "regex": "a regular expression (Rust regex syntax: no look-around, no backreferences)",
+    "choice": "a JSON list of strings: the output is one of them",
+    "grammar": "a grammar, in Lark or GBNF (EBNF) syntax",
+    "lark": "a Lark grammar (llguidance's dialect: %json {schema} embeds a schema)",
+}
+_CACHE_SIZE = 256
+# Compact JSON ("," and ":", no whitespace between tokens), not any whitespace anywhere: a model may
+# otherwise spend its tokens on whitespace (random weights do, to max_tokens). A schema's own
+# "x-guidance" options win.
+_JSON_OPTIONS: Any = {"whitespace_flexible": False}
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """What a request's output must match: plain strings (serializable as they are)."""
+
+    kind: str
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"structured output kind {self.kind!r} is none of {sorted(KINDS)}")
+        if not isinstance(self.text, str):
+            raise ValueError("structured output text must be a string")
+
+    @classmethod
+    def of(cls, value: StructuredOutput | dict[str, Any] | Sequence[str] | None) -> StructuredOutput | None:
+        """From what the wire carries (a dict from JSON, a [kind, text] list from msgpack)."""
+        if value is None or isinstance(value, StructuredOutput):
+            return value
+        if isinstance(value, dict):
+            return cls(**value)
+        kind, text = value
+        return cls(kind, text)
+
+
+def _llguidance_grammar(spec: StructuredOutput) -> str:
+    """The spec as an llguidance grammar (ValueError for one that cannot be one)."""
+    from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    if spec.kind == "json":
+        try:
+            schema = json.loads(spec.text)
+        except ValueError as exc:
+            raise ValueError(f"the JSON schema is no JSON: {exc}") from exc
+        if not isinstance(schema, dict | bool):
+            raise ValueError("a JSON schema is an object (or a boolean)")
+        return LLMatcher.grammar_from_json_schema(spec.text, defaults=_JSON_OPTIONS)
+    if spec.kind == "json_object":
+        return LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_OPTIONS)
+    if spec.kind == "regex":
+        return LLMatcher.grammar_from_regex(spec.text)
+    if spec.kind == "choice":
+        try:
+            choices = json.loads(spec.text)
+        except ValueError as exc:
+            raise ValueError(f"choice: not a JSON list: {exc}") from exc
+        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+            raise ValueError("choice: a non-empty list of non-empty strings")
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+    if spec.kind == "grammar":
+        try:
+            return LLMatcher.grammar_from_lark(any_to_lark(spec.text))
+        except Exception as exc:  # noqa: BLE001 - the converter raises its own error types
+            raise ValueError(f"the grammar is neither Lark nor GBNF: {exc}") from exc
+    return LLMatcher.grammar_from_lark(spec.text)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def grammar_of(spec: StructuredOutput) -> str:
+    """The spec's llguidance grammar, checked: ValueError naming what is wrong with it (a schema
+    feature llguidance does not support, an invalid regex or grammar). No tokenizer needed: the
+    server checks a request with it before anything is queued (engine.llm_engine.check_request)."""
+    from llguidance import LLMatcher
+
+    try:
+        grammar = _llguidance_grammar(spec)
+    except ValueError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever llguidance raises for a spec, the client's 400
+        raise ValueError(f"{spec.kind}: {exc}") from exc
+    error = LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ValueError(f"{spec.kind}: {error.strip()}")
+    return grammar
+
+
+def check_structured(spec: StructuredOutput | None) -> None:
+    """ValueError for a constraint no engine can follow (`grammar_of`)."""
+    if spec is not None:
+        grammar_of(spec)
+
+
+class GrammarCache:
+    """One engine's compiled grammars (LRU by spec), for its tokenizer and logits width."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the logits' width (the model's vocabulary, padded)
+        self._lock = threading.Lock()
+        self._lltokenizer: llguidance.LLTokenizer | None = None
+        self._compiled: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()
+
+    def _llguidance_tokenizer(self) -> llguidance.LLTokenizer:
+        """Built on first use (~0.4 s for Qwen3's 151k tokens): ids past the tokenizer's vocabulary
+        (the model's padding) are special tokens no grammar ever allows."""
+        if self._lltokenizer is None:
+            import llguidance
+
+            tokenizer = self._tokenizer
+            count = tokenizer.vocab_size
+            special = [i for i in range(count) if tokenizer.is_special(i)]
+            special_set = set(special)
+            tokens = [(b"\xff" if i in special_set else b"") + tokenizer.token_bytes(i, skip_special_tokens=False)
+                      for i in range(count)]
+            tokens += [b"\xff<|pdserve_pad_%d|>" % i for i in range(count, self.vocab_size)]
+
+            class _Wrapped:
+                eos_token_id = tokenizer.eos_token_ids[0]
+                bos_token_id = None
+
+                def __init__(self) -> None:
+                    self.tokens = tokens
+                    self.special_token_ids = special + list(range(count, len(tokens)))
+
+                def __call__(self, text: bytes | str) -> list[int]:
+                    return tokenizer.encode(text.decode("utf-8", errors="replace") if isinstance(text, bytes)
+                                            else text)
+
+            self._lltokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Wrapped()),
+                                                       eos_token=list(tokenizer.eos_token_ids))
+        return self._lltokenizer
+
+    def matcher(self, spec: StructuredOutput, replay: Sequence[int] = ()) -> llguidance.LLMatcher:
+        """A fresh matcher for `spec` that has consumed `replay` (a resumed request's output so far);
+        ValueError when the spec is invalid or `replay` does not match it."""
+        import llguidance
+
+        with self._lock:
+            compiled = self._compiled.get(spec)
+            if compiled is None:
+                compiled = llguidance.LLMatcher(self._llguidance_tokenizer(), grammar_of(spec), log_level=0)
+                if compiled.is_error():
+                    raise ValueError(f"{spec.kind}: {compiled.get_error()}")
+                self._compiled[spec] = compiled
+                while len(self._compiled) > _CACHE_SIZE:
+                    self._compiled.popitem(last=False)
+            self._compiled.move_to_end(spec)
+            matcher = compiled.deep_copy()
+        for token_id in replay:
+            if not matcher.consume_token(token_id):
+                raise ValueError(f"the tokens generated so far do not match the {spec.kind} constraint")
+        return matcher
+
+
+class MaskFiller:
+    """Fills and applies the masks of a batch's constrained rows: one bitmask filled by
+    llguidance's batch call (not a Python loop over rows or the vocabulary), on a thread of its own
+    while the model computes the step's logits (`start`, before the forward), then unpacked with
+    one table lookup (a byte of the bitmask -> the 8 bools of its tokens, as one int64) and applied
+    with one `masked_fill_` (`apply`)."""
+
+    def __init__(self, num_threads: int = 1) -> None:
+        self._num_threads = num_threads
+        self._executor: llguidance.LLExecutor | None = None
+        self._thread: ThreadPoolExecutor | None = None
+        # for every byte value x: 8 bytes, byte b = 1 where bit b of x is 0 (that token is refused)
+        refused = ((torch.arange(256)[:, None] >> torch.arange(8)[None, :]) & 1) == 0
+        self._refused = refused.to(torch.uint8).contiguous().view(torch.int64).view(256)
+
+    def start(self, matchers: list[llguidance.LLMatcher], vocab: int) -> Future[torch.Tensor]:
+        """The bitmask of these matchers' next tokens (a row each, in order), being filled."""
+        if self._thread is None:
+            import llguidance
+
+            self._executor = llguidance.LLExecutor(self._num_threads)
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
+        return self._thread.submit(self._fill, matchers, vocab)
+
+    def _fill(self, matchers: list[llguidance.LLMatcher], vocab: int) -> torch.Tensor:
+        assert self._executor is not None
+        bitmask = torch.zeros((len(matchers), (vocab + 31) // 32), dtype=torch.int32)
+        # NOTE: what llguidance.torch.fill_next_token_bitmask_par does (that module compiles a
+        # kernel with torch.compile when imported): one call, the rows' masks written in place
+        self._executor.unsafe_compute_mask_ptr(list(zip(matchers, range(len(matchers)), strict=True)),
+                                               bitmask.data_ptr(), bitmask.shape[1] * 4, len(matchers))
+        return bitmask
+
+    def apply(self, logits: torch.Tensor, rows: list[int], bitmask: Future[torch.Tensor] | torch.Tensor
+              ) -> torch.Tensor:
+        """`logits` with every token a row's bitmask does not allow at -inf, in place (the
+        sampler's logits are its own: the logprobs were taken before)."""
+        if isinstance(bitmask, Future):
+            bitmask = bitmask.result()
+        num_rows, vocab = len(rows), logits.shape[-1]
+        # NOTE: little-endian words: byte j of word w holds the bits of tokens 32w + 8j ... + 7
+        refused = self._refused.index_select(0, bitmask.view(torch.uint8).view(-1).int())
+        refused = refused.view(torch.bool).view(num_rows, -1)[:, :vocab].to(logits.device, non_blocking=True)
+        if num_rows == logits.shape[0]:  # every row constrained: the rows are 0..n-1, in order
+            return logits.masked_fill_(refused, float("-inf"))
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = logits[index].masked_fill_(refused, float("-inf"))
+        return logits

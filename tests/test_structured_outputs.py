@@ -1,0 +1,347 @@
+"""Structured outputs (engine/structured.py): a random-weight model's output is random text, so an
+output that matches its JSON schema, regex or choice on every request is the test of the mask.
+Engine: the constraint holds greedy, seeded and with n > 1, in a batch with unconstrained
+requests (whose tokens do not change), a replayed matcher continues exactly where the first one
+was (what a resumed request does), and invalid constraints are refused naming what is wrong.
+Served: the request surface (`response_format`, `structured_outputs`, `guided_*`, tool_choice)
+on the colocated server; through the PD router over tcp and nixl, greedy text identical to
+colocated's. (A decode worker killed mid-stream under a schema: tests/test_worker_loss.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+from helpers import random_prompt, token_prompts
+from pd_fixtures import MODEL, start_cluster, stop_cluster
+from server_fixtures import ServerHandle, parse_sse, start_server
+
+from pdserve import LLM, SamplingParams
+from pdserve.config import ApiConfig
+from pdserve.disagg.transport import nixl_available
+from pdserve.engine.structured import StructuredOutput, check_structured
+from pdserve.serving.protocol import ChatCompletionRequest, CompletionRequest
+
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 6},
+                   "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                   "pet": {"enum": ["cat", "dog", "fish"]},
+                   "ok": {"type": "boolean"}},
+    "required": ["name", "age", "pet", "ok"], "additionalProperties": False}
+REGEX = "[a-z]{2,5}-[0-9]{3}"
+CHOICES = ["red", "green", "blue", "purple"]
+PROMPTS = [random_prompt(n, seed=7000 + n) for n in (3, 40, 70)]
+MAX_TOKENS = 120  # the schema completes within ~30 tokens; the rest is a margin
+
+
+def check_json(text: str) -> None:
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def check_regex(text: str) -> None:
+    assert re.fullmatch(REGEX, text), text
+
+
+def check_choice(text: str) -> None:
+    assert text in CHOICES, text
+
+
+# (the spec, its request parameters, what checks an output)
+CASES: dict[str, tuple[StructuredOutput, dict[str, Any], Callable[[str], None]]] = {
+    "json": (StructuredOutput("json", json.dumps(SCHEMA)),
+             {"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA,
+                                                                         "strict": True}}}, check_json),
+    "regex": (StructuredOutput("regex", REGEX), {"structured_outputs": {"regex": REGEX}}, check_regex),
+    "choice": (StructuredOutput("choice", json.dumps(CHOICES)), {"guided_choice": CHOICES}, check_choice),
+}
+
+
+def constrained(kind: str, **kwargs: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS, structured=CASES[kind][0], **kwargs)
+
+
+# -- engine --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", sorted(CASES))
+def test_constrained_outputs_are_valid_greedy_seeded_and_with_n(colocated: LLM, kind: str) -> None:
+    check = CASES[kind][2]
+    for params in (constrained(kind, temperature=0), constrained(kind, temperature=1.0, seed=11),
+                   constrained(kind, temperature=1.0, n=3), constrained(kind, temperature=1.0, top_p=0.9)):
+        outputs = colocated.generate(token_prompts(PROMPTS), params)
+        for output in outputs:
+            assert len(output.outputs) == params.n
+            for seq in output.outputs:
+                assert seq.finish_reason == "stop", (seq.text, seq.finish_reason)  # the grammar ended it
+                check(seq.text)
+        if params.greedy or params.seed is not None:  # deterministic: the same again
+            again = colocated.generate(token_prompts(PROMPTS), params)
+            assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outputs]
+
+
+def test_constrained_and_free_requests_share_a_batch(colocated: LLM) -> None:
+    """One batch: the mask touches only the constrained rows (free ones keep their greedy tokens)."""
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = colocated.generate(token_prompts(PROMPTS), free)
+    params = [free, constrained("json", temperature=0), free, constrained("regex", temperature=0),
+              constrained("choice", temperature=0), free]
+    mixed = colocated.generate(token_prompts(PROMPTS + PROMPTS), params)
+    assert [mixed[i].outputs[0].token_ids for i in (0, 2)] == [alone[i].outputs[0].token_ids for i in (0, 2)]
+    assert mixed[5].outputs[0].token_ids == alone[2].outputs[0].token_ids
+    check_json(mixed[1].outputs[0].text)
+    check_regex(mixed[3].outputs[0].text)
+    check_choice(mixed[4].outputs[0].text)
+
+
+def test_a_replayed_matcher_continues_where_the_first_one_was(colocated: LLM) -> None:
+    """A resumed request: prompt + the tokens generated so far, which its matcher replays; the rest
+    of its output is the first run's (greedy), so the whole matches the schema."""
+    prompt = PROMPTS[1]
+    whole = colocated.generate(token_prompts([prompt]), constrained("json", temperature=0))[0].outputs[0]
+    assert len(whole.token_ids) > 8
+    for cut in (1, 5, len(whole.token_ids) - 1):
+        params = dataclasses.replace(constrained("json", temperature=0), max_tokens=MAX_TOKENS - cut,
+                                     structured_replay=cut)
+        rest = colocated.generate(token_prompts([prompt + whole.token_ids[:cut]]), params)[0].outputs[0]
+        assert whole.token_ids[:cut] + rest.token_ids == whole.token_ids
+    # a replay the grammar refuses (text that is no start of the JSON) is refused
+    with pytest.raises(ValueError, match="do not match"):
+        colocated.generate(token_prompts([prompt + [88, 88]]), dataclasses.replace(
+            constrained("json", temperature=0), structured_replay=2))
+
+
+@pytest.mark.parametrize(("spec", "words"), [
+    (StructuredOutput("json", json.dumps({"type": "object", "dependentRequired": {"a": ["b"]}})),
+     "dependentRequired"),
+    (StructuredOutput("json", json.dumps({"$ref": "http://example.com/schema.json"})), "http://example.com"),
+    (StructuredOutput("json", "{not json"), "no JSON"),
+    (StructuredOutput("regex", "a(b"), "unclosed group"),
+    (StructuredOutput("regex", "(?<=a)b"), "look-around"),
+    (StructuredOutput("grammar", 'root ::= "a" ('), "neither Lark nor GBNF"),
+    (StructuredOutput("choice", "[]"), "non-empty list"),
+])
+def test_invalid_constraints_are_refused_naming_the_problem(spec: StructuredOutput, words: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(words)):
+        check_structured(spec)
+
+
+def test_the_spec_crosses_the_wire_as_plain_data() -> None:
+    params = constrained("json", temperature=0)
+    fields = json.loads(json.dumps({f.name: getattr(params, f.name) if f.name != "structured"
+                                    else dataclasses.asdict(params.structured)  # type: ignore[arg-type]
+                                    for f in dataclasses.fields(params)}))
+    assert SamplingParams(**fields) == params
+    assert SamplingParams(**(fields | {"structured": ["regex", REGEX]})).structured == CASES["regex"][0]
+    with pytest.raises(ValueError, match="kind"):
+        SamplingParams(structured={"kind": "xml", "text": ""})  # type: ignore[arg-type]
+
+
+def test_one_constraint_per_request_and_each_parameter_maps() -> None:
+    base = {"prompt": "hi"}
+    for extra, kind in ((CASES["json"][1], "json"), ({"response_format": {"type": "json_object"}}, "json_object"),
+                        ({"response_format": {"type": "text"}}, None), ({"guided_json": SCHEMA}, "json"),
+                        ({"guided_regex": REGEX}, "regex"), ({"structured_outputs": {"choice": CHOICES}}, "choice"),
+                        ({"guided_grammar": 'root ::= "yes" | "no"'}, "grammar"),
+                        ({"structured_outputs": {"json": json.dumps(SCHEMA)}}, "json")):
+        params = CompletionRequest(**base, **extra).to_sampling_params(8, None)
+        assert (params.structured.kind if params.structured else None) == kind, extra
+    for extra in ({"guided_regex": REGEX, "guided_choice": CHOICES},
+                  {"structured_outputs": {"regex": REGEX, "choice": CHOICES}},
+                  {"response_format": {"type": "json_object"}, "guided_json": SCHEMA},
+                  {"structured_outputs": {"structural_tag": "x"}},
+                  {"response_format": {"type": "json_schema"}}):
+        with pytest.raises(ValueError):
+            CompletionRequest(**base, **extra)
+    with pytest.raises(ValueError, match="only one structured-output constraint"):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], guided_regex=REGEX, guided_choice=CHOICES)
+
+
+# -- served: colocated, and through the PD router -----------------------------------------------
+
+API = ApiConfig(tool_call_parser="hermes", enable_auto_tool_choice=True)
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                                     "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+        "required": ["zone"], "additionalProperties": False}}}]
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs: dict[str, Path]) -> Iterator[ServerHandle]:
+    handle = start_server(model_dirs["tiny"], MODEL, api=API, dtype="float32", num_kv_blocks=256)
+    yield handle
+    handle.stop()
+
+
+def completion_texts(http: httpx.Client, prompt: list[int], body: dict[str, Any]) -> tuple[str, str]:
+    """The text of a completion, whole and streamed."""
+    body = body | {"prompt": prompt, "max_tokens": MAX_TOKENS}
+    reply = http.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["finish_reason"] == "stop"
+    streamed = http.post("/v1/completions", json=body | {"stream": True})
+    chunks = [e for e in parse_sse(streamed.text) if isinstance(e, dict)]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    return reply.json()["choices"][0]["text"], "".join(c["choices"][0]["text"] for c in chunks)
+
+
+def check_served(http: httpx.Client, colocated: LLM) -> None:
+    """Every case, greedy (the text colocated's engine gives) and seeded, whole and streamed."""
+    for kind, (_, extra, check) in CASES.items():
+        want = [o.outputs[0].text for o in colocated.generate(token_prompts(PROMPTS), constrained(kind, temperature=0))]
+        for prompt, text in zip(PROMPTS, want, strict=True):
+            assert completion_texts(http, prompt, extra | {"temperature": 0}) == (text, text)
+            whole, streamed = completion_texts(http, prompt, extra | {"temperature": 1.0, "seed": 5})
+            check(whole)
+            assert streamed == whole
+
+
+def test_served_outputs_are_valid_and_greedy_matches_the_engine(server: ServerHandle, colocated: LLM) -> None:
+    with server.http() as http:
+        check_served(http, colocated)
+        chat = {"messages": [{"role": "user", "content": "Describe a person."}], "max_tokens": MAX_TOKENS,
+                "temperature": 1.0, "response_format": CASES["json"][1]["response_format"]}
+        for body in (chat, chat | {"response_format": {"type": "json_object"}, "max_tokens": 400}):
+            reply = http.post("/v1/chat/completions", json=body)
+            assert reply.status_code == 200, reply.text
+            choice = reply.json()["choices"][0]
+            if choice["finish_reason"] == "stop":  # NOTE: any object may be cut short by max_tokens
+                parsed = json.loads(choice["message"]["content"])
+                if body is chat:
+                    jsonschema.validate(parsed, SCHEMA)
+            else:
+                assert body is not chat, "the small schema always completes"
+    server.wait_until_idle()
+
+
+def test_tool_choice_required_and_named_give_calls_that_parse(server: ServerHandle) -> None:
+    with server.http() as http:
+        check_tool_calls(http, seeds=4)
+    server.wait_until_idle()
+
+
+def check_tool_calls(http: httpx.Client, seeds: int) -> None:
+    """`tool_choice` required and named: one call, of a tool (the named one), whose arguments match
+    its schema, whole and streamed."""
+    chat = {"messages": [{"role": "user", "content": "Weather or time?"}], "tools": TOOLS, "max_tokens": 200,
+            "temperature": 1.0}
+    for seed in range(seeds):
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            body = chat | {"tool_choice": choice, "seed": seed}
+            reply = http.post("/v1/chat/completions", json=body)
+            assert reply.status_code == 200, reply.text
+            message = reply.json()["choices"][0]["message"]
+            assert len(message["tool_calls"]) == 1, message
+            call = message["tool_calls"][0]["function"]
+            tool = next(t["function"] for t in TOOLS if t["function"]["name"] == call["name"])
+            jsonschema.validate(json.loads(call["arguments"]), tool["parameters"])
+            if choice != "required":
+                assert call["name"] == "get_weather"
+            streamed = http.post("/v1/chat/completions", json=body | {"stream": True})
+            calls = [tc for e in parse_sse(streamed.text) if isinstance(e, dict) and e["choices"]
+                     for tc in e["choices"][0]["delta"].get("tool_calls") or []]
+            assert [c["function"]["name"] for c in calls if "id" in c] == [call["name"]]
+            assert "".join(c["function"]["arguments"] for c in calls) == call["arguments"]
+
+
+@pytest.mark.parametrize(("path", "extra", "words"), [
+    ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "dependentRequired": {"a": ["b"]}}}}},
+     "response_format: json: Unimplemented keys"),
+    ("/v1/completions", {"guided_regex": "a(b"}, "guided_regex: regex"),
+    ("/v1/completions", {"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs.grammar"),
+    ("/v1/completions", {"guided_regex": "a", "guided_choice": ["a"]}, "only one structured-output constraint"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "dependentRequired": {"a": ["b"]}}}}], "tool_choice": "required"},
+     "tools: lark"),
+    ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"},
+     "goes with no other structured-output constraint"),
+])
+def test_unsupported_constraints_are_a_400_before_anything_is_queued(server: ServerHandle, path: str,
+                                                                      extra: dict[str, Any], words: str) -> None:
+    body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    steps = server.engine.stats().num_steps
+    with server.http() as http:
+        reply = http.post(path, json=body | extra)
+    assert reply.status_code == 400, reply.text
+    assert words in reply.json()["error"]["message"]
+    assert server.engine.stats().num_steps == steps  # refused before the engine saw it
+    server.wait_until_idle()
+
+
+_NO_NIXL = pytest.mark.skipif(not nixl_available(), reason="nixl_cu12 is not installed")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("nixl", marks=_NO_NIXL)])
+def test_pd_outputs_are_valid_and_greedy_matches_colocated(model_dirs: dict[str, Path], colocated: LLM,
+                                                           transport: str) -> None:
+    """Prefill samples the first token under the mask, decode continues the grammar (early first
+    token on: greedy and seeded requests get prefill's token first)."""
+    cluster = start_cluster(model_dirs["tiny"], transport, 1, 1, early_first_token=True, api=API)
+    try:
+        with httpx.Client(base_url=cluster.router.url, timeout=60) as http:
+            check_served(http, colocated)
+            # n > 1: decode samples the first tokens itself, each under the mask
+            reply = http.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "n": 3,
+                                                        "temperature": 1.0} | CASES["json"][1])
+            assert reply.status_code == 200, reply.text
+            for choice in reply.json()["choices"]:
+                check_json(choice["text"])
+            check_tool_calls(http, seeds=1)
+        cluster.wait_until_idle()
+    finally:
+        stop_cluster(cluster)
+
+
+def test_the_benchmark_runs(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                            model_dirs: dict[str, Path]) -> None:
+    """`python -m pdserve.bench.structured`, tiny: a row per stream count, and the compile times."""
+    from pdserve.bench import structured
+
+    monkeypatch.setattr("sys.argv", ["structured", "--model", str(model_dirs["tiny"]), "--streams", "1,3",
+                                     "--tokens", "6", "--reps", "1"])
+    structured.main()
+    out = capsys.readouterr().out
+    assert re.search(r"^\| 3 +\| \d+ +\| \d+ +\| \d\.\d\d +\|$", out, re.M), out
+    assert "grammar compile: cold" in out
+
+
+def test_a_resume_replays_every_token_sent_so_far(colocated: LLM) -> None:
+    """The router's continuation after a decode loss: the sent tokens end the new prompt, and the
+    matcher replays them all (after a second loss, those of both workers)."""
+    from pdserve.disagg.router_outputs import continuation
+
+    params = constrained("json", temperature=0)
+    first = continuation(colocated.engine.tokenizer, params, [90, 91, 92], "")
+    assert first.structured_replay == 3 and first.structured == params.structured
+    assert continuation(colocated.engine.tokenizer, first, [93, 94], "").structured_replay == 5
+    free = SamplingParams(max_tokens=MAX_TOKENS)
+    assert continuation(colocated.engine.tokenizer, free, [93, 94], "").structured_replay == 0
+
+
+@pytest.mark.slow
+def test_tensor_parallel_outputs_match_one_process(model_dirs: dict[str, Path], colocated: LLM) -> None:
+    """TP=2: rank 0 samples under the masks; greedy text as one process's."""
+    tp = LLM(model=str(model_dirs["tiny"]), dtype="float32", tensor_parallel_size=2, num_threads=1,
+             num_kv_blocks=64)
+    try:
+        for kind in sorted(CASES):
+            params = constrained(kind, temperature=0)
+            want = [o.outputs[0].text for o in colocated.generate(token_prompts(PROMPTS), params)]
+            got = [o.outputs[0].text for o in tp.generate(token_prompts(PROMPTS), params)]
+            assert got == want
+            for text in got:
+                CASES[kind][2](text)
+    finally:
+        tp.engine.close()
