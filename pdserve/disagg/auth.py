@@ -39,6 +39,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pdserve import envs
 from pdserve.disagg.control import Placement, PrefillJob
 from pdserve.serving.errors import error_response
+from pdserve.serving.middleware import wrong_method
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +168,8 @@ class PeerAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path, method = str(scope.get("path", "")), str(scope.get("method", ""))
-        if scope["type"] != "http" or not path.startswith(self.prefix) or (method, path) in OPEN_ROUTES:
+        if scope["type"] != "http" or not path.startswith(self.prefix) or (method, path) in OPEN_ROUTES \
+                or wrong_method(scope):
             await self.app(scope, receive, send)
             return
         body = await _read_body(receive)

@@ -15,7 +15,7 @@ from pdserve.serving import echo, generation
 from pdserve.serving.engine_client import EngineClient
 from pdserve.serving.errors import OpenAIError
 from pdserve.serving.generation import ChoiceDelta, DeltaTracker, Job, new_request_id, run_jobs, usage_of
-from pdserve.serving.limits import requested_logprobs, requested_prompt_logprobs
+from pdserve.serving.limits import requested_logprobs, requested_max_tokens, requested_prompt_logprobs
 from pdserve.serving.protocol import CompletionRequest
 from pdserve.tokenizer import Tokenizer
 
@@ -108,7 +108,8 @@ class CompletionHandler:
             prompts = await asyncio.to_thread(_prompt_token_ids, body, self.client.tokenizer)
         else:
             prompts = _prompt_token_ids(body, self.client.tokenizer)
-        return request_id, build_jobs(self.client, prompts, body.max_tokens, body, request_id, self.max_tokens_limit)
+        return request_id, build_jobs(self.client, prompts, requested_max_tokens(body, self.max_tokens_limit), body,
+                                      request_id, self.max_tokens_limit)
 
     async def full(self, body: CompletionRequest, request_id: str, jobs: list[Job]) -> dict[str, Any]:
         finals: dict[int, RequestOutput] = {}

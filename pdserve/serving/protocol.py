@@ -1,45 +1,91 @@
-"""OpenAI request/response schemas (plus vLLM's extra sampling fields), as pydantic models."""
+"""OpenAI request/response schemas (plus vLLM's extra sampling fields), as pydantic models.
+
+NOTE: requests are validated strictly (`_Strict`): what the schema says an integer is one (not a
+boolean, not "3"), a boolean is `true`/`false`; the OpenAPI document is then what the server takes
+(serving/openapi.py). Numbers stay numbers: an integer is taken where a float is asked for.
+"""
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from pdserve.engine.sampling_params import SamplingParams
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+
+def _no_bool_or_str(value: Any) -> Any:
+    if isinstance(value, (bool, str)):
+        raise ValueError("expected an integer")  # NOTE: JSON's true is none (pydantic's lax mode took it as 1)
+    return value
+
+
+# NOTE: an integer as JSON Schema has it: 3 or 3.0, never true or "3". Bounds go inside the
+# Annotated (an optional or listed one's Field(ge=...) would reach the JSON Schema as "ge", unread)
+_AN_INTEGER = BeforeValidator(_no_bool_or_str)
+Int = Annotated[int, Field(strict=False), _AN_INTEGER]
+NonNegativeInt = Annotated[int, Field(strict=False, ge=0), _AN_INTEGER]
+PositiveInt = Annotated[int, Field(strict=False, ge=1), _AN_INTEGER]
+TokenId = NonNegativeInt
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
+def _when(condition: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """A JSON Schema rule between fields: when `condition` holds (properties present and matching), `then` must."""
+    return {"if": {"required": sorted(condition), "properties": condition},
+            "then": {"required": sorted(then), "properties": then}}
+
+
+def _rules_between_fields(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """The model's RULES (what its validators refuse across fields) into its JSON Schema's allOf."""
+    rules = [rule for cls in reversed(model.__mro__) for rule in vars(cls).get("RULES", ())]
+    if rules:
+        schema["allOf"] = rules
+
+
+_PRESENT = {"not": {"type": "null"}}
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra=_rules_between_fields)
+    RULES: ClassVar[tuple[dict[str, Any], ...]] = (
+        _when({"stream_options": _PRESENT}, {"stream": {"const": True}}),
+        {"if": {"required": ["stream"], "properties": {"stream": {"const": True}}},
+         "then": {"properties": {"prompt_logprobs": {"type": "null"}}}},
+    )
 
     model: str | None = None
-    n: int = Field(1, ge=1)  # NOTE: the caps of this and the other lists/counts: serving/limits.py
+    n: Int = Field(1, ge=1)  # NOTE: the caps of this and the other lists/counts: serving/limits.py
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: Annotated[int, Field(strict=False, ge=0, lt=2**63), _AN_INTEGER] | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = None
     # vLLM extras
-    top_k: int = Field(0, ge=-1)
+    top_k: Int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)  # the only float without an upper bound
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[TokenId] | None = None
+    min_tokens: Int = Field(0, ge=0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    prompt_logprobs: Annotated[int, Field(strict=False, ge=0, le=20), _AN_INTEGER] | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
@@ -79,12 +125,15 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0)
+    # NOTE: an empty prompt (text or ids) is refused: minLength/minItems say so
+    prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
+             | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
+    max_tokens: PositiveInt | None = 16
+    logprobs: NonNegativeInt | None = None
     echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: Int | None = None  # NOTE: equal to n (the schema cannot say that)
+    suffix: Annotated[str, Field(max_length=0)] | None = None  # NOTE: not supported: only "" or null
 
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
@@ -92,68 +141,92 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of must equal n (beam search is not supported)")
-        if isinstance(self.prompt, list) and not self.prompt:
-            raise ValueError("prompt must not be empty")
         return self
 
 
-class CalledFunction(BaseModel):
+class CalledFunction(_Strict):
     name: str
     arguments: str | dict[str, Any]
 
 
-class MessageToolCall(BaseModel):
+class MessageToolCall(_Strict):
     """A call an assistant message made (rendered back into the prompt)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     id: str | None = None
     type: Literal["function"] = "function"
     function: CalledFunction
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class TextPart(_Strict):
+    """The one kind of content part the chat template renders."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    # NOTE: a message has content, but for an assistant's that only calls tools (OpenAI sends null
+    # there); the schema says so too
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={
+        "if": {"not": {"properties": {"role": {"const": "assistant"}, "tool_calls": {"type": "array", "minItems": 1}},
+                       "required": ["role", "tool_calls"]}},
+        "then": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}})
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
 
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role!r} message needs its content (only an assistant's that calls tools "
+                             "may have none)")
+        return self
 
-class ChatTemplateKwargs(BaseModel):
-    model_config = ConfigDict(extra="allow")
+
+class ChatTemplateKwargs(_Strict):
+    model_config = ConfigDict(extra="allow", strict=True)
 
     enable_thinking: bool = True
 
 
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ChatTool(BaseModel):
+class ChatTool(_Strict):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
+class NamedFunction(_Strict):
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(_Strict):
     type: Literal["function"]
     function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
+    RULES: ClassVar[tuple[dict[str, Any], ...]] = (
+        _when({"top_logprobs": {"type": "integer", "minimum": 1}}, {"logprobs": {"const": True}}),
+        # NOTE: a named function must be one of `tools` too (the schema cannot say that)
+        _when({"tool_choice": {"not": {"enum": [None, "none"]}}}, {"tools": {"type": "array", "minItems": 1}}),
+    )
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: NonNegativeInt | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: ChatTemplateKwargs | None = None
     tools: list[ChatTool] | None = None

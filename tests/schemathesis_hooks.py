@@ -1,0 +1,53 @@
+"""Schemathesis hooks for tests/test_fuzz_api.py (loaded through SCHEMATHESIS_HOOKS): what a
+request's JSON Schema cannot say, because it compares one field's value with another's, made true
+of the generated bodies so that a schema-valid request is a valid one. Values of the wrong type
+are left as they are (negative cases stay negative). Each rule is one the server enforces with a
+400 and the OpenAPI document states in words (serving/openapi.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import schemathesis
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@schemathesis.hook
+def map_body(context: Any, body: Any) -> Any:
+    if not isinstance(body, dict):
+        return body
+    # min_tokens <= max_tokens (max_completion_tokens first, on chat)
+    limit = next((body[k] for k in ("max_completion_tokens", "max_tokens") if _int(body.get(k))), None)
+    if _int(body.get("min_tokens")) and limit is not None and body["min_tokens"] > limit:
+        body["min_tokens"] = limit
+    # best_of == n (no beam search)
+    if _int(body.get("best_of")):
+        body["best_of"] = body["n"] if _int(body.get("n")) else 1
+    # a named tool_choice names one of `tools`
+    choice, tools = body.get("tool_choice"), body.get("tools")
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict) and isinstance(tools, list) and tools:
+        first = tools[0]
+        name = first.get("function", {}).get("name") if isinstance(first, dict) else None
+        if isinstance(name, str):
+            choice["function"]["name"] = name
+    return body
+
+
+# NOTE: the context window: a prompt's tokens are at most its UTF-8 bytes (a byte-level BPE token
+# is one byte or more), and what a chat template adds is small: bodies whose prompt text is over
+# this many bytes are not generated (the test sets it from the server's max_model_len)
+PROMPT_BYTES_ENV = "PDSERVE_FUZZ_PROMPT_BYTES"
+
+
+@schemathesis.hook
+def filter_body(context: Any, body: Any) -> bool:
+    limit = int(os.environ.get(PROMPT_BYTES_ENV, "0"))
+    if not limit or not isinstance(body, dict):
+        return True
+    rendered = {key: body.get(key) for key in ("prompt", "messages", "tools")}
+    return len(json.dumps(rendered, ensure_ascii=False).encode("utf-8", "surrogatepass")) <= limit
