@@ -51,3 +51,14 @@ def filter_body(context: Any, body: Any) -> bool:
         return True
     rendered = {key: body.get(key) for key in ("prompt", "messages", "tools")}
     return len(json.dumps(rendered, ensure_ascii=False).encode("utf-8", "surrogatepass")) <= limit
+
+
+@schemathesis.check
+def openai_error_envelope(ctx: Any, response: Any, case: Any) -> None:
+    """Beyond the schema (which has the envelope's fields): an error's `code` is its HTTP status and
+    its message says something, and no field besides the four."""
+    if response.status_code < 400:
+        return
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, f"not the OpenAI error envelope: {error}"
+    assert error["code"] == response.status_code and error["message"], f"code or message wrong: {error}"

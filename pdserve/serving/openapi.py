@@ -5,8 +5,8 @@ which the server never answers (a request its schema refuses is a 400).
 What each route declares itself (`responses=documented_errors(...)`): 404 for a model it does not
 serve, 429 and 503 for generation. What this module adds to every route: 400 where FastAPI would
 have documented its 422 (a body or parameters to validate), 413 where there is a body (the
---max-request-body-bytes cap), and 401 on the paths a client key guards when the server has keys.
-Routes of the cluster's own plane (`/pd/*`) are left out (`include_in_schema=False` where declared).
+--max-request-body-bytes cap), and 401 on the paths a client key guards when the server has keys
+(with the bearer scheme as their `security`). Routes of the cluster's own plane (`/pd/*`) are left out (`include_in_schema=False` where declared).
 
 The request schemas carry this server's caps too (`bound`): --max-tokens-limit, --max-n, the stop
 and logprobs caps, the vocabulary's size for token ids: a request the document calls valid is one
@@ -27,6 +27,7 @@ from pdserve.serving.errors import ErrorEnvelope, documented_errors
 from pdserve.serving.middleware import PROTECTED_PREFIXES
 
 _REF_TEMPLATE = "#/components/schemas/{model}"
+_SCHEME = "bearer"  # `Authorization: Bearer <key>` (--api-key)
 _ENVELOPE_REF = {"$ref": _REF_TEMPLATE.format(model=ErrorEnvelope.__name__)}
 
 
@@ -57,8 +58,11 @@ def conform(schema: dict[str, Any], keyed: bool) -> None:
                 added.append(HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
             if keyed and path.startswith(PROTECTED_PREFIXES):
                 added.append(HTTPStatus.UNAUTHORIZED)
+                operation["security"] = [{_SCHEME: []}]
             for status in added:
                 responses.setdefault(str(int(status)), _envelope_response(status))
+    if keyed:
+        schema.setdefault("components", {}).setdefault("securitySchemes", {})[_SCHEME] = {"type": "http", "scheme": "bearer"}
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     for unused in ("HTTPValidationError", "ValidationError"):
         components.pop(unused, None)
