@@ -6,7 +6,8 @@ What each route declares itself (`responses=documented_errors(...)`): 404 for a 
 serve, 429 and 503 for generation. What this module adds to every route: 400 where FastAPI would
 have documented its 422 (a body or parameters to validate), 413 where there is a body (the
 --max-request-body-bytes cap), and 401 on the paths a client key guards when the server has keys
-(with the bearer scheme as their `security`). Routes of the cluster's own plane (`/pd/*`) are left out (`include_in_schema=False` where declared).
+(with the bearer scheme as their `security`). Routes of the cluster's own plane (`/pd/*`) are left
+out (`include_in_schema=False` where declared).
 
 The request schemas carry this server's caps too (`bound`): --max-tokens-limit, --max-n, the stop
 and logprobs caps, the vocabulary's size for token ids: a request the document calls valid is one
@@ -61,9 +62,10 @@ def conform(schema: dict[str, Any], keyed: bool) -> None:
                 operation["security"] = [{_SCHEME: []}]
             for status in added:
                 responses.setdefault(str(int(status)), _envelope_response(status))
+    parts = schema.setdefault("components", {})
     if keyed:
-        schema.setdefault("components", {}).setdefault("securitySchemes", {})[_SCHEME] = {"type": "http", "scheme": "bearer"}
-    components = schema.setdefault("components", {}).setdefault("schemas", {})
+        parts.setdefault("securitySchemes", {})[_SCHEME] = {"type": "http", "scheme": "bearer"}
+    components = parts.setdefault("schemas", {})
     for unused in ("HTTPValidationError", "ValidationError"):
         components.pop(unused, None)
     envelope = ErrorEnvelope.model_json_schema(ref_template=_REF_TEMPLATE)

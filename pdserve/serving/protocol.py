@@ -1,8 +1,8 @@
 """OpenAI request/response schemas (plus vLLM's extra sampling fields), as pydantic models.
 
-NOTE: requests are validated strictly (`_Strict`): what the schema says an integer is one (not a
+NOTE: requests are validated as their JSON Schema reads (`_Strict`): an integer is one (not a
 boolean, not "3"), a boolean is `true`/`false`; the OpenAPI document is then what the server takes
-(serving/openapi.py). Numbers stay numbers: an integer is taken where a float is asked for.
+(serving/openapi.py). An integer is taken where a float is asked for, as 3.0 where an integer is.
 """
 
 from __future__ import annotations
@@ -10,13 +10,19 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict, model_validator
 
 from pdserve.engine.sampling_params import SamplingParams
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True)
+    """A request's part: its booleans, numbers and integers are what JSON Schema calls so (`Bool`,
+    `Float`, `Int`); text stays lax (strict text refuses what JSON escapes allow: a lone surrogate,
+    which the handlers refuse themselves with a 400 that says so)."""
+
+
+Bool = Annotated[bool, Strict()]  # NOTE: true/false, never 1 or "true"
+Float = Annotated[float, Strict()]  # NOTE: a number (an integer too), never "0.5" or true
 
 
 def _no_bool_or_str(value: Any) -> Any:
@@ -28,11 +34,21 @@ def _no_bool_or_str(value: Any) -> Any:
 # NOTE: an integer as JSON Schema has it: 3 or 3.0, never true or "3". Bounds go inside the
 # Annotated (an optional or listed one's Field(ge=...) would reach the JSON Schema as "ge", unread)
 _AN_INTEGER = BeforeValidator(_no_bool_or_str)
-Int = Annotated[int, Field(strict=False), _AN_INTEGER]
-NonNegativeInt = Annotated[int, Field(strict=False, ge=0), _AN_INTEGER]
-PositiveInt = Annotated[int, Field(strict=False, ge=1), _AN_INTEGER]
+Int = Annotated[int, _AN_INTEGER]
+NonNegativeInt = Annotated[int, Field(ge=0), _AN_INTEGER]
+PositiveInt = Annotated[int, Field(ge=1), _AN_INTEGER]
 TokenId = NonNegativeInt
-NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
+def _not_empty(text: str) -> str:
+    if not text:
+        raise ValueError("must not be empty")
+    return text
+
+
+# NOTE: checked after, not as Field(min_length=1): pydantic's constrained text refuses a lone
+# surrogate outright, where the handlers answer one with a 400 that says what it is
+NonEmptyStr = Annotated[str, AfterValidator(_not_empty), Field(json_schema_extra={"minLength": 1})]
 
 
 def _when(condition: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
@@ -52,13 +68,13 @@ _PRESENT = {"not": {"type": "null"}}
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 class _SamplingFields(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra=_rules_between_fields)
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_rules_between_fields)
     RULES: ClassVar[tuple[dict[str, Any], ...]] = (
         _when({"stream_options": _PRESENT}, {"stream": {"const": True}}),
         {"if": {"required": ["stream"], "properties": {"stream": {"const": True}}},
@@ -67,25 +83,25 @@ class _SamplingFields(_Strict):
 
     model: str | None = None
     n: Int = Field(1, ge=1)  # NOTE: the caps of this and the other lists/counts: serving/limits.py
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    temperature: Float | None = Field(None, ge=0.0, le=2.0)
+    top_p: Float | None = Field(None, gt=0.0, le=1.0)
     stop: NonEmptyStr | list[NonEmptyStr] | None = None
-    stream: bool = False
+    stream: Bool = False
     stream_options: StreamOptions | None = None
-    seed: Annotated[int, Field(strict=False, ge=0, lt=2**63), _AN_INTEGER] | None = None
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: Annotated[int, Field(ge=0, lt=2**63), _AN_INTEGER] | None = None
+    presence_penalty: Float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: Float = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = None
     # vLLM extras
     top_k: Int = Field(0, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)  # the only float without an upper bound
-    ignore_eos: bool = False
+    min_p: Float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: Float = Field(1.0, gt=0.0, allow_inf_nan=False)  # the only float without an upper bound
+    ignore_eos: Bool = False
     stop_token_ids: list[TokenId] | None = None
     min_tokens: Int = Field(0, ge=0)
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    prompt_logprobs: Annotated[int, Field(strict=False, ge=0, le=20), _AN_INTEGER] | None = None
+    skip_special_tokens: Bool = True
+    include_stop_str_in_output: Bool = False
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20), _AN_INTEGER] | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
@@ -131,7 +147,7 @@ class CompletionRequest(_SamplingFields):
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
     max_tokens: PositiveInt | None = 16
     logprobs: NonNegativeInt | None = None
-    echo: bool = False
+    echo: Bool = False
     best_of: Int | None = None  # NOTE: equal to n (the schema cannot say that)
     suffix: Annotated[str, Field(max_length=0)] | None = None  # NOTE: not supported: only "" or null
 
@@ -152,7 +168,7 @@ class CalledFunction(_Strict):
 class MessageToolCall(_Strict):
     """A call an assistant message made (rendered back into the prompt)."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore")
 
     id: str | None = None
     type: Literal["function"] = "function"
@@ -162,7 +178,7 @@ class MessageToolCall(_Strict):
 class TextPart(_Strict):
     """The one kind of content part the chat template renders."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow")
 
     type: Literal["text"]
     text: str
@@ -171,7 +187,7 @@ class TextPart(_Strict):
 class ChatMessage(_Strict):
     # NOTE: a message has content, but for an assistant's that only calls tools (OpenAI sends null
     # there); the schema says so too
-    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={
+    model_config = ConfigDict(extra="allow", json_schema_extra={
         "if": {"not": {"properties": {"role": {"const": "assistant"}, "tool_calls": {"type": "array", "minItems": 1}},
                        "required": ["role", "tool_calls"]}},
         "then": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}})
@@ -190,16 +206,16 @@ class ChatMessage(_Strict):
 
 
 class ChatTemplateKwargs(_Strict):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow")
 
-    enable_thinking: bool = True
+    enable_thinking: Bool = True
 
 
 class FunctionDefinition(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: Bool | None = None
 
 
 class ChatTool(_Strict):
@@ -225,13 +241,13 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None
-    logprobs: bool = False
+    logprobs: Bool = False
     top_logprobs: NonNegativeInt | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: Bool = True
     chat_template_kwargs: ChatTemplateKwargs | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True  # NOTE: accepted; the model decides how many calls it makes
+    parallel_tool_calls: Bool = True  # NOTE: accepted; the model decides how many calls it makes
 
     @property
     def enable_thinking(self) -> bool:

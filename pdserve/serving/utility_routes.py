@@ -23,22 +23,22 @@ from pdserve.serving.chat_output import plan_reading
 from pdserve.serving.engine_client import EngineClient
 from pdserve.serving.errors import OpenAIError, documented_errors
 from pdserve.serving.generation import encode_text
-from pdserve.serving.protocol import ChatCompletionRequest, ChatMessage, ChatTemplateKwargs, ChatTool, TokenId
+from pdserve.serving.protocol import Bool, ChatCompletionRequest, ChatMessage, ChatTemplateKwargs, ChatTool, TokenId
 
 
 class TokenizeRequest(BaseModel):
-    # NOTE: strict, as the other requests (serving/protocol.py); exactly one of prompt and messages
-    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={
+    # NOTE: typed as the other requests (serving/protocol.py); exactly one of prompt and messages
+    model_config = ConfigDict(extra="ignore", json_schema_extra={
         "oneOf": [{"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
                   {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
-    add_generation_prompt: bool = True
+    add_generation_prompt: Bool = True
     chat_template_kwargs: ChatTemplateKwargs | None = None
     tools: list[ChatTool] | None = None
-    return_token_strs: bool = False
+    return_token_strs: Bool = False
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -48,7 +48,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     tokens: list[TokenId]
