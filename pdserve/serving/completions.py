@@ -38,13 +38,14 @@ def _has_text(prompt: object) -> bool:
 
 
 def build_jobs(client: EngineClient, prompts: list[list[int]], requested_max_tokens: int | None,
-               body: CompletionRequest | Any, request_id: str, max_tokens_limit: int | None) -> list[Job]:
+               body: CompletionRequest | Any, request_id: str, max_tokens_limit: int | None,
+               prompt_param: str = "prompt") -> list[Job]:
     """Validate every prompt before anything is enqueued: bad input never costs compute."""
     jobs = []
     logprobs, prompt_logprobs = requested_logprobs(body), requested_prompt_logprobs(body)
     for index, token_ids in enumerate(prompts):
         max_tokens = generation.resolve_max_tokens(len(token_ids), requested_max_tokens, client.max_model_len,
-                                                   max_tokens_limit)
+                                                   max_tokens_limit, prompt_param)
         try:
             params = body.to_sampling_params(max_tokens, logprobs, prompt_logprobs)
             client.validate_request(token_ids, params)
