@@ -99,6 +99,11 @@ class QuietAccessFilter(ProbeAccessFilter):
         return super().filter(record)
 
 
+class _WarningsOnly(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING
+
+
 AccessLog = Literal["requests", "quiet", "all"]
 _ACCESS_FILTERS: dict[AccessLog, type[logging.Filter] | None] = {
     "requests": ProbeAccessFilter, "quiet": QuietAccessFilter, "all": None}
@@ -122,3 +127,11 @@ def configure_logging(level: str = "INFO", log_format: LogFormat = "text", acces
         access.removeFilter(old_filter)
     if (kind := _ACCESS_FILTERS[access_log]) is not None:
         access.addFilter(kind())
+    # NOTE: quiet (the processes of `pdserve up`, one terminal): not uvicorn's four start-up lines
+    # per process either; each server says where it listens in its own start-up line. A filter,
+    # not the logger's level, which uvicorn sets from --log-level when it starts.
+    server = logging.getLogger("uvicorn.error")
+    for old_filter in [f for f in server.filters if isinstance(f, _WarningsOnly)]:
+        server.removeFilter(old_filter)
+    if access_log == "quiet":
+        server.addFilter(_WarningsOnly())
