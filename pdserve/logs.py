@@ -131,7 +131,7 @@ def configure_logging(level: str = "INFO", log_format: LogFormat = "text", acces
     # per process either; each server says where it listens in its own start-up line. A filter,
     # not the logger's level, which uvicorn sets from --log-level when it starts.
     server = logging.getLogger("uvicorn.error")
-    for old_filter in [f for f in server.filters if isinstance(f, _WarningsOnly)]:
-        server.removeFilter(old_filter)
+    for stale in [f for f in server.filters if isinstance(f, _WarningsOnly)]:
+        server.removeFilter(stale)
     if access_log == "quiet":
         server.addFilter(_WarningsOnly())

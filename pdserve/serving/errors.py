@@ -88,7 +88,7 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     # NOTE: the deepest of the errors: in a union (a prompt of text, of ids or of lists of ids) the
     # member that got furthest says what is wrong ("prompt.0.1: expected an integer")
-    first = max(exc.errors(), key=lambda error: len(error.get("loc", ())), default={})
+    first: dict[str, Any] = max(exc.errors(), key=lambda error: len(error.get("loc", ())), default={})
     # NOTE: without pydantic's union members ("constrained-str", "list[int]"): no field is named so
     location = [str(part) for part in first.get("loc", ()) if part != "body"
                 and (isinstance(part, int) or not any(c in str(part) for c in "-["))]
@@ -102,7 +102,7 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
 async def _http_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     # NOTE: the headers too: a 405's `Allow` (RFC 9110 requires it)
-    return error_response(str(exc.detail), HTTPStatus(exc.status_code), headers=exc.headers)
+    return error_response(str(exc.detail), HTTPStatus(exc.status_code), headers=dict(exc.headers or {}))
 
 
 async def _client_disconnected(_: Request, exc: Exception) -> Response:
