@@ -28,6 +28,7 @@ def map_body(context: Any, body: Any) -> Any:
     # best_of == n (no beam search)
     if _int(body.get("best_of")):
         body["best_of"] = body["n"] if _int(body.get("n")) else 1
+    _one_valid_structured_output(body)
     # a named tool_choice names one of `tools`
     choice, tools = body.get("tool_choice"), body.get("tools")
     if isinstance(choice, dict) and isinstance(choice.get("function"), dict) and isinstance(tools, list) and tools:
@@ -36,6 +37,45 @@ def map_body(context: Any, body: Any) -> Any:
         if isinstance(name, str):
             choice["function"]["name"] = name
     return body
+
+
+# Structured outputs (issue 32, item 1): whether a regex, a grammar or a JSON schema compiles is
+# no JSON Schema's to say; a generated one of the right type becomes one that does, and a request
+# keeps one constraint (more are refused). No-op on a body without them.
+_VALID = {"regex": "[a-z]{1,8}", "grammar": 'root ::= "yes" | "no"', "json": {"type": "object"}}
+_TOP_LEVEL = {"guided_regex": "regex", "guided_grammar": "grammar", "guided_json": "json"}
+_CONSTRAINTS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                "guided_grammar")
+
+
+def _valid_like(kind: str, value: Any) -> Any:
+    valid = _VALID[kind]
+    if kind == "json" and isinstance(value, str):
+        return json.dumps(valid)
+    if kind == "json" and isinstance(value, bool):  # NOTE: a boolean schema: `false` admits nothing
+        return valid
+    return valid if isinstance(value, type(valid)) else value
+
+
+def _one_valid_structured_output(body: dict[str, Any]) -> None:
+    present = [key for key in _CONSTRAINTS if body.get(key) is not None
+               and not (key == "response_format" and isinstance(body[key], dict) and body[key].get("type") == "text")]
+    for extra in present[1:]:
+        del body[extra]
+    for key, kind in _TOP_LEVEL.items():
+        if body.get(key) is not None:
+            body[key] = _valid_like(kind, body[key])
+    outputs = body.get("structured_outputs")
+    if isinstance(outputs, dict):
+        for key in [k for k in ("json", "regex", "choice", "grammar", "json_object") if outputs.get(k) is not None][1:]:
+            del outputs[key]
+        for key in ("regex", "grammar", "json"):
+            if outputs.get(key) is not None:
+                outputs[key] = _valid_like(key, outputs[key])
+    fmt = body.get("response_format")
+    schema = fmt.get("json_schema") if isinstance(fmt, dict) else None
+    if isinstance(schema, dict) and isinstance(schema.get("schema"), (dict, bool)):
+        schema["schema"] = _VALID["json"]
 
 
 # NOTE: the context window: a prompt's tokens are at most its UTF-8 bytes (a byte-level BPE token
