@@ -168,13 +168,13 @@ class PeerAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path, method = str(scope.get("path", "")), str(scope.get("method", ""))
-        if scope["type"] != "http" or not path.startswith(self.prefix) or (method, path) in OPEN_ROUTES \
-                or wrong_method(scope):
+        if scope["type"] != "http" or not path.startswith(self.prefix) or (method, path) in OPEN_ROUTES:
             await self.app(scope, receive, send)
             return
         body = await _read_body(receive)
         problem = "request body too large" if body is None else self._problem(scope, method, body)
-        if problem:
+        # NOTE: a method no route takes is the app's 405 (with `Allow`), not an authentication failure
+        if problem and not (body is not None and wrong_method(scope)):
             logger.warning("refused %s %s from %s: %s", method, path, scope.get("client"), problem)
             status = HTTPStatus.REQUEST_ENTITY_TOO_LARGE if body is None else HTTPStatus.UNAUTHORIZED
             await error_response(f"cluster authentication failed: {problem}", status)(scope, receive, send)
