@@ -63,7 +63,8 @@ def fuzz(base_url: str, report_dir: Path) -> dict[str, Any]:
             "--workers", "1", "--continue-on-failure", "--no-color", "--output-sanitize", "false",
             "--header", f"Authorization: Bearer {KEY}", "--request-timeout", "60",
             "--report", "json", "--report-json-path", str(report)]
-    run = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=_TIMEOUT_S)
+    # NOTE: in the report's folder: schemathesis keeps a cache (.schemathesis/) where it runs
+    run = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=_TIMEOUT_S, cwd=report_dir)
     assert run.returncode == 0, run.stdout[-20000:] + run.stderr[-5000:]
     with httpx.Client(base_url=base_url, timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as http:
         assert http.get("/health").status_code == 200
