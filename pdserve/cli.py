@@ -101,7 +101,7 @@ def _serve(ns: argparse.Namespace) -> int:
     client.on_fatal = _drain_after_engine_failure
     try:
         # Workers' access logs would only show the router's polling; the router logs client requests.
-        _run_server(app, ns, access_log=worker is None, on_exit=on_exit)
+        _run_server(app, ns, access_log=worker is None or ns.access_log == "all", on_exit=on_exit)
     finally:
         client.shutdown()
     return _ENGINE_FAILED if client.failure is not None else 0
@@ -233,7 +233,7 @@ def _up(ns: argparse.Namespace, engine_flags: list[str]) -> int:
     from pdserve.ops.up import run
 
     _check_up_counts(ns)
-    configure_logging(ns.log_level, ns.log_format)
+    configure_logging(ns.log_level, ns.log_format, ns.access_log)
     options, router, worker, worker_flags = up_plan(ns, engine_flags)
     autoscale = None
     if ns.autoscale:
@@ -280,7 +280,8 @@ def up_plan(ns: argparse.Namespace, engine_flags: list[str]) -> tuple[UpOptions,
     options = UpOptions(ns.port, ns.num_prefill or Replicas(1, 1), ns.num_decode or Replicas(1, 1),
                         ns.port + 1 if ns.supervisor_port is None else ns.supervisor_port,
                         ns.prefill_threads, ns.decode_threads, ns.model,
-                        ("--log-level", ns.log_level, "--log-format", ns.log_format), config_from_args(ApiConfig, ns),
+                        ("--log-level", ns.log_level, "--log-format", ns.log_format,
+                         "--access-log", "all" if ns.up_access_log else "quiet"), config_from_args(ApiConfig, ns),
                         ns.colocated or 0, ns.cpus_per_worker,
                         tuple((role, dtype) for role in ("prefill", "decode")
                               if (dtype := getattr(ns, f"{role}_kv_cache_dtype")) is not None))
@@ -389,6 +390,9 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--autoscale", action="store_true",
                     help="grow and shrink each role within its MIN:MAX (starting at MIN) by the autoscaling rules")
     up.add_argument("--port", type=int, default=_PORT, help="the router's port")
+    up.add_argument("--access-log", action="store_true", dest="up_access_log",
+                    help="every process's every access line: the supervisor's polls, the workers' heartbeats and "
+                         "the readiness probes too (default: a client's requests only)")
     up.add_argument("--supervisor-port", type=int, default=None,
                     help="where the supervisor serves its metrics (restarts, workers by state, autoscaler); "
                          "default: the router's port + 1; 0: not served")
@@ -434,6 +438,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("--log-format", default="text", choices=["text", "json"],
                         help="text lines, or one JSON object per line (time, level, logger, request_id, message)")
+    parser.add_argument("--access-log", default="requests", choices=["requests", "quiet", "all"],
+                        help="HTTP access lines: every request but successful probes (requests), a client's "
+                             "requests only, not the deployment's own polls, heartbeats and probes (quiet: what "
+                             "`pdserve up` runs with), or every one, workers' too (all)")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve_parser(sub)
     _add_router_parser(sub)
@@ -467,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
     from pdserve.logs import configure_logging
 
-    configure_logging(ns.log_level, ns.log_format)
+    configure_logging(ns.log_level, ns.log_format, ns.access_log)
     exit_with_supervisor()
     return int(ns.func(ns))
 

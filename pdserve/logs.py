@@ -74,8 +74,45 @@ class ProbeAccessFilter(logging.Filter):
         return True
 
 
-def configure_logging(level: str = "INFO", log_format: LogFormat = "text") -> None:
-    """Root handler for the process (CLI entry points call this once)."""
+# NOTE: what `pdserve up`'s own readiness completion carries in its query: its access line is the
+# supervisor's, not a client's (QuietAccessFilter drops it)
+UP_PROBE_QUERY = "pdserve-up-probe=1"
+
+
+class QuietAccessFilter(ProbeAccessFilter):
+    """`--access-log quiet` (what `pdserve up` runs its processes with): beside the successful
+    probes, the deployment's own traffic is not logged either: any probe of /health and /ready
+    (up waits on them, and expects 503s until the workers join), the supervisor's GET /workers
+    poll, the workers' POST /pd/register heartbeats (and /pd/deregister), and up's own readiness
+    completion (UP_PROBE_QUERY). A client's request, and any other failure, still is."""
+
+    ROUTINE = frozenset({("GET", "/workers"), ("POST", "/pd/register"), ("POST", "/pd/deregister")})
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) == 5:
+            _, method, path, _, status = args
+            route, _, query = str(path).partition("?")
+            if (method == "GET" and route in ("/health", "/ready")) or query == UP_PROBE_QUERY \
+                    or ((method, route) in self.ROUTINE and status == 200):
+                return False
+        return super().filter(record)
+
+
+class _WarningsOnly(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING
+
+
+AccessLog = Literal["requests", "quiet", "all"]
+_ACCESS_FILTERS: dict[AccessLog, type[logging.Filter] | None] = {
+    "requests": ProbeAccessFilter, "quiet": QuietAccessFilter, "all": None}
+
+
+def configure_logging(level: str = "INFO", log_format: LogFormat = "text", access_log: AccessLog = "requests") -> None:
+    """Root handler for the process (CLI entry points call this once). `access_log`: which of
+    uvicorn's access lines are written: every one ("all"), all but successful probes ("requests"),
+    or a client's requests only (QuietAccessFilter)."""
     handler = logging.StreamHandler()
     handler.addFilter(RequestIdFilter())
     handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(_TEXT_FORMAT))
@@ -86,5 +123,15 @@ def configure_logging(level: str = "INFO", log_format: LogFormat = "text") -> No
     root.setLevel(level)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the router polls workers twice a second
     access = logging.getLogger("uvicorn.access")
-    if not any(isinstance(f, ProbeAccessFilter) for f in access.filters):
-        access.addFilter(ProbeAccessFilter())
+    for old_filter in [f for f in access.filters if isinstance(f, ProbeAccessFilter)]:
+        access.removeFilter(old_filter)
+    if (kind := _ACCESS_FILTERS[access_log]) is not None:
+        access.addFilter(kind())
+    # NOTE: quiet (the processes of `pdserve up`, one terminal): not uvicorn's four start-up lines
+    # per process either; each server says where it listens in its own start-up line. A filter,
+    # not the logger's level, which uvicorn sets from --log-level when it starts.
+    server = logging.getLogger("uvicorn.error")
+    for stale in [f for f in server.filters if isinstance(f, _WarningsOnly)]:
+        server.removeFilter(stale)
+    if access_log == "quiet":
+        server.addFilter(_WarningsOnly())

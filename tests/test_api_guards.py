@@ -5,6 +5,7 @@ ask for, the body-size cap, and the error contract (never a plain-text 500). Eve
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -81,6 +82,15 @@ def test_keys_come_from_flags_file_and_environment(tmp_path: Path, monkeypatch: 
     assert config.api_keys() == ("from-flag", "from-file", "second", "from-env", "other")
     with pytest.raises(ValueError, match="whitespace"):
         ApiConfig(api_key=("two words",)).validate()
+
+
+def test_tokenize_and_detokenize_need_the_key(server: ServerHandle, http: httpx.Client) -> None:
+    with httpx.Client(base_url=server.base_url) as anonymous:
+        assert_envelope(anonymous.post("/tokenize", json={"prompt": "Hi"}), 401, "authentication_error")
+        assert_envelope(anonymous.post("/detokenize", json={"tokens": [1]}), 401, "authentication_error")
+        assert anonymous.get("/version").status_code == 200
+    assert http.post("/tokenize", json={"prompt": "Hi"}).json()["count"] == 1
+    assert http.post("/detokenize", json={"tokens": [13048]}).json() == {"prompt": "Hi"}
 
 
 # -- caps ------------------------------------------------------------------------------------------
@@ -192,3 +202,78 @@ def test_an_unexpected_exception_is_a_500_in_the_envelope_logged_with_its_reques
     assert any(request_id in record.getMessage() and record.exc_info for record in caplog.records), caplog.records
     monkeypatch.undo()
     assert complete(http).status_code == 200
+
+
+# -- the API contract (issue 32): the document says what the server does -----------------------------
+
+def test_the_document_lists_each_status_with_the_envelope_and_no_422(http: httpx.Client) -> None:
+    document = http.get("/openapi.json").json()
+    assert "422" not in str(document) and "HTTPValidationError" not in str(document)
+    envelope = {"$ref": "#/components/schemas/ErrorEnvelope"}
+    expected = {"/v1/completions": {"200", "400", "401", "404", "413", "500", "503"},
+                "/v1/chat/completions": {"200", "400", "401", "404", "413", "500", "503"},
+                "/tokenize": {"200", "400", "401", "404", "413"}, "/detokenize": {"200", "400", "401", "404", "413"},
+                "/v1/models": {"200", "401"}, "/version": {"200"}, "/health": {"200", "503"}}
+    for path, statuses in expected.items():
+        (operation,) = document["paths"][path].values()
+        assert set(operation["responses"]) == statuses, (path, operation["responses"])
+        for status in statuses - {"200", "503"} if path == "/health" else statuses - {"200"}:
+            assert operation["responses"][status]["content"]["application/json"]["schema"] == envelope, (path, status)
+        assert ("security" in operation) == ("401" in statuses), path
+    streamed = document["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]
+    assert set(streamed) == {"application/json", "text/event-stream"}
+    assert document["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
+
+
+def test_the_request_schemas_say_what_is_refused(http: httpx.Client, server: ServerHandle) -> None:
+    schemas = http.get("/openapi.json").json()["components"]["schemas"]
+    completion, chat = schemas["CompletionRequest"]["properties"], schemas["ChatCompletionRequest"]["properties"]
+    text, texts, ids, lists = completion["prompt"]["anyOf"]
+    assert text["minLength"] == 1 and texts["minItems"] == 1 and texts["items"]["minLength"] == 1
+    vocab = server.client.engine.config.model.vocab_size
+    assert ids["items"] == {"type": "integer", "minimum": 0, "maximum": vocab - 1} and ids["minItems"] == 1
+    assert texts["maxItems"] == lists["maxItems"] == API.max_prompts and "maxItems" not in ids
+    # the caps of this server
+    assert completion["max_tokens"]["anyOf"][0]["maximum"] == API.max_tokens_limit
+    assert completion["n"]["maximum"] == API.max_n and chat["top_logprobs"]["anyOf"][0]["maximum"] == API.max_logprobs
+    detokenize = schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]
+    assert detokenize["maximum"] == server.client.tokenizer.vocab_size - 1
+    # a message has content, but for an assistant's that calls tools; what fields require of each other
+    message = schemas["ChatMessage"]
+    assert message["then"] == {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}
+    rules = {json.dumps(rule["if"]["properties"]) for rule in schemas["ChatCompletionRequest"]["allOf"]}
+    assert any("stream_options" in rule for rule in rules) and any("tool_choice" in rule for rule in rules)
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", {"prompt": [[False, True]]}, "prompt.0.0"),
+    ("/v1/completions", {"prompt": [True]}, "prompt.0"),
+    ("/v1/completions", {"prompt": "Hi", "n": True}, "n"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": "2"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "Hi", "stop_token_ids": [False]}, "stop_token_ids.0"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": "Hi", "stop": [""]}, "stop"),
+    ("/detokenize", {"tokens": [False]}, "tokens.0"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "tool_call_id": "x"}]}, "messages.0"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0"),
+])
+def test_what_the_schema_refuses_is_a_400(http: httpx.Client, path: str, body: dict[str, Any], param: str) -> None:
+    error = assert_envelope(http.post(path, json=body), 400, "invalid_request_error")
+    assert error["param"] is not None and error["param"].startswith(param), error
+
+
+def test_an_integer_written_as_a_float_is_an_integer(http: httpx.Client) -> None:
+    """JSON Schema's integer is 3 or 3.0 (what schemathesis sends): taken, as the schema says."""
+    reply = complete(http, prompt=[9707.0, 1879], max_tokens=2.0)
+    assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == 2, reply.text
+
+
+@pytest.mark.parametrize(("method", "path", "allowed"), [
+    ("TRACE", "/v1/models", "GET"), ("DELETE", "/v1/completions", "POST"), ("PUT", "/health", "GET"),
+    ("GET", "/tokenize", "POST")])
+def test_a_wrong_method_is_a_405_with_allow_before_the_key(server: ServerHandle, method: str, path: str,
+                                                          allowed: str) -> None:
+    with httpx.Client(base_url=server.base_url) as anonymous:  # NOTE: no key: the 405 comes first
+        reply = anonymous.request(method, path)
+    assert_envelope(reply, 405)
+    assert reply.headers["allow"] == allowed, reply.headers

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from helpers import random_prompt
 from pd_fixtures import Cluster, start_cluster, stop_cluster
-from server_fixtures import free_port
+from server_fixtures import free_port, start_server
 
 from pdserve.serving.dashboard import percentiles_ms
 
@@ -173,3 +173,29 @@ def test_dashboard_in_headless_chromium(cluster: Cluster) -> None:
             load.stop()
         browser.close()
     cluster.wait_until_idle()
+
+
+def test_the_colocated_server_has_the_dashboard_of_its_own_numbers(model_dirs: dict[str, Path]) -> None:
+    """`pdserve serve` (issue 32): the same page, its one worker itself, from its own registry."""
+    server = start_server(model_dirs["tiny"], "tiny-dashboard", dtype="float32", num_kv_blocks=128)
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=30) as http:
+            page = http.get("/dashboard")
+            assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+            before = http.get("/dashboard/data").json()
+            reply = http.post("/v1/completions", json={"prompt": random_prompt(30, seed=3), "max_tokens": 5,
+                                                       "ignore_eos": True})
+            assert reply.status_code == 200, reply.text
+            server.wait_until_idle()
+            after = http.get("/dashboard/data").json()
+        assert after["router"]["finished_requests_total"] - before["router"]["finished_requests_total"] == 1
+        assert after["router"]["generation_tokens_total"] - before["router"]["generation_tokens_total"] == 5
+        assert after["router"]["ttft_ms"]["p50"] is not None
+        (itself,) = after["workers"]
+        assert itself["role"] == "colocated" and itself["url"] == server.base_url
+        assert itself["reachable"] and itself["ready"] and itself["kv_usage"] == 0.0
+        assert itself["generation_tokens_total"] - before["workers"][0]["generation_tokens_total"] == 5
+        assert itself["prefill_tokens_total"] >= 30
+        assert after["ready_workers"] == {"prefill": 0, "decode": 0, "colocated": 1}
+    finally:
+        server.stop()

@@ -119,6 +119,21 @@ def test_pd_routes_refuse_a_peer_without_the_secret(cluster: Cluster, signer: st
     serves_and_nothing_left(cluster)
 
 
+def test_a_method_no_route_takes_is_a_405_with_allow_before_any_authentication(cluster: Cluster) -> None:
+    """Issue 32: authentication has nothing to say about a request no route takes (TRACE /pd/register
+    was a 401); the 405 names what the path takes, and the router's document leaves /pd/* out."""
+    prefill_url, decode_url = urls(cluster)
+    for url, path, allowed in ((cluster.router.url, "/pd/register", "POST"), (decode_url, "/pd/reserve", "POST"),
+                               (prefill_url, "/pd/prefill", "POST"), (cluster.router.url, "/v1/models", "GET")):
+        reply = httpx.request("TRACE", f"{url}{path}", timeout=10)
+        assert reply.status_code == 405, (path, reply.text)
+        assert reply.headers["allow"] == allowed and reply.json()["error"]["code"] == 405, (path, reply.headers)
+    assert httpx.post(f"{cluster.router.url}/pd/nowhere", timeout=10).status_code == 401  # NOTE: unknown: refused
+    document = httpx.get(f"{cluster.router.url}/openapi.json", timeout=10).json()
+    assert not [path for path in document["paths"] if path.startswith("/pd/")], list(document["paths"])
+    serves_and_nothing_left(cluster)
+
+
 def test_a_replayed_or_stale_signed_call_is_refused(cluster: Cluster) -> None:
     _, decode_url = urls(cluster)
     request = httpx.Request("POST", f"{decode_url}/pd/abort/nobody")

@@ -5,9 +5,11 @@ block held on any worker."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -210,5 +212,36 @@ def test_no_first_token_by_the_deadline_is_a_503_and_frees_everything(model_dirs
         assert (prefill.handed_off, prefill.failed, prefill.aborted) == (0, 0, 2), prefill  # aborted where they ran
         metrics = httpx.get(f"{cluster.router.url}/metrics").text
         assert re.search(r'pdserve:router_rejections_total\{[^}]*reason="first_token_timeout"[^}]*\} 2\.0', metrics)
+    finally:
+        stop_cluster(cluster)
+
+
+def test_a_slow_first_kv_handshake_does_not_time_the_first_request_out(
+        model_dirs: dict[str, Path], colocated: LLM, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 32: the first placement to a decode worker connects its KV sender (the handshake),
+    which took longer than the 100-ms transfer timeout at start-up on a loaded machine: the first
+    request's hand-off timed out ("no decode reservation named within 0.1 s", a WARNING before up's
+    banner) and was retried. The placement came in time: prefill waits for the connection."""
+    cluster = start_cluster(model_dirs["tiny"], "tcp", 1, 1, timeout_s=0.1)
+    prefill: PrefillService = cluster.service(PrefillService)
+    connect = prefill.senders.get
+
+    def slow_connect(address: str) -> Any:
+        time.sleep(0.5)  # NOTE: 5 transfer timeouts
+        return connect(address)
+
+    prefill.senders.get = slow_connect  # type: ignore[method-assign]
+    try:
+        with caplog.at_level(logging.WARNING):
+            reply = httpx.post(f"{cluster.router.url}/v1/completions", timeout=60,
+                               json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        assert reply.status_code == 200, reply.text
+        greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        assert reply.json()["choices"][0]["text"] == generate_texts(colocated, [PROMPT], greedy)[0]
+        # NOTE: but the fixture's own (it runs without a cluster secret)
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
+                    and r.name != "pdserve.disagg.auth"]
+        assert prefill.stats().failed == 0 and not warnings, warnings
+        cluster.wait_until_idle()
     finally:
         stop_cluster(cluster)

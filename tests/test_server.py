@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import shlex
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -582,3 +583,44 @@ def test_concurrent_requests(server: ServerHandle, offline: LLM, tok: Tokenizer)
         assert_usage(body, len(tok.encode(prompts[i])), max_tokens[i])
         assert body["choices"][0]["finish_reason"] == "length"
         assert body["choices"][0]["text"] == greedy(offline, prompts[i], max_tokens[i]).outputs[0].text, i
+
+
+def test_the_readmes_tokenize_examples_work(server: ServerHandle) -> None:
+    """The README's curl lines for /tokenize and /detokenize, sent as curl sends them (`-d` alone
+    is a form's content type: the lines must say JSON)."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    lines = [line for line in readme.splitlines() if line.startswith("curl -s localhost:8000/") and "tokenize" in line]
+    replies = {}
+    for line in lines:
+        argv = shlex.split(line, comments=True)
+        headers = {"content-type": "application/x-www-form-urlencoded"}  # NOTE: curl's, for -d
+        for flag, value in zip(argv, argv[1:], strict=False):
+            if flag == "-H":
+                name, _, header = value.partition(":")
+                headers[name.strip().lower()] = header.strip()
+        data = argv[argv.index("-d") + 1]
+        path = argv[2].removeprefix("localhost:8000")
+        replies[path] = httpx.post(f"{server.base_url}{path}", content=data, headers=headers, timeout=30)
+    assert set(replies) == {"/tokenize", "/detokenize"}, lines
+    assert all(reply.status_code == 200 for reply in replies.values()), [r.text for r in replies.values()]
+    assert replies["/tokenize"].json()["tokens"] == [9707, 1879] and replies["/tokenize"].json()["count"] == 2
+    assert replies["/detokenize"].json() == {"prompt": "Hello world"}
+
+
+def test_a_chat_prompt_over_the_context_names_messages(http: httpx.Client) -> None:
+    reply = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a " * MAX_MODEL_LEN}]})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "messages" and "maximum context length" in reply.json()["error"]["message"]
+    reply = http.post("/v1/completions", json={"prompt": "a " * MAX_MODEL_LEN})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt", reply.text
+
+
+def test_a_chat_reply_has_reasoning_content_and_no_empty_tool_calls(http: httpx.Client) -> None:
+    """As vLLM's: every whole reply's message has `reasoning_content` (null without reasoning), a
+    streamed delta only when it carries some; `tool_calls` only where there are calls (never [])."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "ignore_eos": True}
+    message = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": message["content"], "reasoning_content": None}
+    deltas = [event["choices"][0]["delta"] for event in stream_events(http, "/v1/chat/completions",
+                                                                       body | {"stream": True}) if event["choices"]]
+    assert deltas and all(set(delta) <= {"role", "content"} for delta in deltas), deltas

@@ -204,6 +204,36 @@ def test_up_serves_then_stops_everything_on_ctrl_c(model_dirs: dict[str, Path], 
         assert f"supervisor: curl -s http://127.0.0.1:{up.supervisor_port}/metrics" in up.text()
 
 
+# What a healthy start prints (issue 32): each worker's start-up line and join, the banner.
+_QUIET_START = [re.compile(p) for p in (
+    r"^\S+ \S+ INFO pdserve \[-\]: (prefill|decode) worker serving \S+ on http://",
+    r"^\S+ \S+ INFO pdserve\.disagg\.registrar \[-\]: registered with router http://\S+ as (prefill|decode) worker",
+    r"^\S+ \S+ INFO pdserve\.disagg\.pool \[-\]: (prefill|decode) worker http://\S+ is in the pool$",
+    r"^$", r"^pdserve is up: ", r"^  (workers|supervisor|try): +curl ", r"^Ctrl-C stops everything\.$")]
+_ACCESS_LINE = re.compile(r'"(GET|POST|PUT|DELETE) /\S* HTTP/[\d.]+" \d{3}')
+
+
+def test_up_on_a_quiet_machine_prints_the_banner_and_the_joins_only(model_dirs: dict[str, Path],
+                                                                    tmp_path: Path) -> None:
+    """Its first seconds, then 10 s idle (ten supervisor polls, heartbeats): no access line of the
+    deployment's own traffic, no warning, nothing but the start-up and join lines and the banner.
+    A client's request is still logged; `--access-log` brings every line back."""
+    with pdserve_up(model_dirs["tiny"], tmp_path) as up:
+        time.sleep(10)
+        lines = up.text().splitlines()
+        unexpected = [line for line in lines if not any(p.search(line) for p in _QUIET_START)]
+        assert not unexpected, "\n".join(unexpected[:40])
+        assert sum("is in the pool" in line for line in lines) == 2 and lines.count("Ctrl-C stops everything.") == 1
+        reply = httpx.post(f"{up.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=60)
+        assert reply.status_code == 200
+        up.wait_for("the client's access line", lambda: '"POST /v1/completions HTTP/1.1" 200' in up.text(), 10)
+        assert len([line for line in up.text().splitlines() if _ACCESS_LINE.search(line)]) == 1, up.text()[-3000:]
+    (tmp_path / "all").mkdir()
+    with pdserve_up(model_dirs["tiny"], tmp_path / "all", "--access-log") as up:
+        up.wait_for("the supervisor's polls logged", lambda: up.text().count('"GET /workers HTTP/1.1" 200') >= 2, 15)
+        assert '"POST /pd/register HTTP/1.1" 200' in up.text() and "?pdserve-up-probe=1" in up.text()
+
+
 def test_a_prefill_worker_killed_mid_load_is_restarted_and_no_request_fails(
         model_dirs: dict[str, Path], colocated: LLM, tmp_path: Path) -> None:
     redis = start_redis(tmp_path)

@@ -39,6 +39,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pdserve import envs
 from pdserve.disagg.control import Placement, PrefillJob
 from pdserve.serving.errors import error_response
+from pdserve.serving.middleware import wrong_method
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +173,8 @@ class PeerAuth:
             return
         body = await _read_body(receive)
         problem = "request body too large" if body is None else self._problem(scope, method, body)
-        if problem:
+        # NOTE: a method no route takes is the app's 405 (with `Allow`), not an authentication failure
+        if problem and not (body is not None and wrong_method(scope)):
             logger.warning("refused %s %s from %s: %s", method, path, scope.get("client"), problem)
             status = HTTPStatus.REQUEST_ENTITY_TOO_LARGE if body is None else HTTPStatus.UNAUTHORIZED
             await error_response(f"cluster authentication failed: {problem}", status)(scope, receive, send)

@@ -52,7 +52,8 @@ class Registry:
         url = url.rstrip("/")
         known = self._workers.get(url)
         if known is None or known.role != role:
-            logger.info("%s worker %s registered", role, url)
+            # NOTE: DEBUG: the pool says when it joins ("is in the pool"), once it answers its polls
+            logger.debug("%s worker %s registered", role, url)
         self._workers[url] = _Registered(role, self._clock() + self._ttl_s)
 
     def deregister(self, url: str) -> bool:

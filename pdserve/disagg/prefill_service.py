@@ -48,6 +48,7 @@ from pdserve.serving.worker_stats import PrefillStats
 logger = logging.getLogger(__name__)
 _ENGINE_STUCK_S = 30.0
 _REPORT_TIMEOUT_S = 10.0  # telling decode an attempt ended (`_report_ended`)
+_CONNECT_WAIT_S = 10.0  # a named placement whose sender connects to its decode worker (`_placement`)
 
 
 @dataclass(slots=True)
@@ -65,6 +66,9 @@ class _Attempt:
     # the sender a placement under way hands to the engine, before `placed` is set: the attempt's
     # end releases through it too (a send it started must stop reading the blocks before they go)
     placing: KVSender | None = None
+    # a placement that came, while its sender connects to the decode worker (the first placement
+    # there, a handshake): `_placement` waits for that beside the transfer timeout
+    connecting: asyncio.Future[KVSender] | None = None
     # its first token once sampled, before the hand-off (None: it ended without one)
     first_token: asyncio.Future[FirstToken | None] = dataclasses.field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -158,7 +162,11 @@ class PrefillService:
             raise KeyError(tid)
         if attempt.placed.done():
             raise ValueError(f"attempt {tid!r} is placed already")
-        sender = await self._sender(placement.kv_address)
+        attempt.connecting = asyncio.ensure_future(self._sender(placement.kv_address))
+        try:
+            sender = await attempt.connecting
+        finally:
+            attempt.connecting = None
         send = KVDestination(sender, placement.kv_address, placement.token)
         if self._attempts.get(tid) is not attempt or attempt.placed.done():
             raise KeyError(tid)  # NOTE: it ended (or was placed) while the sender connected
@@ -293,6 +301,13 @@ class PrefillService:
             raise KVTransferError(f"request {tid}: ended before it was placed")
         placed = attempt.placed
         if not placed.done():
+            await asyncio.wait((placed,), timeout=self.transfer_timeout_s)
+        if not placed.done() and (connecting := attempt.connecting) is not None:
+            # NOTE: the reservation was named in time, and its sender still connects: the first
+            # placement to a decode worker (at start-up) does the KV handshake, which took the
+            # transfer timeout and more on a loaded machine and failed the first request. The
+            # handshake has its bound; the engine then takes the placement within the timeout.
+            await asyncio.wait((connecting,), timeout=_CONNECT_WAIT_S)
             await asyncio.wait((placed,), timeout=self.transfer_timeout_s)
         if not placed.done() or placed.cancelled():
             raise KVTransferTimeout(f"request {tid}: no decode reservation named within "

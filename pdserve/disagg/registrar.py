@@ -21,6 +21,7 @@ from pdserve.serving.router_stats import WorkerRole
 logger = logging.getLogger(__name__)
 _TIMEOUT_S = 2.0
 _TICK_S = 0.1
+_SAY_WAITING_AFTER_S = 5.0  # a worker that does not answer at its URL after this long: said (--advertise-url?)
 
 
 class Registrar:
@@ -55,17 +56,19 @@ class Registrar:
 
     async def _until_serving(self, http: httpx.AsyncClient) -> None:
         """Until this worker answers at the URL it advertises (so no router polls it before it
-        listens, and a wrong --advertise-url shows up in the log)."""
-        warned = False
+        listens, and a wrong --advertise-url shows up in the log). NOTE: said only once it has
+        taken a while: the registrar starts before the server listens, so every start waits a little."""
+        warned, waited = False, 0.0
         while not self._draining():
             try:
                 if (await http.get(f"{self._url}/health")).status_code == 200:
                     return
             except httpx.HTTPError as exc:
-                if not warned:
+                if not warned and waited >= _SAY_WAITING_AFTER_S:
                     logger.info("waiting to answer at %s before registering (%r)", self._url, exc)
                     warned = True
             await self._sleep(0.2)
+            waited += 0.2
 
     async def _announce(self, http: httpx.AsyncClient, router: str) -> None:
         try:

@@ -66,14 +66,15 @@ def _add_registration_routes(app: FastAPI, router: PDRouter) -> None:
     refused = ("this router does not accept registrations (start it with --accept-registrations)",
                HTTPStatus.FORBIDDEN)
 
-    @app.post("/pd/register")
+    # NOTE: the workers' plane, not the clients': out of the public document
+    @app.post("/pd/register", include_in_schema=False)
     async def register(body: Registration) -> Response:
         if registry is None:
             return error_response(*refused)
         registry.register(body.role, body.url)
         return JSONResponse({"registered": body.url})
 
-    @app.post("/pd/deregister")
+    @app.post("/pd/deregister", include_in_schema=False)
     async def deregister(body: Registration) -> Response:
         if registry is None:
             return error_response(*refused)

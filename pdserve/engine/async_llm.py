@@ -88,6 +88,7 @@ class AsyncLLM:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.scheduler.max_model_len
+        self.vocab_size = engine.config.model.vocab_size
         self.model_path = engine.config.model_path
         self._inbox: queue.SimpleQueue[_Envelope | None] = queue.SimpleQueue()
         self._streams: dict[str, LoopStream] = {}  # engine thread only

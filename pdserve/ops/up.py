@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from pdserve.config import ApiConfig, RouterConfig, WorkerConfig
 from pdserve.config_flags import to_argv
+from pdserve.logs import UP_PROBE_QUERY
 from pdserve.ops.supervisor import HOST, PoolEntry, SlotRole, Supervisor
 from pdserve.ops.threads import CorePlan, CoreShare, format_cpu_list, num_cpus, threads_per_worker
 
@@ -224,7 +225,9 @@ class Monitor:
 
 def wait_ready(supervisor: Supervisor, router_url: str, timeout_s: float = _READY_TIMEOUT_S,
                headers: dict[str, str] | None = None) -> None:
-    """Until a completion goes through the router (RuntimeError if a role can no longer start)."""
+    """Until the router is ready (GET /ready) and a completion goes through it (RuntimeError if a
+    role can no longer start). NOTE: the completion is sent only once the router says it is ready,
+    so it gets no 503s to log; it names itself (UP_PROBE_QUERY): a quiet access log leaves it out."""
     deadline = time.monotonic() + timeout_s
     body = {"prompt": "Hello", "max_tokens": 2}
     with httpx.Client(timeout=30, headers=headers) as http:
@@ -232,7 +235,8 @@ def wait_ready(supervisor: Supervisor, router_url: str, timeout_s: float = _READ
             if why := supervisor.hopeless():
                 raise RuntimeError(why)
             try:
-                if http.post(f"{router_url}/v1/completions", json=body).status_code == 200:
+                if http.get(f"{router_url}/ready").status_code == 200 and http.post(
+                        f"{router_url}/v1/completions?{UP_PROBE_QUERY}", json=body).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -10,6 +10,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
 
 from pdserve.config import ApiConfig
 from pdserve.engine.async_llm import AsyncLLM
@@ -18,10 +19,11 @@ from pdserve.serving.chat import ChatHandler
 from pdserve.serving.completions import CompletionHandler
 from pdserve.serving.dashboard import install_dashboard
 from pdserve.serving.engine_client import EngineClient
-from pdserve.serving.errors import EXCEPTION_HANDLERS, OpenAIError
+from pdserve.serving.errors import EXCEPTION_HANDLERS, OpenAIError, documented_errors
 from pdserve.serving.limits import check_limits
 from pdserve.serving.metrics import instrument_engine_app
 from pdserve.serving.middleware import ApiKeyAuth, BodyLimit, CatchAll
+from pdserve.serving.openapi import install_openapi
 from pdserve.serving.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from pdserve.serving.router_metrics import instrument_router_app
 from pdserve.serving.router_stats import RouterState
@@ -29,6 +31,9 @@ from pdserve.serving.sse import sse_stream, started, unless_disconnected
 from pdserve.serving.utility_routes import add_utility_routes
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
+# NOTE: a streamed reply (`"stream": true`) is server-sent events, not JSON
+_STREAMED = {200: {"content": {"text/event-stream": {"schema": {
+    "type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}}}}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,11 +59,13 @@ def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None 
     api = api or ApiConfig()
     app = FastAPI(title="pdserve", exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
     install_middleware(app, api)
+    install_openapi(app, api, client.vocab_size, client.tokenizer.vocab_size)
     if router is not None:
         client, metrics = instrument_router_app(app, client, router, model_name)
         install_dashboard(app, metrics, router)
     elif isinstance(client, AsyncLLM | EngineCoreClient):
-        instrument_engine_app(app, client, model_name, "colocated")
+        metrics = instrument_engine_app(app, client, model_name, "colocated")
+        install_dashboard(app, metrics, None)
     completions = CompletionHandler(client, model_name, api.max_tokens_limit)
     chat = ChatHandler(client, model_name, api)
 
@@ -78,11 +85,17 @@ def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None 
                                      media_type="text/event-stream")
         return JSONResponse(await unless_disconnected(raw, handler.full(body, request_id, jobs)))
 
-    @app.post("/v1/completions")
+    # NOTE: the router's own refusals too: a full queue (429), a worker that broke off (502)
+    refusals = (HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND, HTTPStatus.INTERNAL_SERVER_ERROR,
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                *((HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.BAD_GATEWAY) if router is not None else ()))
+    generation = _STREAMED | documented_errors(*refusals)
+
+    @app.post("/v1/completions", responses=generation)
     async def create_completion(body: CompletionRequest, raw: Request) -> Any:
         return await respond(completions, body, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=generation)
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Any:
         return await respond(chat, body, raw)
 
@@ -105,16 +118,25 @@ def install_middleware(app: FastAPI, api: ApiConfig) -> None:
     app.add_middleware(CatchAll)
 
 
+class ProbeStatus(BaseModel):
+    """What /health and /ready answer, 200 or 503 alike."""
+
+    status: str
+    reason: str | None = None
+
+
 def _add_probe_routes(app: FastAPI, probes: Probes) -> None:
     unavailable = int(HTTPStatus.SERVICE_UNAVAILABLE)
+    answers: dict[int | str, dict[str, Any]] = {
+        status: {"model": ProbeStatus, "description": HTTPStatus(status).phrase} for status in (200, unavailable)}
 
-    @app.get("/health")
+    @app.get("/health", responses=answers)
     async def health() -> JSONResponse:
         if not probes.live():
             return JSONResponse({"status": "dead"}, status_code=unavailable)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/ready")
+    @app.get("/ready", responses=answers)
     async def ready() -> JSONResponse:
         reason = probes.unready_reason()
         if reason:

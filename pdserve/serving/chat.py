@@ -64,7 +64,7 @@ class ChatHandler:
         # NOTE: templating and tokenizing long messages take long: off the event loop
         token_ids = await asyncio.to_thread(chat_prompt_token_ids, self.client.tokenizer, body, reading)
         return request_id, build_jobs(self.client, [token_ids], body.requested_max_tokens, body, request_id,
-                                      self.api.max_tokens_limit, reading.structured)
+                                      self.api.max_tokens_limit, reading.structured, prompt_param="messages")
 
     async def full(self, body: ChatCompletionRequest, request_id: str, jobs: list[Job]) -> dict[str, Any]:
         final: RequestOutput | None = None

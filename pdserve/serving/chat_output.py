@@ -146,13 +146,15 @@ def call_json(call: ToolCall) -> dict[str, Any]:
 
 
 def message_json(reader: ChoiceReader, text: str) -> dict[str, Any]:
-    """The whole answer's `message` (non-streaming)."""
+    """The whole answer's `message` (non-streaming). NOTE: as vLLM's, `reasoning_content` is on every
+    one (null without reasoning: no --reasoning-parser, thinking off, or none written); `tool_calls`,
+    as OpenAI's, only on an answer that made calls (never `[]`). A streamed delta carries either
+    only when it has some (delta_jsons)."""
     parsed = reader.feed(text).add(reader.finish())
     message: dict[str, Any] = {"role": "assistant",
-                               "content": parsed.content if parsed.content or not parsed.calls else None}
-    if reader.reading.reasoning:
-        message["reasoning_content"] = parsed.reasoning or None
-    if reader.reading.tools:
+                               "content": parsed.content if parsed.content or not parsed.calls else None,
+                               "reasoning_content": parsed.reasoning or None}
+    if parsed.calls:
         message["tool_calls"] = [call_json(call) for call in parsed.calls]
     return message
 

@@ -16,7 +16,7 @@ from pdserve.serving import echo, generation
 from pdserve.serving.engine_client import EngineClient
 from pdserve.serving.errors import OpenAIError
 from pdserve.serving.generation import ChoiceDelta, DeltaTracker, Job, new_request_id, run_jobs, usage_of
-from pdserve.serving.limits import requested_logprobs, requested_prompt_logprobs
+from pdserve.serving.limits import requested_logprobs, requested_max_tokens, requested_prompt_logprobs
 from pdserve.serving.protocol import CompletionRequest
 from pdserve.tokenizer import Tokenizer
 
@@ -40,14 +40,14 @@ def _has_text(prompt: object) -> bool:
 
 def build_jobs(client: EngineClient, prompts: list[list[int]], requested_max_tokens: int | None,
                body: CompletionRequest | Any, request_id: str, max_tokens_limit: int | None,
-               structured: StructuredOutput | None = None) -> list[Job]:
+               structured: StructuredOutput | None = None, prompt_param: str = "prompt") -> list[Job]:
     """Validate every prompt before anything is enqueued: bad input never costs compute.
     `structured`: a constraint the handler adds (chat's tool_choice)."""
     jobs = []
     logprobs, prompt_logprobs = requested_logprobs(body), requested_prompt_logprobs(body)
     for index, token_ids in enumerate(prompts):
         max_tokens = generation.resolve_max_tokens(len(token_ids), requested_max_tokens, client.max_model_len,
-                                                   max_tokens_limit)
+                                                   max_tokens_limit, prompt_param)
         try:
             params = body.to_sampling_params(max_tokens, logprobs, prompt_logprobs, structured)
             client.validate_request(token_ids, params)
@@ -111,7 +111,8 @@ class CompletionHandler:
             prompts = await asyncio.to_thread(_prompt_token_ids, body, self.client.tokenizer)
         else:
             prompts = _prompt_token_ids(body, self.client.tokenizer)
-        return request_id, build_jobs(self.client, prompts, body.max_tokens, body, request_id, self.max_tokens_limit)
+        return request_id, build_jobs(self.client, prompts, requested_max_tokens(body, self.max_tokens_limit), body,
+                                      request_id, self.max_tokens_limit)
 
     async def full(self, body: CompletionRequest, request_id: str, jobs: list[Job]) -> dict[str, Any]:
         finals: dict[int, RequestOutput] = {}

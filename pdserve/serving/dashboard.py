@@ -1,9 +1,10 @@
-"""The router's live page: `GET /dashboard` (one self-contained HTML file, no external resources)
-polls `GET /dashboard/data`, which this module assembles from the router's own metrics and each
-worker's `/metrics` (scraped on demand, 1 s timeout each, so a dead worker shows as unreachable
-instead of stalling the page), and the ready workers per role as the router's pool sees them (the
-page charts them over time: the pool growing and shrinking). Rates (tokens/s, bytes/s) are
-computed by the page from successive counter readings.
+"""The live page: `GET /dashboard` (one self-contained HTML file, no external resources) polls
+`GET /dashboard/data`, which this module assembles from the server's own metrics and, on the
+router, each worker's `/metrics` (scraped on demand, 1 s timeout each, so a dead worker shows as
+unreachable instead of stalling the page), and the ready workers per role as the router's pool
+sees them (the page charts them over time: the pool growing and shrinking). A colocated server
+lists itself as its one worker, from its own registry. Rates (tokens/s, bytes/s) are computed by
+the page from successive counter readings.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.serving.metrics import ServerMetrics
@@ -59,8 +61,8 @@ def parse_worker_metrics(text: str) -> dict[str, float]:
     return values
 
 
-def install_dashboard(app: FastAPI, metrics: ServerMetrics, router: RouterState) -> None:
-    """`router` lists the pool (`workers()`)."""
+def install_dashboard(app: FastAPI, metrics: ServerMetrics, router: RouterState | None) -> None:
+    """`router` lists the pool (`workers()`); None: a colocated server, its own one worker."""
 
     clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}  # made on the first poll
 
@@ -90,10 +92,18 @@ def install_dashboard(app: FastAPI, metrics: ServerMetrics, router: RouterState)
     async def dashboard() -> HTMLResponse:
         return HTMLResponse(_PAGE.read_text(encoding="utf-8"))
 
+    def itself(request: Request) -> dict[str, Any]:
+        return {"role": metrics.role, "url": str(request.base_url).rstrip("/"), "ready": True, "reachable": True,
+                **parse_worker_metrics(generate_latest(metrics.registry).decode())}
+
     @app.get("/dashboard/data", include_in_schema=False)
-    async def dashboard_data() -> dict[str, Any]:
-        views = router.workers()
-        workers = await asyncio.gather(*(scrape(scrape_client(), w) for w in views))
+    async def dashboard_data(request: Request) -> dict[str, Any]:
+        if router is None:
+            workers, ready = [itself(request)], {"prefill": 0, "decode": 0, metrics.role: 1}
+        else:
+            views = router.workers()
+            workers = list(await asyncio.gather(*(scrape(scrape_client(), w) for w in views)))
+            ready = {role: sum(1 for w in views if w.role == role and w.ready) for role in ("prefill", "decode")}
         return {
             "time": time.time(),
             "model": metrics.model_name,
@@ -106,7 +116,6 @@ def install_dashboard(app: FastAPI, metrics: ServerMetrics, router: RouterState)
                 "ttft_ms": percentiles_ms(list(metrics.recent_ttft_s)),
                 "tpot_ms": percentiles_ms(list(metrics.recent_tpot_s)),
             },
-            "workers": list(workers),
-            "ready_workers": {role: sum(1 for w in views if w.role == role and w.ready)
-                              for role in ("prefill", "decode")},
+            "workers": workers,
+            "ready_workers": ready,
         }

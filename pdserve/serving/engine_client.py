@@ -21,6 +21,7 @@ class EngineClient(Protocol):
 
     tokenizer: Tokenizer
     max_model_len: int
+    vocab_size: int  # the model's: a prompt's token ids are below it
     model_path: str
 
     @property

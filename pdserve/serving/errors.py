@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 _TYPES = {
@@ -22,6 +23,24 @@ _TYPES = {
     HTTPStatus.TOO_MANY_REQUESTS: "rate_limit_error",
     HTTPStatus.SERVICE_UNAVAILABLE: "service_unavailable",
 }
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorEnvelope(BaseModel):
+    """What every error answers (the OpenAPI document's schema of each 4xx/5xx)."""
+
+    error: ErrorDetail
+
+
+def documented_errors(*statuses: HTTPStatus) -> dict[int | str, dict[str, Any]]:
+    """A route's `responses=`: these statuses, each with the envelope's schema."""
+    return {int(status): {"model": ErrorEnvelope, "description": status.phrase} for status in statuses}
 
 
 class OpenAIError(Exception):
@@ -67,8 +86,12 @@ async def _openai_error(_: Request, exc: Exception) -> JSONResponse:
 
 async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    first = exc.errors()[0] if exc.errors() else {}
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # NOTE: the deepest of the errors: in a union (a prompt of text, of ids or of lists of ids) the
+    # member that got furthest says what is wrong ("prompt.0.1: expected an integer")
+    first: dict[str, Any] = max(exc.errors(), key=lambda error: len(error.get("loc", ())), default={})
+    # NOTE: without pydantic's union members ("constrained-str", "list[int]"): no field is named so
+    location = [str(part) for part in first.get("loc", ()) if part != "body"
+                and (isinstance(part, int) or not any(c in str(part) for c in "-["))]
     if first.get("type") == "json_invalid":
         return error_response(f"malformed JSON body: {first.get('msg', '')}", HTTPStatus.BAD_REQUEST)
     param = ".".join(location) or None
@@ -78,7 +101,8 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
 
 async def _http_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    return error_response(str(exc.detail), HTTPStatus(exc.status_code))
+    # NOTE: the headers too: a 405's `Allow` (RFC 9110 requires it)
+    return error_response(str(exc.detail), HTTPStatus(exc.status_code), headers=dict(exc.headers or {}))
 
 
 async def _client_disconnected(_: Request, exc: Exception) -> Response:

@@ -35,12 +35,13 @@ def encode_text(tokenizer: Tokenizer, text: str, param: str) -> list[int]:
 
 
 def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: int,
-                       limit: int | None = None) -> int:
+                       limit: int | None = None, prompt_param: str = "prompt") -> int:
     """400 when the prompt plus the requested completion cannot fit the context window; no request
-    means what the window leaves, at most `limit` (--max-tokens-limit)."""
+    means what the window leaves, at most `limit` (--max-tokens-limit). `prompt_param`: what the
+    request calls its prompt (a chat's is its `messages`)."""
     if prompt_len >= max_model_len:
         raise OpenAIError(f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
-                          f"has {prompt_len} tokens.", HTTPStatus.BAD_REQUEST, "prompt")
+                          f"has {prompt_len} tokens.", HTTPStatus.BAD_REQUEST, prompt_param)
     if requested is None:
         return min(max_model_len - prompt_len, limit or max_model_len)
     if prompt_len + requested > max_model_len:

@@ -32,6 +32,13 @@ def requested_prompt_logprobs(body: CompletionRequest | ChatCompletionRequest) -
     return max(asked, default=None)
 
 
+def requested_max_tokens(body: CompletionRequest, limit: int | None) -> int | None:
+    """A completion's max_tokens; OpenAI's default (16), which the client did not ask for, within `limit`."""
+    if "max_tokens" in body.model_fields_set or limit is None or body.max_tokens is None:
+        return body.max_tokens
+    return min(body.max_tokens, limit)
+
+
 def check_limits(body: CompletionRequest | ChatCompletionRequest, limits: ApiConfig) -> None:
     """400 for a request beyond `limits`."""
     stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
@@ -43,9 +50,14 @@ def check_limits(body: CompletionRequest | ChatCompletionRequest, limits: ApiCon
     if isinstance(body, CompletionRequest) and isinstance(body.prompt, list) \
             and not all(isinstance(p, int) for p in body.prompt):  # NOTE: a list of ints is one prompt
         _cap(len(body.prompt), limits.max_prompts, "prompt", "prompts", "--max-prompts")
-    max_tokens = body.max_tokens if isinstance(body, CompletionRequest) else body.requested_max_tokens
-    if limits.max_tokens_limit is not None and max_tokens is not None:
-        _cap(max_tokens, limits.max_tokens_limit, "max_tokens", "tokens", "--max-tokens-limit")
+    # NOTE: on chat both caps are checked, though max_completion_tokens wins: the schema bounds both
+    if isinstance(body, ChatCompletionRequest):
+        asked = {"max_tokens": body.max_tokens, "max_completion_tokens": body.max_completion_tokens}
+    else:
+        asked = {"max_tokens": requested_max_tokens(body, limits.max_tokens_limit)}
+    for param, max_tokens in asked.items():
+        if limits.max_tokens_limit is not None and max_tokens is not None:
+            _cap(max_tokens, limits.max_tokens_limit, param, "tokens", "--max-tokens-limit")
     if body.prompt_logprobs is not None:
         _cap(body.prompt_logprobs, limits.max_logprobs, "prompt_logprobs", "log-probabilities per token",
              "--max-logprobs")

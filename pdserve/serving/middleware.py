@@ -11,6 +11,7 @@ import logging
 from collections.abc import Collection
 from http import HTTPStatus
 
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.logs import current_request_id
@@ -18,9 +19,18 @@ from pdserve.serving.errors import error_response
 
 logger = logging.getLogger("pdserve.serving")
 
-# NOTE: what a key guards. /health, /ready and /metrics stay open for probes and Prometheus; /pd/*
-# is the workers' plane (their registration), not the clients'.
-PROTECTED_PREFIXES = ("/v1/", "/workers", "/router/stats", "/dashboard")
+# NOTE: what a key guards. /health, /ready, /metrics and /version stay open for probes and
+# Prometheus; /pd/* is the workers' plane (their registration), not the clients'.
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/workers", "/router/stats", "/dashboard")
+
+
+def wrong_method(scope: Scope) -> bool:
+    """A path some route serves, with a method none of them takes: the app answers it (405 with
+    `Allow`) before any authentication, which has nothing to say about a request no route takes."""
+    app = scope.get("app")
+    routes = getattr(getattr(app, "router", None), "routes", ())
+    matches = [route.matches(scope)[0] for route in routes]
+    return Match.FULL not in matches and Match.PARTIAL in matches
 
 
 class CatchAll:
@@ -62,7 +72,7 @@ class ApiKeyAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and str(scope["path"]).startswith(PROTECTED_PREFIXES) \
-                and not self._authorized(scope):
+                and not self._authorized(scope) and not wrong_method(scope):
             response = error_response("invalid or missing API key: send 'Authorization: Bearer <key>'",
                                       HTTPStatus.UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
             await response(scope, receive, send)

@@ -1,31 +1,93 @@
-"""OpenAI request/response schemas (plus vLLM's extra sampling fields), as pydantic models."""
+"""OpenAI request/response schemas (plus vLLM's extra sampling fields), as pydantic models.
+
+NOTE: requests are validated as their JSON Schema reads (`_Strict`): an integer is one (not a
+boolean, not "3"), a boolean is `true`/`false`; the OpenAPI document is then what the server takes
+(serving/openapi.py). An integer is taken where a float is asked for, as 3.0 where an integer is.
+"""
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict, StrictBool, model_validator
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured import StructuredOutput, check_structured
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+class _Strict(BaseModel):
+    """A request's part: its booleans, numbers and integers are what JSON Schema calls so (`Bool`,
+    `Float`, `Int`); text stays lax (strict text refuses what JSON escapes allow: a lone surrogate,
+    which the handlers refuse themselves with a 400 that says so)."""
 
 
-class JsonSchemaFormat(BaseModel):
+Bool = Annotated[bool, Strict()]  # NOTE: true/false, never 1 or "true"
+Float = Annotated[float, Strict()]  # NOTE: a number (an integer too), never "0.5" or true
+
+
+def _no_bool_or_str(value: Any) -> Any:
+    if isinstance(value, (bool, str)):
+        raise ValueError("expected an integer")  # NOTE: JSON's true is none (pydantic's lax mode took it as 1)
+    return value
+
+
+# NOTE: an integer as JSON Schema has it: 3 or 3.0, never true or "3". Bounds go inside the
+# Annotated (an optional or listed one's Field(ge=...) would reach the JSON Schema as "ge", unread)
+_AN_INTEGER = BeforeValidator(_no_bool_or_str)
+Int = Annotated[int, _AN_INTEGER]
+NonNegativeInt = Annotated[int, Field(ge=0), _AN_INTEGER]
+PositiveInt = Annotated[int, Field(ge=1), _AN_INTEGER]
+TokenId = NonNegativeInt
+
+
+def _not_empty(text: str) -> str:
+    if not text:
+        raise ValueError("must not be empty")
+    return text
+
+
+# NOTE: checked after, not as Field(min_length=1): pydantic's constrained text refuses a lone
+# surrogate outright, where the handlers answer one with a 400 that says what it is
+NonEmptyStr = Annotated[str, AfterValidator(_not_empty), Field(json_schema_extra={"minLength": 1})]
+
+
+def _when(condition: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """A JSON Schema rule between fields: when `condition` holds (properties present and matching), `then` must."""
+    return {"if": {"required": sorted(condition), "properties": condition},
+            "then": {"required": sorted(then), "properties": then}}
+
+
+def _rules_between_fields(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """The model's RULES (what its validators refuse across fields) into its JSON Schema's allOf."""
+    rules = [rule for cls in reversed(model.__mro__) for rule in vars(cls).get("RULES", ())]
+    if rules:
+        schema["allOf"] = rules
+
+
+_PRESENT = {"not": {"type": "null"}}
+
+
+class StreamOptions(_Strict):
+    include_usage: Bool = False
+
+
+class JsonSchemaFormat(_Strict):
     """OpenAI's `response_format.json_schema`."""
 
     name: str = "response"
     description: str | None = None
     json_schema: dict[str, Any] | StrictBool = Field(alias="schema")
-    strict: bool | None = None  # NOTE: the output is constrained either way (as vLLM does)
+    strict: Bool | None = None  # NOTE: the output is constrained either way (as vLLM does)
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(_Strict):
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"type": {"const": "json_schema"}}},
+        "then": {"required": ["json_schema"], "properties": {"json_schema": _PRESENT}},
+        "else": {"properties": {"json_schema": {"type": "null"}}}})
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -36,16 +98,16 @@ class ResponseFormat(BaseModel):
         return self
 
 
-class StructuredOutputsParams(BaseModel):
+class StructuredOutputsParams(_Strict):
     """vLLM's `structured_outputs`: one of these (what vLLM also has beyond them is refused)."""
 
     model_config = ConfigDict(extra="forbid")
 
     json_schema: dict[str, Any] | str | StrictBool | None = Field(None, alias="json")
     regex: str | None = None
-    choice: list[str] | None = Field(None, min_length=1)
+    choice: list[NonEmptyStr] | None = Field(None, min_length=1)
     grammar: str | None = None
-    json_object: bool | None = None
+    json_object: Bool | None = None
 
     def constraints(self) -> list[tuple[str, StructuredOutput]]:
         """(parameter, constraint) for each field set."""
@@ -67,38 +129,43 @@ def _json_constraint(schema: dict[str, Any] | str | StrictBool) -> StructuredOut
     return StructuredOutput("json", schema if isinstance(schema, str) else json.dumps(schema))
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_rules_between_fields)
+    RULES: ClassVar[tuple[dict[str, Any], ...]] = (
+        _when({"stream_options": _PRESENT}, {"stream": {"const": True}}),
+        {"if": {"required": ["stream"], "properties": {"stream": {"const": True}}},
+         "then": {"properties": {"prompt_logprobs": {"type": "null"}}}},
+    )
 
     model: str | None = None
-    n: int = Field(1, ge=1)  # NOTE: the caps of this and the other lists/counts: serving/limits.py
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    stream: bool = False
+    n: Int = Field(1, ge=1)  # NOTE: the caps of this and the other lists/counts: serving/limits.py
+    temperature: Float | None = Field(None, ge=0.0, le=2.0)
+    top_p: Float | None = Field(None, gt=0.0, le=1.0)
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    stream: Bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: Annotated[int, Field(ge=0, lt=2**63), _AN_INTEGER] | None = None
+    presence_penalty: Float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: Float = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = None
     # vLLM extras
-    top_k: int = Field(0, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)  # the only float without an upper bound
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    min_tokens: int = Field(0, ge=0)
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    top_k: Int = Field(0, ge=-1)
+    min_p: Float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: Float = Field(1.0, gt=0.0, allow_inf_nan=False)  # the only float without an upper bound
+    ignore_eos: Bool = False
+    stop_token_ids: list[TokenId] | None = None
+    min_tokens: Int = Field(0, ge=0)
+    skip_special_tokens: Bool = True
+    include_stop_str_in_output: Bool = False
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20), _AN_INTEGER] | None = None
     # structured outputs (engine/structured.py): OpenAI's, vLLM's, and vLLM's older names
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
     guided_json: dict[str, Any] | str | StrictBool | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_choice: list[NonEmptyStr] | None = Field(None, min_length=1)
     guided_grammar: str | None = None
 
     def structured_constraints(self) -> list[tuple[str, StructuredOutput]]:
@@ -176,12 +243,15 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0)
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    # NOTE: an empty prompt (text or ids) is refused: minLength/minItems say so
+    prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
+             | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
+    max_tokens: PositiveInt | None = 16
+    logprobs: NonNegativeInt | None = None
+    echo: Bool = False
+    best_of: Int | None = None  # NOTE: equal to n (the schema cannot say that)
+    suffix: Annotated[str, Field(max_length=0)] | None = None  # NOTE: not supported: only "" or null
 
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
@@ -189,17 +259,15 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of must equal n (beam search is not supported)")
-        if isinstance(self.prompt, list) and not self.prompt:
-            raise ValueError("prompt must not be empty")
         return self
 
 
-class CalledFunction(BaseModel):
+class CalledFunction(_Strict):
     name: str
     arguments: str | dict[str, Any]
 
 
-class MessageToolCall(BaseModel):
+class MessageToolCall(_Strict):
     """A call an assistant message made (rendered back into the prompt)."""
 
     model_config = ConfigDict(extra="ignore")
@@ -209,53 +277,79 @@ class MessageToolCall(BaseModel):
     function: CalledFunction
 
 
-class ChatMessage(BaseModel):
+class TextPart(_Strict):
+    """The one kind of content part the chat template renders."""
+
     model_config = ConfigDict(extra="allow")
 
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    # NOTE: a message has content, but for an assistant's that only calls tools (OpenAI sends null
+    # there); the schema says so too
+    model_config = ConfigDict(extra="allow", json_schema_extra={
+        "if": {"not": {"properties": {"role": {"const": "assistant"}, "tool_calls": {"type": "array", "minItems": 1}},
+                       "required": ["role", "tool_calls"]}},
+        "then": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}})
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
 
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role!r} message needs its content (only an assistant's that calls tools "
+                             "may have none)")
+        return self
 
-class ChatTemplateKwargs(BaseModel):
+
+class ChatTemplateKwargs(_Strict):
     model_config = ConfigDict(extra="allow")
 
-    enable_thinking: bool = True
+    enable_thinking: Bool = True
 
 
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: Bool | None = None
 
 
-class ChatTool(BaseModel):
+class ChatTool(_Strict):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
+class NamedFunction(_Strict):
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(_Strict):
     type: Literal["function"]
     function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
+    RULES: ClassVar[tuple[dict[str, Any], ...]] = (
+        _when({"top_logprobs": {"type": "integer", "minimum": 1}}, {"logprobs": {"const": True}}),
+        # NOTE: a named function must be one of `tools` too (the schema cannot say that)
+        _when({"tool_choice": {"not": {"enum": [None, "none"]}}}, {"tools": {"type": "array", "minItems": 1}}),
+    )
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
-    add_generation_prompt: bool = True
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: Bool = False
+    top_logprobs: NonNegativeInt | None = None
+    add_generation_prompt: Bool = True
     chat_template_kwargs: ChatTemplateKwargs | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True  # NOTE: accepted; the model decides how many calls it makes
+    parallel_tool_calls: Bool = True  # NOTE: accepted; the model decides how many calls it makes
 
     @property
     def enable_thinking(self) -> bool:

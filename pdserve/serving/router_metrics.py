@@ -29,6 +29,7 @@ class ObservedClient:
         self.observer = observer
         self.tokenizer: Tokenizer = inner.tokenizer
         self.max_model_len = inner.max_model_len
+        self.vocab_size = inner.vocab_size
         self.model_path = inner.model_path
 
     @property

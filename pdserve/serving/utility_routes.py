@@ -21,21 +21,24 @@ from pdserve.config import ApiConfig
 from pdserve.serving.chat import chat_prompt_token_ids
 from pdserve.serving.chat_output import plan_reading
 from pdserve.serving.engine_client import EngineClient
-from pdserve.serving.errors import OpenAIError
+from pdserve.serving.errors import OpenAIError, documented_errors
 from pdserve.serving.generation import encode_text
-from pdserve.serving.protocol import ChatCompletionRequest, ChatMessage, ChatTemplateKwargs, ChatTool
+from pdserve.serving.protocol import Bool, ChatCompletionRequest, ChatMessage, ChatTemplateKwargs, ChatTool, TokenId
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # NOTE: typed as the other requests (serving/protocol.py); exactly one of prompt and messages
+    model_config = ConfigDict(extra="ignore", json_schema_extra={
+        "oneOf": [{"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                  {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
-    add_generation_prompt: bool = True
+    add_generation_prompt: Bool = True
     chat_template_kwargs: ChatTemplateKwargs | None = None
     tools: list[ChatTool] | None = None
-    return_token_strs: bool = False
+    return_token_strs: Bool = False
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -48,7 +51,7 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 def add_utility_routes(app: FastAPI, client: EngineClient, check_model: Callable[[str | None], None]) -> None:
@@ -63,14 +66,16 @@ def add_utility_routes(app: FastAPI, client: EngineClient, check_model: Callable
         reading = plan_reading(chat, ApiConfig(tool_call_parser="hermes", enable_auto_tool_choice=True))
         return chat_prompt_token_ids(tokenizer, chat, reading)
 
-    @app.post("/tokenize")
+    refusals = documented_errors(HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND)
+
+    @app.post("/tokenize", responses=refusals)
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         check_model(body.model)
         ids = await asyncio.to_thread(token_ids, body)
         strs = [tokenizer.decode([t], skip_special_tokens=False) for t in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": client.max_model_len, "tokens": ids, "token_strs": strs}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=refusals)
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         check_model(body.model)
         bad = next((t for t in body.tokens if not 0 <= t < tokenizer.vocab_size), None)
