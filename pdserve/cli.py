@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import json
 import logging
 import os

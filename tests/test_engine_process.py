@@ -46,6 +46,7 @@ from pdserve.engine.kv_disk_tier import KVTierStats
 from pdserve.engine.llm_engine import EngineStats
 from pdserve.engine.sampler import PromptLogprobs, TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured import StructuredOutput
 
 ENGINE_FAILED = 3  # cli._ENGINE_FAILED
 FLAGS = ["--num-kv-blocks", "256", "--max-num-batched-tokens", "16"]
@@ -59,6 +60,9 @@ def _body(frame: bytes) -> bytes:
 def test_both_records_round_trip_and_a_bad_frame_is_refused() -> None:
     command = ToCore("add", 7, "r1", [1, 2, 3], SamplingParams(n=2, seed=5, stop=("x",), logprobs=1))
     assert decode_to_core(_body(encode_to_core(command))) == command
+    constrained = ToCore("add", 8, "r3", [1, 2, 3], SamplingParams(  # a structured output's spec crosses too
+        structured=StructuredOutput("json", '{"type": "object"}'), structured_replay=1))
+    assert decode_to_core(_body(encode_to_core(constrained))) == constrained
     delta = RequestDelta("r1", [SequenceDelta(1, [4, 5], [TokenLogprobs(4, -0.5, ((4, -0.5),)),
                                                           TokenLogprobs(5, -1.0, ((6, -0.25),))], "stop", 5)],
                          3, 12.5, [None, PromptLogprobs(2, -2.0, 3, ((9, -0.1),))])

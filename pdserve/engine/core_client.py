@@ -87,6 +87,7 @@ class EngineCoreClient:
         self.config = config
         self.tokenizer = load_tokenizer(config.model_path)
         self.max_model_len = config.scheduler.max_model_len
+        self.vocab_size = config.model.vocab_size
         self.model_path = config.model_path
         self._sock = sock
         self._frames = reader

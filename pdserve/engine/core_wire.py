@@ -100,7 +100,10 @@ class FromCore:
 # -- encoding ----------------------------------------------------------------------------------
 
 def _params(params: SamplingParams) -> dict[str, Any]:
-    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+    fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+    if params.structured is not None:  # NOTE: a [kind, text] pair; SamplingParams rebuilds the spec from it
+        fields["structured"] = [params.structured.kind, params.structured.text]
+    return fields
 
 
 def encode_to_core(message: ToCore) -> bytes:

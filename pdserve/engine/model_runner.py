@@ -71,7 +71,7 @@ class ModelRunner:
         # the Triton backend (CUDA): persistent step buffers, decode from CUDA graphs (model/attention_backend.py)
         self.step_buffers: StepBuffers | None = None
         self.decode_graphs: DecodeGraphs | None = None
-        if select_backend(self.device).name == "triton":
+        if select_backend(self.device, config.kv_dtype).name == "triton":
             graphs = not config.enforce_eager and config.tensor_parallel_size == 1
             self.use_paged_step(graphs)
             if self.decode_graphs is not None:

@@ -75,7 +75,7 @@ class DecodeBatch:
 
 
 KVScale = tuple[float, float]  # (k_scale, v_scale) of one layer
-_UNSCALED: KVScale = (1.0, 1.0)
+UNSCALED: KVScale = (1.0, 1.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +104,7 @@ class AttentionMetadata:
 
 
 def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
-             kv_scale: KVScale = _UNSCALED) -> None:
+             kv_scale: KVScale = UNSCALED) -> None:
     num_kv_heads, head_dim = k.shape[-2:]
     for index, (values, scale) in enumerate(((k, kv_scale[0]), (v, kv_scale[1]))):
         stored = quantize(values, layer_cache.dtype, scale)
@@ -120,7 +120,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cac
 
     Writes k/v into the cache, then returns [num_tokens, num_heads, head_dim].
     """
-    kv_scale = _UNSCALED if meta.kv_quant is None else meta.kv_quant.of(layer_cache)
+    kv_scale = UNSCALED if meta.kv_quant is None else meta.kv_quant.of(layer_cache)
     write_kv(layer_cache, k, v, meta.slot_mapping, kv_scale)
     out = torch.empty_like(q)
     if meta.decode_runs:
@@ -174,7 +174,7 @@ def _split_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: At
 
 
 def _gather(layer_cache: torch.Tensor, batch: DecodeBatch, dtype: torch.dtype,
-            kv_scale: KVScale = _UNSCALED) -> tuple[torch.Tensor, torch.Tensor]:
+            kv_scale: KVScale = UNSCALED) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch's blocks, copied: keys and values [num_decodes, num_kv_heads, kv_len, head_dim]."""
     num_kv_heads, head_dim = layer_cache.shape[3:]
     num_seqs, kv_len = batch.mask.shape[0], batch.mask.shape[-1]

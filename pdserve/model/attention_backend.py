@@ -29,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from pdserve.model.attention import AttentionMetadata, PrefillSpan, _prefill_attention, paged_attention
+from pdserve.model.attention import UNSCALED, AttentionMetadata, PrefillSpan, _prefill_attention, paged_attention
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +89,7 @@ class TritonAttention:
                                  meta.prefix_ends, meta.max_prefix_query_len, scale, out)
         for start, end in meta.fresh_prefills:  # NOTE: the whole context is new: no pool read (flash on CUDA)
             out[start:end] = _prefill_attention(q, k, v, layer_cache, PrefillSpan(start, end, end - start, _NO_TABLE),
-                                                scale)
+                                                scale, UNSCALED)  # NOTE: a float pool: FP8 pools take torch's path
         return out
 
 
@@ -110,9 +110,12 @@ def triton_available() -> bool:
     return find_spec("triton") is not None
 
 
-def select_backend(device: torch.device) -> AttentionBackend:
-    """Triton on CUDA when it is installed; torch (model/attention.py) everywhere else."""
-    return TRITON if device.type == "cuda" and triton_available() else TORCH
+def select_backend(device: torch.device, kv_dtype: torch.dtype | None = None) -> AttentionBackend:
+    """Triton on CUDA when it is installed, for float pools; torch (model/attention.py) everywhere
+    else, and for an FP8 pool (its per-layer scales are applied by model/attention.py only: the
+    Triton kernels read a float pool)."""
+    fp8 = kv_dtype is not None and kv_dtype.itemsize == 1
+    return TRITON if device.type == "cuda" and triton_available() and not fp8 else TORCH
 
 
 def decode_splits(num_decodes: int, num_kv_heads: int, num_sms: int) -> int:

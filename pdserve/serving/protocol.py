@@ -83,10 +83,12 @@ class JsonSchemaFormat(_Strict):
 
 
 class ResponseFormat(_Strict):
-    model_config = ConfigDict(json_schema_extra={
-        "if": {"properties": {"type": {"const": "json_schema"}}},
-        "then": {"required": ["json_schema"], "properties": {"json_schema": _PRESENT}},
-        "else": {"properties": {"json_schema": {"type": "null"}}}})
+    model_config = ConfigDict(json_schema_extra=_rules_between_fields)
+    RULES: ClassVar[tuple[dict[str, Any], ...]] = (  # what _schema_with_json_schema refuses
+        {"if": {"properties": {"type": {"const": "json_schema"}}},
+         "then": {"required": ["json_schema"], "properties": {"json_schema": _PRESENT}},
+         "else": {"properties": {"json_schema": {"type": "null"}}}},
+    )
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
