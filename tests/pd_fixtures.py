@@ -82,9 +82,9 @@ class Cluster:
 
     def wait_until_idle(self, timeout_s: float = 10.0) -> None:
         deadline = time.monotonic() + timeout_s
-        while self.leaks() and time.monotonic() < deadline:
+        while (leaks := self.leaks()) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not self.leaks(), self.leaks()
+        assert not leaks, leaks  # NOTE: what held on at the deadline (a second look may find it gone)
 
 
 def start_cluster(model_dir: Path, transport: str, num_prefill: int, num_decode: int,

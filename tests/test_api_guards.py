@@ -230,7 +230,7 @@ def test_the_request_schemas_say_what_is_refused(http: httpx.Client, server: Ser
     completion, chat = schemas["CompletionRequest"]["properties"], schemas["ChatCompletionRequest"]["properties"]
     text, texts, ids, lists = completion["prompt"]["anyOf"]
     assert text["minLength"] == 1 and texts["minItems"] == 1 and texts["items"]["minLength"] == 1
-    vocab = server.client.engine.config.model.vocab_size
+    vocab = server.client.vocab_size
     assert ids["items"] == {"type": "integer", "minimum": 0, "maximum": vocab - 1} and ids["minItems"] == 1
     assert texts["maxItems"] == lists["maxItems"] == API.max_prompts and "maxItems" not in ids
     # the caps of this server

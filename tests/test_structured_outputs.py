@@ -270,12 +270,12 @@ def check_tool_calls(http: httpx.Client, seeds: int) -> None:
 def test_unsupported_constraints_are_a_400_before_anything_is_queued(server: ServerHandle, path: str,
                                                                       extra: dict[str, Any], words: str) -> None:
     body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
-    steps = server.engine.stats().num_steps
+    steps = server.client.stats().num_steps
     with server.http() as http:
         reply = http.post(path, json=body | extra)
     assert reply.status_code == 400, reply.text
     assert words in reply.json()["error"]["message"]
-    assert server.engine.stats().num_steps == steps  # refused before the engine saw it
+    assert server.client.stats().num_steps == steps  # refused before the engine saw it
     server.wait_until_idle()
 
 
