@@ -6,7 +6,8 @@ top-2, GQA) with YaRN rope over an original window of 64 positions (prompts and 
 past it), stored in block FP8 (24 x 24 blocks, partial edge blocks). The offline engine on it is
 checked against transformers in tests/test_qwen3_family.py; here PD must give its text exactly,
 greedy, for plain and JSON-schema-constrained requests, with the KV cache in float32 (tcp) and in
-FP8 on both roles (nixl; the offline reference then uses an FP8 pool with the same scales)."""
+FP8 on both roles (nixl; the offline reference then uses an FP8 pool with the same scales), and
+with every worker's model over two tensor-parallel ranks (tcp)."""
 
 from __future__ import annotations
 
@@ -69,17 +70,19 @@ def offline(family_model: Path) -> dict[str, tuple[list[str], str]]:
     return {kv: _offline(family_model, kv) for kv in ("auto", "fp8")}
 
 
-@pytest.mark.parametrize(("transport", "kv_cache_dtype"), [
-    ("tcp", "auto"),
-    pytest.param("nixl", "fp8", marks=pytest.mark.skipif(not nixl_available(), reason="nixl_cu12 is not installed")),
+@pytest.mark.parametrize(("transport", "kv_cache_dtype", "tp"), [
+    ("tcp", "auto", 1),
+    pytest.param("nixl", "fp8", 1, marks=pytest.mark.skipif(not nixl_available(), reason="nixl_cu12 is not installed")),
+    ("tcp", "auto", 2),  # every worker's experts split over two ranks
 ])
 def test_moe_yarn_fp8_model_through_pdserve_up_answers_as_offline(
         family_model: Path, offline: dict[str, tuple[list[str], str]], tmp_path: Path, transport: str,
-        kv_cache_dtype: str) -> None:
+        kv_cache_dtype: str, tp: int) -> None:
     texts, constrained = offline[kv_cache_dtype]
     jsonschema.validate(json.loads(constrained), SCHEMA)  # the reference itself is valid
     # NOTE: no prefix caching: a repeated prompt's uncached tail would be a chunk of its own (see _offline)
-    flags = ["--kv-transport", transport, "--kv-cache-dtype", kv_cache_dtype, "--no-enable-prefix-caching"]
+    flags = ["--kv-transport", transport, "--kv-cache-dtype", kv_cache_dtype, "--no-enable-prefix-caching",
+             "--tensor-parallel-size", str(tp)]
     with pdserve_up(family_model, tmp_path, *flags) as up, \
             httpx.Client(base_url=up.url, timeout=120) as http:
         for prompt, text in zip(PROMPTS, texts, strict=True):
