@@ -523,7 +523,10 @@ def test_stream_client_disconnect_aborts(server: ServerHandle, http: httpx.Clien
                                          server_errors: list[logging.LogRecord]) -> None:
     steps_before = server.client.stats().num_steps
     num_events = 0
-    with http.stream("POST", COMPLETIONS, json={"prompt": PROMPT, "stream": True, **LONG}) as response:
+    # NOTE: n=8 makes each step cost more (eight rows through the LM head): an engine in its own
+    # process would otherwise finish all 480 tokens while a loaded machine's HTTP side sends three
+    body = {"prompt": PROMPT, "stream": True, "n": 8, **LONG}
+    with http.stream("POST", COMPLETIONS, json=body) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             num_events += line.startswith("data: ")
