@@ -113,18 +113,26 @@ class StructuredOutputsParams(_Strict):
 
     def constraints(self) -> list[tuple[str, StructuredOutput]]:
         """(parameter, constraint) for each field set."""
-        found = []
-        if self.json_schema is not None:
-            found.append(("structured_outputs.json", _json_constraint(self.json_schema)))
-        if self.regex is not None:
-            found.append(("structured_outputs.regex", StructuredOutput("regex", self.regex)))
-        if self.choice is not None:
-            found.append(("structured_outputs.choice", StructuredOutput("choice", json.dumps(self.choice))))
-        if self.grammar is not None:
-            found.append(("structured_outputs.grammar", StructuredOutput("grammar", self.grammar)))
+        found = _named_constraints("structured_outputs.", ("json", "regex", "choice", "grammar"),
+                                   (self.json_schema, self.regex, self.choice, self.grammar))
         if self.json_object:
             found.append(("structured_outputs.json_object", StructuredOutput("json_object")))
         return found
+
+
+def _named_constraints(prefix: str, names: tuple[str, ...],
+                       values: tuple[Any, ...]) -> list[tuple[str, StructuredOutput]]:
+    """(prefix + name, constraint) for each of a json / regex / choice / grammar family that is set."""
+    found = []
+    for name, value in zip(names, values, strict=True):
+        if value is None:
+            continue
+        if name == "json":
+            spec = _json_constraint(value)
+        else:
+            spec = StructuredOutput(name, json.dumps(value) if name == "choice" else value)
+        found.append((prefix + name, spec))
+    return found
 
 
 def _json_constraint(schema: dict[str, Any] | str | StrictBool) -> StructuredOutput:
@@ -179,14 +187,8 @@ class _SamplingFields(_Strict):
                           else _json_constraint(schema.json_schema)))
         if self.structured_outputs is not None:
             found += self.structured_outputs.constraints()
-        if self.guided_json is not None:
-            found.append(("guided_json", _json_constraint(self.guided_json)))
-        if self.guided_regex is not None:
-            found.append(("guided_regex", StructuredOutput("regex", self.guided_regex)))
-        if self.guided_choice is not None:
-            found.append(("guided_choice", StructuredOutput("choice", json.dumps(self.guided_choice))))
-        if self.guided_grammar is not None:
-            found.append(("guided_grammar", StructuredOutput("grammar", self.guided_grammar)))
+        found += _named_constraints("guided_", ("json", "regex", "choice", "grammar"),
+                                    (self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar))
         return found
 
     @model_validator(mode="after")
