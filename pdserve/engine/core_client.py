@@ -157,7 +157,7 @@ class EngineCoreClient:
         return self._stats
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        check_request(prompt_token_ids, params, self.max_model_len, self.config.model.vocab_size)
+        check_request(prompt_token_ids, params, self.max_model_len, self.vocab_size)
 
     async def send(self, command: Command[R], sink: OutputSink | None = None) -> R:
         """The commands a colocated server sends; the prefill and decode roles' need the engine in

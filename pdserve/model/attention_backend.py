@@ -30,6 +30,7 @@ from typing import Protocol
 import torch
 
 from pdserve.model.attention import UNSCALED, AttentionMetadata, PrefillSpan, _prefill_attention, paged_attention
+from pdserve.model.kv_scales import is_fp8
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +115,7 @@ def select_backend(device: torch.device, kv_dtype: torch.dtype | None = None) ->
     """Triton on CUDA when it is installed, for float pools; torch (model/attention.py) everywhere
     else, and for an FP8 pool (its per-layer scales are applied by model/attention.py only: the
     Triton kernels read a float pool)."""
-    fp8 = kv_dtype is not None and kv_dtype.itemsize == 1
+    fp8 = kv_dtype is not None and is_fp8(kv_dtype)
     return TRITON if device.type == "cuda" and triton_available() and not fp8 else TORCH
 
 
