@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -32,6 +32,7 @@ from pdserve.sizing.commands import add_sizing_commands, guarded
 
 if TYPE_CHECKING:
     from pdserve.disagg.router import PDRouter
+    from pdserve.disagg.worker_app import Worker
     from pdserve.engine.async_llm import AsyncLLM
     from pdserve.engine.core_client import EngineCoreClient
     from pdserve.engine.llm_engine import LLMEngine
@@ -57,10 +58,10 @@ def _serve(ns: argparse.Namespace) -> int:
     if worker is not None and worker.register and worker.advertise_url is None:
         worker = replace(worker, advertise_url=_advertise_url(ns.host, ns.port))
     api = config_from_args(ApiConfig, ns)
-    # NOTE: the prefill and decode roles' KV transports hook into the engine thread: in-process still
-    in_process = worker is not None or ns.engine_in_process or envs.engine_in_process()
+    in_process = ns.engine_in_process or envs.engine_in_process()
     engine: LLMEngine | None = None
     core: EngineCoreClient | None = None
+    built: Worker | None = None
     try:
         if ns.cpu_affinity is not None:  # NOTE: before torch's threads and the engine process, which inherit it
             pin_to(ns.cpu_affinity)
@@ -70,6 +71,11 @@ def _serve(ns: argparse.Namespace) -> int:
         if in_process:
             engine = LLMEngine.from_engine_args(args)
             inject_model_step_failure(engine)
+        elif worker is not None:
+            from pdserve.disagg.worker_core import start_worker
+
+            built = start_worker(args, worker, ns.served_model_name or (args.model or _DEMO_MODEL_NAME))
+            core = cast("EngineCoreClient", built.client)
         else:
             core = EngineCoreClient.start(args)
     except (ValueError, OSError, EngineStartError) as exc:
@@ -87,7 +93,9 @@ def _serve(ns: argparse.Namespace) -> int:
     app: ASGIApp
     on_exit: Callable[[], None] | None
     client: AsyncLLM | EngineCoreClient
-    if core is not None:
+    if built is not None:
+        app, on_exit, client = built.app, built.drain, built.client
+    elif core is not None:
         from pdserve.serving.app import create_app
 
         app, on_exit, client = create_app(core, name, api=api), None, core
@@ -129,7 +137,7 @@ def _validate_worker(worker: WorkerConfig | None) -> None:
         _ = worker.transfer_timeout_s  # reads KV_TRANSFER_TIMEOUT_MS when the flag is unset
 
 
-_Served = tuple[ASGIApp, Callable[[], None] | None, "AsyncLLM"]  # app, on_exit (drain), the engine thread
+_Served = tuple[ASGIApp, Callable[[], None] | None, "AsyncLLM | EngineCoreClient"]  # app, on_exit (drain), engine
 
 
 def _colocated_app(engine: LLMEngine, name: str, api: ApiConfig) -> _Served:
@@ -331,8 +339,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     # NOTE: not WorkerConfig.role: "colocated" is no worker role, it means no WorkerConfig at all
     serve.add_argument("--role", choices=["colocated", "prefill", "decode"], default="colocated")
     serve.add_argument("--engine-in-process", action="store_true",
-                       help="run the engine on a thread of the API server's process, not in its own process "
-                            "(the prefill and decode roles always do; also PDSERVE_ENGINE_IN_PROCESS=1)")
+                       help="run the engine (and a prefill or decode worker's KV transport) on threads of the "
+                            "API server's process, not in an engine process of its own (also "
+                            "PDSERVE_ENGINE_IN_PROCESS=1)")
     serve.add_argument("--cpu-affinity", type=_argparse_type(parse_cpu_list), default=None, metavar="CPUS",
                        help="pin this process to these cores, e.g. 0-3 or 0,2 (one worker = one 'device')")
     add_config_args(serve, EngineArgs, title="engine")

@@ -15,6 +15,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgpack
@@ -25,9 +26,23 @@ from process_cluster import engine_process_of, pid_gone, spawn_worker, wait_heal
 from pdserve import LLM
 from pdserve.config import EngineArgs
 from pdserve.engine.async_llm import EngineDeadError
-from pdserve.engine.commands import CachedPrefixTokens
+from pdserve.engine.commands import (
+    Abort,
+    AddPrefillOnly,
+    AddRequest,
+    CachedPrefixTokens,
+    Command,
+    CompleteRemote,
+    GeneratorState,
+    PlaceKV,
+    PrefillLocally,
+    ReleaseKV,
+    ReserveRemote,
+    StopSequence,
+)
 from pdserve.engine.core_client import EngineCoreClient, EngineStartError
 from pdserve.engine.core_wire import (
+    COMMANDS,
     WIRE_VERSION,
     CoreReply,
     CoreWireError,
@@ -43,6 +58,7 @@ from pdserve.engine.core_wire import (
 )
 from pdserve.engine.disk_offload import TierStats
 from pdserve.engine.kv_disk_tier import KVTierStats
+from pdserve.engine.kv_transfer import KVTarget
 from pdserve.engine.llm_engine import EngineStats
 from pdserve.engine.sampler import PromptLogprobs, TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
@@ -57,31 +73,50 @@ def _body(frame: bytes) -> bytes:
     return frame
 
 
-def test_both_records_round_trip_and_a_bad_frame_is_refused() -> None:
-    command = ToCore("add", 7, "r1", [1, 2, 3], SamplingParams(n=2, seed=5, stop=("x",), logprobs=1))
-    assert decode_to_core(_body(encode_to_core(command))) == command
-    constrained = ToCore("add", 8, "r3", [1, 2, 3], SamplingParams(  # a structured output's spec crosses too
-        structured=StructuredOutput("json", '{"type": "object"}'), structured_replay=1))
-    assert decode_to_core(_body(encode_to_core(constrained))) == constrained
+def test_every_command_and_both_records_round_trip_and_a_bad_frame_is_refused() -> None:
+    params = SamplingParams(n=2, seed=5, stop=("x",), logprobs=1)
+    constrained = SamplingParams(structured=StructuredOutput("json", '{"type": "object"}'), structured_replay=1)
+    target = KVTarget((4, 5, 6), 16, 3, "tcp://127.0.0.1:5000", "secret-token")
+    commands: list[Command[Any]] = [
+        AddRequest("r1", [1, 2, 3], params), AddRequest("r3", [1, 2, 3], constrained),  # a structured spec too
+        AddPrefillOnly("p1", [1, 2], params, target), AddPrefillOnly("p2", [1, 2], params),
+        ReserveRemote("d1", [1, 2, 3], params, "d1@1", "tok"), PlaceKV("p2", target), ReleaseKV("p1"),
+        CompleteRemote("d1", 7, b"\x00state", 16, [None, PromptLogprobs(2, -2.0, 3, ((9, -0.1),))]),
+        CompleteRemote("d2", 7), PrefillLocally("d1"), Abort("r1"), CachedPrefixTokens([1, 2, 3]),
+        GeneratorState("p1"), StopSequence("r1", 1, "stop")]
+    assert set(COMMANDS) == {type(c).__name__ for c in commands}, "a command that crosses the link is untested"
+    for call_id, command in enumerate(commands):
+        message = ToCore("command", call_id, command)
+        assert decode_to_core(_body(encode_to_core(message))) == message
+    kv = ToCore("kv", 9, kv=["flush", 3, "p1", 0.5])
+    assert decode_to_core(_body(encode_to_core(kv))) == kv
     delta = RequestDelta("r1", [SequenceDelta(1, [4, 5], [TokenLogprobs(4, -0.5, ((4, -0.5),)),
                                                           TokenLogprobs(5, -1.0, ((6, -0.25),))], "stop", 5)],
                          3, 12.5, [None, PromptLogprobs(2, -2.0, 3, ((9, -0.1),))])
-    message = FromCore([delta], [("r2", "boom")], [CoreReply(7, None, "in use", True), CoreReply(8, 32)], None, None,
-                       False)
+    message = FromCore([delta], [("r2", "boom")], [CoreReply(7, None, "in use", "value"), CoreReply(8, 32),
+                                                   CoreReply(9, None, "mismatch", "kv_layout", ["dtype", "a", "b"])],
+                       None, None, False, {"kv_address": "x"}, [["progress", "d1@1", 3, [4, 5]]], {"n": 2})
     assert decode_from_core(_body(encode_from_core(message))) == message
     disk = KVTierStats(True, 1 << 30, 4096, 2, 3, 1, 0, 0, 8192, 4096, (1, 2, 0), 0.25)
     stats = EngineStats(**{f.name: 1 for f in dataclasses.fields(EngineStats)} | {  # type: ignore[arg-type]
         "kv_cache_usage": 0.5, "step_time_s": 1.5, "kv_tier": TierStats(disk, 6)})
     assert decode_from_core(_body(encode_from_core(FromCore(stats=stats, ready=True)))).stats == stats
     with pytest.raises(CoreWireError, match="wire version"):
-        decode_to_core(msgpack.packb([WIRE_VERSION + 1, "abort", 0, "r", [], None, 0, "", None, "INFO", "text"]))
+        decode_to_core(msgpack.packb([WIRE_VERSION + 1, "command", 0, ["Abort", "r"], None, None, None, "INFO",
+                                      "text"]))
     with pytest.raises(CoreWireError, match="unknown kind"):
-        decode_to_core(msgpack.packb([WIRE_VERSION, "exec", 0, "r", [], None, 0, "", None, "INFO", "text"]))
-    with pytest.raises(CoreWireError, match="params"):  # SamplingParams' own checks
-        decode_to_core(msgpack.packb([WIRE_VERSION, "add", 1, "r", [1], {"n": 0}, 0, "", None, "INFO", "text"]))
+        decode_to_core(msgpack.packb([WIRE_VERSION, "exec", 0, None, None, None, None, "INFO", "text"]))
+    with pytest.raises(CoreWireError, match="unknown 'Exec'"):  # only the commands named in COMMANDS
+        decode_to_core(msgpack.packb([WIRE_VERSION, "command", 0, ["Exec", "r"], None, None, None, "INFO", "text"]))
+    with pytest.raises(CoreWireError, match="n must be"):  # SamplingParams' own checks
+        decode_to_core(msgpack.packb([WIRE_VERSION, "command", 1, ["AddRequest", "r", [1], {"n": 0}], None, None,
+                                      None, "INFO", "text"]))
+    with pytest.raises(CoreWireError, match="AddRequest.prompt_token_ids"):  # a bool is no token id
+        decode_to_core(msgpack.packb([WIRE_VERSION, "command", 1, ["AddRequest", "r", [True], {}], None, None,
+                                      None, "INFO", "text"]))
     with pytest.raises(CoreWireError, match="token_ids"):
         decode_from_core(msgpack.packb([WIRE_VERSION, [["r", [[0, ["1"], None, None, None]], 0, None, None]], [], [],
-                                        None, None, False]))
+                                        None, None, False, None, [], None]))
     with pytest.raises(CoreWireError, match="not msgpack"):
         decode_from_core(b"\xc1")
 

@@ -34,14 +34,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pdserve.disagg.control import OutputFrame, ReserveReply, ReserveRequest, request_id_of
+from pdserve.disagg.kv_side import ReceiverView
 from pdserve.disagg.phases import TransferMeter
 from pdserve.disagg.prompt_logprobs_wire import unpack
-from pdserve.disagg.transport.base import KVReceiver
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.disagg.transport.messages import KVDone, KVRejected
-from pdserve.engine.async_llm import AsyncLLM, RequestFailedError
+from pdserve.engine.async_llm import EngineClient, RequestFailedError
 from pdserve.engine.commands import CachedPrefixTokens, CompleteRemote, PrefillLocally, ReserveRemote
-from pdserve.engine.llm_engine import RemoteReservation
 from pdserve.engine.output import RequestOutput
 from pdserve.logs import bind_request_id
 from pdserve.serving.trace import TransferRecord
@@ -87,7 +86,7 @@ class _Counts:
 
 
 class DecodeService:
-    def __init__(self, client: AsyncLLM, receiver: KVReceiver, failure_policy: FailurePolicy,
+    def __init__(self, client: EngineClient, receiver: ReceiverView, failure_policy: FailurePolicy,
                  transfer_timeout_s: float, on_transfer: Callable[[TransferRecord], None] | None = None,
                  lease_s: float = 0.0) -> None:
         """`on_transfer` gets each finished transfer's duration and size (the metrics); `lease_s`
@@ -122,13 +121,10 @@ class DecodeService:
         stream: asyncio.Queue[StreamItem] = asyncio.Queue()
         token = secrets.token_hex(16)
 
-        def expect_transfer(reservation: RemoteReservation) -> None:
-            # NOTE: on the engine thread, as the blocks are reserved: the receiver expects the
-            # transfer before the router hears of the reservation, so before prefill can send.
-            self.receiver.expect(tid, list(reservation.block_ids), token)
-
+        # NOTE: the engine side's receiver expects the transfer as the blocks are reserved, before
+        # the router hears of the reservation, so before prefill can send (ReserveRemote)
         reservation = await self.client.send(
-            ReserveRemote(rid, body.prompt_token_ids, body.params.build(), on_reserved=expect_transfer), stream)
+            ReserveRemote(rid, body.prompt_token_ids, body.params.build(), transfer_id=tid, token=token), stream)
         if reservation is None:
             return None
         record = self._requests[rid] = _Reserved(stream, reservation.block_ids, token, tid)

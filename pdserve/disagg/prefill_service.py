@@ -16,7 +16,10 @@ the queue consumer, acknowledges. The first token is known before that (`first_t
 
 The streaming itself is the engine's layer observer (`KVStreamer`), called on the engine thread
 right after each layer; the transport moves the bytes on its own I/O thread meanwhile. Where an
-attempt's KV goes (its sender, its decode blocks) lives in the streamer, on the engine thread.
+attempt's KV goes (its sender, its decode blocks) lives in the streamer, on the engine side: the
+service names it in the engine commands (`KVTarget`, its sender by handle) and drives the hand-off
+through `SenderHandles` (disagg/kv_side.py), the same calls whether the engine runs on a thread of
+this process or in an engine process of its own.
 """
 
 from __future__ import annotations
@@ -27,20 +30,18 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from functools import partial
 from typing import Literal
 
 from pdserve.disagg.auth import ClusterSecret, verify_job, verify_placement
 from pdserve.disagg.client import WorkerClient, WorkerError
 from pdserve.disagg.control import FirstToken, HandOff, Placement, PrefillJob
-from pdserve.disagg.kv_streamer import KVDestination, KVStreamer
+from pdserve.disagg.kv_side import SenderHandles
 from pdserve.disagg.phases import PrefillPhases
 from pdserve.disagg.prompt_logprobs_wire import pack
-from pdserve.disagg.sender_pool import SenderPool
-from pdserve.disagg.transport.base import KVSender
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
-from pdserve.engine.async_llm import AsyncLLM, EngineDeadError, OutputStream, RequestFailedError
+from pdserve.engine.async_llm import EngineClient, EngineDeadError, OutputStream, RequestFailedError
 from pdserve.engine.commands import AddPrefillOnly, CachedPrefixTokens, GeneratorState, PlaceKV, ReleaseKV
+from pdserve.engine.kv_transfer import KVTarget
 from pdserve.engine.output import RequestOutput
 from pdserve.logs import bind_request_id
 from pdserve.serving.worker_stats import PrefillStats
@@ -60,15 +61,15 @@ class _Attempt:
     num_uncomputed_tokens: int  # prompt tokens still to compute (0 once the first token is out)
     token: str  # the decode reservation's, which every KV message of the attempt presents
     seeded: bool = True  # has a seeded generator, whose state decode needs (Request.generator)
-    # the sender to its decode worker, once its reservation is known (at once for a placed job)
-    placed: asyncio.Future[KVSender] = dataclasses.field(
+    # the sender (handle) to its decode worker, once its reservation is known (at once for a placed job)
+    placed: asyncio.Future[int] = dataclasses.field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
     # the sender a placement under way hands to the engine, before `placed` is set: the attempt's
     # end releases through it too (a send it started must stop reading the blocks before they go)
-    placing: KVSender | None = None
+    placing: int | None = None
     # a placement that came, while its sender connects to the decode worker (the first placement
     # there, a handshake): `_placement` waits for that beside the transfer timeout
-    connecting: asyncio.Future[KVSender] | None = None
+    connecting: asyncio.Future[int] | None = None
     # its first token once sampled, before the hand-off (None: it ended without one)
     first_token: asyncio.Future[FirstToken | None] = dataclasses.field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -82,14 +83,13 @@ class _Counts:
 
 
 class PrefillService:
-    def __init__(self, client: AsyncLLM, streamer: KVStreamer, senders: SenderPool,
-                 transfer_timeout_s: float, secret: ClusterSecret | None = None) -> None:
-        """`streamer` must be `client`'s engine's layer observer (`KVTransferSetup`); with a cluster
-        `secret`, a job must carry the router's signature (auth.py) and keepalives are signed."""
+    def __init__(self, client: EngineClient, kv: SenderHandles, transfer_timeout_s: float,
+                 secret: ClusterSecret | None = None) -> None:
+        """`kv` must be the engine side of `client`'s engine (`KVTransferSetup.stream_targets`); with
+        a cluster `secret`, a job must carry the router's signature (auth.py) and keepalives are signed."""
         self.client = client
         self.secret = secret
-        self.streamer = streamer
-        self.senders = senders
+        self.kv = kv
         self.transfer_timeout_s = transfer_timeout_s
         self.draining = False
         self._attempts: dict[str, _Attempt] = {}  # transfer id -> its record
@@ -128,18 +128,15 @@ class PrefillService:
         tid = job.transfer_id
         if tid in self._attempts:
             raise ValueError(f"attempt {tid!r} is already running here")
-        sender = await self._sender(job.kv_address) if job.placed else None
+        sender = await self.kv.connect(job.kv_address) if job.placed else None
         stream: OutputStream = asyncio.Queue()
-        # NOTE: the streamer learns where the attempt's KV goes on the engine thread just before the
+        # NOTE: the streamer learns where the attempt's KV goes on the engine side just before the
         # engine takes the request (an unplaced job: that it has nowhere to go yet, `place`), and
         # forgets it there after its blocks are released (`_release`): every layer the engine
         # computes of it is streamed, and never after it is forgotten.
-        expect = partial(self.streamer.expect, tid, None)
-        if sender is not None:
-            expect = partial(self.streamer.expect, tid, job.block_ids, job.num_cached_tokens,
-                             KVDestination(sender, job.kv_address, job.token))
-        await self.client.send(AddPrefillOnly(tid, job.prompt_token_ids, params, before=expect,
-                                              if_refused=partial(self.streamer.forget, tid)), stream)
+        target = None if sender is None else KVTarget(tuple(job.block_ids), job.num_cached_tokens, sender,
+                                                      job.kv_address, job.token)
+        await self.client.send(AddPrefillOnly(tid, job.prompt_token_ids, params, target), stream)
         task = asyncio.create_task(self._finish(tid, stream))
         attempt = self._attempts[tid] = _Attempt(task, job.decode_url,
                                                  len(job.prompt_token_ids) - job.num_cached_tokens, job.token,
@@ -162,17 +159,17 @@ class PrefillService:
             raise KeyError(tid)
         if attempt.placed.done():
             raise ValueError(f"attempt {tid!r} is placed already")
-        attempt.connecting = asyncio.ensure_future(self._sender(placement.kv_address))
+        attempt.connecting = asyncio.ensure_future(self.kv.connect(placement.kv_address))
         try:
             sender = await attempt.connecting
         finally:
             attempt.connecting = None
-        send = KVDestination(sender, placement.kv_address, placement.token)
+        target = KVTarget(tuple(placement.block_ids), placement.num_cached_tokens, sender, placement.kv_address,
+                          placement.token)
         if self._attempts.get(tid) is not attempt or attempt.placed.done():
             raise KeyError(tid)  # NOTE: it ended (or was placed) while the sender connected
         attempt.placing = sender
-        if not await self.client.send(PlaceKV(tid, partial(self.streamer.place, tid, placement.block_ids,
-                                                           placement.num_cached_tokens, send))) \
+        if not await self.client.send(PlaceKV(tid, target)) \
                 or self._attempts.get(tid) is not attempt or attempt.placed.done():
             # NOTE: it ended before the engine took the placement, or while the answer came back
             # (an abort): its end released its blocks through `placing`
@@ -180,12 +177,6 @@ class PrefillService:
         attempt.decode_url, attempt.token = placement.decode_url, placement.token
         attempt.num_uncomputed_tokens = max(0, attempt.num_uncomputed_tokens - placement.num_cached_tokens)
         attempt.placed.set_result(sender)
-
-    async def _sender(self, kv_address: str) -> KVSender:
-        sender = self.senders.connected(kv_address)
-        if sender is None:  # not connected yet (or broken, or another to close): connecting blocks
-            sender = await asyncio.to_thread(self.senders.get, kv_address)
-        return sender
 
     async def _keep_alive(self) -> None:
         """While jobs are in flight: POST /pd/alive {transfer ids} to their decode workers."""
@@ -294,7 +285,7 @@ class PrefillService:
         logger.warning("request %s: %s", tid, exc)
         return HandOff(transfer_id=tid, status=status, reason=str(exc) or repr(exc))
 
-    async def _placement(self, tid: str) -> KVSender:
+    async def _placement(self, tid: str) -> int:
         """The attempt's sender once it is placed (KVTransferTimeout: not within the transfer timeout)."""
         attempt = self._attempts.get(tid)
         if attempt is None:
@@ -314,36 +305,36 @@ class PrefillService:
                                     f"{self.transfer_timeout_s:g} s")
         return placed.result()
 
-    async def _hand_off(self, tid: str, sender: KVSender, final: RequestOutput, state: bytes | None) -> None:
+    async def _hand_off(self, tid: str, sender: int, final: RequestOutput, state: bytes | None) -> None:
         """The first token is out: send the final message, wait until decode acknowledged it all."""
         attempt = self._attempts.get(tid)
         if attempt is not None:
             attempt.num_uncomputed_tokens = 0
         phases = PrefillPhases.of(final.metrics)
-        sender.send_done(tid, final.outputs[0].token_ids[0], state,
-                         prefill_queue_s=None if phases is None else phases.queue_s,
-                         prefill_compute_s=None if phases is None else phases.compute_s,
-                         token="" if attempt is None else attempt.token,
-                         prefill_cached_tokens=final.num_cached_tokens,
-                         prompt_logprobs=None if final.prompt_logprobs is None else pack(final.prompt_logprobs))
-        await sender.flush(tid, self.transfer_timeout_s)
+        self.kv.send_done(sender, tid, final.outputs[0].token_ids[0], state,
+                          prefill_queue_s=None if phases is None else phases.queue_s,
+                          prefill_compute_s=None if phases is None else phases.compute_s,
+                          token="" if attempt is None else attempt.token,
+                          prefill_cached_tokens=final.num_cached_tokens,
+                          prompt_logprobs=None if final.prompt_logprobs is None else pack(final.prompt_logprobs))
+        await self.kv.flush(sender, tid, self.transfer_timeout_s)
 
-    async def _release(self, tid: str, sender: KVSender | None) -> None:
+    async def _release(self, tid: str, sender: int | None) -> None:
         """Free the attempt's blocks, but only once the transport no longer reads them: after a
         failed or abandoned hand-off, a send still queued must not read blocks that another
         request reuses (decode would get wrong KV and never know). No sender: nothing was sent."""
         try:
             if sender is not None:
-                await sender.release(tid)
+                await self.kv.release(sender, tid)
         except KVTransferError as exc:  # a send stuck reading them: better to leak than to corrupt
             logger.error("request %s: not freeing its KV blocks: %s", tid, exc)
             return
         try:
-            await self.client.send(ReleaseKV(tid, after=partial(self.streamer.forget, tid)))
+            await self.client.send(ReleaseKV(tid))
         except EngineDeadError:  # nothing to free any more: the worker is going away
             logger.info("request %s: engine dead, its KV blocks stay with it", tid)
 
     def close(self) -> None:
         if self._keepalive is not None:
             self._keepalive.cancel()
-        self.senders.close()
+        self.kv.close()

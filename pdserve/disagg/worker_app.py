@@ -55,21 +55,15 @@ from pdserve.disagg.auth import PeerAuth, load_cluster_secret, warn_if_open
 from pdserve.disagg.control import ConsumerReport, Role, WorkerInfo, WorkerStatsReply
 from pdserve.disagg.decode_service import DecodeService
 from pdserve.disagg.kv_layout import KVLayout
-from pdserve.disagg.kv_streamer import KVStreamer, small_step_blocks
+from pdserve.disagg.kv_side import KVSideSpec, ReceiverView, SenderHandles, build_kv_side
 from pdserve.disagg.prefill_service import PrefillService
-from pdserve.disagg.rank_receiving import link_ranks
-from pdserve.disagg.rank_streaming import MirroredKVStreamer, RankStreamingSpec, rank_layout, sending_heads
 from pdserve.disagg.registrar import Registrar
-from pdserve.disagg.sender_pool import SenderPool
-from pdserve.disagg.transport import make_receiver, nixl_available
-from pdserve.disagg.transport.handshake import KVPeerPolicy
 from pdserve.disagg.worker_routes import add_decode_routes, add_prefill_routes
 from pdserve.engine.async_llm import AsyncLLM
-from pdserve.engine.llm_engine import KVTransferSetup, LLMEngine
-from pdserve.engine.tensor_parallel import TPModelRunner
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.serving.app import Lifespan
 from pdserve.serving.errors import EXCEPTION_HANDLERS
-from pdserve.serving.metrics import ServerMetrics, install_engine_metrics
+from pdserve.serving.metrics import LocalEngine, ServerMetrics, install_engine_metrics
 from pdserve.serving.middleware import CatchAll
 
 if TYPE_CHECKING:
@@ -81,7 +75,7 @@ class Worker:
     """One prefill or decode worker, as `build_worker` wires it."""
 
     app: FastAPI
-    client: AsyncLLM  # the engine thread
+    client: LocalEngine  # the engine: a thread of this process, or an engine process of its own
     service: PrefillService | DecodeService
     consumer: RedisJobConsumer | None = None  # prefill with a Redis queue: what feeds `service`
     registrar: Registrar | None = None  # with --register: announces the worker to its routers
@@ -96,51 +90,46 @@ class Worker:
 
 def build_worker(engine: LLMEngine, config: WorkerConfig, model_name: str, *,
                  sender_options: Mapping[str, object] | None = None) -> Worker:
-    """Engine thread + KV transport + control-plane app for one prefill or decode worker.
-    `sender_options` go to each KV sender (tests: the fake transport's `stall_after_layers`). A
-    prefill worker whose `config.queue` is Redis pulls its jobs from the shared queue
-    (`RedisJobConsumer`, started with the app, drained and awaited when the app stops)."""
-    runner = engine.runner
-    rank_pools = isinstance(runner, TPModelRunner) and runner.rank_pools
-    transport = config.kv_transport or ("nixl" if nixl_available() else "tcp")
-    if rank_pools and transport == "fake":
-        raise ValueError("the fake KV transport moves KV within one process: a worker with --tensor-parallel-size > 1 "
-                         "and a KV pool per rank (CUDA) needs tcp or nixl")
-    layout = (rank_layout(model_name, runner, engine.config, 0) if rank_pools
-              else KVLayout.from_pool(model_name, runner.kv_cache, tp_size=engine.config.tensor_parallel_size,
-                                                 scales=engine.config.kv_scales))
-    metrics = ServerMetrics(model_name, config.role)
+    """Engine thread + KV transport + control-plane app for one prefill or decode worker, all in
+    this process (`--engine-in-process`; the in-process test clusters). `sender_options` go to each
+    KV sender (tests: the fake transport's `stall_after_layers`)."""
+    kv = build_kv_side(engine.runner, engine.config, KVSideSpec.of(config, model_name), sender_options)
+    if engine.step_log is not None:
+        engine.step_log.role = config.role
+    # NOTE: the engine side's hooks must be set before the engine thread starts: only it reads them then
+    client = AsyncLLM(engine, kv.setup)
+    return assemble_worker(client, kv.receiver, kv.prefill, WorkerShape(config, model_name, kv.layout,
+                                                                        kv.spec.transport))
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerShape:
+    """What the control plane needs to know of a worker besides its engine."""
+
+    config: WorkerConfig
+    model_name: str
+    layout: KVLayout
+    transport: str
+
+
+def assemble_worker(client: LocalEngine, receiver: ReceiverView | None, senders: SenderHandles | None,
+                    shape: WorkerShape) -> Worker:
+    """The service and the control-plane app of a worker over its engine (on a thread, or in its own
+    process) and its engine side's KV receiver (decode) or sender handles (prefill). A prefill
+    worker whose queue is Redis pulls its jobs from the shared queue (`RedisJobConsumer`, started
+    with the app, drained and awaited when the app stops)."""
+    config = shape.config
+    metrics = ServerMetrics(shape.model_name, config.role)
     secret = load_cluster_secret(config.cluster_secret_file)
     warn_if_open(secret, f"{config.role} worker")
     service: PrefillService | DecodeService
     consumer = None
-    if engine.step_log is not None:
-        engine.step_log.role = config.role
-    if config.role == "decode":
-        peers = KVPeerPolicy(secret, config.kv_max_connections, config.kv_handshake_timeout_s)
-        receiver = make_receiver(transport, layout, runner.kv_cache, host=config.kv_host, port=config.kv_port,
-                                 peers=peers)
-        if rank_pools:  # every rank receives its heads (rank_receiving.py)
-            assert isinstance(runner, TPModelRunner)
-            link_ranks(runner, receiver, transport, model_name, config.kv_host, config.kv_port,
-                       config.cluster_secret_file, peers)
-        # NOTE: the quarantine must be known before the engine thread starts: only it reads it then
-        client = AsyncLLM(engine, KVTransferSetup(remote_kv_quarantine_s=receiver.late_write_window_s))
+    if receiver is not None:
         service = DecodeService(client, receiver, config.kv_failure_policy, config.transfer_timeout_s,
                                 on_transfer=metrics.observe_transfer, lease_s=config.reservation_lease_s)
     else:
-        small_blocks = small_step_blocks(layout.block_bytes_per_layer, layout.num_layers)
-        streamer = KVStreamer(layout.block_size, layout.num_layers, small_blocks=small_blocks)
-        if rank_pools:
-            assert isinstance(runner, TPModelRunner)
-            streamer = MirroredKVStreamer(runner, layout.block_size, layout.num_layers, small_blocks)
-            runner.install_rank_hook(RankStreamingSpec(transport, model_name, small_blocks,
-                                                       config.cluster_secret_file), streamer.step_message)
-        client = AsyncLLM(engine, KVTransferSetup(layer_observer=streamer))
-        senders = SenderPool(transport, layout, runner.kv_cache, sender_options, secret,
-                             sending_heads=sending_heads(engine.config) if rank_pools else None,
-                             num_kv_heads=engine.config.model.num_key_value_heads)
-        service = PrefillService(client, streamer, senders, config.transfer_timeout_s, secret)
+        assert senders is not None, "a prefill worker needs its sender handles"
+        service = PrefillService(client, senders, config.transfer_timeout_s, secret)
         consumer = _queue_consumer(service, config)
     registrar = None
     if config.register:
@@ -155,7 +144,7 @@ def build_worker(engine: LLMEngine, config: WorkerConfig, model_name: str, *,
     app.add_middleware(CatchAll)  # no /pd/* route answers a plain-text 500
     install_engine_metrics(app, client, metrics, service.stats)  # GET /metrics (serving/metrics.py)
     worker = Worker(app, client, service, consumer, registrar)
-    _add_common_routes(worker, config.role, model_name, layout, transport)
+    _add_common_routes(worker, shape)
     if isinstance(service, DecodeService):
         add_decode_routes(app, service)
     else:
@@ -196,8 +185,9 @@ def _background(consumer: RedisJobConsumer | None, registrar: Registrar | None) 
     return lifespan
 
 
-def _add_common_routes(worker: Worker, role: Role, model_name: str, layout: KVLayout, transport: str) -> None:
+def _add_common_routes(worker: Worker, shape: WorkerShape) -> None:
     client, service, app = worker.client, worker.service, worker.app
+    role, model_name, layout, transport = shape.config.role, shape.model_name, shape.layout, shape.transport
     instance_id = uuid.uuid4().hex[:12]
     kv_address = service.receiver.kv_address if isinstance(service, DecodeService) else None
 
@@ -225,7 +215,7 @@ def _add_common_routes(worker: Worker, role: Role, model_name: str, layout: KVLa
                           kv_address=kv_address, ready=not _unready_reason(worker),
                           num_running=stats.num_running, num_waiting=stats.num_waiting,
                           num_free_kv_blocks=stats.num_free_kv_blocks, num_kv_blocks=stats.num_kv_blocks,
-                          max_num_batched_tokens=client.engine.config.scheduler.max_num_batched_tokens,
+                          max_num_batched_tokens=client.config.scheduler.max_num_batched_tokens,
                           draining=service.draining, instance_id=instance_id)
 
     @app.get("/pd/stats")

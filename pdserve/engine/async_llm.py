@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from pdserve.config import EngineConfig
 from pdserve.engine.commands import Abort, AddRequest, Command
 from pdserve.engine.llm_engine import EngineStats, KVTransferSetup, LLMEngine
 from pdserve.engine.output import RequestOutput
@@ -48,6 +49,20 @@ class OutputSink(Protocol):
 
 
 OutputStream = asyncio.Queue[RequestOutput | BaseException]
+
+
+class EngineClient(Protocol):
+    """What a worker's services use of their engine: `AsyncLLM` (a thread of this process) or
+    `EngineCoreClient` (an engine process of its own, engine/core_client.py)."""
+
+    config: EngineConfig
+    last_step_s: float  # when the engine last finished a step (or went idle)
+
+    async def send(self, command: Command[R], sink: OutputSink | None = None) -> R: ...
+
+    def consume(self, request_id: str, stream: OutputStream) -> AsyncIterator[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +101,7 @@ class AsyncLLM:
         if kv_transfer is not None:
             engine.configure_kv_transfer(kv_transfer)
         self.engine = engine
+        self.config = engine.config
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.scheduler.max_model_len
         self.vocab_size = engine.config.model.vocab_size

@@ -8,33 +8,25 @@ and its result comes back to the caller typed: `await llm.send(ReserveRemote(...
     closes()           the request whose stream ends here (nothing more is delivered to it)
     emitted(result)    an output the command produced, delivered like a step's outputs
 
-Hooks (`Hook`, `on_reserved`) run on the engine thread at a fixed point of a command: bookkeeping
-of a service that must be ordered with the engine's own change (each says why in a NOTE).
+Every field is data, so a command crosses the engine-core link as it is (engine/core_wire.py). What
+a command must do to a worker's KV transport at a fixed point (tell the streamer where a request's
+KV goes, have the receiver expect a transfer) goes through the hooks the transport set on the
+engine (engine/kv_transfer.py), on the side where the engine runs.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from pdserve.engine.kv_transfer import KVTarget
 from pdserve.engine.llm_engine import LLMEngine, RemoteReservation
 from pdserve.engine.output import RequestOutput
-from pdserve.engine.request import Request
 from pdserve.engine.sampler import PromptLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 
 R = TypeVar("R")
-Hook = Callable[[], None]
-
-
-def _no_hook() -> None:
-    pass
-
-
-def _ignore_reservation(reservation: RemoteReservation) -> None:
-    pass
 
 
 class Command(abc.ABC, Generic[R]):
@@ -74,22 +66,25 @@ class AddRequest(Command[None]):
 @dataclass(frozen=True, slots=True)
 class AddPrefillOnly(Command[None]):
     """Prefill role: compute the prompt, sample the first token, finish, and keep the blocks until
-    `ReleaseKV`. The outputs go to the caller's stream."""
+    `ReleaseKV`. Its KV goes to `target` (None: not placed yet, `PlaceKV` says where). The outputs
+    go to the caller's stream."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    before: Hook = _no_hook  # e.g. tell the layer observer where this request's KV goes
-    if_refused: Hook = _no_hook  # undoes `before` when the engine refuses the request
+    target: KVTarget | None = None
 
     def apply(self, engine: LLMEngine) -> None:
-        # NOTE: `before` runs on this thread before the request exists, so no step can compute a
-        # layer of it that the layer observer would not stream.
-        self.before()
+        targets = engine.stream_targets
+        # NOTE: the streamer learns the target before the request exists, so no step can compute a
+        # layer of it that would not be streamed; a refused request leaves nothing behind there.
+        if targets is not None:
+            targets.expect(self.request_id, self.target)
         try:
             engine.add_request(self.request_id, self.prompt_token_ids, self.params, prefill_only=True)
         except BaseException:
-            self.if_refused()
+            if targets is not None:
+                targets.forget(self.request_id)
             raise
 
     def stream_of(self, result: None) -> str | None:
@@ -99,19 +94,21 @@ class AddPrefillOnly(Command[None]):
 @dataclass(frozen=True, slots=True)
 class ReserveRemote(Command[RemoteReservation | None]):
     """Decode role: reserve blocks for a prompt a prefill worker computes; None when the pool has
-    no room now. Once reserved, the request's outputs go to the caller's stream."""
+    no room now. With a `transfer_id`, the KV receiver expects that attempt's KV (presenting
+    `token`) from the moment the blocks are reserved. Once reserved, the request's outputs go to
+    the caller's stream."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    on_reserved: Callable[[RemoteReservation], None] = _ignore_reservation
+    transfer_id: str = ""
+    token: str = ""
 
     def apply(self, engine: LLMEngine) -> RemoteReservation | None:
         reservation = engine.reserve_remote(self.request_id, self.prompt_token_ids, self.params)
-        if reservation is not None:
-            # NOTE: e.g. the KV receiver starts expecting the transfer here, before the caller
-            # learns of the reservation, so before prefill can possibly send a byte.
-            self.on_reserved(reservation)
+        if reservation is not None and self.transfer_id and engine.expectations is not None:
+            # NOTE: before the caller learns of the reservation, so before prefill can possibly send a byte
+            engine.expectations.expect(self.transfer_id, list(reservation.block_ids), self.token)
         return reservation
 
     def stream_of(self, result: RemoteReservation | None) -> str | None:
@@ -149,15 +146,17 @@ class PrefillLocally(Command[None]):
 
 @dataclass(frozen=True, slots=True)
 class PlaceKV(Command[bool]):
-    """Prefill role: the request's KV destination is known now (`place`, the layer observer's,
-    called with the request as the engine has it, or None when it is gone). Between steps, so
-    what it sends of the layers computed so far and what the next step streams never overlap."""
+    """Prefill role: the request's KV destination is known now (False: the request is gone, or
+    not expected). Between steps, so what is sent of the layers computed so far and what the next
+    step streams never overlap."""
 
     request_id: str
-    place: Callable[[Request | None], bool]
+    target: KVTarget
 
     def apply(self, engine: LLMEngine) -> bool:
-        return self.place(engine.prefill_request(self.request_id))
+        if engine.stream_targets is None:
+            raise ValueError("this engine streams no KV (not a prefill worker)")
+        return engine.stream_targets.place(self.request_id, self.target, engine.prefill_request(self.request_id))
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,12 +164,12 @@ class ReleaseKV(Command[None]):
     """Prefill role: the hand-off ended; stop the request if it still runs and free its blocks."""
 
     request_id: str
-    after: Hook = _no_hook  # e.g. the layer observer forgets the request
 
     def apply(self, engine: LLMEngine) -> None:
         engine.release_kv(self.request_id)
         # NOTE: after the release, so the layer observer never meets a request it has forgotten.
-        self.after()
+        if engine.stream_targets is not None:
+            engine.stream_targets.forget(self.request_id)
 
     def closes(self) -> str | None:
         return self.request_id
@@ -211,3 +210,16 @@ class GeneratorState(Command[bytes | None]):
 
     def apply(self, engine: LLMEngine) -> bytes | None:
         return engine.generator_state(self.request_id)
+
+
+@dataclass(frozen=True, slots=True)
+class StopSequence(Command[None]):
+    """A stop string ended sequence `index` of the request where its text is made (the API process
+    of an engine core): finish it there too."""
+
+    request_id: str
+    index: int
+    stop: str
+
+    def apply(self, engine: LLMEngine) -> None:
+        engine.stop_sequence(self.request_id, self.index, self.stop)

@@ -46,8 +46,19 @@ from pdserve.engine.async_llm import (
     set_exception,
     set_result,
 )
-from pdserve.engine.commands import Abort, CachedPrefixTokens, Command
+from pdserve.engine.commands import (
+    Abort,
+    AddPrefillOnly,
+    AddRequest,
+    CachedPrefixTokens,
+    Command,
+    GeneratorState,
+    PlaceKV,
+    ReserveRemote,
+    StopSequence,
+)
 from pdserve.engine.core_wire import (
+    CoreReply,
     FrameReader,
     FromCore,
     RequestDelta,
@@ -57,7 +68,7 @@ from pdserve.engine.core_wire import (
     link_buffers,
     recv_frames,
 )
-from pdserve.engine.llm_engine import EngineStats, check_request
+from pdserve.engine.llm_engine import EngineStats, RemoteReservation, check_request
 from pdserve.engine.output import RequestOutput, RequestState
 from pdserve.engine.request import RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
@@ -81,10 +92,16 @@ class _Tracked:
 
 class EngineCoreClient:
     def __init__(self, process: subprocess.Popen[bytes], sock: socket.socket, reader: FrameReader,
-                 config: EngineConfig, stats: EngineStats) -> None:
+                 config: EngineConfig, first: FromCore) -> None:
         """Use `start`."""
+        assert first.stats is not None
+        stats = first.stats
         self.process = process
         self.config = config
+        self.info = first.info or {}  # what a worker's KV side said at start (engine/core_proc.py CoreSide)
+        # A worker's KV side: its events (on the reader thread) and counters (with the stats)
+        self.kv_listener: Callable[[list[list[Any]]], None] | None = None
+        self.kv_stats: dict[str, int] = {}
         self.tokenizer = load_tokenizer(config.model_path)
         self.max_model_len = config.scheduler.max_model_len
         self.vocab_size = config.model.vocab_size
@@ -112,17 +129,19 @@ class EngineCoreClient:
         self._reader.start()
 
     @classmethod
-    def start(cls, args: EngineArgs) -> EngineCoreClient:
-        """Spawn the engine core process and wait until its engine is built. A bad flag raises
-        ValueError here, before anything starts; a failure in the engine process EngineStartError."""
+    def start(cls, args: EngineArgs, worker: dict[str, Any] | None = None,
+              module: str = "pdserve.engine.core_proc") -> EngineCoreClient:
+        """Spawn the engine core process (`module`) and wait until its engine is built; `worker`: the
+        KV side it builds beside the engine (disagg/worker_core.py). A bad flag raises ValueError here,
+        before anything starts; a failure in the engine process EngineStartError."""
         config = create_engine_config(args)
-        process, sock = spawn_module("pdserve.engine.core_proc")
+        process, sock = spawn_module(module)
         link_buffers(sock)
         root = logging.getLogger()
         json_logs = any(type(h.formatter).__name__ == "JsonFormatter" for h in root.handlers)
         reader = FrameReader()
         try:
-            sock.sendall(encode_to_core(ToCore("start", engine_args=dataclasses.asdict(args),
+            sock.sendall(encode_to_core(ToCore("start", engine_args=dataclasses.asdict(args), worker=worker,
                                                log_level=logging.getLevelName(root.getEffectiveLevel()),
                                                log_format="json" if json_logs else "text")))
             first = _first_message(sock, reader)
@@ -136,7 +155,7 @@ class EngineCoreClient:
             process.wait()
             raise EngineStartError(f"the engine process failed to start: {why}")
         logger.info("engine core process: pid %d", process.pid)
-        return cls(process, sock, reader, config, first.stats)
+        return cls(process, sock, reader, config, first)
 
     @property
     def alive(self) -> bool:
@@ -160,34 +179,70 @@ class EngineCoreClient:
         check_request(prompt_token_ids, params, self.max_model_len, self.vocab_size)
 
     async def send(self, command: Command[R], sink: OutputSink | None = None) -> R:
-        """The commands a colocated server sends; the prefill and decode roles' need the engine in
-        their own process (their hooks run on the engine thread)."""
-        if isinstance(command, CachedPrefixTokens):
-            return cast(R, await self._call(ToCore("cached_prefix", prompt_token_ids=list(command.prompt_token_ids))))
+        """Apply `command` in the engine process and return its result (or raise its exception), as
+        `AsyncLLM.send`: `sink` receives the outputs of the request the command starts. Those a
+        stream is opened for (`Command.stream_of`) are registered before the command leaves, so no
+        output can come back first."""
         if isinstance(command, Abort):
             self.abort(command.request_id)
             return cast(R, None)
-        raise NotImplementedError(f"{type(command).__name__} runs only with the engine in the API process "
-                                  "(--engine-in-process)")
+        opens = _opens_stream(command)
+        if opens is not None:
+            if sink is None:
+                raise ValueError(f"{type(command).__name__} starts a request: pass the sink of its outputs")
+            self._track(*opens, sink)
+        try:
+            value = await self._call(ToCore("command", command=command))
+        except BaseException:
+            if opens is not None:
+                self._untrack(opens[0])
+            raise
+        result = _result_of(command, value)
+        if opens is not None and command.stream_of(result) is None:  # e.g. a reservation with no room
+            self._untrack(opens[0])
+        closed = command.closes()
+        if closed is not None:
+            self._untrack(closed)
+        return cast(R, result)
+
+    async def call_kv(self, kv: list[Any]) -> Any:
+        """A call to the worker's KV side in the engine process; raises `CoreCallError` (named by
+        the KV side) or EngineDeadError."""
+        return await self._call(ToCore("kv", kv=kv))
+
+    def tell_kv(self, kv: list[Any]) -> None:
+        """A call to the KV side that nobody awaits (fire and forget, in order with the others)."""
+        self._send_quietly(ToCore("kv", kv=kv))
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         self.validate_request(prompt_token_ids, params)
         stream: OutputStream = asyncio.Queue()
+        try:
+            await self.send(AddRequest(request_id, list(prompt_token_ids), params), stream)
+        except BaseException:
+            self.abort(request_id)  # refused, or cancelled: it may have been added meanwhile
+            raise
+        async for output in self.consume(request_id, stream):
+            yield output
+
+    async def consume(self, request_id: str, stream: OutputStream) -> AsyncIterator[RequestOutput]:
+        """Yield a request's outputs until it finishes; leaving early aborts it."""
+        async for output in consume_outputs(request_id, stream, self.abort):
+            yield output
+
+    def _track(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: OutputSink) -> None:
+        """Outputs of `request_id` go to `sink` from now on, through its output state (detokenizing)."""
         state = RequestState.of_request(request_id, None, list(prompt_token_ids), params, self.tokenizer,
                                         time.monotonic())
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self._requests[request_id] = _Tracked(state, LoopStream(stream, asyncio.get_running_loop()))
-        try:
-            await self._call(ToCore("add", request_id=request_id, prompt_token_ids=list(prompt_token_ids),
-                                    params=params))
-        except BaseException:
-            self.abort(request_id)  # refused, or cancelled: it may have been added meanwhile
-            raise
-        async for output in consume_outputs(request_id, stream, self.abort):
-            yield output
+            self._requests[request_id] = _Tracked(state, LoopStream(sink, asyncio.get_running_loop()))
+
+    def _untrack(self, request_id: str) -> None:
+        with self._lock:
+            self._requests.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
         """Fire and forget (callable from `finally` blocks): the stream closes here at once, and the
@@ -199,7 +254,7 @@ class EngineCoreClient:
                 for index in range(len(state.sequences)):
                     state.finish(index, RequestStatus.FINISHED_ABORTED, None)
                 self.output_listener(state.snapshot())
-        self._send_quietly(ToCore("abort", request_id=request_id))
+        self._send_quietly(ToCore("command", command=Abort(request_id)))
 
     def shutdown(self) -> None:
         self._closing = True
@@ -277,6 +332,10 @@ class EngineCoreClient:
                 tracked = self._requests.pop(request_id, None)
                 if tracked is not None:
                     tracked.stream.put(RequestFailedError(error))
+            if message.stats is not None and message.kv_stats is not None:
+                self.kv_stats = message.kv_stats
+            if message.kv_events and self.kv_listener is not None:
+                self.kv_listener(message.kv_events)
             for reply in message.replies:
                 pending = self._pending.pop(reply.call_id, None)
                 if pending is None:
@@ -285,8 +344,7 @@ class EngineCoreClient:
                 if reply.error is None:
                     loop.call_soon_threadsafe(set_result, future, reply.value)
                 else:
-                    raised = ValueError(reply.error) if reply.error_is_value else RuntimeError(reply.error)
-                    loop.call_soon_threadsafe(set_exception, future, raised)
+                    loop.call_soon_threadsafe(set_exception, future, _raised(reply))
 
     def _process(self, delta: RequestDelta) -> None:
         """Feed one request's new tokens to its output state, as `LLMEngine._advance` does in-process;
@@ -304,8 +362,8 @@ class EngineCoreClient:
                     stop = state.add_token(seq.index, token_id, None if seq.logprobs is None else seq.logprobs[k])
                     if stop is not None:  # NOTE: a stop string wins over a token-level stop in the same step
                         state.finish(seq.index, RequestStatus.FINISHED_STOPPED, stop)
-                        self._send_quietly(ToCore("stop_sequence", request_id=delta.request_id, index=seq.index,
-                                                  stop=stop))
+                        self._send_quietly(ToCore("command", command=StopSequence(delta.request_id, seq.index,
+                                                                                  stop)))
                 if seq.finish_reason is not None and local.finish_reason is None:
                     state.finish(seq.index, RequestStatus(seq.finish_reason), seq.stop_reason)
             if state.metrics.first_scheduled_time is None:
@@ -318,7 +376,7 @@ class EngineCoreClient:
         except Exception as exc:  # noqa: BLE001 - this request's fault: end it, keep the engine
             logger.exception("request %s failed; ending it alone", delta.request_id)
             del self._requests[delta.request_id]
-            self._send_quietly(ToCore("abort", request_id=delta.request_id))
+            self._send_quietly(ToCore("command", command=Abort(delta.request_id)))
             tracked.stream.put(RequestFailedError(f"request failed in the engine: {exc!r}"))
             return
         if self.output_listener is not None:
@@ -340,6 +398,48 @@ class EngineCoreClient:
             pending, self._pending = self._pending, {}
         for loop, future in pending.values():
             loop.call_soon_threadsafe(set_exception, future, EngineDeadError(f"engine failed: {exc}"))
+
+
+class CoreCallError(RuntimeError):
+    """A call to a worker's KV side failed there: `kind` names the error (the KV side's own names),
+    `detail` what it carries besides the message."""
+
+    def __init__(self, kind: str, message: str, detail: list[str]) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.detail = detail
+
+
+def _raised(reply: CoreReply) -> BaseException:
+    message = reply.error or ""
+    if reply.error_kind == "value":
+        return ValueError(message)
+    if reply.error_kind in ("", "runtime"):
+        return RuntimeError(message)
+    return CoreCallError(reply.error_kind, message, reply.error_detail)
+
+
+def _opens_stream(command: Command[Any]) -> tuple[str, list[int], SamplingParams] | None:
+    """The request whose outputs a command may start streaming (`Command.stream_of`)."""
+    if isinstance(command, AddRequest | AddPrefillOnly | ReserveRemote):
+        return command.request_id, command.prompt_token_ids, command.params
+    return None
+
+
+def _result_of(command: Command[Any], value: Any) -> Any:
+    """A command's result from its reply's value (`core_wire.reply_value`)."""
+    if isinstance(command, ReserveRemote):
+        if value is None:
+            return None
+        block_ids, num_cached = value
+        return RemoteReservation(tuple(block_ids), int(num_cached))
+    if isinstance(command, CachedPrefixTokens):
+        return int(value)
+    if isinstance(command, PlaceKV):
+        return bool(value)
+    if isinstance(command, GeneratorState):
+        return None if value is None else bytes(value)
+    return None
 
 
 def _first_message(sock: socket.socket, reader: FrameReader) -> FromCore | None:

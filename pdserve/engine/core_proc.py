@@ -1,14 +1,17 @@
 """The engine core process: `python -m pdserve.engine.core_proc FD`, started by its API process
-(engine/core_client.py) with FD its end of a private socket pair.
+(engine/core_client.py) with FD its end of a private socket pair; a prefill or decode worker's is
+`python -m pdserve.disagg.worker_core FD`, the same loop with the worker's KV side beside the engine.
 
 It builds the `LLMEngine` (and with --tensor-parallel-size its ranks, children of this process), then
 runs a busy loop that never waits on the API process:
 
+    reader thread: frames from the link -> engine commands to the loop's inbox; `kv` calls straight
+                   to the KV side (its own thread: they never wait for a step)
     loop:  commands that arrived (waiting for one only while nothing is runnable) -> apply each
            step() (one forward) -> ONE `FromCore` with every request's new token ids, the failures,
            the commands' replies, and the stats when due (every STATS_EVERY_S, and on going idle)
 
-Token ids only: the API process detokenizes and applies stop strings, and sends `stop_sequence` back
+Token ids only: the API process detokenizes and applies stop strings, and sends `StopSequence` back
 on a hit. Outputs are deltas against what was sent before (`_DeltaTracker`).
 
 Lifecycle. SIGINT/SIGTERM are ignored (`pdserve up` signals the whole process group; the API
@@ -23,15 +26,18 @@ import gc
 import itertools
 import logging
 import os
-import select
+import queue
 import signal
 import socket
 import sys
+import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from pdserve import envs
 from pdserve.config import EngineArgs
+from pdserve.engine.commands import Abort, StopSequence
 from pdserve.engine.core_wire import (
     CoreReply,
     CoreWireError,
@@ -44,6 +50,7 @@ from pdserve.engine.core_wire import (
     encode_from_core,
     link_buffers,
     recv_frames,
+    reply_value,
 )
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.output import RequestOutput
@@ -104,20 +111,46 @@ class _DeltaTracker:
         self._prompt_logprobs_sent.discard(request_id)
 
 
+class CoreSide(Protocol):
+    """What a worker adds beside the engine in its engine process (disagg/worker_core.py): its KV
+    transport's engine side. It answers `kv` calls on its own thread (`send` is thread-safe)."""
+
+    def info(self) -> dict[str, Any]:
+        """For the API process, with the first message."""
+
+    def call(self, call_id: int, kv: list[Any]) -> None:
+        """Run a `kv` call (reader thread: hand it to the side's own thread); reply with `call_id` > 0."""
+
+    def stats(self) -> dict[str, int]: ...
+
+    def close(self) -> None: ...
+
+
+# (engine, the start message's `worker`, send): the side, its hooks set on the engine
+SideFactory = Callable[[LLMEngine, dict[str, Any], Callable[[FromCore], None]], CoreSide]
+
+
 class EngineCore:
-    def __init__(self, engine: LLMEngine, sock: socket.socket) -> None:
+    def __init__(self, engine: LLMEngine, sock: socket.socket, reader: FrameReader) -> None:
         engine.detokenize = False
         self.engine = engine
         self.sock = sock
-        self.reader = FrameReader()
+        self.side: CoreSide | None = None
         self.tracker = _DeltaTracker()
         self._stats_sent_s = 0.0
+        self._send_lock = threading.Lock()  # the loop, and the KV side's thread
+        self._inbox: queue.SimpleQueue[ToCore | None] = queue.SimpleQueue()  # None: the link ended
+        self._frames = reader
+        self._link_error: Exception | None = None  # what broke the link (a frame that did not decode)
 
     def send(self, message: FromCore) -> None:
-        self.sock.sendall(encode_from_core(message))
+        data = encode_from_core(message)
+        with self._send_lock:
+            self.sock.sendall(data)
 
     def run(self) -> None:
         """Until `shutdown` or EOF; raises what a step raised (fatal)."""
+        threading.Thread(target=self._read, name="pdserve-engine-core-reader", daemon=True).start()
         engine = self.engine
         while True:
             runnable = engine.has_runnable_requests()
@@ -131,9 +164,9 @@ class EngineCore:
             for command in commands:
                 if command.kind == "shutdown":
                     return
-                self._apply(command, replies)
+                self._apply(command, replies, outputs)
             if engine.has_runnable_requests():
-                outputs = [self.tracker.delta(output) for output in engine.step()]
+                outputs.extend(self.tracker.delta(output) for output in engine.step())
             failures = [(f.request_id, f.error) for f in engine.take_failures()]
             for request_id, _ in failures:
                 self.tracker.forget(request_id)
@@ -144,47 +177,65 @@ class EngineCore:
                 stats = engine.stats() if stats_due else None
                 if stats is not None:
                     self._stats_sent_s = now
-                self.send(FromCore(outputs, failures, replies, stats))
+                kv_stats = self.side.stats() if stats is not None and self.side is not None else None
+                self.send(FromCore(outputs, failures, replies, stats, kv_stats=kv_stats))
+
+    def _read(self) -> None:
+        """The reader thread: engine commands to the inbox, `kv` calls to the KV side."""
+        try:
+            while (frames := recv_frames(self.sock, self._frames)) is not None:
+                for frame in frames:
+                    message = decode_to_core(frame)
+                    if message.kind == "kv" and self.side is not None and message.kv is not None:
+                        self.side.call(message.call_id, message.kv)
+                    else:
+                        self._inbox.put(message)
+        except Exception as exc:  # noqa: BLE001 - e.g. a frame that does not decode: the link is unusable
+            self._link_error = exc
+        self._inbox.put(None)
 
     def _receive(self, timeout: float | None) -> list[ToCore] | None:
-        """Every command that arrived, waiting up to `timeout` (None: forever) for the first; None on EOF."""
+        """Every command that arrived, waiting up to `timeout` (None: forever) for the first; None
+        when the link ended."""
         commands: list[ToCore] = []
+        block = timeout is None or timeout > 0
         while True:
-            readable, _, _ = select.select([self.sock], [], [], timeout)
-            if not readable:
+            try:
+                message = self._inbox.get(block=block, timeout=timeout if block else None)
+            except queue.Empty:
                 return commands
-            frames = recv_frames(self.sock, self.reader)
-            if frames is None:
+            if message is None:
+                if self._link_error is not None:
+                    raise self._link_error  # fatal: the API process sent what does not decode
                 return None
-            commands.extend(decode_to_core(frame) for frame in frames)
-            timeout = 0.0
+            commands.append(message)
+            block = False
 
-    def _apply(self, command: ToCore, replies: list[CoreReply]) -> None:
-        engine = self.engine
+    def _apply(self, message: ToCore, replies: list[CoreReply], outputs: list[RequestDelta]) -> None:
+        engine, command = self.engine, message.command
         try:
-            value: int | None = None
-            if command.kind == "add":
-                assert command.params is not None, "add without params"
-                engine.add_request(command.request_id, command.prompt_token_ids, command.params)
-            elif command.kind == "abort":
-                engine.abort_request(command.request_id)
-                self.tracker.forget(command.request_id)
-            elif command.kind == "stop_sequence":
-                engine.stop_sequence(command.request_id, command.index, command.stop)
-                if not engine.has_request(command.request_id):
-                    self.tracker.forget(command.request_id)
-            elif command.kind == "cached_prefix":
-                value = engine.num_cached_prefix_tokens(command.prompt_token_ids)
-            else:
-                raise CoreWireError(f"command {command.kind!r} after start")
+            if message.kind != "command" or command is None:
+                raise CoreWireError(f"{message.kind!r} after start")
+            result = command.apply(engine)
         except Exception as exc:  # noqa: BLE001 - the caller gets it, the engine carries on
-            if command.call_id:
-                replies.append(CoreReply(command.call_id, None, str(exc) or repr(exc), isinstance(exc, ValueError)))
+            if message.call_id:
+                kind = "value" if isinstance(exc, ValueError) else "runtime"
+                replies.append(CoreReply(message.call_id, None, str(exc) or repr(exc), kind))
             else:
-                logger.warning("engine core: %s %s failed: %r", command.kind, command.request_id, exc)
+                logger.warning("engine core: %s failed: %r", type(command).__name__, exc)
             return
-        if command.call_id:
-            replies.append(CoreReply(command.call_id, value))
+        closed = command.closes()
+        if closed is not None:
+            self.tracker.forget(closed)
+        emitted = command.emitted(result)
+        if isinstance(command, Abort):
+            self.tracker.forget(command.request_id)  # NOTE: its stream closed in the API process already
+        elif emitted is not None:
+            outputs.append(self.tracker.delta(emitted))
+        if isinstance(command, StopSequence) and not engine.has_request(command.request_id):
+            self.tracker.forget(command.request_id)
+        if message.call_id:
+            replies.append(CoreReply(message.call_id, reply_value(result)))
 
 
 def _start(sock: socket.socket, reader: FrameReader) -> ToCore:
@@ -199,7 +250,8 @@ def _start(sock: socket.socket, reader: FrameReader) -> ToCore:
             return start
 
 
-def main(fd: int) -> int:
+def serve_engine_core(fd: int, side_factory: SideFactory | None = None) -> int:
+    """The engine process's life: build the engine (and a worker's KV side), run the loop."""
     # NOTE: the API process stops this one (shutdown, or EOF when it is gone): `pdserve up`'s signals
     # to the process group must not kill the engine under a draining server
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -209,21 +261,25 @@ def main(fd: int) -> int:
     reader = FrameReader()
     start = _start(sock, reader)
     configure_logging(start.log_level, "json" if start.log_format == "json" else "text")
+    core: EngineCore | None = None
     try:
         assert start.engine_args is not None
         engine = LLMEngine.from_engine_args(EngineArgs(**start.engine_args))
         inject_model_step_failure(engine)
+        core = EngineCore(engine, sock, reader)
+        if start.worker is not None:
+            if side_factory is None:
+                raise CoreWireError("a worker's KV side needs `python -m pdserve.disagg.worker_core`")
+            core.side = side_factory(engine, start.worker, core.send)
     except Exception as exc:  # noqa: BLE001 - the API process reports it (a bad flag: exit 2)
         logger.debug("engine core failed to start", exc_info=True)
         sock.sendall(encode_from_core(FromCore(fatal=f"{exc}")))
         return 1
-    core = EngineCore(engine, sock)
-    core.reader = reader
     # NOTE: as the API server does (cli._run_server): what lives as long as the process (modules, the
     # model) leaves the collector's sight, so a full collection never stalls a step scanning it
     gc.collect()
     gc.freeze()
-    core.send(FromCore(stats=engine.stats(), ready=True))
+    core.send(FromCore(stats=engine.stats(), ready=True, info=None if core.side is None else core.side.info()))
     try:
         core.run()
     except (BrokenPipeError, ConnectionResetError):
@@ -232,10 +288,20 @@ def main(fd: int) -> int:
         logger.exception("engine core failed: the engine is dead")
         with contextlib.suppress(OSError):
             core.send(FromCore(fatal=f"{exc}"))
-        engine.close()
+        _close(core)
         return 1
-    engine.close()
+    _close(core)
     return 0
+
+
+def _close(core: EngineCore) -> None:
+    if core.side is not None:
+        core.side.close()
+    core.engine.close()
+
+
+def main(fd: int) -> int:
+    return serve_engine_core(fd)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,15 @@ engine/core_proc.py): two typed records, one per direction, as length-prefixed m
 private Unix socket pair. No pickle: a peer can only make the other build the records named here,
 with fields of the checked types (a frame that does not decode is the peer's fault, and fatal).
 
-    API process -> engine core   `ToCore`: start, add, abort, stop_sequence, cached_prefix, shutdown
+    API process -> engine core   `ToCore`: start, an engine command (engine/commands.py: every
+                                 field is data, encoded by its type), a call to the engine side of
+                                 the worker's KV transport (`kv`), shutdown
     engine core -> API process   `FromCore`: one per loop turn that changed anything: every request's
-                                 new token ids (`RequestDelta`), failures, command replies, stats
+                                 new token ids (`RequestDelta`), failures, command replies, stats;
+                                 and the KV side's replies and events as they happen
+
+The `kv` calls and events are lists the KV side encodes and checks itself (disagg/worker_core.py):
+this layer only carries them.
 
 Every frame starts with `WIRE_VERSION`; the two processes run the same code, so a mismatch is a bug
 (refused), never negotiated.
@@ -16,25 +22,48 @@ Every frame starts with `WIRE_VERSION`; the two processes run the same code, so 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import socket
 import struct
+import types
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 import msgpack
 
+from pdserve.engine.commands import (
+    Abort,
+    AddPrefillOnly,
+    AddRequest,
+    CachedPrefixTokens,
+    Command,
+    CompleteRemote,
+    GeneratorState,
+    PlaceKV,
+    PrefillLocally,
+    ReleaseKV,
+    ReserveRemote,
+    StopSequence,
+)
 from pdserve.engine.disk_offload import TierStats
 from pdserve.engine.kv_disk_tier import KVTierStats
-from pdserve.engine.llm_engine import EngineStats
+from pdserve.engine.kv_transfer import KVTarget
+from pdserve.engine.llm_engine import EngineStats, RemoteReservation
+from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampler import PromptLogprobs, TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 _LENGTH = struct.Struct("<I")
 MAX_FRAME_BYTES = 1 << 30
-ToCoreKind = Literal["start", "add", "abort", "stop_sequence", "cached_prefix", "shutdown"]
+ToCoreKind = Literal["start", "command", "kv", "shutdown"]
 _KINDS = frozenset(get_args(ToCoreKind))
+# every command that crosses, by its class name
+COMMANDS: dict[str, type[Command[Any]]] = {cls.__name__: cls for cls in (
+    AddRequest, AddPrefillOnly, ReserveRemote, CompleteRemote, PrefillLocally, PlaceKV, ReleaseKV, Abort,
+    CachedPrefixTokens, GeneratorState, StopSequence)}
 
 
 class CoreWireError(ValueError):
@@ -43,16 +72,14 @@ class CoreWireError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ToCore:
-    """API process -> engine core: one command. `call_id` > 0: the sender awaits a `CoreReply`."""
+    """API process -> engine core. `call_id` > 0: the sender awaits a `CoreReply`."""
 
     kind: ToCoreKind
     call_id: int = 0
-    request_id: str = ""
-    prompt_token_ids: list[int] = field(default_factory=list)
-    params: SamplingParams | None = None  # add
-    index: int = 0  # stop_sequence: which of the request's n sequences
-    stop: str = ""  # stop_sequence: the stop string the API process found
+    command: Command[Any] | None = None  # command
+    kv: list[Any] | None = None  # kv: [method, *args], for the worker's KV side to check and run
     engine_args: dict[str, Any] | None = None  # start: EngineArgs' fields
+    worker: dict[str, Any] | None = None  # start: the KV side to build beside the engine (None: colocated)
     log_level: str = "INFO"  # start: the API process's logging
     log_format: str = "text"
 
@@ -80,14 +107,16 @@ class RequestDelta:
 @dataclass(frozen=True, slots=True)
 class CoreReply:
     call_id: int
-    value: int | None = None  # cached_prefix: the number of tokens
-    error: str | None = None  # the command raised: its message
-    error_is_value: bool = False  # ... a ValueError (the caller's fault: a 400)
+    value: Any = None  # the command's result (`reply_value`) or the KV call's, msgpack-encodable
+    error: str | None = None  # the call raised: its message
+    error_kind: str = ""  # ... "value" (the caller's fault: a 400), "runtime", or the KV side's names
+    error_detail: list[str] = field(default_factory=list)  # ... what that kind carries besides the message
 
 
 @dataclass(frozen=True, slots=True)
 class FromCore:
-    """Engine core -> API process: everything one turn of its loop produced (at most one per step)."""
+    """Engine core -> API process: everything one turn of its loop produced (at most one per step),
+    or what the KV side has to say (replies to `kv` calls, `kv_events`) as soon as it happens."""
 
     outputs: list[RequestDelta] = field(default_factory=list)
     failures: list[tuple[str, str]] = field(default_factory=list)  # (request id, error): ended alone
@@ -95,6 +124,9 @@ class FromCore:
     stats: EngineStats | None = None  # at most every few ms, and whenever the engine goes idle
     fatal: str | None = None  # the engine died (or could not start): the last message
     ready: bool = False  # the first message: the engine is built
+    info: dict[str, Any] | None = None  # the first message: what the KV side tells its API process
+    kv_events: list[list[Any]] = field(default_factory=list)  # the KV side's, in order
+    kv_stats: dict[str, int] | None = None  # the KV side's counters, with `stats`
 
 
 # -- encoding ----------------------------------------------------------------------------------
@@ -107,9 +139,35 @@ def _params(params: SamplingParams) -> dict[str, Any]:
 
 
 def encode_to_core(message: ToCore) -> bytes:
-    return _frame([WIRE_VERSION, message.kind, message.call_id, message.request_id, message.prompt_token_ids,
-                   None if message.params is None else _params(message.params), message.index, message.stop,
-                   message.engine_args, message.log_level, message.log_format])
+    return _frame([WIRE_VERSION, message.kind, message.call_id,
+                   None if message.command is None else encode_command(message.command), message.kv,
+                   message.engine_args, message.worker, message.log_level, message.log_format])
+
+
+def encode_command(command: Command[Any]) -> list[Any]:
+    names = [name for name, _ in _command_fields(type(command))]
+    return [type(command).__name__, *(_encode(getattr(command, name)) for name in names)]
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, SamplingParams):
+        return _params(value)
+    if isinstance(value, KVTarget):
+        return [list(value.block_ids), value.num_cached_tokens, value.sender, value.kv_address, value.token]
+    if isinstance(value, PromptLogprobs):
+        return _prompt_logprobs(value)
+    if isinstance(value, list | tuple):
+        return [_encode(v) for v in value]
+    return value
+
+
+def reply_value(result: object) -> Any:
+    """A command's result as its reply carries it (an output it emitted travels as a delta)."""
+    if isinstance(result, RemoteReservation):
+        return [list(result.block_ids), result.num_cached_tokens]
+    if isinstance(result, RequestOutput):
+        return None
+    return result
 
 
 def _token_logprobs(lp: TokenLogprobs) -> list[Any]:
@@ -131,8 +189,8 @@ def _delta(d: RequestDelta) -> list[Any]:
 def encode_from_core(message: FromCore) -> bytes:
     stats = None if message.stats is None else dataclasses.asdict(message.stats)
     return _frame([WIRE_VERSION, [_delta(d) for d in message.outputs], [list(f) for f in message.failures],
-                   [[r.call_id, r.value, r.error, r.error_is_value] for r in message.replies], stats,
-                   message.fatal, message.ready])
+                   [[r.call_id, r.value, r.error, r.error_kind, r.error_detail] for r in message.replies], stats,
+                   message.fatal, message.ready, message.info, message.kv_events, message.kv_stats])
 
 
 def _frame(fields: list[Any]) -> bytes:
@@ -172,18 +230,61 @@ def _fields(data: bytes, count: int, what: str) -> list[Any]:
 
 
 def decode_to_core(data: bytes) -> ToCore:
-    fields = _fields(data, 11, "ToCore")
-    _, kind, call_id, request_id, prompt, params, index, stop, engine_args, level, log_format = fields
+    fields = _fields(data, 9, "ToCore")
+    _, kind, call_id, command, kv, engine_args, worker, level, log_format = fields
     if kind not in _KINDS:
         raise CoreWireError(f"ToCore: unknown kind {kind!r}")
+    return ToCore(kind, _is(call_id, int, "ToCore.call_id"), None if command is None else decode_command(command),
+                  _opt(kv, list, "ToCore.kv"), _opt(engine_args, dict, "ToCore.engine_args"),
+                  _opt(worker, dict, "ToCore.worker"), _is(level, str, "ToCore.log_level"),
+                  _is(log_format, str, "ToCore.log_format"))
+
+
+def decode_command(value: Any) -> Command[Any]:
+    name, *values = _is(value, list, "command")
+    cls = COMMANDS.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise CoreWireError(f"command: unknown {name!r}")
+    fields = _command_fields(cls)
+    if len(values) != len(fields):
+        raise CoreWireError(f"{name}: expected {len(fields)} fields, got {len(values)}")
     try:
-        sampling = None if params is None else SamplingParams(**_is(params, dict, "ToCore.params"))
+        return cls(*(_decode(hint, v, f"{name}.{f}") for (f, hint), v in zip(fields, values, strict=True)))
     except (TypeError, ValueError) as exc:
-        raise CoreWireError(f"ToCore.params: {exc}") from exc
-    return ToCore(kind, _is(call_id, int, "ToCore.call_id"), _is(request_id, str, "ToCore.request_id"),
-                  _ints(prompt, "ToCore.prompt_token_ids"), sampling, _is(index, int, "ToCore.index"),
-                  _is(stop, str, "ToCore.stop"), _opt(engine_args, dict, "ToCore.engine_args"),
-                  _is(level, str, "ToCore.log_level"), _is(log_format, str, "ToCore.log_format"))
+        raise CoreWireError(f"{name}: {exc}") from exc
+
+
+@functools.cache
+def _command_fields(cls: type[Command[Any]]) -> list[tuple[str, Any]]:
+    hints = typing.get_type_hints(cls)
+    return [(f.name, hints[f.name]) for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+
+
+def _decode(hint: Any, value: Any, what: str) -> Any:
+    """`value` as a field annotated `hint` (the types commands use; anything else is refused)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        if value is None and type(None) in args:
+            return None
+        [inner] = [a for a in args if a is not type(None)]
+        return _decode(inner, value, what)
+    if origin is list:
+        return [_decode(args[0], v, what) for v in _is(value, list, what)]
+    if origin is tuple:
+        return tuple(_decode(args[0], v, what) for v in _is(value, list, what))
+    if hint is SamplingParams:
+        return SamplingParams(**_is(value, dict, what))
+    if hint is KVTarget:
+        blocks, cached, sender, address, token = _is(value, list, what)
+        return KVTarget(tuple(_ints(blocks, what)), _is(cached, int, what), _is(sender, int, what),
+                        _is(address, str, what), _is(token, str, what))
+    if hint is PromptLogprobs:
+        return _decode_prompt_logprobs(value)
+    if hint in (str, int, bool, bytes):
+        return _is(value, hint, what)
+    if hint is float:
+        return float(_is(value, (int, float), what))
+    raise CoreWireError(f"{what}: a field of type {hint} does not cross the link")
 
 
 def _top(value: Any) -> tuple[tuple[int, float], ...]:
@@ -232,14 +333,17 @@ def _decode_stats(value: dict[str, Any]) -> EngineStats:
 
 
 def decode_from_core(data: bytes) -> FromCore:
-    _, outputs, failures, replies, stats, fatal, ready = _fields(data, 7, "FromCore")
+    _, outputs, failures, replies, stats, fatal, ready, info, kv_events, kv_stats = _fields(data, 10, "FromCore")
     return FromCore(
         [_decode_delta(d) for d in _is(outputs, list, "FromCore.outputs")],
         [(_is(r, str, "failure id"), _is(e, str, "failure")) for r, e in _is(failures, list, "FromCore.failures")],
-        [CoreReply(_is(c, int, "call_id"), _opt(v, int, "value"), _opt(e, str, "error"), _is(b, bool, "error_is_value"))
-         for c, v, e, b in _is(replies, list, "FromCore.replies")],
+        [CoreReply(_is(c, int, "call_id"), v, _opt(e, str, "error"), _is(k, str, "error_kind"),
+                   [_is(d, str, "error_detail") for d in _is(detail, list, "error_detail")])
+         for c, v, e, k, detail in _is(replies, list, "FromCore.replies")],
         None if stats is None else _decode_stats(_is(stats, dict, "FromCore.stats")),
-        _opt(fatal, str, "FromCore.fatal"), _is(ready, bool, "FromCore.ready"))
+        _opt(fatal, str, "FromCore.fatal"), _is(ready, bool, "FromCore.ready"), _opt(info, dict, "FromCore.info"),
+        [_is(e, list, "FromCore.kv_events") for e in _is(kv_events, list, "FromCore.kv_events")],
+        _opt(kv_stats, dict, "FromCore.kv_stats"))
 
 
 # -- framing -----------------------------------------------------------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +14,7 @@ from pdserve.config import EngineArgs, EngineConfig, create_engine_config
 from pdserve.engine.disk_offload import DiskOffload, TierStats
 from pdserve.engine.host_memory import keep_large_allocations_on_heap
 from pdserve.engine.kv_cache_manager import hash_block
+from pdserve.engine.kv_transfer import KVTransferSetup, LayerObserver, StreamTargets, TransferExpectations
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.output import RequestFailure, RequestOutput, RequestState
 from pdserve.engine.request import Request, RequestStatus
@@ -91,20 +91,6 @@ class RemoteReservation:
     num_cached_tokens: int  # leading prompt tokens already in this pool: not to be sent
 
 
-# Prefill role: called after layer l's K/V of every chunk of the step are in the pool.
-LayerObserver = Callable[[int, list[ScheduledChunk]], None]
-
-
-@dataclass(frozen=True, slots=True)
-class KVTransferSetup:
-    """How a disaggregated worker's KV transport hooks into its engine (`configure_kv_transfer`)."""
-
-    layer_observer: LayerObserver | None = None  # prefill role: streams each layer's KV as it is computed
-    # decode role: how long the blocks of a reservation that ends before its KV arrived stay out of
-    # reuse: the KV receiver's `late_write_window_s`
-    remote_kv_quarantine_s: float = 0.0
-
-
 def _make_runner(config: EngineConfig) -> ModelRunner:
     if config.tensor_parallel_size > 1:
         from pdserve.engine.tensor_parallel import start_tensor_parallel
@@ -136,6 +122,8 @@ class LLMEngine:
         self._num_prefill_tokens = 0
         self._last_prefill_batch = (0, 0)  # (requests, tokens) with a prefill chunk in the last step
         self.layer_observer: LayerObserver | None = None  # see configure_kv_transfer
+        self.stream_targets: StreamTargets | None = None
+        self.expectations: TransferExpectations | None = None
         self.step_log = StepLog.from_env()  # PDSERVE_STEP_LOG: each step's time and work
         self._failures: list[RequestFailure] = []  # requests failed on their own; see take_failures
         # False in the engine core process (engine/core_proc.py): outputs carry token ids, no text;
@@ -153,6 +141,8 @@ class LLMEngine:
         only after the engine: call this once it does, before the engine thread starts (`AsyncLLM`
         does); from then on only that thread reads these."""
         self.layer_observer = setup.layer_observer
+        self.stream_targets = setup.stream_targets
+        self.expectations = setup.expectations
         self.scheduler.remote_kv_quarantine_s = setup.remote_kv_quarantine_s
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

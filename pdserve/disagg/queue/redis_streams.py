@@ -182,7 +182,7 @@ class RedisJobConsumer:
         self.service = service
         self.keys = RedisKeys(deployment)
         self.name = f"{socket.gethostname()}-{os.getpid()}-{id(self):x}"
-        self.token_budget = token_budget or service.client.engine.config.scheduler.max_num_batched_tokens
+        self.token_budget = token_budget or service.client.config.scheduler.max_num_batched_tokens
         self.max_jobs = max_jobs
         self.claim_idle_ms = int(claim_idle_s * 1000)
         self.claim_interval_s = claim_interval_s

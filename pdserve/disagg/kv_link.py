@@ -1,0 +1,203 @@
+"""A worker's KV side across the engine-core link: the calls its API process makes of it, the events
+it reports, and the API process's stand-ins for what lives in the engine process.
+
+    API process                                      engine process (disagg/worker_core.py)
+    DecodeService -> RemoteReceiver   --kv calls-->   the KV receiver: expect, cancel
+                     (a mirror of its events) <--kv events--  progress / done / rejected per transfer
+    PrefillService -> RemoteSenders   --kv calls-->   PrefillKV: connect, send_done, flush, release
+                                      <--replies--    (errors by name: `KV_ERRORS`)
+
+A call is `[method, *args]`, an event `[kind, transfer id, *fields]`; both sides run the same code
+and check every field's type (a wrong one is a `CoreWireError`: the link is broken). Keepalives
+(`touch`) and the transfer clocks stay in the API process: its mirror of the receiver's event box
+counts them, fed the engine side's events as they happen.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from pdserve.disagg.kv_layout import KVLayout, KVLayoutMismatch
+from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
+from pdserve.disagg.transport.messages import KVDone, KVEvent, KVProgress, KVRejected
+from pdserve.disagg.transport.progress import EventBox
+from pdserve.engine.core_client import CoreCallError, EngineCoreClient
+from pdserve.engine.core_wire import CoreWireError
+
+_GONE_KEPT = 1 << 16  # transfers ended here whose late events are dropped, not mirrored again
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+def error_reply(exc: BaseException) -> tuple[str, list[str]]:
+    """The name and detail an exception of the KV side crosses as (`KV_ERRORS` rebuilds it)."""
+    if isinstance(exc, KVLayoutMismatch):
+        return "kv_layout", [exc.field, exc.local, exc.peer]
+    if isinstance(exc, KVTransferTimeout):
+        return "kv_timeout", []
+    if isinstance(exc, KVTransferError):
+        return "kv_error", []
+    if isinstance(exc, ValueError):
+        return "value", []
+    return "runtime", []
+
+
+def _rebuilt(exc: CoreCallError) -> Exception:
+    message = str(exc)
+    if exc.kind == "kv_layout" and len(exc.detail) == 3:
+        return KVLayoutMismatch(exc.detail[0], exc.detail[1], exc.detail[2], message)
+    if exc.kind == "kv_timeout":
+        return KVTransferTimeout(message)
+    if exc.kind == "kv_error":
+        return KVTransferError(message)
+    return RuntimeError(message)
+
+
+async def _call(client: EngineCoreClient, kv: list[Any]) -> Any:
+    try:
+        return await client.call_kv(kv)
+    except CoreCallError as exc:
+        raise _rebuilt(exc) from None
+
+
+# -- events -------------------------------------------------------------------------------------
+
+def encode_event(event: KVEvent) -> list[Any]:
+    if isinstance(event, KVProgress):
+        return ["progress", event.request_id, event.layer, list(event.block_ids)]
+    if isinstance(event, KVDone):
+        return ["done", event.request_id, event.first_token_id, event.generator_state, event.prefill_queue_s,
+                event.prefill_compute_s, event.prefill_cached_tokens, event.prompt_logprobs]
+    return ["rejected", event.request_id, event.reason]
+
+
+def _check(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        raise CoreWireError(f"KV event {what}: {type(value).__name__}")
+    return value
+
+
+def _opt_float(value: Any, what: str) -> float | None:
+    return None if value is None else float(_check(value, (int, float), what))
+
+
+def decode_event(value: list[Any]) -> KVEvent:
+    kind, rid, *fields = value
+    _check(rid, str, "transfer id")
+    if kind == "progress" and len(fields) == 2:
+        layer, blocks = fields
+        return KVProgress(rid, _check(layer, int, "layer"), tuple(_check(b, int, "block") for b in
+                                                                  _check(blocks, list, "blocks")))
+    if kind == "done" and len(fields) == 6:
+        first, state, queue_s, compute_s, cached, logprobs = fields
+        return KVDone(rid, _check(first, int, "first token"), None if state is None else _check(state, bytes, "state"),
+                      _opt_float(queue_s, "queue_s"), _opt_float(compute_s, "compute_s"), _check(cached, int, "cached"),
+                      None if logprobs is None else _check(logprobs, bytes, "prompt logprobs"))
+    if kind == "rejected" and len(fields) == 1:
+        return KVRejected(rid, _check(fields[0], str, "reason"))
+    raise CoreWireError(f"KV event: unknown {kind!r} with {len(fields)} fields")
+
+
+# -- the API process's stand-ins ----------------------------------------------------------------
+
+class RemoteReceiver:
+    """Decode role, API process: the `ReceiverView` of the KV receiver in the engine process. The
+    engine side expects a transfer as its blocks are reserved (`ReserveRemote`) or when told here
+    (`expect`: a retarget), and reports its events; this mirror queues them per transfer and times
+    them (`wait`, `touch`) as the receiver's own event box would."""
+
+    def __init__(self, client: EngineCoreClient, layout: KVLayout, kv_address: str) -> None:
+        self.client = client
+        self._layout = layout
+        self._kv_address = kv_address
+        self._box = EventBox()
+        self._lock = threading.Lock()  # the box's open transfers: the event loop and the link's reader
+        self._gone: OrderedDict[str, None] = OrderedDict()  # ended here: their late events are dropped
+        client.kv_listener = self._on_events
+
+    @property
+    def layout(self) -> KVLayout:
+        return self._layout
+
+    @property
+    def kv_address(self) -> str:
+        return self._kv_address
+
+    @property
+    def num_dtype_conversions(self) -> int:
+        return self.client.kv_stats.get("num_dtype_conversions", 0)
+
+    def expect(self, request_id: str, block_ids: list[int] | tuple[int, ...], token: str = "") -> None:
+        with self._lock:
+            self._gone.pop(request_id, None)
+            self._open(request_id)
+        self.client.tell_kv(["expect", request_id, list(block_ids), token])
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            self._end(request_id)
+            self._box.close(request_id, "cancelled")
+        self.client.tell_kv(["cancel", request_id])
+
+    def touch(self, request_id: str) -> None:
+        self._box.touch(request_id)
+
+    async def wait(self, request_id: str, timeout_s: float) -> KVEvent:
+        with self._lock:
+            if request_id not in self._gone:
+                self._open(request_id)
+        return await self._box.get(request_id, timeout_s)
+
+    def close(self) -> None:
+        """The receiver closes with its engine process."""
+
+    def _on_events(self, events: list[list[Any]]) -> None:
+        """The link's reader thread: the engine side's events, in order."""
+        for value in events:
+            event = decode_event(value)
+            rid = event.request_id
+            with self._lock:
+                if rid in self._gone:
+                    continue  # NOTE: ended here (cancelled, or its last event is in): a late event
+                self._open(rid)
+                if isinstance(event, KVDone | KVRejected):
+                    self._end(rid)
+            self._box.put(event)
+
+    def _open(self, request_id: str) -> None:
+        """Lock held."""
+        if request_id not in self._box.request_ids():
+            self._box.open(request_id)
+
+    def _end(self, request_id: str) -> None:
+        """Lock held."""
+        self._gone[request_id] = None
+        if len(self._gone) > _GONE_KEPT:
+            self._gone.popitem(last=False)
+
+
+class RemoteSenders:
+    """Prefill role, API process: the `SenderHandles` of the engine side's `PrefillKV`."""
+
+    def __init__(self, client: EngineCoreClient) -> None:
+        self.client = client
+
+    async def connect(self, kv_address: str) -> int:
+        return int(await _call(self.client, ["connect", kv_address]))
+
+    def send_done(self, handle: int, request_id: str, first_token_id: int, generator_state: bytes | None, *,
+                  prefill_queue_s: float | None, prefill_compute_s: float | None, token: str,
+                  prefill_cached_tokens: int, prompt_logprobs: bytes | None) -> None:
+        self.client.tell_kv(["send_done", handle, request_id, first_token_id, generator_state, prefill_queue_s,
+                             prefill_compute_s, token, prefill_cached_tokens, prompt_logprobs])
+
+    async def flush(self, handle: int, request_id: str, timeout_s: float) -> None:
+        await _call(self.client, ["flush", handle, request_id, timeout_s])
+
+    async def release(self, handle: int, request_id: str) -> None:
+        await _call(self.client, ["release", handle, request_id])
+
+    def close(self) -> None:
+        """The senders close with their engine process."""
