@@ -111,10 +111,12 @@ def spawn_worker(role: str, model_dir: Path, log_dir: Path, flags: list[str], ho
 
 
 def engine_process_of(server_pid: int, timeout_s: float = 10.0) -> int:
-    """The engine core process (engine/core_proc.py) of the `pdserve serve` process `server_pid`."""
+    """The engine core process (engine/core_proc.py; a prefill or decode worker's:
+    disagg/worker_core.py) of the `pdserve serve` process `server_pid`."""
     deadline = time.monotonic() + timeout_s
     while True:
-        found = subprocess.run(["pgrep", "-P", str(server_pid), "-f", "pdserve.engine.core_proc"],
+        found = subprocess.run(["pgrep", "-P", str(server_pid), "-f",
+                                "pdserve.engine.core_proc|pdserve.disagg.worker_core"],
                                capture_output=True, text=True).stdout.split()
         if len(found) == 1:
             return int(found[0])

@@ -400,6 +400,52 @@ def test_autoscale_grows_on_a_burst_and_drains_back_without_failing_a_request(mo
         assert len(drained) >= 2 and set(drained) == {"0"}, drained
 
 
+def test_a_worker_whose_engine_process_is_killed_exits_and_is_restarted_and_no_request_fails(
+        model_dirs: dict[str, Path], colocated: LLM, tmp_path: Path) -> None:
+    """A prefill or decode worker's engine and KV side run in an engine process of its own: killed
+    under load, its API process fails what it had, exits non-zero and is restarted; the router
+    resumes the decode worker's streams and retries the prefill worker's jobs, so every client gets
+    the colocated text."""
+    with pdserve_up(model_dirs["tiny"], tmp_path, "--prefill", "1", "--decode", "1",
+                    "--max-num-batched-tokens", "16") as up:
+        up.wait_pool(prefill=1, decode=1)
+        _kill_engine_process_under_load(up, colocated, "decode")
+        assert up.restarts() == {"router": 0, "prefill": 0, "decode": 1}
+        _kill_engine_process_under_load(up, colocated, "prefill")
+        assert up.restarts() == {"router": 0, "prefill": 1, "decode": 1}
+
+
+def _kill_engine_process_under_load(up: Up, colocated: LLM, role: str) -> None:
+    (victim,) = up.ready(role)
+    api_pid = up.pid(victim)
+    engine_pid = engine_process_of(api_pid)
+    prompts = [random_prompt(200 if role == "prefill" else 40, seed=seed) for seed in range(4)]
+    started = [threading.Event() for _ in prompts]
+    killed: list[int] = []
+
+    def kill_once_all_started(chunks: int, event: threading.Event) -> None:
+        if chunks == 1:
+            event.set()
+            if all(e.is_set() for e in started) and not killed:
+                killed.append(engine_pid)
+                os.kill(engine_pid, signal.SIGKILL)
+
+    long_prompts = [random_prompt(600, seed=10 + k) for k in range(3)] if role == "prefill" else []
+    with ThreadPoolExecutor(len(prompts) + len(long_prompts)) as pool:
+        # NOTE: the long prompts compute on prefill in 16-token chunks when the kill comes
+        more = [pool.submit(complete, up.url, prompt, 4) for prompt in long_prompts]
+        replies = [pool.submit(stream, up.url, prompt, 60, lambda n, e=event: kill_once_all_started(n, e))
+                   for prompt, event in zip(prompts, started, strict=True)]
+        texts = [reply.result() for reply in replies]
+        assert [m.result() for m in more] == generate_texts(colocated, long_prompts, greedy(4))
+    assert killed == [engine_pid]
+    assert texts == generate_texts(colocated, prompts, greedy(60))
+    up.wait_for(f"{victim} back", lambda: up.pids(victim) not in ([], [api_pid]) and victim in up.ready(role),
+                _BACK_WITHIN_S)
+    assert re.search(rf"{role}-\d \({role}, .*\) exited with status 3; restarting", up.text()), up.exits()
+    assert pid_gone(engine_pid, 5) and engine_process_of(up.pid(victim)) != engine_pid
+
+
 def test_a_colocated_replica_whose_engine_process_is_killed_exits_and_is_restarted(
         model_dirs: dict[str, Path], colocated: LLM, tmp_path: Path) -> None:
     """The engine core runs in a process of its own under each replica's API process: killed, its

@@ -39,7 +39,7 @@ from pdserve.disagg.phases import TransferMeter
 from pdserve.disagg.prompt_logprobs_wire import unpack
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.disagg.transport.messages import KVDone, KVRejected
-from pdserve.engine.async_llm import EngineClient, RequestFailedError
+from pdserve.engine.async_llm import EngineClient, EngineDeadError, RequestFailedError
 from pdserve.engine.commands import CachedPrefixTokens, CompleteRemote, PrefillLocally, ReserveRemote
 from pdserve.engine.output import RequestOutput
 from pdserve.logs import bind_request_id
@@ -213,6 +213,11 @@ class DecodeService:
                     continue
                 if isinstance(item, BaseException):
                     finished = True
+                    if isinstance(item, EngineDeadError):
+                        # NOTE: the worker goes away (its engine died): a stream broken off, so that the
+                        # router resumes the request on another decode worker (or this one restarted)
+                        logger.warning("request %s: the engine died; breaking its stream off", request_id)
+                        return
                     yield OutputFrame(error=str(item), finish_reason="abort")
                     return
                 finished = item.finished
