@@ -124,7 +124,7 @@ class EngineCoreClient:
         # As AsyncLLM's: called with every output delivered (metrics), here on the reader thread.
         self.output_listener: Callable[[RequestOutput], None] | None = None
         self.on_fatal: Callable[[BaseException], None] | None = None
-        self.last_step_s = time.monotonic()  # when the last message of the engine core came
+        self.last_step_s = time.monotonic()  # when the engine core's loop last sent a message
         self._reader = threading.Thread(target=self._read, name="pdserve-engine-core-reader", daemon=True)
         self._reader.start()
 
@@ -154,7 +154,7 @@ class EngineCoreClient:
             process.kill()
             process.wait()
             raise EngineStartError(f"the engine process failed to start: {why}")
-        logger.info("engine core process: pid %d", process.pid)
+        logger.debug("engine core process: pid %d", process.pid)
         return cls(process, sock, reader, config, first)
 
     @property
@@ -322,7 +322,8 @@ class EngineCoreClient:
                 self.on_fatal(exc)
 
     def _on_message(self, message: FromCore) -> None:
-        self.last_step_s = time.monotonic()
+        if message.outputs or message.failures or message.stats is not None:  # NOTE: not the KV side's
+            self.last_step_s = time.monotonic()
         if message.stats is not None:
             self._stats = message.stats
         with self._lock:
