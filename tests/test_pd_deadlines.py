@@ -82,6 +82,10 @@ def test_keepalives_extend_the_lease_of_a_reservation_nobody_streams(model_dirs:
             # a failure report for another attempt of the request does not end it
             stale = http.post("/pd/fail/orphan", json={"reason": "x", "transfer_id": "orphan@1"})
             assert stale.status_code == 404 and decode.num_in_flight == 1
+            for _ in range(2):  # the attempt ended, says its prefill worker, then its router: counted once
+                assert http.post("/pd/alive", json={"transfer_ids": [], "ended": ["orphan@0"]}).status_code == 200
+            stats = decode.stats()
+            assert (stats.timeouts, stats.retried, stats.recomputed) == (1, 1, 0), stats
         cluster.wait_until_idle(timeout_s=lease_s + 3.0)
         assert decode.num_in_flight == 0 and decode.stats().lease_expired == 1
     finally:
@@ -224,13 +228,14 @@ def test_a_slow_first_kv_handshake_does_not_time_the_first_request_out(
     banner) and was retried. The placement came in time: prefill waits for the connection."""
     cluster = start_cluster(model_dirs["tiny"], "tcp", 1, 1, timeout_s=0.1)
     prefill: PrefillService = cluster.service(PrefillService)
-    connect = prefill.senders.get
+    senders = prefill.kv.senders  # type: ignore[attr-defined]  # NOTE: the in-process cluster's PrefillKV
+    connect = senders.get
 
     def slow_connect(address: str) -> Any:
         time.sleep(0.5)  # NOTE: 5 transfer timeouts
         return connect(address)
 
-    prefill.senders.get = slow_connect  # type: ignore[method-assign]
+    senders.get = slow_connect
     try:
         with caplog.at_level(logging.WARNING):
             reply = httpx.post(f"{cluster.router.url}/v1/completions", timeout=60,

@@ -85,3 +85,47 @@ def test_a_retry_after_a_requeue_gets_a_new_attempt(model_dirs: dict[str, Path])
             await router.close()
 
     asyncio.run(scenario())
+
+
+class TimingOut(StubPrefillClient):
+    """Every hand-off times out on the prefill worker; the decode worker hears of attempts that ended."""
+
+    def __init__(self) -> None:
+        super().__init__(timeout_s=1.0)
+        self.ended: list[tuple[str, list[str]]] = []
+
+    async def prefill_job(self, url: str, job: PrefillJob, on_first_token: Any = None) -> HandOff | None:
+        return HandOff(transfer_id=job.transfer_id, status="timed_out", reason="no decode reservation named")
+
+    async def alive(self, url: str, transfer_ids: list[str], ended: list[str] | None = None,
+                    timeout_s: float | None = None) -> None:
+        self.ended.append((url, list(ended or [])))
+
+
+def test_a_placed_attempt_that_times_out_on_prefill_is_reported_ended_to_its_decode_worker() -> None:
+    """A placement that reached the queue while its attempt was ending on the prefill worker (which
+    answered it 404, so never heard where the KV was to go, and could not tell decode itself) left
+    decode waiting for KV that never came, for its whole lease (60 s). The queue tells decode the
+    attempt ended; decode counts that once, whoever tells it (tests/test_pd_deadlines.py: the retry)."""
+
+    async def scenario() -> None:
+        workers = TimingOut()
+        pool = WorkerPool(workers, [PREFILL], [DECODE])
+        for worker in pool.members("prefill") + pool.members("decode"):
+            mark_ready(worker)
+        queue = MemoryPrefillQueue(pool, workers)
+        placed = PrefillJob(request_id="r", transfer_id="r@0", decode_url=DECODE, prompt_token_ids=[1, 2, 3],
+                            params=WireSamplingParams.of(SamplingParams(max_tokens=2)), kv_address="a:1",
+                            block_ids=[0], num_cached_tokens=0)
+        unplaced = PrefillJob(request_id="u", transfer_id="u@0", prompt_token_ids=[1, 2, 3],
+                              params=WireSamplingParams.of(SamplingParams(max_tokens=2)))
+        try:
+            await queue.put(placed)
+            await queue.put(unplaced)
+            await until(lambda: workers.ended == [(DECODE, ["r@0"])], "the report to decode")
+            await asyncio.sleep(0.05)
+            assert workers.ended == [(DECODE, ["r@0"])], "an unplaced job has no decode worker to tell"
+        finally:
+            await queue.close()
+
+    asyncio.run(scenario())

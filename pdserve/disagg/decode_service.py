@@ -71,6 +71,7 @@ class _Reserved:
     watcher: asyncio.Task[None] | None = None  # follows that attempt's KV events
     retried: bool = False  # it already asked for its one retry
     streaming: bool = False  # the router reads its stream (else nobody would read an error there)
+    ended_reported: str = ""  # the attempt last reported ended (prefill gave up on it): counted once
 
 
 @dataclass(slots=True)
@@ -170,8 +171,10 @@ class DecodeService:
         arrived only the lease would end the wait), or, having asked once, gets its failure policy."""
         for tid in transfer_ids:
             rid = request_id_of(tid)
-            if not self._expects(rid, tid):
-                continue  # done, superseded or ended meanwhile
+            record = self._requests.get(rid)
+            if record is None or record.transfer_id != tid or record.ended_reported == tid:
+                continue  # done, superseded or ended meanwhile; or told already (its router and its prefill worker)
+            record.ended_reported = tid
             bind_request_id(rid)
             if not self._retry_once(rid, tid, "its prefill worker gave up on the hand-off"):
                 await self._apply_failure_policy(rid, "KV cache transfer timed out on the prefill side")

@@ -219,6 +219,8 @@ class MemoryPrefillQueue(PrefillQueue):
         if hand_off.status == "failed" and not item.cancelled:
             logger.warning("request %s: hand-off failed: %s", item.job.request_id, hand_off.reason)
             await self._fail(item.job, f"prefill failed: {hand_off.reason}")
+        if hand_off.status == "timed_out" and not item.cancelled:
+            await self._report_ended(item.job)
         return False
 
     async def _retarget(self, old: PrefillJob, new: PrefillJob) -> bool:
@@ -226,6 +228,15 @@ class MemoryPrefillQueue(PrefillQueue):
         decode = self._pool.find("decode", old.decode_url)
         return decode is not None and bool(
             await reach(decode, self._client.retarget(decode.url, old.request_id, new.transfer_id)))
+
+    async def _report_ended(self, job: PrefillJob) -> None:
+        """The attempt timed out on its prefill worker, which tells decode itself, but only if it
+        heard of the placement: one that reached this queue while the attempt was ending (prefill
+        answered it 404) left decode waiting for KV that never comes, until its lease. Decode counts
+        the report once, from whoever sends it first, and asks for a new attempt."""
+        decode = self._pool.find("decode", job.decode_url) if job.decode_url else None
+        if decode is not None:
+            await reach(decode, self._client.alive(decode.url, [], ended=[job.transfer_id]))
 
     async def _fail(self, job: PrefillJob, reason: str) -> None:
         """End the request on its decode worker now, if it still waits for this attempt."""
