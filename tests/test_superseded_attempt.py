@@ -28,7 +28,7 @@ from pdserve.disagg.transport.messages import KVDone, KVEvent
 from pdserve.disagg.transport.progress import AckTracker, EventBox
 from pdserve.engine.async_llm import AsyncLLM
 from pdserve.engine.commands import CachedPrefixTokens
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.llm_engine import KVTransferSetup, LLMEngine
 
 # Loop iterations between the event's arrival and the cancel: on CPython 3.11 the old
 # `wait_for` handed the event over for 1-3 of them; the sweep covers every ordering up to "done".
@@ -119,7 +119,7 @@ def test_a_retarget_as_the_old_attempt_completes_never_completes_it_twice(
     receiver = receiver_kind(KVLayout.from_pool("tiny", engine.runner.kv_cache), engine.runner.kv_cache)
     sender = FakeKVSender(KVLayout.from_pool("tiny", prefill.engine.runner.kv_cache), prefill.engine.runner.kv_cache)
     sender.connect(receiver.address)
-    client = AsyncLLM(engine)
+    client = AsyncLLM(engine, KVTransferSetup(expectations=receiver))  # NOTE: as build_worker sets it up
     service = DecodeService(client, receiver, "fail", transfer_timeout_s=30.0)
     params = greedy(8)
 
