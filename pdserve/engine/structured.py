@@ -267,22 +267,26 @@ class MaskFiller:
         """Greedy constrained rows: `tokens[rows[i]]`, the argmax of logits row `rows[i]`, becomes
         the argmax over the tokens bitmask row i allows, in place: the very token `row_argmax` of
         the masked row gives, without masking every row. Where a row's argmax (its first best
-        token) is allowed, it is the masked row's too; the other rows get their logits plus a bias
-        (0 or -inf a token, by a table lookup of the bitmask's bytes: an add is much faster than a
-        masked_fill on CPU), whose argmax is the masked row's wherever it is an allowed token (a
-        refused token wins only where its logit is NaN or +inf: those rows are masked)."""
+        token) is allowed, it is the masked row's too; the other rows get a bias added to their
+        logits, in place (0 or -inf a token, by a table lookup of the bitmask's bytes: an add is
+        much faster than a masked_fill on CPU), whose argmax is the masked row's wherever it is an
+        allowed token (a refused token wins only where its logit is NaN or +inf: those rows are
+        then masked as well)."""
         index = torch.tensor(rows, device=tokens.device)
         bitmask = bitmask.to(tokens.device, non_blocking=True)
         refused = (~self.allows(bitmask, tokens[index])).nonzero()[:, 0]
         if not len(refused):
             return
         bad, words = index[refused], bitmask[refused]
-        num_rows, vocab = len(bad), logits.shape[-1]
-        biased = torch.index_select(logits, 0, bad, out=self._buffer("rows", (num_rows, vocab), logits))
+        vocab = logits.shape[-1]
         byte_values = words.contiguous().view(torch.uint8).view(-1).int()
         bias = torch.index_select(self._bias.to(logits), 0, byte_values,
-                                  out=self._buffer("bias", (len(byte_values), 8), logits))
-        best = row_argmax(biased.add_(bias.view(num_rows, -1)[:, :vocab]))
+                                  out=self._buffer("bias", (len(byte_values), 8), logits)).view(len(bad), -1)
+        # NOTE: in place (the sampler's logits are its own: the logprobs were taken before): an
+        # allowed token keeps its logit (x + 0), a refused one gets -inf (NaN from NaN or +inf)
+        for k, row in enumerate(bad.tolist()):
+            logits[row].add_(bias[k, :vocab])
+        best = row_argmax(logits)[bad] if 2 * len(bad) >= len(logits) else row_argmax(logits[bad])
         wrong = (~self.allows(words, best)).nonzero()[:, 0]
         if len(wrong):
             masked = logits[bad[wrong]].masked_fill_(self.refused(words[wrong], vocab), float("-inf"))
