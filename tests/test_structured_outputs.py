@@ -359,14 +359,15 @@ def test_pd_outputs_are_valid_and_greedy_matches_colocated(model_dirs: dict[str,
 
 def test_the_benchmark_runs(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
                             model_dirs: dict[str, Path]) -> None:
-    """`python -m pdserve.bench.structured`, tiny: a row per stream count, and the compile times."""
+    """`python -m pdserve.bench.structured`, tiny: a row per stream count (wall and engine-thread CPU
+    rates), and the compile times."""
     from pdserve.bench import structured
 
     monkeypatch.setattr("sys.argv", ["structured", "--model", str(model_dirs["tiny"]), "--streams", "1,3",
                                      "--tokens", "6", "--reps", "1"])
     structured.main()
     out = capsys.readouterr().out
-    assert re.search(r"^\| 3 +\| \d+ +\| \d+ +\| \d\.\d\d +\|$", out, re.M), out
+    assert re.search(r"^\| 3 +\| \d+ +\| \d+ +\| \d\.\d\d +\| \d+ +\| \d+ +\| \d\.\d\d +\|$", out, re.M), out
     assert "grammar compile: cold" in out
 
 
