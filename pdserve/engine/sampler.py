@@ -75,14 +75,14 @@ class Sampler:
         logits = self._apply_penalties_and_masks(logits, requests)
         pending, self._pending = self._pending, None
         constrained = [i for i, r in enumerate(requests) if r.matcher is not None]
+        if constrained and logits.device.type != "cpu":
+            # NOTE: a GPU masks every constrained row in one op, and without the sync of the check below
+            logits = self.masks.apply(logits, constrained, self._bitmask(pending, requests, logits.shape[-1]))
+            constrained = []
         tokens = row_argmax(logits)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if constrained:
-            if pending is None or pending[0] != [r.request_id for r in requests]:  # not started for these
-                self.start_masks(requests, logits.shape[-1])
-                pending, self._pending = self._pending, None
-            assert pending is not None
-            bitmask = pending[1].result()  # a row per constrained request, in order
+            bitmask = self._bitmask(pending, requests, logits.shape[-1])  # a row per constrained request
             # NOTE: greedy rows are not masked: the argmax is checked against the mask (`argmax`)
             greedy = [(row, j) for j, row in enumerate(constrained) if requests[row].params.greedy]
             if greedy:
@@ -99,6 +99,15 @@ class Sampler:
         if logprobs is None:
             return SampleResult(token_list, [None] * len(requests))
         return SampleResult(token_list, self._pick_logprobs(logprobs, token_list, requests))
+
+    def _bitmask(self, pending: tuple[list[str], Future[torch.Tensor]] | None, requests: list[Request],
+                 vocab: int) -> torch.Tensor:
+        """The masks `start_masks` started (`pending`) for these requests (started now where it did not)."""
+        if pending is None or pending[0] != [r.request_id for r in requests]:  # not started for these
+            self.start_masks(requests, vocab)
+            pending, self._pending = self._pending, None
+        assert pending is not None
+        return pending[1].result()
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor | None:
