@@ -10,8 +10,9 @@ a copy of the cached one) that lives on the `Request` and advances with every to
 matcher exactly by replaying the output tokens already generated, which are the last
 `SamplingParams.structured_replay` tokens of its prompt. The sampler fills one bitmask for all the
 constrained rows of a batch with llguidance's batch call, beside the model's forward, and applies it
-with one tensor op (`MaskFiller`). The request ends when the grammar does (EOS is allowed only where
-it may end).
+in the batch (`MaskFiller`: on CPU a greedy row's argmax is checked against its mask and only the
+rows whose best token is refused are masked; on a GPU every constrained row, in one op). The
+request ends when the grammar does (EOS is allowed only where it may end).
 """
 
 from __future__ import annotations
@@ -196,9 +197,10 @@ class GrammarCache:
 class MaskFiller:
     """Fills and applies the masks of a batch's constrained rows: one bitmask filled by
     llguidance's batch call (not a Python loop over rows or the vocabulary), on a thread of its own
-    while the model computes the step's logits (`start`, before the forward), then unpacked with
-    one table lookup (a byte of the bitmask -> the 8 bools of its tokens, as one int64) and applied
-    with one `masked_fill_` (`apply`)."""
+    while the model computes the step's logits (`start`, before the forward). Applied: greedy rows
+    on CPU by `argmax` (the unmasked argmax where the mask allows it, else the row plus a 0/-inf
+    bias); the other rows by `apply` (unpacked with one table lookup, a byte of the bitmask -> the
+    8 bools of its tokens as one int64, and one `masked_fill_`)."""
 
     def __init__(self, num_threads: int = 1) -> None:
         self._num_threads = num_threads
