@@ -13,20 +13,23 @@ import dataclasses
 import json
 import re
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import httpx
 import jsonschema
 import pytest
-from helpers import random_prompt, token_prompts
+import torch
+from helpers import make_request, random_prompt, token_prompts
 from pd_fixtures import MODEL, start_cluster, stop_cluster
 from server_fixtures import ServerHandle, parse_sse, start_server
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import ApiConfig
 from pdserve.disagg.transport import nixl_available
-from pdserve.engine.structured import StructuredOutput, check_structured
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.structured import StructuredOutput, check_structured, row_argmax
 from pdserve.serving.protocol import ChatCompletionRequest, CompletionRequest
 
 SCHEMA: dict[str, Any] = {
@@ -99,6 +102,56 @@ def test_constrained_and_free_requests_share_a_batch(colocated: LLM) -> None:
     check_json(mixed[1].outputs[0].text)
     check_regex(mixed[3].outputs[0].text)
     check_choice(mixed[4].outputs[0].text)
+
+
+def _bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """llguidance's layout: int32 words, bit b of word w for token 32w + b."""
+    rows, vocab = allowed.shape
+    bits = torch.zeros(rows, (vocab + 31) // 32 * 32, dtype=torch.int64)
+    bits[:, :vocab] = allowed
+    words = (bits.view(rows, -1, 32) << torch.arange(32)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+@pytest.mark.parametrize("vocab", [128 * 40, 1000])
+def test_the_masked_choice_is_that_of_the_masked_logits(vocab: int) -> None:
+    """The sampler's choice under the bitmask (greedy: the argmax checked against the mask, the
+    other rows biased; seeded: the masked rows sampled) is the token that argmax, or the seeded
+    race, picks from the logits with every refused token at -inf: ties, NaN allowed or refused,
+    rows all -inf, masks allowing one token, most, all or none; row_argmax is argmax."""
+    gen = torch.Generator().manual_seed(0)
+    num_rows = 16
+    logits = (torch.randn(num_rows, vocab, generator=gen) * 2).round()  # many ties
+    density = [0.9, 0.1, 0.5, 1.0, 0.0, 0.001, 0.9, 0.1, 0.5, 0.5, 0.9, 0.1, 0.5, 0.9, 0.3, 0.7]
+    allowed = torch.rand(num_rows, vocab, generator=gen) < torch.tensor(density)[:, None]
+    allowed[5] = False
+    allowed[5, 77] = True  # one token
+    logits[6, ::7] = float("nan")  # NaN, refused and allowed
+    logits[7, allowed[7].nonzero()[3, 0]] = float("nan")  # one NaN, allowed
+    logits[8] = float("-inf")
+    logits[9, allowed[9]] = float("-inf")  # every allowed token at -inf
+    logits[10, ~allowed[10]] = float("inf")  # refused tokens the best
+    assert torch.equal(row_argmax(logits), logits.argmax(dim=-1))
+    masked = logits.masked_fill(~allowed, float("-inf"))
+    seeded = [11, 12, 13, 14, 15]
+
+    def sampler_choice(rows: list[int], constrained: bool) -> list[int]:
+        requests = [make_request(str(i), [0], **({"temperature": 1.0, "seed": i} if i in seeded else
+                                                 {"temperature": 0.0})) for i in rows]
+        sampler = Sampler(0, torch.device("cpu"))
+        if constrained:
+            for request in requests:
+                request.matcher = object()  # type: ignore[assignment]
+            done: Future[torch.Tensor] = Future()
+            done.set_result(_bitmask(allowed[rows]))
+            sampler._pending = ([r.request_id for r in requests], done)
+        return sampler((logits if constrained else masked)[rows].clone(), requests).token_ids
+
+    every = list(range(num_rows))
+    assert sampler_choice(every, True) == sampler_choice(every, False)
+    greedy = [i for i in every if i not in seeded]
+    assert sampler_choice(greedy, True) == masked[greedy].argmax(dim=-1).tolist()
+    assert sampler_choice([12, 3, 14, 6], True) == sampler_choice([12, 3, 14, 6], False)
 
 
 def test_a_replayed_matcher_continues_where_the_first_one_was(colocated: LLM) -> None:
@@ -306,14 +359,15 @@ def test_pd_outputs_are_valid_and_greedy_matches_colocated(model_dirs: dict[str,
 
 def test_the_benchmark_runs(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
                             model_dirs: dict[str, Path]) -> None:
-    """`python -m pdserve.bench.structured`, tiny: a row per stream count, and the compile times."""
+    """`python -m pdserve.bench.structured`, tiny: a row per stream count (wall and engine-thread CPU
+    rates), and the compile times."""
     from pdserve.bench import structured
 
     monkeypatch.setattr("sys.argv", ["structured", "--model", str(model_dirs["tiny"]), "--streams", "1,3",
                                      "--tokens", "6", "--reps", "1"])
     structured.main()
     out = capsys.readouterr().out
-    assert re.search(r"^\| 3 +\| \d+ +\| \d+ +\| \d\.\d\d +\|$", out, re.M), out
+    assert re.search(r"^\| 3 +\| \d+ +\| \d+ +\| \d\.\d\d +\| \d+ +\| \d+ +\| \d\.\d\d +\|$", out, re.M), out
     assert "grammar compile: cold" in out
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.request import Request
-from pdserve.engine.structured import MaskFiller
+from pdserve.engine.structured import MaskFiller, row_argmax
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,20 +75,39 @@ class Sampler:
         logits = self._apply_penalties_and_masks(logits, requests)
         pending, self._pending = self._pending, None
         constrained = [i for i, r in enumerate(requests) if r.matcher is not None]
-        if constrained:
-            if pending is None or pending[0] != [r.request_id for r in requests]:  # not started for these
-                self.start_masks(requests, logits.shape[-1])
-                pending, self._pending = self._pending, None
-            assert pending is not None
-            logits = self.masks.apply(logits, constrained, pending[1])
-        tokens = logits.argmax(dim=-1)
+        if constrained and logits.device.type != "cpu":
+            # NOTE: a GPU masks every constrained row in one op, and without the sync of the check below
+            logits = self.masks.apply(logits, constrained, self._bitmask(pending, requests, logits.shape[-1]))
+            constrained = []
+        tokens = row_argmax(logits)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if constrained:
+            bitmask = self._bitmask(pending, requests, logits.shape[-1])  # a row per constrained request
+            # NOTE: greedy rows are not masked: the argmax is checked against the mask (`argmax`)
+            greedy = [(row, j) for j, row in enumerate(constrained) if requests[row].params.greedy]
+            if greedy:
+                self.masks.argmax(logits, tokens, [row for row, _ in greedy], bitmask[[j for _, j in greedy]])
         if random_rows:
-            tokens[random_rows] = self._sample(logits[random_rows], [requests[i] for i in random_rows])
+            sampled = logits[random_rows]
+            if constrained:  # the random constrained rows, masked in `sampled`
+                where = {row: j for j, row in enumerate(constrained)}
+                masked = [(k, where[row]) for k, row in enumerate(random_rows) if row in where]
+                if masked:
+                    sampled = self.masks.apply(sampled, [k for k, _ in masked], bitmask[[j for _, j in masked]])
+            tokens[random_rows] = self._sample(sampled, [requests[i] for i in random_rows])
         token_list = tokens.tolist()
         if logprobs is None:
             return SampleResult(token_list, [None] * len(requests))
         return SampleResult(token_list, self._pick_logprobs(logprobs, token_list, requests))
+
+    def _bitmask(self, pending: tuple[list[str], Future[torch.Tensor]] | None, requests: list[Request],
+                 vocab: int) -> torch.Tensor:
+        """The masks `start_masks` started (`pending`) for these requests (started now where it did not)."""
+        if pending is None or pending[0] != [r.request_id for r in requests]:  # not started for these
+            self.start_masks(requests, vocab)
+            pending, self._pending = self._pending, None
+        assert pending is not None
+        return pending[1].result()
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor | None:
@@ -150,7 +169,7 @@ class Sampler:
                     noise[i].exponential_(generator=request.generator)
                 request.pending_draws = 0
                 noise[i].exponential_(generator=request.generator)
-        return (probs / noise).argmax(dim=-1)
+        return row_argmax(probs / noise)
 
 
 def _filter_top_k_top_p_min_p(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
