@@ -270,7 +270,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "first): what a PD request costs beyond its timed steps; 0: no served run (no PD path costs "
                         "in the profile)")
     p.add_argument("--served-concurrency", type=int, default=ServedPlan().concurrency,
-                   help="the served PD run's load: requests in flight (at most --max-num-seqs)")
+                   help="the served PD run's load: requests in flight (at most --max-num-seqs; near the concurrency "
+                        "you will simulate: the load-dependent costs are fitted there)")
     p.add_argument("--compare-device", default=None,
                    help="also print each sample against that device's roofline profile (e.g. H200)")
     add_config_args(p, EngineArgs, title="engine")
@@ -325,8 +326,9 @@ def run(ns: argparse.Namespace) -> int:
         c = profile.pd_path
         print(f"served PD run over {profile.notes.rpartition('served PD run over ')[2]}")
         print(f"PD path over {c.transport}, beyond the simulated steps and transfer (fixed: {c.num_requests} isolated "
-              f"requests; per stream decoding: the load): first token +{c.first_token_s * 1e3:.1f} ms + "
-              f"{c.first_token_per_stream_s * 1e3:.2f} ms/stream, hand-off +{c.handoff_s * 1e3:.1f} ms + "
+              f"requests; the rest: the load): first token +{c.first_token_s * 1e3:.1f} ms + "
+              f"{c.first_token_per_waiting_s * 1e3:.2f} ms per other request waiting for its own, hand-off "
+              f"+{c.handoff_s * 1e3:.1f} ms + "
               f"{c.handoff_per_stream_s * 1e3:.2f} ms/stream")
     if compare is not None:
         print_against_roofline(profile, samples, compare)

@@ -86,12 +86,14 @@ PROFILE_VERSION = 2
 @dataclass(frozen=True, slots=True)
 class PDPathCosts:
     """A PD request's costs beyond what the simulator models itself (its client's dispatch, the
-    prefill and decode steps, the KV transfer model), each a fixed part and a part per stream the
-    decode tier is generating when it is paid (the router relays every stream's tokens, one SSE
-    chunk each, and the workers' API servers send them: under load the first token's way back
-    waits behind that traffic on the shared cores).
+    prefill and decode steps, the KV transfer model), each a fixed part and a part that grows with
+    the work the router and the workers' API servers have in hand when it is paid: the first token's
+    per other request still waiting for its own (each one's reservation, job POST, placement and
+    answer line is serial work of the router's and the prefill worker's event loops: a burst of
+    arrivals waits behind itself), the hand-off's per stream the decode tier is generating (the
+    router relays every stream's tokens, one SSE chunk each, on the same shared cores).
 
-    first_token_s (+ first_token_per_stream_s x streams): from the prefill step that sampled the
+    first_token_s (+ first_token_per_waiting_s x others waiting): from the prefill step that sampled the
         first token to the client having it, and the way in before that step (the router, the
         job's POST to prefill, prefill's answer line, the router's SSE frame): added to the first
         token's time.
@@ -99,18 +101,18 @@ class PDPathCosts:
         worker stepping the request (the hand-off's messages, the reservation's bookkeeping, the
         decode tokens' relay): the decode worker gets the request this much later.
 
-    `pdserve calibrate` measures the fixed parts on isolated requests and the per-stream parts
+    `pdserve calibrate` measures the fixed parts on isolated requests and the load-dependent parts
     under a load (sizing/served_pd.py)."""
 
     first_token_s: float = 0.0
     handoff_s: float = 0.0
-    first_token_per_stream_s: float = 0.0
+    first_token_per_waiting_s: float = 0.0
     handoff_per_stream_s: float = 0.0
     transport: str = ""  # the KV transport of the run that measured them
     num_requests: int = 0  # the isolated requests the fixed parts are the medians of
 
-    def first_token(self, streams: int) -> float:
-        return self.first_token_s + self.first_token_per_stream_s * streams
+    def first_token(self, waiting: int) -> float:
+        return self.first_token_s + self.first_token_per_waiting_s * waiting
 
     def handoff(self, streams: int) -> float:
         return self.handoff_s + self.handoff_per_stream_s * streams

@@ -12,16 +12,18 @@ worker, the calibrated engine flags and threads, `PDSERVE_STEP_LOG` on) and driv
    is the PD path's fixed cost. `PDPathCosts.first_token_s` is the median first token's excess,
    `handoff_s` the second token's (both measured against the simulator itself, run on the same
    requests with the served steps below, so the two agree on an isolated request by construction).
-2. **A load** (`load` requests at `concurrency`, prompts of a range of lengths, all sent at once):
+2. **A load** (`load` requests at `concurrency`, all sent at once, one length as bench's `random`
+   workload: a closed loop of such requests runs in waves, which the prefill worker batches):
    - the steps the two workers logged while serving (their period: the step and any gap while work
      waited). Each role's served step is the timed step model scaled and shifted, `a x timed + b`,
      fitted to that role's logged steps (least squares on the seconds): the timed model keeps the
      shape over the whole grid, the served run says what serving does to it (the API server's loop
      and the KV transport sharing the worker's process, the router and the client sharing the cores);
-   - the PD path's costs per stream the decode tier is generating (`first_token_per_stream_s`,
-     `handoff_per_stream_s`): under load the first token's way back and the hand-off wait behind
-     the router's and the workers' token traffic; the simulator, run on the same requests at the
-     same concurrency, gets the load's real first- and second-token medians with them (bisection).
+   - the PD path's load-dependent costs (`first_token_per_waiting_s`: per other request waiting
+     for its first token, `handoff_per_stream_s`: per stream the decode tier is generating): under
+     load the first token waits behind the other requests' dispatch and the hand-off behind the
+     router's token traffic; the simulator, run on the same requests at the same concurrency, gets
+     the load's real first- and second-token medians with them (bisection).
 """
 
 from __future__ import annotations
@@ -55,9 +57,9 @@ PROBE_OUTPUT_LEN = 8
 class ServedPlan:
     probe: int = 12  # isolated requests
     load: int = 48  # requests of the load
-    concurrency: int = 16  # the load's concurrency (capped by max_num_seqs)
-    input_len: int = 64  # the load's prompts: uniform in [input_len / 4, input_len * 7 / 4]
-    output_len: int = 32
+    concurrency: int = 8  # the load's concurrency (capped by max_num_seqs)
+    input_len: int = 96  # the load's prompts (all of one length, as `pdserve bench --workload random`'s)
+    output_len: int = 24
     ready_timeout_s: float = 600.0
 
 
@@ -125,7 +127,7 @@ def _solve(excess: Callable[[float], float], high: float) -> float:
 def path_costs(profile: Profile, run: ServedRun) -> PDPathCosts:
     """The PD path's costs (profile: with its served steps): the fixed parts are the isolated
     requests' first and second token medians in excess of the simulator's for the same requests;
-    the per-stream parts are those that make the simulator's first and second token medians of
+    the load-dependent parts are those that make the simulator's first and second token medians of
     the load (same requests, same concurrency) the real ones."""
     ok = [r for r in run.probe if r.ok and len(r.chunk_times_s) >= 2]
     if not ok or not any(r.ok and len(r.chunk_times_s) >= 2 for r in run.load):
@@ -140,13 +142,13 @@ def path_costs(profile: Profile, run: ServedRun) -> PDPathCosts:
         return _token_s(records, index) - target
 
     def first(x: float, base: PDPathCosts) -> float:
-        return excess(0, real_first, replace(base, first_token_per_stream_s=x))
+        return excess(0, real_first, replace(base, first_token_per_waiting_s=x))
 
     def second(x: float, base: PDPathCosts) -> float:
         return excess(1, real_second, replace(base, handoff_per_stream_s=x))
 
     for _ in range(2):  # NOTE: the two interact (a later hand-off keeps fewer streams decoding)
-        costs = replace(costs, first_token_per_stream_s=_solve(partial(first, base=costs), real_first))
+        costs = replace(costs, first_token_per_waiting_s=_solve(partial(first, base=costs), real_first))
         costs = replace(costs, handoff_per_stream_s=_solve(partial(second, base=costs), real_second))
     return costs
 
@@ -195,7 +197,7 @@ def run_served_pd(args: EngineArgs, timed: StepModel, transport: str, max_num_se
 
     threads = args.num_threads or local.up_threads_per_worker(2)
     probe = random_lengths(plan.probe, PROBE_PROMPT_LEN, PROBE_OUTPUT_LEN, seed=1, vocab_size=vocab_size)
-    load = random_lengths(plan.load, plan.input_len, plan.output_len, range_ratio=0.75, seed=2, vocab_size=vocab_size)
+    load = random_lengths(plan.load, plan.input_len, plan.output_len, seed=2, vocab_size=vocab_size)
     with tempfile.TemporaryDirectory(prefix="pdserve-calibrate-pd-") as tmp:
         log_dir, step_dir = Path(tmp) / "logs", Path(tmp) / "steps"
         step_dir.mkdir()

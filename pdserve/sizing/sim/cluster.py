@@ -19,10 +19,11 @@ Model (what it includes, what it leaves out):
   step remains); the client sees the first token when the KV has arrived, then decode generates
   the rest. Prefill keeps the blocks until the transfer ends. Transfers do not contend for links.
 - The PD path's costs (a calibrated profile's `pd_path`, profile.PDPathCosts): the first token
-  reaches the client `first_token(n)` after the prefill step that sampled it (the router, the
-  `/pd/*` hops, the early first token's way back), and the decode worker gets a request
-  `handoff(n)` after its transfer ended (the hand-off's messages, the token relay through the
-  router), n being the streams the decode workers are generating then. No token reaches the client
+  reaches the client `first_token(w)` after the prefill step that sampled it (the router, the
+  `/pd/*` hops, the early first token's way back; w: the other requests still waiting for their
+  first token), and the decode worker gets a request `handoff(n)` after its transfer ended (the
+  hand-off's messages, the token relay through the router; n: the streams the decode workers are
+  generating then). No token reaches the client
   before the first (the router relays them in order).
 - Not modelled: network and HTTP latency beyond `dispatch_s`, detokenization, prefix caching, swap.
 """
@@ -278,7 +279,7 @@ class Cluster:
     def _hand_off(self, request: SimRequest, prefill_s: float) -> None:
         spec = self.spec
         if spec.early_first_token:
-            request.token_times_s[-1] += spec.path.first_token(self._streams())
+            request.token_times_s[-1] += spec.path.first_token(self._awaiting_first - 1)
         delay = 0.0
         if spec.transfer is not None:
             num_bytes = request.prompt_len * spec.kv_bytes_per_token
