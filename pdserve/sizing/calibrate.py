@@ -228,9 +228,10 @@ def calibrate(args: EngineArgs, transports: list[str], hardware: str,
                       cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens, transfer, notes,
                       decode_step)
     if served is not None and logged is None:
+        from pdserve.disagg.transport import nixl_available
         from pdserve.sizing.served_pd import run_served_pd, served_profile
 
-        transport = "tcp" if "tcp" in transports or not transports else transports[0]
+        transport = "nixl" if nixl_available() else "tcp"  # NOTE: what `pdserve up`'s workers use by default
         run_ = run_served_pd(args, step, transport, cfg.scheduler.max_num_seqs, cfg.model.vocab_size, served)
         profile, fits = served_profile(profile, run_)
         said = "; ".join(f"{role} {a:.2f} x timed + {b * 1e3:.2f} ms ({len(run_.steps[role])} steps)"
