@@ -108,7 +108,10 @@ def _simulated(profile: Profile, costs: PDPathCosts, transport: str, workload: W
     from pdserve.sizing.sim.cluster import Arrival, Topology
     from pdserve.sizing.sim.run import cluster_spec, simulate
 
-    spec = cluster_spec(replace(profile, pd_path=costs), Topology(num_prefill=1, num_decode=1), transport)
+    # NOTE: a transport the profile did not time (nixl, with `--transports tcp`): its tcp model, or the seed's
+    # (what `pdserve simulate`'s default `--transport tcp` charges; the costs take up the difference)
+    known = transport if transport in profile.transports else "tcp"
+    spec = cluster_spec(replace(profile, pd_path=costs), Topology(num_prefill=1, num_decode=1), known)
     return simulate(spec, [Arrival(r.prompt_len, r.max_tokens, 0.0) for r in workload.requests], concurrency
                     ).result.records
 
