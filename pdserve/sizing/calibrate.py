@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -232,8 +233,13 @@ def calibrate(args: EngineArgs, transports: list[str], hardware: str,
         from pdserve.sizing.served_pd import run_served_pd, served_profile
 
         transport = "nixl" if nixl_available() else "tcp"  # NOTE: what `pdserve up`'s workers use by default
-        run_ = run_served_pd(args, step, transport, cfg.scheduler.max_num_seqs, cfg.model.vocab_size, served)
-        profile, fits = served_profile(profile, run_)
+        try:
+            run_ = run_served_pd(args, step, transport, cfg.scheduler.max_num_seqs, cfg.model.vocab_size, served)
+            profile, fits = served_profile(profile, run_)
+        except (RuntimeError, OSError) as exc:  # NOTE: the timed steps are still worth a profile
+            print(f"pdserve calibrate: the served PD run failed, the profile has no PD path costs: {exc}",
+                  file=sys.stderr)
+            return profile, samples
         said = "; ".join(f"{role} {a:.2f} x timed + {b * 1e3:.2f} ms ({len(run_.steps[role])} steps)"
                          for role, (a, b) in fits.items())
         profile = replace(profile, notes=f"{profile.notes}; served PD run over {transport}: {said}")
