@@ -68,7 +68,8 @@ TAIL=30 stage floor 420 python3 -m pdserve.bench.gpu_floor --model "$ck/qwen3-0.
 fi
 
 if has timings; then
-grid=(--transports '' --compare-device H200 --max-num-seqs 256 --max-num-batched-tokens 8192
+# NOTE: --served-requests 0: the steps timed alone, no served PD run (no PD path costs in these profiles)
+grid=(--transports '' --served-requests 0 --compare-device H200 --max-num-seqs 256 --max-num-batched-tokens 8192
       --prefill-tokens 128,512,2048,8192 --decode-batches 1,16,64,256 --device cuda --dtype bfloat16)
 TAIL=40 stage calibrate-qwen3-0.6b 120 python3 -m pdserve.cli calibrate --model "$ck/qwen3-0.6b" "${grid[@]}" \
   --out "$out/h200-qwen3-0.6b.json"
@@ -79,7 +80,8 @@ fi
 if has validate; then
 flags=(--model "$ck/qwen3-0.6b" --device cuda --dtype bfloat16 --max-num-seqs 256 --gpu-memory-utilization 0.35)
 TAIL=12 stage validate-calibrate 150 python3 -m pdserve.cli calibrate "${flags[@]}" --max-num-batched-tokens 2048 \
-  --transports tcp --prefill-tokens 64,256,1024 --decode-batches 1,8,32,64 --out "$out/validate-profile.json"
+  --transports tcp --prefill-tokens 64,256,1024 --decode-batches 1,8,32,64 --served-requests 0 \
+  --out "$out/validate-profile.json"
 # NOTE: every served engine logs its steps (PDSERVE_STEP_LOG): the profile fitted to them (validate-fit) has
 # the step costs as served (the API server sharing the process, the GIL), which timing steps alone misses
 PDSERVE_STEP_LOG="$out/steps-1p1d" TAIL=30 stage validate-runs 300 python3 -m pdserve.cli bench compare --systems colocated-chunked,pd --prefill 1 \

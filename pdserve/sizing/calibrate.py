@@ -13,6 +13,13 @@ Threads: by default the engine gets the torch threads `pdserve up` gives each of
 the engine the simulator stands in for (timed on every core, calibrate missed served TTFT by 69 %);
 `--num-threads` overrides it.
 
+The PD path (profile version 2): then calibrate starts a small real PD cluster the way `pdserve up`
+runs one (1 prefill + 1 decode worker, these engine flags and threads) and measures what a PD
+request costs beyond its timed steps: each PD role's served step (`prefill_step`, `decode_step`:
+the timed model scaled and shifted to the steps the workers logged while serving) and the PD path's
+fixed costs (`pd_path`: the router, the `/pd/*` hops, the early first token, the hand-off), see
+sizing/served_pd.py. `--served-requests 0` skips it (the simulator then charges no PD path cost).
+
 `--from-step-log PATH...` fits the steps engines logged while serving instead (`PDSERVE_STEP_LOG`,
 engine/step_log.py): the step costs of a real run, with whatever shared the machine then.
 
@@ -25,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -38,6 +46,7 @@ from pdserve.engine.step_log import read_step_logs
 from pdserve.sizing.devices import DeviceSpec, device
 from pdserve.sizing.model_facts import ModelFacts
 from pdserve.sizing.profile import Profile, StepModel, TransferModel, roofline
+from pdserve.sizing.served_pd import ServedPlan
 
 _REPS = 3
 _VOCAB_LOW = 100  # token ids drawn above the specials, as bench's prompts are
@@ -189,14 +198,19 @@ def logged_samples(paths: list[Path]) -> Logged:
 
 
 def calibrate(args: EngineArgs, transports: list[str], hardware: str,
-              grid: Grid = Grid(), logged: Logged | None = None) -> tuple[Profile, list[Sample]]:  # noqa: B008
+              grid: Grid = Grid(), logged: Logged | None = None,  # noqa: B008
+              served: ServedPlan | None = None) -> tuple[Profile, list[Sample]]:
     """Measure (or take `logged` steps), fit, and build the profile (limits: the engine's own).
     Logged decode workers' steps get a step model of their own when other roles' steps were
-    logged too (`Profile.decode_step`). Returns the samples `Profile.step` was fitted to."""
+    logged too (`Profile.decode_step`). `served` (timed steps only): then the served PD run
+    (sizing/served_pd.py) adds the PD workers' served steps and the PD path's costs. Returns the
+    samples `Profile.step` was fitted to."""
     cfg = create_engine_config(args)  # NOTE: an engine (weights, pool) only to time steps here
     model = ModelFacts.from_config(cfg.model_path.rstrip("/").split("/")[-1], _config_dict(cfg.model_path))
     if logged is None:
-        samples, decode_step = measure_steps(LLMEngine.from_engine_args(args), grid), None
+        engine = LLMEngine.from_engine_args(args)
+        samples, decode_step = measure_steps(engine, grid), None
+        engine.close()  # NOTE: before the served run, which needs the cores (and the memory) to itself
     else:
         samples = logged.steps or logged.decode
         decode_step = fit(logged.decode) if logged.steps and logged.decode else None
@@ -214,6 +228,21 @@ def calibrate(args: EngineArgs, transports: list[str], hardware: str,
                       model.kv_bytes_per_token(element), cfg.cache.block_size, cfg.cache.num_kv_blocks,
                       cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens, transfer, notes,
                       decode_step)
+    if served is not None and logged is None:
+        from pdserve.disagg.transport import nixl_available
+        from pdserve.sizing.served_pd import run_served_pd, served_profile
+
+        transport = "nixl" if nixl_available() else "tcp"  # NOTE: what `pdserve up`'s workers use by default
+        try:
+            run_ = run_served_pd(args, step, transport, cfg.scheduler.max_num_seqs, cfg.model.vocab_size, served)
+            profile, fits = served_profile(profile, run_)
+        except (RuntimeError, OSError) as exc:  # NOTE: the timed steps are still worth a profile
+            print(f"pdserve calibrate: the served PD run failed, the profile has no PD path costs: {exc}",
+                  file=sys.stderr)
+            return profile, samples
+        said = "; ".join(f"{role} {a:.2f} x timed + {b * 1e3:.2f} ms ({len(run_.steps[role])} steps)"
+                         for role, (a, b) in fits.items())
+        profile = replace(profile, notes=f"{profile.notes}; served PD run over {transport}: {said}")
     return profile, samples
 
 
@@ -243,6 +272,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=2,
                    help="without --num-threads: time the engine with the torch threads `pdserve up` gives each of "
                         "this many workers (CPUs // workers; default 2, up's 1 prefill + 1 decode)")
+    p.add_argument("--served-requests", type=int, default=ServedPlan().load,
+                   help=f"the served PD run's load (requests; it also sends {ServedPlan().probe} isolated ones "
+                        "first): what a PD request costs beyond its timed steps; 0: no served run (no PD path costs "
+                        "in the profile)")
+    p.add_argument("--served-concurrency", type=int, default=ServedPlan().concurrency,
+                   help="the served PD run's load: requests in flight (at most --max-num-seqs; near the concurrency "
+                        "you will simulate: the load-dependent costs are fitted there)")
     p.add_argument("--compare-device", default=None,
                    help="also print each sample against that device's roofline profile (e.g. H200)")
     add_config_args(p, EngineArgs, title="engine")
@@ -275,7 +311,8 @@ def run(ns: argparse.Namespace) -> int:
                 decode_batches=_ints(ns.decode_batches, Grid().decode_batches))
     compare = device(ns.compare_device) if ns.compare_device else None  # an unknown name fails before measuring
     logged = logged_samples(ns.from_step_log) if ns.from_step_log else None
-    profile, samples = calibrate(engine_args(ns), transports, hardware_line(), grid, logged)
+    served = ServedPlan(load=ns.served_requests, concurrency=ns.served_concurrency) if ns.served_requests > 0 else None
+    profile, samples = calibrate(engine_args(ns), transports, hardware_line(), grid, logged, served)
     profile.save(Path(ns.out))
     samples_path = Path(ns.out).with_suffix(".samples.json")
     samples_path.write_text(json.dumps([asdict(x) for x in samples], indent=1) + "\n")
@@ -292,6 +329,14 @@ def run(ns: argparse.Namespace) -> int:
               f"{fit_error(d, logged.decode):.1%} over {len(logged.decode)} samples")
     for name, t in profile.transports.items():
         print(f"{name}: {t.latency_s * 1e3:.3f} ms + bytes / {t.bytes_per_s / 1e9:.2f} GB/s")
+    if profile.pd_path is not None:
+        c = profile.pd_path
+        print(f"served PD run over {profile.notes.rpartition('served PD run over ')[2]}")
+        print(f"PD path over {c.transport}, beyond the simulated steps and transfer (fixed: {c.num_requests} isolated "
+              f"requests; the rest: the load): first token +{c.first_token_s * 1e3:.1f} ms + "
+              f"{c.first_token_per_waiting_s * 1e3:.2f} ms per other request waiting for its own, hand-off "
+              f"+{c.handoff_s * 1e3:.1f} ms + "
+              f"{c.handoff_per_stream_s * 1e3:.2f} ms/stream")
     if compare is not None:
         print_against_roofline(profile, samples, compare)
     print(f"wrote {ns.out} (samples: {samples_path}) in {time.perf_counter() - start:.1f} s")

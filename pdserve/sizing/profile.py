@@ -17,6 +17,13 @@ only max(one layer's share, whole transfer - prefill time x (L-1)/L) is still in
 A profile is measured on this machine (`pdserve calibrate`) or derived from a GPU's datasheet
 (`roofline`): decode reads the weights and the KV at `bw_efficiency` x HBM bandwidth, prefill
 computes at `flops_efficiency` x dense BF16 FLOPs; the two costs add (no overlap: conservative).
+
+What a PD request costs beyond its steps and its KV transfer (`PDPathCosts`, profile version 2):
+the router, the `/pd/*` HTTP hops, the early first token's way back, the hand-off's messages and
+the decode worker's token relay through the router. `pdserve calibrate` measures them with a small
+real PD run (`sizing/served_pd.py`), with the served steps of its prefill and decode workers
+(`prefill_step`, `decode_step`). A version-1 profile (or a roofline one) has none: it loads with
+`pd_path` None, which the simulator charges as zero (and `pdserve simulate` says so).
 """
 
 from __future__ import annotations
@@ -72,6 +79,45 @@ class TransferModel:
         return self.latency_s + max(whole / max(1, num_layers), whole - hidden)
 
 
+# NOTE: 1: steps and transfers only; 2: + `prefill_step` and `pd_path` (the PD path's fixed costs)
+PROFILE_VERSION = 2
+
+
+@dataclass(frozen=True, slots=True)
+class PDPathCosts:
+    """A PD request's costs beyond what the simulator models itself (its client's dispatch, the
+    prefill and decode steps, the KV transfer model), each a fixed part and a part that grows with
+    the work the router and the workers' API servers have in hand when it is paid: the first token's
+    per other request still waiting for its own (each one's reservation, job POST, placement and
+    answer line is serial work of the router's and the prefill worker's event loops: a burst of
+    arrivals waits behind itself), the hand-off's per stream the decode tier is generating (the
+    router relays every stream's tokens, one SSE chunk each, on the same shared cores).
+
+    first_token_s (+ first_token_per_waiting_s x others waiting): from the prefill step that sampled the
+        first token to the client having it, and the way in before that step (the router, the
+        job's POST to prefill, prefill's answer line, the router's SSE frame): added to the first
+        token's time.
+    handoff_s (+ handoff_per_stream_s x streams): from the simulated transfer's end to the decode
+        worker stepping the request (the hand-off's messages, the reservation's bookkeeping, the
+        decode tokens' relay): the decode worker gets the request this much later.
+
+    `pdserve calibrate` measures the fixed parts on isolated requests and the load-dependent parts
+    under a load (sizing/served_pd.py)."""
+
+    first_token_s: float = 0.0
+    handoff_s: float = 0.0
+    first_token_per_waiting_s: float = 0.0
+    handoff_per_stream_s: float = 0.0
+    transport: str = ""  # the KV transport of the run that measured them
+    num_requests: int = 0  # the isolated requests the fixed parts are the medians of
+
+    def first_token(self, waiting: int) -> float:
+        return self.first_token_s + self.first_token_per_waiting_s * waiting
+
+    def handoff(self, streams: int) -> float:
+        return self.handoff_s + self.handoff_per_stream_s * streams
+
+
 @dataclass(frozen=True, slots=True)
 class Profile:
     name: str
@@ -86,6 +132,9 @@ class Profile:
     transports: dict[str, TransferModel] = field(default_factory=dict)
     notes: str = ""
     decode_step: StepModel | None = None  # PD decode workers' own, when fitted apart (else `step`)
+    prefill_step: StepModel | None = None  # PD prefill workers' own, when measured served (else `step`)
+    pd_path: PDPathCosts | None = None  # None: not measured (version 1, roofline): charged as zero
+    version: int = PROFILE_VERSION
 
     def with_limits(self, num_kv_blocks: int | None = None, max_num_seqs: int | None = None,
                     max_num_batched_tokens: int | None = None) -> Profile:
@@ -106,11 +155,18 @@ class Profile:
 
     @classmethod
     def from_dict(cls, raw: dict) -> Profile:
+        """Any version up to PROFILE_VERSION; a version-1 file (no "version" key) has no served
+        prefill step and no PD path costs."""
+        version = int(raw.get("version", 1))
+        if version > PROFILE_VERSION:
+            raise ValueError(f"profile version {version} is newer than this pdserve's ({PROFILE_VERSION})")
         return cls(raw["name"], raw["source"], ModelFacts(**raw["model"]), StepModel(**raw["step"]),
                    int(raw["kv_bytes_per_token"]), int(raw["block_size"]), int(raw["num_kv_blocks"]),
                    int(raw["max_num_seqs"]), int(raw["max_num_batched_tokens"]),
                    {k: TransferModel(**v) for k, v in raw.get("transports", {}).items()}, raw.get("notes", ""),
-                   StepModel(**raw["decode_step"]) if raw.get("decode_step") else None)
+                   StepModel(**raw["decode_step"]) if raw.get("decode_step") else None,
+                   StepModel(**raw["prefill_step"]) if raw.get("prefill_step") else None,
+                   PDPathCosts(**raw["pd_path"]) if raw.get("pd_path") else None, version)
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

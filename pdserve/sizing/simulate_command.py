@@ -50,6 +50,9 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
                    help="PD: the client gets the first token when prefill sampled it (the router's "
                         "--early-first-token), "
                         "not once decode has the KV")
+    g.add_argument("--pd-path-costs", action=argparse.BooleanOptionalAction, default=True,
+                   help="PD: charge the profile's PD path costs (the router, the /pd/* hops, the hand-off: "
+                        "`pdserve calibrate`'s served PD run; a profile without them has none)")
     g.add_argument("--max-num-seqs", type=int, default=None, help="per worker (default: the profile's)")
     g.add_argument("--decode-max-num-seqs", type=int, default=None, help="PD decode workers (default: --max-num-seqs)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="per worker (default: the profile's)")
@@ -99,7 +102,8 @@ class _Setup:
 def run_one(ns: argparse.Namespace, setup: _Setup, topology: Topology, concurrency: int | None) -> SimRun:
     spec = cluster_spec(setup.profile, topology, None if ns.transport == "none" else ns.transport,
                         not ns.no_layerwise, ns.decode_max_num_seqs, ns.max_queued_requests,
-                        not ns.no_enable_chunked_prefill, ns.early_first_token, ns.dispatch_ms / 1e3)
+                        not ns.no_enable_chunked_prefill, ns.early_first_token, ns.dispatch_ms / 1e3,
+                        ns.pd_path_costs)
     return simulate(spec, arrivals(setup.lengths, ns.request_rate, ns.burstiness, ns.seed), concurrency, ns.slo,
                     f"sim {setup.profile.name}", ns.request_rate, ns.burstiness, ns.seed)
 
@@ -129,6 +133,11 @@ def run(ns: argparse.Namespace) -> int:
     rate = "inf" if math.isinf(ns.request_rate) else f"{ns.request_rate:g}/s"
     print(f"pdserve simulate: profile {profile.name} ({profile.source}); {workload}, {len(lengths)} requests, "
           f"max concurrency {ns.max_concurrency or 'none'}, rate {rate}, seed {ns.seed}, transport {ns.transport}")
+    pd = bool(ns.pd) or ns.prefill > 0
+    if pd and ns.pd_path_costs and profile.pd_path is None:
+        print(f"note: profile {profile.name} (version {profile.version}, {profile.source}) has no PD path costs: the "
+              f"simulated PD TTFT leaves out the router, the /pd/* hops and the hand-off (re-run `pdserve calibrate` "
+              f"without --served-requests 0 for them)")
     if ns.pd or ns.concurrencies:
         return _sweep(ns, setup)
     run_ = run_one(ns, setup, Topology(ns.colocated, ns.prefill, ns.decode), ns.max_concurrency)

@@ -18,6 +18,13 @@ Model (what it includes, what it leaves out):
   to decode over the transport model (layer-wise: only the part not hidden behind the prefill
   step remains); the client sees the first token when the KV has arrived, then decode generates
   the rest. Prefill keeps the blocks until the transfer ends. Transfers do not contend for links.
+- The PD path's costs (a calibrated profile's `pd_path`, profile.PDPathCosts): the first token
+  reaches the client `first_token(w)` after the prefill step that sampled it (the router, the
+  `/pd/*` hops, the early first token's way back; w: the other requests still waiting for their
+  first token), and the decode worker gets a request `handoff(n)` after its transfer ended (the
+  hand-off's messages, the token relay through the router; n: the streams the decode workers are
+  generating then). No token reaches the client
+  before the first (the router relays them in order).
 - Not modelled: network and HTTP latency beyond `dispatch_s`, detokenization, prefix caching, swap.
 """
 
@@ -29,11 +36,11 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.sizing.profile import StepModel, TransferModel
+from pdserve.sizing.profile import PDPathCosts, StepModel, TransferModel
 from pdserve.sizing.sim.request import SimRequest
 from pdserve.sizing.sim.worker import SimWorker, StepPlan, WorkerLimits
 
-_ARRIVAL, _STEP_END, _TRANSFER_DONE, _DELIVER = 0, 1, 2, 3
+_ARRIVAL, _STEP_END, _TRANSFER_DONE, _DELIVER, _AT_DECODE = 0, 1, 2, 3, 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +83,8 @@ class ClusterSpec:
     decode_step: StepModel | None = None  # PD decode workers' step model, if not `step`
     early_first_token: bool = True  # PD: the client has the first token when prefill sampled it
     dispatch_s: float = 0.0  # a request's way from the client to the router (and the gap between sends)
+    prefill_step: StepModel | None = None  # PD prefill workers' step model, if not `step`
+    path: PDPathCosts = PDPathCosts()  # PD: what the PD path costs beyond steps and transfers
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +99,8 @@ class Cluster:
         self.spec = spec
         t = spec.topology
         if t.is_pd:
-            self.prefill = [SimWorker(i, "prefill", spec.colocated, spec.step) for i in range(t.num_prefill)]
+            self.prefill = [SimWorker(i, "prefill", spec.colocated, spec.prefill_step or spec.step)
+                            for i in range(t.num_prefill)]
             self.decode = [SimWorker(i, "decode", spec.decode, spec.decode_step or spec.step)
                            for i in range(t.num_decode)]
         else:
@@ -137,6 +147,8 @@ class Cluster:
                     self._on_step_end(*payload)  # type: ignore[misc]
                 elif kind == _DELIVER:
                     self._deliver(payload)  # type: ignore[arg-type]
+                elif kind == _AT_DECODE:
+                    self._at_decode(payload)  # type: ignore[arg-type]
                 else:
                     self._on_transfer_done(payload)  # type: ignore[arg-type]
             workers, self._batching = self._batching, None
@@ -266,6 +278,8 @@ class Cluster:
 
     def _hand_off(self, request: SimRequest, prefill_s: float) -> None:
         spec = self.spec
+        if spec.early_first_token:
+            request.token_times_s[-1] += spec.path.first_token(self._awaiting_first - 1)
         delay = 0.0
         if spec.transfer is not None:
             num_bytes = request.prompt_len * spec.kv_bytes_per_token
@@ -281,9 +295,17 @@ class Cluster:
         prefill.held_tokens -= request.prompt_len
         self._kick(prefill)
         self._dispatch_prefill()
+        self._awaiting_first -= 1
+        handoff_s = self.spec.path.handoff(self._streams())
+        if handoff_s > 0:
+            self._push(self.now_s + handoff_s, _AT_DECODE, request)
+        else:
+            self._at_decode(request)
+
+    def _at_decode(self, request: SimRequest) -> None:
+        """The hand-off's end: the decode worker has the request (and its KV)."""
         if not self.spec.early_first_token:  # the client sees the first token once decode has the KV
             request.token_times_s[-1] = self.now_s
-        self._awaiting_first -= 1
         decode = self.decode[request.decode]
         request.worker = decode.index
         request.blocks = decode.blocks_for(request.prompt_len + 1)  # its reservation
@@ -295,6 +317,11 @@ class Cluster:
             return
         decode.waiting.append(request)
         self._kick(decode)
+
+
+    def _streams(self) -> int:
+        """PD: the streams the decode workers are generating (whose tokens the router relays)."""
+        return sum(len(w.running) for w in self.decode)
 
 
 def _load(worker: SimWorker) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -13,7 +14,7 @@ import numpy as np
 from pdserve.bench.serve import workloads
 from pdserve.bench.serve.client import LoadConfig, LoadResult, RequestRecord
 from pdserve.bench.serve.metrics import Slo, Summary, summarize
-from pdserve.sizing.profile import Profile
+from pdserve.sizing.profile import PDPathCosts, Profile
 from pdserve.sizing.sim.cluster import Arrival, Cluster, ClusterSpec, Topology
 from pdserve.sizing.sim.request import SimRequest
 from pdserve.sizing.sim.worker import WorkerLimits
@@ -68,19 +69,22 @@ def arrivals(lengths: Sequence[tuple[int, int]], request_rate: float, burstiness
 def cluster_spec(profile: Profile, topology: Topology, transport: str | None, layerwise: bool = True,
                  decode_max_num_seqs: int | None = None, max_queued_requests: int = 512,
                  enable_chunked_prefill: bool = True, early_first_token: bool = True,
-                 dispatch_s: float = DISPATCH_S) -> ClusterSpec:
+                 dispatch_s: float = DISPATCH_S, pd_path_costs: bool = True) -> ClusterSpec:
     """Every worker has the profile's limits; decode workers may have their own `max_num_seqs`.
     `early_first_token`: as the router's `--early-first-token` (on by default), the first token of a
     PD request reaches the client when prefill sampled it (the router sends it early for greedy and
-    seeded requests of one sequence; bench's are greedy). `dispatch_s`: see cluster.py's Client."""
+    seeded requests of one sequence; bench's are greedy). `dispatch_s`: see cluster.py's Client.
+    `pd_path_costs`: charge the profile's PD path costs (profile.PDPathCosts; a profile without
+    them: none)."""
     limits = WorkerLimits(profile.num_kv_blocks, profile.block_size, profile.max_num_seqs,
                           profile.max_num_batched_tokens, enable_chunked_prefill)
     seqs = decode_max_num_seqs or profile.max_num_seqs
     decode = WorkerLimits(profile.num_kv_blocks, profile.block_size, seqs, max(seqs, profile.max_num_batched_tokens))
     transfer = profile.transport(transport) if transport and topology.is_pd else None
+    costs = profile.pd_path if pd_path_costs and profile.pd_path is not None else PDPathCosts()
     return ClusterSpec(topology, profile.step, limits, decode, transfer, profile.kv_bytes_per_token,
                        profile.model.num_layers, layerwise, max_queued_requests, profile.decode_step,
-                       early_first_token, dispatch_s)
+                       early_first_token, dispatch_s, profile.prefill_step, costs)
 
 
 def to_record(request_index: int, r: SimRequest) -> RequestRecord:
@@ -89,7 +93,8 @@ def to_record(request_index: int, r: SimRequest) -> RequestRecord:
     if r.error_kind is not None:
         return RequestRecord(request_index, r.sent_s, e2e, r.prompt_len, 0, error_kind=r.error_kind,
                              error=f"simulated {r.error_kind}")
-    times = tuple(t - r.sent_s for t in r.token_times_s)
+    # NOTE: in order: the router relays a PD request's decode tokens after its first
+    times = tuple(itertools.accumulate((t - r.sent_s for t in r.token_times_s), max))
     return RequestRecord(request_index, r.sent_s, e2e, r.prompt_len, r.generated, times[0], times)
 
 

@@ -1,0 +1,228 @@
+"""`pdserve calibrate`'s served PD run: the costs a PD request has beyond the steps timed alone.
+
+Timed alone (`calibrate.measure_steps`), an engine step leaves out what serving adds to it, and the
+simulator's PD path had none of the router's and the workers' HTTP hops: the default calibrate ->
+simulate -> bench loop missed the real PD TTFT median by 89 % (docs/BENCHMARKS.md, issue 29). So
+calibrate also starts a small real cluster the way `pdserve up` runs one (1 prefill + 1 decode
+worker, the calibrated engine flags and threads, `PDSERVE_STEP_LOG` on) and drives it with
+`pdserve bench`'s client:
+
+1. **Isolated requests** (`probe`, one at a time): what the simulator predicts for a request alone
+   is its dispatch, a prefill step, the transfer and a decode step; what the client saw beyond that
+   is the PD path's fixed cost. `PDPathCosts.first_token_s` is the median first token's excess,
+   `handoff_s` the second token's (both measured against the simulator itself, run on the same
+   requests with the served steps below, so the two agree on an isolated request by construction).
+2. **A load** (`load` requests at `concurrency`, all sent at once, one length as bench's `random`
+   workload: a closed loop of such requests runs in waves, which the prefill worker batches):
+   - the steps the two workers logged while serving (their period: the step and any gap while work
+     waited). Each role's served step is the timed step model scaled and shifted, `a x timed + b`,
+     fitted to that role's logged steps (least squares on the seconds): the timed model keeps the
+     shape over the whole grid, the served run says what serving does to it (the API server's loop
+     and the KV transport sharing the worker's process, the router and the client sharing the cores);
+   - the PD path's load-dependent costs (`first_token_per_waiting_s`: per other request waiting
+     for its first token, `handoff_per_stream_s`: per stream the decode tier is generating): under
+     load the first token waits behind the other requests' dispatch and the hand-off behind the
+     router's token traffic; the simulator, run on the same requests at the same concurrency, gets
+     the load's real first- and second-token medians with them (bisection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+from pdserve.bench.serve.client import LoadConfig, RequestRecord, run_load
+from pdserve.bench.serve.workloads import Workload, random_lengths
+from pdserve.config import EngineArgs
+from pdserve.config_flags import to_argv
+from pdserve.engine.step_log import read_step_logs, step_log_role
+from pdserve.envs import STEP_LOG
+from pdserve.sizing.profile import PDPathCosts, Profile, StepModel
+
+# NOTE: the isolated requests: a short prompt, a few tokens (the second token's time is the hand-off's)
+PROBE_PROMPT_LEN = 32
+PROBE_OUTPUT_LEN = 8
+
+
+@dataclass(frozen=True, slots=True)
+class ServedPlan:
+    probe: int = 12  # isolated requests
+    load: int = 48  # requests of the load
+    concurrency: int = 8  # the load's concurrency (capped by max_num_seqs)
+    input_len: int = 96  # the load's prompts (all of one length, as `pdserve bench --workload random`'s)
+    output_len: int = 24
+    ready_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One logged step: the timed model's prediction for its work, and its served period."""
+
+    predicted_s: float
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class ServedRun:
+    probe: tuple[RequestRecord, ...]
+    probe_workload: Workload
+    load: tuple[RequestRecord, ...]
+    load_workload: Workload
+    load_concurrency: int
+    steps: dict[str, list[Step]]  # role ("prefill", "decode") -> its logged steps
+    transport: str
+
+
+def fit_served(timed: StepModel, steps: list[Step]) -> tuple[StepModel, float, float]:
+    """`a x timed + b` fitted to the served steps by least squares on the seconds (not the relative
+    error: the simulator must get the role's busy time right, and served steps spread widely, which
+    a relative fit answers with too short a step); where b comes out negative, b = 0 and a is the
+    ratio of the sums. Returns the served step model, a and b."""
+    y = np.array([s.seconds for s in steps])
+    x = np.array([[s.predicted_s, 1.0] for s in steps])
+    (a, b), *_ = np.linalg.lstsq(x, y, rcond=None)
+    if b < 0 or a <= 0:
+        a, b = float(y.sum() / x[:, 0].sum()), 0.0
+    a, b = float(a), float(b)
+    model = StepModel(timed.base_s * a + b, timed.prefill_token_s * a, timed.prefill_pair_s * a,
+                      timed.decode_seq_s * a, timed.decode_context_s * a)
+    return model, a, b
+
+
+def _token_s(records: Sequence[RequestRecord], index: int) -> float:
+    """The median time of the `index`-th token (0: the first) since each request was sent."""
+    return statistics.median(r.chunk_times_s[index] for r in records if r.ok and len(r.chunk_times_s) > index)
+
+
+def _simulated(profile: Profile, costs: PDPathCosts, transport: str, workload: Workload,
+               concurrency: int) -> tuple[RequestRecord, ...]:
+    from pdserve.sizing.sim.cluster import Arrival, Topology
+    from pdserve.sizing.sim.run import cluster_spec, simulate
+
+    # NOTE: a transport the profile did not time (nixl, with `--transports tcp`): its tcp model, or the seed's
+    # (what `pdserve simulate`'s default `--transport tcp` charges; the costs take up the difference)
+    known = transport if transport in profile.transports else "tcp"
+    spec = cluster_spec(replace(profile, pd_path=costs), Topology(num_prefill=1, num_decode=1), known)
+    return simulate(spec, [Arrival(r.prompt_len, r.max_tokens, 0.0) for r in workload.requests], concurrency
+                    ).result.records
+
+
+def _solve(excess: Callable[[float], float], high: float) -> float:
+    """The x in [0, high] where excess(x) (increasing) crosses 0, by bisection; 0 if it is above 0 there."""
+    low = 0.0
+    if excess(low) >= 0:
+        return low
+    for _ in range(30):
+        mid = (low + high) / 2
+        low, high = (mid, high) if excess(mid) < 0 else (low, mid)
+    return (low + high) / 2
+
+
+def path_costs(profile: Profile, run: ServedRun) -> PDPathCosts:
+    """The PD path's costs (profile: with its served steps): the fixed parts are the isolated
+    requests' first and second token medians in excess of the simulator's for the same requests;
+    the load-dependent parts are those that make the simulator's first and second token medians of
+    the load (same requests, same concurrency) the real ones."""
+    ok = [r for r in run.probe if r.ok and len(r.chunk_times_s) >= 2]
+    if not ok or not any(r.ok and len(r.chunk_times_s) >= 2 for r in run.load):
+        raise RuntimeError("the served PD run's requests failed (see the cluster's log)")
+    sim = _simulated(profile, PDPathCosts(), run.transport, run.probe_workload, 1)
+    costs = PDPathCosts(max(0.0, _token_s(ok, 0) - _token_s(sim, 0)), max(0.0, _token_s(ok, 1) - _token_s(sim, 1)),
+                        transport=run.transport, num_requests=len(ok))
+    real_first, real_second = _token_s(run.load, 0), _token_s(run.load, 1)
+
+    def excess(index: int, target: float, trial: PDPathCosts) -> float:
+        records = _simulated(profile, trial, run.transport, run.load_workload, run.load_concurrency)
+        return _token_s(records, index) - target
+
+    def first(x: float, base: PDPathCosts) -> float:
+        return excess(0, real_first, replace(base, first_token_per_waiting_s=x))
+
+    def second(x: float, base: PDPathCosts) -> float:
+        return excess(1, real_second, replace(base, handoff_per_stream_s=x))
+
+    for _ in range(2):  # NOTE: the two interact (a later hand-off keeps fewer streams decoding)
+        costs = replace(costs, first_token_per_waiting_s=_solve(partial(first, base=costs), real_first))
+        costs = replace(costs, handoff_per_stream_s=_solve(partial(second, base=costs), real_second))
+    return costs
+
+
+def served_profile(profile: Profile, run: ServedRun) -> tuple[Profile, dict[str, tuple[float, float]]]:
+    """The profile with its PD workers' served steps and the PD path's costs; and per role the
+    fitted (a, b) of `a x timed + b`."""
+    fits: dict[str, tuple[float, float]] = {}
+    models: dict[str, StepModel | None] = {"prefill": None, "decode": None}
+    for role in models:
+        if len(run.steps.get(role, ())) >= 3:
+            models[role], a, b = fit_served(profile.step, run.steps[role])
+            fits[role] = (a, b)
+    served = replace(profile, prefill_step=models["prefill"], decode_step=models["decode"])
+    return replace(served, pd_path=path_costs(served, run)), fits
+
+
+def engine_flags(args: EngineArgs, transport: str) -> list[str]:
+    """The calibrated engine's flags for `pdserve up`'s workers (every field, so the workers'
+    defaults never differ from calibrate's), and the KV transport."""
+    return [*to_argv(args), "--kv-transport", transport]
+
+
+@contextmanager
+def _step_log_env(directory: Path) -> Iterator[None]:
+    old = os.environ.get(STEP_LOG)
+    os.environ[STEP_LOG] = str(directory)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(STEP_LOG, None)
+        else:
+            os.environ[STEP_LOG] = old
+
+
+def _line_counts(directory: Path) -> dict[Path, int]:
+    return {f: len(f.read_text().splitlines()) for f in directory.glob("steps-*.jsonl")}
+
+
+def run_served_pd(args: EngineArgs, timed: StepModel, transport: str, max_num_seqs: int, vocab_size: int,
+                  plan: ServedPlan = ServedPlan()) -> ServedRun:  # noqa: B008
+    """Start `pdserve up --prefill 1 --decode 1` with the calibrated engine flags, send the isolated
+    requests, then the load; the workers' steps logged during both (not the readiness ones)."""
+    from pdserve.bench.serve import local
+
+    threads = args.num_threads or local.up_threads_per_worker(2)
+    probe = random_lengths(plan.probe, PROBE_PROMPT_LEN, PROBE_OUTPUT_LEN, seed=1, vocab_size=vocab_size)
+    load = random_lengths(plan.load, plan.input_len, plan.output_len, seed=2, vocab_size=vocab_size)
+    with tempfile.TemporaryDirectory(prefix="pdserve-calibrate-pd-") as tmp:
+        log_dir, step_dir = Path(tmp) / "logs", Path(tmp) / "steps"
+        step_dir.mkdir()
+        port = local.free_port()
+        cli = local.pd_args(port, 1, 1, threads, engine_flags(args, transport))
+        with _step_log_env(step_dir):
+            server = local.start("calibrate-pd", cli, port, log_dir)
+        try:
+            local.wait_ready(server, plan.ready_timeout_s)
+            skip = _line_counts(step_dir)  # NOTE: the readiness requests' steps (the first, cold ones)
+            config = LoadConfig(server.url, max_concurrency=1, progress=False)
+            records = asyncio.run(run_load(probe, config)).records
+            concurrency = max(1, min(plan.concurrency, max_num_seqs))
+            loaded = asyncio.run(run_load(load, replace(config, max_concurrency=concurrency))).records
+        finally:
+            local.stop(server)
+        steps: dict[str, list[Step]] = {}
+        for file in sorted(step_dir.glob("steps-*.jsonl")):
+            role = step_log_role(file) or "colocated"
+            for work, seconds, _ in read_step_logs([file])[skip.get(file, 0):]:
+                predicted = timed.step_s(work.prefill_tokens, work.prefill_pairs, work.decode_seqs,
+                                         work.decode_context)
+                if seconds > 0 and predicted > 0:
+                    steps.setdefault(role, []).append(Step(predicted, seconds))
+    return ServedRun(records, probe, loaded, load, concurrency, steps, transport)

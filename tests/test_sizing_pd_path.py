@@ -1,0 +1,157 @@
+"""The PD path's costs (issue 29, item 3): the profile's version-2 fields, the simulator charging
+them, and calibrate's served PD run recovering them (against the simulator itself: no cluster)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from pdserve.cli import main
+from pdserve.sizing.model_facts import load_model_facts
+from pdserve.sizing.profile import PROFILE_VERSION, PDPathCosts, Profile, StepModel, TransferModel, load_profile
+from pdserve.sizing.served_pd import (
+    PROBE_OUTPUT_LEN,
+    PROBE_PROMPT_LEN,
+    ServedRun,
+    Step,
+    _simulated,
+    _token_s,
+    fit_served,
+    path_costs,
+)
+from pdserve.sizing.sim.cluster import Arrival, Topology
+from pdserve.sizing.sim.run import cluster_spec, simulate
+
+STEP = StepModel(0.005, 1e-5, 0.0, 3e-4, 1e-7)
+PD = Topology(num_prefill=1, num_decode=1)
+
+
+def _profile(**changes: object) -> Profile:
+    profile = Profile("tiny", "test", load_model_facts("qwen3-0.6b"), STEP, 1000, 16, 4096, 16, 512,
+                      {"tcp": TransferModel(0.001, 2e9)})
+    return dataclasses.replace(profile, **changes)
+
+
+def _alone(profile: Profile, **kwargs: object) -> tuple[float, float]:
+    """One isolated PD request of 64 tokens, 8 out: (its first token's time, its second's)."""
+    run = simulate(cluster_spec(profile, PD, "tcp", **kwargs), [Arrival(64, 8, 0.0)], 1)  # type: ignore[arg-type]
+    record = run.result.records[0]
+    return record.chunk_times_s[0], record.chunk_times_s[1]
+
+
+def test_version_1_profiles_load_without_pd_path_costs(tmp_path: Path) -> None:
+    """A profile written before version 2 (no "version", no "pd_path", no "prefill_step") loads, and
+    says it is version 1 and has no PD path costs; a newer version than this pdserve's is refused."""
+    raw = _profile().to_dict()
+    for key in ("version", "pd_path", "prefill_step"):
+        raw.pop(key)
+    old = tmp_path / "v1.json"
+    old.write_text(json.dumps(raw))
+    profile = load_profile(old)
+    assert profile.version == 1 and profile.pd_path is None and profile.prefill_step is None
+    assert profile.step == STEP
+    raw["version"] = PROFILE_VERSION + 1
+    old.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="newer"):
+        load_profile(old)
+
+
+def test_version_2_fields_round_trip(tmp_path: Path) -> None:
+    costs = PDPathCosts(0.012, 0.004, 0.0015, 0.0025, "tcp", 12)
+    profile = _profile(pd_path=costs, prefill_step=dataclasses.replace(STEP, base_s=0.009))
+    path = tmp_path / "v2.json"
+    profile.save(path)
+    assert json.loads(path.read_text())["version"] == PROFILE_VERSION == 2
+    assert load_profile(path) == profile
+    assert costs.first_token(4) == pytest.approx(0.012 + 4 * 0.0015)
+    assert costs.handoff(4) == pytest.approx(0.004 + 4 * 0.0025)
+
+
+def test_the_simulator_charges_the_pd_path_costs() -> None:
+    """An isolated request (no stream decoding: the fixed parts only): the first token comes
+    `first_token_s` later, the second `handoff_s` later; without the costs (or with
+    `--no-pd-path-costs`) neither moves. Fails if the simulator ignores them."""
+    bare_first, bare_second = _alone(_profile())
+    costs = PDPathCosts(first_token_s=0.030, handoff_s=0.045)
+    first, second = _alone(_profile(pd_path=costs))
+    assert first == pytest.approx(bare_first + 0.030)
+    assert second == pytest.approx(bare_second + 0.045)
+    assert _alone(_profile(pd_path=costs), pd_path_costs=False) == pytest.approx((bare_first, bare_second))
+    # NOTE: the router relays in order: a hand-off faster than the first token's way back waits for it
+    first, second = _alone(_profile(pd_path=PDPathCosts(first_token_s=0.5)))
+    assert second == pytest.approx(first)
+
+
+@pytest.mark.parametrize("costs", [PDPathCosts(first_token_per_waiting_s=0.010),
+                                   PDPathCosts(handoff_per_stream_s=0.010)])
+def test_the_load_dependent_costs_grow_with_the_load(costs: PDPathCosts) -> None:
+    """Under load the first token waits behind the other requests' dispatch, and the hand-off behind
+    the decode tier's token traffic: a request alone pays neither, a burst of 8 pays them."""
+    arrivals = [Arrival(64, 40, 0.0)] * 16
+
+    def medians(profile: Profile, num: int) -> tuple[float, float]:
+        lat = simulate(cluster_spec(profile, PD, "tcp"), arrivals[:num], 8).summary.latency
+        return lat["ttft"].median_ms, lat["e2el"].median_ms
+
+    assert medians(_profile(pd_path=costs), 1) == pytest.approx(medians(_profile(), 1))
+    (ttft, e2el), (bare_ttft, bare_e2el) = medians(_profile(pd_path=costs), 16), medians(_profile(), 16)
+    if costs.first_token_per_waiting_s:
+        assert ttft > bare_ttft + 10
+    else:
+        assert e2el > bare_e2el + 10
+
+
+def test_the_prefill_workers_step_with_their_served_model() -> None:
+    slow = dataclasses.replace(STEP, base_s=0.050)
+    bare_first, _ = _alone(_profile())
+    first, _ = _alone(_profile(prefill_step=slow))
+    assert first == pytest.approx(bare_first + 0.045)
+
+
+def test_fit_served_recovers_scale_and_shift() -> None:
+    steps = [Step(t, 1.5 * t + 0.002) for t in (0.004, 0.006, 0.010, 0.020, 0.035)]
+    model, a, b = fit_served(STEP, steps)
+    assert (a, b) == pytest.approx((1.5, 0.002))
+    assert model.base_s == pytest.approx(1.5 * STEP.base_s + 0.002)
+    assert model.decode_seq_s == pytest.approx(1.5 * STEP.decode_seq_s)
+    # a negative shift is not a cost: b = 0, a the ratio of the sums
+    _, a, b = fit_served(STEP, [Step(0.01, 0.011), Step(0.02, 0.030)])
+    assert b == 0 and a == pytest.approx(0.041 / 0.03)
+
+
+def test_path_costs_recovers_what_the_served_run_saw() -> None:
+    """The served run's records made by the simulator with known costs: calibrate's fit recovers
+    the fixed parts exactly, and load-dependent parts that give the load's medians."""
+    from pdserve.bench.serve.workloads import random_lengths
+
+    truth = PDPathCosts(0.008, 0.006, 0.002, 0.003)
+    probe = random_lengths(6, PROBE_PROMPT_LEN, PROBE_OUTPUT_LEN, seed=1)
+    load = random_lengths(24, 64, 16, range_ratio=0.75, seed=2)
+    profile = _profile()
+    run = ServedRun(_simulated(profile, truth, "tcp", probe, 1), probe, _simulated(profile, truth, "tcp", load, 8),
+                    load, 8, {}, "tcp")
+    got = path_costs(profile, run)
+    assert got.first_token_s == pytest.approx(truth.first_token_s, abs=1e-9)
+    assert got.handoff_s == pytest.approx(truth.handoff_s, abs=1e-9)
+    # NOTE: the load-dependent parts need not be unique (medians of a few requests): they give the load's
+    assert got.first_token_per_waiting_s > 0 and got.handoff_per_stream_s > 0
+    real, sim = run.load, _simulated(profile, got, "tcp", load, 8)
+    for index in (0, 1):
+        assert _token_s(sim, index) == pytest.approx(_token_s(real, index), abs=1e-3)
+    assert got.transport == "tcp" and got.num_requests == 6
+
+
+def test_simulate_says_when_a_profile_has_no_pd_path_costs(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "p.json"
+    _profile().save(path)
+    args = ["simulate", "--profile", str(path), "--prefill", "1", "--decode", "1", "--num-prompts", "4",
+            "--workload", "random", "--input-len", "16", "--output-len", "4"]
+    assert main(args) == 0
+    assert "has no PD path costs" in capsys.readouterr().out
+    _profile(pd_path=PDPathCosts(0.01, 0.01)).save(path)
+    assert main(args) == 0
+    assert "has no PD path costs" not in capsys.readouterr().out
