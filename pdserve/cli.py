@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, cast
 import uvicorn
 from starlette.types import ASGIApp
 
+from pdserve import envs
 from pdserve.addresses import http_url, parse_member
 from pdserve.config import KV_CACHE_DTYPES, ApiConfig, EngineArgs, RouterConfig, WorkerConfig, kv_dtype_description
 from pdserve.config_flags import add_config_args, config_from_args
@@ -170,6 +171,7 @@ def _run_server(app: ASGIApp, ns: argparse.Namespace, access_log: bool = True,
     # Left in, each one took 85-220 ms on a 2-core VM, stalling whatever request it landed in.
     gc.collect()
     gc.freeze()
+    envs.serving_switch_interval()
     _DrainingServer(config, on_exit).run()
 
 

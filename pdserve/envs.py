@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 _DEFAULT_KV_TRANSFER_TIMEOUT_MS = 100
 
@@ -100,3 +101,15 @@ def cluster_secret() -> str | None:
     """PDSERVE_CLUSTER_SECRET: the cluster secret when --cluster-secret-file is not given (`pdserve
     up` sets it on its children); unset or empty: none."""
     return os.environ.get(CLUSTER_SECRET) or None
+
+
+SWITCH_INTERVAL_S = 0.0005
+
+
+def serving_switch_interval() -> None:
+    """A serving process's threads (the event loop, the engine-core link's reader and writer, the KV
+    side's loop, the transports' I/O threads) hand the GIL to each other often, each for a small
+    piece of work: at Python's default (a waiting thread may wait 5 ms for a busy one to yield) a
+    PD request's hops between the API and engine processes cost 3-6 ms of its first token on a
+    2-vCPU machine (docs/BENCHMARKS.md, "The engine process of prefill and decode workers")."""
+    sys.setswitchinterval(SWITCH_INTERVAL_S)

@@ -112,10 +112,15 @@ class EngineCoreClient:
         self._error: BaseException | None = None
         self._closing = False
         self._lock = threading.Lock()  # _requests, _pending, and the output listener's calls
-        # NOTE: one thread writes the socket: neither the event loop nor the reader thread ever waits
-        # on the engine process reading (a reader blocked on a full socket while the engine blocks on
-        # sending it outputs would be a deadlock)
+        # NOTE: neither the event loop nor the reader thread ever waits on the engine process reading
+        # (a reader blocked on a full socket while the engine blocks on sending it outputs would be a
+        # deadlock): what the socket does not take at once goes to the writer thread
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        # NOTE: a frame goes out from the sending thread itself when nothing is queued for the writer
+        # and the socket takes it at once (no thread hop on a request's path); else the writer sends it
+        self._send_lock = threading.Lock()  # the socket's writing side; the writer may hold it long
+        self._count_lock = threading.Lock()  # _backlog only: never held while waiting
+        self._backlog = 0  # frames queued for the writer or being written by it
         self._writer = threading.Thread(target=self._write, name="pdserve-engine-core-writer", daemon=True)
         self._writer.start()
         self._requests: dict[str, _Tracked] = {}
@@ -285,14 +290,43 @@ class EngineCoreClient:
         return await future
 
     def _send_quietly(self, message: ToCore) -> None:
-        """Queue for the writer thread; a link that is gone is the reader thread's to report (EOF)."""
-        self._outbox.put(encode_to_core(message))
+        """Send now if the socket takes the whole frame without waiting and nothing is queued before
+        it, else queue it for the writer thread (in order); never waits on the engine process. A
+        link that is gone is the reader thread's to report (EOF)."""
+        data = encode_to_core(message)
+        if self._send_lock.acquire(blocking=False):  # NOTE: held by the writer while it sends
+            try:
+                with self._count_lock:
+                    direct = not self._backlog
+                if direct:
+                    try:
+                        sent = self._sock.send(data, socket.MSG_DONTWAIT)
+                    except BlockingIOError:
+                        sent = 0
+                    except OSError:
+                        return
+                    if sent == len(data):
+                        return
+                    data = data[sent:]  # NOTE: the rest before anything else: queued while the lock is held
+                self._enqueue(data)
+            finally:
+                self._send_lock.release()
+            return
+        self._enqueue(data)
+
+    def _enqueue(self, data: bytes) -> None:
+        with self._count_lock:
+            self._backlog += 1
+        self._outbox.put(data)
 
     def _write(self) -> None:
         """The writer thread: frames to the engine process, in the order they were queued."""
         while (data := self._outbox.get()) is not None:
             try:
-                self._sock.sendall(data)
+                with self._send_lock:
+                    self._sock.sendall(data)
+                with self._count_lock:
+                    self._backlog -= 1
             except OSError:
                 logger.debug("engine core link closed: the writer stops")
                 return

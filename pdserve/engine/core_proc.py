@@ -279,6 +279,7 @@ def serve_engine_core(fd: int, side_factory: SideFactory | None = None) -> int:
     # model) leaves the collector's sight, so a full collection never stalls a step scanning it
     gc.collect()
     gc.freeze()
+    envs.serving_switch_interval()
     core.send(FromCore(stats=engine.stats(), ready=True, info=None if core.side is None else core.side.info()))
     try:
         core.run()
