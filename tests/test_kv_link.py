@@ -109,6 +109,8 @@ def test_the_receivers_mirror_delivers_times_out_and_drops_late_events() -> None
         with pytest.raises(KVTransferError):
             await receiver.wait("c@0", 0.01)
         assert client.told == [["expect", "c@0", [3], "tok"], ["cancel", "c@0"], ["expect", "c@1", [3], "tok"]]
+        await receiver.settled()  # NOTE: a call behind them: they are in effect on the engine side once it answers
+        assert client.called == [["settled"]]
 
     asyncio.run(scenario())
     assert receiver._box.request_ids() == frozenset()

@@ -135,7 +135,7 @@ def test_a_retarget_as_the_old_attempt_completes_never_completes_it_twice(
         for _ in range(iterations):
             await asyncio.sleep(0)
         attempts = [f"{rid}@0"]
-        if service.retarget(rid, f"{rid}@1"):
+        if await service.retarget(rid, f"{rid}@1"):
             await _hand_off(sender, f"{rid}@1", src, reply, first)
             attempts.append(f"{rid}@1")
         for tid in attempts:

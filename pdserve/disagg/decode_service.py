@@ -141,9 +141,10 @@ class DecodeService:
         record = self._requests.get(request_id)
         return record if record is not None and record.transfer_id is not None else None
 
-    def retarget(self, request_id: str, transfer_id: str) -> bool:
+    async def retarget(self, request_id: str, transfer_id: str) -> bool:
         """Expect a new attempt's KV (same blocks); the current attempt is cancelled. False when
-        the request is not waiting for KV any more (finished, aborted, or already recomputing)."""
+        the request is not waiting for KV any more (finished, aborted, or already recomputing).
+        Returns once the receiver expects the new attempt (so before the router can send it)."""
         bind_request_id(request_id)  # the new watcher's log lines name the request
         record = self._waiting_for_kv(request_id)
         if record is None or record.transfer_id is None:
@@ -157,6 +158,9 @@ class DecodeService:
             record.watcher.cancel()
         record.watcher = asyncio.create_task(self._watch(request_id, transfer_id))
         logger.info("request %s: expecting KV from attempt %s", request_id, transfer_id)
+        # NOTE: the engine process's receiver may not have it yet: the router dispatches the new
+        # attempt once this answers, and its KV must find the receiver expecting it
+        await self.receiver.settled()
         return True
 
     def touch(self, transfer_ids: list[str]) -> None:
@@ -197,6 +201,7 @@ class DecodeService:
             return False
         self._stop_receiving(request_id)
         self._counts.prefilled_locally += 1
+        await self.receiver.settled()  # NOTE: no late payload of the attempt lands where this computes
         await self.client.send(PrefillLocally(request_id))
         return True
 
@@ -351,6 +356,7 @@ class DecodeService:
         if self.failure_policy == "recompute":
             self._counts.recomputed += 1
             logger.warning("request %s: %s; prefilling it on this decode worker", rid, reason)
+            await self.receiver.settled()  # NOTE: no late payload of the attempt lands where this computes
             await self.client.send(PrefillLocally(rid))
             return
         self._counts.failed += 1

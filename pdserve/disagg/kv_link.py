@@ -144,6 +144,11 @@ class RemoteReceiver:
     def touch(self, request_id: str) -> None:
         self._box.touch(request_id)
 
+    async def settled(self) -> None:
+        """The engine side runs `expect` and `cancel` in the order they were sent, each at once on
+        its KV loop: the answer to a call sent after them means they are in effect."""
+        await _call(self.client, ["settled"])
+
     async def wait(self, request_id: str, timeout_s: float) -> KVEvent:
         with self._lock:
             if request_id not in self._gone:

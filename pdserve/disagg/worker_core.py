@@ -142,6 +142,8 @@ class WorkerCoreSide:
         elif receiver is not None and method == "cancel":
             (rid,) = _typed(args, str)
             receiver.cancel(rid)
+        elif method == "settled" and not args:
+            return None  # NOTE: every call before it ran (KV loop, in order)
         elif prefill is not None and method == "connect":
             (address,) = _typed(args, str)
             return await prefill.connect(address)

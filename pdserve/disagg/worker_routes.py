@@ -66,7 +66,7 @@ def _add_attempt_routes(app: FastAPI, service: DecodeService) -> None:
 
     @app.post("/pd/retarget/{request_id}")
     async def retarget(request_id: str, body: Retarget) -> Response:
-        if not service.retarget(request_id, body.transfer_id):
+        if not await service.retarget(request_id, body.transfer_id):
             return error_response(f"request {request_id!r} is not waiting for KV", HTTPStatus.NOT_FOUND)
         return JSONResponse({"expecting": body.transfer_id})
 

@@ -198,6 +198,11 @@ class KVReceiver(abc.ABC):
         transport): a `wait` on it counts its timeout from now."""
         self._events.touch(request_id)
 
+    async def settled(self) -> None:
+        """Once every `expect` and `cancel` made so far is in effect: at once here (they are
+        synchronous); a stand-in across a process boundary waits for them (disagg/kv_link.py)."""
+        return
+
     def reserved_request_ids(self) -> frozenset[str]:
         """Requests that still have a reservation or undelivered events (tests: nothing left behind)."""
         return self._table.request_ids() | self._events.request_ids()
