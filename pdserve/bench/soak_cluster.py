@@ -127,7 +127,13 @@ class Cluster:
         return None
 
     def processes(self) -> list[int]:
-        return [self.up.pid, *children(self.up.pid)]
+        """`up` and every process under it: the router, the workers, and the workers' engine
+        processes (where their KV pools and transports live)."""
+        found, frontier = [self.up.pid], [self.up.pid]
+        while frontier:
+            frontier = [child for pid in frontier for child in children(pid)]
+            found += frontier
+        return found
 
     def run_schedule(self, duration_s: float, warmup_s: float | None) -> list[str]:
         """Sleeps through the load, injecting the faults; returns what was done, in order."""
@@ -256,6 +262,8 @@ def _describe(pid: int) -> str:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
         return str(pid)
+    if any(a in ("pdserve.disagg.worker_core", "pdserve.engine.core_proc") for a in argv):
+        return f"pid {pid} (engine process)"
     role = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--role"), None)
     command = next((a for a in argv if a in ("up", "router", "serve", "balancer")), "?")
     return f"pid {pid} ({command}{' ' + role if role else ''})"
