@@ -24,7 +24,7 @@ from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.disagg.transport.messages import KVDone, KVEvent, KVProgress, KVRejected
 from pdserve.disagg.transport.progress import EventBox
 from pdserve.engine.core_client import CoreCallError, EngineCoreClient
-from pdserve.engine.core_wire import CoreWireError
+from pdserve.engine.core_wire import CoreWireError, typed
 
 _GONE_KEPT = 1 << 16  # transfers ended here whose late events are dropped, not mirrored again
 
@@ -73,30 +73,24 @@ def encode_event(event: KVEvent) -> list[Any]:
     return ["rejected", event.request_id, event.reason]
 
 
-def _check(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-        raise CoreWireError(f"KV event {what}: {type(value).__name__}")
-    return value
-
-
 def _opt_float(value: Any, what: str) -> float | None:
-    return None if value is None else float(_check(value, (int, float), what))
+    return None if value is None else float(typed(value, (int, float), what))
 
 
 def decode_event(value: list[Any]) -> KVEvent:
     kind, rid, *fields = value
-    _check(rid, str, "transfer id")
+    typed(rid, str, "transfer id")
     if kind == "progress" and len(fields) == 2:
         layer, blocks = fields
-        return KVProgress(rid, _check(layer, int, "layer"), tuple(_check(b, int, "block") for b in
-                                                                  _check(blocks, list, "blocks")))
+        return KVProgress(rid, typed(layer, int, "layer"), tuple(typed(b, int, "block") for b in
+                                                                  typed(blocks, list, "blocks")))
     if kind == "done" and len(fields) == 6:
         first, state, queue_s, compute_s, cached, logprobs = fields
-        return KVDone(rid, _check(first, int, "first token"), None if state is None else _check(state, bytes, "state"),
-                      _opt_float(queue_s, "queue_s"), _opt_float(compute_s, "compute_s"), _check(cached, int, "cached"),
-                      None if logprobs is None else _check(logprobs, bytes, "prompt logprobs"))
+        return KVDone(rid, typed(first, int, "first token"), None if state is None else typed(state, bytes, "state"),
+                      _opt_float(queue_s, "queue_s"), _opt_float(compute_s, "compute_s"), typed(cached, int, "cached"),
+                      None if logprobs is None else typed(logprobs, bytes, "prompt logprobs"))
     if kind == "rejected" and len(fields) == 1:
-        return KVRejected(rid, _check(fields[0], str, "reason"))
+        return KVRejected(rid, typed(fields[0], str, "reason"))
     raise CoreWireError(f"KV event: unknown {kind!r} with {len(fields)} fields")
 
 

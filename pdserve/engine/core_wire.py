@@ -200,20 +200,21 @@ def _frame(fields: list[Any]) -> bytes:
 
 # -- decoding ----------------------------------------------------------------------------------
 
-def _is(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
+def typed(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
+    """`value` if it is a `kind` (a bool is no int or float here), else CoreWireError naming `what`."""
     if not isinstance(value, kind) or (isinstance(value, bool) and kind in (int, float)):
         raise CoreWireError(f"{what}: {type(value).__name__} where {kind} was expected")
     return value
 
 
 def _opt(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
-    return None if value is None else _is(value, kind, what)
+    return None if value is None else typed(value, kind, what)
 
 
 def _ints(value: Any, what: str) -> list[int]:
-    _is(value, list, what)
+    typed(value, list, what)
     for v in value:
-        _is(v, int, what)
+        typed(v, int, what)
     return value
 
 
@@ -234,14 +235,14 @@ def decode_to_core(data: bytes) -> ToCore:
     _, kind, call_id, command, kv, engine_args, worker, level, log_format = fields
     if kind not in _KINDS:
         raise CoreWireError(f"ToCore: unknown kind {kind!r}")
-    return ToCore(kind, _is(call_id, int, "ToCore.call_id"), None if command is None else decode_command(command),
+    return ToCore(kind, typed(call_id, int, "ToCore.call_id"), None if command is None else decode_command(command),
                   _opt(kv, list, "ToCore.kv"), _opt(engine_args, dict, "ToCore.engine_args"),
-                  _opt(worker, dict, "ToCore.worker"), _is(level, str, "ToCore.log_level"),
-                  _is(log_format, str, "ToCore.log_format"))
+                  _opt(worker, dict, "ToCore.worker"), typed(level, str, "ToCore.log_level"),
+                  typed(log_format, str, "ToCore.log_format"))
 
 
 def decode_command(value: Any) -> Command[Any]:
-    name, *values = _is(value, list, "command")
+    name, *values = typed(value, list, "command")
     cls = COMMANDS.get(name) if isinstance(name, str) else None
     if cls is None:
         raise CoreWireError(f"command: unknown {name!r}")
@@ -269,56 +270,56 @@ def _decode(hint: Any, value: Any, what: str) -> Any:
         [inner] = [a for a in args if a is not type(None)]
         return _decode(inner, value, what)
     if origin is list:
-        return [_decode(args[0], v, what) for v in _is(value, list, what)]
+        return [_decode(args[0], v, what) for v in typed(value, list, what)]
     if origin is tuple:
-        return tuple(_decode(args[0], v, what) for v in _is(value, list, what))
+        return tuple(_decode(args[0], v, what) for v in typed(value, list, what))
     if hint is SamplingParams:
-        return SamplingParams(**_is(value, dict, what))
+        return SamplingParams(**typed(value, dict, what))
     if hint is KVTarget:
-        blocks, cached, sender, address, token = _is(value, list, what)
-        return KVTarget(tuple(_ints(blocks, what)), _is(cached, int, what), _is(sender, int, what),
-                        _is(address, str, what), _is(token, str, what))
+        blocks, cached, sender, address, token = typed(value, list, what)
+        return KVTarget(tuple(_ints(blocks, what)), typed(cached, int, what), typed(sender, int, what),
+                        typed(address, str, what), typed(token, str, what))
     if hint is PromptLogprobs:
         return _decode_prompt_logprobs(value)
     if hint in (str, int, bool, bytes):
-        return _is(value, hint, what)
+        return typed(value, hint, what)
     if hint is float:
-        return float(_is(value, (int, float), what))
+        return float(typed(value, (int, float), what))
     raise CoreWireError(f"{what}: a field of type {hint} does not cross the link")
 
 
 def _top(value: Any) -> tuple[tuple[int, float], ...]:
-    return tuple((_is(t, int, "top id"), float(_is(lp, (int, float), "top logprob")))
-                 for t, lp in _is(value, list, "top"))
+    return tuple((typed(t, int, "top id"), float(typed(lp, (int, float), "top logprob")))
+                 for t, lp in typed(value, list, "top"))
 
 
 def _decode_token_logprobs(value: Any) -> TokenLogprobs:
-    token_id, logprob, top = _is(value, list, "logprobs")
-    return TokenLogprobs(_is(token_id, int, "logprobs id"), float(_is(logprob, (int, float), "logprob")), _top(top))
+    token_id, logprob, top = typed(value, list, "logprobs")
+    return TokenLogprobs(typed(token_id, int, "logprobs id"), float(typed(logprob, (int, float), "logprob")), _top(top))
 
 
 def _decode_prompt_logprobs(value: Any) -> PromptLogprobs | None:
     if value is None:
         return None
-    token_id, logprob, rank, top = _is(value, list, "prompt logprobs")
-    return PromptLogprobs(_is(token_id, int, "prompt id"), float(_is(logprob, (int, float), "logprob")),
-                          _is(rank, int, "rank"), _top(top))
+    token_id, logprob, rank, top = typed(value, list, "prompt logprobs")
+    return PromptLogprobs(typed(token_id, int, "prompt id"), float(typed(logprob, (int, float), "logprob")),
+                          typed(rank, int, "rank"), _top(top))
 
 
 def _decode_delta(value: Any) -> RequestDelta:
-    request_id, sequences, num_cached, scheduled, prompt_logprobs = _is(value, list, "RequestDelta")
+    request_id, sequences, num_cached, scheduled, prompt_logprobs = typed(value, list, "RequestDelta")
     seqs = []
-    for seq in _is(sequences, list, "RequestDelta.sequences"):
-        index, token_ids, logprobs, finish_reason, stop_reason = _is(seq, list, "SequenceDelta")
-        seqs.append(SequenceDelta(_is(index, int, "index"), _ints(token_ids, "token_ids"),
+    for seq in typed(sequences, list, "RequestDelta.sequences"):
+        index, token_ids, logprobs, finish_reason, stop_reason = typed(seq, list, "SequenceDelta")
+        seqs.append(SequenceDelta(typed(index, int, "index"), _ints(token_ids, "token_ids"),
                                   None if logprobs is None else [_decode_token_logprobs(x) for x in
-                                                                 _is(logprobs, list, "logprobs")],
+                                                                 typed(logprobs, list, "logprobs")],
                                   _opt(finish_reason, str, "finish_reason"),
                                   _opt(stop_reason, (int, str), "stop_reason")))
-    return RequestDelta(_is(request_id, str, "request_id"), seqs, _is(num_cached, int, "num_cached_tokens"),
+    return RequestDelta(typed(request_id, str, "request_id"), seqs, typed(num_cached, int, "num_cached_tokens"),
                         _opt(scheduled, float, "first_scheduled_time"),
                         None if prompt_logprobs is None else [_decode_prompt_logprobs(x) for x in
-                                                              _is(prompt_logprobs, list, "prompt_logprobs")])
+                                                              typed(prompt_logprobs, list, "prompt_logprobs")])
 
 
 def _decode_stats(value: dict[str, Any]) -> EngineStats:
@@ -335,14 +336,15 @@ def _decode_stats(value: dict[str, Any]) -> EngineStats:
 def decode_from_core(data: bytes) -> FromCore:
     _, outputs, failures, replies, stats, fatal, ready, info, kv_events, kv_stats = _fields(data, 10, "FromCore")
     return FromCore(
-        [_decode_delta(d) for d in _is(outputs, list, "FromCore.outputs")],
-        [(_is(r, str, "failure id"), _is(e, str, "failure")) for r, e in _is(failures, list, "FromCore.failures")],
-        [CoreReply(_is(c, int, "call_id"), v, _opt(e, str, "error"), _is(k, str, "error_kind"),
-                   [_is(d, str, "error_detail") for d in _is(detail, list, "error_detail")])
-         for c, v, e, k, detail in _is(replies, list, "FromCore.replies")],
-        None if stats is None else _decode_stats(_is(stats, dict, "FromCore.stats")),
-        _opt(fatal, str, "FromCore.fatal"), _is(ready, bool, "FromCore.ready"), _opt(info, dict, "FromCore.info"),
-        [_is(e, list, "FromCore.kv_events") for e in _is(kv_events, list, "FromCore.kv_events")],
+        [_decode_delta(d) for d in typed(outputs, list, "FromCore.outputs")],
+        [(typed(r, str, "failure id"), typed(e, str, "failure"))
+         for r, e in typed(failures, list, "FromCore.failures")],
+        [CoreReply(typed(c, int, "call_id"), v, _opt(e, str, "error"), typed(k, str, "error_kind"),
+                   [typed(d, str, "error_detail") for d in typed(detail, list, "error_detail")])
+         for c, v, e, k, detail in typed(replies, list, "FromCore.replies")],
+        None if stats is None else _decode_stats(typed(stats, dict, "FromCore.stats")),
+        _opt(fatal, str, "FromCore.fatal"), typed(ready, bool, "FromCore.ready"), _opt(info, dict, "FromCore.info"),
+        [typed(e, list, "FromCore.kv_events") for e in typed(kv_events, list, "FromCore.kv_events")],
         _opt(kv_stats, dict, "FromCore.kv_stats"))
 
 
