@@ -109,6 +109,7 @@ class RemoteReceiver:
         self._box = EventBox()
         self._lock = threading.Lock()  # the box's open transfers: the event loop and the link's reader
         self._gone: OrderedDict[str, None] = OrderedDict()  # ended here: their late events are dropped
+        self._opened: set[str] = set()  # open in the box and not ended here (the lock's)
         client.kv_listener = self._on_events
 
     @property
@@ -166,12 +167,15 @@ class RemoteReceiver:
             self._box.put(event)
 
     def _open(self, request_id: str) -> None:
-        """Lock held."""
-        if request_id not in self._box.request_ids():
-            self._box.open(request_id)
+        """Lock held. NOTE: the box's own set is looked at once per transfer, not per event."""
+        if request_id not in self._opened:
+            if request_id not in self._box.request_ids():
+                self._box.open(request_id)
+            self._opened.add(request_id)
 
     def _end(self, request_id: str) -> None:
         """Lock held."""
+        self._opened.discard(request_id)
         self._gone[request_id] = None
         if len(self._gone) > _GONE_KEPT:
             self._gone.popitem(last=False)
