@@ -11,6 +11,7 @@ import dataclasses
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -40,7 +41,7 @@ from pdserve.engine.commands import (
     ReserveRemote,
     StopSequence,
 )
-from pdserve.engine.core_client import EngineCoreClient, EngineStartError
+from pdserve.engine.core_client import EngineCoreClient, EngineStartError, LinkWriter
 from pdserve.engine.core_wire import (
     COMMANDS,
     WIRE_VERSION,
@@ -55,6 +56,7 @@ from pdserve.engine.core_wire import (
     decode_to_core,
     encode_from_core,
     encode_to_core,
+    recv_frames,
 )
 from pdserve.engine.disk_offload import TierStats
 from pdserve.engine.kv_disk_tier import KVTierStats
@@ -272,3 +274,30 @@ def test_the_disk_tier_and_the_prefix_cache_answer_through_the_engine_process(mo
         assert tier is not None and tier.disk.enabled and tier.disk.bytes_written > 0 and tier.disk.num_files >= 4
     finally:
         client.shutdown()
+
+
+def test_the_link_writer_keeps_frames_in_order_and_never_waits_on_a_slow_reader() -> None:
+    """`LinkWriter`: while the other end does not read, sends return at once (what the socket does
+    not take goes to the writer thread); once it reads, every frame arrives whole and in order, the
+    ones sent directly and the queued ones alike."""
+    ours, theirs = socket.socketpair()
+    try:
+        writer = LinkWriter(ours)
+        frames = [encode_to_core(ToCore("command", call_id, CachedPrefixTokens(list(range(50_000)))))
+                  for call_id in range(1, 61)]  # ~60 x 150 kB: far more than the socket's buffers
+        started = time.monotonic()
+        for frame in frames:
+            writer.send(frame)
+        assert time.monotonic() - started < 5.0, "a send waited for the reader"
+        reader, got = FrameReader(), []
+        while len(got) < len(frames):
+            got += [decode_to_core(frame).call_id for frame in recv_frames(theirs, reader) or []]
+        assert got == list(range(1, 61))
+        writer.send(frames[0])  # nothing queued any more: sent directly, still whole
+        (frame,) = recv_frames(theirs, reader) or []
+        assert decode_to_core(frame).call_id == 1
+        writer.close()
+        writer.join(5.0)
+    finally:
+        ours.close()
+        theirs.close()

@@ -114,15 +114,8 @@ class EngineCoreClient:
         self._lock = threading.Lock()  # _requests, _pending, and the output listener's calls
         # NOTE: neither the event loop nor the reader thread ever waits on the engine process reading
         # (a reader blocked on a full socket while the engine blocks on sending it outputs would be a
-        # deadlock): what the socket does not take at once goes to the writer thread
-        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        # NOTE: a frame goes out from the sending thread itself when nothing is queued for the writer
-        # and the socket takes it at once (no thread hop on a request's path); else the writer sends it
-        self._send_lock = threading.Lock()  # the socket's writing side; the writer may hold it long
-        self._count_lock = threading.Lock()  # _backlog only: never held while waiting
-        self._backlog = 0  # frames queued for the writer or being written by it
-        self._writer = threading.Thread(target=self._write, name="pdserve-engine-core-writer", daemon=True)
-        self._writer.start()
+        # deadlock): `LinkWriter` sends what the socket takes at once, its thread the rest
+        self._link = LinkWriter(sock)
         self._requests: dict[str, _Tracked] = {}
         self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
         self._call_ids = itertools.count(1)
@@ -264,14 +257,14 @@ class EngineCoreClient:
     def shutdown(self) -> None:
         self._closing = True
         self._send_quietly(ToCore("shutdown"))
-        self._outbox.put(None)
+        self._link.close()
         try:
             self.process.wait(timeout=_SHUTDOWN_WAIT_S)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
         self._reader.join(timeout=_SHUTDOWN_WAIT_S)
-        self._writer.join(timeout=_SHUTDOWN_WAIT_S)
+        self._link.join(_SHUTDOWN_WAIT_S)
         self._sock.close()
 
     # -- the link ------------------------------------------------------------------------------
@@ -290,46 +283,8 @@ class EngineCoreClient:
         return await future
 
     def _send_quietly(self, message: ToCore) -> None:
-        """Send now if the socket takes the whole frame without waiting and nothing is queued before
-        it, else queue it for the writer thread (in order); never waits on the engine process. A
-        link that is gone is the reader thread's to report (EOF)."""
-        data = encode_to_core(message)
-        if self._send_lock.acquire(blocking=False):  # NOTE: held by the writer while it sends
-            try:
-                with self._count_lock:
-                    direct = not self._backlog
-                if direct:
-                    try:
-                        sent = self._sock.send(data, socket.MSG_DONTWAIT)
-                    except BlockingIOError:
-                        sent = 0
-                    except OSError:
-                        return
-                    if sent == len(data):
-                        return
-                    data = data[sent:]  # NOTE: the rest before anything else: queued while the lock is held
-                self._enqueue(data)
-            finally:
-                self._send_lock.release()
-            return
-        self._enqueue(data)
-
-    def _enqueue(self, data: bytes) -> None:
-        with self._count_lock:
-            self._backlog += 1
-        self._outbox.put(data)
-
-    def _write(self) -> None:
-        """The writer thread: frames to the engine process, in the order they were queued."""
-        while (data := self._outbox.get()) is not None:
-            try:
-                with self._send_lock:
-                    self._sock.sendall(data)
-                with self._count_lock:
-                    self._backlog -= 1
-            except OSError:
-                logger.debug("engine core link closed: the writer stops")
-                return
+        """Never waits on the engine process; a link that is gone is the reader thread's to report (EOF)."""
+        self._link.send(encode_to_core(message))
 
     def _read(self) -> None:
         """The reader thread: every message of the engine core, until it ends."""
@@ -433,6 +388,67 @@ class EngineCoreClient:
             pending, self._pending = self._pending, {}
         for loop, future in pending.values():
             loop.call_soon_threadsafe(set_exception, future, EngineDeadError(f"engine failed: {exc}"))
+
+
+class LinkWriter:
+    """Writes frames to a socket in order without ever waiting on the reader at the other end: a
+    frame goes out from the sending thread itself when nothing is queued before it and the socket
+    takes it at once (no thread hop on a request's path); else, with whatever part the socket did
+    not take, it goes to the writer thread, which waits for the socket in its place."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._send_lock = threading.Lock()  # the socket's writing side; the writer may hold it long
+        self._count_lock = threading.Lock()  # _backlog only: never held while waiting
+        self._backlog = 0  # frames queued for the writer or being written by it
+        self._writer = threading.Thread(target=self._write, name="pdserve-engine-core-writer", daemon=True)
+        self._writer.start()
+
+    def send(self, data: bytes) -> None:
+        if self._send_lock.acquire(blocking=False):  # NOTE: held by the writer while it sends
+            try:
+                with self._count_lock:
+                    direct = not self._backlog
+                if direct:
+                    try:
+                        sent = self._sock.send(data, socket.MSG_DONTWAIT)
+                    except BlockingIOError:
+                        sent = 0
+                    except OSError:
+                        return
+                    if sent == len(data):
+                        return
+                    data = data[sent:]  # NOTE: the rest before anything else: queued while the lock is held
+                self._enqueue(data)
+            finally:
+                self._send_lock.release()
+            return
+        self._enqueue(data)
+
+    def close(self) -> None:
+        """The writer stops once what is queued before this is written."""
+        self._outbox.put(None)
+
+    def join(self, timeout_s: float) -> None:
+        self._writer.join(timeout=timeout_s)
+
+    def _enqueue(self, data: bytes) -> None:
+        with self._count_lock:
+            self._backlog += 1
+        self._outbox.put(data)
+
+    def _write(self) -> None:
+        """The writer thread: frames in the order they were queued."""
+        while (data := self._outbox.get()) is not None:
+            try:
+                with self._send_lock:
+                    self._sock.sendall(data)
+                with self._count_lock:
+                    self._backlog -= 1
+            except OSError:
+                logger.debug("engine core link closed: the writer stops")
+                return
 
 
 class CoreCallError(RuntimeError):
