@@ -15,9 +15,9 @@ from helpers import mark_ready, until
 from pd_fixtures import StubPrefillClient
 
 from pdserve.config import RouterConfig
-from pdserve.disagg.control import HandOff, PrefillJob, WireSamplingParams
+from pdserve.disagg.control import FirstToken, HandOff, PrefillJob, WireSamplingParams
 from pdserve.disagg.pool import WorkerPool
-from pdserve.disagg.queue import memory
+from pdserve.disagg.queue import Refusal, memory
 from pdserve.disagg.queue.memory import MemoryPrefillQueue
 from pdserve.disagg.router import PDRouter
 from pdserve.engine.sampling_params import SamplingParams
@@ -27,6 +27,7 @@ from pdserve.tokenizer import load_tokenizer
 COLD, WARM, WARMER, SLOW = "http://cold", "http://warm", "http://warmer", "http://slow"
 DECODE = "http://decode"
 PROMPT = list(range(1, 80))
+PARAMS = SamplingParams(max_tokens=2)
 
 
 class StubWorkers(StubPrefillClient):
@@ -59,9 +60,28 @@ class StubWorkers(StubPrefillClient):
         pass
 
 
+class Heard:
+    """An attempt's listener (queue/base.py AttemptListener) that keeps what it heard."""
+
+    wants_first_token = False
+
+    def __init__(self) -> None:
+        self.handed_off_with: list[int] = []
+        self.refusals: list[Refusal] = []
+
+    def first_token(self, first: FirstToken) -> None:
+        raise AssertionError("not asked for")
+
+    def handed_off(self, prefill_cached_tokens: int) -> None:
+        self.handed_off_with.append(prefill_cached_tokens)
+
+    def refused(self, refusal: Refusal) -> None:
+        self.refusals.append(refusal)
+
+
 def _job(rid: str) -> PrefillJob:
     return PrefillJob(request_id=rid, transfer_id=f"{rid}@0", decode_url=DECODE, prompt_token_ids=PROMPT,
-                      params=WireSamplingParams.of(SamplingParams(max_tokens=2)), kv_address="a:1", block_ids=[0],
+                      params=WireSamplingParams.of(PARAMS), kv_address="a:1", block_ids=[0],
                       num_cached_tokens=0)
 
 
@@ -79,13 +99,12 @@ def test_a_job_with_prefix_affinity_goes_where_its_prompt_is_cached(monkeypatch:
         workers = StubWorkers()
         queue = MemoryPrefillQueue(_pool(workers, [COLD, SLOW, WARMER, WARM]), workers)
         try:
-            handed_off: list[int] = []
-            ticket = await queue.put(_job("a"), prefix_affinity=True)
-            ticket.on_handed_off = handed_off.append
-            await until(lambda: handed_off, "the hand-off")
+            heard = Heard()
+            await queue.put(_job("a"), prefix_affinity=True, listener=heard)
+            await until(lambda: heard.handed_off_with, "the hand-off")
             # SLOW caches the most but did not answer in time: counted as caching nothing
             assert sorted(workers.asked) == sorted([COLD, SLOW, WARMER, WARM])
-            assert workers.prefilled == [WARMER] and handed_off == [64]
+            assert workers.prefilled == [WARMER] and heard.handed_off_with == [64]
             workers.asked.clear()
             await queue.put(_job("b"))  # no affinity: nobody asked, the least loaded (first) takes it
             await until(lambda: len(workers.prefilled) == 2, "the second job")
@@ -120,21 +139,23 @@ def test_resumed_jobs_are_counted_by_where_their_prompt_kv_came_from(model_dirs:
                           Qwen3ModelConfig.from_dir(model_dir), str(model_dir), 1024, pool=pool, queue=queue,
                           client=workers)
         try:
-            await router._dispatch(_job("first"), recovering=False)  # a first attempt: least loaded, not counted
-            await router._dispatch(_job("resumed"), True, count_recovery=True)  # a resume: affinity, counted
+            await router.run("first", PROMPT, PARAMS).dispatch(_job("first"))  # a first run: least loaded, not counted
+            await router.run("resumed", PROMPT, PARAMS, 1).dispatch(_job("resumed"))  # a resume: affinity, counted
             await until(lambda: len(workers.prefilled) == 2, "both hand-offs")
             assert workers.prefilled == [COLD, WARM]
             assert router.stats().recoveries.prefill_cache == 1 and router.stats().recoveries.recompute == 0
             pool.members("prefill")[1].info = None  # WARM gone: only COLD, which caches nothing, is left
-            await router._dispatch(_job("resumed2"), True, count_recovery=True)
+            await router.run("resumed2", PROMPT, PARAMS, 1).dispatch(_job("resumed2"))
             await until(lambda: len(workers.prefilled) == 3, "the third hand-off")
             assert router.stats().recoveries.recompute == 1 and router.stats().recoveries.prefill_cache == 1
             # a resume whose transfer stalls is counted once, by its first attempt: the retry would find
             # what the stalled attempt computed
             job = _job("stalls")
-            ticket = await router._dispatch(job, True, count_recovery=True)
+            run = router.run("stalls", PROMPT, PARAMS, 1)
+            await run.dispatch(job)
             await until(lambda: len(workers.prefilled) == 4, "the stalled attempt")
-            await router._retry_prefill(pool.members("decode")[0], ticket)
+            run.decode = pool.members("decode")[0]
+            await run.retry_prefill()
             await until(lambda: len(workers.prefilled) == 5, "the retry")
             await asyncio.sleep(0.05)
             assert router.stats().recoveries.recompute == 2 and router.stats().recoveries.prefill_cache == 1

@@ -9,7 +9,7 @@ from collections.abc import AsyncGenerator
 
 import pytest
 
-from pdserve.disagg.router import _next_within
+from pdserve.disagg.router_outputs import next_within
 
 
 async def _one_output(ready: asyncio.Future[str], cleaned: list[str]) -> AsyncGenerator[str, None]:
@@ -30,7 +30,7 @@ def test_a_cancel_that_lands_with_the_first_output_is_not_swallowed(spins: int) 
         ready: asyncio.Future[str] = loop.create_future()
         cleaned: list[str] = []
         outputs = _one_output(ready, cleaned)
-        waiter = asyncio.ensure_future(_next_within(outputs, 10.0))
+        waiter = asyncio.ensure_future(next_within(outputs, 10.0))
         for _ in range(spins):
             await asyncio.sleep(0)
         ready.set_result("first")
@@ -50,7 +50,7 @@ def test_the_deadline_raises_timeout_and_leaves_the_generator_closable() -> None
         cleaned: list[str] = []
         outputs = _one_output(ready, cleaned)
         with pytest.raises(TimeoutError):
-            await _next_within(outputs, 0.05)
+            await next_within(outputs, 0.05)
         await outputs.aclose()
         assert cleaned == ["closed"]
 
@@ -62,7 +62,7 @@ def test_an_output_in_time_is_returned() -> None:
         ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         ready.set_result("first")
         outputs = _one_output(ready, [])
-        assert await _next_within(outputs, 1.0) == "first"
+        assert await next_within(outputs, 1.0) == "first"
         assert await anext(outputs) == "second"
         await outputs.aclose()
 

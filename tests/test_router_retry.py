@@ -65,7 +65,8 @@ def test_a_retry_after_a_requeue_gets_a_new_attempt(model_dirs: dict[str, Path])
                          params=WireSamplingParams.of(SamplingParams(max_tokens=2)), kv_address="a:1",
                          block_ids=[0], num_cached_tokens=0)
         try:
-            ticket = await queue.put(job)
+            run = router.run("r", [1, 2, 3], SamplingParams(max_tokens=2))
+            ticket = await run.dispatch(job)
             # the prefill worker was lost with attempt @0: the queue re-queues it as @1, and once the
             # worker is back in the pool, @1 runs there
             await until(lambda: workers.retargeted == ["r@1"], "the re-queue")
@@ -74,8 +75,9 @@ def test_a_retry_after_a_requeue_gets_a_new_attempt(model_dirs: dict[str, Path])
             await until(lambda: workers.prefilled == ["r@0", "r@1"], "attempt @1 to start")
             assert ticket.job.transfer_id == "r@1"
             # then decode reports a stalled transfer: the retry must be a new attempt, not @1 again
-            retried = await router._retry_prefill(pool.members("decode")[0], ticket)
-            assert retried.job.transfer_id == "r@2"
+            run.decode = pool.members("decode")[0]
+            await run.retry_prefill()
+            assert run.ticket is not None and run.ticket.job.transfer_id == "r@2"
             assert workers.retargeted == ["r@1", "r@2"]
             assert workers.aborted == ["r@1"]  # the superseded attempt is stopped where it runs
             await until(lambda: workers.prefilled == ["r@0", "r@1", "r@2"], "attempt @2 to start")

@@ -30,18 +30,6 @@ class WireSamplingParams(BaseModel):
         return SamplingParams(**self.fields)
 
 
-def transfer_id(request_id: str, attempt: int) -> str:
-    """The id one prefill attempt of a request goes by, on the prefill worker and on the wire. A
-    retried or re-delivered request gets a new attempt, so a late payload of an earlier attempt
-    can never be counted as part of the current one."""
-    return f"{request_id}@{attempt}"
-
-
-def request_id_of(tid: str) -> str:
-    """The request a `transfer_id` is an attempt of ("" for an id that is none)."""
-    return tid.rpartition("@")[0]
-
-
 class ReserveRequest(BaseModel):
     """router -> decode: hold blocks for this prompt before prefill starts; the KV receiver expects
     `transfer_id` (attempt 0 of the request)."""

@@ -19,8 +19,10 @@ request with an error. Each case is counted and logged with the stable message
 `KV cache transfer timed out`.
 
 State: one `_Reserved` record per request (`_requests`, keyed by request id), created when the
-reservation succeeds and removed when the request's stream ends or it is aborted. Only the KV
-receiver knows a transfer by its attempt's id (`_Reserved.transfer_id`).
+reservation succeeds and removed when the request's stream ends or it is aborted; its `state`
+moves through attempt_states.RESERVATION (awaiting_kv, receiving, retry_asked, decoding,
+prefilling_here, ended), which refuses any other move. Only the KV receiver knows a transfer by
+its attempt's id (`_Reserved.transfer_id`).
 """
 
 from __future__ import annotations
@@ -33,10 +35,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from pdserve.disagg.control import OutputFrame, ReserveReply, ReserveRequest, request_id_of
+from pdserve.disagg.attempt_states import RESERVATION, WAITING_FOR_KV, Reservation, State
+from pdserve.disagg.control import OutputFrame, ReserveReply, ReserveRequest
 from pdserve.disagg.kv_side import ReceiverView
 from pdserve.disagg.phases import TransferMeter
 from pdserve.disagg.prompt_logprobs_wire import unpack
+from pdserve.disagg.request_ids import request_id_of
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.disagg.transport.messages import KVDone, KVRejected
 from pdserve.engine.async_llm import EngineClient, EngineDeadError, RequestFailedError
@@ -68,6 +72,7 @@ class _Reserved:
     block_ids: tuple[int, ...]  # its reservation in this pool: where every attempt's KV goes
     token: str  # random: what every attempt's KV messages must present (ReserveReply.token)
     transfer_id: str | None  # the attempt the KV receiver expects; None once not waiting for KV
+    state: State  # where it is in its lifecycle (attempt_states.RESERVATION)
     watcher: asyncio.Task[None] | None = None  # follows that attempt's KV events
     retried: bool = False  # it already asked for its one retry
     streaming: bool = False  # the router reads its stream (else nobody would read an error there)
@@ -128,7 +133,7 @@ class DecodeService:
             ReserveRemote(rid, body.prompt_token_ids, body.params.build(), transfer_id=tid, token=token), stream)
         if reservation is None:
             return None
-        record = self._requests[rid] = _Reserved(stream, reservation.block_ids, token, tid)
+        record = self._requests[rid] = _Reserved(stream, reservation.block_ids, token, tid, State(RESERVATION, rid))
         record.watcher = asyncio.create_task(self._watch(rid, tid))
         return ReserveReply(block_ids=list(reservation.block_ids), num_cached_tokens=reservation.num_cached_tokens,
                             kv_address=self.receiver.kv_address, token=token)
@@ -139,7 +144,7 @@ class DecodeService:
 
     def _waiting_for_kv(self, request_id: str) -> _Reserved | None:
         record = self._requests.get(request_id)
-        return record if record is not None and record.transfer_id is not None else None
+        return record if record is not None and record.state.is_in(*WAITING_FOR_KV) else None
 
     async def retarget(self, request_id: str, transfer_id: str) -> bool:
         """Expect a new attempt's KV (same blocks); the current attempt is cancelled. False when
@@ -154,6 +159,7 @@ class DecodeService:
         self.receiver.cancel(record.transfer_id)
         self.receiver.expect(transfer_id, list(record.block_ids), record.token)
         record.transfer_id = transfer_id
+        record.state.move(Reservation.AWAITING_KV)
         if record.watcher is not None:
             record.watcher.cancel()
         record.watcher = asyncio.create_task(self._watch(request_id, transfer_id))
@@ -197,8 +203,9 @@ class DecodeService:
 
     async def prefill_here(self, request_id: str) -> bool:
         """Conditional disaggregation: this worker computes the (short) uncached rest itself."""
-        if self._waiting_for_kv(request_id) is None:
+        if (record := self._waiting_for_kv(request_id)) is None:
             return False
+        record.state.move(Reservation.PREFILLING_HERE)
         self._stop_receiving(request_id)
         self._counts.prefilled_locally += 1
         await self.receiver.settled()  # NOTE: no late payload of the attempt lands where this computes
@@ -239,7 +246,7 @@ class DecodeService:
 
     async def abort(self, request_id: str) -> None:
         record = self._requests.get(request_id)
-        self._forget(request_id)
+        self._forget(request_id)  # NOTE: ended there
         self.client.abort(request_id)
         if record is not None:
             # NOTE: a request still waiting for its KV is not in the engine yet: no output would
@@ -262,12 +269,13 @@ class DecodeService:
 
     def _forget(self, request_id: str) -> None:
         self._stop_receiving(request_id)
-        self._requests.pop(request_id, None)
+        if (record := self._requests.pop(request_id, None)) is not None and not record.state.ended:
+            record.state.move(Reservation.ENDED)
         self._meter.forget(request_id)
 
     def _expects(self, rid: str, tid: str) -> bool:
         """Whether the request still waits for the KV of attempt `tid`."""
-        record = self._requests.get(rid)
+        record = self._waiting_for_kv(rid)
         return record is not None and record.transfer_id == tid
 
     async def _watch(self, rid: str, tid: str) -> None:
@@ -301,6 +309,8 @@ class DecodeService:
                 return
             self._meter.on_event(rid, event)
             started = True
+            if (record := self._requests.get(rid)) is not None and record.state.is_in(Reservation.AWAITING_KV):
+                record.state.move(Reservation.RECEIVING)
             if isinstance(event, KVRejected):
                 self._counts.rejected += 1
                 logger.warning("KV payload rejected for request %s: %s", rid, event.reason)
@@ -334,6 +344,7 @@ class DecodeService:
         self._counts.retried += 1
         if record is not None:
             record.retried = True
+            record.state.move(Reservation.RETRY_ASKED)
             record.stream.put_nowait(_RETRY)
         return True
 
@@ -341,6 +352,7 @@ class DecodeService:
         self._counts.completed += 1
         record = self._requests.get(rid)
         if record is not None:
+            record.state.move(Reservation.DECODING)
             record.transfer_id = None  # received: nothing to cancel any more
             record.watcher = None
         try:
@@ -354,6 +366,8 @@ class DecodeService:
     async def _apply_failure_policy(self, rid: str, reason: str) -> None:
         self._stop_receiving(rid)
         if self.failure_policy == "recompute":
+            if (record := self._requests.get(rid)) is not None:
+                record.state.move(Reservation.PREFILLING_HERE)
             self._counts.recomputed += 1
             logger.warning("request %s: %s; prefilling it on this decode worker", rid, reason)
             await self.receiver.settled()  # NOTE: no late payload of the attempt lands where this computes
@@ -367,4 +381,6 @@ class DecodeService:
         record = self._requests.get(rid)
         self.client.abort(rid)
         if record is not None:
+            if not record.state.ended:
+                record.state.move(Reservation.ENDED)
             record.stream.put_nowait(KVTransferError(f"request {rid}: {reason}"))

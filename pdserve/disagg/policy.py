@@ -17,7 +17,7 @@ from pdserve.disagg.pool import Worker, reach
 class DecodePolicy(abc.ABC):
     """Orders the candidate decode workers for one request, best first.
 
-    Called by the router (`PDRouter._reserve`) on its event loop for each reservation round of a
+    Called by the router (`RequestRun.reserve`) on its event loop for each reservation round of a
     request: once, then again every 50 ms while no candidate has KV room, so it must be cheap or
     bound its own I/O. `candidates` are the ready decode workers the request has not lost (never
     empty). The router reserves on them in the returned order and takes the first with room, so

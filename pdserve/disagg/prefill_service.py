@@ -10,9 +10,11 @@ stops saying so if the engine thread has not finished a step for `_ENGINE_STUCK_
 Each job is one attempt (`job.transfer_id`): the id the engine, the streamer and the transport use
 here, so a retried request never collides with its earlier attempt. One `_Attempt` record per
 attempt (`_attempts`, keyed by transfer id), created when the engine took the job and removed when
-its hand-off ended. `run` returns how the hand-off ended (`HandOff`), which is what the router, or
-the queue consumer, acknowledges. The first token is known before that (`first_token`): POST
-/pd/prefill streams it to a router that asked, before the final message goes to decode.
+its hand-off ended; its `state` moves through attempt_states.ATTEMPT (computing, handing_off,
+then how it ended: handed_off, timed_out, failed, aborted). `run` returns how the hand-off ended
+(`HandOff`), which is what the router, or the queue consumer, acknowledges. The first token is
+known before that (`first_token`): POST /pd/prefill streams it to a router that asked, before the
+final message goes to decode.
 
 The streaming itself is the engine's layer observer (`KVStreamer`), called on the engine thread
 right after each layer; the transport moves the bytes on its own I/O thread meanwhile. Where an
@@ -32,6 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+from pdserve.disagg.attempt_states import ATTEMPT, Attempt, State
 from pdserve.disagg.auth import ClusterSecret, verify_job, verify_placement
 from pdserve.disagg.client import WorkerClient, WorkerError
 from pdserve.disagg.control import FirstToken, HandOff, Placement, PrefillJob
@@ -60,6 +63,7 @@ class _Attempt:
     decode_url: str  # the decode worker expecting it, told it is alive ("": nobody to tell)
     num_uncomputed_tokens: int  # prompt tokens still to compute (0 once the first token is out)
     token: str  # the decode reservation's, which every KV message of the attempt presents
+    state: State  # where it is in its lifecycle (attempt_states.ATTEMPT)
     seeded: bool = True  # has a seeded generator, whose state decode needs (Request.generator)
     # the sender (handle) to its decode worker, once its reservation is known (at once for a placed job)
     placed: asyncio.Future[int] = dataclasses.field(
@@ -140,7 +144,7 @@ class PrefillService:
         task = asyncio.create_task(self._finish(tid, stream))
         attempt = self._attempts[tid] = _Attempt(task, job.decode_url,
                                                  len(job.prompt_token_ids) - job.num_cached_tokens, job.token,
-                                                 seeded=params.seed is not None)
+                                                 State(ATTEMPT, tid), seeded=params.seed is not None)
         if sender is not None:
             attempt.placed.set_result(sender)
         if self._keepalive is None or self._keepalive.done():
@@ -210,6 +214,14 @@ class PrefillService:
             attempt.task.cancel()
 
     async def _finish(self, tid: str, stream: OutputStream) -> HandOff:
+        """`_hand_off_when_done`, the attempt's state moved to how it ended (attempt_states.ATTEMPT)."""
+        attempt = self._attempts.get(tid)  # NOTE: made in the same turn as this task: there
+        hand_off = await self._hand_off_when_done(tid, stream)
+        if attempt is not None:
+            attempt.state.move(Attempt(hand_off.status))
+        return hand_off
+
+    async def _hand_off_when_done(self, tid: str, stream: OutputStream) -> HandOff:
         """Wait for the first token (and tell whoever follows the attempt), for the placement of
         an unplaced job, send the final message, wait for decode's acknowledgement, release the
         blocks. Whatever happens (abort, rejection, timeout), the blocks are released when it
@@ -225,7 +237,10 @@ class PrefillService:
             # engine thread for its state on the first token's path
             state = await self.client.send(GeneratorState(tid)) if attempt is None or attempt.seeded else None
             self._first_token_out(tid, final)  # NOTE: once all is known that decode needs to go on from it
-            await self._hand_off(tid, await self._placement(tid), final, state)
+            handle = await self._placement(tid)
+            if attempt is not None:
+                attempt.state.move(Attempt.HANDING_OFF)
+            await self._hand_off(tid, handle, final, state)
             self._counts.handed_off += 1
             return HandOff(transfer_id=tid, status="handed_off", prefill_cached_tokens=final.num_cached_tokens)
         except KVTransferTimeout as exc:  # decode is told: it may have no clock running (nothing arrived)

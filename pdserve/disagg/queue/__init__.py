@@ -5,11 +5,20 @@ from __future__ import annotations
 from pdserve.config import QueueArgs
 from pdserve.disagg.client import WorkerClient
 from pdserve.disagg.pool import WorkerPool
-from pdserve.disagg.queue.base import PrefillQueue, PrefillTicket, QueueStats, QueueUnavailable, Refusal, next_attempt
+from pdserve.disagg.queue.base import (
+    AttemptListener,
+    PlacesLater,
+    PrefillQueue,
+    PrefillTicket,
+    QueueStats,
+    QueueUnavailable,
+    Refusal,
+    next_attempt,
+)
 from pdserve.disagg.queue.memory import MemoryPrefillQueue
 
-__all__ = ["MemoryPrefillQueue", "PrefillQueue", "PrefillTicket", "QueueStats", "QueueUnavailable", "Refusal",
-           "make_queue", "next_attempt"]
+__all__ = ["AttemptListener", "MemoryPrefillQueue", "PlacesLater", "PrefillQueue", "PrefillTicket", "QueueStats",
+           "QueueUnavailable", "Refusal", "make_queue", "next_attempt"]
 
 
 def make_queue(args: QueueArgs, pool: WorkerPool, client: WorkerClient) -> PrefillQueue:

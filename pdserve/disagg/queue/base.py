@@ -17,11 +17,11 @@ without compute.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
-from pdserve.disagg.control import FirstToken, Placement, PrefillJob, transfer_id
+from pdserve.disagg.control import FirstToken, Placement, PrefillJob
+from pdserve.disagg.request_ids import attempt_of, transfer_id
 from pdserve.serving.trace import RequestTrace, current_trace
 
 
@@ -31,8 +31,7 @@ class QueueUnavailable(RuntimeError):
 
 def next_attempt(job: PrefillJob) -> PrefillJob:
     """The same job as a new attempt (new transfer id), for a re-delivery or a retry."""
-    attempt = int(job.transfer_id.rpartition("@")[2] or 0) + 1
-    return job.model_copy(update={"transfer_id": transfer_id(job.request_id, attempt)})
+    return job.model_copy(update={"transfer_id": transfer_id(job.request_id, attempt_of(job.transfer_id) + 1)})
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,16 +47,37 @@ class Refusal:
 class PrefillTicket:
     """One prefill attempt put on a queue, as the router that put it follows it."""
 
-    job: PrefillJob  # the memory queue swaps in the new attempt when it re-queues the job
+    job: PrefillJob  # a queue that re-queues the job (its worker was lost) swaps in the new attempt
     trace: RequestTrace = field(default_factory=current_trace)  # the request's TTFT phases (metrics)
-    refusal: Refusal | None = None  # set if a prefill worker refused the job (memory queue only)
-    # called once (then cleared) with the hand-off's `prefill_cached_tokens` (prompt tokens prefill
-    # took from its cache, not computed) when a prefill worker handed the job off (memory queue only:
-    # a shared queue's consumers acknowledge to the stream, not to the router)
-    on_handed_off: Callable[[int], None] | None = None
-    # called with the job's first token as soon as the prefill worker sampled it, before the hand-off
-    # ended (memory queue only; set before the first await after `put`: the push reads it)
-    on_first_token: Callable[[FirstToken], None] | None = None
+
+
+class AttemptListener(Protocol):
+    """What the router hears of an attempt from a queue that pushes its jobs to prefill workers
+    and so sees their answers (memory). A shared queue's consumers report to the stream, not to a
+    router: such a queue calls none of these, and the request learns the same from its decode stream."""
+
+    @property
+    def wants_first_token(self) -> bool:
+        """Whether `first_token` is worth the prefill worker's streamed answer."""
+
+    def first_token(self, first: FirstToken) -> None:
+        """The prefill worker sampled the job's first token (before the hand-off ended)."""
+
+    def handed_off(self, prefill_cached_tokens: int) -> None:
+        """The hand-off ended; `prefill_cached_tokens`: prompt tokens prefill took from its cache."""
+
+    def refused(self, refusal: Refusal) -> None:
+        """A prefill worker refused the job for good; called before decode ends the request."""
+
+
+class PlacesLater(Protocol):
+    """The capability of a queue that takes a job before its decode reservation is made, so that
+    prefill computes while decode reserves (`PrefillQueue.places_later`)."""
+
+    async def place(self, ticket: PrefillTicket, placement: Placement) -> bool:
+        """The decode reservation of a job put without one. False: the attempt is not running any
+        more (cancelled, or its worker lost it: then it is queued again with this placement);
+        raises WorkerRefused when the prefill worker cannot use it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +94,8 @@ class PrefillQueue(abc.ABC):
     """Router side of the prefill queue. One per router, used from its event loop only.
 
     The router calls `put` once per prefill attempt, after reserving the prompt's blocks on a
-    decode worker (the job names that reservation; or at once, and `place` when the reservation
-    is made, where the queue `places_later`), and keeps the ticket; `cancel` when the
+    decode worker (the job names that reservation; or at once, and `PlacesLater.place` when the
+    reservation is made, where the queue `places_later`), and keeps the ticket; `cancel` when the
     attempt is superseded (a stalled transfer is retried) or the request ends early; `refresh`
     after each poll of its worker pool (every 0.5 s), and reads `ready`/`error` to admit requests.
     The ticket's trace is marked when the job leaves this router (`mark_left_router`).
@@ -83,24 +103,22 @@ class PrefillQueue(abc.ABC):
     Failures: `put` raises QueueUnavailable when the backing store cannot be reached (the router
     answers 503); everything else is best effort and never raises. A job the prefill side gives
     up on is ended on its decode worker (POST /pd/fail), which ends the request's stream with an
-    error; when the client must see the prefill worker's own status instead, the queue sets
-    `ticket.refusal` before that.
+    error; when the client must see the prefill worker's own status instead, the queue tells the
+    attempt's listener (`refused`) before that.
     """
 
     @abc.abstractmethod
-    async def put(self, job: PrefillJob, prefix_affinity: bool = False) -> PrefillTicket:
+    async def put(self, job: PrefillJob, *, prefix_affinity: bool = False,
+                  listener: AttemptListener | None = None) -> PrefillTicket:
         """Queue one attempt; raises QueueUnavailable. `prefix_affinity`: prefer the prefill worker
         whose prefix cache (pool, disk tier) holds the longest part of the prompt (memory queue; a
-        shared queue's workers pull jobs, so it does not apply there)."""
+        shared queue's workers pull jobs, so it does not apply there). `listener`: hears what this
+        queue learns of the attempt, if it learns anything (AttemptListener)."""
 
-    # NOTE: whether `put` takes a job not placed yet (no decode reservation), `place` naming it later
-    places_later = False
-
-    async def place(self, ticket: PrefillTicket, placement: Placement) -> bool:
-        """The decode reservation of a job put unplaced (`places_later` queues only). False: the
-        attempt is not running any more (cancelled, or its worker lost it: then it is queued again
-        with this placement); raises WorkerRefused when the prefill worker cannot use it."""
-        raise NotImplementedError
+    def places_later(self) -> PlacesLater | None:
+        """How to place a job put before its decode reservation was made, where this queue can
+        (the router asks once); None: every job is put placed."""
+        return None
 
     @abc.abstractmethod
     async def cancel(self, ticket: PrefillTicket) -> None:

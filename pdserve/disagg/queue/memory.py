@@ -8,11 +8,11 @@ or every job with `--prefill-policy prefix-affinity`) goes to the worker, among 
 prefix cache (pool or disk tier) holds the longest part of its prompt (POST /pd/prefix, asked once
 when the job is put, only when more than one prefill worker is ready, each answer bounded by
 `_PREFIX_QUERY_TIMEOUT_S`; no answer counts as nothing cached); ties, and jobs without it, go to the
-least loaded. A ticket with `on_first_token` hears the job's first token as soon as the worker
-sampled it (the POST's answer then streams it, before the hand-off's end). A worker lost (or
+least loaded. A job's listener hears its first token as soon as the worker sampled it (the POST's
+answer then streams it, before the hand-off's end), and its hand-off or refusal. A worker lost (or
 draining) with a job: the job is queued again at the front as a new attempt, the decode worker told
-first. A worker that refuses a job for good: the decode worker ends the request, and the ticket
-carries the refusal to the client.
+first. A worker that refuses a job for good: the listener hears the refusal (for the client), then the
+decode worker ends the request.
 """
 
 from __future__ import annotations
@@ -27,7 +27,15 @@ from pdserve.disagg.auth import sign_job, sign_placement
 from pdserve.disagg.client import WorkerClient, WorkerError, WorkerRefused
 from pdserve.disagg.control import Placement, PrefillJob
 from pdserve.disagg.pool import Worker, WorkerPool, reach
-from pdserve.disagg.queue.base import PrefillQueue, PrefillTicket, QueueStats, Refusal, next_attempt
+from pdserve.disagg.queue.base import (
+    AttemptListener,
+    PlacesLater,
+    PrefillQueue,
+    PrefillTicket,
+    QueueStats,
+    Refusal,
+    next_attempt,
+)
 from pdserve.logs import bind_request_id
 
 logger = logging.getLogger(__name__)
@@ -40,6 +48,7 @@ _PREFIX_QUERY_TIMEOUT_S = 0.5
 class _Dispatch(PrefillTicket):
     """A ticket of this queue, from `put` to hand-off."""
 
+    listener: AttemptListener | None = None  # hears its first token, hand-off, refusal
     done: bool = False  # handed off, refused, or cancelled: nothing more to do for it
     worker: Worker | None = None  # where it is being computed
     # the push under way: its worker took the job (its answer started), or the push ended
@@ -57,8 +66,6 @@ class _Dispatch(PrefillTicket):
 
 class MemoryPrefillQueue(PrefillQueue):
     """See the module docstring. Needs the router's pool (whom to push to) and a client."""
-
-    places_later = True
 
     def __init__(self, pool: WorkerPool, client: WorkerClient) -> None:
         self._pool = pool
@@ -80,12 +87,16 @@ class MemoryPrefillQueue(PrefillQueue):
     def stats(self) -> QueueStats:
         return QueueStats("memory", len(self._pending), len(self._pending), 0, self._num_redispatched, "")
 
-    async def put(self, job: PrefillJob, prefix_affinity: bool = False) -> PrefillTicket:
+    def places_later(self) -> PlacesLater:
+        return self
+
+    async def put(self, job: PrefillJob, *, prefix_affinity: bool = False,
+                  listener: AttemptListener | None = None) -> PrefillTicket:
         if self._task is None:
             # NOTE: in a fresh context: a task copies its creator's, and this one serves every
             # request (its log lines must not carry the first request's id)
             self._task = contextvars.Context().run(asyncio.create_task, self._loop())
-        item = _Dispatch(job)
+        item = _Dispatch(job, listener=listener)
         if prefix_affinity:
             item.cached_tokens = await self._cached_tokens(job.prompt_token_ids)
         self._pending.append(item)
@@ -202,20 +213,22 @@ class MemoryPrefillQueue(PrefillQueue):
         item.accepted.clear()
         item.pushed_placed = item.job.placed
         try:
-            hand_off = await reach(worker, self._client.prefill(worker.url, item.job, item.on_first_token,
+            listener = item.listener
+            on_first_token = listener.first_token if listener is not None and listener.wants_first_token else None
+            hand_off = await reach(worker, self._client.prefill(worker.url, item.job, on_first_token,
                                                                 None if item.job.placed else item.accepted.set))
         except WorkerRefused as exc:
             logger.warning("request %s: prefill refused the job: %s", item.job.request_id, exc.message)
-            item.refusal = Refusal(exc.status, exc.message)
+            if item.listener is not None:
+                item.listener.refused(Refusal(exc.status, exc.message))
             await self._fail(item.job, f"prefill refused the job: {exc.message}")
             return False
         finally:
             item.accepted.set()  # NOTE: a placement waiting for this push looks again
         if hand_off is None:
             return not item.cancelled
-        if hand_off.status == "handed_off" and item.on_handed_off is not None:
-            report, item.on_handed_off = item.on_handed_off, None  # once
-            report(hand_off.prefill_cached_tokens)
+        if hand_off.status == "handed_off" and item.listener is not None:
+            item.listener.handed_off(hand_off.prefill_cached_tokens)
         if hand_off.status == "failed" and not item.cancelled:
             logger.warning("request %s: hand-off failed: %s", item.job.request_id, hand_off.reason)
             await self._fail(item.job, f"prefill failed: {hand_off.reason}")

@@ -42,7 +42,14 @@ from pdserve.disagg.client import WorkerClient, WorkerUnreachable
 from pdserve.disagg.control import PrefillJob
 from pdserve.disagg.kv_layout import KVLayoutMismatch
 from pdserve.disagg.prefill_service import PrefillService
-from pdserve.disagg.queue.base import PrefillQueue, PrefillTicket, QueueStats, QueueUnavailable, next_attempt
+from pdserve.disagg.queue.base import (
+    AttemptListener,
+    PrefillQueue,
+    PrefillTicket,
+    QueueStats,
+    QueueUnavailable,
+    next_attempt,
+)
 from pdserve.disagg.transport.errors import KVTransferError
 from pdserve.serving.worker_stats import Counts
 
@@ -101,8 +108,9 @@ class RedisPrefillQueue(PrefillQueue):
     def stats(self) -> QueueStats:
         return QueueStats("redis", 0, self._num_backlog, self._num_live_consumers, 0, self._error)
 
-    async def put(self, job: PrefillJob, prefix_affinity: bool = False) -> PrefillTicket:
-        # NOTE: `prefix_affinity` does not apply: the consumers pull jobs as their budget allows
+    async def put(self, job: PrefillJob, *, prefix_affinity: bool = False,
+                  listener: AttemptListener | None = None) -> PrefillTicket:
+        # NOTE: neither applies: the consumers pull jobs as their budget allows, and report to the stream
         ticket = PrefillTicket(job)
         try:
             if not self._group_ready:
