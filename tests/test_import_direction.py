@@ -119,3 +119,52 @@ def test_the_checker_sees_every_kind_of_import() -> None:
 def test_imports_point_down() -> None:
     upward = upward_imports(_modules())
     assert not upward, "imports against the layer order:\n" + "\n".join(map(str, upward))
+
+
+def import_graph(paths: list[Path]) -> dict[str, set[str]]:
+    """Module -> the pdserve modules it imports (every import statement, as above)."""
+    graph: dict[str, set[str]] = {}
+    for path in paths:
+        module = module_name(path)
+        graph[module] = {name for _, name in imported_modules(path.read_text(), module, path.name == "__init__.py")
+                         if name != module}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected sets of more than one module (each holds a circle of imports)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:  # NOTE: Tarjan's algorithm; the graph is ~200 modules deep at most
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in sorted(graph[module] & graph.keys()):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            members = []
+            while (top := stack.pop()) != module:
+                members.append(top)
+            if members:
+                found.append(sorted([module, *members]))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_the_circle_finder_finds_circles() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}, "f": set()}
+    assert circles(graph) == [["a", "b", "c"]]
+
+
+def test_no_circle_between_modules() -> None:
+    found = circles(import_graph(_modules()))
+    assert not found, "modules that import each other (through others):\n" + "\n".join(map(" <-> ".join, found))

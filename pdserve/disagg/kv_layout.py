@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.disagg import wire
-from pdserve.engine.model_runner import POOL_LAYOUT
+from pdserve.engine.block_pool import POOL_LAYOUT
 from pdserve.model.kv_scales import KVScales
 
 # The schema of the records the KV transports exchange (transport/messages.py). Bump it with any

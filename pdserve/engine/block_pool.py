@@ -1,6 +1,6 @@
 """The KV block pool: ref counts, free blocks in eviction order, and the prefix-cache index.
 
-Integer bookkeeping only; the tensors live in the model runner.
+Integer bookkeeping only; the tensors live in the model runner, laid out as `POOL_LAYOUT` says.
 
 Free blocks come in two kinds. *Uncached* free blocks hold nothing reusable. *Cached* free blocks
 (ref count 0, but their content is still indexed by hash) can be revived by a prefix hit; they are
@@ -10,6 +10,11 @@ evicted least-recently-freed first, and only when no uncached block is left.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+
+# kv_cache[layer, k|v, block, slot, kv_head, head_dim]: the model runner's pool, and what the KV
+# layout descriptors (the transports' and the disk tier's) name, so a pool laid out otherwise can
+# never read these bytes
+POOL_LAYOUT = "layer,kv,block,slot,head,dim"
 
 
 class BlockPool:

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.engine.model_runner import POOL_LAYOUT
+from pdserve.engine.block_pool import POOL_LAYOUT
 
 MAGIC = b"PDSKV\x00\x00\x01"
 FORMAT_VERSION = 1

@@ -28,9 +28,6 @@ from pdserve.model.attention import (
 from pdserve.model.attention_backend import StepMetadata, decode_splits, select_backend
 from pdserve.model.qwen3 import Qwen3ForCausalLM
 
-# kv_cache[layer, k|v, block, slot, kv_head, head_dim]: what the KV layout descriptors (the
-# transports' and the disk tier's) name, so a pool laid out otherwise can never read these bytes
-POOL_LAYOUT = "layer,kv,block,slot,head,dim"
 _MAX_DECODE_BUCKETS = 4
 _MIN_DECODE_BUCKET = 8
 _CPU_SPLIT_PROGRAMS = 4  # the Triton backend on CPU (tests, interpreter): split decodes as on a 4-SM GPU
