@@ -12,20 +12,18 @@ token before the first-token deadline) are counted here too (`reject`), so every
 from __future__ import annotations
 
 from collections import Counter
-from http import HTTPStatus
 from typing import Literal, NoReturn
 
 from pdserve.config import RouterConfig
+from pdserve.disagg.errors import Refused, RouterError
 from pdserve.disagg.pool import WorkerPool
 from pdserve.disagg.queue import PrefillQueue
 from pdserve.engine.llm_engine import check_request
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.serving.errors import OpenAIError
 from pdserve.serving.router_stats import Rejections
 
 RejectReason = Literal["invalid", "queue_full", "no_prefill_worker", "no_decode_worker", "no_kv_room",
                        "queue_unavailable", "first_token_timeout"]
-_RETRY_AFTER_S = 1
 
 
 class Admission:
@@ -53,17 +51,17 @@ class Admission:
             raise
 
     def admit(self, num_tokens: int) -> None:
-        """Into the queue, or an OpenAIError (503, 429). Pair with one `release`."""
+        """Into the queue, or a RouterError (the client's 503, 429). Pair with one `release`."""
         if self._queue.error:
-            self.reject("queue_unavailable", self._queue.error, HTTPStatus.SERVICE_UNAVAILABLE)
+            self.reject("queue_unavailable", self._queue.error)
         if not self._queue.ready:
-            self.reject("no_prefill_worker", "no prefill worker is ready", HTTPStatus.SERVICE_UNAVAILABLE)
+            self.reject("no_prefill_worker", "no prefill worker is ready")
         if not self._pool.any_ready("decode"):
-            self.reject("no_decode_worker", "no decode worker is ready", HTTPStatus.SERVICE_UNAVAILABLE)
+            self.reject("no_decode_worker", "no decode worker is ready")
         if self.num_queued + 1 > self._max_queued_requests or \
                 (self.num_queued and self.num_queued_tokens + num_tokens > self._max_queued_tokens):
             self.reject("queue_full", f"the router's queue is full ({self.num_queued} requests, "
-                        f"{self.num_queued_tokens} prompt tokens waiting); retry later", HTTPStatus.TOO_MANY_REQUESTS)
+                        f"{self.num_queued_tokens} prompt tokens waiting); retry later")
         self.num_queued += 1
         self.num_queued_tokens += num_tokens
 
@@ -72,10 +70,10 @@ class Admission:
         self.num_queued -= 1
         self.num_queued_tokens -= num_tokens
 
-    def reject(self, reason: RejectReason, message: str, status: HTTPStatus) -> NoReturn:
+    def reject(self, reason: Refused, message: str) -> NoReturn:
+        """Count the refusal and raise it (RouterError: the router's edge decides the status)."""
         self._rejected[reason] += 1
-        retry = {"Retry-After": str(_RETRY_AFTER_S)} if status == HTTPStatus.TOO_MANY_REQUESTS else None
-        raise OpenAIError(message, status, headers=retry)
+        raise RouterError(reason, message)
 
     def rejections(self) -> Rejections:
         return Rejections(**self._rejected)  # a reason never counted keeps its 0

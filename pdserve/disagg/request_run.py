@@ -33,6 +33,7 @@ from pdserve.disagg.control import (
     ReserveRequest,
     WireSamplingParams,
 )
+from pdserve.disagg.errors import RouterError
 from pdserve.disagg.policy import DecodePolicy
 from pdserve.disagg.pool import Worker, WorkerPool, reach
 from pdserve.disagg.queue import PlacesLater, PrefillQueue, PrefillTicket, QueueUnavailable, Refusal, next_attempt
@@ -47,7 +48,6 @@ from pdserve.disagg.router_outputs import (
 )
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.serving.errors import OpenAIError
 from pdserve.serving.trace import current_trace
 from pdserve.tokenizer import Tokenizer
 
@@ -185,18 +185,17 @@ class RequestRun:
         while True:
             candidates = [w for w in parts.pool.ready("decode") if instance(w) not in exclude]
             if not candidates and (not exclude or loop.time() > deadline):
-                parts.admission.reject("no_decode_worker", "no decode worker is ready", HTTPStatus.SERVICE_UNAVAILABLE)
+                parts.admission.reject("no_decode_worker", "no decode worker is ready")
             for worker in await parts.policy.order(candidates, self.prompt):
                 try:
                     reply = await reach(worker, parts.client.reserve(worker.url, request))
                 except WorkerRefused as exc:
-                    raise OpenAIError(exc.message, HTTPStatus.BAD_REQUEST) from exc
+                    raise RouterError("decode_refused", exc.message) from exc
                 if reply is not None:
                     worker.in_flight += 1
                     return worker, reply
             if loop.time() > deadline:
-                parts.admission.reject("no_kv_room", "No decode worker has room for this request; try again later",
-                                       HTTPStatus.SERVICE_UNAVAILABLE)
+                parts.admission.reject("no_kv_room", "No decode worker has room for this request; try again later")
             await asyncio.sleep(_RESERVE_RETRY_S)
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
@@ -269,8 +268,8 @@ class RequestRun:
             return None
         if item.error is not None:
             if self.ticket is not None and self.refusal is not None:
-                raise OpenAIError(self.refusal.message, HTTPStatus(self.refusal.status))
-            raise OpenAIError(item.error, HTTPStatus.SERVICE_UNAVAILABLE)
+                raise self._refused()
+            raise RouterError("kv_failed", item.error)
         if item.phases is not None and (early is None or early.sent is None):
             current_trace().record(item.phases)
         output = request_output(self.rid, self.prompt, item)
@@ -286,6 +285,12 @@ class RequestRun:
         if (phases := early.phases(first)) is not None:
             current_trace().record(phases)
         return output
+
+    def _refused(self) -> RouterError:
+        refusal = self.refusal
+        if refusal is None:
+            raise RuntimeError(f"run {self.rid} was not refused")
+        return RouterError("prefill_refused", refusal.message, refusal.status)
 
     def _prefill_here(self) -> bool:
         """Whether the decode worker prefills what it does not cache itself (conditional disaggregation)."""
@@ -338,9 +343,9 @@ class RequestRun:
         except WorkerRefused as exc:
             if exc.status >= HTTPStatus.INTERNAL_SERVER_ERROR:  # its failure, not the request's: go on elsewhere
                 return AttemptFailed(f"prefill failed to place the job of {self.rid}: {exc.message}")
-            return OpenAIError(exc.message, HTTPStatus(exc.status))
+            return RouterError("prefill_refused", exc.message, exc.status)
         if self.refusal is not None:
-            return OpenAIError(self.refusal.message, HTTPStatus(self.refusal.status))
+            return self._refused()
         return AttemptFailed(f"prefill lost the job of {self.rid} before it was placed")
 
     async def _place_beside(self) -> None:
@@ -364,7 +369,7 @@ class RequestRun:
         try:
             self.ticket = await self.parts.queue.put(job, prefix_affinity=affinity, listener=self)
         except QueueUnavailable as exc:
-            self.parts.admission.reject("queue_unavailable", str(exc), HTTPStatus.SERVICE_UNAVAILABLE)
+            self.parts.admission.reject("queue_unavailable", str(exc))
         return self.ticket
 
     async def retry_prefill(self) -> None:

@@ -33,14 +33,15 @@ One request:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
-from http import HTTPStatus
 
 from pdserve.config import RouterConfig
 from pdserve.disagg.admission import Admission
 from pdserve.disagg.auth import load_cluster_secret
 from pdserve.disagg.client import WorkerClient
+from pdserve.disagg.errors import RouterError
 from pdserve.disagg.membership import Membership, Registry
 from pdserve.disagg.policy import DecodePolicy, make_decode_policy
 from pdserve.disagg.pool import WorkerPool
@@ -50,7 +51,6 @@ from pdserve.disagg.router_outputs import AttemptFailed, DecodeLost, after_sent,
 from pdserve.engine.output import CompletionOutput, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.qwen3_config import Qwen3ModelConfig
-from pdserve.serving.errors import OpenAIError
 from pdserve.serving.router_stats import Recoveries, RouterEvents, RouterStats, WorkerView
 from pdserve.tokenizer import Tokenizer
 
@@ -154,6 +154,17 @@ class PDRouter:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """The request's outputs. The router's edge: a RouterError from anywhere inside becomes
+        the client's OpenAIError here (errors.py), before the first output or after it."""
+        try:
+            async with contextlib.aclosing(self._generate(request_id, prompt_token_ids, params)) as outputs:
+                async for output in outputs:
+                    yield output
+        except RouterError as exc:
+            raise exc.client_error() from exc
+
+    async def _generate(self, request_id: str, prompt_token_ids: list[int],
+                        params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
         self.validate_request(prompt_token_ids, params)
         self.admission.admit(len(prompt_token_ids))
         outputs = self._run(request_id, prompt_token_ids, params)
@@ -184,7 +195,7 @@ class PDRouter:
             logger.warning("request %s: no first token within %g s; aborted", request_id,
                            self.config.first_token_timeout_s)
             self.admission.reject("first_token_timeout", f"no first token within the router's first-token deadline "
-                                  f"({self.config.first_token_timeout_s:g} s)", HTTPStatus.SERVICE_UNAVAILABLE)
+                                  f"({self.config.first_token_timeout_s:g} s)")
 
     def run(self, request_id: str, prompt: list[int], params: SamplingParams, resume: int = 0) -> RequestRun:
         """The request's `resume`-th run (request_run.py), for it to take every step with."""
@@ -207,8 +218,8 @@ class PDRouter:
                 async for output in run.outputs():
                     prompt_logprobs = prompt_logprobs or output.prompt_logprobs
                     if output.finished and prompt_logprobs is None and params.prompt_logprobs is not None:
-                        raise OpenAIError(f"decode worker {decode.url} did not send the prompt's logprobs (an "
-                                          "older version?)", HTTPStatus.BAD_GATEWAY)
+                        raise RouterError("decode_broke", f"decode worker {decode.url} did not send the prompt's "
+                                          "logprobs (an older version?)")
                     last = after_sent(request_id, prompt, sent, output, prompt_logprobs)
                     yield last
                 return
@@ -219,7 +230,7 @@ class PDRouter:
                     sent = last.outputs[0]
                 # NOTE: n sequences that share a prompt's KV are not resumed one by one
                 if resume == self.config.max_resumes or params.n > 1:
-                    raise OpenAIError(str(exc), HTTPStatus.BAD_GATEWAY) from exc
+                    raise RouterError("decode_broke", str(exc)) from exc
                 self._events.resumed += 1
                 logger.warning("request %s: %s; resuming on another decode worker after %d tokens", request_id, exc,
                                len(sent.token_ids))
