@@ -3,7 +3,7 @@ that already flow:
 
     router       arrival ──(router queue: reservation on decode, the router's FIFO)──► job sent to prefill
     prefill      job in ──(prefill queue)──► first scheduled ──(prefill compute)──► first token sampled
-                 └─ queue and compute durations ride in the final KV message (KVDone.prefill_*_s)
+                 └─ queue and compute durations ride in the hand-off record (HandOffDone.prefill_*_s)
     decode       KVDone received ──(first decode step)──► first token emitted
                  └─ all three ride in the request's first output frame (`OutputFrame.phases`)
     router       transfer = TTFT − the four phases above: the part of the KV hand-off not hidden
@@ -24,8 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.disagg.control import OutputFrame
+from pdserve.disagg.handoff import HandOffDone
 from pdserve.disagg.kv_layout import KVLayout
-from pdserve.disagg.transport.messages import KVDone, KVProgress
+from pdserve.disagg.transport.messages import KVProgress
 from pdserve.engine.output import RequestMetrics
 from pdserve.serving.trace import TransferRecord, TTFTPhases
 
@@ -46,8 +47,8 @@ class PrefillPhases:
                    metrics.first_token_time - metrics.first_scheduled_time)
 
     @classmethod
-    def from_done(cls, done: KVDone) -> PrefillPhases | None:
-        """Decode: the phases prefill sent with its final message, if it sent them."""
+    def from_done(cls, done: HandOffDone) -> PrefillPhases | None:
+        """Decode: the phases prefill sent in its hand-off record, if it sent them."""
         if done.prefill_queue_s is None or done.prefill_compute_s is None:
             return None
         return cls(done.prefill_queue_s, done.prefill_compute_s)
@@ -72,13 +73,14 @@ class TransferMeter:
     _transfers: dict[str, _Transfer] = field(default_factory=dict)
 
     def on_event(self, rid: str, event: object) -> None:
+        """A KVProgress, or the hand-off record of the request's KVDone (decoded: HandOffDone)."""
         now = time.monotonic()
         transfer = self._transfers.setdefault(rid, _Transfer())
         if isinstance(event, KVProgress):
             if transfer.first_payload_time is None:
                 transfer.first_payload_time = now
             transfer.num_bytes += len(event.block_ids) * self.layout.block_bytes_per_layer
-        elif isinstance(event, KVDone):
+        elif isinstance(event, HandOffDone):
             transfer.done_time = now
             transfer.prefill = PrefillPhases.from_done(event)
             start = transfer.first_payload_time if transfer.first_payload_time is not None else now
