@@ -16,9 +16,9 @@ from pdserve.disagg.transport import KVSender, KVTransferError, KVTransferTimeou
 from pdserve.model.kv_scales import KVScales, is_fp8
 
 
-def record(first_token_id: int, **fields: Any) -> bytes:
+def record(first_token_id: int, generator_state: bytes | None = None, **fields: Any) -> bytes:
     """The encoded hand-off record a test's `send_done` carries (disagg/handoff.py)."""
-    return HandOffDone(first_token_id, **fields).encode()
+    return HandOffDone(first_token_id, generator_state, **fields).encode()
 
 
 @dataclass(frozen=True, slots=True)
