@@ -15,6 +15,7 @@ from kv_transport_helpers import PoolSpec
 from pdserve.disagg import handoff
 from pdserve.disagg.decode_service import DecodeService, _Reserved
 from pdserve.disagg.handoff import HANDOFF_VERSION, HandOffDone, HandOffError
+from pdserve.disagg.phases import PrefillPhases
 from pdserve.disagg.prompt_logprobs_wire import pack
 from pdserve.disagg.transport import KVDone, KVProgress, KVTransferError, make_receiver, make_sender
 from pdserve.engine.commands import CompleteRemote
@@ -23,7 +24,7 @@ from pdserve.engine.sampler import PromptLogprobs
 SPEC = PoolSpec()
 LOGPROBS = [None, PromptLogprobs(5, -0.5, 1, ((5, -0.5), (9, -1.25))), PromptLogprobs(3, -math.inf, 7, ((2, -0.25),
                                                                                                        (4, -3.0)))]
-FULL = HandOffDone(42, bytes(range(256)) * 2, prefill_queue_s=0.25, prefill_compute_s=1.5, prefill_cached_tokens=48,
+FULL = HandOffDone(42, bytes(range(256)) * 2, PrefillPhases(0.25, 1.5), prefill_cached_tokens=48,
                    prompt_logprobs=pack(LOGPROBS))
 
 
@@ -61,7 +62,8 @@ def test_a_newer_version_is_refused_by_name() -> None:
     (_with(first_token_id=_DROP), "expected keys"),
     (_with(first_token_id="42"), "first_token_id: expected int"),
     (_with(generator_state="@@"), "base64"),
-    (_with(prefill_queue_s="NaN"), "finite number"),
+    (_with(prefill_phases={"queue_s": "NaN", "compute_s": 1.5}), "finite number"),
+    (_with(prefill_phases={"queue_s": 0.25}), "PrefillPhases: expected keys"),
     (_with(unknown=1), "expected keys"),  # a field of this version it does not have: malformed
 ])
 def test_a_malformed_record_is_refused_clearly(data: bytes, match: str) -> None:
@@ -71,7 +73,7 @@ def test_a_malformed_record_is_refused_clearly(data: bytes, match: str) -> None:
 
 def test_an_older_record_without_a_later_fields_takes_its_default() -> None:
     assert HandOffDone.decode(_with(prompt_logprobs=_DROP, prefill_cached_tokens=_DROP)) == HandOffDone(
-        42, FULL.generator_state, prefill_queue_s=0.25, prefill_compute_s=1.5)
+        42, FULL.generator_state, PrefillPhases(0.25, 1.5))
 
 
 @pytest.mark.parametrize("transport", ["fake", "tcp"])
@@ -145,8 +147,7 @@ def test_decode_completes_with_every_field_of_the_record() -> None:
     service, client, stream = _hand_over(FULL.encode())
     assert client.sent == [CompleteRemote("r", 42, FULL.generator_state, 48, LOGPROBS)]
     assert not client.aborted and stream.empty() and service.stats().completed == 1
-    phases = service._meter._transfers["r"].prefill
-    assert phases is not None and (phases.queue_s, phases.compute_s) == (0.25, 1.5)
+    assert service._meter._transfers["r"].prefill == PrefillPhases(0.25, 1.5)  # the TTFT phases' prefill part
 
 
 @pytest.mark.parametrize(("record", "match"), [

@@ -20,6 +20,7 @@ from kv_transport_helpers import PoolSpec, RemotePrefill, record
 
 from pdserve.disagg import wire
 from pdserve.disagg.kv_layout import WIRE_VERSION, KVLayout, KVLayoutMismatch
+from pdserve.disagg.phases import PrefillPhases
 from pdserve.disagg.transport import (
     KVDone,
     KVProgress,
@@ -265,7 +266,7 @@ def test_all_layers_land_bit_for_bit(transport: str, decode: Decode, prefill: tu
                 sender.send_layer(rid, layer, src[chunk], dst[chunk])
     state = bytes(range(256)) * 3  # binary, with NUL bytes
     for token, rid in enumerate(plans, start=100):
-        sender.send_done(rid, record(token, state, prefill_queue_s=0.25, prefill_compute_s=token / 1000))
+        sender.send_done(rid, record(token, state, prefill_phases=PrefillPhases(0.25, token / 1000)))
 
     async def finish() -> dict[str, list]:
         await asyncio.gather(*(sender.flush(rid, TIMEOUT_S) for rid in plans))
@@ -274,7 +275,7 @@ def test_all_layers_land_bit_for_bit(transport: str, decode: Decode, prefill: tu
     events = run(finish())
     for token, (rid, (_, dst)) in enumerate(plans.items(), start=100):
         *progress, last = events[rid]
-        assert last == KVDone(rid, record(token, state, prefill_queue_s=0.25, prefill_compute_s=token / 1000))
+        assert last == KVDone(rid, record(token, state, prefill_phases=PrefillPhases(0.25, token / 1000)))
         # NOTE: over nixl, writes of different layers may complete out of order.
         assert sorted((e.layer, e.block_ids) for e in progress) == sorted(
             (layer, tuple(dst[chunk])) for layer in range(SPEC.num_layers) for chunk in (slice(0, 4), slice(4, 6)))

@@ -346,7 +346,7 @@ class DecodeService:
             record.watcher = None
         try:
             handoff = HandOffDone.decode(done.record)  # HandOffError: malformed, or a newer version
-            self._meter.on_event(rid, handoff)
+            self._meter.on_done(rid, handoff.prefill_phases)
             prompt_logprobs = None if handoff.prompt_logprobs is None else unpack(handoff.prompt_logprobs)
             await self.client.send(CompleteRemote(rid, handoff.first_token_id, handoff.generator_state,
                                                    handoff.prefill_cached_tokens, prompt_logprobs))

@@ -21,9 +21,10 @@ import json
 from dataclasses import dataclass, field
 
 from pdserve.disagg import wire
+from pdserve.disagg.phases import PrefillPhases
 from pdserve.disagg.prompt_logprobs_wire import MAX_TOP, packed_bytes
 
-# 1: first token, generator state, prefill queue and compute seconds, cached tokens, prompt logprobs
+# 1: first token, generator state, prefill phases (queue and compute seconds), cached tokens, prompt logprobs
 HANDOFF_VERSION = 1
 
 _FIXED_BYTES_BOUND = 64 << 10  # everything but the prompt logprobs (a CPU generator state is ~5 KB)
@@ -37,14 +38,13 @@ class HandOffError(ValueError):
 class HandOffDone:
     """Prefill's side of a finished prefill: its first token, its sampler's generator state (None:
     unseeded; decode samples on from it), how long the prompt waited for and took to compute on
-    prefill (None: not measured), how many leading prompt tokens prefill found in its own prefix
-    cache and, for a request that asked for them, the prompt's logprobs (packed:
-    disagg/prompt_logprobs_wire.py)."""
+    prefill (None: not measured; decode reports them in the TTFT phases), how many leading prompt
+    tokens prefill found in its own prefix cache and, for a request that asked for them, the
+    prompt's logprobs (packed: disagg/prompt_logprobs_wire.py)."""
 
     first_token_id: int
     generator_state: bytes | None = None
-    prefill_queue_s: float | None = None
-    prefill_compute_s: float | None = None
+    prefill_phases: PrefillPhases | None = None
     prefill_cached_tokens: int = 0
     prompt_logprobs: bytes | None = None
     version: int = field(default=HANDOFF_VERSION, kw_only=True)

@@ -311,10 +311,7 @@ class PrefillService:
         attempt = self._attempts.get(tid)
         if attempt is not None:
             attempt.num_uncomputed_tokens = 0
-        phases = PrefillPhases.of(final.metrics)
-        record = HandOffDone(final.outputs[0].token_ids[0], state,
-                             prefill_queue_s=None if phases is None else phases.queue_s,
-                             prefill_compute_s=None if phases is None else phases.compute_s,
+        record = HandOffDone(final.outputs[0].token_ids[0], state, PrefillPhases.of(final.metrics),
                              prefill_cached_tokens=final.num_cached_tokens,
                              prompt_logprobs=None if final.prompt_logprobs is None else pack(final.prompt_logprobs))
         self.kv.send_done(sender, tid, record.encode(), token="" if attempt is None else attempt.token)
