@@ -17,7 +17,7 @@ from pdserve.disagg.decode_service import DecodeService, _Reserved
 from pdserve.disagg.handoff import HANDOFF_VERSION, HandOffDone, HandOffError
 from pdserve.disagg.phases import PrefillPhases
 from pdserve.disagg.prompt_logprobs_wire import pack
-from pdserve.disagg.transport import KVDone, KVProgress, KVTransferError, make_receiver, make_sender
+from pdserve.disagg.transport import KVDone, KVProgress, KVTransferError, make_receiver, make_sender, nixl_available
 from pdserve.engine.commands import CompleteRemote
 from pdserve.engine.sampler import PromptLogprobs
 
@@ -76,7 +76,8 @@ def test_an_older_record_without_a_later_fields_takes_its_default() -> None:
         42, FULL.generator_state, PrefillPhases(0.25, 1.5))
 
 
-@pytest.mark.parametrize("transport", ["fake", "tcp"])
+@pytest.mark.parametrize("transport", ["fake", "tcp", pytest.param("nixl", marks=pytest.mark.skipif(
+    not nixl_available(), reason="nixl_cu12 is not installed"))])
 def test_a_transport_carries_the_record_unread(transport: str) -> None:
     decode_pool, prefill_pool = SPEC.pool(1), SPEC.pool(2)
     receiver = make_receiver(transport, SPEC.layout(decode_pool), decode_pool)
