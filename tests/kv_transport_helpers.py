@@ -10,9 +10,15 @@ from typing import Any
 
 import torch
 
+from pdserve.disagg.handoff import HandOffDone
 from pdserve.disagg.kv_layout import KVLayout, KVLayoutMismatch
 from pdserve.disagg.transport import KVSender, KVTransferError, KVTransferTimeout, make_sender
 from pdserve.model.kv_scales import KVScales, is_fp8
+
+
+def record(first_token_id: int, generator_state: bytes | None = None, **fields: Any) -> bytes:
+    """The encoded hand-off record a test's `send_done` carries (disagg/handoff.py)."""
+    return HandOffDone(first_token_id, generator_state, **fields).encode()
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ from pdserve.disagg.auth import (
 from pdserve.disagg.client import WorkerClient
 from pdserve.disagg.control import PrefillJob, ReserveRequest, WireSamplingParams
 from pdserve.disagg.decode_service import DecodeService
+from pdserve.disagg.handoff import HandOffDone
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.sender_pool import SenderPool
 from pdserve.disagg.transport import KVTransferError, make_receiver, make_sender, nixl_available
@@ -202,7 +203,8 @@ def test_a_wrong_reservation_token_cannot_write_the_reservation(cluster: Cluster
                 sender.send_layer("victim@0", 0, [0], reply.block_ids[:1], token="0" * 32)
                 with pytest.raises(KVTransferError, match="wrong reservation token"):
                     await sender.flush("victim@0", 10)
-                sender.send_done("victim@1", 7, token=reply.token)  # the right token, another attempt
+                # the right token, another attempt
+                sender.send_done("victim@1", HandOffDone(7).encode(), token=reply.token)
                 with pytest.raises(KVTransferError, match="unknown request"):
                     await sender.flush("victim@1", 10)
                 assert torch.equal(receiver.kv_cache, before)
@@ -236,7 +238,7 @@ def test_done_with_an_out_of_vocabulary_token_is_refused_through_the_decode_serv
             reply = await workers.reserve(decode_url, request)
             assert reply is not None
             sender.connect(receiver.address)
-            sender.send_done("oov@0", vocab + 5, token=reply.token)
+            sender.send_done("oov@0", HandOffDone(vocab + 5).encode(), token=reply.token)
             await sender.flush("oov@0", 10)
             frames = [f async for f in workers.stream(decode_url, "oov")]
             return frames[-1].text, frames[-1].token_ids

@@ -22,7 +22,7 @@ import httpx
 import pytest
 import torch
 from helpers import assert_no_leak, generate_token_ids, greedy, random_prompt, token_prompts, with_scales
-from kv_transport_helpers import PoolSpec
+from kv_transport_helpers import PoolSpec, record
 from metrics_helpers import scrape
 from pd_fixtures import start_cluster, stop_cluster
 from server_fixtures import parse_sse
@@ -166,7 +166,7 @@ def test_the_receiver_checks_a_payloads_scales() -> None:
         table.check_layer(header("bfloat16", (2.0, 1.0)))
     with table.admit_layer(header("float8_e4m3fn", (2.0, 4.0), layer=1)):
         pass  # its own scales: no conversion
-    assert table.admit_done(DoneHeader("r", 7, 1), in_order=True) and table.num_converted == 0
+    assert table.admit_done(DoneHeader("r", 1, record(7)), in_order=True) and table.num_converted == 0
 
 
 def test_the_receiver_counts_a_converted_payloads_bytes_in_its_own_dtype() -> None:
@@ -220,7 +220,7 @@ def hand_off(transport: str, src_dtype: str, dst_dtype: str, *, staging_payloads
                 for rid, (src, dst) in plans.items():
                     sender.send_layer(rid, layer, src[chunk], dst[chunk])
         for rid in plans:
-            sender.send_done(rid, 7)
+            sender.send_done(rid, record(7))
 
         async def finish() -> list[list]:
             await asyncio.gather(*(sender.flush(rid, 10.0) for rid in plans))

@@ -45,10 +45,11 @@ class FakeClient:
 
 
 def test_events_round_trip_and_a_malformed_one_is_refused() -> None:
-    for event in (KVProgress("r@0", 3, (4, 5)), KVDone("r@0", 9, b"state", 0.5, 1.25, 16, b"lp"), KVDone("r@1", 9),
+    for event in (KVProgress("r@0", 3, (4, 5)), KVDone("r@0", b'{"first_token_id":9}'), KVDone("r@1", b""),
                   KVRejected("r@0", "bad token")):
         assert decode_event(msgpack.unpackb(msgpack.packb(encode_event(event)))) == event
-    for bad in (["progress", "r", "3", [4]], ["done", "r", True, None, None, None, 0, None], ["nope", "r"],
+    for bad in (["progress", "r", "3", [4]], ["done", "r", "text"], ["done", "r", 9, None, None, None, 0, None],
+                ["nope", "r"],
                 ["rejected", 5, "why"], ["progress", "r", 3, [4], "extra"]):
         with pytest.raises(CoreWireError):
             decode_event(bad)
@@ -81,9 +82,9 @@ def test_the_receivers_mirror_delivers_times_out_and_drops_late_events() -> None
 
     async def scenario() -> None:
         # events that came before anyone waited (the engine reports them as they happen) wait for the watcher
-        client.kv_listener([encode_event(KVProgress("a@0", 1, (1, 2))), encode_event(KVDone("a@0", 5))])
+        client.kv_listener([encode_event(KVProgress("a@0", 1, (1, 2))), encode_event(KVDone("a@0", b"5"))])
         assert await receiver.wait("a@0", 1.0) == KVProgress("a@0", 1, (1, 2))
-        assert await receiver.wait("a@0", 1.0) == KVDone("a@0", 5)
+        assert await receiver.wait("a@0", 1.0) == KVDone("a@0", b"5")
         with pytest.raises(KVTransferError):  # its last event is in: nothing more expected
             await receiver.wait("a@0", 0.01)
         client.kv_listener([encode_event(KVProgress("a@0", 1, (1, 2)))])  # late: dropped, not mirrored again
@@ -104,8 +105,8 @@ def test_the_receivers_mirror_delivers_times_out_and_drops_late_events() -> None
         receiver.expect("c@0", [3], "tok")
         receiver.cancel("c@0")
         receiver.expect("c@1", [3], "tok")
-        client.kv_listener([encode_event(KVDone("c@0", 1)), encode_event(KVDone("c@1", 2))])
-        assert await receiver.wait("c@1", 1.0) == KVDone("c@1", 2)
+        client.kv_listener([encode_event(KVDone("c@0", b"1")), encode_event(KVDone("c@1", b"2"))])
+        assert await receiver.wait("c@1", 1.0) == KVDone("c@1", b"2")
         with pytest.raises(KVTransferError):
             await receiver.wait("c@0", 0.01)
         assert client.told == [["expect", "c@0", [3], "tok"], ["cancel", "c@0"], ["expect", "c@1", [3], "tok"]]
@@ -117,8 +118,8 @@ def test_the_receivers_mirror_delivers_times_out_and_drops_late_events() -> None
 
 
 def test_progress_that_arrived_together_goes_as_one_and_arguments_are_checked() -> None:
-    events = [KVProgress("r", 0, (1, 2)), KVProgress("r", 1, (1, 2)), KVDone("r", 4)]
-    assert _coalesced(events) == [KVProgress("r", 1, (1, 2, 1, 2)), KVDone("r", 4)]
+    events = [KVProgress("r", 0, (1, 2)), KVProgress("r", 1, (1, 2)), KVDone("r", b"4")]
+    assert _coalesced(events) == [KVProgress("r", 1, (1, 2, 1, 2)), KVDone("r", b"4")]
     assert _coalesced(events[:1]) == events[:1]
     assert _typed([3, "r", 0.5], int, str, (int, float)) == [3, "r", 0.5]
     for bad in ([True, "r", 0.5], [3, "r"], ["3", "r", 0.5]):

@@ -14,8 +14,9 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from kv_transport_helpers import PoolSpec
+from kv_transport_helpers import PoolSpec, record
 
+from pdserve.disagg.handoff import HandOffDone
 from pdserve.disagg.kv_layout import KVLayout, KVLayoutMismatch
 from pdserve.disagg.transport import (
     KVDone,
@@ -85,12 +86,12 @@ def test_each_prefill_rank_sends_its_heads_and_the_final_message_waits_for_the_o
     before = SPEC.pool(1)
     with two_prefill_ranks(transport) as (receiver, decode, (rank0, rank1), senders):
         send_all_layers(senders[0])
-        senders[0].send_done("r", 42, token="t")
+        senders[0].send_done("r", record(42), token="t")
         with pytest.raises(KVTransferError, match="no progress"):  # nothing answers it before rank 1's layers
             asyncio.run(senders[0].flush("r", 0.5))
         send_all_layers(senders[1])
         events = asyncio.run(events_until_last(receiver, "r"))
-        assert isinstance(events[-1], KVDone) and events[-1].first_token_id == 42
+        assert isinstance(events[-1], KVDone) and HandOffDone.decode(events[-1].record).first_token_id == 42
         assert sum(isinstance(e, KVProgress) for e in events) == 2 * SPEC.num_layers
         assert_heads_landed(decode, rank0, 0)
         assert_heads_landed(decode, rank1, 2)
@@ -106,7 +107,7 @@ def test_each_prefill_rank_sends_its_heads_and_the_final_message_waits_for_the_o
 def test_a_payload_another_rank_gets_rejected_ends_the_waiting_final_message_at_once(transport: str) -> None:
     with two_prefill_ranks(transport) as (receiver, _, _, senders):
         send_all_layers(senders[0])
-        senders[0].send_done("r", 42, token="t")
+        senders[0].send_done("r", record(42), token="t")
         for _ in range(SPEC.num_layers):  # rank 0's layers landed; its final message waits right behind them
             assert isinstance(asyncio.run(receiver.wait("r", TIMEOUT_S)), KVProgress)
         time.sleep(0.2)
@@ -181,10 +182,10 @@ def test_a_prefill_pool_sends_each_decode_rank_the_heads_both_hold(transport: st
         receivers[0].expect("r", DST, "t")
         for sender in reversed(senders):
             send_all_layers(sender)
-        senders[0].send_done("r", 7, token="t")
+        senders[0].send_done("r", record(7), token="t")
         asyncio.run(senders[0].flush("r", TIMEOUT_S))
         events = asyncio.run(events_until_last(receivers[0], "r"))
-        assert isinstance(events[-1], KVDone) and events[-1].first_token_id == 7
+        assert isinstance(events[-1], KVDone) and HandOffDone.decode(events[-1].record).first_token_id == 7
         for pool, source in zip(decode, sources, strict=True):
             assert torch.equal(pool[:, :, DST], source[:, :, SRC])
         for sender in senders[1:]:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from kv_transport_helpers import PoolSpec
+from kv_transport_helpers import PoolSpec, record
 
 from pdserve.disagg.sender_pool import SenderPool
 from pdserve.disagg.transport import (
@@ -33,7 +33,7 @@ def hand_off(receiver: KVReceiver, sender: KVSender, rid: str, src: list[int], d
     receiver.expect(rid, dst)
     for layer in range(SPEC.num_layers):
         sender.send_layer(rid, layer, src, dst)
-    sender.send_done(rid, 7)
+    sender.send_done(rid, record(7))
 
     async def finish() -> list[object]:
         await sender.flush(rid, TIMEOUT_S)
@@ -42,7 +42,7 @@ def hand_off(receiver: KVReceiver, sender: KVSender, rid: str, src: list[int], d
             events.append(await receiver.wait(rid, TIMEOUT_S))
         return events
 
-    assert asyncio.run(finish())[-1] == KVDone(rid, 7, None)
+    assert asyncio.run(finish())[-1] == KVDone(rid, record(7))
 
 
 def wait_broken(sender: KVSender) -> None:

@@ -16,10 +16,11 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
-from kv_transport_helpers import PoolSpec, RemotePrefill
+from kv_transport_helpers import PoolSpec, RemotePrefill, record
 
 from pdserve.disagg import wire
 from pdserve.disagg.kv_layout import WIRE_VERSION, KVLayout, KVLayoutMismatch
+from pdserve.disagg.phases import PrefillPhases
 from pdserve.disagg.transport import (
     KVDone,
     KVProgress,
@@ -156,16 +157,14 @@ def test_layout_json_is_parsed_strictly(text: str) -> None:
 
 
 def test_wire_bytes_are_base64_and_checked() -> None:
-    done = DoneHeader("r", 7, 3, generator_state=bytes(range(256)), prefill_queue_s=0.25, prefill_compute_s=1.5)
+    done = DoneHeader("r", 3, bytes(range(256)), token="t")  # the record is opaque bytes here
     assert wire.loads(DoneHeader, wire.dumps(done)) == done
-    unmeasured = DoneHeader("r", 7, 3)  # unseeded, no phases: nulls
-    assert wire.loads(DoneHeader, wire.dumps(unmeasured)) == unmeasured
-    header = '{"request_id":"r","first_token_id":7,"num_layer_payloads":3,"token":"",'
+    header = '{"request_id":"r","num_layer_payloads":3,"token":"",'
     with pytest.raises(wire.WireFormatError, match="base64"):
-        wire.loads(DoneHeader, header + '"generator_state":"@@","prefill_queue_s":null,"prefill_compute_s":null}')
-    for bad in ("true", '"1"', "NaN", "Infinity"):
-        with pytest.raises(wire.WireFormatError, match="finite number"):
-            wire.loads(DoneHeader, header + f'"generator_state":null,"prefill_queue_s":{bad},"prefill_compute_s":1}}')
+        wire.loads(DoneHeader, header + '"record":"@@"}')
+    for bad in ("null", "7", "true"):
+        with pytest.raises(wire.WireFormatError, match="record"):
+            wire.loads(DoneHeader, header + f'"record":{bad}}}')
 
 
 # -- validation rules, transport-independent -------------------------------------------------------
@@ -267,7 +266,7 @@ def test_all_layers_land_bit_for_bit(transport: str, decode: Decode, prefill: tu
                 sender.send_layer(rid, layer, src[chunk], dst[chunk])
     state = bytes(range(256)) * 3  # binary, with NUL bytes
     for token, rid in enumerate(plans, start=100):
-        sender.send_done(rid, token, state, prefill_queue_s=0.25, prefill_compute_s=token / 1000)
+        sender.send_done(rid, record(token, state, prefill_phases=PrefillPhases(0.25, token / 1000)))
 
     async def finish() -> dict[str, list]:
         await asyncio.gather(*(sender.flush(rid, TIMEOUT_S) for rid in plans))
@@ -276,7 +275,7 @@ def test_all_layers_land_bit_for_bit(transport: str, decode: Decode, prefill: tu
     events = run(finish())
     for token, (rid, (_, dst)) in enumerate(plans.items(), start=100):
         *progress, last = events[rid]
-        assert last == KVDone(rid, token, state, prefill_queue_s=0.25, prefill_compute_s=token / 1000)
+        assert last == KVDone(rid, record(token, state, prefill_phases=PrefillPhases(0.25, token / 1000)))
         # NOTE: over nixl, writes of different layers may complete out of order.
         assert sorted((e.layer, e.block_ids) for e in progress) == sorted(
             (layer, tuple(dst[chunk])) for layer in range(SPEC.num_layers) for chunk in (slice(0, 4), slice(4, 6)))
@@ -298,7 +297,7 @@ def test_half_precision_pools(transport: str, dtype: str) -> None:
         decode.receiver.expect("h", dst)
         for layer in range(spec.num_layers):
             sender.send_layer("h", layer, src, dst)
-        sender.send_done("h", 1)
+        sender.send_done("h", record(1))
         run(sender.flush("h", TIMEOUT_S))
         assert isinstance(run(drain(decode.receiver, "h"))[-1], KVDone)
         for s, d in zip(src, dst, strict=True):
@@ -320,10 +319,10 @@ def test_transfer_crosses_processes(remote: tuple[str, RemotePrefill]) -> None:
         decode.receiver.expect("x", dst)
         for layer in range(SPEC.num_layers):
             prefill.call("ok", "send_layer", "x", layer, src, dst)
-        prefill.call("ok", "send_done", "x", 42, b"\x00generator-state\xff")
+        prefill.call("ok", "send_done", "x", record(42, b"\x00generator-state\xff"))
         prefill.call("ok", "flush", "x", TIMEOUT_S)
         events = run(drain(decode.receiver, "x"))
-        assert events[-1] == KVDone("x", 42, generator_state=b"\x00generator-state\xff")
+        assert events[-1] == KVDone("x", record(42, b"\x00generator-state\xff"))
         assert sorted(e.layer for e in events[:-1]) == list(range(SPEC.num_layers))
         assert_landed(decode.pool, decode.before, SPEC.pool(PREFILL_SEED), src, dst)
         assert prefill.call("ok", "pending_request_ids") == frozenset()
@@ -436,7 +435,7 @@ def test_released_request_is_never_sent_and_never_completes(transport: str, deco
     run(sender.release("r"))
     for layer in range(SPEC.num_layers):
         sender.send_layer("r", layer, [7, 8], [2, 4])
-    sender.send_done("r", 5)
+    sender.send_done("r", record(5))
     with pytest.raises(KVTransferTimeout):
         run(sender.flush("r", 0.3))
     with pytest.raises(KVTransferTimeout):
@@ -446,7 +445,7 @@ def test_released_request_is_never_sent_and_never_completes(transport: str, deco
     # the sender still works for other requests
     decode.receiver.expect("s", [5])
     sender.send_layer("s", 0, [9], [5])
-    sender.send_done("s", 1)
+    sender.send_done("s", record(1))
     run(sender.flush("s", TIMEOUT_S))
     assert run(decode.receiver.wait("s", TIMEOUT_S)) == KVProgress("s", 0, (5,))
     assert isinstance(run(decode.receiver.wait("s", TIMEOUT_S)), KVDone)
@@ -462,7 +461,7 @@ def test_flush_and_wait_time_out_on_a_stall() -> None:
     decode.receiver.expect("r", [1, 2])
     for layer in range(SPEC.num_layers):
         sender.send_layer("r", layer, [3, 4], [1, 2])
-    sender.send_done("r", 5)
+    sender.send_done("r", record(5))
     timeout_s, margin_s = 0.2, 0.15
     start = time.monotonic()
     with pytest.raises(KVTransferTimeout, match="^KV cache transfer timed out"):
@@ -550,7 +549,7 @@ def test_tcp_receiver_survives_garbage() -> None:
         sender.connect(decode.receiver.address)
         decode.receiver.expect("r", [0])
         sender.send_layer("r", 0, [1], [0])
-        sender.send_done("r", 1)
+        sender.send_done("r", record(1))
         run(sender.flush("r", TIMEOUT_S))
         assert isinstance(run(drain(decode.receiver, "r"))[-1], KVDone)
         sender.close()
@@ -566,9 +565,9 @@ def test_expect_twice_keeps_the_live_request(transport: str, decode: Decode,
     with pytest.raises(ValueError, match="already"):
         decode.receiver.expect("r", [3])
     sender.send_layer("r", 0, [5, 6], [1, 2])
-    sender.send_done("r", 9)
+    sender.send_done("r", record(9))
     run(sender.flush("r", TIMEOUT_S))
-    assert run(drain(decode.receiver, "r"))[-1] == KVDone("r", 9)
+    assert run(drain(decode.receiver, "r"))[-1] == KVDone("r", record(9))
     assert_nothing_left(decode.receiver, sender)
 
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
-from kv_transport_helpers import PoolSpec
+from kv_transport_helpers import PoolSpec, record
 
 from pdserve.disagg.auth import ClusterSecret
 from pdserve.disagg.transport import (
@@ -125,7 +125,7 @@ def test_a_peer_with_the_secret_writes_nowhere_it_was_not_granted(pair: Pair) ->
 
     for layer in range(1, SPEC.num_layers):
         pair.sender.send_layer("mine", layer, [10, 11], [2, 3], token="token-mine")
-    pair.sender.send_done("mine", 9, token="token-mine")
+    pair.sender.send_done("mine", record(9), token="token-mine")
     asyncio.run(pair.sender.flush("mine", TIMEOUT_S))
     assert isinstance(asyncio.run(drain(pair.receiver, "mine"))[-1], KVDone)
     assert torch.equal(pair.pool[:, :, [2, 3]], pair.src[:, :, [10, 11]])
@@ -173,7 +173,7 @@ def test_a_request_is_registered_once_for_all_its_layers_and_chunks(pair: Pair,
     for chunk_src, chunk_dst in (([1, 2], [12, 13]), ([3, 4], [14, 20])):
         for layer in range(SPEC.num_layers):
             pair.sender.send_layer("r", layer, chunk_src, chunk_dst, token="t")
-    pair.sender.send_done("r", 1, token="t")
+    pair.sender.send_done("r", record(1), token="t")
     asyncio.run(pair.sender.flush("r", TIMEOUT_S))
     assert isinstance(asyncio.run(drain(pair.receiver, "r"))[-1], KVDone)
     assert torch.equal(pair.pool[:, :, [12, 13, 14, 20]], pair.src[:, :, [1, 2, 3, 4]])
@@ -225,7 +225,7 @@ def test_a_sender_holding_too_much_grant_metadata_is_replaced_once_its_requests_
             receiver.expect(rid, dst, rid)
             for layer in range(SPEC.num_layers):
                 sender.send_layer(rid, layer, [1, 2], dst, token=rid)
-            sender.send_done(rid, 1, token=rid)
+            sender.send_done(rid, record(1), token=rid)
             asyncio.run(sender.flush(rid, TIMEOUT_S))
             assert isinstance(asyncio.run(drain(receiver, rid))[-1], KVDone)
             assert (sender is first) == (rid == "a") and not sender.broken

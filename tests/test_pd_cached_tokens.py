@@ -5,6 +5,7 @@ requests; `echo` is served the same (with logprobs: tests/test_openai_parity.py)
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from pd_fixtures import MODEL, Cluster, start_cluster, stop_cluster
 from server_fixtures import ServerHandle, start_server
 
 from pdserve.disagg import wire
-from pdserve.disagg.transport.messages import DoneHeader
+from pdserve.disagg.handoff import HandOffDone, HandOffError
 
 SHARED = random_prompt(40, seed=11)  # two whole 16-token blocks and a part
 LONGER = SHARED + random_prompt(30, seed=12)
@@ -65,12 +66,12 @@ def test_router_echoes_like_colocated(servers: tuple[ServerHandle, Cluster]) -> 
     cluster.wait_until_idle()
 
 
-def test_done_header_from_a_peer_without_prefill_cached_tokens_parses_as_zero() -> None:
-    done = DoneHeader("r", 7, 3, prefill_cached_tokens=48)
-    assert wire.loads(DoneHeader, wire.dumps(done)) == done
+def test_a_hand_off_record_without_prefill_cached_tokens_parses_as_zero() -> None:
+    done = HandOffDone(7, prefill_cached_tokens=48)
+    assert HandOffDone.decode(done.encode()) == done
     old = wire.to_json_obj(done)
     del old["prefill_cached_tokens"]
-    assert wire.from_json_obj(DoneHeader, old).prefill_cached_tokens == 0
+    assert HandOffDone.decode(json.dumps(old).encode()).prefill_cached_tokens == 0
     del old["first_token_id"]  # a field without a default is still required
-    with pytest.raises(wire.WireFormatError, match="expected keys"):
-        wire.from_json_obj(DoneHeader, old)
+    with pytest.raises(HandOffError, match="expected keys"):
+        HandOffDone.decode(json.dumps(old).encode())

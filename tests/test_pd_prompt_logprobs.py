@@ -12,9 +12,10 @@ from collections.abc import Callable
 
 import pytest
 from helpers import assert_no_leak, greedy, random_prompt
-from kv_transport_helpers import PoolSpec
+from kv_transport_helpers import PoolSpec, record
 
 from pdserve import LLM
+from pdserve.disagg.handoff import HandOffDone
 from pdserve.disagg.prompt_logprobs_wire import pack, unpack
 from pdserve.disagg.router import continuation
 from pdserve.disagg.transport import KVDone, make_receiver, make_sender
@@ -56,7 +57,7 @@ def test_a_final_message_with_a_long_prompts_logprobs_crosses_tcp() -> None:
         sender.connect(receiver.address)
         receiver.expect("r", [3])
         sender.send_layer("r", 0, [5], [3])
-        sender.send_done("r", 7, prompt_logprobs=blob)
+        sender.send_done("r", record(7, prompt_logprobs=blob))
 
         async def finish() -> object:
             await sender.flush("r", 10.0)
@@ -66,7 +67,7 @@ def test_a_final_message_with_a_long_prompts_logprobs_crosses_tcp() -> None:
             return event
 
         done = asyncio.run(finish())
-        assert isinstance(done, KVDone) and done.prompt_logprobs == blob
+        assert isinstance(done, KVDone) and HandOffDone.decode(done.record).prompt_logprobs == blob
     finally:
         sender.close()
         receiver.close()

@@ -22,6 +22,7 @@ from pdserve import LLM
 from pdserve.config import EngineArgs
 from pdserve.disagg.control import OutputFrame, ReserveReply, ReserveRequest, WireSamplingParams
 from pdserve.disagg.decode_service import DecodeService
+from pdserve.disagg.handoff import HandOffDone
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.transport.fake import FakeKVReceiver, FakeKVSender
 from pdserve.disagg.transport.messages import KVDone, KVEvent
@@ -56,7 +57,7 @@ def test_a_cancel_as_the_awaited_event_arrives_always_cancels(iterations: int) -
     async def scenario() -> None:
         box = EventBox()
         box.open("r")
-        await _cancel_after(lambda: box.put(KVDone("r", 7)), box.get("r", 10.0), iterations)
+        await _cancel_after(lambda: box.put(KVDone("r", HandOffDone(7).encode())), box.get("r", 10.0), iterations)
         acks = AckTracker()
         acks.sent_layer("r")
         await _cancel_after(lambda: acks.acked("r"), acks.flush("r", 10.0), iterations)
@@ -92,7 +93,7 @@ async def _hand_off(sender: FakeKVSender, tid: str, src: list[int], reply: Reser
         sender.send_layer(tid, layer, src, reply.block_ids, token=reply.token)
     for _ in range(10):
         await asyncio.sleep(0)
-    sender.send_done(tid, first_token, token=reply.token)
+    sender.send_done(tid, HandOffDone(first_token).encode(), token=reply.token)
 
 
 def _prefill(prefill: LLM, tid: str, prompt: list[int]) -> tuple[int, list[int]]:

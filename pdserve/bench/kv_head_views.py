@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from pdserve.disagg.handoff import HandOffDone
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.transport import KVDone, make_receiver, make_sender, nixl_available
 
@@ -51,7 +52,7 @@ def _send(transport: str, src: torch.Tensor, dst: torch.Tensor, num_blocks: int,
             start = time.perf_counter()
             for layer in range(NUM_LAYERS):
                 sender.send_layer(request_id, layer, block_ids, block_ids, token="t")
-            sender.send_done(request_id, 0, token="t")
+            sender.send_done(request_id, HandOffDone(0).encode(), token="t")
             asyncio.run(sender.flush(request_id, 60.0))
             times.append(time.perf_counter() - start)
             asyncio.run(_until_done(receiver, request_id))

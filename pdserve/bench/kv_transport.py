@@ -50,6 +50,7 @@ import torch
 from pdserve.bench.common import hardware_line, print_table
 from pdserve.bench.kv_peers import FLUSH_TIMEOUT_S, decode_main, raw_socket_main
 from pdserve.bench.kv_workload import PLACEMENTS, SEED, WORKLOADS, KVWorkload, buffer, digest, random_bytes
+from pdserve.disagg.handoff import HandOffDone
 from pdserve.disagg.transport import KVSender, make_sender, nixl_available
 
 _NUM_WARMUP = 2
@@ -110,7 +111,7 @@ class _Transport:
     def once(self, rid: str) -> None:
         for layer in range(self._work.num_layers):
             self._sender.send_layer(rid, layer, self.src, self.dst)
-        self._sender.send_done(rid, 0, b"")
+        self._sender.send_done(rid, HandOffDone(0, b"").encode())
         self._loop.run_until_complete(self._sender.flush(rid, FLUSH_TIMEOUT_S))
 
     def drain(self, rid: str) -> None:

@@ -22,6 +22,7 @@ import time
 
 from pdserve.bench.common import hardware_line, print_table
 from pdserve.config import EngineArgs
+from pdserve.disagg.handoff import HandOffDone
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.kv_streamer import KVStreamer
 from pdserve.disagg.transport import KVReceiver, KVSender, make_receiver, make_sender
@@ -59,7 +60,7 @@ def _one_run(p: LLMEngine, d: LLMEngine, sender: KVSender, receiver: KVReceiver,
         held = p.held_block_ids(rid)
         for layer in range(p.config.model.num_hidden_layers):
             sender.send_layer(rid, layer, held, list(reservation.block_ids))
-    sender.send_done(rid, first)
+    sender.send_done(rid, HandOffDone(first).encode())
     asyncio.run(sender.flush(rid, _FLUSH_TIMEOUT_S))
     done = time.perf_counter()
     p.configure_kv_transfer(KVTransferSetup())

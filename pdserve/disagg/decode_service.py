@@ -2,7 +2,7 @@
 
     router --POST /pd/reserve-->  reserve_remote on the engine thread; receiver.expect(transfer id, blocks)
     prefill worker ==KV layers==>  receiver (validated, written into the reserved blocks)
-    KVDone(first token, generator state, prompt logprobs) -> complete_remote: the first token is emitted at once
+    KVDone(hand-off record: first token, generator state, ...) -> complete_remote: the first token is emitted at once
     router <--GET /pd/stream---   one NDJSON OutputFrame per engine output until finished
 
 Before the first payload: the lease. The job is queued for or computing on a prefill worker
@@ -37,6 +37,7 @@ from typing import Literal
 
 from pdserve.disagg.attempt_states import RESERVATION, WAITING_FOR_KV, Reservation, State
 from pdserve.disagg.control import OutputFrame, ReserveReply, ReserveRequest
+from pdserve.disagg.handoff import HandOffDone
 from pdserve.disagg.kv_side import ReceiverView
 from pdserve.disagg.phases import TransferMeter
 from pdserve.disagg.prompt_logprobs_wire import unpack
@@ -307,17 +308,17 @@ class DecodeService:
                 logger.info("request %s: ignoring %s of attempt %s, which it no longer expects", rid,
                             type(event).__name__, tid)
                 return
-            self._meter.on_event(rid, event)
             started = True
             if (record := self._requests.get(rid)) is not None and record.state.is_in(Reservation.AWAITING_KV):
                 record.state.move(Reservation.RECEIVING)
+            if isinstance(event, KVDone):
+                await self._complete(rid, event)
+                return
+            self._meter.on_event(rid, event)
             if isinstance(event, KVRejected):
                 self._counts.rejected += 1
                 logger.warning("KV payload rejected for request %s: %s", rid, event.reason)
                 await self._apply_failure_policy(rid, f"KV transfer rejected: {event.reason}")
-                return
-            if isinstance(event, KVDone):
-                await self._complete(rid, event)
                 return
 
     def _expire_lease(self, rid: str, tid: str) -> None:
@@ -356,10 +357,12 @@ class DecodeService:
             record.transfer_id = None  # received: nothing to cancel any more
             record.watcher = None
         try:
-            prompt_logprobs = None if done.prompt_logprobs is None else unpack(done.prompt_logprobs)
-            await self.client.send(CompleteRemote(rid, done.first_token_id, done.generator_state,
-                                                   done.prefill_cached_tokens, prompt_logprobs))
-        except ValueError as exc:  # the final message carried what this engine cannot take
+            handoff = HandOffDone.decode(done.record)  # HandOffError: malformed, or a newer version
+            self._meter.on_done(rid, handoff.prefill_phases)
+            prompt_logprobs = None if handoff.prompt_logprobs is None else unpack(handoff.prompt_logprobs)
+            await self.client.send(CompleteRemote(rid, handoff.first_token_id, handoff.generator_state,
+                                                   handoff.prefill_cached_tokens, prompt_logprobs))
+        except ValueError as exc:  # the hand-off record is one this engine cannot take
             logger.warning("request %s: invalid hand-off: %s", rid, exc)
             await self._apply_failure_policy(rid, f"invalid hand-off: {exc}")
 

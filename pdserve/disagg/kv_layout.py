@@ -40,7 +40,9 @@ from pdserve.model.kv_scales import KVScales
 # KVLayout.check_handoff); an older decode would take a rank's heads for the whole pool's.
 # 8: FP8 pools: the layout carries per-layer K/V scales, a layer header the scales of its bytes (an
 # older decode would take FP8 bytes with other scales for its own).
-WIRE_VERSION = 8
+# 9: DONE carries the hand-off record (disagg/handoff.py, versioned on its own) as one opaque field
+# instead of its fields (an older decode would refuse the unknown field).
+WIRE_VERSION = 9
 
 FP8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2"})
 # Element types a receiver converts between on arrival (any pair; FP8 with the scales in the headers;

@@ -68,13 +68,8 @@ def encode_event(event: KVEvent) -> list[Any]:
     if isinstance(event, KVProgress):
         return ["progress", event.request_id, event.layer, list(event.block_ids)]
     if isinstance(event, KVDone):
-        return ["done", event.request_id, event.first_token_id, event.generator_state, event.prefill_queue_s,
-                event.prefill_compute_s, event.prefill_cached_tokens, event.prompt_logprobs]
+        return ["done", event.request_id, event.record]
     return ["rejected", event.request_id, event.reason]
-
-
-def _opt_float(value: Any, what: str) -> float | None:
-    return None if value is None else float(typed(value, (int, float), what))
 
 
 def decode_event(value: list[Any]) -> KVEvent:
@@ -84,11 +79,8 @@ def decode_event(value: list[Any]) -> KVEvent:
         layer, blocks = fields
         return KVProgress(rid, typed(layer, int, "layer"), tuple(typed(b, int, "block") for b in
                                                                   typed(blocks, list, "blocks")))
-    if kind == "done" and len(fields) == 6:
-        first, state, queue_s, compute_s, cached, logprobs = fields
-        return KVDone(rid, typed(first, int, "first token"), None if state is None else typed(state, bytes, "state"),
-                      _opt_float(queue_s, "queue_s"), _opt_float(compute_s, "compute_s"), typed(cached, int, "cached"),
-                      None if logprobs is None else typed(logprobs, bytes, "prompt logprobs"))
+    if kind == "done" and len(fields) == 1:
+        return KVDone(rid, typed(fields[0], bytes, "hand-off record"))
     if kind == "rejected" and len(fields) == 1:
         return KVRejected(rid, typed(fields[0], str, "reason"))
     raise CoreWireError(f"KV event: unknown {kind!r} with {len(fields)} fields")
@@ -190,11 +182,8 @@ class RemoteSenders:
     async def connect(self, kv_address: str) -> int:
         return int(await _call(self.client, ["connect", kv_address]))
 
-    def send_done(self, handle: int, request_id: str, first_token_id: int, generator_state: bytes | None, *,
-                  prefill_queue_s: float | None, prefill_compute_s: float | None, token: str,
-                  prefill_cached_tokens: int, prompt_logprobs: bytes | None) -> None:
-        self.client.tell_kv(["send_done", handle, request_id, first_token_id, generator_state, prefill_queue_s,
-                             prefill_compute_s, token, prefill_cached_tokens, prompt_logprobs])
+    def send_done(self, handle: int, request_id: str, record: bytes, *, token: str) -> None:
+        self.client.tell_kv(["send_done", handle, request_id, record, token])
 
     async def flush(self, handle: int, request_id: str, timeout_s: float) -> None:
         await _call(self.client, ["flush", handle, request_id, timeout_s])

@@ -92,9 +92,7 @@ class SenderHandles(Protocol):
 
     async def connect(self, kv_address: str) -> int: ...
 
-    def send_done(self, handle: int, request_id: str, first_token_id: int, generator_state: bytes | None, *,
-                  prefill_queue_s: float | None, prefill_compute_s: float | None, token: str,
-                  prefill_cached_tokens: int, prompt_logprobs: bytes | None) -> None: ...
+    def send_done(self, handle: int, request_id: str, record: bytes, *, token: str) -> None: ...
 
     async def flush(self, handle: int, request_id: str, timeout_s: float) -> None: ...
 
@@ -136,12 +134,9 @@ class PrefillKV:
             raise KVTransferError(f"KV sender {handle} is gone (its connection was closed)")
         return sender
 
-    def send_done(self, handle: int, request_id: str, first_token_id: int, generator_state: bytes | None, *,
-                  prefill_queue_s: float | None, prefill_compute_s: float | None, token: str,
-                  prefill_cached_tokens: int, prompt_logprobs: bytes | None) -> None:
-        self.sender(handle).send_done(request_id, first_token_id, generator_state, prefill_queue_s=prefill_queue_s,
-                                      prefill_compute_s=prefill_compute_s, token=token,
-                                      prefill_cached_tokens=prefill_cached_tokens, prompt_logprobs=prompt_logprobs)
+    def send_done(self, handle: int, request_id: str, record: bytes, *, token: str) -> None:
+        """The final message: `record` is the encoded hand-off record (disagg/handoff.py)."""
+        self.sender(handle).send_done(request_id, record, token=token)
 
     async def flush(self, handle: int, request_id: str, timeout_s: float) -> None:
         await self.sender(handle).flush(request_id, timeout_s)

@@ -3,7 +3,7 @@ that already flow:
 
     router       arrival ──(router queue: reservation on decode, the router's FIFO)──► job sent to prefill
     prefill      job in ──(prefill queue)──► first scheduled ──(prefill compute)──► first token sampled
-                 └─ queue and compute durations ride in the final KV message (KVDone.prefill_*_s)
+                 └─ queue and compute durations ride in the hand-off record (HandOffDone.prefill_phases)
     decode       KVDone received ──(first decode step)──► first token emitted
                  └─ all three ride in the request's first output frame (`OutputFrame.phases`)
     router       transfer = TTFT − the four phases above: the part of the KV hand-off not hidden
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from pdserve.disagg.control import OutputFrame
 from pdserve.disagg.kv_layout import KVLayout
-from pdserve.disagg.transport.messages import KVDone, KVProgress
+from pdserve.disagg.transport.messages import KVProgress
 from pdserve.engine.output import RequestMetrics
 from pdserve.serving.trace import TransferRecord, TTFTPhases
 
@@ -44,13 +44,6 @@ class PrefillPhases:
             return None
         return cls(metrics.first_scheduled_time - metrics.arrival_time,
                    metrics.first_token_time - metrics.first_scheduled_time)
-
-    @classmethod
-    def from_done(cls, done: KVDone) -> PrefillPhases | None:
-        """Decode: the phases prefill sent with its final message, if it sent them."""
-        if done.prefill_queue_s is None or done.prefill_compute_s is None:
-            return None
-        return cls(done.prefill_queue_s, done.prefill_compute_s)
 
 
 @dataclass(slots=True)
@@ -72,18 +65,23 @@ class TransferMeter:
     _transfers: dict[str, _Transfer] = field(default_factory=dict)
 
     def on_event(self, rid: str, event: object) -> None:
+        """A KV event of the request's transfer (KVProgress counts; the others end nothing here)."""
         now = time.monotonic()
         transfer = self._transfers.setdefault(rid, _Transfer())
         if isinstance(event, KVProgress):
             if transfer.first_payload_time is None:
                 transfer.first_payload_time = now
             transfer.num_bytes += len(event.block_ids) * self.layout.block_bytes_per_layer
-        elif isinstance(event, KVDone):
-            transfer.done_time = now
-            transfer.prefill = PrefillPhases.from_done(event)
-            start = transfer.first_payload_time if transfer.first_payload_time is not None else now
-            if self.listener is not None:
-                self.listener(TransferRecord(now - start, transfer.num_bytes))
+
+    def on_done(self, rid: str, prefill: PrefillPhases | None) -> None:
+        """The transfer's KVDone arrived, with the phases prefill sent in its hand-off record."""
+        now = time.monotonic()
+        transfer = self._transfers.setdefault(rid, _Transfer())
+        transfer.done_time = now
+        transfer.prefill = prefill
+        start = transfer.first_payload_time if transfer.first_payload_time is not None else now
+        if self.listener is not None:
+            self.listener(TransferRecord(now - start, transfer.num_bytes))
 
     def annotate(self, rid: str, frame: OutputFrame) -> OutputFrame:
         """Attach the phases to the first frame that carries tokens (once): the first decode step

@@ -38,6 +38,7 @@ from pdserve.disagg.attempt_states import ATTEMPT, Attempt, State
 from pdserve.disagg.auth import ClusterSecret, verify_job, verify_placement
 from pdserve.disagg.client import WorkerClient, WorkerError
 from pdserve.disagg.control import FirstToken, HandOff, Placement, PrefillJob
+from pdserve.disagg.handoff import HandOffDone
 from pdserve.disagg.kv_side import SenderHandles
 from pdserve.disagg.phases import PrefillPhases
 from pdserve.disagg.prompt_logprobs_wire import pack
@@ -325,13 +326,10 @@ class PrefillService:
         attempt = self._attempts.get(tid)
         if attempt is not None:
             attempt.num_uncomputed_tokens = 0
-        phases = PrefillPhases.of(final.metrics)
-        self.kv.send_done(sender, tid, final.outputs[0].token_ids[0], state,
-                          prefill_queue_s=None if phases is None else phases.queue_s,
-                          prefill_compute_s=None if phases is None else phases.compute_s,
-                          token="" if attempt is None else attempt.token,
-                          prefill_cached_tokens=final.num_cached_tokens,
-                          prompt_logprobs=None if final.prompt_logprobs is None else pack(final.prompt_logprobs))
+        record = HandOffDone(final.outputs[0].token_ids[0], state, PrefillPhases.of(final.metrics),
+                             prefill_cached_tokens=final.num_cached_tokens,
+                             prompt_logprobs=None if final.prompt_logprobs is None else pack(final.prompt_logprobs))
+        self.kv.send_done(sender, tid, record.encode(), token="" if attempt is None else attempt.token)
         await self.kv.flush(sender, tid, self.transfer_timeout_s)
 
     async def _release(self, tid: str, sender: int | None) -> None:

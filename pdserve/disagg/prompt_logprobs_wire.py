@@ -1,5 +1,5 @@
 """A prompt's logprobs (`PromptLogprobs` per prompt token after the first) packed into bytes for the
-prefill worker's final KV message (`DoneHeader.prompt_logprobs`), and back on decode.
+prefill worker's hand-off record (`HandOffDone.prompt_logprobs`, disagg/handoff.py), and back on decode.
 
 Lists of records are no wire.py field type, and a long prompt's JSON would be several times the
 size, so the entries travel as one little-endian blob (base64 in the message's JSON):

@@ -148,10 +148,8 @@ class WorkerCoreSide:
             (address,) = _typed(args, str)
             return await prefill.connect(address)
         elif prefill is not None and method == "send_done":
-            handle, rid, first, state, queue_s, compute_s, token, cached, logprobs = args
-            _typed([handle, rid, first, token, cached], int, str, int, str, int)
-            prefill.send_done(handle, rid, first, state, prefill_queue_s=queue_s, prefill_compute_s=compute_s,
-                              token=token, prefill_cached_tokens=cached, prompt_logprobs=logprobs)
+            handle, rid, record, token = _typed(args, int, str, bytes, str)
+            prefill.send_done(handle, rid, record, token=token)
         elif prefill is not None and method == "flush":
             handle, rid, timeout_s = _typed(args, int, str, (int, float))
             await prefill.flush(handle, rid, float(timeout_s))

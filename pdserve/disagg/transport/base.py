@@ -9,8 +9,11 @@
     for layer in layers:
         compute layer
         sender.send_layer(rid, layer, src, dst) ---->  validate, write into dst -> KVProgress
-    sender.send_done(rid, first_token, ...)    ---->  -> KVDone (last event)
+    sender.send_done(rid, record)              ---->  -> KVDone(rid, record) (last event)
     await sender.flush(rid, timeout_s)          <----  acks          await receiver.wait(rid, timeout_s)
+
+`record` is the prefill side's hand-off record, encoded (disagg/handoff.py); the transports carry it
+as opaque bytes and never read it.
 
 A payload is one layer's K and V for some blocks: `layout.block_bytes_per_layer` bytes per block,
 shaped [k|v, block, slot, head, dim]. Block order is the order of `dst_block_ids`.
@@ -330,7 +333,9 @@ class KVSender(abc.ABC):
     - `send_layer(request_id, layer, src_block_ids, dst_block_ids)` is called by the prefill
       engine's thread right after `layer` was computed; it returns at once and the bytes move on
       the transport's I/O thread while later layers compute. Calls for one request come in layer
-      order, then one `send_done(request_id, first_token_id, ...)` (the fields of KVDone). Both
+      order, then one `send_done(request_id, record)`: `record` is the encoded hand-off record
+      (disagg/handoff.py: first token, generator state, ...), which the transport carries as
+      opaque bytes, never reading it, and the receiver delivers as `KVDone.record`. Both calls
       carry the reservation's `token` (ReserveReply.token), without which decode refuses them.
     - Memory: the sender reads `src_block_ids` of its pool after `send_layer` returns, until
       `flush(request_id)` returns or raises; the caller keeps those blocks unchanged until then.
@@ -377,9 +382,7 @@ class KVSender(abc.ABC):
                    token: str = "") -> None: ...
 
     @abc.abstractmethod
-    def send_done(self, request_id: str, first_token_id: int, generator_state: bytes | None = None, *,
-                  prefill_queue_s: float | None = None, prefill_compute_s: float | None = None,
-                  token: str = "", prefill_cached_tokens: int = 0, prompt_logprobs: bytes | None = None) -> None: ...
+    def send_done(self, request_id: str, record: bytes, *, token: str = "") -> None: ...
 
     @abc.abstractmethod
     def close(self) -> None: ...

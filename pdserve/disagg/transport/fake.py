@@ -89,18 +89,14 @@ class FakeKVSender(KVSender):
         payload = self.kv_cache[layer].index_select(1, src).reshape(-1).view(torch.uint8)
         self._on_reply(peer.accept_layer(header, payload))
 
-    def send_done(self, request_id: str, first_token_id: int, generator_state: bytes | None = None, *,
-                  prefill_queue_s: float | None = None, prefill_compute_s: float | None = None,
-                  token: str = "", prefill_cached_tokens: int = 0, prompt_logprobs: bytes | None = None) -> None:
+    def send_done(self, request_id: str, record: bytes, *, token: str = "") -> None:
         peer = self._connected()
         num_layers = self._announced_layers(request_id)
         if self._abandoned_request(request_id) or self._stalled(request_id, count=False):
             return
         with self._lock:
             self._num_layers_sent.pop(request_id, None)
-        self._on_reply(peer.accept_done(DoneHeader(request_id, first_token_id, num_layers, generator_state,
-                                                   prefill_queue_s, prefill_compute_s, token,
-                                                   prefill_cached_tokens, prompt_logprobs)))
+        self._on_reply(peer.accept_done(DoneHeader(request_id, num_layers, record, token)))
 
     def close(self) -> None:
         self._peer = None

@@ -22,19 +22,12 @@ class KVProgress:
 
 @dataclass(frozen=True, slots=True)
 class KVDone:
-    """All of the request's payloads are in the pool; the prefill worker's first token comes with
-    it, with its sampler's generator state (None: unseeded), how long the prompt waited for and
-    took to compute on prefill (None: not measured), how many leading prompt tokens prefill found
-    in its own prefix cache (not recomputed) and, for a request that asked for them, the prompt's
-    logprobs (packed: disagg/prompt_logprobs_wire.py). Always the request's last event."""
+    """All of the request's payloads are in the pool; `record` is what prefill sent with them (the
+    encoded hand-off record, disagg/handoff.py: its first token and the rest), which the transport
+    passes on as it arrived, unread. Always the request's last event."""
 
     request_id: str
-    first_token_id: int
-    generator_state: bytes | None = None
-    prefill_queue_s: float | None = None
-    prefill_compute_s: float | None = None
-    prefill_cached_tokens: int = 0
-    prompt_logprobs: bytes | None = None
+    record: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,23 +102,17 @@ class LayerHeader:
 
 @dataclass(frozen=True, slots=True)
 class DoneHeader:
-    """The request's final message: decode emits KVDone (the same fields) once `num_layer_payloads`
+    """The request's final message: decode emits KVDone with its `record` once `num_layer_payloads`
     layer payloads of the request have been accepted (over nixl, notifications may overtake each
-    other)."""
+    other). `record`: the hand-off record's bytes, opaque to the transport (disagg/handoff.py)."""
 
     request_id: str
-    first_token_id: int
     num_layer_payloads: int
-    generator_state: bytes | None = None
-    prefill_queue_s: float | None = None
-    prefill_compute_s: float | None = None
+    record: bytes
     token: str = ""  # the reservation's, as in LayerHeader
-    prefill_cached_tokens: int = 0
-    prompt_logprobs: bytes | None = None
 
     def event(self) -> KVDone:
-        return KVDone(self.request_id, self.first_token_id, self.generator_state, self.prefill_queue_s,
-                      self.prefill_compute_s, self.prefill_cached_tokens, self.prompt_logprobs)
+        return KVDone(self.request_id, self.record)
 
 
 @dataclass(frozen=True, slots=True)

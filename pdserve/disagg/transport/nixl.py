@@ -16,7 +16,7 @@ notifications:
     load the metadata; WRITE src regions -> granted addrs, notification WRITTEN {claim id, header}
                                        ------>    must match an open grant -> KVProgress
          <------ ACK | REJECT
-    DONE {first token, state, n}       ------>    KVDone once n layers arrived (notifications
+    DONE {hand-off record, n}          ------>    KVDone once n layers arrived (notifications
          <------ ACK | REJECT                     may overtake each other); the reservation's
                                                   registration is revoked
 

@@ -127,18 +127,14 @@ class NixlKVSender(KVSender):
             return
         self._io.call_soon(self._claim, _PendingClaim(header, tuple(src_block_ids)))
 
-    def send_done(self, request_id: str, first_token_id: int, generator_state: bytes | None = None, *,
-                  prefill_queue_s: float | None = None, prefill_compute_s: float | None = None,
-                  token: str = "", prefill_cached_tokens: int = 0, prompt_logprobs: bytes | None = None) -> None:
+    def send_done(self, request_id: str, record: bytes, *, token: str = "") -> None:
         if not self._peer:
             raise RuntimeError("connect() first")
         num_layers = self._announced_layers(request_id)
         if self._broken:
             self._acks.failed(request_id, self._broken)
             return
-        self._io.call_soon(self._notify, DoneHeader(request_id, first_token_id, num_layers, generator_state,
-                                                    prefill_queue_s, prefill_compute_s, token,
-                                                    prefill_cached_tokens, prompt_logprobs))
+        self._io.call_soon(self._notify, DoneHeader(request_id, num_layers, record, token))
 
     def close(self) -> None:
         if not self._io.running:

@@ -86,14 +86,10 @@ class RankedKVSender(KVSender):
         for _, sender in self.links:
             sender.send_layer(request_id, layer, src_block_ids, dst_block_ids, token=token)
 
-    def send_done(self, request_id: str, first_token_id: int, generator_state: bytes | None = None, *,
-                  prefill_queue_s: float | None = None, prefill_compute_s: float | None = None,
-                  token: str = "", prefill_cached_tokens: int = 0, prompt_logprobs: bytes | None = None) -> None:
+    def send_done(self, request_id: str, record: bytes, *, token: str = "") -> None:
         rank0 = self._rank0()
         rank0.copies = self.copies
-        rank0.send_done(request_id, first_token_id, generator_state, prefill_queue_s=prefill_queue_s,
-                        prefill_compute_s=prefill_compute_s, token=token, prefill_cached_tokens=prefill_cached_tokens,
-                        prompt_logprobs=prompt_logprobs)
+        rank0.send_done(request_id, record, token=token)
 
     async def flush(self, request_id: str, timeout_s: float) -> None:
         try:

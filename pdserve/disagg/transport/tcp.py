@@ -24,7 +24,7 @@ rank; its final message (rank 0's) waits for the layers the other ranks send on 
                                  <------       WELCOME {layout, proof}
     LAYER {header} + payload     ------>       validate header; payload -> reserved blocks
                                  <------       ACK | REJECT
-    DONE {first token, state...} ------>       KVDone
+    DONE {hand-off record}       ------>       KVDone
                                  <------       ACK | REJECT
 
 Why not gather into a contiguous buffer + receive into staging + `index_copy_` on CPU too: on
@@ -45,8 +45,8 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.disagg.auth import ClusterSecret
+from pdserve.disagg.handoff import max_record_bytes
 from pdserve.disagg.kv_layout import KVLayout
-from pdserve.disagg.prompt_logprobs_wire import MAX_TOP, packed_bytes
 from pdserve.disagg.transport import frames, regions
 from pdserve.disagg.transport.base import KVReceiver, KVSender
 from pdserve.disagg.transport.frames import Frame, ProtocolError
@@ -72,9 +72,9 @@ class TcpKVReceiver(KVReceiver):
         self._address = f"tcp://{host}:{self._listener.getsockname()[1]}"
         # NOTE: a payload can never exceed one layer of the whole pool; anything larger is garbage.
         self._max_payload_bytes = kv_cache.shape[2] * layout.block_bytes_per_layer
-        # NOTE: nor can a final message's prompt logprobs outgrow a prompt that fills the pool (base64: 4/3)
-        self._max_header_bytes = frames.MAX_HEADER_BYTES + 4 * -(-packed_bytes(
-            kv_cache.shape[2] * layout.block_size, MAX_TOP) // 3)
+        # NOTE: nor can a final message's hand-off record outgrow a prompt that fills the pool (base64: 4/3)
+        self._max_header_bytes = frames.MAX_HEADER_BYTES + 4 * -(-max_record_bytes(
+            kv_cache.shape[2] * layout.block_size) // 3)
         self._flat = regions.pool_bytes(kv_cache) if kv_cache.device.type == "cpu" else None
         self._io = IoThread("pdserve-kv-tcp-recv")
         self._io.submit(self._accept_loop())
@@ -224,13 +224,9 @@ class TcpKVSender(KVSender):
         self._acks.sent_layer(request_id)
         self._enqueue(request_id, _LayerJob(header, tuple(src_block_ids)))
 
-    def send_done(self, request_id: str, first_token_id: int, generator_state: bytes | None = None, *,
-                  prefill_queue_s: float | None = None, prefill_compute_s: float | None = None,
-                  token: str = "", prefill_cached_tokens: int = 0, prompt_logprobs: bytes | None = None) -> None:
+    def send_done(self, request_id: str, record: bytes, *, token: str = "") -> None:
         num_layers = self._announced_layers(request_id)
-        self._enqueue(request_id, DoneHeader(request_id, first_token_id, num_layers, generator_state,
-                                             prefill_queue_s, prefill_compute_s, token,
-                                             prefill_cached_tokens, prompt_logprobs))
+        self._enqueue(request_id, DoneHeader(request_id, num_layers, record, token))
 
     def close(self) -> None:
         self._io.stop()
