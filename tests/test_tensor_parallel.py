@@ -212,7 +212,7 @@ def test_pd_hand_off_between_tp_sizes_matches_colocated(model_dirs: dict[str, Pa
         for (_, client), tp in zip(cluster.workers, (decode_tp, prefill_tp), strict=True):
             runner = client.engine.runner
             assert isinstance(runner, TPModelRunner) == (tp > 1)
-            assert not isinstance(runner, TPModelRunner) or runner.rank_pools == rank_pools
+            assert not isinstance(runner, TPModelRunner) or (runner.rank_pools is not None) == rank_pools
         receiver = cluster.services[0].receiver  # type: ignore[union-attr]
         assert len(receiver.kv_address.split(",")) == (decode_tp if rank_pools else 1)
         if receiver.ranks is not None:  # each rank let go of every reservation

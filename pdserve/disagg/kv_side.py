@@ -9,7 +9,10 @@ its engine process (disagg/worker_core.py, the default).
              (`KVTransferSetup.stream_targets`, a `KVTarget` naming its sender by handle), and the
              prefill service drives the hand-off through it: `connect`, `send_done`, `flush`, `release`
 
-`build_kv_side` makes either from the engine and the worker's settings (`KVSideSpec`).
+`build_kv_side` makes either from the engine and the worker's settings (`KVSideSpec`), over the
+engine's pools as its runner holds them (`kv_pools`: `OnePool`, or `PoolPerRank` under tensor
+parallelism with a pool per rank); `attach_kv_side` also hooks it into the engine (`build_worker`,
+the engine process's `WorkerCoreSide`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol
+
+import torch
 
 from pdserve.config import EngineConfig, WorkerConfig
 from pdserve.disagg.auth import load_cluster_secret
@@ -34,10 +39,11 @@ from pdserve.disagg.transport.base import KVReceiver, KVSender
 from pdserve.disagg.transport.errors import KVTransferError
 from pdserve.disagg.transport.handshake import KVPeerPolicy
 from pdserve.disagg.transport.messages import KVEvent
-from pdserve.engine.kv_transfer import KVTarget, KVTransferSetup
+from pdserve.disagg.transport.ranked import HeadRange
+from pdserve.engine.kv_transfer import KVTarget, KVTransferSetup, RankPools, TransferExpectations
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request
-from pdserve.engine.tensor_parallel import TPModelRunner
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,37 +191,101 @@ class KVSide:
             self.prefill.close()
 
 
-def build_kv_side(runner: ModelRunner, config: EngineConfig, spec: KVSideSpec,
-                  sender_options: Mapping[str, object] | None = None) -> KVSide:
-    """The receiver (decode) or the streamer and senders (prefill) of the engine whose `runner` and
-    `config` these are; `sender_options` go to each KV sender (tests: the fake transport's)."""
-    rank_pools = isinstance(runner, TPModelRunner) and runner.rank_pools
-    if rank_pools and spec.transport == "fake":
-        raise ValueError("the fake KV transport moves KV within one process: a worker with --tensor-parallel-size > 1 "
-                         "and a KV pool per rank (CUDA) needs tcp or nixl")
-    layout = (rank_layout(spec.model_name, runner, config, 0) if rank_pools
-              else KVLayout.from_pool(spec.model_name, runner.kv_cache, tp_size=config.tensor_parallel_size,
+class KVPools(Protocol):
+    """The engine's KV pools, as its KV side moves KV from and into them (`kv_pools`): the pool the
+    KV side reads and writes here is always `runner.kv_cache`."""
+
+    @property
+    def layout(self) -> KVLayout: ...
+
+    @property
+    def sending_heads(self) -> list[HeadRange] | None:
+        """Prefill: the heads of each pool that sends (`SenderPool`'s; None: this one's)."""
+
+    def link(self, receiver: KVReceiver, peers: KVPeerPolicy) -> None:
+        """Decode: `receiver` (this pool's) receives into the engine's other pools too, if any."""
+
+    def streamer(self, small_blocks: int) -> KVStreamer:
+        """Prefill: the streamer of this pool, which has the engine's other pools streamed too, if any."""
+
+
+@dataclass(frozen=True, slots=True)
+class OnePool:
+    """Every KV head of the engine in one pool: one process, or tensor-parallel ranks sharing one (CPU)."""
+
+    layout: KVLayout
+    sending_heads: None = None
+
+    def link(self, receiver: KVReceiver, peers: KVPeerPolicy) -> None:
+        return None  # NOTE: the receiver writes every head itself
+
+    def streamer(self, small_blocks: int) -> KVStreamer:
+        return KVStreamer(self.layout.block_size, self.layout.num_layers, small_blocks=small_blocks)
+
+
+class PoolPerRank:
+    """Tensor parallelism with a pool per rank (`ModelRunner.rank_pools`): `kv_cache` holds rank
+    0's heads, and every other rank moves its own (rank_receiving.py, rank_streaming.py)."""
+
+    def __init__(self, ranks: RankPools, pool: torch.Tensor, config: EngineConfig, spec: KVSideSpec) -> None:
+        if spec.transport == "fake":
+            raise ValueError("the fake KV transport moves KV within one process: a worker with "
+                             "--tensor-parallel-size > 1 and a KV pool per rank (CUDA) needs tcp or nixl")
+        self.ranks, self.spec = ranks, spec
+        self.layout = rank_layout(spec.model_name, pool, config, 0)
+        self.sending_heads = sending_heads(config)
+
+    def link(self, receiver: KVReceiver, peers: KVPeerPolicy) -> None:
+        link_ranks(self.ranks, receiver, self.spec, peers)  # every rank receives its heads
+
+    def streamer(self, small_blocks: int) -> KVStreamer:
+        streamer = MirroredKVStreamer(self.ranks, self.layout.block_size, self.layout.num_layers, small_blocks)
+        self.ranks.install_rank_hook(RankStreamingSpec(self.spec.transport, self.spec.model_name, small_blocks,
+                                                       self.spec.cluster_secret_file), streamer.step_message)
+        return streamer
+
+
+def kv_pools(runner: ModelRunner, config: EngineConfig, spec: KVSideSpec) -> KVPools:
+    """The pools of the engine whose `runner` and `config` these are, moved as `spec` says."""
+    ranks = runner.rank_pools
+    if ranks is not None:
+        return PoolPerRank(ranks, runner.kv_cache, config, spec)
+    return OnePool(KVLayout.from_pool(spec.model_name, runner.kv_cache, tp_size=config.tensor_parallel_size,
                                       scales=config.kv_scales))
+
+
+def build_kv_side(runner: ModelRunner, config: EngineConfig, spec: KVSideSpec,
+                  sender_options: Mapping[str, object] | None = None,
+                  expectations: TransferExpectations | None = None) -> KVSide:
+    """The receiver (decode) or the streamer and senders (prefill) of the engine whose `runner` and
+    `config` these are; `sender_options` go to each KV sender (tests: the fake transport's);
+    `expectations` (decode): what the engine's reservations expect their transfers through (default:
+    the receiver)."""
+    pools = kv_pools(runner, config, spec)
+    layout = pools.layout
     secret = load_cluster_secret(spec.cluster_secret_file)
     if spec.role == "decode":
         peers = KVPeerPolicy(secret, spec.kv_max_connections, spec.kv_handshake_timeout_s)
         receiver = make_receiver(spec.transport, layout, runner.kv_cache, host=spec.kv_host, port=spec.kv_port,
                                  peers=peers)
-        if rank_pools:  # every rank receives its heads (rank_receiving.py)
-            assert isinstance(runner, TPModelRunner)
-            link_ranks(runner, receiver, spec.transport, spec.model_name, spec.kv_host, spec.kv_port,
-                       spec.cluster_secret_file, peers)
-        setup = KVTransferSetup(expectations=receiver, remote_kv_quarantine_s=receiver.late_write_window_s)
+        pools.link(receiver, peers)
+        setup = KVTransferSetup(expectations=receiver if expectations is None else expectations,
+                                remote_kv_quarantine_s=receiver.late_write_window_s)
         return KVSide(spec, layout, setup, receiver=receiver)
     small_blocks = small_step_blocks(layout.block_bytes_per_layer, layout.num_layers)
-    streamer = KVStreamer(layout.block_size, layout.num_layers, small_blocks=small_blocks)
-    if rank_pools:
-        assert isinstance(runner, TPModelRunner)
-        streamer = MirroredKVStreamer(runner, layout.block_size, layout.num_layers, small_blocks)
-        runner.install_rank_hook(RankStreamingSpec(spec.transport, spec.model_name, small_blocks,
-                                                   spec.cluster_secret_file), streamer.step_message)
+    streamer = pools.streamer(small_blocks)
     senders = SenderPool(spec.transport, layout, runner.kv_cache, sender_options, secret,
-                         sending_heads=sending_heads(config) if rank_pools else None,
-                         num_kv_heads=config.model.num_key_value_heads)
+                         sending_heads=pools.sending_heads, num_kv_heads=config.model.num_key_value_heads)
     prefill = PrefillKV(streamer, senders)
     return KVSide(spec, layout, KVTransferSetup(layer_observer=streamer, stream_targets=prefill), prefill=prefill)
+
+
+def attach_kv_side(engine: LLMEngine, spec: KVSideSpec, sender_options: Mapping[str, object] | None = None,
+                   expectations: TransferExpectations | None = None) -> KVSide:
+    """The engine's KV side (`build_kv_side`), its hooks set on the engine and its step log naming
+    the role: before the engine's thread (or loop) starts, which alone reads them from then on."""
+    kv = build_kv_side(engine.runner, engine.config, spec, sender_options, expectations)
+    engine.configure_kv_transfer(kv.setup)
+    if engine.step_log is not None:
+        engine.step_log.role = spec.role
+    return kv

@@ -25,7 +25,7 @@ import secrets
 import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener
-from typing import Any
+from typing import Any, Protocol
 
 from pdserve.config import EngineConfig
 from pdserve.disagg.auth import load_cluster_secret
@@ -33,8 +33,8 @@ from pdserve.disagg.rank_streaming import rank_layout
 from pdserve.disagg.transport import make_receiver
 from pdserve.disagg.transport.base import KVReceiver
 from pdserve.disagg.transport.handshake import KVPeerPolicy
+from pdserve.engine.kv_transfer import RankPools
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.tensor_parallel import TPModelRunner
 
 logger = logging.getLogger(__name__)
 _CONNECT_TIMEOUT_S = 60.0
@@ -42,7 +42,7 @@ _CONNECT_TIMEOUT_S = 60.0
 
 @dataclass(frozen=True, slots=True)
 class RankReceivingSpec:
-    """Picklable: builds rank r's `RankReceiving` there (`TPModelRunner.install_rank_hook`)."""
+    """Picklable: builds rank r's `RankReceiving` there (`RankPools.install_rank_hook`)."""
 
     transport: str
     model_name: str
@@ -64,7 +64,7 @@ class RankReceiving:
     def __init__(self, spec: RankReceivingSpec, runner: ModelRunner, config: EngineConfig, rank: int) -> None:
         peers = KVPeerPolicy(load_cluster_secret(spec.cluster_secret_file), spec.max_connections,
                              spec.handshake_timeout_s)
-        self.receiver = make_receiver(spec.transport, rank_layout(spec.model_name, runner, config, rank),
+        self.receiver = make_receiver(spec.transport, rank_layout(spec.model_name, runner.kv_cache, config, rank),
                                       runner.kv_cache, host=spec.kv_host,
                                       port=spec.kv_port + rank if spec.kv_port else 0, peers=peers)
         self.control = Client(spec.rank0, authkey=spec.authkey)
@@ -120,21 +120,21 @@ class RankLinks:
     """Rank 0's end: the other ranks' receivers (built there), their control and report
     connections. `receiver` (rank 0's) then expects, cancels and counts on every rank."""
 
-    def __init__(self, runner: TPModelRunner, receiver: KVReceiver, spec: RankReceivingSpec,
+    def __init__(self, ranks: RankPools, receiver: KVReceiver, spec: RankReceivingSpec,
                  listener: Listener) -> None:
         self.receiver = receiver
-        num_ranks = len(runner.processes)
+        num_ranks = ranks.num_other_ranks
         accepted: dict[tuple[int, str], Connection] = {}
         with listener:
             accepting = threading.Thread(target=_accept, args=(listener, 2 * num_ranks, accepted), daemon=True)
             accepting.start()
-            runner.install_rank_hook(spec)
+            ranks.install_rank_hook(spec)
             accepting.join(_CONNECT_TIMEOUT_S)
         if len(accepted) != 2 * num_ranks:
             raise RuntimeError(f"decode ranks connected {len(accepted)} of {2 * num_ranks} control/report links")
         self.controls = [accepted[rank, "control"] for rank in range(1, num_ranks + 1)]
         self._lock = threading.Lock()  # one control exchange at a time
-        self.addresses: list[str] = runner.rank_command(("address",))
+        self.addresses: list[str] = ranks.rank_command(("address",))
         for rank in range(1, num_ranks + 1):
             threading.Thread(target=self._read_reports, args=(accepted[rank, "reports"],),
                              name=f"pdserve-rank{rank}-kv-reports", daemon=True).start()
@@ -202,11 +202,29 @@ def _send(control: Connection, message: tuple[Any, ...]) -> None:
         raise RuntimeError(f"a decode rank is gone: {exc!r}") from exc
 
 
-def link_ranks(runner: TPModelRunner, receiver: KVReceiver, transport: str, model_name: str, kv_host: str,
-               kv_port: int, cluster_secret_file: str | None, peers: KVPeerPolicy) -> RankLinks:
+class ReceivingAt(Protocol):
+    """What `link_ranks` reads of a decode worker's KV settings (disagg/kv_side.py's `KVSideSpec`)."""
+
+    @property
+    def transport(self) -> str: ...
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def kv_host(self) -> str: ...
+
+    @property
+    def kv_port(self) -> int: ...
+
+    @property
+    def cluster_secret_file(self) -> str | None: ...
+
+
+def link_ranks(ranks: RankPools, receiver: KVReceiver, at: ReceivingAt, peers: KVPeerPolicy) -> RankLinks:
     """Receivers on the other ranks, linked to rank 0's `receiver` (`receiver.kv_address` lists them)."""
     authkey = secrets.token_bytes(32)
     listener = Listener(family="AF_UNIX", authkey=authkey)
-    spec = RankReceivingSpec(transport, model_name, kv_host, kv_port, cluster_secret_file, peers.max_connections,
-                             peers.handshake_timeout_s, listener.address, authkey)
-    return RankLinks(runner, receiver, spec, listener)
+    spec = RankReceivingSpec(at.transport, at.model_name, at.kv_host, at.kv_port, at.cluster_secret_file,
+                             peers.max_connections, peers.handshake_timeout_s, listener.address, authkey)
+    return RankLinks(ranks, receiver, spec, listener)

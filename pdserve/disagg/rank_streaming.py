@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+import torch
+
 from pdserve.config import EngineConfig
 from pdserve.disagg.auth import load_cluster_secret
 from pdserve.disagg.kv_layout import KVLayout
@@ -37,10 +39,10 @@ from pdserve.disagg.kv_streamer import KVDestination, KVStreamer, SendLayer
 from pdserve.disagg.sender_pool import SenderPool
 from pdserve.disagg.transport.base import KVSender
 from pdserve.disagg.transport.ranked import HeadRange
+from pdserve.engine.kv_transfer import RankPools
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledChunk
-from pdserve.engine.tensor_parallel import TPModelRunner
 from pdserve.model.parallel import TPShard
 
 logger = logging.getLogger(__name__)
@@ -49,10 +51,10 @@ logger = logging.getLogger(__name__)
 _StepChunk = tuple[str, int, int, list[int]]
 
 
-def rank_layout(model_name: str, runner: ModelRunner, config: EngineConfig, rank: int) -> KVLayout:
-    """The KV layout of one rank's own pool: its heads of the model's."""
+def rank_layout(model_name: str, pool: torch.Tensor, config: EngineConfig, rank: int) -> KVLayout:
+    """The KV layout of one rank's own `pool`: its heads of the model's."""
     start, _ = TPShard(rank, config.tensor_parallel_size).kv_head_range(config.model)
-    layout = KVLayout.from_pool(model_name, runner.kv_cache, tp_size=config.tensor_parallel_size,
+    layout = KVLayout.from_pool(model_name, pool, tp_size=config.tensor_parallel_size,
                                 scales=config.kv_scales)
     return dataclasses.replace(layout, kv_head_start=start)
 
@@ -71,7 +73,7 @@ def sending_heads(config: EngineConfig) -> list[HeadRange]:
 
 @dataclass(frozen=True, slots=True)
 class RankStreamingSpec:
-    """Picklable: builds a rank's `RankStreaming` there (`TPModelRunner.install_rank_hook`)."""
+    """Picklable: builds a rank's `RankStreaming` there (`RankPools.install_rank_hook`)."""
 
     transport: str
     model_name: str
@@ -88,7 +90,7 @@ class RankStreaming:
     def __init__(self, spec: RankStreamingSpec, runner: ModelRunner, config: EngineConfig, rank: int) -> None:
         self.rank = rank
         self.sends = rank in sending_ranks(config)
-        layout = rank_layout(spec.model_name, runner, config, rank)
+        layout = rank_layout(spec.model_name, runner.kv_cache, config, rank)
         self.streamer = KVStreamer(layout.block_size, layout.num_layers, small_blocks=spec.small_blocks)
         self.senders = SenderPool(spec.transport, layout, runner.kv_cache, None,
                                   load_cluster_secret(spec.cluster_secret_file),
@@ -156,17 +158,17 @@ class MirroredKVStreamer(KVStreamer):
     """Rank 0's streamer: streams rank 0's heads and tells the other ranks to do the same with
     theirs (`rank_command` between steps, each step's chunks with its plan)."""
 
-    def __init__(self, runner: TPModelRunner, block_size: int, num_layers: int, small_blocks: int) -> None:
+    def __init__(self, ranks: RankPools, block_size: int, num_layers: int, small_blocks: int) -> None:
         super().__init__(block_size, num_layers, small_blocks=small_blocks)
-        self.runner = runner
+        self.ranks = ranks
 
     def expect(self, request_id: str, dst_block_ids: Sequence[int] | None, num_cached_on_decode: int = 0,
                send_layer: SendLayer | None = None) -> None:
         address, token = _where(send_layer) if dst_block_ids is not None else (None, None)
         super().expect(request_id, dst_block_ids, num_cached_on_decode, send_layer)
         try:
-            self.runner.rank_command(("expect", request_id, None if dst_block_ids is None else list(dst_block_ids),
-                                      num_cached_on_decode, address, token))
+            self.ranks.rank_command(("expect", request_id, None if dst_block_ids is None else list(dst_block_ids),
+                                     num_cached_on_decode, address, token))
         except BaseException:
             self.forget(request_id)
             raise
@@ -177,13 +179,13 @@ class MirroredKVStreamer(KVStreamer):
         if not super().place(request_id, dst_block_ids, num_cached_on_decode, send_layer, request):
             return False
         computed = () if request is None else (request.num_computed_tokens, list(request.block_ids))
-        self.runner.rank_command(("place", request_id, list(dst_block_ids), num_cached_on_decode, address, token,
-                                  *computed))
+        self.ranks.rank_command(("place", request_id, list(dst_block_ids), num_cached_on_decode, address, token,
+                                 *computed))
         return True
 
     def forget(self, request_id: str) -> None:
         super().forget(request_id)
-        self.runner.rank_command(("forget", request_id))
+        self.ranks.rank_command(("forget", request_id))
 
     def step_message(self, chunks: list[ScheduledChunk]) -> list[_StepChunk] | None:
         """What the ranks need of this step's chunks to stream theirs (those with a target here)."""

@@ -31,8 +31,10 @@ Draining (SIGTERM, see `Worker.drain`): /pd/info says `draining`, so routers sto
 new reservations and jobs get 503, and what is in flight finishes. A worker with `--register`
 routers announces itself to them while it serves (registrar.py) and leaves when it drains.
 
-`build_worker` wires one worker from its engine and `WorkerConfig`; the role's routes are in
-worker_routes.py.
+`build_worker` wires one worker from its engine and `WorkerConfig`, all in this process: the KV
+side, hooked into the engine (kv_side.py's `attach_kv_side`, as an engine process does for its
+own), the engine thread, then the service and app (`assemble_worker`, as `start_worker` does over
+an engine process); the role's routes are in worker_routes.py.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from pdserve.disagg.auth import PeerAuth, load_cluster_secret, warn_if_open
 from pdserve.disagg.control import ConsumerReport, Role, WorkerInfo, WorkerStatsReply
 from pdserve.disagg.decode_service import DecodeService
 from pdserve.disagg.kv_layout import KVLayout
-from pdserve.disagg.kv_side import KVSideSpec, ReceiverView, SenderHandles, build_kv_side
+from pdserve.disagg.kv_side import KVSideSpec, ReceiverView, SenderHandles, attach_kv_side
 from pdserve.disagg.prefill_service import PrefillService
 from pdserve.disagg.registrar import Registrar
 from pdserve.disagg.worker_routes import add_decode_routes, add_prefill_routes
@@ -93,11 +95,8 @@ def build_worker(engine: LLMEngine, config: WorkerConfig, model_name: str, *,
     """Engine thread + KV transport + control-plane app for one prefill or decode worker, all in
     this process (`--engine-in-process`; the in-process test clusters). `sender_options` go to each
     KV sender (tests: the fake transport's `stall_after_layers`)."""
-    kv = build_kv_side(engine.runner, engine.config, KVSideSpec.of(config, model_name), sender_options)
-    if engine.step_log is not None:
-        engine.step_log.role = config.role
-    # NOTE: the engine side's hooks must be set before the engine thread starts: only it reads them then
-    client = AsyncLLM(engine, kv.setup)
+    kv = attach_kv_side(engine, KVSideSpec.of(config, model_name), sender_options)
+    client = AsyncLLM(engine)  # NOTE: starts the engine thread, after the KV side's hooks were set
     return assemble_worker(client, kv.receiver, kv.prefill, WorkerShape(config, model_name, kv.layout,
                                                                         kv.spec.transport))
 

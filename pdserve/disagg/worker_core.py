@@ -25,7 +25,7 @@ from typing import Any
 from pdserve.config import EngineArgs, WorkerConfig
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.kv_link import RemoteReceiver, RemoteSenders, encode_event, error_reply
-from pdserve.disagg.kv_side import KVSide, KVSideSpec, build_kv_side
+from pdserve.disagg.kv_side import KVSide, KVSideSpec, attach_kv_side
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.disagg.transport.messages import KVDone, KVProgress, KVRejected
 from pdserve.disagg.worker_app import Worker, WorkerShape, assemble_worker
@@ -57,18 +57,13 @@ class WorkerCoreSide:
     """The `CoreSide` of a worker (engine/core_proc.py): its KV side and the loop that runs its calls."""
 
     def __init__(self, engine: LLMEngine, worker: dict[str, Any], send: Callable[[FromCore], None]) -> None:
-        self.kv: KVSide = build_kv_side(engine.runner, engine.config, KVSideSpec(**worker))
+        # NOTE: decode: the engine's reservations expect through `expect`, which forwards each one's events
+        self.kv: KVSide = attach_kv_side(engine, KVSideSpec(**worker), expectations=self)
         self._send = send
         self._loop = asyncio.new_event_loop()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._thread = threading.Thread(target=self._loop.run_forever, name="pdserve-kv-side", daemon=True)
         self._thread.start()
-        self._tasks: set[asyncio.Task[None]] = set()
-        setup = self.kv.setup
-        if self.kv.receiver is not None:  # NOTE: each expected transfer's events are forwarded
-            setup = dataclasses.replace(setup, expectations=self)
-        engine.configure_kv_transfer(setup)
-        if engine.step_log is not None:
-            engine.step_log.role = self.kv.spec.role
 
     def info(self) -> dict[str, Any]:
         receiver = self.kv.receiver

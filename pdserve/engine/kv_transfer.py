@@ -12,16 +12,23 @@ commands of the prefill and decode roles (engine/commands.py) hand to it, on the
 Every field of a command is data (`KVTarget` names the KV sender by a handle, not the object), so
 the same command runs on an engine thread of the worker's process or, sent over the engine-core
 link, in an engine process of its own (disagg/worker_core.py); the hooks are that side's objects.
+
+Where the KV moves from and into is the runner's: its `kv_cache`, and with tensor parallelism and a
+pool per rank its `rank_pools` (`RankPools`: the other ranks, each moving its own heads through a
+rank hook); the KV side reads both through disagg/kv_side.py's `kv_pools`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledChunk
+
+if TYPE_CHECKING:
+    from pdserve.engine.tensor_parallel import RankHookSpec
 
 # Prefill role: called after layer l's K/V of every chunk of the step are in the pool.
 LayerObserver = Callable[[int, list[ScheduledChunk]], None]
@@ -67,3 +74,19 @@ class KVTransferSetup:
     stream_targets: StreamTargets | None = None  # prefill role: where each request's KV goes
     expectations: TransferExpectations | None = None  # decode role: the receiver expects each transfer
     remote_kv_quarantine_s: float = 0.0  # decode role: see the module docstring
+
+
+class RankPools(Protocol):
+    """Tensor parallelism with a KV pool per rank (`ModelRunner.rank_pools`): the runner's `kv_cache`
+    holds rank 0's heads only, and each other rank does its share of the KV hand-off on its own pool
+    through a rank hook (engine/tensor_parallel.py; disagg/rank_streaming.py, rank_receiving.py)."""
+
+    @property
+    def num_other_ranks(self) -> int: ...
+
+    def install_rank_hook(self, spec: RankHookSpec,
+                          step_message: Callable[[list[ScheduledChunk]], object] | None = None) -> None:
+        """Build `spec`'s hook on every other rank; each step's plan carries `step_message(chunks)` to them."""
+
+    def rank_command(self, message: Any) -> list[Any]:
+        """`message` through every other rank's hook, between steps: their replies, rank 1 first."""

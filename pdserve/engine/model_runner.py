@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +28,9 @@ from pdserve.model.attention import (
 )
 from pdserve.model.attention_backend import StepMetadata, decode_splits, select_backend
 from pdserve.model.qwen3 import Qwen3ForCausalLM
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_transfer import RankPools
 
 _MAX_DECODE_BUCKETS = 4
 _MIN_DECODE_BUCKET = 8
@@ -140,6 +144,12 @@ class ModelRunner:
 
     def close(self) -> None:
         """Nothing to stop in one process (see `TPModelRunner.close`)."""
+
+    @property
+    def rank_pools(self) -> RankPools | None:
+        """The other ranks' own KV pools, when each tensor-parallel rank has one (`TPModelRunner`);
+        None: `kv_cache` holds every KV head of the engine (one process; TP ranks sharing one pool)."""
+        return None
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A host copy of these blocks' KV, shaped [block, layer, k|v, slot, head, dim] (the disk

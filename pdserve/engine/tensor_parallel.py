@@ -58,6 +58,7 @@ from pdserve import envs
 from pdserve.config import EngineConfig
 from pdserve.engine import shared_memory_group
 from pdserve.engine.host_memory import keep_large_allocations_on_heap
+from pdserve.engine.kv_transfer import RankPools
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -252,10 +253,14 @@ class TPModelRunner(ModelRunner):
     _chunks: list[ScheduledChunk] = []  # the step's, while it runs
 
     @property
-    def rank_pools(self) -> bool:
-        """Each rank has a KV pool of its own, holding its heads (CUDA; CPU with
-        PDSERVE_TP_RANK_POOLS=1): `kv_cache` holds rank 0's only."""
-        return self.local_cache is self.kv_cache  # NOTE: a shared pool's local cache is a view of it
+    def rank_pools(self) -> RankPools | None:
+        """This runner, when each rank has a KV pool of its own, holding its heads (CUDA; CPU with
+        PDSERVE_TP_RANK_POOLS=1): `kv_cache` holds rank 0's only. None: the ranks share one pool."""
+        return self if self.local_cache is self.kv_cache else None  # NOTE: a shared pool's local cache is a view
+
+    @property
+    def num_other_ranks(self) -> int:
+        return len(self.processes)
 
     def install_rank_hook(self, spec: RankHookSpec,
                           step_message: Callable[[list[ScheduledChunk]], object] | None = None) -> None:
