@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any, Protocol
 
+import torch
+
 from pdserve.config import EngineConfig
 from pdserve.disagg.auth import load_cluster_secret
 from pdserve.disagg.rank_streaming import rank_layout
@@ -34,7 +36,6 @@ from pdserve.disagg.transport import make_receiver
 from pdserve.disagg.transport.base import KVReceiver
 from pdserve.disagg.transport.handshake import KVPeerPolicy
 from pdserve.engine.kv_transfer import RankPools
-from pdserve.engine.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 _CONNECT_TIMEOUT_S = 60.0
@@ -54,18 +55,18 @@ class RankReceivingSpec:
     rank0: str  # where rank 0 listens for the control and report connections (a Unix socket's path)
     authkey: bytes
 
-    def __call__(self, runner: ModelRunner, config: EngineConfig, rank: int) -> RankReceiving:
-        return RankReceiving(self, runner, config, rank)
+    def __call__(self, kv_cache: torch.Tensor, config: EngineConfig, rank: int) -> RankReceiving:
+        return RankReceiving(self, kv_cache, config, rank)
 
 
 class RankReceiving:
     """Rank r's side (`RankHook`): its receiver, driven by rank 0 over the control connection."""
 
-    def __init__(self, spec: RankReceivingSpec, runner: ModelRunner, config: EngineConfig, rank: int) -> None:
+    def __init__(self, spec: RankReceivingSpec, kv_cache: torch.Tensor, config: EngineConfig, rank: int) -> None:
         peers = KVPeerPolicy(load_cluster_secret(spec.cluster_secret_file), spec.max_connections,
                              spec.handshake_timeout_s)
-        self.receiver = make_receiver(spec.transport, rank_layout(spec.model_name, runner.kv_cache, config, rank),
-                                      runner.kv_cache, host=spec.kv_host,
+        self.receiver = make_receiver(spec.transport, rank_layout(spec.model_name, kv_cache, config, rank),
+                                      kv_cache, host=spec.kv_host,
                                       port=spec.kv_port + rank if spec.kv_port else 0, peers=peers)
         self.control = Client(spec.rank0, authkey=spec.authkey)
         self.control.send((rank, "control"))

@@ -40,7 +40,6 @@ from pdserve.disagg.sender_pool import SenderPool
 from pdserve.disagg.transport.base import KVSender
 from pdserve.disagg.transport.ranked import HeadRange
 from pdserve.engine.kv_transfer import RankPools
-from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledChunk
 from pdserve.model.parallel import TPShard
@@ -80,19 +79,19 @@ class RankStreamingSpec:
     small_blocks: int  # rank 0's streamer's: the ranks must hold exactly the steps it holds
     cluster_secret_file: str | None
 
-    def __call__(self, runner: ModelRunner, config: EngineConfig, rank: int) -> RankStreaming:
-        return RankStreaming(self, runner, config, rank)
+    def __call__(self, kv_cache: torch.Tensor, config: EngineConfig, rank: int) -> RankStreaming:
+        return RankStreaming(self, kv_cache, config, rank)
 
 
 class RankStreaming:
     """Rank r's side (`RankHook`): a streamer and senders of its own, fed by rank 0's calls."""
 
-    def __init__(self, spec: RankStreamingSpec, runner: ModelRunner, config: EngineConfig, rank: int) -> None:
+    def __init__(self, spec: RankStreamingSpec, kv_cache: torch.Tensor, config: EngineConfig, rank: int) -> None:
         self.rank = rank
         self.sends = rank in sending_ranks(config)
-        layout = rank_layout(spec.model_name, runner.kv_cache, config, rank)
+        layout = rank_layout(spec.model_name, kv_cache, config, rank)
         self.streamer = KVStreamer(layout.block_size, layout.num_layers, small_blocks=spec.small_blocks)
-        self.senders = SenderPool(spec.transport, layout, runner.kv_cache, None,
+        self.senders = SenderPool(spec.transport, layout, kv_cache, None,
                                   load_cluster_secret(spec.cluster_secret_file),
                                   sending_heads=sending_heads(config), num_kv_heads=config.model.num_key_value_heads)
         self._request_senders: dict[str, KVSender] = {}

@@ -28,7 +28,9 @@ from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledChunk
 
 if TYPE_CHECKING:
-    from pdserve.engine.tensor_parallel import RankHookSpec
+    import torch
+
+    from pdserve.config import EngineConfig
 
 # Prefill role: called after layer l's K/V of every chunk of the step are in the pool.
 LayerObserver = Callable[[int, list[ScheduledChunk]], None]
@@ -74,6 +76,24 @@ class KVTransferSetup:
     stream_targets: StreamTargets | None = None  # prefill role: where each request's KV goes
     expectations: TransferExpectations | None = None  # decode role: the receiver expects each transfer
     remote_kv_quarantine_s: float = 0.0  # decode role: see the module docstring
+
+
+class RankHook(Protocol):
+    """What a rank other than 0 does besides computing, with its own runner (its own KV pool).
+    Built on the rank by a picklable spec (`install_rank_hook`). Its methods must not raise for
+    one request's trouble: the rank has to keep computing every step with the others."""
+
+    def command(self, message: Any) -> Any:
+        """Rank 0's `rank_command`, between steps; the reply goes back to rank 0."""
+
+    def step(self, message: Any) -> Callable[[int], None] | None:
+        """Before a step, with its plan's `rank_message`: the step's per-layer callback."""
+
+    def close(self) -> None: ...
+
+
+# built on rank r from its own KV pool (the heads it holds), the engine's config and r
+RankHookSpec = Callable[[torch.Tensor, EngineConfig, int], RankHook]
 
 
 class RankPools(Protocol):

@@ -16,7 +16,7 @@ process (the KV hand-off across TP sizes needs nothing more). On CUDA each rank 
 their own heads, which a rank hook does on every rank (`install_rank_hook`, disagg/rank_streaming.py):
 
     rank 0                                            rank r
-    install_rank_hook(spec)        --pipe-->          hook = spec(runner, config, r)  -> "ok"
+    install_rank_hook(spec)        --pipe-->          hook = spec(kv_cache, config, r)  -> "ok"
     rank_command(message)          --pipe-->          hook.command(message)          -> its reply
     StepPlan{rank_message}         --pipe-->          runner.run(plan, hook.step(rank_message))
 
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,7 +58,7 @@ from pdserve import envs
 from pdserve.config import EngineConfig
 from pdserve.engine import shared_memory_group
 from pdserve.engine.host_memory import keep_large_allocations_on_heap
-from pdserve.engine.kv_transfer import RankPools
+from pdserve.engine.kv_transfer import RankHook, RankHookSpec, RankPools
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -78,23 +78,6 @@ _MAX_SLOT_BYTES = 16 * 1024**2  # per rank and half of the shared collective fil
 
 class RankDiedError(RuntimeError):
     """A tensor-parallel rank exited: the engine cannot compute another step."""
-
-
-class RankHook(Protocol):
-    """What a rank other than 0 does besides computing, with its own runner (its own KV pool).
-    Built on the rank by a picklable spec (`install_rank_hook`). Its methods must not raise for
-    one request's trouble: the rank has to keep computing every step with the others."""
-
-    def command(self, message: Any) -> Any:
-        """Rank 0's `rank_command`, between steps; the reply goes back to rank 0."""
-
-    def step(self, message: Any) -> Callable[[int], None] | None:
-        """Before a step, with its plan's `rank_message`: the step's per-layer callback."""
-
-    def close(self) -> None: ...
-
-
-RankHookSpec = Callable[[ModelRunner, EngineConfig, int], RankHook]
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,7 +203,7 @@ def rank_main(conn: Connection) -> None:
             continue
         try:
             if isinstance(message, _InstallHook):
-                hook, reply = message.spec(runner, config, rank), None
+                hook, reply = message.spec(runner.kv_cache, config, rank), None
             else:
                 assert hook is not None, "a rank command before its hook"
                 reply = hook.command(message.message)
