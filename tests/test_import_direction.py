@@ -168,3 +168,13 @@ def test_the_circle_finder_finds_circles() -> None:
 def test_no_circle_between_modules() -> None:
     found = circles(import_graph(_modules()))
     assert not found, "modules that import each other (through others):\n" + "\n".join(map(" <-> ".join, found))
+
+
+def test_every_module_imports() -> None:
+    """Each module loads on its own: a name imported only for type checking but used at run time
+    (a module-level alias, a base class) fails here, not in a worker process at start-up."""
+    import importlib
+
+    for path in _modules():
+        if path.name != "__main__.py":
+            importlib.import_module(module_name(path))

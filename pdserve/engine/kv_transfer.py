@@ -22,15 +22,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
+import torch
+
+from pdserve.config import EngineConfig
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledChunk
-
-if TYPE_CHECKING:
-    import torch
-
-    from pdserve.config import EngineConfig
 
 # Prefill role: called after layer l's K/V of every chunk of the step are in the pool.
 LayerObserver = Callable[[int, list[ScheduledChunk]], None]
