@@ -596,7 +596,8 @@ def test_nixl_never_writes_on_a_stale_grant(monkeypatch: pytest.MonkeyPatch) -> 
     """Late writes (nixl module docstring): a grant that arrives more than GRANT_MAX_AGE_S after
     its claim fails the request and writes nothing, so decode's quarantine of cancelled blocks
     (`late_write_window_s`, longer than that) bounds when granted bytes can land."""
-    from pdserve.disagg.transport import nixl, nixl_sender
+    from pdserve.disagg.transport.nixl import receiver as nixl
+    from pdserve.disagg.transport.nixl import sender as nixl_sender
 
     decode = Decode("nixl")
     pool = SPEC.pool(PREFILL_SEED)

@@ -1,4 +1,4 @@
-"""NIXL grants (transport/nixl_grants.py): decode's pool is never exposed whole. A peer that passed
+"""NIXL grants (transport/nixl/grants.py): decode's pool is never exposed whole. A peer that passed
 the handshake with the cluster secret holds decode's connection info only; a grant hands it the
 registration of its reservation's regions, and that registration is revoked when the reservation
 ends. A WRITE to any other pool address is refused by NIXL itself and leaves the pool unchanged."""
@@ -138,7 +138,7 @@ def test_a_registration_with_an_open_grant_is_held_through_the_late_write_window
         pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
     """A reservation cancelled while a grant of it is open keeps its registration until the late
     write window passes (a granted WRITE may still be in flight), then it is revoked."""
-    from pdserve.disagg.transport import nixl
+    from pdserve.disagg.transport.nixl import receiver as nixl
 
     monkeypatch.setattr(nixl, "LATE_WRITE_WINDOW_S", 0.3)
     pair.receiver.expect("r", [4, 5], "t")
@@ -163,7 +163,7 @@ def test_a_request_is_registered_once_for_all_its_layers_and_chunks(pair: Pair,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Six claims (two chunks of three layers): one registration, its metadata in the first grant
     only, revoked once the request is done."""
-    from pdserve.disagg.transport.nixl_sender import NixlKVSender
+    from pdserve.disagg.transport.nixl.sender import NixlKVSender
 
     loaded: list[int] = []
     load = NixlKVSender._load_grant
@@ -211,7 +211,7 @@ def test_a_sender_holding_too_much_grant_metadata_is_replaced_once_its_requests_
     and SenderPool sends new requests through a new one (new agent) and closes the old one once
     nothing of it is pending."""
     from pdserve.disagg.sender_pool import SenderPool
-    from pdserve.disagg.transport import nixl_sender
+    from pdserve.disagg.transport.nixl import sender as nixl_sender
 
     monkeypatch.setattr(nixl_sender, "MAX_LOADED_METADATA_BYTES", 0)
     pool = SPEC.pool(1)

@@ -146,7 +146,7 @@ class Grant:
     `region_bytes` long. `nixl_metadata`: decode's agent metadata for the registration that covers
     them (the reservation's regions, or a staging range), which prefill loads before it WRITEs;
     empty when this prefill agent already got it with an earlier grant. `dst_device_id`: the
-    device id the WRITE's remote descriptors name (that registration's, nixl_agent.register)."""
+    device id the WRITE's remote descriptors name (that registration's, nixl/agent.register)."""
 
     request_id: str
     claim_id: int

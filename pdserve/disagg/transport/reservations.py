@@ -52,7 +52,7 @@ class ReservationTable:
     """Thread-safe: decode's threads call expect/cancel while a transport thread admits payloads.
     NOTE: bytes land in the pool only while this lock is held and the reservation is live
     (`admit_layer` around a copy, `writing` around each receive syscall), so once `remove` returns
-    nothing is writing into that request's blocks any more (RDMA aside, see transport/nixl.py)."""
+    nothing is writing into that request's blocks any more (RDMA aside, see transport/nixl/receiver.py)."""
 
     def __init__(self, layout: KVLayout, num_blocks: int) -> None:
         self.layout = layout

@@ -3,7 +3,7 @@ cast into the pool (a prefill worker whose `--kv-cache-dtype` differs from decod
 
 RDMA cannot convert: the bytes must land somewhere shaped like the sender's pool. `Staging` is one
 buffer next to the pool, allocated on the first converting peer's handshake and split into one
-range per grant. Like the pool (nixl_grants.py), it is never registered whole: each grant
+range per grant. Like the pool (grants.py), it is never registered whole: each grant
 registers its own range, its GRANT carries that registration's metadata, and the range is
 deregistered when it frees:
 
@@ -34,7 +34,7 @@ import torch
 
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.transport.messages import Claim, LayerHeader
-from pdserve.disagg.transport.nixl_agent import Registration, memory_kind, register
+from pdserve.disagg.transport.nixl.agent import Registration, memory_kind, register
 
 GrantKey = tuple[str, int]  # (peer agent, claim id)
 _MAX_ELEMENT_BYTES = 4  # float32: the widest type a receiver converts from

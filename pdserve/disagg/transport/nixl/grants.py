@@ -32,7 +32,7 @@ import torch
 
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.transport import regions
-from pdserve.disagg.transport.nixl_agent import Registration, memory_kind, register
+from pdserve.disagg.transport.nixl.agent import Registration, memory_kind, register
 from pdserve.disagg.transport.reservations import Reservation
 
 

@@ -1,6 +1,6 @@
 """The NIXL pieces both sides of the nixl transport share (see nixl.py): the agent, how its
 notifications are polled and read, where a payload's regions are in a pool, and registrations whose
-metadata a peer gets (decode's grants: nixl_grants.py, nixl_staging.py)."""
+metadata a peer gets (decode's grants: grants.py, staging.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """KV transport over NIXL with the UCX backend: prefill WRITEs straight into decode's pool.
 
 Prefill registers its own pool with its NIXL agent. Decode registers nothing up front: each
-reservation's regions are registered when its first claim is granted (nixl_grants.py). A TCP
+reservation's regions are registered when its first claim is granted (grants.py). A TCP
 handshake exchanges layouts and connection info; after it, everything travels as NIXL
 notifications:
 
@@ -24,7 +24,7 @@ Layout: a layer payload is 2 * len(blocks) regions of `layout.region_bytes` (see
 WRITE has one descriptor per region, merged where both sides are adjacent. A payload in another
 element type than decode's pool (`--kv-cache-dtype`), or holding one tensor-parallel rank's KV heads
 (strided within each block), is granted a staging range instead (registered for that grant alone),
-and cast or copied into its blocks on WRITTEN (nixl_staging.py). Each descriptor costs
+and cast or copied into its blocks on WRITTEN (staging.py). Each descriptor costs
 ~3 us on loopback (UCX CMA), so small regions in scattered blocks bound the throughput.
 
 Trust. Validation happens before any byte moves: decode hands out the addresses of a payload's
@@ -57,7 +57,7 @@ agent goes (NIXL merges partial metadata and cannot drop part of it): ~47 bytes 
 ~100 KB for a 4,096-token request of a 16-layer model. Two consequences. A revoked registration
 could hide a live one over the same memory from the WRITE's lookup (NIXL finds a remote range's
 registration by its start): each host-memory registration gets a device id of its own, which the
-GRANT names (`nixl_agent.register`); GPU pools need their real device id, so there a WRITE can
+GRANT names (`agent.register`); GPU pools need their real device id, so there a WRITE can
 fail on such a shadow (the request then fails and is retried) — untested, no GPU build of NIXL
 here. And the metadata accumulates: past `MAX_LOADED_METADATA_BYTES` (4 MiB) the sender is
 `worn`, and `SenderPool` sends new requests through a new one (new agent, new handshake) and
@@ -88,7 +88,7 @@ own progress thread is disabled: on a 2-core machine it busy-spins a core and cu
 throughput from ~4 to ~1 GB/s; the I/O thread polls instead (notifications, transfer states).
 On one host UCX moves the bytes with CMA (process_vm_writev) inside `transfer()`, on the prefill
 I/O thread; the bindings release the GIL meanwhile, so the engine thread keeps computing. The
-agent, the polling and the region addresses both sides share are in nixl_agent.py.
+agent, the polling and the region addresses both sides share are in agent.py.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ from pdserve.disagg.transport.messages import (
     Welcome,
     Written,
 )
-from pdserve.disagg.transport.nixl_agent import (
+from pdserve.disagg.transport.nixl.agent import (
     Poller,
     accept_notif,
     agent_name,
@@ -130,9 +130,9 @@ from pdserve.disagg.transport.nixl_agent import (
     poll_notifs,
     region_addrs,
 )
-from pdserve.disagg.transport.nixl_grants import ReservationGrants
-from pdserve.disagg.transport.nixl_sender import GRANT_MAX_AGE_S, NixlKVSender
-from pdserve.disagg.transport.nixl_staging import Staging
+from pdserve.disagg.transport.nixl.grants import ReservationGrants
+from pdserve.disagg.transport.nixl.sender import GRANT_MAX_AGE_S, NixlKVSender
+from pdserve.disagg.transport.nixl.staging import Staging
 from pdserve.disagg.transport.reservations import PayloadRejected
 
 __all__ = ["GRANT_MAX_AGE_S", "LATE_WRITE_WINDOW_S", "NixlKVReceiver", "NixlKVSender"]
@@ -156,7 +156,7 @@ class NixlKVReceiver(KVReceiver):
         self._io = IoThread("pdserve-kv-nixl-recv")
         self._agent = self._io.call(new_agent, "decode")
         # NOTE: the handshake hands out our connection info only; no memory is registered until a
-        # claim is granted (nixl_grants.py, nixl_staging.py; this module's Trust note).
+        # claim is granted (grants.py, staging.py; this module's Trust note).
         self._metadata: bytes = self._io.call(conn_info_metadata, self._agent)
         self._peers: set[str] = set()                       # I/O thread only
         self._links: set[socket.socket] = set()             # handshake sockets held open; I/O thread only
@@ -382,7 +382,7 @@ class NixlKVReceiver(KVReceiver):
         self._revoke_ended()
 
     def _revoke_ended(self) -> None:
-        """Revoke the registrations of reservations that ended (nixl_grants.py)."""
+        """Revoke the registrations of reservations that ended (grants.py)."""
         self._exposed.revoke_ended(self._table.is_live, LATE_WRITE_WINDOW_S)
 
     def _notify(self, peer: str, message: Message | None) -> None:

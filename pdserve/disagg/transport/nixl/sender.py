@@ -32,7 +32,7 @@ from pdserve.disagg.transport.messages import (
     Reject,
     Written,
 )
-from pdserve.disagg.transport.nixl_agent import (
+from pdserve.disagg.transport.nixl.agent import (
     Poller,
     accept_notif,
     agent_name,
