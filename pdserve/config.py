@@ -393,6 +393,9 @@ class WorkerConfig:
     reservation_lease_s: float = knob(60.0, "decode: a reservation that hears neither KV nor a prefill keepalive "
                                             "this long is ended with an error and its blocks freed (0: never)")
     queue_max_deliveries: int = knob(3, "prefill: dead-letter a job after this many deliveries")
+    placement_timeout_s: float = knob(1.0, "prefill: a job sent before its decode reservation was made is dropped "
+                                           "(its blocks freed) if the reservation is not named this long after "
+                                           "its prompt was computed (at least the KV transfer timeout)")
     cluster_secret_file: str | None = knob(None, CLUSTER_SECRET_HELP)
     kv_max_connections: int = knob(64, "decode: most connections the KV port holds at once (when full, the "
                                        "oldest one not yet authenticated is dropped for a newcomer)")
@@ -410,6 +413,7 @@ class WorkerConfig:
             (self.queue_claim_idle_s > 0, "queue_claim_idle_s must be > 0"),
             (self.reservation_lease_s >= 0, "reservation_lease_s must be >= 0 (0: no lease)"),
             (self.queue_max_deliveries >= 1, "queue_max_deliveries must be >= 1"),
+            (self.placement_timeout_s > 0, "placement_timeout_s must be > 0"),
             (self.kv_max_connections >= 1, "kv_max_connections must be >= 1"),
             (self.kv_handshake_timeout_s > 0, "kv_handshake_timeout_s must be > 0"),
             (all(is_http_url(u) for u in self.register), "--register takes router URLs like http://host:port"),

@@ -84,6 +84,31 @@ def test_a_job_placed_after_prefill_computed_it_hands_off_the_same_kv(model_dirs
         stop_cluster(cluster)
 
 
+def test_a_reservation_slower_than_the_transfer_timeout_is_waited_for_not_retried(
+        model_dirs: dict[str, Path], colocated: LLM) -> None:
+    """The placement has a deadline of its own (`placement_timeout_s`, 1 s), not the 100-ms transfer
+    timeout: a decode reservation that takes 0.4 s under load is waited for, and the request's
+    first attempt hands off (before, it timed out on prefill and was retried)."""
+    cluster = start_cluster(model_dirs["tiny"], "tcp", 1, 1, timeout_s=0.1)
+    try:
+        [decode] = [s for s in cluster.services if isinstance(s, DecodeService)]
+        [prefill] = [s for s in cluster.services if isinstance(s, PrefillService)]
+        assert prefill.placement_timeout_s == 1.0
+        _delay_reservations(decode, 0.4)
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        [want] = generate_texts(colocated, [PROMPTS[1]], params)
+        with httpx.Client(base_url=cluster.router.url, timeout=60) as http:
+            reply = http.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS,
+                                                       "temperature": 0, "ignore_eos": True})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == want
+        stats = prefill.stats()
+        assert (stats.handed_off, stats.failed) == (1, 0), stats
+        cluster.wait_until_idle()
+    finally:
+        stop_cluster(cluster)
+
+
 def test_a_request_that_gets_no_reservation_leaves_nothing_on_the_prefill_worker(model_dirs: dict[str, Path]
                                                                                  ) -> None:
     """Decode has room for no prompt this long (its pool is 4 blocks): the client gets the error, and

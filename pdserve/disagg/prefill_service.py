@@ -89,13 +89,15 @@ class _Counts:
 
 class PrefillService:
     def __init__(self, client: EngineClient, kv: SenderHandles, transfer_timeout_s: float,
-                 secret: ClusterSecret | None = None) -> None:
+                 secret: ClusterSecret | None = None, *, placement_timeout_s: float = 1.0) -> None:
         """`kv` must be the engine side of `client`'s engine (`KVTransferSetup.stream_targets`); with
-        a cluster `secret`, a job must carry the router's signature (auth.py) and keepalives are signed."""
+        a cluster `secret`, a job must carry the router's signature (auth.py) and keepalives are signed.
+        `placement_timeout_s`: how long a job sent unplaced waits for its decode reservation."""
         self.client = client
         self.secret = secret
         self.kv = kv
         self.transfer_timeout_s = transfer_timeout_s
+        self.placement_timeout_s = max(placement_timeout_s, transfer_timeout_s)  # NOTE: never less than that
         self.draining = False
         self._attempts: dict[str, _Attempt] = {}  # transfer id -> its record
         self._counts = _Counts()
@@ -302,13 +304,15 @@ class PrefillService:
         return HandOff(transfer_id=tid, status=status, reason=str(exc) or repr(exc))
 
     async def _placement(self, tid: str) -> int:
-        """The attempt's sender once it is placed (KVTransferTimeout: not within the transfer timeout)."""
+        """The attempt's sender once it is placed (KVTransferTimeout: not named within the placement
+        timeout of the first token; a reservation that takes longer, its router waiting for room,
+        has the router send the job again, placed)."""
         attempt = self._attempts.get(tid)
         if attempt is None:
             raise KVTransferError(f"request {tid}: ended before it was placed")
         placed = attempt.placed
         if not placed.done():
-            await asyncio.wait((placed,), timeout=self.transfer_timeout_s)
+            await asyncio.wait((placed,), timeout=self.placement_timeout_s)
         if not placed.done() and (connecting := attempt.connecting) is not None:
             # NOTE: the reservation was named in time, and its sender still connects: the first
             # placement to a decode worker (at start-up) does the KV handshake, which took the
@@ -318,7 +322,7 @@ class PrefillService:
             await asyncio.wait((placed,), timeout=self.transfer_timeout_s)
         if not placed.done() or placed.cancelled():
             raise KVTransferTimeout(f"request {tid}: no decode reservation named within "
-                                    f"{self.transfer_timeout_s:g} s")
+                                    f"{self.placement_timeout_s:g} s")
         return placed.result()
 
     async def _hand_off(self, tid: str, sender: int, final: RequestOutput, state: bytes | None) -> None:

@@ -128,7 +128,8 @@ def assemble_worker(client: LocalEngine, receiver: ReceiverView | None, senders:
                                 on_transfer=metrics.observe_transfer, lease_s=config.reservation_lease_s)
     else:
         assert senders is not None, "a prefill worker needs its sender handles"
-        service = PrefillService(client, senders, config.transfer_timeout_s, secret)
+        service = PrefillService(client, senders, config.transfer_timeout_s, secret,
+                                 placement_timeout_s=config.placement_timeout_s)
         consumer = _queue_consumer(service, config)
     registrar = None
     if config.register:
