@@ -309,7 +309,7 @@ class MaskFiller:
 
 _CHUNK = 128
 _TOP_CHUNKS = 32  # `_gathered_argmax`: the chunks of 128 tokens gathered for a row, best first
-_SPARSE_WORDS = 32  # ... and a row whose mask has at most this many non-zero words: those words' tokens
+_SPARSE_WORDS = 64  # ... and a row whose mask has at most this many non-zero words: those words' tokens
 _BITS = torch.arange(32, dtype=torch.int32)
 
 
