@@ -117,7 +117,7 @@ def _bitmask(allowed: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("vocab", [128 * 40, 1000])
 def test_the_masked_choice_is_that_of_the_masked_logits(vocab: int) -> None:
     """The sampler's choice under the bitmask (greedy: the argmax checked against the mask, the
-    other rows biased; seeded: the masked rows sampled) is the token that argmax, or the seeded
+    other rows gathered or biased; seeded: the masked rows sampled) is the token that argmax, or the seeded
     race, picks from the logits with every refused token at -inf: ties, NaN allowed or refused,
     rows all -inf, masks allowing one token, most, all or none; row_argmax is argmax."""
     gen = torch.Generator().manual_seed(0)

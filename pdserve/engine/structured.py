@@ -10,8 +10,9 @@ a copy of the cached one) that lives on the `Request` and advances with every to
 matcher exactly by replaying the output tokens already generated, which are the last
 `SamplingParams.structured_replay` tokens of its prompt. The sampler fills one bitmask for all the
 constrained rows of a batch with llguidance's batch call, beside the model's forward, and applies it
-in the batch (`MaskFiller`: on CPU a greedy row's argmax is checked against its mask and only the
-rows whose best token is refused are masked; on a GPU every constrained row, in one op). The
+in the batch (`MaskFiller`: on CPU a greedy row's argmax is checked against its mask, and a row
+whose best token is refused is answered from a few gathered tokens where that is exact, else
+masked; on a GPU every constrained row, in one op). The
 request ends when the grammar does (EOS is allowed only where it may end).
 """
 
@@ -198,9 +199,10 @@ class MaskFiller:
     """Fills and applies the masks of a batch's constrained rows: one bitmask filled by
     llguidance's batch call (not a Python loop over rows or the vocabulary), on a thread of its own
     while the model computes the step's logits (`start`, before the forward). Applied: greedy rows
-    on CPU by `argmax` (the unmasked argmax where the mask allows it, else the row plus a 0/-inf
-    bias); the other rows by `apply` (unpacked with one table lookup, a byte of the bitmask -> the
-    8 bools of its tokens as one int64, and one `masked_fill_`)."""
+    on CPU by `argmax` (the unmasked argmax where the mask allows it, else the best allowed of a
+    few gathered tokens where that is exact, else the row plus a 0/-inf bias); the other rows by
+    `apply` (unpacked with one table lookup, a byte of the bitmask -> the 8 bools of its tokens as
+    one int64, and one `masked_fill_`)."""
 
     def __init__(self, num_threads: int = 1) -> None:
         self._num_threads = num_threads
@@ -364,7 +366,7 @@ def _gathered_argmax(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Te
     bound = top.values[:, count] if count < num_chunks else torch.full((n,), float("-inf"), dtype=maxima.dtype)
     chunk_index = top.indices[:, :count].sort(dim=-1).values  # NOTE: in token order, for the first best
     values = logits.view(-1, _CHUNK).index_select(0, (rows[:, None] * num_chunks + chunk_index).view(-1))
-    words = bitmask if bitmask.shape[1] == 4 * num_chunks else bitmask[:, :4 * num_chunks].contiguous()
+    words = (bitmask if bitmask.shape[1] == 4 * num_chunks else bitmask[:, :4 * num_chunks]).contiguous()
     chunk_words = words.view(-1, 4).index_select(0, (mask_rows[:, None] * num_chunks + chunk_index).view(-1))
     position, value = _masked_best(values.view(n, -1), chunk_words, bias)
     exact = value > bound  # NOTE: False where either is NaN
