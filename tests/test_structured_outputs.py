@@ -165,6 +165,7 @@ def test_the_gathered_choice_is_that_of_the_masked_logits(monkeypatch: pytest.Mo
     one token or none, refused +inf; the logits rows are not the bitmask rows."""
     monkeypatch.setattr(structured, "_TOP_CHUNKS", top_chunks)
     monkeypatch.setattr(structured, "_SPARSE_WORDS", sparse_words)
+    monkeypatch.setattr(structured, "_GATHER_MIN_ROWS", 1)
     gen = torch.Generator().manual_seed(3)
     num_rows, vocab = 24, 128 * 40
     logits = torch.randn(num_rows, vocab, generator=gen).round()  # values in -4..4: many ties

@@ -273,11 +273,12 @@ class MaskFiller:
         the argmax over the tokens bitmask row i allows, in place: the very token `row_argmax` of
         the masked row gives, without masking every row. Where a row's argmax (its first best
         token) is allowed, it is the masked row's too. The other rows, on CPU with `maxima` (the
-        logits' `chunk_maxima`), are first looked for in a few gathered tokens (`_gathered_argmax`:
-        exact where it answers); the rest get a bias added to their logits, in place (0 or -inf a
-        token, by a table lookup of the bitmask's bytes: an add is much faster than a masked_fill
-        on CPU), whose argmax is the masked row's wherever it is an allowed token (a refused token
-        wins only where its logit is NaN or +inf: those rows are then masked as well)."""
+        logits' `chunk_maxima`) and at least `_GATHER_MIN_ROWS` of them, are first looked for in a
+        few gathered tokens (`_gathered_argmax`: exact where it answers); the rest get a bias
+        added to their logits, in place (0 or -inf a token, by a table lookup of the bitmask's
+        bytes: an add is much faster than a masked_fill on CPU), whose argmax is the masked row's
+        wherever it is an allowed token (a refused token wins only where its logit is NaN or +inf:
+        those rows are then masked as well)."""
         index = torch.tensor(rows, device=tokens.device)
         bitmask = bitmask.to(tokens.device, non_blocking=True)
         refused = (~self.allows(bitmask, tokens[index])).nonzero()[:, 0]
@@ -285,7 +286,7 @@ class MaskFiller:
             return
         bad = index[refused]
         vocab = logits.shape[-1]
-        if maxima is not None and bitmask.shape[1] * 32 >= vocab:
+        if maxima is not None and bitmask.shape[1] * 32 >= vocab and len(refused) >= _GATHER_MIN_ROWS:
             exact, best = _gathered_argmax(logits, bad, bitmask, refused, maxima, self._bias.to(logits))
             exact &= ~logits[bad, tokens[bad]].isnan()  # NOTE: a row holding a NaN: its argmax is the first one
             tokens[bad[exact]] = best[exact]
@@ -311,6 +312,7 @@ class MaskFiller:
 
 _CHUNK = 128
 _TOP_CHUNKS = 32  # `_gathered_argmax`: the chunks of 128 tokens gathered for a row, best first
+_GATHER_MIN_ROWS = 3  # ... where this many rows of a step are refused (1-2 rows: the bias pass is as fast)
 _SPARSE_WORDS = 64  # ... and a row whose mask has at most this many non-zero words: those words' tokens
 _BITS = torch.arange(32, dtype=torch.int32)
 
