@@ -28,8 +28,9 @@ from server_fixtures import ServerHandle, parse_sse, start_server
 from pdserve import LLM, SamplingParams
 from pdserve.config import ApiConfig
 from pdserve.disagg.transport import nixl_available
+from pdserve.engine import structured
 from pdserve.engine.sampler import Sampler
-from pdserve.engine.structured import StructuredOutput, check_structured, row_argmax
+from pdserve.engine.structured import MaskFiller, StructuredOutput, check_structured, chunk_maxima, row_argmax
 from pdserve.serving.protocol import ChatCompletionRequest, CompletionRequest
 
 SCHEMA: dict[str, Any] = {
@@ -116,7 +117,7 @@ def _bitmask(allowed: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("vocab", [128 * 40, 1000])
 def test_the_masked_choice_is_that_of_the_masked_logits(vocab: int) -> None:
     """The sampler's choice under the bitmask (greedy: the argmax checked against the mask, the
-    other rows biased; seeded: the masked rows sampled) is the token that argmax, or the seeded
+    other rows gathered or biased; seeded: the masked rows sampled) is the token that argmax, or the seeded
     race, picks from the logits with every refused token at -inf: ties, NaN allowed or refused,
     rows all -inf, masks allowing one token, most, all or none; row_argmax is argmax."""
     gen = torch.Generator().manual_seed(0)
@@ -152,6 +153,72 @@ def test_the_masked_choice_is_that_of_the_masked_logits(vocab: int) -> None:
     greedy = [i for i in every if i not in seeded]
     assert sampler_choice(greedy, True) == masked[greedy].argmax(dim=-1).tolist()
     assert sampler_choice([12, 3, 14, 6], True) == sampler_choice([12, 3, 14, 6], False)
+
+
+@pytest.mark.parametrize(("top_chunks", "sparse_words"), [(4, 8), (32, 32), (1, 0)])
+def test_the_gathered_choice_is_that_of_the_masked_logits(monkeypatch: pytest.MonkeyPatch, top_chunks: int,
+                                                          sparse_words: int) -> None:
+    """A greedy row whose best token is refused is answered from a few gathered tokens (its best
+    chunks of 128, or a sparse mask's own tokens) where that is exact, by the bias pass elsewhere:
+    either way the masked row's argmax (the first best). Ties across chunks and inside one, NaN, a
+    row whose best chunks hold no allowed token, a tie with the best chunk left out, masks allowing
+    one token or none, refused +inf; the logits rows are not the bitmask rows."""
+    monkeypatch.setattr(structured, "_TOP_CHUNKS", top_chunks)
+    monkeypatch.setattr(structured, "_SPARSE_WORDS", sparse_words)
+    monkeypatch.setattr(structured, "_GATHER_MIN_ROWS", 1)
+    gen = torch.Generator().manual_seed(3)
+    num_rows, vocab = 24, 128 * 40
+    logits = torch.randn(num_rows, vocab, generator=gen).round()  # values in -4..4: many ties
+    allowed = torch.rand(num_rows, vocab, generator=gen) < 0.3
+    allowed[:, 7] = False
+    logits[:, 7] = 50.0  # every row's best token, refused
+    exact_rows = {0, 1, 4, 8}  # answered by the gathered tokens whatever top_chunks and sparse_words (> 0)
+    # 0: ties across chunks (the first in token order wins, whichever chunk topk ranks first)
+    logits[0, [30 * 128 + 5, 5 * 128 + 9]] = 20.0
+    allowed[0, [30 * 128 + 5, 5 * 128 + 9]] = True
+    # 1: ties inside one chunk
+    logits[1, [9 * 128 + 100, 9 * 128 + 3]] = 20.0
+    allowed[1, [9 * 128 + 100, 9 * 128 + 3]] = True
+    # 2: an allowed NaN; 3: a refused NaN (the masked row ignores it)
+    logits[2, 12 * 128 + 1] = float("nan")
+    allowed[2, 12 * 128 + 1] = True
+    logits[3, 12 * 128 + 1] = float("nan")
+    allowed[3, 12 * 128 + 1] = False
+    # 4: one allowed token, far down; 5: none
+    allowed[4] = False
+    allowed[4, 39 * 128 + 77] = True
+    allowed[5] = False
+    # 6: the best chunks hold no allowed token (dense elsewhere)
+    logits[6, : 8 * 128] += 10.0
+    allowed[6, : 8 * 128] = False
+    # 7: the best allowed ties with the best maximum of a chunk left out (refused there)
+    logits[7, 2 * 128] = 30.0
+    logits[7, [3 * 128, 4 * 128, 5 * 128]] = 30.0
+    allowed[7, 2 * 128] = True
+    allowed[7, [3 * 128, 4 * 128, 5 * 128]] = False
+    # 8: one word of allowed tokens, tied
+    allowed[8] = False
+    allowed[8, 32 * 20: 32 * 21] = True
+    logits[8, 32 * 20: 32 * 21] = -3.0
+    # 9: refused +inf; 10: every allowed token at -inf
+    logits[9, ~allowed[9]] = float("inf")
+    logits[10, allowed[10]] = float("-inf")
+    masked = logits.masked_fill(~allowed, float("-inf"))
+    want = masked.argmax(dim=-1)
+    order = torch.randperm(num_rows, generator=gen)  # bitmask row i: logits row order[i]
+    bitmask = _bitmask(allowed[order])
+    maxima = chunk_maxima(logits)
+    assert maxima is not None
+    exact, best = structured._gathered_argmax(logits, order, bitmask, torch.arange(num_rows), maxima,
+                                              MaskFiller()._bias)
+    assert torch.equal(best[exact], want[order][exact])
+    assert not exact[(order[:, None] == torch.tensor([2, 5, 9, 10])).any(-1)].any()
+    if sparse_words:
+        assert exact[(order[:, None] == torch.tensor(sorted(exact_rows))).any(-1)].all()
+    x = logits.clone()
+    tokens = row_argmax(x, maxima)
+    MaskFiller().argmax(x, tokens, order.tolist(), bitmask, maxima)
+    assert torch.equal(tokens, want)
 
 
 def test_a_replayed_matcher_continues_where_the_first_one_was(colocated: LLM) -> None:

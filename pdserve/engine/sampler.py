@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.request import Request
-from pdserve.engine.structured import MaskFiller, row_argmax
+from pdserve.engine.structured import MaskFiller, chunk_maxima, row_argmax
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,14 +79,17 @@ class Sampler:
             # NOTE: a GPU masks every constrained row in one op, and without the sync of the check below
             logits = self.masks.apply(logits, constrained, self._bitmask(pending, requests, logits.shape[-1]))
             constrained = []
-        tokens = row_argmax(logits)
+        maxima = chunk_maxima(logits)  # NOTE: None off CPU; also what `MaskFiller.argmax` gathers by
+        tokens = row_argmax(logits, maxima)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if constrained:
             bitmask = self._bitmask(pending, requests, logits.shape[-1])  # a row per constrained request
             # NOTE: greedy rows are not masked: the argmax is checked against the mask (`argmax`)
             greedy = [(row, j) for j, row in enumerate(constrained) if requests[row].params.greedy]
             if greedy:
-                self.masks.argmax(logits, tokens, [row for row, _ in greedy], bitmask[[j for _, j in greedy]])
+                # NOTE: not copied where every constrained row is greedy (its rows are then those of the bitmask)
+                words = bitmask if len(greedy) == len(constrained) else bitmask[[j for _, j in greedy]]
+                self.masks.argmax(logits, tokens, [row for row, _ in greedy], words, maxima)
         if random_rows:
             sampled = logits[random_rows]
             if constrained:  # the random constrained rows, masked in `sampled`

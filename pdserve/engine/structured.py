@@ -10,8 +10,9 @@ a copy of the cached one) that lives on the `Request` and advances with every to
 matcher exactly by replaying the output tokens already generated, which are the last
 `SamplingParams.structured_replay` tokens of its prompt. The sampler fills one bitmask for all the
 constrained rows of a batch with llguidance's batch call, beside the model's forward, and applies it
-in the batch (`MaskFiller`: on CPU a greedy row's argmax is checked against its mask and only the
-rows whose best token is refused are masked; on a GPU every constrained row, in one op). The
+in the batch (`MaskFiller`: on CPU a greedy row's argmax is checked against its mask, and a row
+whose best token is refused is answered from a few gathered tokens where that is exact, else
+masked; on a GPU every constrained row, in one op). The
 request ends when the grammar does (EOS is allowed only where it may end).
 """
 
@@ -198,9 +199,10 @@ class MaskFiller:
     """Fills and applies the masks of a batch's constrained rows: one bitmask filled by
     llguidance's batch call (not a Python loop over rows or the vocabulary), on a thread of its own
     while the model computes the step's logits (`start`, before the forward). Applied: greedy rows
-    on CPU by `argmax` (the unmasked argmax where the mask allows it, else the row plus a 0/-inf
-    bias); the other rows by `apply` (unpacked with one table lookup, a byte of the bitmask -> the
-    8 bools of its tokens as one int64, and one `masked_fill_`)."""
+    on CPU by `argmax` (the unmasked argmax where the mask allows it, else the best allowed of a
+    few gathered tokens where that is exact, else the row plus a 0/-inf bias); the other rows by
+    `apply` (unpacked with one table lookup, a byte of the bitmask -> the 8 bools of its tokens as
+    one int64, and one `masked_fill_`)."""
 
     def __init__(self, num_threads: int = 1) -> None:
         self._num_threads = num_threads
@@ -265,22 +267,34 @@ class MaskFiller:
         logits[index] = logits[index].masked_fill_(refused, float("-inf"))
         return logits
 
-    def argmax(self, logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    def argmax(self, logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], bitmask: torch.Tensor,
+               maxima: torch.Tensor | None = None) -> None:
         """Greedy constrained rows: `tokens[rows[i]]`, the argmax of logits row `rows[i]`, becomes
         the argmax over the tokens bitmask row i allows, in place: the very token `row_argmax` of
         the masked row gives, without masking every row. Where a row's argmax (its first best
-        token) is allowed, it is the masked row's too; the other rows get a bias added to their
-        logits, in place (0 or -inf a token, by a table lookup of the bitmask's bytes: an add is
-        much faster than a masked_fill on CPU), whose argmax is the masked row's wherever it is an
-        allowed token (a refused token wins only where its logit is NaN or +inf: those rows are
-        then masked as well)."""
+        token) is allowed, it is the masked row's too. The other rows, on CPU with `maxima` (the
+        logits' `chunk_maxima`) and at least `_GATHER_MIN_ROWS` of them, are first looked for in a
+        few gathered tokens (`_gathered_argmax`: exact where it answers); the rest get a bias
+        added to their logits, in place (0 or -inf a token, by a table lookup of the bitmask's
+        bytes: an add is much faster than a masked_fill on CPU), whose argmax is the masked row's
+        wherever it is an allowed token (a refused token wins only where its logit is NaN or +inf:
+        those rows are then masked as well)."""
         index = torch.tensor(rows, device=tokens.device)
         bitmask = bitmask.to(tokens.device, non_blocking=True)
         refused = (~self.allows(bitmask, tokens[index])).nonzero()[:, 0]
         if not len(refused):
             return
-        bad, words = index[refused], bitmask[refused]
+        bad = index[refused]
         vocab = logits.shape[-1]
+        if maxima is not None and bitmask.shape[1] * 32 >= vocab and len(refused) >= _GATHER_MIN_ROWS:
+            exact, best = _gathered_argmax(logits, bad, bitmask, refused, maxima, self._bias.to(logits))
+            exact &= ~logits[bad, tokens[bad]].isnan()  # NOTE: a row holding a NaN: its argmax is the first one
+            tokens[bad[exact]] = best[exact]
+            rest = (~exact).nonzero()[:, 0]
+            if not len(rest):
+                return
+            bad, refused = bad[rest], refused[rest]
+        words = bitmask[refused]
         byte_values = words.contiguous().view(torch.uint8).view(-1).int()
         bias = torch.index_select(self._bias.to(logits), 0, byte_values,
                                   out=self._buffer("bias", (len(byte_values), 8), logits)).view(len(bad), -1)
@@ -297,15 +311,92 @@ class MaskFiller:
 
 
 _CHUNK = 128
+_TOP_CHUNKS = 32  # `_gathered_argmax`: the chunks of 128 tokens gathered for a row, best first
+_GATHER_MIN_ROWS = 3  # ... where this many rows of a step are refused (1-2 rows: the bias pass is as fast)
+_SPARSE_WORDS = 64  # ... and a row whose mask has at most this many non-zero words: those words' tokens
+_BITS = torch.arange(32, dtype=torch.int32)
 
 
-def row_argmax(x: torch.Tensor) -> torch.Tensor:
-    """`x.argmax(dim=-1)` of a 2-d tensor, the same indices (the first best; the first NaN), in a
-    fraction of its time on CPU, where torch's argmax is ~8x slower than its amax: the first chunk
-    of 128 holding a row's max (amax over the chunks), then the argmax within it."""
+def chunk_maxima(x: torch.Tensor) -> torch.Tensor | None:
+    """The max of each chunk of 128 tokens of a 2-d tensor's rows ([rows, width / 128]; NaN
+    where a chunk holds one), or None where `row_argmax` does not use chunks (not on CPU, a width
+    that is no multiple of 128, no rows)."""
     rows, width = x.shape
     if x.device.type != "cpu" or width % _CHUNK or not x.is_contiguous() or not rows:
-        return x.argmax(dim=-1)
-    chunks = x.view(rows, width // _CHUNK, _CHUNK)
-    best = chunks.amax(dim=-1).argmax(dim=-1)
+        return None
+    return x.view(rows, width // _CHUNK, _CHUNK).amax(dim=-1)
+
+
+def row_argmax(x: torch.Tensor, maxima: torch.Tensor | None = None) -> torch.Tensor:
+    """`x.argmax(dim=-1)` of a 2-d tensor, the same indices (the first best; the first NaN), in a
+    fraction of its time on CPU, where torch's argmax is ~8x slower than its amax: the first chunk
+    of 128 holding a row's max (amax over the chunks: `chunk_maxima`, or `maxima` where the caller
+    has them), then the argmax within it."""
+    if maxima is None:
+        maxima = chunk_maxima(x)
+        if maxima is None:
+            return x.argmax(dim=-1)
+    rows = x.shape[0]
+    chunks = x.view(rows, -1, _CHUNK)
+    best = maxima.argmax(dim=-1)
     return best * _CHUNK + chunks[torch.arange(rows), best].argmax(dim=-1)
+
+
+def _gathered_argmax(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor, mask_rows: torch.Tensor,
+                     maxima: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exact, best): for each logits row `rows[i]` (its mask: bitmask row `mask_rows[i]`; its
+    chunk maxima: `maxima[rows[i]]`; `bias`: the byte -> 8 biases table of `MaskFiller`), the
+    argmax of the row with every token its mask refuses at -inf, wherever `exact` says it is that
+    argmax (elsewhere best is to be ignored), from a few tokens gathered a row instead of a pass
+    over the whole row.
+
+    First the tokens of its `_TOP_CHUNKS` chunks of 128 with the highest maxima, plus their bias
+    (0 allowed, -inf refused). Their best v is the masked row's max where it is greater than the
+    best maximum of a chunk left out (the bound: no allowed token left out reaches it); then every
+    allowed token equal to v is among those gathered, in token order, so their argmax (the first
+    best) is the masked row's. Then, the rows not answered whose masks have at most
+    `_SPARSE_WORDS` non-zero words: the tokens of those words, every token the row allows (the
+    bound is -inf). Not exact: rows whose gathered tokens hold no allowed one above the bound (too
+    few allowed in the best chunks, all -inf, a tie with the bound); a NaN among the gathered (an
+    allowed one; a refused one stays NaN with its bias; a refused +inf gives NaN) or in the bound
+    (topk ranks NaN above every number)."""
+    n = len(rows)
+    num_chunks = maxima.shape[1]
+    vocab = logits.shape[-1]
+    count = min(_TOP_CHUNKS, num_chunks)
+    top = maxima.index_select(0, rows).topk(min(count + 1, num_chunks), dim=-1)
+    bound = top.values[:, count] if count < num_chunks else torch.full((n,), float("-inf"), dtype=maxima.dtype)
+    chunk_index = top.indices[:, :count].sort(dim=-1).values  # NOTE: in token order, for the first best
+    values = logits.view(-1, _CHUNK).index_select(0, (rows[:, None] * num_chunks + chunk_index).view(-1))
+    words = (bitmask if bitmask.shape[1] == 4 * num_chunks else bitmask[:, :4 * num_chunks]).contiguous()
+    chunk_words = words.view(-1, 4).index_select(0, (mask_rows[:, None] * num_chunks + chunk_index).view(-1))
+    position, value = _masked_best(values.view(n, -1), chunk_words, bias)
+    exact = value > bound  # NOTE: False where either is NaN
+    best = chunk_index.gather(1, (position // _CHUNK)[:, None])[:, 0] * _CHUNK + position % _CHUNK
+    rest = (~exact).nonzero()[:, 0]
+    if len(rest):
+        rest_words = bitmask[mask_rows[rest]]
+        nonzero = rest_words != 0
+        is_sparse = nonzero.sum(dim=-1, dtype=torch.int32) <= _SPARSE_WORDS
+        sparse = rest[is_sparse]
+        if len(sparse):
+            size = max(1, min(_SPARSE_WORDS, bitmask.shape[1]))
+            # NOTE: every non-zero word is among the `size` largest of (word != 0); the others add 0 words
+            word_index = nonzero[is_sparse].to(torch.uint8).topk(size, dim=-1).indices.sort(dim=-1).values
+            token_index = (word_index[:, :, None] * 32 + _BITS.to(word_index)).view(len(sparse), -1)
+            values = logits.view(-1).index_select(0, (rows[sparse, None] * vocab + token_index).view(-1))
+            position, value = _masked_best(values.view(len(sparse), -1), rest_words[is_sparse].gather(1, word_index),
+                                           bias)
+            exact[sparse] = value > float("-inf")
+            best[sparse] = token_index.gather(1, position[:, None])[:, 0]
+    return exact, best
+
+
+def _masked_best(values: torch.Tensor, words: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gathered logits `values` ([rows, 32 a word of `words`], the bitmask words of those tokens)
+    plus their bias, in place: (the position of each row's first best, its value)."""
+    rows = values.shape[0]
+    values += bias.index_select(0, words.contiguous().view(torch.uint8).view(-1).int()).view(rows, -1)
+    position = row_argmax(values)
+    value = values.gather(1, position[:, None])[:, 0]
+    return position, value
