@@ -103,11 +103,16 @@ class Processes:
             _wait_ready(url + "/pd/info")
 
     def start_router(self, profile_out: Path | None = None) -> tuple[subprocess.Popen[bytes], str]:
+        """`pdserve router` over the stand-ins; with `profile_out`, under a profiler that SIGUSR1
+        starts and SIGUSR2 stops, writing its stats there (`profiled_router`)."""
         port = free_port()
-        runner = [sys.executable] + (["-m", "cProfile", "-o", str(profile_out)] if profile_out else [])
-        proc = self._start("router", [*runner, "-m", "pdserve.cli", "router", "--host", "127.0.0.1",
-                                      "--port", str(port), "--model", self.model_dir, "--served-model-name", "standin", "--prefill", self.prefill_url,
-                                      "--decode", self.decode_url, "--max-queued-requests", "100000"])
+        runner = [sys.executable, "-m", "pdserve.cli"] if profile_out is None else [
+            sys.executable, "-c", "from pdserve.bench.router_cost import profiled_router; profiled_router()",
+            str(profile_out)]
+        proc = self._start("router", [*runner, "router", "--host", "127.0.0.1",
+                                      "--port", str(port), "--model", self.model_dir, "--served-model-name",
+                                      "standin", "--prefill", self.prefill_url, "--decode", self.decode_url,
+                                      "--max-queued-requests", "100000"])
         url = f"http://127.0.0.1:{port}"
         _wait_ready(url + "/ready", proc)
         return proc, url
@@ -124,6 +129,13 @@ class Processes:
     def stop_all(self) -> None:
         for proc in reversed(self._procs):
             self.stop(proc)
+
+
+def _wait_for_file(path: Path, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.is_file() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(0.5)  # NOTE: written by now
 
 
 def _wait_ready(url: str, proc: subprocess.Popen[bytes] | None = None) -> None:
@@ -170,12 +182,19 @@ async def _waves(url: str, streams: int, tokens: int, stream: bool, waves: int) 
         return total
 
 
-def measure(router_pid: int, url: str, streams: int, tokens: int, stream: bool, min_chunks: int) -> Row:
+def measure(router_pid: int, url: str, streams: int, tokens: int, stream: bool, min_chunks: int,
+            profiled: bool = False) -> Row:
+    """`profiled`: the router runs under `profiled_router`, profiled over the measured waves only."""
     waves = max(1, math.ceil(min_chunks / (streams * tokens)))
     asyncio.run(_waves(url, min(streams, 8), 8, stream, 1))  # warm-up: connections, first-call paths
+    if profiled:
+        os.kill(router_pid, signal.SIGUSR1)
+        time.sleep(1.0)  # NOTE: its handler runs once the loop wakes (a pool poll: every 0.5 s)
     cpu0, t0 = cpu_seconds(router_pid), time.perf_counter()
     chunks = asyncio.run(_waves(url, streams, tokens, stream, waves))
     cpu, wall = cpu_seconds(router_pid) - cpu0, time.perf_counter() - t0
+    if profiled:
+        os.kill(router_pid, signal.SIGUSR2)
     us = cpu / chunks * 1e6 if chunks else math.nan
     return Row(streams, stream, tokens, waves, chunks, streams * tokens * waves, wall, cpu, us,
                1e6 / us if us > 0 else math.inf, chunks / wall)
@@ -185,6 +204,25 @@ def idle_cpu_ms_per_s(router_pid: int, seconds: float) -> float:
     cpu0, t0 = cpu_seconds(router_pid), time.perf_counter()
     time.sleep(seconds)
     return (cpu_seconds(router_pid) - cpu0) / (time.perf_counter() - t0) * 1e3
+
+
+def profiled_router() -> None:
+    """`pdserve router` (sys.argv[2:]) under cProfile, enabled by SIGUSR1 and by SIGUSR2 disabled
+    and written to sys.argv[1]: only the measured load is profiled, not the start (imports)."""
+    import cProfile
+
+    from pdserve.cli import main as cli_main
+
+    out, args = sys.argv[1], sys.argv[2:]
+    profiler = cProfile.Profile()
+
+    def stop(*_: object) -> None:
+        profiler.disable()
+        profiler.dump_stats(out)
+
+    signal.signal(signal.SIGUSR1, lambda *_: profiler.enable())
+    signal.signal(signal.SIGUSR2, stop)
+    sys.exit(cli_main(args))
 
 
 def profile_top(path: Path, limit: int = 25) -> dict[str, list[dict]]:
@@ -213,7 +251,7 @@ def _short(file: str) -> str:
 
 
 def _print_profile(top: dict[str, list[dict]], limit: int) -> None:
-    print(f"\nrouter profile ({PROFILE_STREAMS} streams, streamed; cProfile, "
+    print(f"\nrouter profile ({PROFILE_STREAMS} streams, streamed; cProfile over the measured load, "
           f"{top['total_self_s'][0]['total']} s of profiled time)")
     for key, title in (("self", "by self time"), ("cumulative", "by cumulative time")):
         print(f"\n{title}:")
@@ -252,7 +290,8 @@ def run(ns: argparse.Namespace) -> dict:
             if ns.profile:
                 out = logs / "router.prof"
                 router, url = procs.start_router(profile_out=out)
-                profiled = measure(router.pid, url, PROFILE_STREAMS, ns.tokens, True, ns.min_chunks)
+                profiled = measure(router.pid, url, PROFILE_STREAMS, ns.tokens, True, ns.min_chunks, profiled=True)
+                _wait_for_file(out)
                 procs.stop(router)
                 result["profile"] = {"row": asdict(profiled), **profile_top(out, ns.profile_top)}
         finally:

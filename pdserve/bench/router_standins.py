@@ -55,7 +55,7 @@ _PLACEMENT_WAIT_S = 60.0
 def token_cycle(tokenizer: Tokenizer, length: int = CYCLE_LENGTH) -> list[int]:
     """`length` token ids, each one whole printable piece of text on its own (no special token, no
     EOS, no partial UTF-8 character): every token is one streamed chunk with text."""
-    cycle = []
+    cycle: list[int] = []
     for token_id in range(_FIRST_ID, tokenizer.vocab_size):
         if len(cycle) == length:
             break
