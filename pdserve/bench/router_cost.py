@@ -69,6 +69,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime, stime: fields 14, 15 of stat(5)
 
 
+def run_seconds(pid: int) -> float:
+    """CPU seconds of process `pid`'s threads alive now, to the nanosecond (/proc/PID/task/*/schedstat:
+    the idle router's polls cost a few ms a second, under /proc/PID/stat's 10 ms ticks)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -104,11 +114,10 @@ class Processes:
 
     def start_router(self, profile_out: Path | None = None) -> tuple[subprocess.Popen[bytes], str]:
         """`pdserve router` over the stand-ins; with `profile_out`, under a profiler that SIGUSR1
-        starts and SIGUSR2 stops, writing its stats there (`profiled_router`)."""
+        starts and SIGUSR2 stops, writing its stats there (`_PROFILED_ROUTER`)."""
         port = free_port()
         runner = [sys.executable, "-m", "pdserve.cli"] if profile_out is None else [
-            sys.executable, "-c", "from pdserve.bench.router_cost import profiled_router; profiled_router()",
-            str(profile_out)]
+            sys.executable, "-c", _PROFILED_ROUTER, str(profile_out)]
         proc = self._start("router", [*runner, "router", "--host", "127.0.0.1",
                                       "--port", str(port), "--model", self.model_dir, "--served-model-name",
                                       "standin", "--prefill", self.prefill_url, "--decode", self.decode_url,
@@ -184,7 +193,7 @@ async def _waves(url: str, streams: int, tokens: int, stream: bool, waves: int) 
 
 def measure(router_pid: int, url: str, streams: int, tokens: int, stream: bool, min_chunks: int,
             profiled: bool = False) -> Row:
-    """`profiled`: the router runs under `profiled_router`, profiled over the measured waves only."""
+    """`profiled`: the router runs under `_PROFILED_ROUTER`, profiled over the measured waves only."""
     waves = max(1, math.ceil(min_chunks / (streams * tokens)))
     asyncio.run(_waves(url, min(streams, 8), 8, stream, 1))  # warm-up: connections, first-call paths
     if profiled:
@@ -201,28 +210,26 @@ def measure(router_pid: int, url: str, streams: int, tokens: int, stream: bool, 
 
 
 def idle_cpu_ms_per_s(router_pid: int, seconds: float) -> float:
-    cpu0, t0 = cpu_seconds(router_pid), time.perf_counter()
+    cpu0, t0 = run_seconds(router_pid), time.perf_counter()
     time.sleep(seconds)
-    return (cpu_seconds(router_pid) - cpu0) / (time.perf_counter() - t0) * 1e3
+    return (run_seconds(router_pid) - cpu0) / (time.perf_counter() - t0) * 1e3
 
 
-def profiled_router() -> None:
-    """`pdserve router` (sys.argv[2:]) under cProfile, enabled by SIGUSR1 and by SIGUSR2 disabled
-    and written to sys.argv[1]: only the measured load is profiled, not the start (imports)."""
-    import cProfile
-
-    from pdserve.cli import main as cli_main
-
-    out, args = sys.argv[1], sys.argv[2:]
-    profiler = cProfile.Profile()
-
-    def stop(*_: object) -> None:
-        profiler.disable()
-        profiler.dump_stats(out)
-
-    signal.signal(signal.SIGUSR1, lambda *_: profiler.enable())
-    signal.signal(signal.SIGUSR2, stop)
-    sys.exit(cli_main(args))
+# `pdserve router` (sys.argv[2:]) under cProfile, enabled by SIGUSR1 and by SIGUSR2 disabled and
+# written to sys.argv[1]: only the measured load is profiled, not the start (imports). Run as
+# `python -c` (a process of its own, as `python -m pdserve.cli` is).
+_PROFILED_ROUTER = """
+import cProfile, signal, sys
+from pdserve.cli import main
+out, args = sys.argv[1], sys.argv[2:]
+profiler = cProfile.Profile()
+def stop(*_):
+    profiler.disable()
+    profiler.dump_stats(out)
+signal.signal(signal.SIGUSR1, lambda *_: profiler.enable())
+signal.signal(signal.SIGUSR2, stop)
+sys.exit(main(args))
+"""
 
 
 def profile_top(path: Path, limit: int = 25) -> dict[str, list[dict]]:
