@@ -1,0 +1,256 @@
+"""Model-less prefill and decode workers that speak the real workers' `/pd/*` protocol, for
+measuring what the router itself costs (bench/router_cost.py).
+
+    python -m pdserve.bench.router_standins --role decode|prefill --port PORT [--model DIR] [--step-ms 0]
+
+Decode: `POST /pd/reserve` always has room; `GET /pd/stream/{id}` streams one NDJSON `OutputFrame`
+per token (cumulative text and token ids, as a real decode worker's frames are: `OutputFrame.of` a
+RequestOutput), `--step-ms` apart (0: as fast as the router reads them), the last one finished
+("length") after the request's `max_tokens`. The tokens are a fixed cycle of ordinary vocabulary
+ids (`token_cycle`), the same for every request, their text what a real engine's output state makes
+of them (so the router's early first token, which prefill sends, matches decode's first frame).
+Prefill: `POST /pd/prefill` answers at once: the first token (NDJSON, when asked), then the hand-off;
+a job sent unplaced waits for its `POST /pd/place/{transfer_id}`, as a real one waits to send its KV.
+No auth: run the router without a cluster secret.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve.disagg.client import NDJSON
+from pdserve.disagg.control import (
+    FailJob,
+    FirstToken,
+    HandOff,
+    Keepalive,
+    OutputFrame,
+    Placement,
+    PrefillEvent,
+    PrefillJob,
+    PrefixQuery,
+    PrefixReply,
+    ReserveReply,
+    ReserveRequest,
+    Retarget,
+    WorkerInfo,
+)
+from pdserve.engine.output import RequestState
+from pdserve.tokenizer import Tokenizer
+
+CYCLE_LENGTH = 256
+_FIRST_ID = 1000  # ordinary (non-special) ids of the Qwen vocabulary start well below this
+_PLACEMENT_WAIT_S = 60.0
+
+
+def token_cycle(tokenizer: Tokenizer, length: int = CYCLE_LENGTH) -> list[int]:
+    """`length` token ids, each one whole printable piece of text on its own (no special token, no
+    EOS, no partial UTF-8 character): every token is one streamed chunk with text."""
+    cycle: list[int] = []
+    for token_id in range(_FIRST_ID, tokenizer.vocab_size):
+        if len(cycle) == length:
+            break
+        if token_id in tokenizer.eos_token_ids or tokenizer.is_special(token_id):
+            continue
+        text = tokenizer.decode([token_id])
+        if text.strip() and text.isprintable() and "\ufffd" not in text:
+            cycle.append(token_id)
+    return cycle
+
+
+class FrameBook:
+    """The NDJSON lines a request of `max_tokens` T streams: T cumulative frames, the last finished
+    ("length"); made once per T (a real worker builds each; here the stand-in's own cost stays small)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.cycle = token_cycle(tokenizer)
+        self._books: dict[int, list[bytes]] = {}
+
+    def first_token(self) -> int:
+        return self.cycle[0]
+
+    def lines(self, max_tokens: int) -> list[bytes]:
+        if max_tokens not in self._books:
+            state = RequestState("", None, [], 1, self.tokenizer, True, False, (), False, 0, 0.0)
+            ids = list(itertools.islice(itertools.cycle(self.cycle), max_tokens))
+            lines = []
+            for index, token_id in enumerate(ids):
+                state.add_token(0, token_id, None)
+                seq = state.snapshot().outputs[0]
+                last = index == len(ids) - 1
+                frame = OutputFrame(text=seq.text, token_ids=seq.token_ids, finish_reason="length" if last else None)
+                lines.append(frame.model_dump_json().encode() + b"\n")
+            self._books[max_tokens] = lines
+        return self._books[max_tokens]
+
+
+def _info(role: str, model: str, num_running: int) -> WorkerInfo:
+    return WorkerInfo(role=role, model=model, kv_layout={}, kv_transport="tcp",  # type: ignore[arg-type]
+                      kv_address="127.0.0.1:1" if role == "decode" else None, ready=True, num_running=num_running,
+                      num_waiting=0, num_free_kv_blocks=1 << 20, num_kv_blocks=1 << 20,
+                      max_num_batched_tokens=1 << 30, instance_id=_INSTANCE)
+
+
+_INSTANCE = uuid.uuid4().hex
+
+
+def _add_common_routes(app: FastAPI, role: str, model: str, running: dict) -> None:
+    @app.get("/pd/info")
+    async def info() -> WorkerInfo:
+        return _info(role, model, len(running))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({})
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        return JSONResponse({})
+
+    @app.post("/pd/prefix")
+    async def prefix(body: PrefixQuery) -> PrefixReply:
+        return PrefixReply(num_cached_tokens=0)
+
+
+def _not_found(what: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": f"unknown request {what!r}", "type": "not_found"}}, status_code=404)
+
+
+@dataclass(slots=True)
+class _Reservation:
+    max_tokens: int
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def decode_app(book: FrameBook, model: str = "standin", step_s: float = 0.0) -> FastAPI:
+    app = FastAPI()
+    reserved: dict[str, _Reservation] = {}
+    _add_common_routes(app, "decode", model, reserved)
+
+    @app.post("/pd/reserve")
+    async def reserve(body: ReserveRequest) -> ReserveReply:
+        max_tokens = body.params.fields.get("max_tokens") or 16
+        reserved[body.request_id] = _Reservation(int(max_tokens))
+        return ReserveReply(block_ids=[0], num_cached_tokens=0, kv_address="127.0.0.1:1", token="standin")
+
+    @app.get("/pd/stream/{request_id}")
+    async def stream(request_id: str) -> Response:
+        record = reserved.get(request_id)
+        if record is None:
+            return _not_found(request_id)
+
+        async def lines() -> AsyncIterator[bytes]:
+            try:
+                for line in book.lines(record.max_tokens):
+                    if record.aborted.is_set():
+                        return
+                    yield line
+                    await asyncio.sleep(step_s)
+            finally:
+                reserved.pop(request_id, None)
+
+        return StreamingResponse(lines(), media_type=NDJSON)
+
+    @app.post("/pd/abort/{request_id}")
+    async def abort(request_id: str) -> JSONResponse:
+        if (record := reserved.pop(request_id, None)) is not None:
+            record.aborted.set()
+        return JSONResponse({"aborted": request_id})
+
+    @app.post("/pd/alive")
+    async def alive(body: Keepalive) -> JSONResponse:
+        return JSONResponse({})
+
+    @app.post("/pd/retarget/{request_id}")
+    async def retarget(request_id: str, body: Retarget) -> Response:
+        return JSONResponse({"expecting": body.transfer_id}) if request_id in reserved else _not_found(request_id)
+
+    @app.post("/pd/prefill_here/{request_id}")
+    async def prefill_here(request_id: str) -> Response:
+        return JSONResponse({"prefilling": request_id}) if request_id in reserved else _not_found(request_id)
+
+    @app.post("/pd/fail/{request_id}")
+    async def fail(request_id: str, body: FailJob) -> Response:
+        return JSONResponse({"failed": request_id}) if reserved.pop(request_id, None) else _not_found(request_id)
+
+    return app
+
+
+def prefill_app(book: FrameBook, model: str = "standin") -> FastAPI:
+    app = FastAPI()
+    placed: dict[str, asyncio.Future[str]] = {}  # transfer id -> how the attempt ends (placed, aborted)
+    _add_common_routes(app, "prefill", model, placed)
+
+    @app.post("/pd/prefill")
+    async def prefill(job: PrefillJob, request: Request) -> Response:
+        first = FirstToken(transfer_id=job.transfer_id, token_id=book.first_token(), prefill_queue_s=0.0,
+                           prefill_compute_s=0.0)
+        if not job.placed:
+            placed[job.transfer_id] = asyncio.get_running_loop().create_future()
+
+        async def hand_off() -> HandOff:
+            if job.placed:
+                return HandOff(transfer_id=job.transfer_id, status="handed_off")
+            try:
+                status = await asyncio.wait_for(placed[job.transfer_id], _PLACEMENT_WAIT_S)
+            except TimeoutError:
+                status = "failed"
+            finally:
+                placed.pop(job.transfer_id, None)
+            return HandOff(transfer_id=job.transfer_id, status=status)  # type: ignore[arg-type]
+
+        if NDJSON not in request.headers.get("accept", ""):
+            return JSONResponse((await hand_off()).model_dump())
+
+        async def events() -> AsyncIterator[str]:
+            yield PrefillEvent(first_token=first).model_dump_json() + "\n"
+            yield PrefillEvent(hand_off=await hand_off()).model_dump_json() + "\n"
+
+        return StreamingResponse(events(), media_type=NDJSON)
+
+    @app.post("/pd/place/{transfer_id}")
+    async def place(transfer_id: str, body: Placement) -> Response:
+        waiting = placed.get(transfer_id)
+        if waiting is None or waiting.done():
+            return _not_found(transfer_id)
+        waiting.set_result("handed_off")
+        return JSONResponse({"placed": transfer_id})
+
+    @app.post("/pd/abort/{request_id}")
+    async def abort(request_id: str) -> JSONResponse:
+        if (waiting := placed.get(request_id)) is not None and not waiting.done():
+            waiting.set_result("aborted")
+        return JSONResponse({"aborted": request_id})
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--role", choices=("decode", "prefill"), required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--model", default=None, help="checkpoint dir (its tokenizer); default: the tiny demo")
+    parser.add_argument("--step-ms", type=float, default=0.0, help="decode: time between a stream's frames")
+    ns = parser.parse_args(argv)
+    from pdserve.model.demo_checkpoint import default_model_dir
+    from pdserve.tokenizer import load_tokenizer
+
+    book = FrameBook(load_tokenizer(ns.model or str(default_model_dir("tiny"))))
+    app = decode_app(book, step_s=ns.step_ms / 1e3) if ns.role == "decode" else prefill_app(book)
+    uvicorn.run(app, host=ns.host, port=ns.port, log_level="warning", access_log=False)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,46 @@
+"""`python -m pdserve.bench.router_cost` (issue 34): the router's CPU per streamed chunk, over
+model-less stand-ins that stream what a real decode worker streams. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdserve.bench import router_cost
+from pdserve.bench.router_standins import FrameBook, token_cycle
+from pdserve.disagg.control import OutputFrame
+from pdserve.model.demo_checkpoint import default_model_dir
+from pdserve.tokenizer import load_tokenizer
+
+
+def test_decode_standin_frames_are_what_a_decode_worker_streams() -> None:
+    tokenizer = load_tokenizer(str(default_model_dir("tiny")))
+    cycle = token_cycle(tokenizer, 16)
+    assert len(cycle) == 16 and not set(cycle) & set(tokenizer.eos_token_ids)
+    book = FrameBook(tokenizer)
+    frames = [OutputFrame.model_validate_json(line) for line in book.lines(20)]
+    assert len(frames) == 20
+    assert [f.finish_reason for f in frames] == [None] * 19 + ["length"]
+    for index, frame in enumerate(frames):  # cumulative, like RequestOutput
+        assert frame.token_ids == [book.cycle[i % len(book.cycle)] for i in range(index + 1)]
+        assert frame.text == tokenizer.decode(frame.token_ids)
+    assert frames[0].token_ids == [book.first_token()]  # what prefill sends as the early first token
+
+
+@pytest.mark.slow  # three processes
+def test_bench_counts_every_chunk(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "result.json"
+    code = router_cost.main(["--streams", "2", "--tokens", "8", "--stream", "both", "--min-chunks", "0",
+                             "--idle-s", "0.5", "--json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["idle_router_cpu_ms_per_s"] >= 0
+    rows = result["rows"]
+    assert [(r["streams"], r["stream"]) for r in rows] == [(2, True), (2, False)]
+    for row in rows:
+        assert row["chunks"] == row["expected_chunks"] == 2 * 8 * row["waves"]
+        assert row["router_cpu_s"] >= 0 and row["wall_s"] > 0 and row["tok_per_s"] > 0
+    printed = capsys.readouterr().out
+    assert "µs/chunk" in printed and "chunks/s/core" in printed
