@@ -69,7 +69,7 @@ from pdserve.engine.core_wire import (
     recv_frames,
 )
 from pdserve.engine.llm_engine import EngineStats, RemoteReservation, check_request
-from pdserve.engine.output import RequestOutput, RequestState
+from pdserve.engine.output import OutputSettings, RequestOutput, RequestState
 from pdserve.engine.request import RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tensor_parallel import spawn_module
@@ -231,8 +231,8 @@ class EngineCoreClient:
 
     def _track(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: OutputSink) -> None:
         """Outputs of `request_id` go to `sink` from now on, through its output state (detokenizing)."""
-        state = RequestState.of_request(request_id, None, list(prompt_token_ids), params, self.tokenizer,
-                                        time.monotonic())
+        state = RequestState.of_request(request_id, None, list(prompt_token_ids), params,
+                                        OutputSettings(self.tokenizer), time.monotonic())
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is already in use")

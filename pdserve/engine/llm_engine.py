@@ -16,8 +16,8 @@ from pdserve.engine.host_memory import keep_large_allocations_on_heap
 from pdserve.engine.kv_cache_manager import hash_block
 from pdserve.engine.kv_transfer import KVTransferSetup, LayerObserver, StreamTargets, TransferExpectations
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.output import RequestFailure, RequestOutput, RequestState
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.output import OutputSettings, RequestFailure, RequestOutput, RequestState
+from pdserve.engine.request import ModelContext, Request, RequestStatus
 from pdserve.engine.sampler import PromptLogprobs, TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler
@@ -178,6 +178,7 @@ class LLMEngine:
                         arrival: float) -> list[Request]:
         """The `n` engine sequences of one user request; with n > 1 each has its own id and seed."""
         children = []
+        model = ModelContext(self.tokenizer.eos_token_ids, self.config.scheduler.max_model_len, self.config.device)
         for index in range(params.n):
             matcher = None
             if params.structured is not None:
@@ -190,8 +191,7 @@ class LLMEngine:
             if index > 0 and params.prompt_logprobs is not None:  # the prompt's are computed once, by child 0
                 child_params = dataclasses.replace(child_params, prompt_logprobs=None)
             child_id = _child_id(request_id, index)  # a reservation is child 0
-            children.append(Request(child_id, token_ids, child_params, self.tokenizer.eos_token_ids,
-                                    self.config.scheduler.max_model_len, arrival, self.config.device, matcher))
+            children.append(Request(child_id, token_ids, child_params, model, arrival, matcher))
         return children
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -359,8 +359,8 @@ class LLMEngine:
 
     def _new_state(self, request_id: str, prompt_text: str | None, token_ids: list[int], params: SamplingParams,
                    arrival_time: float) -> RequestState:
-        return RequestState.of_request(request_id, prompt_text, token_ids, params, self.tokenizer, arrival_time,
-                                       self.detokenize)
+        return RequestState.of_request(request_id, prompt_text, token_ids, params,
+                                       OutputSettings(self.tokenizer, self.detokenize), arrival_time)
 
     def _emit(self, updated: list[tuple[Request, TokenLogprobs | None]]) -> list[RequestOutput]:
         """Feed each request's newest token to its output state (detokenize, stop strings) and
