@@ -68,8 +68,8 @@ from pdserve.engine.core_wire import (
     link_buffers,
     recv_frames,
 )
+from pdserve.engine.engine_types import EngineStats, RemoteReservation, check_request
 from pdserve.engine.link_writer import LinkWriter
-from pdserve.engine.llm_engine import EngineStats, RemoteReservation, check_request
 from pdserve.engine.output import OutputSettings, RequestOutput, RequestState
 from pdserve.engine.request import RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
