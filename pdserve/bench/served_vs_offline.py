@@ -75,8 +75,17 @@ def _token_ids(prompt: list[int] | str) -> list[int]:
     return list(prompt)
 
 
-def run_served(name: str, model: str, work: Workload, flags: list[str], concurrency: int, step_dir: Path,
-               log_dir: Path) -> Run:
+@dataclass(frozen=True, slots=True)
+class Server:
+    """A `pdserve serve` to start: its model and flags, where its log goes."""
+
+    model: str
+    flags: list[str]
+    log_dir: Path
+
+
+def run_served(name: str, server_: Server, work: Workload, concurrency: int, step_dir: Path) -> Run:
+    model, flags, log_dir = server_.model, server_.flags, server_.log_dir
     port = local.free_port()
     os.environ[STEP_LOG] = str(step_dir)
     try:
@@ -147,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = [run_offline(model, work, engine, root / "steps-offline")]
         for name, extra in (("served, engine thread (--engine-in-process)", ["--engine-in-process"]),
                             ("served, engine process", [])):
-            runs.append(run_served(name, model, work, flags + extra, ns.concurrency, root / f"steps-{len(runs)}",
-                                   root / "logs"))
+            runs.append(run_served(name, Server(model, flags + extra, root / "logs"), work, ns.concurrency,
+                                   root / f"steps-{len(runs)}"))
         print_table(*table(runs))
     return 0
 
