@@ -27,7 +27,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.bench.common import hardware_line, print_table
 from pdserve.bench.serve import local
 from pdserve.bench.serve.client import LoadConfig, LoadResult, run_load
-from pdserve.bench.serve.workloads import Workload, random_lengths
+from pdserve.bench.serve.workloads import PromptKind, Workload, random_lengths
 from pdserve.engine.llm import TokensPrompt
 from pdserve.engine.step_log import read_step_logs
 from pdserve.envs import STEP_LOG
@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         model = ns.model or str(write_checkpoint(root / "model", (PRESETS | QWEN3_SHAPES)[ns.preset], seed=ns.seed,
                                                  device="cuda" if ns.device.startswith("cuda") else "cpu"))
         vocab = Qwen3ModelConfig.from_dir(model).vocab_size
-        work = random_lengths(ns.num_requests, ns.input_len, ns.output_len, seed=ns.seed, vocab_size=vocab)
+        work = random_lengths(ns.num_requests, ns.input_len, ns.output_len, seed=ns.seed,
+                              kind=PromptKind(vocab))
         engine: dict[str, int | str] = {"num_threads": ns.num_threads, "num_kv_blocks": ns.num_kv_blocks,
                                         "device": ns.device, "dtype": ns.dtype}
         flags = [f"--{key.replace('_', '-')}={value}" for key, value in engine.items()]
