@@ -421,7 +421,7 @@ def test_sizing_counts_every_expert_for_memory_and_a_tokens_experts_for_flops() 
     from pdserve.sizing.devices import device
     from pdserve.sizing.model_facts import load_model_facts
     from pdserve.sizing.plan import PlanInputs, make_plan
-    from pdserve.sizing.profile import BW_EFFICIENCY, FLOPS_EFFICIENCY, STEP_OVERHEAD_S, roofline
+    from pdserve.sizing.profile import BW_EFFICIENCY, FLOPS_EFFICIENCY, STEP_OVERHEAD_S, Limits, roofline
 
     moe, dense = load_model_facts("qwen3-30b-a3b"), load_model_facts("qwen3-8b")
     assert round(moe.num_params / 1e9, 1) == 30.5 and round(moe.num_active_params / 1e9, 2) == 3.35  # Qwen's card
@@ -430,7 +430,7 @@ def test_sizing_counts_every_expert_for_memory_and_a_tokens_experts_for_flops() 
     h200 = device("H200")
     plan = make_plan(PlanInputs(h200.memory_bytes, 0.9, moe, mean_input_len=1000, output_len=100, tp=2))
     assert plan.weights_bytes == moe.num_params * 2 / 2
-    profile = roofline(moe, h200, num_kv_blocks=1000, max_num_seqs=8, max_num_batched_tokens=2048)
+    profile = roofline(moe, h200, Limits(num_kv_blocks=1000, max_num_seqs=8, max_num_batched_tokens=2048))
     assert profile.step.base_s == pytest.approx(
         STEP_OVERHEAD_S + moe.num_active_params * 2 / (h200.bandwidth_bytes_per_s * BW_EFFICIENCY))
     flops = h200.flops_per_s * FLOPS_EFFICIENCY

@@ -28,7 +28,7 @@ from pdserve.bench.serve.sweep import parse_ints, parse_ratios
 from pdserve.sizing.devices import device
 from pdserve.sizing.model_facts import load_model_facts
 from pdserve.sizing.plan import PlanInputs, make_plan
-from pdserve.sizing.profile import Profile, load_profile, roofline
+from pdserve.sizing.profile import Limits, Profile, load_profile, roofline
 from pdserve.sizing.sim.cluster import Topology
 from pdserve.sizing.sim.run import (
     DISPATCH_S,
@@ -96,8 +96,7 @@ def build_profile(ns: argparse.Namespace) -> Profile:
         spec, model = device(name), load_model_facts(model_name or "qwen3-8b")
         plan = make_plan(PlanInputs(spec.memory_bytes, 0.9, model, overhead_bytes=2 * 1024**3, mean_input_len=1,
                                     output_len=1))
-        profile = roofline(model, spec, num_kv_blocks=plan.num_kv_blocks or 1, max_num_seqs=256,
-                           max_num_batched_tokens=8192)
+        profile = roofline(model, spec, Limits(plan.num_kv_blocks or 1, max_num_seqs=256, max_num_batched_tokens=8192))
     return profile.with_limits(ns.num_kv_blocks, ns.max_num_seqs, ns.max_num_batched_tokens)
 
 
