@@ -142,7 +142,7 @@ def up_plan(ns: argparse.Namespace, engine_flags: list[str]) -> tuple[UpOptions,
 
 
 def _make_model(ns: argparse.Namespace) -> int:
-    from pdserve.model.demo_checkpoint import PRESETS, QWEN3_SHAPES, write_checkpoint
+    from pdserve.model.demo_checkpoint import PRESETS, QWEN3_SHAPES, ModelVariant, write_checkpoint
     from pdserve.model.fp8 import FP8BlockQuantization
     from pdserve.model.rope import RopeConfig
 
@@ -157,7 +157,7 @@ def _make_model(ns: argparse.Namespace) -> int:
         return 2
     quantization = None if ns.quantize is None else FP8BlockQuantization((ns.weight_block_size, ns.weight_block_size))
     out = write_checkpoint(ns.out, shape, seed=ns.seed, device=ns.device, max_shard_bytes=shard,
-                           rope_scaling=rope_scaling, quantization=quantization)
+                           variant=ModelVariant(rope_scaling=rope_scaling, quantization=quantization))
     kind = "" if quantization is None else f", block-FP8 weights ({ns.weight_block_size}x{ns.weight_block_size})"
     print(f"wrote random-weight Qwen3 ({ns.preset}{kind}) to {out}; its text output is random")
     return 0

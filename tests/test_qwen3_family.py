@@ -34,7 +34,7 @@ from server_fixtures import start_server
 from pdserve import LLM
 from pdserve.cli import main as pdserve_main
 from pdserve.disagg.transport import nixl_available
-from pdserve.model.demo_checkpoint import PRESETS, quantize_checkpoint, write_checkpoint
+from pdserve.model.demo_checkpoint import PRESETS, ModelVariant, quantize_checkpoint, write_checkpoint
 from pdserve.model.fp8 import FP8BlockQuantization, dequantize, quantize
 from pdserve.model.loader import load_model
 from pdserve.model.moe import GroupedExperts
@@ -104,9 +104,9 @@ def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "moe": write_checkpoint(root / "moe", PRESETS["tiny-moe"], seed=3),
         "moe-hf": _save_transformers_moe(root / "moe-hf"),
         "yarn": write_checkpoint(root / "yarn", dataclasses.replace(tiny, max_position_embeddings=256), seed=4,
-                                 rope_scaling=YARN),
+                                 variant=ModelVariant(rope_scaling=YARN)),
         "dynamic": write_checkpoint(root / "dynamic", dataclasses.replace(tiny, max_position_embeddings=64), seed=5,
-                                    rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+                                    variant=ModelVariant(rope_scaling={"rope_type": "dynamic", "factor": 2.0})),
     }
     dirs["fp8"] = quantize_checkpoint(dirs["moe"], root / "fp8", FP8_BLOCK)
     dirs["fp8-ref"] = _dequantized_copy(dirs["fp8"], root / "fp8-ref")
