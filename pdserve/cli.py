@@ -7,188 +7,29 @@ this module adds only what belongs to a command itself (where to listen, how man
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import logging
-import os
-import signal
-import socket
 import sys
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
-from types import FrameType
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
-import uvicorn
-from starlette.types import ASGIApp
-
-from pdserve import envs
-from pdserve.addresses import http_url, parse_member
-from pdserve.config import KV_CACHE_DTYPES, ApiConfig, EngineArgs, RouterConfig, WorkerConfig, kv_dtype_description
+from pdserve.addresses import parse_member
+from pdserve.config import KV_CACHE_DTYPES, ApiConfig, EngineArgs, RouterConfig, WorkerConfig
 from pdserve.config_flags import add_config_args, config_from_args
+from pdserve.ops.serve import DEMO_MODEL_NAME, run_server, validate_worker
+from pdserve.ops.serve import serve as serve_command
 from pdserve.ops.supervisor import exit_with_supervisor
 from pdserve.ops.threads import CorePlan, parse_cpu_list
 from pdserve.sizing.commands import add_sizing_commands, guarded
 
 if TYPE_CHECKING:
     from pdserve.disagg.router import PDRouter
-    from pdserve.disagg.worker_app import Worker
-    from pdserve.engine.async_llm import AsyncLLM
-    from pdserve.engine.core_client import EngineCoreClient
-    from pdserve.engine.llm_engine import LLMEngine
     from pdserve.ops.up import UpOptions
 
 
 # NOTE: where the servers listen unless told otherwise (serve, router; up's router)
 _HOST = "127.0.0.1"
 _PORT = 8000
-_DEMO_MODEL_NAME = "pdserve-demo-tiny"  # the served model id when no --model (or name) is given
-_ENGINE_FAILED = 3  # exit status of a server whose engine thread died
-
-
-def _serve(ns: argparse.Namespace) -> int:
-    from pdserve import envs
-    from pdserve.engine.core_client import EngineCoreClient, EngineStartError
-    from pdserve.engine.core_proc import inject_model_step_failure
-    from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.ops.threads import pin_to
-
-    args = config_from_args(EngineArgs, ns)
-    worker = None if ns.role == "colocated" else config_from_args(WorkerConfig, ns, role=ns.role)
-    if worker is not None and worker.register and worker.advertise_url is None:
-        worker = replace(worker, advertise_url=_advertise_url(ns.host, ns.port))
-    api = config_from_args(ApiConfig, ns)
-    in_process = ns.engine_in_process or envs.engine_in_process()
-    engine: LLMEngine | None = None
-    core: EngineCoreClient | None = None
-    built: Worker | None = None
-    try:
-        if ns.cpu_affinity is not None:  # NOTE: before torch's threads and the engine process, which inherit it
-            pin_to(ns.cpu_affinity)
-        _validate_worker(worker)
-        api.validate()
-        api.api_keys()  # NOTE: an unreadable --api-key-file fails here, before the engine loads
-        if in_process:
-            engine = LLMEngine.from_engine_args(args)
-            inject_model_step_failure(engine)
-        elif worker is not None:
-            from pdserve.disagg.worker_core import start_worker
-
-            built = start_worker(args, worker, ns.served_model_name or (args.model or _DEMO_MODEL_NAME))
-            core = cast("EngineCoreClient", built.client)
-        else:
-            core = EngineCoreClient.start(args)
-    except (ValueError, OSError, EngineStartError) as exc:
-        print(f"pdserve: {exc}", file=sys.stderr)
-        return 2
-    name = ns.served_model_name or (args.model or _DEMO_MODEL_NAME)
-    cfg = engine.config if engine is not None else core.config if core is not None else None
-    assert cfg is not None
-    logging.getLogger("pdserve").info(
-        "%s worker serving %s on http://%s:%d (%s, %s, KV %s, %d KV blocks of %d tokens (%d per GiB), "
-        "max_model_len %d; engine %s)", ns.role, name, ns.host, ns.port, cfg.device,
-        str(cfg.dtype).removeprefix("torch."), kv_dtype_description(cfg), cfg.cache.num_kv_blocks,
-        cfg.cache.block_size, 1024**3 // cfg.kv_bytes_per_block, cfg.scheduler.max_model_len,
-        "in this process" if core is None else "in its own process")
-    app: ASGIApp
-    on_exit: Callable[[], None] | None
-    client: AsyncLLM | EngineCoreClient
-    if built is not None:
-        app, on_exit, client = built.app, built.drain, built.client
-    elif core is not None:
-        from pdserve.serving.app import create_app
-
-        app, on_exit, client = create_app(core, name, api=api), None, core
-    elif worker is None:
-        assert engine is not None
-        app, on_exit, client = _colocated_app(engine, name, api)
-    else:
-        assert engine is not None
-        app, on_exit, client = _worker_app(engine, worker, name)
-    client.on_fatal = _drain_after_engine_failure
-    try:
-        # Workers' access logs would only show the router's polling; the router logs client requests.
-        _run_server(app, ns, access_log=worker is None or ns.access_log == "all", on_exit=on_exit)
-    finally:
-        client.shutdown()
-    return _ENGINE_FAILED if client.failure is not None else 0
-
-
-def _drain_after_engine_failure(exc: BaseException) -> None:
-    """The engine thread died (its requests already got errors): drain as on SIGTERM (a queue
-    consumer stops pulling, the registrar leaves), then exit non-zero so a supervisor restarts us."""
-    logging.getLogger("pdserve").error("the engine failed (%r): draining, then exiting %d", exc, _ENGINE_FAILED)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _advertise_url(host: str, port: int) -> str:
-    """Where routers reach a worker listening on host:port: that address, or for a wildcard
-    (0.0.0.0, ::) this machine's name's address (a Kubernetes pod's IP)."""
-    if host in ("0.0.0.0", "::", ""):
-        host = socket.gethostbyname(socket.gethostname())
-    return http_url(host, port)
-
-
-def _validate_worker(worker: WorkerConfig | None) -> None:
-    """Validate a worker's config, the transfer timeout's environment variable included, so that a
-    bad value fails before the engine loads."""
-    if worker is not None:
-        worker.validate()
-        _ = worker.transfer_timeout_s  # reads KV_TRANSFER_TIMEOUT_MS when the flag is unset
-
-
-_Served = tuple[ASGIApp, Callable[[], None] | None, "AsyncLLM | EngineCoreClient"]  # app, on_exit (drain), engine
-
-
-def _colocated_app(engine: LLMEngine, name: str, api: ApiConfig) -> _Served:
-    from pdserve.engine.async_llm import AsyncLLM
-    from pdserve.serving.app import create_app
-
-    client = AsyncLLM(engine)
-    return create_app(client, name, api=api), None, client
-
-
-def _worker_app(engine: LLMEngine, config: WorkerConfig, name: str) -> _Served:
-    from pdserve.disagg.worker_app import build_worker
-
-    worker = build_worker(engine, config, name)
-    return worker.app, worker.drain, worker.client
-
-
-def _run_server(app: ASGIApp, ns: argparse.Namespace, access_log: bool = True,
-                on_exit: Callable[[], None] | None = None) -> None:
-    # NOTE: log_config=None: uvicorn's records go to the root handler (configure_logging: text or
-    # JSON lines, request id), not to uvicorn's own formatters.
-    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower(),
-                            access_log=access_log, log_config=None)
-    # NOTE: uvicorn re-raises the signal that stopped it once it has shut down gracefully; with
-    # no-op handlers installed first, that ends here and the process exits 0.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
-    # NOTE: everything allocated so far (modules, the model, the tokenizer) lives as long as the
-    # process: out of the collector's sight, a full collection scans only what requests made since.
-    # Left in, each one took 85-220 ms on a 2-core VM, stalling whatever request it landed in.
-    gc.collect()
-    gc.freeze()
-    envs.serving_switch_interval()
-    _DrainingServer(config, on_exit).run()
-
-
-class _DrainingServer(uvicorn.Server):
-    """SIGTERM/SIGINT: first stop taking work (`on_exit`), then uvicorn's graceful shutdown, which
-    waits for the requests in flight (decode streams, prefill hand-offs) to finish."""
-
-    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None] | None) -> None:
-        super().__init__(config)
-        self._on_exit = on_exit
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._on_exit is not None:
-            logging.getLogger("pdserve").info("draining: finishing the requests in flight, taking no new ones")
-            self._on_exit()
-            self._on_exit = None
-        super().handle_exit(sig, frame)
 
 
 def _router(ns: argparse.Namespace) -> int:
@@ -206,8 +47,8 @@ def _router(ns: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"pdserve: {exc}", file=sys.stderr)
         return 2
-    name = ns.served_model_name or (ns.model or _DEMO_MODEL_NAME)
-    _run_server(create_router_app(client, name, api), ns)
+    name = ns.served_model_name or (ns.model or DEMO_MODEL_NAME)
+    run_server(create_router_app(client, name, api), ns)
     return 0
 
 
@@ -222,7 +63,7 @@ def _balancer(ns: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"pdserve: {exc}", file=sys.stderr)
         return 2
-    _run_server(create_balancer_app(balancer, api), ns)
+    run_server(create_balancer_app(balancer, api), ns)
     return 0
 
 
@@ -253,7 +94,7 @@ def _up(ns: argparse.Namespace, engine_flags: list[str]) -> int:
         router.validate()
         options.api.validate()
         options.api.api_keys()
-        _validate_worker(worker)
+        validate_worker(worker)
         if autoscale is not None:
             autoscale.validate()
         if options.cpus_per_worker is not None:
@@ -301,7 +142,7 @@ def up_plan(ns: argparse.Namespace, engine_flags: list[str]) -> tuple[UpOptions,
 
 
 def _make_model(ns: argparse.Namespace) -> int:
-    from pdserve.model.demo_checkpoint import PRESETS, QWEN3_SHAPES, write_checkpoint
+    from pdserve.model.demo_checkpoint import PRESETS, QWEN3_SHAPES, ModelVariant, write_checkpoint
     from pdserve.model.fp8 import FP8BlockQuantization
     from pdserve.model.rope import RopeConfig
 
@@ -316,7 +157,7 @@ def _make_model(ns: argparse.Namespace) -> int:
         return 2
     quantization = None if ns.quantize is None else FP8BlockQuantization((ns.weight_block_size, ns.weight_block_size))
     out = write_checkpoint(ns.out, shape, seed=ns.seed, device=ns.device, max_shard_bytes=shard,
-                           rope_scaling=rope_scaling, quantization=quantization)
+                           variant=ModelVariant(rope_scaling=rope_scaling, quantization=quantization))
     kind = "" if quantization is None else f", block-FP8 weights ({ns.weight_block_size}x{ns.weight_block_size})"
     print(f"wrote random-weight Qwen3 ({ns.preset}{kind}) to {out}; its text output is random")
     return 0
@@ -349,7 +190,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     add_config_args(serve, EngineArgs, title="engine")
     add_config_args(serve, WorkerConfig, title="worker (prefill and decode roles)", exclude=("role",))
     add_config_args(serve, ApiConfig, title="OpenAI API (colocated role; the router's in PD)")
-    serve.set_defaults(func=_serve)
+    serve.set_defaults(func=serve_command)
 
 
 def _add_router_parser(sub: argparse._SubParsersAction) -> None:

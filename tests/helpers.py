@@ -21,7 +21,7 @@ from pdserve.disagg.control import WorkerInfo
 from pdserve.disagg.pool import Worker
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.llm import TokensPrompt
-from pdserve.engine.request import Request
+from pdserve.engine.request import ModelContext, Request
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -86,7 +86,7 @@ def make_request(request_id: str, prompt_token_ids: Sequence[int] | int, max_tok
         prompt_token_ids = range(start, start + prompt_token_ids)
     ids = list(prompt_token_ids)
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params)
-    return Request(request_id, ids, sampling, eos_token_ids=(), max_model_len=max_model_len)
+    return Request(request_id, ids, sampling, ModelContext((), max_model_len))
 
 
 def fake_step(scheduler: Scheduler, token_id: int = FAKE_TOKEN_ID) -> SchedulerOutput:

@@ -115,7 +115,7 @@ def test_seed_mix_ratios_scale_and_determinism() -> None:
     full = workloads.seed_mix(10, output_len=7)
     assert sorted(spec.prompt_len for spec in full.requests) == [500] * 6 + [2000] * 3 + [5000]
     assert {spec.max_tokens for spec in full.requests} == {7}
-    text = workloads.seed_mix(4, scale=0.01, as_text=True)
+    text = workloads.seed_mix(4, scale=0.01, kind=workloads.PromptKind(as_text=True))
     assert all(isinstance(s.prompt, str) and len(s.prompt.split()) == s.prompt_len for s in text.requests)
 
 
@@ -123,7 +123,7 @@ def test_random_and_shared_prefix_workloads() -> None:
     work = workloads.random_lengths(200, 100, 20, range_ratio=0.5, seed=1)
     assert all(50 <= s.prompt_len <= 150 and 10 <= s.max_tokens <= 30 for s in work.requests)
     assert len({s.prompt_len for s in work.requests}) > 10
-    shared = workloads.shared_prefix(6, prefix_len=32, suffix_len=8, output_len=4, num_prefixes=2, seed=1)
+    shared = workloads.shared_prefix(6, workloads.SharedPrefixes(32, count=2), suffix_len=8, output_len=4, seed=1)
     prompts = [s.prompt for s in shared.requests]
     assert all(len(p) == 40 for p in prompts)
     assert prompts[0][:32] == prompts[2][:32] != prompts[1][:32] and prompts[0][32:] != prompts[2][32:]

@@ -41,7 +41,7 @@ from pdserve.engine.commands import (
     ReserveRemote,
     StopSequence,
 )
-from pdserve.engine.core_client import EngineCoreClient, EngineStartError, LinkWriter
+from pdserve.engine.core_client import EngineCoreClient, EngineStartError
 from pdserve.engine.core_wire import (
     COMMANDS,
     WIRE_VERSION,
@@ -61,6 +61,7 @@ from pdserve.engine.core_wire import (
 from pdserve.engine.disk_offload import TierStats
 from pdserve.engine.kv_disk_tier import KVTierStats
 from pdserve.engine.kv_transfer import KVTarget
+from pdserve.engine.link_writer import LinkWriter
 from pdserve.engine.llm_engine import EngineStats
 from pdserve.engine.sampler import PromptLogprobs, TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams

@@ -34,7 +34,7 @@ from server_fixtures import start_server
 from pdserve import LLM
 from pdserve.cli import main as pdserve_main
 from pdserve.disagg.transport import nixl_available
-from pdserve.model.demo_checkpoint import PRESETS, quantize_checkpoint, write_checkpoint
+from pdserve.model.demo_checkpoint import PRESETS, ModelVariant, quantize_checkpoint, write_checkpoint
 from pdserve.model.fp8 import FP8BlockQuantization, dequantize, quantize
 from pdserve.model.loader import load_model
 from pdserve.model.moe import GroupedExperts
@@ -104,9 +104,9 @@ def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "moe": write_checkpoint(root / "moe", PRESETS["tiny-moe"], seed=3),
         "moe-hf": _save_transformers_moe(root / "moe-hf"),
         "yarn": write_checkpoint(root / "yarn", dataclasses.replace(tiny, max_position_embeddings=256), seed=4,
-                                 rope_scaling=YARN),
+                                 variant=ModelVariant(rope_scaling=YARN)),
         "dynamic": write_checkpoint(root / "dynamic", dataclasses.replace(tiny, max_position_embeddings=64), seed=5,
-                                    rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+                                    variant=ModelVariant(rope_scaling={"rope_type": "dynamic", "factor": 2.0})),
     }
     dirs["fp8"] = quantize_checkpoint(dirs["moe"], root / "fp8", FP8_BLOCK)
     dirs["fp8-ref"] = _dequantized_copy(dirs["fp8"], root / "fp8-ref")
@@ -421,7 +421,7 @@ def test_sizing_counts_every_expert_for_memory_and_a_tokens_experts_for_flops() 
     from pdserve.sizing.devices import device
     from pdserve.sizing.model_facts import load_model_facts
     from pdserve.sizing.plan import PlanInputs, make_plan
-    from pdserve.sizing.profile import BW_EFFICIENCY, FLOPS_EFFICIENCY, STEP_OVERHEAD_S, roofline
+    from pdserve.sizing.profile import BW_EFFICIENCY, FLOPS_EFFICIENCY, STEP_OVERHEAD_S, Limits, roofline
 
     moe, dense = load_model_facts("qwen3-30b-a3b"), load_model_facts("qwen3-8b")
     assert round(moe.num_params / 1e9, 1) == 30.5 and round(moe.num_active_params / 1e9, 2) == 3.35  # Qwen's card
@@ -430,7 +430,7 @@ def test_sizing_counts_every_expert_for_memory_and_a_tokens_experts_for_flops() 
     h200 = device("H200")
     plan = make_plan(PlanInputs(h200.memory_bytes, 0.9, moe, mean_input_len=1000, output_len=100, tp=2))
     assert plan.weights_bytes == moe.num_params * 2 / 2
-    profile = roofline(moe, h200, num_kv_blocks=1000, max_num_seqs=8, max_num_batched_tokens=2048)
+    profile = roofline(moe, h200, Limits(num_kv_blocks=1000, max_num_seqs=8, max_num_batched_tokens=2048))
     assert profile.step.base_s == pytest.approx(
         STEP_OVERHEAD_S + moe.num_active_params * 2 / (h200.bandwidth_bytes_per_s * BW_EFFICIENCY))
     flops = h200.flops_per_s * FLOPS_EFFICIENCY

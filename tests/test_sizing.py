@@ -125,7 +125,7 @@ def test_prompts_over_the_budget_are_refused_without_chunked_prefill() -> None:
 
 
 def test_seed_mix_lengths_match_bench_workload() -> None:
-    bench = workloads.seed_mix(60, scale=0.1, seed=5, vocab_size=1000)
+    bench = workloads.seed_mix(60, scale=0.1, seed=5, kind=workloads.PromptKind(vocab_size=1000))
     assert seed_mix_lengths(60, 0.1, None, 5) == [(r.prompt_len, r.max_tokens) for r in bench.requests]
 
 

@@ -55,14 +55,14 @@ def test_samples_against_a_devices_roofline(capsys: pytest.CaptureFixture[str]) 
     from pdserve.sizing.calibrate import Sample, print_against_roofline
     from pdserve.sizing.devices import device
     from pdserve.sizing.model_facts import load_model_facts
-    from pdserve.sizing.profile import Profile, StepModel, roofline
+    from pdserve.sizing.profile import Limits, Profile, StepModel, roofline
 
     model = load_model_facts("qwen3-8b")
     measured = Profile("m", "calibrated on test", model, StepModel(0.03, 0, 0, 0, 0), model.kv_bytes_per_token(2), 16,
                        1000, 256, 8192)
     samples = [Sample(2048, 2048 * 1024.0, 0, 0, 0.070), Sample(0, 0.0, 64, 64 * 258, 0.037)]
     print_against_roofline(measured, samples, device("H200"))
-    expected = roofline(model, device("H200"), num_kv_blocks=1000, max_num_seqs=256, max_num_batched_tokens=8192).step
+    expected = roofline(model, device("H200"), Limits(1000, max_num_seqs=256, max_num_batched_tokens=8192)).step
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(rows) == 2
     for row, sample in zip(rows, samples, strict=True):

@@ -23,7 +23,7 @@ from pdserve.sizing.served_pd import (
     path_costs,
 )
 from pdserve.sizing.sim.cluster import Arrival, Topology
-from pdserve.sizing.sim.run import cluster_spec, simulate
+from pdserve.sizing.sim.run import ClusterOptions, cluster_spec, simulate
 
 STEP = StepModel(0.005, 1e-5, 0.0, 3e-4, 1e-7)
 PD = Topology(num_prefill=1, num_decode=1)
@@ -37,7 +37,8 @@ def _profile(**changes: object) -> Profile:
 
 def _alone(profile: Profile, **kwargs: object) -> tuple[float, float]:
     """One isolated PD request of 64 tokens, 8 out: (its first token's time, its second's)."""
-    run = simulate(cluster_spec(profile, PD, "tcp", **kwargs), [Arrival(64, 8, 0.0)], 1)  # type: ignore[arg-type]
+    options = ClusterOptions(**kwargs)  # type: ignore[arg-type]
+    run = simulate(cluster_spec(profile, PD, "tcp", options), [Arrival(64, 8, 0.0)], 1)
     record = run.result.records[0]
     return record.chunk_times_s[0], record.chunk_times_s[1]
 

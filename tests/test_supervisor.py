@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.config import RouterConfig, WorkerConfig
 from pdserve.ops.autoscale import AutoscaleConfig, Autoscaler, HistogramSnapshot, Signals
 from pdserve.ops.scaling import AutoscaleLoop
-from pdserve.ops.supervisor import ChildProcess, PoolEntry, RestartPolicy, Slot, SlotRole, Supervisor
+from pdserve.ops.supervisor import ChildProcess, PoolEntry, ProcessHost, RestartPolicy, Slot, SlotRole, Supervisor
 from pdserve.ops.threads import CoreShare, threads_per_worker
 from pdserve.ops.up import CommandLines, Replicas, UpOptions, read_pool
 
@@ -57,8 +57,8 @@ class Harness:
         self.started: list[tuple[SlotRole, int, int]] = []  # (role, port, number of workers)
         self.processes: dict[int, list[FakeProcess]] = {}
         ports = iter(range(9001, 9999))
-        self.supervisor = Supervisor(self.command, registry=self.registry, policy=policy or RestartPolicy(),
-                                     clock=self.clock, spawn=self.spawn, new_port=lambda: next(ports))
+        host = ProcessHost(clock=self.clock, spawn=self.spawn, new_port=lambda: next(ports))
+        self.supervisor = Supervisor(self.command, registry=self.registry, policy=policy or RestartPolicy(), host=host)
 
     def command(self, role: SlotRole, port: int, num_workers: int) -> list[str]:
         self.started.append((role, port, num_workers))

@@ -25,7 +25,7 @@ from test_up import pdserve_up
 from pdserve import LLM, SamplingParams
 from pdserve.disagg.transport import nixl_available
 from pdserve.engine.structured import StructuredOutput
-from pdserve.model.demo_checkpoint import PRESETS, quantize_checkpoint, write_checkpoint
+from pdserve.model.demo_checkpoint import PRESETS, ModelVariant, quantize_checkpoint, write_checkpoint
 
 pytestmark = pytest.mark.slow  # the whole cluster as processes, through the CLI
 
@@ -44,7 +44,7 @@ SCHEMA_MAX_TOKENS = 60  # the schema completes within ~15 tokens
 def family_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("up-family")
     shape = dataclasses.replace(PRESETS["tiny-moe"], max_position_embeddings=256)
-    dense = write_checkpoint(root / "moe-yarn", shape, seed=21, rope_scaling=YARN)
+    dense = write_checkpoint(root / "moe-yarn", shape, seed=21, variant=ModelVariant(rope_scaling=YARN))
     return quantize_checkpoint(dense, root / "moe-yarn-fp8", (24, 24))
 
 

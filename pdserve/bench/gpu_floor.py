@@ -38,7 +38,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.sizing.calibrate import _Prompts, decode_sample, prefill_sample
 from pdserve.sizing.devices import DeviceSpec, device
 from pdserve.sizing.model_facts import ModelFacts
-from pdserve.sizing.profile import roofline
+from pdserve.sizing.profile import Limits, Placement, roofline
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,10 +84,9 @@ def measure(args: EngineArgs, spec: DeviceSpec, batches: list[int], context: int
         print(f"{args.model}: {len(graphs.graphs) if graphs is not None else 0} decode CUDA graphs captured",
               flush=True)
         prompts = _Prompts(cfg.model.vocab_size)
-        profile = roofline(facts, spec, dtype_bytes=dtype_bytes, kv_dtype_bytes=kv_bytes,
-                           block_size=cfg.cache.block_size, num_kv_blocks=cfg.cache.num_kv_blocks,
-                           max_num_seqs=cfg.scheduler.max_num_seqs,
-                           max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens).step
+        limits = Limits(cfg.cache.num_kv_blocks, cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens,
+                        cfg.cache.block_size)
+        profile = roofline(facts, spec, limits, Placement(dtype_bytes=dtype_bytes, kv_dtype_bytes=kv_bytes)).step
         rows = []
         for batch in batches:
             s = decode_sample(engine, prompts, batch, context)

@@ -77,6 +77,27 @@ def teacher_forced(llm: LLM, sequences: list[list[int]]) -> list[float]:
     return [lp.logprob for out in outs for lp in (out.prompt_logprobs or [])[_CHUNK + 1:] if lp is not None]
 
 
+def measure_drift(model_dir: Path, kv_dtypes: tuple[str, ...], drift_prompts: list[list[int]],
+                  drift_tokens: int) -> tuple[dict[str, tuple[float, float]], int]:
+    """Each KV dtype's logprob drift (mean, max) from float32's, teacher-forced on float32's greedy
+    continuations (`kv_dtypes` starts with float32); and over how many positions."""
+    drift: dict[str, tuple[float, float]] = {}
+    sequences: list[list[int]] = []
+    reference: list[float] = []
+    for kv in kv_dtypes:  # NOTE: one engine at a time, in chunks: what the test bounds (test_kv_fp8.py)
+        llm = LLM(model=str(model_dir), dtype="float32", kv_cache_dtype=kv, num_kv_blocks=64,
+                  max_num_batched_tokens=_CHUNK, enable_prefix_caching=False)
+        if kv == "float32":
+            greedy = SamplingParams(temperature=0.0, max_tokens=drift_tokens, ignore_eos=True)
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in drift_prompts], greedy)
+            sequences = [p + o.outputs[0].token_ids for p, o in zip(drift_prompts, outs, strict=True)]
+            reference = teacher_forced(llm, sequences)
+        gaps = [abs(a - b) for a, b in zip(reference, teacher_forced(llm, sequences), strict=True)]
+        drift[kv] = (sum(gaps) / len(gaps), max(gaps))
+        del llm
+    return drift, len(reference)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small", choices=sorted(PRESETS))
@@ -94,20 +115,7 @@ def main() -> None:
         step_prompts = prompts(args.num_seqs, args.context, seed=1)
         drift_prompts = prompts(3, 40, seed=2)
         kv_dtypes = ("float32", *[k for k in KV_DTYPES if k != "float32"])
-        drift: dict[str, tuple[float, float]] = {}
-        sequences: list[list[int]] = []
-        reference: list[float] = []
-        for kv in kv_dtypes:  # NOTE: one engine at a time, in chunks: what the test bounds (test_kv_fp8.py)
-            llm = LLM(model=str(model_dir), dtype="float32", kv_cache_dtype=kv, num_kv_blocks=64,
-                      max_num_batched_tokens=_CHUNK, enable_prefix_caching=False)
-            if kv == "float32":
-                greedy = SamplingParams(temperature=0.0, max_tokens=args.drift_tokens, ignore_eos=True)
-                outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in drift_prompts], greedy)
-                sequences = [p + o.outputs[0].token_ids for p, o in zip(drift_prompts, outs, strict=True)]
-                reference = teacher_forced(llm, sequences)
-            gaps = [abs(a - b) for a, b in zip(reference, teacher_forced(llm, sequences), strict=True)]
-            drift[kv] = (sum(gaps) / len(gaps), max(gaps))
-            del llm
+        drift, num_positions = measure_drift(model_dir, kv_dtypes, drift_prompts, args.drift_tokens)
         engines = {kv: LLM(model=str(model_dir), dtype="float32", kv_cache_dtype=kv, kv_cache_memory="1GiB",
                            enable_prefix_caching=False, num_threads=args.threads) for kv in kv_dtypes}
         for llm in engines.values():
@@ -123,7 +131,7 @@ def main() -> None:
                 llm.engine.step()
     print(f"{hardware_line()}; preset {args.preset} (float32 compute, K/V scales 0.5/0.25), "
           f"{args.num_seqs} sequences x {args.context} tokens of context, median of {args.rounds} rounds of "
-          f"{args.steps} decode steps, engines in turn; drift over {len(reference)} teacher-forced positions")
+          f"{args.steps} decode steps, engines in turn; drift over {num_positions} teacher-forced positions")
     base_blocks, base_step, _ = rows["bfloat16"]
     table = [[kv, f"{blocks:,}", f"{blocks / base_blocks:.2f}x", f"{1000 * step:.1f}", f"{step / base_step:.2f}x",
               f"{drift[0]:.4f}", f"{drift[1]:.4f}"] for kv, (blocks, step, drift) in rows.items()]

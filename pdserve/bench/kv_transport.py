@@ -154,14 +154,7 @@ def run_workload(work: KVWorkload, transports: list[str], reps: int) -> dict[str
         seconds.update({method: [] for method in methods})
         for round_ in range(-_NUM_WARMUP, reps):
             for method, runner in methods.items():
-                rid = f"{method}-{round_}"
-                if isinstance(runner, _Transport):
-                    runner.expect(rid)
-                start = time.perf_counter()
-                runner.once(rid)
-                elapsed = time.perf_counter() - start
-                if isinstance(runner, _Transport):
-                    runner.drain(rid)
+                elapsed = _timed_once(runner, f"{method}-{round_}")
                 if round_ >= 0:
                     seconds[method].append(elapsed)
         for method, runner in methods.items():
@@ -178,6 +171,18 @@ def run_workload(work: KVWorkload, transports: list[str], reps: int) -> dict[str
         if decode.is_alive():
             decode.kill()
     return seconds
+
+
+def _timed_once(runner: _Memcpy | _RawSocket | _Transport, rid: str) -> float:
+    """Seconds one transfer `rid` takes (a transport's: expected before, drained after the clock)."""
+    if isinstance(runner, _Transport):
+        runner.expect(rid)
+    start = time.perf_counter()
+    runner.once(rid)
+    elapsed = time.perf_counter() - start
+    if isinstance(runner, _Transport):
+        runner.drain(rid)
+    return elapsed
 
 
 def _transports(conn: multiprocessing.connection.Connection, work: KVWorkload, pool: torch.Tensor,

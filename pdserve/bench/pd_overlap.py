@@ -19,6 +19,7 @@ import asyncio
 import random
 import statistics
 import time
+from dataclasses import dataclass
 
 from pdserve.bench.common import hardware_line, print_table
 from pdserve.config import EngineArgs
@@ -43,10 +44,20 @@ def _prefill(engine: LLMEngine, rid: str, prompt: list[int]) -> int:
     return first
 
 
-def _one_run(p: LLMEngine, d: LLMEngine, sender: KVSender, receiver: KVReceiver, prompt: list[int], rid: str,
-             stream: bool) -> tuple[float, float]:
+@dataclass(frozen=True, slots=True)
+class _Pair:
+    """A prefill engine and a decode engine, linked by a KV sender and its receiver."""
+
+    prefill: LLMEngine
+    decode: LLMEngine
+    sender: KVSender
+    receiver: KVReceiver
+
+
+def _one_run(pair: _Pair, prompt: list[int], rid: str, stream: bool) -> tuple[float, float]:
     """(seconds of prefill compute, seconds from the end of compute until decode acknowledged
     everything: the transfer time left exposed)."""
+    p, d, sender, receiver = pair.prefill, pair.decode, pair.sender, pair.receiver
     reservation = d.reserve_remote(rid, prompt, _PARAMS)
     assert reservation is not None and reservation.num_cached_tokens == 0
     receiver.expect(rid, list(reservation.block_ids))
@@ -97,11 +108,12 @@ def main() -> None:
     print(f"model: {model_dir}; prompt {ns.prompt_len} tokens ({kv_bytes / 2**20:.0f} MiB of KV), chunks of "
           f"{ns.max_num_batched_tokens} tokens, transport {ns.transport}, median of {ns.reps} runs")
     compute, transfer, streamed = [], [], []
+    pair = _Pair(p, d, sender, receiver)
     try:
         for rep in range(ns.reps + 1):
             prompt = [rng.randrange(0, 150_000) for _ in range(ns.prompt_len)]
-            c, x = _one_run(p, d, sender, receiver, prompt, f"x{rep}", stream=False)
-            _, s = _one_run(p, d, sender, receiver, prompt, f"s{rep}", stream=True)  # s: exposed tail
+            c, x = _one_run(pair, prompt, f"x{rep}", stream=False)
+            _, s = _one_run(pair, prompt, f"s{rep}", stream=True)  # s: exposed tail
             if rep:  # the first round warms up
                 compute.append(c)
                 transfer.append(x)

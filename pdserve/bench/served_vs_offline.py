@@ -27,7 +27,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.bench.common import hardware_line, print_table
 from pdserve.bench.serve import local
 from pdserve.bench.serve.client import LoadConfig, LoadResult, run_load
-from pdserve.bench.serve.workloads import Workload, random_lengths
+from pdserve.bench.serve.workloads import PromptKind, Workload, random_lengths
 from pdserve.engine.llm import TokensPrompt
 from pdserve.engine.step_log import read_step_logs
 from pdserve.envs import STEP_LOG
@@ -75,8 +75,17 @@ def _token_ids(prompt: list[int] | str) -> list[int]:
     return list(prompt)
 
 
-def run_served(name: str, model: str, work: Workload, flags: list[str], concurrency: int, step_dir: Path,
-               log_dir: Path) -> Run:
+@dataclass(frozen=True, slots=True)
+class Server:
+    """A `pdserve serve` to start: its model and flags, where its log goes."""
+
+    model: str
+    flags: list[str]
+    log_dir: Path
+
+
+def run_served(name: str, server_: Server, work: Workload, concurrency: int, step_dir: Path) -> Run:
+    model, flags, log_dir = server_.model, server_.flags, server_.log_dir
     port = local.free_port()
     os.environ[STEP_LOG] = str(step_dir)
     try:
@@ -137,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         model = ns.model or str(write_checkpoint(root / "model", (PRESETS | QWEN3_SHAPES)[ns.preset], seed=ns.seed,
                                                  device="cuda" if ns.device.startswith("cuda") else "cpu"))
         vocab = Qwen3ModelConfig.from_dir(model).vocab_size
-        work = random_lengths(ns.num_requests, ns.input_len, ns.output_len, seed=ns.seed, vocab_size=vocab)
+        work = random_lengths(ns.num_requests, ns.input_len, ns.output_len, seed=ns.seed,
+                              kind=PromptKind(vocab))
         engine: dict[str, int | str] = {"num_threads": ns.num_threads, "num_kv_blocks": ns.num_kv_blocks,
                                         "device": ns.device, "dtype": ns.dtype}
         flags = [f"--{key.replace('_', '-')}={value}" for key, value in engine.items()]
@@ -147,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = [run_offline(model, work, engine, root / "steps-offline")]
         for name, extra in (("served, engine thread (--engine-in-process)", ["--engine-in-process"]),
                             ("served, engine process", [])):
-            runs.append(run_served(name, model, work, flags + extra, ns.concurrency, root / f"steps-{len(runs)}",
-                                   root / "logs"))
+            runs.append(run_served(name, Server(model, flags + extra, root / "logs"), work, ns.concurrency,
+                                   root / f"steps-{len(runs)}"))
         print_table(*table(runs))
     return 0
 

@@ -58,8 +58,17 @@ def _prompts(num: int, input_len: tuple[int, int], seed: int) -> list[TokensProm
             for _ in range(num)]
 
 
-def run(name: str, model: str, tp: int, threads: int, prompts: list[TokensPrompt], output_len: int,
-        reps: int) -> Result:
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """One configuration under test: its name, tensor-parallel size and threads (per rank)."""
+
+    name: str
+    tp: int
+    threads: int
+
+
+def run(layout: Layout, model: str, prompts: list[TokensPrompt], output_len: int, reps: int) -> Result:
+    name, tp, threads = layout.name, layout.tp, layout.threads
     # NOTE: no prefix caching: a second run of the same prompts would otherwise skip their prefill
     llm = LLM(model=model, dtype="float32", tensor_parallel_size=tp, num_threads=threads, kv_cache_memory="512MiB",
               enable_prefix_caching=False)
@@ -90,9 +99,10 @@ class Served:
     texts: list[str]
 
 
-def serve_run(name: str, model: str, tp: int, threads: int, prompts: list[TokensPrompt], output_len: int,
-              num_checked: int, log_dir: Path) -> Served:
+def serve_run(layout: Layout, model: str, prompts: list[TokensPrompt], output_len: int, num_checked: int,
+              log_dir: Path) -> Served:
     """One `pdserve serve` with this TP and thread count: warm-up, the measured run, the text check."""
+    name, tp, threads = layout.name, layout.tp, layout.threads
     port = local.free_port()
     args = ["serve", "--port", str(port), "--model", model, "--dtype", "float32", "--kv-cache-memory", "512MiB",
             "--no-enable-prefix-caching", "--tensor-parallel-size", str(tp), "--num-threads", str(threads)]
@@ -130,8 +140,8 @@ def served_table(runs: list[Served]) -> tuple[list[str], list[list[str]]]:
 
 def main_served(model: str, prompts: list[TokensPrompt], output_len: int, num_checked: int) -> None:
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-bench-tp-"))
-    runs = [serve_run("TP=1, 2 threads", model, 1, 2, prompts, output_len, num_checked, log_dir),
-            serve_run("TP=2, 1 thread per rank", model, 2, 1, prompts, output_len, num_checked, log_dir)]
+    runs = [serve_run(Layout("TP=1, 2 threads", 1, 2), model, prompts, output_len, num_checked, log_dir),
+            serve_run(Layout("TP=2, 1 thread per rank", 2, 1), model, prompts, output_len, num_checked, log_dir)]
     if failed := [f"{r.name}: {r.summary.failed} failed" for r in runs if r.summary.failed]:
         raise SystemExit(f"requests failed ({'; '.join(failed)}); logs in {log_dir}")
     print_table(*served_table(runs))
@@ -160,9 +170,9 @@ def main() -> None:
     if args.served:
         main_served(model, prompts, args.output_len, args.check)
         return
-    base = run("TP=1, 2 threads", model, 1, 2, prompts, args.output_len, args.reps)
-    one = run("TP=1, 1 thread", model, 1, 1, prompts, args.output_len, args.reps)
-    tp2 = run("TP=2, 1 thread per rank", model, 2, 1, prompts, args.output_len, args.reps)
+    base = run(Layout("TP=1, 2 threads", 1, 2), model, prompts, args.output_len, args.reps)
+    one = run(Layout("TP=1, 1 thread", 1, 1), model, prompts, args.output_len, args.reps)
+    tp2 = run(Layout("TP=2, 1 thread per rank", 2, 1), model, prompts, args.output_len, args.reps)
     rows = [[r.name, f"{r.best_s:.2f}", f"{num_tokens / r.best_s:.1f}", f"{base.best_s / r.best_s:.2f}",
              "-" if r.reduce_share is None else f"{100 * r.reduce_share:.1f}%"] for r in (base, one, tp2)]
     print_table(["configuration", "time s", "output tok/s", "speed vs TP=1", "all-reduce share of step"], rows)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pdserve.bench.common import print_table
 from pdserve.sizing.sim.cluster import Topology
-from pdserve.sizing.sim.run import arrivals, cluster_spec, simulate
+from pdserve.sizing.sim.run import ClusterOptions, arrivals, cluster_spec, simulate
 from pdserve.sizing.simulate_command import add_sim_args, build_profile
 
 METRICS = (("median_ttft_ms", 0.15), ("p99_ttft_ms", 0.25), ("median_tpot_ms", 0.15), ("p99_tpot_ms", 0.25),
@@ -60,9 +60,9 @@ def simulate_like(ns: argparse.Namespace, run: RealRun, doc: dict) -> dict:
               file=sys.stderr)
     rate = math.inf if doc.get("request_rate", "inf") == "inf" else float(doc["request_rate"])
     profile = build_profile(ns)
-    spec = cluster_spec(profile, run.topology, None if ns.transport == "none" else ns.transport,
-                        not ns.no_layerwise, ns.decode_max_num_seqs, ns.max_queued_requests,
-                        not ns.no_enable_chunked_prefill, ns.early_first_token, ns.dispatch_ms / 1e3)
+    options = ClusterOptions(not ns.no_layerwise, ns.decode_max_num_seqs, ns.max_queued_requests,
+                             not ns.no_enable_chunked_prefill, ns.early_first_token, ns.dispatch_ms / 1e3)
+    spec = cluster_spec(profile, run.topology, None if ns.transport == "none" else ns.transport, options)
     sim = simulate(spec, arrivals(lengths, rate, float(doc.get("burstiness", 1.0)), int(doc.get("seed", 0))),
                    doc.get("max_concurrency"))
     return sim.summary.to_vllm_dict()

@@ -26,7 +26,6 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import queue
 import socket
 import subprocess
 import threading
@@ -62,14 +61,16 @@ from pdserve.engine.core_wire import (
     FrameReader,
     FromCore,
     RequestDelta,
+    SequenceDelta,
     ToCore,
     decode_from_core,
     encode_to_core,
     link_buffers,
     recv_frames,
 )
-from pdserve.engine.llm_engine import EngineStats, RemoteReservation, check_request
-from pdserve.engine.output import RequestOutput, RequestState
+from pdserve.engine.engine_types import EngineStats, RemoteReservation, check_request
+from pdserve.engine.link_writer import LinkWriter
+from pdserve.engine.output import OutputSettings, RequestOutput, RequestState
 from pdserve.engine.request import RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tensor_parallel import spawn_module
@@ -231,8 +232,8 @@ class EngineCoreClient:
 
     def _track(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: OutputSink) -> None:
         """Outputs of `request_id` go to `sink` from now on, through its output state (detokenizing)."""
-        state = RequestState.of_request(request_id, None, list(prompt_token_ids), params, self.tokenizer,
-                                        time.monotonic())
+        state = RequestState.of_request(request_id, None, list(prompt_token_ids), params,
+                                        OutputSettings(self.tokenizer), time.monotonic())
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -326,15 +327,19 @@ class EngineCoreClient:
                 self.kv_stats = message.kv_stats
             if message.kv_events and self.kv_listener is not None:
                 self.kv_listener(message.kv_events)
-            for reply in message.replies:
-                pending = self._pending.pop(reply.call_id, None)
-                if pending is None:
-                    continue
-                loop, future = pending
-                if reply.error is None:
-                    loop.call_soon_threadsafe(set_result, future, reply.value)
-                else:
-                    loop.call_soon_threadsafe(set_exception, future, _raised(reply))
+            self._answer(message.replies)
+
+    def _answer(self, replies: list[CoreReply]) -> None:
+        """Each reply to its waiting call (under the lock)."""
+        for reply in replies:
+            pending = self._pending.pop(reply.call_id, None)
+            if pending is None:
+                continue
+            loop, future = pending
+            if reply.error is None:
+                loop.call_soon_threadsafe(set_result, future, reply.value)
+            else:
+                loop.call_soon_threadsafe(set_exception, future, _raised(reply))
 
     def _process(self, delta: RequestDelta) -> None:
         """Feed one request's new tokens to its output state, as `LLMEngine._advance` does in-process;
@@ -345,17 +350,7 @@ class EngineCoreClient:
         state = tracked.state
         try:
             for seq in delta.sequences:
-                local = state.sequences[seq.index]
-                for k, token_id in enumerate(seq.token_ids):
-                    if local.finish_reason is not None:
-                        break  # stopped here by a stop string: later tokens from the core are dropped
-                    stop = state.add_token(seq.index, token_id, None if seq.logprobs is None else seq.logprobs[k])
-                    if stop is not None:  # NOTE: a stop string wins over a token-level stop in the same step
-                        state.finish(seq.index, RequestStatus.FINISHED_STOPPED, stop)
-                        self._send_quietly(ToCore("command", command=StopSequence(delta.request_id, seq.index,
-                                                                                  stop)))
-                if seq.finish_reason is not None and local.finish_reason is None:
-                    state.finish(seq.index, RequestStatus(seq.finish_reason), seq.stop_reason)
+                self._feed(delta.request_id, state, seq)
             if state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = delta.first_scheduled_time
             if delta.num_cached_tokens:
@@ -375,6 +370,19 @@ class EngineCoreClient:
             del self._requests[delta.request_id]
         tracked.stream.put(output)
 
+    def _feed(self, request_id: str, state: RequestState, seq: SequenceDelta) -> None:
+        """One sequence's new tokens and finish state into its output state (`_process`)."""
+        local = state.sequences[seq.index]
+        for k, token_id in enumerate(seq.token_ids):
+            if local.finish_reason is not None:
+                break  # stopped here by a stop string: later tokens from the core are dropped
+            stop = state.add_token(seq.index, token_id, None if seq.logprobs is None else seq.logprobs[k])
+            if stop is not None:  # NOTE: a stop string wins over a token-level stop in the same step
+                state.finish(seq.index, RequestStatus.FINISHED_STOPPED, stop)
+                self._send_quietly(ToCore("command", command=StopSequence(request_id, seq.index, stop)))
+        if seq.finish_reason is not None and local.finish_reason is None:
+            state.finish(seq.index, RequestStatus(seq.finish_reason), seq.stop_reason)
+
     def _fail_everyone(self, exc: BaseException) -> None:
         self._error = exc
         with self._lock:
@@ -388,67 +396,6 @@ class EngineCoreClient:
             pending, self._pending = self._pending, {}
         for loop, future in pending.values():
             loop.call_soon_threadsafe(set_exception, future, EngineDeadError(f"engine failed: {exc}"))
-
-
-class LinkWriter:
-    """Writes frames to a socket in order without ever waiting on the reader at the other end: a
-    frame goes out from the sending thread itself when nothing is queued before it and the socket
-    takes it at once (no thread hop on a request's path); else, with whatever part the socket did
-    not take, it goes to the writer thread, which waits for the socket in its place."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self._send_lock = threading.Lock()  # the socket's writing side; the writer may hold it long
-        self._count_lock = threading.Lock()  # _backlog only: never held while waiting
-        self._backlog = 0  # frames queued for the writer or being written by it
-        self._writer = threading.Thread(target=self._write, name="pdserve-engine-core-writer", daemon=True)
-        self._writer.start()
-
-    def send(self, data: bytes) -> None:
-        if self._send_lock.acquire(blocking=False):  # NOTE: held by the writer while it sends
-            try:
-                with self._count_lock:
-                    direct = not self._backlog
-                if direct:
-                    try:
-                        sent = self._sock.send(data, socket.MSG_DONTWAIT)
-                    except BlockingIOError:
-                        sent = 0
-                    except OSError:
-                        return
-                    if sent == len(data):
-                        return
-                    data = data[sent:]  # NOTE: the rest before anything else: queued while the lock is held
-                self._enqueue(data)
-            finally:
-                self._send_lock.release()
-            return
-        self._enqueue(data)
-
-    def close(self) -> None:
-        """The writer stops once what is queued before this is written."""
-        self._outbox.put(None)
-
-    def join(self, timeout_s: float) -> None:
-        self._writer.join(timeout=timeout_s)
-
-    def _enqueue(self, data: bytes) -> None:
-        with self._count_lock:
-            self._backlog += 1
-        self._outbox.put(data)
-
-    def _write(self) -> None:
-        """The writer thread: frames in the order they were queued."""
-        while (data := self._outbox.get()) is not None:
-            try:
-                with self._send_lock:
-                    self._sock.sendall(data)
-                with self._count_lock:
-                    self._backlog -= 1
-            except OSError:
-                logger.debug("engine core link closed: the writer stops")
-                return
 
 
 class CoreCallError(RuntimeError):

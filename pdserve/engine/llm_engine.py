@@ -5,90 +5,33 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
 from pdserve import envs
 from pdserve.config import EngineArgs, EngineConfig, create_engine_config
-from pdserve.engine.disk_offload import DiskOffload, TierStats
+from pdserve.engine.disk_offload import DiskOffload
+from pdserve.engine.engine_types import EngineStats, RemoteReservation, check_request
 from pdserve.engine.host_memory import keep_large_allocations_on_heap
 from pdserve.engine.kv_cache_manager import hash_block
 from pdserve.engine.kv_transfer import KVTransferSetup, LayerObserver, StreamTargets, TransferExpectations
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.output import RequestFailure, RequestOutput, RequestState
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.output import OutputSettings, RequestFailure, RequestOutput, RequestState
+from pdserve.engine.request import ModelContext, Request, RequestStatus
 from pdserve.engine.sampler import PromptLogprobs, TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler
 from pdserve.engine.step_log import StepLog, StepWork
-from pdserve.engine.structured import GrammarCache, check_structured
+from pdserve.engine.structured import GrammarCache
 from pdserve.model.loader import load_model
 from pdserve.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """Plain numbers; the serving layer turns them into metrics."""
-
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    num_kv_blocks: int
-    num_free_kv_blocks: int
-    num_quarantined_kv_blocks: int  # decode role: held after a cancelled one-sided transfer (nixl)
-    kv_cache_usage: float
-    num_preemptions: int
-    num_prefix_query_tokens: int
-    num_prefix_hit_tokens: int
-    num_evictions: int
-    num_no_available_block: int  # preemptions for lack of blocks + refused reservations
-    num_cannot_allocate: int  # requests refused because they could never fit the pool
-    num_remote_waiting: int  # decode role: reservations waiting for their KV
-    num_prefill_tokens: int  # prompt tokens computed here (prefix hits and received KV excluded)
-    num_batch_prefill_requests: int  # the last step's batch: requests with a prefill chunk
-    num_batch_prefill_tokens: int  # ... and the tokens of those chunks
-    num_steps: int
-    schedule_time_s: float  # total time in schedule() + update() bookkeeping
-    step_time_s: float  # total wall time of steps
-    kv_tier: TierStats | None = None  # with --kv-disk-dir
-    num_engine_requests: int = 0  # user requests the engine tracks (their output state included)
-    num_scheduler_requests: int = 0  # sequences the scheduler tracks (waiting, running, swapped, remote, held)
-
-
 def _child_id(request_id: str, index: int) -> str:
     """The engine request id of sequence `index` of a user request (n > 1)."""
     return request_id if index == 0 else f"{request_id}#{index}"
-
-
-def check_request(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int) -> None:
-    """Raises ValueError for a request no engine with this context window and vocabulary can run."""
-    if not prompt_token_ids:
-        raise ValueError("the prompt is empty")
-    if len(prompt_token_ids) >= max_model_len:
-        raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; max_model_len is {max_model_len}, "
-                         f"so at most {max_model_len - 1} prompt tokens fit")
-    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
-    # NOTE: the sampler indexes logits with stop ids (min_tokens masking); an id out of range
-    # would raise inside step() and stop the engine for everyone.
-    bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})")
-    if params.structured_replay >= len(prompt_token_ids):
-        raise ValueError("structured_replay must be shorter than the prompt")
-    check_structured(params.structured)
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteReservation:
-    """Decode role: where a prefill worker must write a request's prompt KV."""
-
-    block_ids: tuple[int, ...]  # the request's whole block table, in token order
-    num_cached_tokens: int  # leading prompt tokens already in this pool: not to be sent
 
 
 def _make_runner(config: EngineConfig) -> ModelRunner:
@@ -178,6 +121,7 @@ class LLMEngine:
                         arrival: float) -> list[Request]:
         """The `n` engine sequences of one user request; with n > 1 each has its own id and seed."""
         children = []
+        model = ModelContext(self.tokenizer.eos_token_ids, self.config.scheduler.max_model_len, self.config.device)
         for index in range(params.n):
             matcher = None
             if params.structured is not None:
@@ -190,8 +134,7 @@ class LLMEngine:
             if index > 0 and params.prompt_logprobs is not None:  # the prompt's are computed once, by child 0
                 child_params = dataclasses.replace(child_params, prompt_logprobs=None)
             child_id = _child_id(request_id, index)  # a reservation is child 0
-            children.append(Request(child_id, token_ids, child_params, self.tokenizer.eos_token_ids,
-                                    self.config.scheduler.max_model_len, arrival, self.config.device, matcher))
+            children.append(Request(child_id, token_ids, child_params, model, arrival, matcher))
         return children
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -359,8 +302,8 @@ class LLMEngine:
 
     def _new_state(self, request_id: str, prompt_text: str | None, token_ids: list[int], params: SamplingParams,
                    arrival_time: float) -> RequestState:
-        return RequestState.of_request(request_id, prompt_text, token_ids, params, self.tokenizer, arrival_time,
-                                       self.detokenize)
+        return RequestState.of_request(request_id, prompt_text, token_ids, params,
+                                       OutputSettings(self.tokenizer, self.detokenize), arrival_time)
 
     def _emit(self, updated: list[tuple[Request, TokenLogprobs | None]]) -> list[RequestOutput]:
         """Feed each request's newest token to its output state (detokenize, stop strings) and

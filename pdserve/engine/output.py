@@ -69,37 +69,61 @@ class _Sequence:
     stop_reason: int | str | None = None
 
 
-class RequestState:
-    """Everything the output side keeps for one user request (with its `n` engine sequences)."""
+@dataclass(frozen=True, slots=True)
+class OutputSettings:
+    """How an engine's output processor makes outputs: its tokenizer, and whether it makes text
+    (False: token ids, logprobs and finish reasons only, no text and no stop strings; the engine
+    core process, whose API process's output processor makes the text)."""
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], n: int,
-                 tokenizer: Tokenizer, skip_special_tokens: bool, want_logprobs: bool, stop: tuple[str, ...],
-                 include_stop: bool, min_tokens: int, arrival_time: float, text_prefix: str = "",
-                 utf8_prefix: bytes = b"", detokenize: bool = True) -> None:
-        """`detokenize` False: token ids, logprobs and finish reasons only, no text and no stop
-        strings (the engine core process: its API process's output processor makes the text)."""
-        self.request_id = request_id
-        self.detokenize = detokenize
-        self.prompt = prompt
-        self.prompt_token_ids = prompt_token_ids
+    tokenizer: Tokenizer
+    detokenize: bool = True
+
+
+@dataclass(slots=True, eq=False)  # eq=False: compared, hashed by identity
+class RequestState:
+    """Everything the output side keeps for one user request (with its `n` engine sequences).
+
+    The fields up to `detokenize` are what it is made of (`of_request` takes them from a request's
+    SamplingParams); `detokenize` False: token ids, logprobs and finish reasons only, no text and
+    no stop strings (see OutputSettings)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    n: int
+    tokenizer: Tokenizer
+    skip_special_tokens: bool
+    want_logprobs: bool
+    stop: tuple[str, ...]
+    include_stop: bool
+    min_tokens: int  # like stop tokens, stop strings cannot end a shorter output
+    arrival_time: float
+    text_prefix: str = ""
+    utf8_prefix: bytes = b""
+    detokenize: bool = True
+    sequences: list[_Sequence] = field(init=False)
+    # Text that could still become a stop string is held back until it cannot.
+    holdback: int = field(init=False)
+    metrics: RequestMetrics = field(init=False)
+    num_cached_tokens: int = field(init=False, default=0)
+    prompt_logprobs: list[PromptLogprobs | None] | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
         # NOTE: a resumed request's text starts where its client's text stopped (SamplingParams.text_prefix)
-        self.sequences = [_Sequence(IncrementalDetokenizer(tokenizer, skip_special_tokens, utf8_prefix),
-                                    logprobs=[] if want_logprobs else None, text=text_prefix) for _ in range(n)]
-        self.stop = stop if detokenize else ()
-        self.include_stop = include_stop
-        self.min_tokens = min_tokens  # like stop tokens, stop strings cannot end a shorter output
-        # Text that could still become a stop string is held back until it cannot.
-        self.holdback = max((len(s) for s in stop), default=1) - 1
-        self.metrics = RequestMetrics(arrival_time)
-        self.num_cached_tokens = 0
-        self.prompt_logprobs: list[PromptLogprobs | None] | None = None
+        self.sequences = [_Sequence(IncrementalDetokenizer(self.tokenizer, self.skip_special_tokens, self.utf8_prefix),
+                                    logprobs=[] if self.want_logprobs else None, text=self.text_prefix)
+                          for _ in range(self.n)]
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        if not self.detokenize:
+            self.stop = ()
+        self.metrics = RequestMetrics(self.arrival_time)
 
     @classmethod
     def of_request(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                   tokenizer: Tokenizer, arrival_time: float, detokenize: bool = True) -> RequestState:
-        return cls(request_id, prompt, prompt_token_ids, params.n, tokenizer, params.skip_special_tokens,
+                   settings: OutputSettings, arrival_time: float) -> RequestState:
+        return cls(request_id, prompt, prompt_token_ids, params.n, settings.tokenizer, params.skip_special_tokens,
                    params.logprobs is not None, params.stop, params.include_stop_str_in_output, params.min_tokens,
-                   arrival_time, params.text_prefix, bytes(params.utf8_prefix), detokenize)
+                   arrival_time, params.text_prefix, bytes(params.utf8_prefix), settings.detokenize)
 
     @property
     def finished(self) -> bool:

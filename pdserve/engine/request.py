@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,6 +36,16 @@ class RequestStatus(enum.Enum):
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
 
 
+@dataclass(frozen=True, slots=True)
+class ModelContext:
+    """What a request takes from the engine it runs in: the model's end-of-sequence tokens and
+    context length, and the device its seeded generator draws on (None: the CPU)."""
+
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    device: torch.device | None = None
+
+
 class Request:
     __slots__ = ("request_id", "prompt_token_ids", "all_token_ids", "params", "eos_token_ids", "max_total_tokens",
                  "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes", "swapped_block_ids",
@@ -42,8 +53,9 @@ class Request:
                  "num_preemptions", "hold_blocks", "disk_checked", "prompt_logprobs", "matcher")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: tuple[int, ...], max_model_len: int, arrival_time: float | None = None,
-                 device: torch.device | None = None, matcher: llguidance.LLMatcher | None = None) -> None:
+                 model: ModelContext, arrival_time: float | None = None,
+                 matcher: llguidance.LLMatcher | None = None) -> None:
+        eos_token_ids, max_model_len, device = model.eos_token_ids, model.max_model_len, model.device
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)

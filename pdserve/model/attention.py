@@ -129,7 +129,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cac
         for batch in meta.decodes:
             out[batch.rows] = _decode_attention(q[batch.rows], layer_cache, batch, scale, kv_scale)
     for span in meta.prefills:
-        out[span.start:span.end] = _prefill_attention(q, k, v, layer_cache, span, scale, kv_scale)
+        if span.context_len == span.end - span.start:
+            out[span.start:span.end] = _fresh_prefill_attention(q, k, v, span, scale)
+        else:
+            out[span.start:span.end] = _cached_prefill_attention(q, layer_cache, span, scale, kv_scale)
     return out
 
 
@@ -196,16 +199,21 @@ def _decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, batch: DecodeB
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
-def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
-                       span: PrefillSpan, scale: float, kv_scale: KVScale) -> torch.Tensor:
+def _fresh_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan,
+                             scale: float) -> torch.Tensor:
+    """A prefill with no earlier context: the new K/V are the whole context, no need to read the pool."""
+    query = q[span.start:span.end].transpose(0, 1).unsqueeze(0)
+    keys = k[span.start:span.end].transpose(0, 1).unsqueeze(0)
+    values = v[span.start:span.end].transpose(0, 1).unsqueeze(0)
+    out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def _cached_prefill_attention(q: torch.Tensor, layer_cache: torch.Tensor, span: PrefillSpan, scale: float,
+                              kv_scale: KVScale) -> torch.Tensor:
+    """A prefill chunk after earlier context: its keys and values read from the pool (written first)."""
     num_new = span.end - span.start
     query = q[span.start:span.end].transpose(0, 1).unsqueeze(0)
-    if span.context_len == num_new:
-        # NOTE: no earlier context: the new K/V are the whole context, no need to read the pool.
-        keys = k[span.start:span.end].transpose(0, 1).unsqueeze(0)
-        values = v[span.start:span.end].transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
-        return out.squeeze(0).transpose(0, 1)
     num_kv_heads, head_dim = layer_cache.shape[3:]
     keys = dequantize(layer_cache[0][span.block_table].view(-1, num_kv_heads, head_dim)[:span.context_len], q.dtype,
                       kv_scale[0])

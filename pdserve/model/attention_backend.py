@@ -29,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from pdserve.model.attention import UNSCALED, AttentionMetadata, PrefillSpan, _prefill_attention, paged_attention
+from pdserve.model.attention import AttentionMetadata, PrefillSpan, _fresh_prefill_attention, paged_attention
 from pdserve.model.kv_scales import is_fp8
 
 
@@ -89,8 +89,8 @@ class TritonAttention:
         kernels.prefix_attention(q, layer_cache, meta.prefix_tables, meta.prefix_lens, meta.prefix_starts,
                                  meta.prefix_ends, meta.max_prefix_query_len, scale, out)
         for start, end in meta.fresh_prefills:  # NOTE: the whole context is new: no pool read (flash on CUDA)
-            out[start:end] = _prefill_attention(q, k, v, layer_cache, PrefillSpan(start, end, end - start, _NO_TABLE),
-                                                scale, UNSCALED)  # NOTE: a float pool: FP8 pools take torch's path
+            out[start:end] = _fresh_prefill_attention(q, k, v, PrefillSpan(start, end, end - start, _NO_TABLE),
+                                                      scale)  # NOTE: a float pool: FP8 pools take torch's path
         return out
 
 

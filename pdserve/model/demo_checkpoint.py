@@ -181,14 +181,23 @@ def _save_shards(weights: dict[str, torch.Tensor], out: Path, max_shard_bytes: i
     (out / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2))
 
 
-def write_checkpoint(out_dir: str | Path, shape: ModelShape, *, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                     max_shard_bytes: int | None = None, device: str = "cpu", rope_scaling: dict | None = None,
-                     quantization: FP8BlockQuantization | None = None) -> Path:
-    """Write config.json, generation_config.json, safetensors weights and the Qwen3 tokenizer.
-    `rope_scaling`: e.g. {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}.
+@dataclass(frozen=True, slots=True)
+class ModelVariant:
+    """What a demo checkpoint's config.json says beside its shape: the weights' dtype, `rope_scaling`
+    (e.g. {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}), and
     `quantization`: the projection weights in block FP8 with their scales (fp8.py)."""
+
+    dtype: torch.dtype = torch.bfloat16
+    rope_scaling: dict | None = None
+    quantization: FP8BlockQuantization | None = None
+
+
+def write_checkpoint(out_dir: str | Path, shape: ModelShape, *, seed: int = 0, max_shard_bytes: int | None = None,
+                     device: str = "cpu", variant: ModelVariant = ModelVariant()) -> Path:
+    """Write config.json, generation_config.json, safetensors weights and the Qwen3 tokenizer."""
+    dtype, quantization = variant.dtype, variant.quantization
     weights = _random_weights(shape, dtype, seed, device)
-    return write_weights(out_dir, _config_json(shape, dtype, rope_scaling, quantization),
+    return write_weights(out_dir, _config_json(shape, dtype, variant.rope_scaling, quantization),
                          weights if quantization is None else quantize_state_dict(weights, quantization.block_size),
                          max_shard_bytes)
 

@@ -151,17 +151,27 @@ class Slot:
         return "ready" if self.ready and self.process is not None else "starting"
 
 
+@dataclass(frozen=True, slots=True)
+class ProcessHost:
+    """What the supervisor uses of the machine: its clock, how a process starts, a free port (the
+    tests inject fakes, module docstring)."""
+
+    clock: Callable[[], float] = time.monotonic
+    spawn: Callable[[list[str]], Process] = ChildProcess
+    new_port: Callable[[], int] = free_port
+
+
 class Supervisor:
     """The processes of one `pdserve up`, kept running (see the module docstring)."""
 
     def __init__(self, command: CommandLine, *, registry: CollectorRegistry, policy: RestartPolicy = RestartPolicy(),
-                 clock: Callable[[], float] = time.monotonic, spawn: Callable[[list[str]], Process] = ChildProcess,
-                 new_port: Callable[[], int] = free_port, reserved_ports: Collection[int] = ()) -> None:
+                 host: ProcessHost | None = None, reserved_ports: Collection[int] = ()) -> None:
+        host = host or ProcessHost()
         self.policy = policy
         self._command = command
-        self._clock = clock
-        self._spawn = spawn
-        self._new_port = new_port
+        self._clock = host.clock
+        self._spawn = host.spawn
+        self._new_port = host.new_port
         self._reserved_ports = set(reserved_ports)
         self._slots: list[Slot] = []
         self._num_created: Tally[SlotRole] = Tally()

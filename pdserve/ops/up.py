@@ -175,17 +175,24 @@ def _engine_work(load: dict[str, Any] | None) -> int:
     return 0 if load is None else int(load["num_running"]) + int(load["num_waiting"])
 
 
+@dataclass(frozen=True, slots=True)
+class RouterEndpoint:
+    """Where the monitor reads the router's pool, and the headers it sends (a client key)."""
+
+    url: str
+    headers: dict[str, str] | None = None
+
+
 class Monitor:
     """The loop that keeps the deployment going, on a thread of its own (signals reach only the main
     thread, so a Ctrl-C never lands between starting a process and recording it): ticks the
     supervisor, reads the router's pool and runs the autoscaler once a second."""
 
-    def __init__(self, supervisor: Supervisor, router_url: str, cores: CoreShare,
-                 autoscale: AutoscaleLoop | None = None, period_s: float = 0.2, poll_s: float = 1.0,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(self, supervisor: Supervisor, router: RouterEndpoint, cores: CoreShare,
+                 autoscale: AutoscaleLoop | None = None, period_s: float = 0.2, poll_s: float = 1.0) -> None:
         self._supervisor = supervisor
-        self._router_url = router_url
-        self._headers = headers or {}
+        self._router_url = router.url
+        self._headers = router.headers or {}
         self._cores = cores
         self._autoscale = autoscale
         self._period_s = period_s
@@ -312,7 +319,7 @@ def run(options: UpOptions, router: RouterConfig, worker: WorkerConfig, engine_f
     except ValueError as exc:  # e.g. a pre-warm above a role's maximum
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
-    monitor = Monitor(supervisor, options.router_url, CoreShare(), scaler, headers=options.router_headers)
+    monitor = Monitor(supervisor, RouterEndpoint(options.router_url, options.router_headers), CoreShare(), scaler)
     metrics = None
     # NOTE: no process runs before the monitor starts, inside the try: the cleanup reaches every one
     interrupts = _Interrupts()

@@ -60,19 +60,43 @@ def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None 
     app = FastAPI(title="pdserve", exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
     install_middleware(app, api)
     install_openapi(app, api, client.vocab_size, client.tokenizer.vocab_size)
+    client = _install_metrics(app, client, router, model_name)
+
+    def check_model(requested: str | None) -> None:
+        if requested is not None and requested != model_name:
+            raise OpenAIError(f"The model `{requested}` does not exist. This server serves `{model_name}`.",
+                              HTTPStatus.NOT_FOUND, "model")
+
+    _add_generation_routes(app, client, model_name, api, check_model, router is not None)
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_name, root=client.model_path,
+                                         max_model_len=client.max_model_len)])
+
+    add_utility_routes(app, client, check_model)
+    _add_probe_routes(app, probes or Probes.of_engine(client))
+    return app
+
+
+def _install_metrics(app: FastAPI, client: EngineClient, router: RouterState | None,
+                     model_name: str) -> EngineClient:
+    """/metrics and the live dashboard, for a router or an engine; the client to serve with (a
+    router's: instrumented)."""
     if router is not None:
         client, metrics = instrument_router_app(app, client, router, model_name)
         install_dashboard(app, metrics, router)
     elif isinstance(client, AsyncLLM | EngineCoreClient):
         metrics = instrument_engine_app(app, client, model_name, "colocated")
         install_dashboard(app, metrics, None)
+    return client
+
+
+def _add_generation_routes(app: FastAPI, client: EngineClient, model_name: str, api: ApiConfig,
+                           check_model: Callable[[str | None], None], routed: bool) -> None:
+    """POST /v1/completions and /v1/chat/completions; `routed`: `client` is the PD router."""
     completions = CompletionHandler(client, model_name, api.max_tokens_limit)
     chat = ChatHandler(client, model_name, api)
-
-    def check_model(requested: str | None) -> None:
-        if requested is not None and requested != model_name:
-            raise OpenAIError(f"The model `{requested}` does not exist. This server serves `{model_name}`.",
-                              HTTPStatus.NOT_FOUND, "model")
 
     async def respond(handler: CompletionHandler | ChatHandler, body: Any, raw: Request) -> Any:
         check_model(body.model)
@@ -88,7 +112,7 @@ def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None 
     # NOTE: the router's own refusals too: a full queue (429), a worker that broke off (502)
     refusals = (HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND, HTTPStatus.INTERNAL_SERVER_ERROR,
                 HTTPStatus.SERVICE_UNAVAILABLE,
-                *((HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.BAD_GATEWAY) if router is not None else ()))
+                *((HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.BAD_GATEWAY) if routed else ()))
     generation = _STREAMED | documented_errors(*refusals)
 
     @app.post("/v1/completions", responses=generation)
@@ -98,15 +122,6 @@ def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None 
     @app.post("/v1/chat/completions", responses=generation)
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Any:
         return await respond(chat, body, raw)
-
-    @app.get("/v1/models")
-    async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, root=client.model_path,
-                                         max_model_len=client.max_model_len)])
-
-    add_utility_routes(app, client, check_model)
-    _add_probe_routes(app, probes or Probes.of_engine(client))
-    return app
 
 
 def install_middleware(app: FastAPI, api: ApiConfig) -> None:

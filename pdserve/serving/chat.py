@@ -13,7 +13,7 @@ from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.logs import bind_request_id
 from pdserve.serving.chat_output import ChatReading, ChoiceReader, delta_jsons, message_json, plan_reading
-from pdserve.serving.completions import build_jobs
+from pdserve.serving.completions import MaxTokens, build_jobs
 from pdserve.serving.echo import prompt_logprobs_json
 from pdserve.serving.engine_client import EngineClient
 from pdserve.serving.errors import OpenAIError
@@ -63,8 +63,8 @@ class ChatHandler:
         reading = plan_reading(body, self.api)
         # NOTE: templating and tokenizing long messages take long: off the event loop
         token_ids = await asyncio.to_thread(chat_prompt_token_ids, self.client.tokenizer, body, reading)
-        return request_id, build_jobs(self.client, [token_ids], body.requested_max_tokens, body, request_id,
-                                      self.api.max_tokens_limit, reading.structured, prompt_param="messages")
+        max_tokens = MaxTokens(body.requested_max_tokens, self.api.max_tokens_limit, prompt_param="messages")
+        return request_id, build_jobs(self.client, [token_ids], body, request_id, max_tokens, reading.structured)
 
     async def full(self, body: ChatCompletionRequest, request_id: str, jobs: list[Job]) -> dict[str, Any]:
         final: RequestOutput | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
@@ -38,18 +39,27 @@ def _has_text(prompt: object) -> bool:
     return isinstance(prompt, str) or (isinstance(prompt, list) and any(isinstance(p, str) for p in prompt))
 
 
-def build_jobs(client: EngineClient, prompts: list[list[int]], requested_max_tokens: int | None,
-               body: CompletionRequest | Any, request_id: str, max_tokens_limit: int | None,
-               structured: StructuredOutput | None = None, prompt_param: str = "prompt") -> list[Job]:
+@dataclass(frozen=True, slots=True)
+class MaxTokens:
+    """A request's output length: what it asked for (None: whatever fits), the server's cap
+    (--max-tokens-limit), and the parameter its prompt came in (named in the errors)."""
+
+    requested: int | None
+    limit: int | None
+    prompt_param: str = "prompt"
+
+
+def build_jobs(client: EngineClient, prompts: list[list[int]], body: CompletionRequest | Any, request_id: str,
+               max_tokens: MaxTokens, structured: StructuredOutput | None = None) -> list[Job]:
     """Validate every prompt before anything is enqueued: bad input never costs compute.
     `structured`: a constraint the handler adds (chat's tool_choice)."""
     jobs = []
     logprobs, prompt_logprobs = requested_logprobs(body), requested_prompt_logprobs(body)
     for index, token_ids in enumerate(prompts):
-        max_tokens = generation.resolve_max_tokens(len(token_ids), requested_max_tokens, client.max_model_len,
-                                                   max_tokens_limit, prompt_param)
+        resolved = generation.resolve_max_tokens(len(token_ids), max_tokens.requested, client.max_model_len,
+                                                 max_tokens.limit, max_tokens.prompt_param)
         try:
-            params = body.to_sampling_params(max_tokens, logprobs, prompt_logprobs, structured)
+            params = body.to_sampling_params(resolved, logprobs, prompt_logprobs, structured)
             client.validate_request(token_ids, params)
         except ValueError as exc:
             raise OpenAIError(str(exc), HTTPStatus.BAD_REQUEST) from exc
@@ -111,8 +121,8 @@ class CompletionHandler:
             prompts = await asyncio.to_thread(_prompt_token_ids, body, self.client.tokenizer)
         else:
             prompts = _prompt_token_ids(body, self.client.tokenizer)
-        return request_id, build_jobs(self.client, prompts, requested_max_tokens(body, self.max_tokens_limit), body,
-                                      request_id, self.max_tokens_limit)
+        max_tokens = MaxTokens(requested_max_tokens(body, self.max_tokens_limit), self.max_tokens_limit)
+        return request_id, build_jobs(self.client, prompts, body, request_id, max_tokens)
 
     async def full(self, body: CompletionRequest, request_id: str, jobs: list[Job]) -> dict[str, Any]:
         finals: dict[int, RequestOutput] = {}

@@ -61,6 +61,40 @@ def parse_worker_metrics(text: str) -> dict[str, float]:
     return values
 
 
+async def _scrape(http: httpx.AsyncClient, worker: WorkerView) -> dict[str, Any]:
+    """One worker's dashboard entry, from its /metrics (unreachable: role, url and readiness only)."""
+    entry = {"role": worker.role, "url": worker.url, "ready": worker.ready, "reachable": False}
+    try:
+        reply = await http.get(f"{worker.url}/metrics")
+        reply.raise_for_status()
+    except httpx.HTTPError:
+        return entry
+    return entry | {"reachable": True} | parse_worker_metrics(reply.text)
+
+
+def _itself(metrics: ServerMetrics, request: Request) -> dict[str, Any]:
+    """A colocated server's one worker entry: itself."""
+    return {"role": metrics.role, "url": str(request.base_url).rstrip("/"), "ready": True, "reachable": True,
+            **parse_worker_metrics(generate_latest(metrics.registry).decode())}
+
+
+def _router_summary(metrics: ServerMetrics) -> dict[str, Any]:
+    """The serving process's own numbers (the router's, or a colocated server's)."""
+
+    def value(name: str) -> float:
+        return metrics.registry.get_sample_value(name, metrics.labels) or 0.0
+
+    return {
+        "num_running": value("vllm:num_requests_running"),
+        "num_waiting": value("vllm:num_requests_waiting"),
+        "prompt_tokens_total": value("vllm:prompt_tokens_total"),
+        "generation_tokens_total": value("vllm:generation_tokens_total"),
+        "finished_requests_total": value("vllm:e2e_request_latency_seconds_count"),
+        "ttft_ms": percentiles_ms(list(metrics.recent_ttft_s)),
+        "tpot_ms": percentiles_ms(list(metrics.recent_tpot_s)),
+    }
+
+
 def install_dashboard(app: FastAPI, metrics: ServerMetrics, router: RouterState | None) -> None:
     """`router` lists the pool (`workers()`); None: a colocated server, its own one worker."""
 
@@ -76,46 +110,22 @@ def install_dashboard(app: FastAPI, metrics: ServerMetrics, router: RouterState 
             clients[loop] = httpx.AsyncClient(timeout=_SCRAPE_TIMEOUT_S)
         return clients[loop]
 
-    def router_value(name: str) -> float:
-        return metrics.registry.get_sample_value(name, metrics.labels) or 0.0
-
-    async def scrape(http: httpx.AsyncClient, worker: WorkerView) -> dict[str, Any]:
-        entry = {"role": worker.role, "url": worker.url, "ready": worker.ready, "reachable": False}
-        try:
-            reply = await http.get(f"{worker.url}/metrics")
-            reply.raise_for_status()
-        except httpx.HTTPError:
-            return entry
-        return entry | {"reachable": True} | parse_worker_metrics(reply.text)
-
     @app.get("/dashboard", include_in_schema=False)
     async def dashboard() -> HTMLResponse:
         return HTMLResponse(_PAGE.read_text(encoding="utf-8"))
 
-    def itself(request: Request) -> dict[str, Any]:
-        return {"role": metrics.role, "url": str(request.base_url).rstrip("/"), "ready": True, "reachable": True,
-                **parse_worker_metrics(generate_latest(metrics.registry).decode())}
-
     @app.get("/dashboard/data", include_in_schema=False)
     async def dashboard_data(request: Request) -> dict[str, Any]:
         if router is None:
-            workers, ready = [itself(request)], {"prefill": 0, "decode": 0, metrics.role: 1}
+            workers, ready = [_itself(metrics, request)], {"prefill": 0, "decode": 0, metrics.role: 1}
         else:
             views = router.workers()
-            workers = list(await asyncio.gather(*(scrape(scrape_client(), w) for w in views)))
+            workers = list(await asyncio.gather(*(_scrape(scrape_client(), w) for w in views)))
             ready = {role: sum(1 for w in views if w.role == role and w.ready) for role in ("prefill", "decode")}
         return {
             "time": time.time(),
             "model": metrics.model_name,
-            "router": {
-                "num_running": router_value("vllm:num_requests_running"),
-                "num_waiting": router_value("vllm:num_requests_waiting"),
-                "prompt_tokens_total": router_value("vllm:prompt_tokens_total"),
-                "generation_tokens_total": router_value("vllm:generation_tokens_total"),
-                "finished_requests_total": router_value("vllm:e2e_request_latency_seconds_count"),
-                "ttft_ms": percentiles_ms(list(metrics.recent_ttft_s)),
-                "tpot_ms": percentiles_ms(list(metrics.recent_tpot_s)),
-            },
+            "router": _router_summary(metrics),
             "workers": workers,
             "ready_workers": ready,
         }

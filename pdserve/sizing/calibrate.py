@@ -45,7 +45,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.step_log import read_step_logs
 from pdserve.sizing.devices import DeviceSpec, device
 from pdserve.sizing.model_facts import ModelFacts
-from pdserve.sizing.profile import Profile, StepModel, TransferModel, roofline
+from pdserve.sizing.profile import Limits, Placement, Profile, StepModel, TransferModel, roofline
 from pdserve.sizing.served_pd import ServedPlan
 
 _REPS = 3
@@ -353,9 +353,8 @@ def print_against_roofline(profile: Profile, samples: list[Sample], spec: Device
     from pdserve.bench.common import print_table
 
     element = profile.kv_bytes_per_token // max(1, profile.model.kv_bytes_per_token(1))
-    model = roofline(profile.model, spec, dtype_bytes=element, kv_dtype_bytes=element, block_size=profile.block_size,
-                     num_kv_blocks=profile.num_kv_blocks, max_num_seqs=profile.max_num_seqs,
-                     max_num_batched_tokens=profile.max_num_batched_tokens).step
+    limits = Limits(profile.num_kv_blocks, profile.max_num_seqs, profile.max_num_batched_tokens, profile.block_size)
+    model = roofline(profile.model, spec, limits, Placement(dtype_bytes=element, kv_dtype_bytes=element)).step
     rows = []
     for s in samples:
         predicted = model.step_s(s.prefill_tokens, s.prefill_pairs, s.decode_seqs, s.decode_context)

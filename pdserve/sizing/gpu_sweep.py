@@ -23,7 +23,7 @@ from pdserve.bench.serve.report import save_json
 from pdserve.sizing.devices import device
 from pdserve.sizing.model_facts import load_model_facts
 from pdserve.sizing.plan import GIB, PlanInputs, make_plan
-from pdserve.sizing.profile import Profile, roofline
+from pdserve.sizing.profile import Limits, Profile, roofline
 from pdserve.sizing.sim.cluster import Topology
 from pdserve.sizing.sim.run import arrivals, cluster_spec, seed_mix_lengths, simulate
 
@@ -44,8 +44,7 @@ def device_profile(device_name: str, model_name: str) -> Profile:
     spec, model = device(device_name), load_model_facts(model_name)
     plan = make_plan(PlanInputs(spec.memory_bytes, 0.9, model, overhead_bytes=2 * GIB, mean_input_len=1400,
                                 max_input_len=5000, output_len=500))
-    return roofline(model, spec, num_kv_blocks=plan.num_kv_blocks or 1, max_num_seqs=plan.max_num_seqs,
-                    max_num_batched_tokens=PREFILL_BUDGET)
+    return roofline(model, spec, Limits(plan.num_kv_blocks or 1, plan.max_num_seqs, PREFILL_BUDGET))
 
 
 def sweep_device(ns: argparse.Namespace, device_name: str) -> list[Point]:

@@ -180,12 +180,31 @@ def load_profile(path: Path) -> Profile:
         raise ValueError(f"{path}: not a pdserve profile ({exc!r})") from None
 
 
-def roofline(model: ModelFacts, device: DeviceSpec, *, tp: int = 1, dtype_bytes: int = 2, kv_dtype_bytes: int = 2,
-             block_size: int = 16, num_kv_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """An engine's KV pool and batch limits, as a profile carries them."""
+
+    num_kv_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """How the model runs: tensor-parallel ranks, bytes per weight element and per KV element."""
+
+    tp: int = 1
+    dtype_bytes: int = 2
+    kv_dtype_bytes: int = 2
+
+
+def roofline(model: ModelFacts, device: DeviceSpec, limits: Limits, placement: Placement = Placement(), *,
              bw_efficiency: float = BW_EFFICIENCY, flops_efficiency: float = FLOPS_EFFICIENCY) -> Profile:
     """A datasheet profile: every step reads one rank's (active: a token's experts) weights; decode
     reads each sequence's KV; each token costs 2 FLOPs per matmul parameter (of MoE layers, its
     top-k experts'); attention 4 x layers x heads x head_dim per pair."""
+    tp, dtype_bytes, kv_dtype_bytes = placement.tp, placement.dtype_bytes, placement.kv_dtype_bytes
     bw = device.bandwidth_bytes_per_s * bw_efficiency
     flops = device.flops_per_s * flops_efficiency
     per_token_flops = 2.0 * model.matmul_params / tp
@@ -197,5 +216,6 @@ def roofline(model: ModelFacts, device: DeviceSpec, *, tp: int = 1, dtype_bytes:
                      decode_context_s=kv_per_token / bw)
     notes = (f"roofline: {device.describe()}, TP {tp}; bandwidth efficiency {bw_efficiency:g}, FLOPs efficiency "
              f"{flops_efficiency:g}, step overhead {STEP_OVERHEAD_S * 1e3:g} ms; memory and compute costs add")
-    return Profile(f"{model.name}@{device.name}", f"roofline {device.name}", model, step, kv_per_token, block_size,
-                   num_kv_blocks, max_num_seqs, max_num_batched_tokens, notes=notes)
+    return Profile(f"{model.name}@{device.name}", f"roofline {device.name}", model, step, kv_per_token,
+                   limits.block_size, limits.num_kv_blocks, limits.max_num_seqs, limits.max_num_batched_tokens,
+                   notes=notes)

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.bench.serve.client import LoadConfig, RequestRecord, run_load
-from pdserve.bench.serve.workloads import Workload, random_lengths
+from pdserve.bench.serve.workloads import PromptKind, Workload, random_lengths
 from pdserve.config import EngineArgs
 from pdserve.config_flags import to_argv
 from pdserve.engine.step_log import read_step_logs, step_log_role
@@ -199,8 +199,8 @@ def run_served_pd(args: EngineArgs, timed: StepModel, transport: str, max_num_se
     from pdserve.bench.serve import local
 
     threads = args.num_threads or local.up_threads_per_worker(2)
-    probe = random_lengths(plan.probe, PROBE_PROMPT_LEN, PROBE_OUTPUT_LEN, seed=1, vocab_size=vocab_size)
-    load = random_lengths(plan.load, plan.input_len, plan.output_len, seed=2, vocab_size=vocab_size)
+    probe = random_lengths(plan.probe, PROBE_PROMPT_LEN, PROBE_OUTPUT_LEN, seed=1, kind=PromptKind(vocab_size))
+    load = random_lengths(plan.load, plan.input_len, plan.output_len, seed=2, kind=PromptKind(vocab_size))
     with tempfile.TemporaryDirectory(prefix="pdserve-calibrate-pd-") as tmp:
         log_dir, step_dir = Path(tmp) / "logs", Path(tmp) / "steps"
         step_dir.mkdir()

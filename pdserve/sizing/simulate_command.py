@@ -28,9 +28,18 @@ from pdserve.bench.serve.sweep import parse_ints, parse_ratios
 from pdserve.sizing.devices import device
 from pdserve.sizing.model_facts import load_model_facts
 from pdserve.sizing.plan import PlanInputs, make_plan
-from pdserve.sizing.profile import Profile, load_profile, roofline
+from pdserve.sizing.profile import Limits, Profile, load_profile, roofline
 from pdserve.sizing.sim.cluster import Topology
-from pdserve.sizing.sim.run import DISPATCH_S, SimRun, arrivals, cluster_spec, simulate, workload_lengths
+from pdserve.sizing.sim.run import (
+    DISPATCH_S,
+    ArrivalPattern,
+    ClusterOptions,
+    SimRun,
+    arrivals,
+    cluster_spec,
+    simulate,
+    workload_lengths,
+)
 
 TRANSPORTS = ("tcp", "erdma", "gdr", "nixl", "none")
 
@@ -87,8 +96,7 @@ def build_profile(ns: argparse.Namespace) -> Profile:
         spec, model = device(name), load_model_facts(model_name or "qwen3-8b")
         plan = make_plan(PlanInputs(spec.memory_bytes, 0.9, model, overhead_bytes=2 * 1024**3, mean_input_len=1,
                                     output_len=1))
-        profile = roofline(model, spec, num_kv_blocks=plan.num_kv_blocks or 1, max_num_seqs=256,
-                           max_num_batched_tokens=8192)
+        profile = roofline(model, spec, Limits(plan.num_kv_blocks or 1, max_num_seqs=256, max_num_batched_tokens=8192))
     return profile.with_limits(ns.num_kv_blocks, ns.max_num_seqs, ns.max_num_batched_tokens)
 
 
@@ -100,12 +108,12 @@ class _Setup:
 
 
 def run_one(ns: argparse.Namespace, setup: _Setup, topology: Topology, concurrency: int | None) -> SimRun:
-    spec = cluster_spec(setup.profile, topology, None if ns.transport == "none" else ns.transport,
-                        not ns.no_layerwise, ns.decode_max_num_seqs, ns.max_queued_requests,
-                        not ns.no_enable_chunked_prefill, ns.early_first_token, ns.dispatch_ms / 1e3,
-                        ns.pd_path_costs)
+    options = ClusterOptions(not ns.no_layerwise, ns.decode_max_num_seqs, ns.max_queued_requests,
+                             not ns.no_enable_chunked_prefill, ns.early_first_token, ns.dispatch_ms / 1e3,
+                             ns.pd_path_costs)
+    spec = cluster_spec(setup.profile, topology, None if ns.transport == "none" else ns.transport, options)
     return simulate(spec, arrivals(setup.lengths, ns.request_rate, ns.burstiness, ns.seed), concurrency, ns.slo,
-                    f"sim {setup.profile.name}", ns.request_rate, ns.burstiness, ns.seed)
+                    f"sim {setup.profile.name}", ArrivalPattern(ns.request_rate, ns.burstiness, ns.seed))
 
 
 def _points(ns: argparse.Namespace, setup: _Setup) -> list[SweepPoint]:

@@ -182,9 +182,19 @@ def _failed(index: int, sent_s: float, start: float, spec: RequestSpec, kind: st
                          error=message)
 
 
-async def send_one(http: httpx.AsyncClient, index: int, spec: RequestSpec, config: LoadConfig, model: str,
-                   run_start: float, cancel: CancelPlan) -> RequestRecord:
+@dataclass(frozen=True, slots=True)
+class Shot:
+    """One request of a run: its index in the workload, what it asks, when the client gives up on it."""
+
+    index: int
+    spec: RequestSpec
+    cancel: CancelPlan
+
+
+async def send_one(http: httpx.AsyncClient, shot: Shot, config: LoadConfig, model: str,
+                   run_start: float) -> RequestRecord:
     """Send one request and time it. Never raises (except CancelledError): errors become records."""
+    index, spec, cancel = shot.index, shot.spec, shot.cancel
     path = "/v1/chat/completions" if config.endpoint == "chat" else "/v1/completions"
     body = request_body(spec, config, model)
     start = time.perf_counter()
@@ -264,7 +274,7 @@ async def run_load(workload: Workload, config: LoadConfig) -> LoadResult:
             if delay > 0:
                 await asyncio.sleep(delay)
             async with semaphore:
-                record = await send_one(http, index, spec, config, model, run_start, plans[index])
+                record = await send_one(http, Shot(index, spec, plans[index]), config, model, run_start)
             bar.update(1)
             return record
 

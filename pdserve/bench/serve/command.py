@@ -74,15 +74,15 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
 def build_workload(ns: argparse.Namespace) -> workloads.Workload:
     if ns.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
-    as_text = ns.prompt_format == "text" or ns.endpoint == "chat"
+    kind = workloads.PromptKind(ns.vocab_size, as_text=ns.prompt_format == "text" or ns.endpoint == "chat")
     if ns.workload == "seed-mix":
-        return workloads.seed_mix(ns.num_prompts, ns.scale, ns.output_len, ns.seed, ns.vocab_size, as_text)
+        return workloads.seed_mix(ns.num_prompts, ns.scale, ns.output_len, ns.seed, kind)
     if ns.workload == "random":
         return workloads.random_lengths(ns.num_prompts, ns.input_len, ns.output_len or 128, ns.range_ratio, ns.seed,
-                                        ns.vocab_size, as_text)
+                                        kind)
     if ns.workload == "shared-prefix":
-        return workloads.shared_prefix(ns.num_prompts, ns.prefix_len, ns.suffix_len, ns.output_len or 128,
-                                       ns.num_prefixes, ns.seed, ns.vocab_size, as_text)
+        return workloads.shared_prefix(ns.num_prompts, workloads.SharedPrefixes(ns.prefix_len, ns.num_prefixes),
+                                       ns.suffix_len, ns.output_len or 128, ns.seed, kind)
     if ns.dataset_path is None:
         raise ValueError("--workload sharegpt needs --dataset-path")
     count = None
@@ -118,7 +118,8 @@ def _api_key(ns: argparse.Namespace) -> str | None:
 def warm_up(config: LoadConfig, num_requests: int) -> None:
     """Short requests with their own prompts (never the measured ones: they would warm the prefix cache)."""
     if num_requests > 0:
-        work = workloads.random_lengths(num_requests, 16, 4, seed=config.seed + 7919, vocab_size=1000)
+        work = workloads.random_lengths(num_requests, 16, 4, seed=config.seed + 7919,
+                                        kind=workloads.PromptKind(vocab_size=1000))
         asyncio.run(run_load(work, LoadConfig(config.base_url, config.model, config.endpoint, config.stream,
                                               progress=False, timeout_s=config.timeout_s,
                                               ignore_eos=config.ignore_eos, api_key=config.api_key)))

@@ -49,14 +49,26 @@ class Workload:
     requests: tuple[RequestSpec, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class PromptKind:
+    """What prompts are made of: token ids in [_MIN_TOKEN_ID, vocab_size), or (`as_text`) words
+    (the module docstring)."""
+
+    vocab_size: int = 32000
+    as_text: bool = False
+
+
+TOKEN_IDS = PromptKind()
+
+
 def scaled(length: int, scale: float, minimum: int = 1) -> int:
     return max(minimum, round(length * scale))
 
 
-def _prompt(rng: np.random.Generator, length: int, vocab_size: int, as_text: bool) -> list[int] | str:
-    if as_text:
+def _prompt(rng: np.random.Generator, length: int, kind: PromptKind) -> list[int] | str:
+    if kind.as_text:
         return " ".join(_WORDS[i] for i in rng.integers(0, len(_WORDS), length))
-    return rng.integers(_MIN_TOKEN_ID, vocab_size, length).tolist()
+    return rng.integers(_MIN_TOKEN_ID, kind.vocab_size, length).tolist()
 
 
 def mix_counts(num_requests: int, weights: tuple[int, ...]) -> list[int]:
@@ -71,7 +83,7 @@ def mix_counts(num_requests: int, weights: tuple[int, ...]) -> list[int]:
 
 
 def seed_mix(num_requests: int, scale: float = 1.0, output_len: int | None = None, seed: int = 0,
-             vocab_size: int = 32000, as_text: bool = False) -> Workload:
+             kind: PromptKind = TOKEN_IDS) -> Workload:
     """The seed's prompt mix, every length multiplied by `scale` (a 2-core CPU cannot prefill
     5000-token prompts at concurrency 150; --scale 0.05 keeps the shape at 25/100/250 tokens).
     `output_len` (not scaled when given) defaults to the seed's 500 scaled."""
@@ -80,12 +92,12 @@ def seed_mix(num_requests: int, scale: float = 1.0, output_len: int | None = Non
     lens = [scaled(n, scale) for n, count in zip(SEED_MIX_INPUT_LENS, mix_counts(num_requests, SEED_MIX_WEIGHTS),
                                                  strict=True) for _ in range(count)]
     rng.shuffle(lens)
-    specs = tuple(RequestSpec(_prompt(rng, n, vocab_size, as_text), n, out_len) for n in lens)
+    specs = tuple(RequestSpec(_prompt(rng, n, kind), n, out_len) for n in lens)
     return Workload(f"seed-mix x{scale:g}", specs)
 
 
 def random_lengths(num_requests: int, input_len: int, output_len: int, range_ratio: float = 0.0, seed: int = 0,
-                   vocab_size: int = 32000, as_text: bool = False) -> Workload:
+                   kind: PromptKind = TOKEN_IDS) -> Workload:
     """vLLM's `random` dataset: lengths uniform in [len * (1 - r), len * (1 + r)]."""
     rng = np.random.default_rng(seed)
 
@@ -96,19 +108,28 @@ def random_lengths(num_requests: int, input_len: int, output_len: int, range_rat
     specs = []
     for _ in range(num_requests):
         n = draw(input_len)
-        specs.append(RequestSpec(_prompt(rng, n, vocab_size, as_text), n, max(1, draw(output_len))))
+        specs.append(RequestSpec(_prompt(rng, n, kind), n, max(1, draw(output_len))))
     return Workload(f"random in={input_len} out={output_len} ratio={range_ratio:g}", tuple(specs))
 
 
-def shared_prefix(num_requests: int, prefix_len: int, suffix_len: int, output_len: int, num_prefixes: int = 1,
-                  seed: int = 0, vocab_size: int = 32000, as_text: bool = False) -> Workload:
-    """Every prompt is one of `num_prefixes` shared prefixes + its own suffix (prefix caching's workload)."""
+@dataclass(frozen=True, slots=True)
+class SharedPrefixes:
+    """`count` prefixes of `length` tokens that the prompts of a shared-prefix workload share."""
+
+    length: int
+    count: int = 1
+
+
+def shared_prefix(num_requests: int, prefixes_: SharedPrefixes, suffix_len: int, output_len: int, seed: int = 0,
+                  kind: PromptKind = TOKEN_IDS) -> Workload:
+    """Every prompt is one of the shared prefixes + its own suffix (prefix caching's workload)."""
+    prefix_len, num_prefixes = prefixes_.length, prefixes_.count
     rng = np.random.default_rng(seed)
-    prefixes = [_prompt(rng, prefix_len, vocab_size, as_text) for _ in range(num_prefixes)]
+    prefixes = [_prompt(rng, prefix_len, kind) for _ in range(num_prefixes)]
     specs = []
     for i in range(num_requests):
-        prefix, suffix = prefixes[i % num_prefixes], _prompt(rng, suffix_len, vocab_size, as_text)
-        prompt = f"{prefix} {suffix}" if as_text else [*prefix, *suffix]
+        prefix, suffix = prefixes[i % num_prefixes], _prompt(rng, suffix_len, kind)
+        prompt = f"{prefix} {suffix}" if kind.as_text else [*prefix, *suffix]
         specs.append(RequestSpec(prompt, prefix_len + suffix_len, output_len))
     return Workload(f"shared-prefix {num_prefixes}x{prefix_len} + {suffix_len}", tuple(specs))
 

@@ -66,25 +66,36 @@ def arrivals(lengths: Sequence[tuple[int, int]], request_rate: float, burstiness
     return [Arrival(p, o, t) for (p, o), t in zip(lengths, offsets, strict=True)]
 
 
-def cluster_spec(profile: Profile, topology: Topology, transport: str | None, layerwise: bool = True,
-                 decode_max_num_seqs: int | None = None, max_queued_requests: int = 512,
-                 enable_chunked_prefill: bool = True, early_first_token: bool = True,
-                 dispatch_s: float = DISPATCH_S, pd_path_costs: bool = True) -> ClusterSpec:
-    """Every worker has the profile's limits; decode workers may have their own `max_num_seqs`.
-    `early_first_token`: as the router's `--early-first-token` (on by default), the first token of a
-    PD request reaches the client when prefill sampled it (the router sends it early for greedy and
-    seeded requests of one sequence; bench's are greedy). `dispatch_s`: see cluster.py's Client.
-    `pd_path_costs`: charge the profile's PD path costs (profile.PDPathCosts; a profile without
-    them: none)."""
+@dataclass(frozen=True, slots=True)
+class ClusterOptions:
+    """How a simulated cluster runs, beside its profile and topology. Decode workers may have their
+    own `max_num_seqs`. `early_first_token`: as the router's `--early-first-token` (on by default),
+    the first token of a PD request reaches the client when prefill sampled it (the router sends it
+    early for greedy and seeded requests of one sequence; bench's are greedy). `dispatch_s`: see
+    cluster.py's Client. `pd_path_costs`: charge the profile's PD path costs (profile.PDPathCosts; a
+    profile without them: none)."""
+
+    layerwise: bool = True
+    decode_max_num_seqs: int | None = None
+    max_queued_requests: int = 512
+    enable_chunked_prefill: bool = True
+    early_first_token: bool = True
+    dispatch_s: float = DISPATCH_S
+    pd_path_costs: bool = True
+
+
+def cluster_spec(profile: Profile, topology: Topology, transport: str | None,
+                 options: ClusterOptions = ClusterOptions()) -> ClusterSpec:
+    """Every worker has the profile's limits, the cluster `options`' settings."""
     limits = WorkerLimits(profile.num_kv_blocks, profile.block_size, profile.max_num_seqs,
-                          profile.max_num_batched_tokens, enable_chunked_prefill)
-    seqs = decode_max_num_seqs or profile.max_num_seqs
+                          profile.max_num_batched_tokens, options.enable_chunked_prefill)
+    seqs = options.decode_max_num_seqs or profile.max_num_seqs
     decode = WorkerLimits(profile.num_kv_blocks, profile.block_size, seqs, max(seqs, profile.max_num_batched_tokens))
     transfer = profile.transport(transport) if transport and topology.is_pd else None
-    costs = profile.pd_path if pd_path_costs and profile.pd_path is not None else PDPathCosts()
+    costs = profile.pd_path if options.pd_path_costs and profile.pd_path is not None else PDPathCosts()
     return ClusterSpec(topology, profile.step, limits, decode, transfer, profile.kv_bytes_per_token,
-                       profile.model.num_layers, layerwise, max_queued_requests, profile.decode_step,
-                       early_first_token, dispatch_s, profile.prefill_step, costs)
+                       profile.model.num_layers, options.layerwise, options.max_queued_requests, profile.decode_step,
+                       options.early_first_token, options.dispatch_s, profile.prefill_step, costs)
 
 
 def to_record(request_index: int, r: SimRequest) -> RequestRecord:
@@ -98,8 +109,17 @@ def to_record(request_index: int, r: SimRequest) -> RequestRecord:
     return RequestRecord(request_index, r.sent_s, e2e, r.prompt_len, r.generated, times[0], times)
 
 
+@dataclass(frozen=True, slots=True)
+class ArrivalPattern:
+    """How the arrivals were drawn (`arrivals`), recorded with a run's result."""
+
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    seed: int = 0
+
+
 def simulate(spec: ClusterSpec, arrivals_: Sequence[Arrival], max_concurrency: int | None, slo: Slo | None = None,
-             label: str = "sim", request_rate: float = math.inf, burstiness: float = 1.0, seed: int = 0) -> SimRun:
+             label: str = "sim", pattern: ArrivalPattern = ArrivalPattern()) -> SimRun:
     """Run the cluster on the arrivals; every request ends finished or refused (checked)."""
     start, start_cpu = time.perf_counter(), time.process_time()
     cluster = Cluster(spec, max_concurrency)
@@ -112,7 +132,8 @@ def simulate(spec: ClusterSpec, arrivals_: Sequence[Arrival], max_concurrency: i
     records = tuple(to_record(r.index, r) for r in sorted(done, key=lambda r: r.index))
     duration = max((r.finished_s or 0.0) for r in done) if done else 0.0
     config = LoadConfig(base_url=f"sim://{spec.topology}", model=label, max_concurrency=max_concurrency,
-                        request_rate=request_rate, burstiness=burstiness, seed=seed, progress=False)
+                        request_rate=pattern.request_rate, burstiness=pattern.burstiness, seed=pattern.seed,
+                        progress=False)
     result = LoadResult(records, duration, label, config)
     summary = summarize(records, duration, slo)
     return SimRun(result, summary, cluster, time.perf_counter() - start, time.process_time() - start_cpu)
