@@ -14,12 +14,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.addresses import parse_member
-from pdserve.config import KV_CACHE_DTYPES, ApiConfig, EngineArgs, RouterConfig, WorkerConfig
+from pdserve.config import KV_CACHE_DTYPES, EngineArgs
 from pdserve.config_flags import add_config_args, config_from_args
+from pdserve.disagg.config import RouterConfig, WorkerConfig
 from pdserve.ops.serve import DEMO_MODEL_NAME, run_server, validate_worker
 from pdserve.ops.serve import serve as serve_command
 from pdserve.ops.supervisor import exit_with_supervisor
 from pdserve.ops.threads import CorePlan, parse_cpu_list
+from pdserve.serving.config import ApiConfig
 from pdserve.sizing.commands import add_sizing_commands, guarded
 
 if TYPE_CHECKING:

@@ -25,8 +25,9 @@ import yaml
 from kubernetes_validate import utils as kv
 
 from pdserve.cli import build_parser
-from pdserve.config import EngineArgs, RouterConfig, WorkerConfig
+from pdserve.config import EngineArgs
 from pdserve.config_flags import config_from_args
+from pdserve.disagg.config import RouterConfig, WorkerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 OVERLAYS_DIR = ROOT / "deploy" / "k8s" / "overlays"

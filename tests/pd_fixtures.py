@@ -15,8 +15,9 @@ import uvicorn
 from fastapi import FastAPI
 from server_fixtures import free_port
 
-from pdserve.config import ApiConfig, EngineArgs, RouterConfig, WorkerConfig
+from pdserve.config import EngineArgs
 from pdserve.disagg.client import WorkerClient
+from pdserve.disagg.config import RouterConfig, WorkerConfig
 from pdserve.disagg.control import FirstToken, HandOff, Placement, PrefillJob
 from pdserve.disagg.decode_service import DecodeService, FailurePolicy
 from pdserve.disagg.prefill_service import PrefillService
@@ -26,6 +27,7 @@ from pdserve.disagg.worker_app import build_worker
 from pdserve.engine.async_llm import AsyncLLM
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.model.qwen3_config import Qwen3ModelConfig
+from pdserve.serving.config import ApiConfig
 from pdserve.tokenizer import load_tokenizer
 
 MODEL = "pd-test"

@@ -21,7 +21,7 @@ from pd_fixtures import Served, serve
 from server_fixtures import free_port
 
 from pdserve.bench.soak import redis_pending
-from pdserve.config import QueueArgs, RouterConfig
+from pdserve.disagg.config import QueueArgs, RouterConfig
 from pdserve.disagg.router import PDRouter
 from pdserve.disagg.router_app import create_router_app
 from pdserve.model.qwen3_config import Qwen3ModelConfig

@@ -21,11 +21,12 @@ import httpx
 import uvicorn
 
 from pdserve import envs
-from pdserve.config import ApiConfig, EngineArgs
+from pdserve.config import EngineArgs
 from pdserve.engine.async_llm import AsyncLLM
 from pdserve.engine.core_client import EngineCoreClient
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.serving.app import create_app
+from pdserve.serving.config import ApiConfig
 
 _STARTUP_TIMEOUT_S = 30.0
 _LEAK_POLL_S = 5.0  # aborts are applied by the engine thread between steps, so allow a short wait

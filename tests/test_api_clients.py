@@ -15,9 +15,9 @@ from pdserve.bench.serve import workloads
 from pdserve.bench.serve.client import LoadConfig, run_load
 from pdserve.bench.serve.command import load_config
 from pdserve.cli import build_parser, up_plan
-from pdserve.config import ApiConfig
 from pdserve.config_flags import config_from_args
 from pdserve.ops import up
+from pdserve.serving.config import ApiConfig
 
 
 def test_up_gives_its_router_the_keys_in_the_environment_and_the_caps_as_flags(

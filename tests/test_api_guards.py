@@ -16,7 +16,7 @@ import httpx
 import pytest
 from server_fixtures import ServerHandle, start_server
 
-from pdserve.config import ApiConfig
+from pdserve.serving.config import ApiConfig
 
 MODEL_NAME = "tiny-guards"
 KEYS = ("key-one", "key-two")

@@ -9,8 +9,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from pdserve.config import ApiConfig
 from pdserve.serving.chat_output import ChatReading, ChoiceReader, MessageDelta, message_json, plan_reading
+from pdserve.serving.config import ApiConfig
 from pdserve.serving.errors import OpenAIError
 from pdserve.serving.limits import check_limits, requested_prompt_logprobs
 from pdserve.serving.protocol import ChatCompletionRequest

@@ -17,8 +17,9 @@ import pytest
 from server_fixtures import free_port
 
 from pdserve.cli import UP_SETS_ROUTER, UP_SETS_WORKER, build_parser, main, up_plan
-from pdserve.config import EngineArgs, QueueArgs, RouterConfig, WorkerConfig, knob
+from pdserve.config import EngineArgs, knob
 from pdserve.config_flags import add_config_args, config_from_args, flag_name, to_argv
+from pdserve.disagg.config import QueueArgs, RouterConfig, WorkerConfig
 from pdserve.ops import up
 from pdserve.ops.autoscale import AutoscaleConfig
 

@@ -18,7 +18,7 @@ from pd_fixtures import serve
 from process_cluster import MODEL, WorkerProcess, spawn_worker, wait_healthy
 from server_fixtures import free_port
 
-from pdserve.config import RouterConfig
+from pdserve.disagg.config import RouterConfig
 from pdserve.disagg.control import WorkerInfo
 from pdserve.disagg.router import PDRouter
 from pdserve.disagg.router_app import create_router_app

@@ -27,7 +27,7 @@ from pd_fixtures import Cluster, start_cluster, stop_cluster
 from schemathesis_hooks import PROMPT_BYTES_ENV
 from server_fixtures import ServerHandle, start_server
 
-from pdserve.config import ApiConfig
+from pdserve.serving.config import ApiConfig
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,6 @@ import pytest
 import torch
 from pd_fixtures import Cluster, start_cluster, stop_cluster
 
-from pdserve.config import ApiConfig
 from pdserve.disagg.auth import (
     HEADER_NONCE,
     HEADER_SIGNATURE,
@@ -42,6 +41,7 @@ from pdserve.disagg.transport.errors import KVAuthError
 from pdserve.disagg.transport.handshake import KVPeerPolicy
 from pdserve.disagg.transport.tcp import TcpKVReceiver
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.serving.config import ApiConfig
 
 pytestmark = pytest.mark.slow  # the module starts a cluster (threads), ~10 s in all
 
@@ -350,7 +350,7 @@ def test_queue_consumer_drops_a_forged_job_before_contacting_anyone() -> None:
 
 def test_pdserve_up_always_runs_with_a_secret(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from pdserve import envs
-    from pdserve.config import RouterConfig
+    from pdserve.disagg.config import RouterConfig
     from pdserve.ops.up import cluster_secret_env
 
     monkeypatch.delenv(envs.CLUSTER_SECRET, raising=False)

@@ -11,8 +11,8 @@ import dns.resolver
 import pytest
 
 from pdserve.addresses import DnsMember, parse_member
-from pdserve.config import RouterConfig
 from pdserve.disagg.client import WorkerClient
+from pdserve.disagg.config import RouterConfig
 from pdserve.disagg.control import WorkerInfo
 from pdserve.disagg.membership import DnsSource, Membership, Registry
 from pdserve.disagg.pool import WorkerPool

@@ -18,12 +18,12 @@ import pytest
 from pd_fixtures import MODEL, Cluster, start_cluster, stop_cluster
 from server_fixtures import ServerHandle, start_server
 
-from pdserve.config import ApiConfig
 from pdserve.disagg.control import OutputFrame
 from pdserve.disagg.decode_service import DecodeService
 from pdserve.disagg.prefill_service import PrefillService
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, SampleResult
+from pdserve.serving.config import ApiConfig
 from pdserve.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow  # a server and a cluster

@@ -19,8 +19,8 @@ import pytest
 from helpers import generate_texts, mark_ready, random_prompt
 from pd_fixtures import start_cluster, stop_cluster
 
-from pdserve.config import RouterConfig
 from pdserve.disagg.client import WorkerClient
+from pdserve.disagg.config import RouterConfig
 from pdserve.disagg.control import FirstToken, HandOff, OutputFrame, PrefillJob, ReserveReply, ReserveRequest
 from pdserve.disagg.decode_service import DecodeService
 from pdserve.disagg.pool import WorkerPool

@@ -19,9 +19,9 @@ from pd_fixtures import StubPrefillClient, start_cluster, stop_cluster
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from pdserve.bench import pd_overhead
-from pdserve.config import RouterConfig
 from pdserve.disagg import prefill_service
 from pdserve.disagg.client import WorkerClient
+from pdserve.disagg.config import RouterConfig
 from pdserve.disagg.control import HandOff, OutputFrame, PrefillJob, ReserveReply, ReserveRequest, WireSamplingParams
 from pdserve.disagg.pool import WorkerPool
 from pdserve.disagg.prefill_service import PrefillService

@@ -14,7 +14,7 @@ import pytest
 from helpers import mark_ready, until
 from pd_fixtures import StubPrefillClient
 
-from pdserve.config import RouterConfig
+from pdserve.disagg.config import RouterConfig
 from pdserve.disagg.control import FirstToken, HandOff, PrefillJob, WireSamplingParams
 from pdserve.disagg.pool import WorkerPool
 from pdserve.disagg.queue import Refusal, memory

@@ -15,9 +15,9 @@ from conftest import HFReference
 from helpers import assert_no_leak, random_prompt, token_prompts
 from server_fixtures import ServerHandle, start_server
 
-from pdserve.config import ApiConfig
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.serving.config import ApiConfig
 from pdserve.serving.errors import OpenAIError
 from pdserve.serving.limits import check_limits
 from pdserve.serving.protocol import CompletionRequest

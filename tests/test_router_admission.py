@@ -15,7 +15,7 @@ from pd_fixtures import MODEL, serve, start_cluster, stop_cluster
 from server_fixtures import free_port
 
 from pdserve import LLM, SamplingParams
-from pdserve.config import RouterConfig
+from pdserve.disagg.config import RouterConfig
 from pdserve.disagg.control import ReserveRequest, WireSamplingParams
 from pdserve.disagg.decode_service import DecodeService
 from pdserve.disagg.prefill_service import PrefillService

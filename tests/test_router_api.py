@@ -11,7 +11,7 @@ import httpx
 import pytest
 from pd_fixtures import Cluster, start_cluster, stop_cluster
 
-from pdserve.config import ApiConfig
+from pdserve.serving.config import ApiConfig
 
 pytestmark = pytest.mark.slow  # a cluster
 

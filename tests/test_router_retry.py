@@ -11,8 +11,8 @@ from typing import Any
 from helpers import mark_ready, until
 from pd_fixtures import StubPrefillClient
 
-from pdserve.config import RouterConfig
 from pdserve.disagg.client import WorkerUnreachable
+from pdserve.disagg.config import RouterConfig
 from pdserve.disagg.control import HandOff, PrefillJob, WireSamplingParams
 from pdserve.disagg.pool import WorkerPool
 from pdserve.disagg.queue.memory import MemoryPrefillQueue

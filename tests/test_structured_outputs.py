@@ -26,11 +26,11 @@ from pd_fixtures import MODEL, start_cluster, stop_cluster
 from server_fixtures import ServerHandle, parse_sse, start_server
 
 from pdserve import LLM, SamplingParams
-from pdserve.config import ApiConfig
 from pdserve.disagg.transport import nixl_available
 from pdserve.engine import structured
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.structured import MaskFiller, StructuredOutput, check_structured, chunk_maxima, row_argmax
+from pdserve.serving.config import ApiConfig
 from pdserve.serving.protocol import ChatCompletionRequest, CompletionRequest
 
 SCHEMA: dict[str, Any] = {

@@ -16,7 +16,7 @@ import pytest
 from helpers import FakeClock
 from prometheus_client import CollectorRegistry
 
-from pdserve.config import RouterConfig, WorkerConfig
+from pdserve.disagg.config import RouterConfig, WorkerConfig
 from pdserve.ops.autoscale import AutoscaleConfig, Autoscaler, HistogramSnapshot, Signals
 from pdserve.ops.scaling import AutoscaleLoop
 from pdserve.ops.supervisor import ChildProcess, PoolEntry, ProcessHost, RestartPolicy, Slot, SlotRole, Supervisor

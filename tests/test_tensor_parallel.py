@@ -22,7 +22,8 @@ from pd_fixtures import start_cluster, stop_cluster
 from server_fixtures import parse_sse
 
 from pdserve import LLM, SamplingParams, envs
-from pdserve.config import EngineArgs, RouterConfig, WorkerConfig, create_engine_config
+from pdserve.config import EngineArgs, create_engine_config
+from pdserve.disagg.config import RouterConfig, WorkerConfig
 from pdserve.disagg.kv_layout import KVLayout, KVLayoutMismatch
 from pdserve.disagg.transport import nixl_available
 from pdserve.engine import shared_memory_group

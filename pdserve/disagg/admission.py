@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Literal, NoReturn
 
-from pdserve.config import RouterConfig
+from pdserve.disagg.config import RouterConfig
 from pdserve.disagg.errors import Refused, RouterError
 from pdserve.disagg.pool import WorkerPool
 from pdserve.disagg.queue import PrefillQueue

@@ -27,8 +27,9 @@ from typing import Literal, Protocol
 
 import torch
 
-from pdserve.config import EngineConfig, WorkerConfig
+from pdserve.config import EngineConfig
 from pdserve.disagg.auth import load_cluster_secret
+from pdserve.disagg.config import WorkerConfig
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.kv_streamer import KVDestination, KVStreamer, small_step_blocks
 from pdserve.disagg.rank_receiving import link_ranks

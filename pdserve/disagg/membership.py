@@ -25,7 +25,7 @@ import dns.exception
 import dns.resolver
 
 from pdserve.addresses import DnsMember, http_url, parse_host_port, parse_member
-from pdserve.config import RouterConfig
+from pdserve.disagg.config import RouterConfig
 from pdserve.disagg.pool import WorkerPool
 from pdserve.serving.router_stats import WorkerRole
 

@@ -1,6 +1,6 @@
 """Which decode worker gets a request: `DecodePolicy` and its implementations, chosen by name
 (`RouterConfig.decode_policy`). To add one: subclass `DecodePolicy`, add it to `_POLICIES`, and
-its name to `config.DECODE_POLICIES`."""
+its name to `disagg.config.DECODE_POLICIES`."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import asyncio
 import itertools
 from collections.abc import Callable
 
-from pdserve.config import DecodePolicyName
 from pdserve.disagg.client import WorkerClient
+from pdserve.disagg.config import DecodePolicyName
 from pdserve.disagg.pool import Worker, reach
 
 
@@ -79,7 +79,7 @@ _POLICIES: dict[DecodePolicyName, Callable[[WorkerClient], DecodePolicy]] = {
 
 
 def make_decode_policy(name: DecodePolicyName, client: WorkerClient) -> DecodePolicy:
-    """The policy called `name` (one of config.DECODE_POLICIES); `client` for those that ask workers."""
+    """The policy called `name` (one of disagg.config.DECODE_POLICIES); `client` for those that ask workers."""
     if name not in _POLICIES:
         raise ValueError(f"decode policy must be one of {tuple(_POLICIES)}, got {name!r}")
     return _POLICIES[name](client)

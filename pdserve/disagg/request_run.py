@@ -19,11 +19,11 @@ import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from http import HTTPStatus
 
-from pdserve.config import RouterConfig
 from pdserve.disagg.admission import Admission
 from pdserve.disagg.attempt_states import RUN, Run, State
 from pdserve.disagg.auth import sign_job
 from pdserve.disagg.client import UnknownRequest, WorkerClient, WorkerRefused, WorkerUnreachable
+from pdserve.disagg.config import RouterConfig
 from pdserve.disagg.control import (
     FirstToken,
     OutputFrame,

@@ -37,10 +37,10 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 
-from pdserve.config import RouterConfig
 from pdserve.disagg.admission import Admission
 from pdserve.disagg.auth import load_cluster_secret
 from pdserve.disagg.client import WorkerClient
+from pdserve.disagg.config import RouterConfig
 from pdserve.disagg.errors import RouterError
 from pdserve.disagg.membership import Membership, Registry
 from pdserve.disagg.policy import DecodePolicy, make_decode_policy

@@ -14,11 +14,11 @@ from http import HTTPStatus
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.config import ApiConfig
 from pdserve.disagg.auth import PeerAuth
 from pdserve.disagg.control import Registration
 from pdserve.disagg.router import PDRouter
 from pdserve.serving.app import Probes, create_app
+from pdserve.serving.config import ApiConfig
 from pdserve.serving.errors import error_response
 from pdserve.serving.router_stats import RouterStats
 

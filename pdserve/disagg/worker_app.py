@@ -52,8 +52,8 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from pdserve.config import WorkerConfig
 from pdserve.disagg.auth import PeerAuth, load_cluster_secret, warn_if_open
+from pdserve.disagg.config import WorkerConfig
 from pdserve.disagg.control import ConsumerReport, Role, WorkerInfo, WorkerStatsReply
 from pdserve.disagg.decode_service import DecodeService
 from pdserve.disagg.kv_layout import KVLayout

@@ -22,7 +22,8 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from pdserve.config import EngineArgs, WorkerConfig
+from pdserve.config import EngineArgs
+from pdserve.disagg.config import WorkerConfig
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.kv_link import RemoteReceiver, RemoteSenders, encode_event, error_reply
 from pdserve.disagg.kv_side import KVSide, KVSideSpec, attach_kv_side

@@ -275,7 +275,7 @@ def serve_engine_core(fd: int, side_factory: SideFactory | None = None) -> int:
         logger.debug("engine core failed to start", exc_info=True)
         sock.sendall(encode_from_core(FromCore(fatal=f"{exc}")))
         return 1
-    # NOTE: as the API server does (cli._run_server): what lives as long as the process (modules, the
+    # NOTE: as the API server does (ops/serve.run_server): what lives as long as the process (modules, the
     # model) leaves the collector's sight, so a full collection never stalls a step scanning it
     gc.collect()
     gc.freeze()

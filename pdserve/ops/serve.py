@@ -20,8 +20,10 @@ from starlette.types import ASGIApp
 
 from pdserve import envs
 from pdserve.addresses import http_url
-from pdserve.config import ApiConfig, EngineArgs, EngineConfig, WorkerConfig, kv_dtype_description
+from pdserve.config import EngineArgs, EngineConfig, kv_dtype_description
 from pdserve.config_flags import config_from_args
+from pdserve.disagg.config import WorkerConfig
+from pdserve.serving.config import ApiConfig
 
 if TYPE_CHECKING:
     from pdserve.disagg.worker_app import Worker

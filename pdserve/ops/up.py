@@ -24,11 +24,12 @@ from wsgiref.simple_server import WSGIServer
 import httpx
 from prometheus_client import CollectorRegistry, start_http_server
 
-from pdserve.config import ApiConfig, RouterConfig, WorkerConfig
 from pdserve.config_flags import to_argv
+from pdserve.disagg.config import RouterConfig, WorkerConfig
 from pdserve.logs import UP_PROBE_QUERY
 from pdserve.ops.supervisor import HOST, PoolEntry, SlotRole, Supervisor
 from pdserve.ops.threads import CorePlan, CoreShare, format_cpu_list, num_cpus, threads_per_worker
+from pdserve.serving.config import ApiConfig
 
 if TYPE_CHECKING:
     from pdserve.ops.autoscale import AutoscaleConfig

@@ -12,11 +12,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
-from pdserve.config import ApiConfig
 from pdserve.engine.async_llm import AsyncLLM
 from pdserve.engine.core_client import EngineCoreClient
 from pdserve.serving.chat import ChatHandler
 from pdserve.serving.completions import CompletionHandler
+from pdserve.serving.config import ApiConfig
 from pdserve.serving.dashboard import install_dashboard
 from pdserve.serving.engine_client import EngineClient
 from pdserve.serving.errors import EXCEPTION_HANDLERS, OpenAIError, documented_errors

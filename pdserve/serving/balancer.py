@@ -32,7 +32,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.config import ApiConfig
+from pdserve.serving.config import ApiConfig
 from pdserve.serving.errors import error_response
 
 logger = logging.getLogger(__name__)

@@ -8,12 +8,12 @@ from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import Any
 
-from pdserve.config import ApiConfig
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.logs import bind_request_id
 from pdserve.serving.chat_output import ChatReading, ChoiceReader, delta_jsons, message_json, plan_reading
 from pdserve.serving.completions import MaxTokens, build_jobs
+from pdserve.serving.config import ApiConfig
 from pdserve.serving.echo import prompt_logprobs_json
 from pdserve.serving.engine_client import EngineClient
 from pdserve.serving.errors import OpenAIError

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
-from pdserve.config import ApiConfig
 from pdserve.engine.structured import StructuredOutput
+from pdserve.serving.config import ApiConfig
 from pdserve.serving.errors import OpenAIError
 from pdserve.serving.protocol import ChatCompletionRequest, NamedToolChoice
 from pdserve.serving.reasoning import ReasoningDelta, ReasoningSplitter

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from http import HTTPStatus
 
-from pdserve.config import ApiConfig
+from pdserve.serving.config import ApiConfig
 from pdserve.serving.errors import OpenAIError
 from pdserve.serving.protocol import ChatCompletionRequest, CompletionRequest
 

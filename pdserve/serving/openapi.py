@@ -23,7 +23,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from pdserve.config import ApiConfig
+from pdserve.serving.config import ApiConfig
 from pdserve.serving.errors import ErrorEnvelope, documented_errors
 from pdserve.serving.middleware import PROTECTED_PREFIXES
 

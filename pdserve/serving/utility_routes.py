@@ -17,9 +17,9 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 import pdserve
-from pdserve.config import ApiConfig
 from pdserve.serving.chat import chat_prompt_token_ids
 from pdserve.serving.chat_output import plan_reading
+from pdserve.serving.config import ApiConfig
 from pdserve.serving.engine_client import EngineClient
 from pdserve.serving.errors import OpenAIError, documented_errors
 from pdserve.serving.generation import encode_text

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pdserve.config import QueueArgs
 from pdserve.disagg.client import WorkerClient
+from pdserve.disagg.config import QueueArgs
 from pdserve.disagg.pool import WorkerPool
 from pdserve.disagg.queue.base import (
     AttemptListener,
