@@ -7,9 +7,10 @@ Layers, low to high:
     0  model/, tokenizer/, and three leaf modules every layer may use: envs.py (the environment, read
        in one place), logs.py (log format, request ids) and addresses.py (URLs, HOST:PORT, pool
        members as flags write them); they import nothing of pdserve
-    1  engine/, and the top-level modules about it: config.py (EngineArgs and `knob`; the
-       configs of higher layers are in their own packages: disagg/config.py, serving/config.py), config_flags.py (CLI flags from those configs)
-       and pdserve/__init__.py (the `LLM` API, re-exported from engine/)
+    1  engine/, and the top-level modules about it: config.py (EngineArgs and `knob`; the configs
+       of higher layers are in their own packages: disagg/config.py, serving/config.py),
+       config_flags.py (CLI flags from configs) and pdserve/__init__.py (the `LLM` API, re-exported
+       from engine/)
     2  serving/
     3  disagg/
     4  ops/, bench/, sizing/
