@@ -21,8 +21,8 @@ from pdserve.disagg.control import WorkerInfo
 from pdserve.disagg.pool import Worker
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.llm import TokensPrompt
+from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.request import ModelContext, Request
-from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 

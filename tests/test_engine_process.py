@@ -63,7 +63,7 @@ from pdserve.engine.kv_disk_tier import KVTierStats
 from pdserve.engine.kv_transfer import KVTarget
 from pdserve.engine.link_writer import LinkWriter
 from pdserve.engine.llm_engine import EngineStats
-from pdserve.engine.sampler import PromptLogprobs, TokenLogprobs
+from pdserve.engine.logprobs import PromptLogprobs, TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured import StructuredOutput
 

@@ -20,7 +20,7 @@ from pdserve.disagg.prompt_logprobs_wire import pack, unpack
 from pdserve.disagg.router import continuation
 from pdserve.disagg.transport import KVDone, make_receiver, make_sender
 from pdserve.disagg.transport.frames import MAX_HEADER_BYTES
-from pdserve.engine.sampler import PromptLogprobs
+from pdserve.engine.logprobs import PromptLogprobs
 from pdserve.tokenizer import load_tokenizer
 
 PROMPT = random_prompt(20, seed=31)

@@ -9,8 +9,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from pdserve.addresses import HTTP_URL_PATTERN
+from pdserve.engine.logprobs import PromptLogprobs, TokenLogprobs
 from pdserve.engine.output import CompletionOutput, RequestOutput
-from pdserve.engine.sampler import PromptLogprobs, TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.serving.trace import TTFTPhases
 

@@ -18,7 +18,7 @@ import struct
 
 import numpy as np
 
-from pdserve.engine.sampler import PromptLogprobs
+from pdserve.engine.logprobs import PromptLogprobs
 
 _HEAD = struct.Struct("<II")
 MAX_TOP = 20  # SamplingParams' bound on prompt_logprobs

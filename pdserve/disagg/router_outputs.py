@@ -28,8 +28,8 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 from pdserve.disagg.control import FirstToken, OutputFrame, WirePromptLogprobs
+from pdserve.engine.logprobs import PromptLogprobs
 from pdserve.engine.output import CompletionOutput, RequestOutput, RequestState
-from pdserve.engine.sampler import PromptLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.serving.trace import TTFTPhases
 from pdserve.tokenizer import Tokenizer

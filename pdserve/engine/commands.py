@@ -22,8 +22,8 @@ from typing import Generic, TypeVar
 
 from pdserve.engine.kv_transfer import KVTarget
 from pdserve.engine.llm_engine import LLMEngine, RemoteReservation
+from pdserve.engine.logprobs import PromptLogprobs
 from pdserve.engine.output import RequestOutput
-from pdserve.engine.sampler import PromptLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 
 R = TypeVar("R")

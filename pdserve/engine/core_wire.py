@@ -51,8 +51,8 @@ from pdserve.engine.disk_offload import TierStats
 from pdserve.engine.kv_disk_tier import KVTierStats
 from pdserve.engine.kv_transfer import KVTarget
 from pdserve.engine.llm_engine import EngineStats, RemoteReservation
+from pdserve.engine.logprobs import PromptLogprobs, TokenLogprobs
 from pdserve.engine.output import RequestOutput
-from pdserve.engine.sampler import PromptLogprobs, TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 
 WIRE_VERSION = 2

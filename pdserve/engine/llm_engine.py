@@ -15,10 +15,10 @@ from pdserve.engine.engine_types import EngineStats, RemoteReservation, check_re
 from pdserve.engine.host_memory import keep_large_allocations_on_heap
 from pdserve.engine.kv_cache_manager import hash_block
 from pdserve.engine.kv_transfer import KVTransferSetup, LayerObserver, StreamTargets, TransferExpectations
+from pdserve.engine.logprobs import PromptLogprobs, TokenLogprobs
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.output import OutputSettings, RequestFailure, RequestOutput, RequestState
 from pdserve.engine.request import ModelContext, Request, RequestStatus
-from pdserve.engine.sampler import PromptLogprobs, TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler
 from pdserve.engine.step_log import StepLog, StepWork

@@ -14,7 +14,8 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs, bucket_for, decode_buckets
 from pdserve.engine.host_memory import zeroed_pages
-from pdserve.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
+from pdserve.engine.logprobs import TokenLogprobs
+from pdserve.engine.sampler import Sampler, prompt_logprobs
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.step_buffers import StepBuffers
 from pdserve.engine.step_plan import StepPlan, plan_step

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from pdserve.engine.logprobs import PromptLogprobs, TokenLogprobs
 from pdserve.engine.request import RequestStatus
-from pdserve.engine.sampler import PromptLogprobs, TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
 

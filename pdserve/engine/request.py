@@ -18,7 +18,7 @@ from pdserve.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import llguidance
 
-    from pdserve.engine.sampler import PromptLogprobs
+    from pdserve.engine.logprobs import PromptLogprobs
 
 
 class RequestStatus(enum.Enum):

@@ -12,26 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.logprobs import PromptLogprobs, TokenLogprobs
 from pdserve.engine.request import Request
 from pdserve.engine.structured import MaskFiller, chunk_maxima, row_argmax
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # (token id, logprob), best first
-
-
-@dataclass(frozen=True, slots=True)
-class PromptLogprobs:
-    """A prompt token's logprob under the model given the tokens before it, its rank (1: the
-    model's first choice) and the top alternatives, (token id, logprob) best first."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: tuple[tuple[int, float], ...]
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: list[tuple[Request, int]]) -> None:

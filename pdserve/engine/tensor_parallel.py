@@ -59,8 +59,8 @@ from pdserve.config import EngineConfig
 from pdserve.engine import shared_memory_group
 from pdserve.engine.host_memory import keep_large_allocations_on_heap
 from pdserve.engine.kv_transfer import RankHook, RankHookSpec, RankPools
+from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 from pdserve.engine.shared_memory_group import SharedMemoryGroup
 from pdserve.engine.step_plan import StepPlan

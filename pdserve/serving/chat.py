@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import Any
 
+from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.output import RequestOutput
-from pdserve.engine.sampler import TokenLogprobs
 from pdserve.logs import bind_request_id
 from pdserve.serving.chat_output import ChatReading, ChoiceReader, delta_jsons, message_json, plan_reading
 from pdserve.serving.completions import MaxTokens, build_jobs

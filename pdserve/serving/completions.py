@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
+from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.output import CompletionOutput, RequestOutput
-from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.structured import StructuredOutput
 from pdserve.logs import bind_request_id
 from pdserve.serving import echo, generation

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.engine.sampler import PromptLogprobs, TokenLogprobs
+from pdserve.engine.logprobs import PromptLogprobs, TokenLogprobs
 from pdserve.tokenizer import Tokenizer
 
 # (token id, its logprob, the alternatives): one entry of a completion's `logprobs`; the first

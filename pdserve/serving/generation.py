@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 
 from pdserve.engine.async_llm import EngineDeadError, RequestFailedError
+from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.output import RequestOutput
-from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.serving.engine_client import EngineClient
 from pdserve.serving.errors import OpenAIError
