@@ -20,7 +20,7 @@ import redis
 from pd_fixtures import Served, serve
 from server_fixtures import free_port
 
-from pdserve.bench.soak import redis_pending
+from pdserve.bench.soak_load import redis_pending
 from pdserve.disagg.config import QueueArgs, RouterConfig
 from pdserve.disagg.router import PDRouter
 from pdserve.disagg.router_app import create_router_app

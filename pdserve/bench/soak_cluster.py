@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import redis
 
-from pdserve.bench.soak import _CANCELLED, _OK, Outcome, children, kill, redis_pending, rss_bytes
+from pdserve.bench.soak_load import CANCELLED, OK, Outcome, children, kill, redis_pending, rss_bytes
 from pdserve.ops.supervisor import free_port
 
 _READY_TIMEOUT_S = 300.0
@@ -179,9 +179,9 @@ class Check:
 
 
 def check(cluster: Cluster, outcomes: list[Outcome], ns: argparse.Namespace, events: list[str]) -> list[Check]:
-    done = [o for o in outcomes if o.status == _OK]
-    cancelled = [o for o in outcomes if o.status == _CANCELLED]
-    failed = [o for o in outcomes if o.status not in (_OK, _CANCELLED)]
+    done = [o for o in outcomes if o.status == OK]
+    cancelled = [o for o in outcomes if o.status == CANCELLED]
+    failed = [o for o in outcomes if o.status not in (OK, CANCELLED)]
     for outcome in failed[:5]:
         print(f"failed: {outcome.error}", flush=True)
     wrong = _mismatches(done, cluster.model, cluster.log.parent / "mismatches.json")

@@ -37,7 +37,9 @@ from pathlib import Path
 
 from pdserve.bench.common import hardware_line, print_table
 from pdserve.bench.serve import capacity, local
-from pdserve.bench.serve.command import (
+from pdserve.bench.serve.metrics import Summary
+from pdserve.bench.serve.report import format_summary, result_json, save_json
+from pdserve.bench.serve.runs import (
     add_load_args,
     add_output_args,
     add_workload_args,
@@ -45,8 +47,6 @@ from pdserve.bench.serve.command import (
     load_config,
     run_once,
 )
-from pdserve.bench.serve.metrics import Summary
-from pdserve.bench.serve.report import format_summary, result_json, save_json
 
 SYSTEMS = ("colocated-replicas", "colocated-chunked", "colocated-nochunk", "pd")
 DEFAULT_SYSTEMS = ("colocated-chunked", "colocated-nochunk", "pd")

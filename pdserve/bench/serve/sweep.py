@@ -18,7 +18,8 @@ from pathlib import Path
 
 from pdserve.bench.common import hardware_line, print_table
 from pdserve.bench.serve import local
-from pdserve.bench.serve.command import (
+from pdserve.bench.serve.report import SweepPoint, format_sweep_table, plot_sweep, save_json
+from pdserve.bench.serve.runs import (
     add_load_args,
     add_output_args,
     add_workload_args,
@@ -26,7 +27,6 @@ from pdserve.bench.serve.command import (
     load_config,
     run_once,
 )
-from pdserve.bench.serve.report import SweepPoint, format_sweep_table, plot_sweep, save_json
 
 SEED_LADDER = (30, 100, 150)
 
