@@ -3,7 +3,7 @@
 #   1. correctness: the engine's reference suite on CUDA (transformers on the same GPU), and PD
 #      against colocated through the HTTP API with both workers on one GPU (pd_parity), together;
 #   2. floor (issue 30): the Triton kernels on CUDA (bfloat16 too) and decode graphs against
-#      --enforce-eager and the CPU path (pytest), then `python -m pdserve.bench.gpu_floor` on the
+#      --enforce-eager and the CPU path (pytest), then `python -m pdserve.sizing.gpu_floor` on the
 #      qwen3-0.6b and qwen3-8b shapes in bfloat16: one table of decode steps at batch 1/16/64/256
 #      against the HBM floor, graphs on and --enforce-eager, prefill of 8,192 tokens against peak
 #      FLOPs; greedy float32 with graphs against transformers. Alone: STAGES=floor (~6 min);
@@ -11,7 +11,7 @@
 #      (random bf16 weights), each step next to the H200 roofline profile the simulator uses;
 #   4. the simulator against real runs here: a profile calibrated with the servers' flags, then
 #      `pdserve bench compare` (one colocated server, then PD 1+1 sharing the GPU) replayed by
-#      `python -m pdserve.bench.validate_sim`; then again with a profile fitted to the steps the
+#      `python -m pdserve.sizing.validate_sim`; then again with a profile fitted to the steps the
 #      served engines logged (PDSERVE_STEP_LOG, `calibrate --from-step-log`);
 #   5. served against offline (issue 29): qwen3-0.6b in bfloat16 at 1, 16 and 64 streams, the engine on a
 #      thread of the API server and in its own process (`python -m pdserve.bench.served_vs_offline`).
@@ -62,7 +62,7 @@ wait $maker
 if has floor; then
 TAIL=40 stage kernels-cuda 150 python3 -m pytest -q -p no:cacheprovider -rfs tests/test_triton_attention.py \
   tests/test_cuda_graphs.py
-TAIL=30 stage floor 420 python3 -m pdserve.bench.gpu_floor --model "$ck/qwen3-0.6b" --model "$ck/qwen3-8b" \
+TAIL=30 stage floor 420 python3 -m pdserve.sizing.gpu_floor --model "$ck/qwen3-0.6b" --model "$ck/qwen3-8b" \
   --device cuda --dtype bfloat16 --compare-device H200 --batches 1,16,64,256 --context 256 --prefill-tokens 8192 \
   --greedy-check --save "$out/floor.json"
 fi
@@ -92,12 +92,12 @@ PDSERVE_STEP_LOG="$out/steps-1p2d" TAIL=12 stage validate-runs-1p2d 200 python3 
   --engine-args "${flags[*]/0.35/0.25}" --max-num-batched-tokens 2048 --skip-capacity --no-progress \
   --workload seed-mix --scale "${VALIDATE_SCALE:-0.2}" --num-prompts "${VALIDATE_PROMPTS:-200}" \
   --max-concurrency "${VALIDATE_CONCURRENCY:-32}" --save "$out/validate12.json"
-TAIL=20 stage validate-sim 120 python3 -m pdserve.bench.validate_sim --profile "$out/validate-profile.json" \
+TAIL=20 stage validate-sim 120 python3 -m pdserve.sizing.validate_sim --profile "$out/validate-profile.json" \
   --transport tcp --max-num-seqs 256 --max-num-batched-tokens 2048 --run "colocated:1=$out/validate.colocated-chunked.json" \
   --run "pd:1:1=$out/validate.pd.json" --run "pd:1:2=$out/validate12.pd.json" --save "$out/validation.json"
 TAIL=12 stage validate-fit 120 python3 -m pdserve.cli calibrate "${flags[@]}" --max-num-batched-tokens 2048 \
   --transports tcp --from-step-log "$out/steps-1p1d" "$out/steps-1p2d" --out "$out/validate-served-profile.json"
-TAIL=20 stage validate-sim-served 120 python3 -m pdserve.bench.validate_sim \
+TAIL=20 stage validate-sim-served 120 python3 -m pdserve.sizing.validate_sim \
   --profile "$out/validate-served-profile.json" --transport tcp --max-num-seqs 256 --max-num-batched-tokens 2048 \
   --run "colocated:1=$out/validate.colocated-chunked.json" --run "pd:1:1=$out/validate.pd.json" \
   --run "pd:1:2=$out/validate12.pd.json" --save "$out/validation-served.json"

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench import gpu_floor
+from pdserve.model.facts import load_model_facts
+from pdserve.sizing import gpu_floor
 from pdserve.sizing.devices import device
-from pdserve.sizing.model_facts import load_model_facts
 
 
 def test_floors() -> None:

@@ -1,4 +1,4 @@
-"""Dependencies point one way (model/tokenizer <- engine <- serving <- disagg <- ops/bench <- cli,
+"""Dependencies point one way (model/tokenizer <- engine <- serving <- disagg <- ops <- bench <- sizing <- cli,
 an arrow reads "is imported by"): no module of pdserve imports one of a higher layer. Every import
 statement counts, at any depth: inside functions and under `if TYPE_CHECKING:` too, since a lazy
 import is still a dependency.
@@ -13,8 +13,10 @@ Layers, low to high:
        from engine/)
     2  serving/
     3  disagg/
-    4  ops/, bench/, sizing/
-    5  cli.py
+    4  ops/
+    5  bench/ (which measures through ops/ too: `pdserve up`, the supervisor)
+    6  sizing/ (the planner and simulator, built on bench's workloads, records and measurements)
+    7  cli.py
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ LAYERS: dict[str, int] = {
     "engine": 1, "config": 1, "config_flags": 1, "__init__": 1,
     "serving": 2,
     "disagg": 3,
-    "ops": 4, "bench": 4, "sizing": 4,
-    "cli": 5,
+    "ops": 4,
+    "bench": 5,
+    "sizing": 6,
+    "cli": 7,
 }
 
 
@@ -112,7 +116,7 @@ def test_the_checker_sees_every_kind_of_import() -> None:
               "from pdserve.config import EngineArgs\nfrom . import scheduler\n")
     upward = upward_in(source, "pdserve.engine.probe", "probe.py")
     assert [(u.line, u.imported, u.to_layer) for u in upward] == [
-        (3, "pdserve.serving.app", 2), (5, "pdserve.disagg.router", 3), (6, "pdserve.cli", 5)]
+        (3, "pdserve.serving.app", 2), (5, "pdserve.disagg.router", 3), (6, "pdserve.cli", 7)]
     assert str(upward[0]) == "probe.py:3 imports pdserve.serving.app (layer 1 -> 2)"
     assert (8, "pdserve.engine.scheduler") in imported_modules(source, "pdserve.engine.probe")
 

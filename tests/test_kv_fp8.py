@@ -25,8 +25,8 @@ from pdserve.cli import build_parser
 from pdserve.config import EngineArgs, create_engine_config, kv_dtype_description
 from pdserve.engine.kv_disk_format import DiskLayout
 from pdserve.engine.step_plan import StepPlan
+from pdserve.model.facts import dtype_bytes, load_model_facts
 from pdserve.model.kv_scales import KVScales, dequantize, quantize
-from pdserve.sizing.model_facts import dtype_bytes, load_model_facts
 from pdserve.sizing.plan import GIB, PlanInputs, make_plan
 
 BUDGET = 32  # tokens a step: prompts longer than this prefill in chunks that read the pool back

@@ -418,8 +418,8 @@ def test_moe_benchmark_runs_and_checks_its_outputs(monkeypatch: pytest.MonkeyPat
 
 
 def test_sizing_counts_every_expert_for_memory_and_a_tokens_experts_for_flops() -> None:
+    from pdserve.model.facts import load_model_facts
     from pdserve.sizing.devices import device
-    from pdserve.sizing.model_facts import load_model_facts
     from pdserve.sizing.plan import PlanInputs, make_plan
     from pdserve.sizing.profile import BW_EFFICIENCY, FLOPS_EFFICIENCY, STEP_OVERHEAD_S, Limits, roofline
 

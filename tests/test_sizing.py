@@ -12,7 +12,7 @@ import pytest
 
 from pdserve.bench.serve import workloads
 from pdserve.cli import main
-from pdserve.sizing.model_facts import load_model_facts
+from pdserve.model.facts import load_model_facts
 from pdserve.sizing.plan import GIB, PlanInputs, make_plan
 from pdserve.sizing.profile import StepModel, TransferModel
 from pdserve.sizing.sim.cluster import Arrival, ClusterSpec, Topology
@@ -141,7 +141,7 @@ def test_simulate_command_saves_bench_keys(tmp_path, capsys: pytest.CaptureFixtu
 
 
 def test_validate_sim_replays_a_saved_run(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
-    from pdserve.bench import validate_sim
+    from pdserve.sizing import validate_sim
 
     # a "real" run that is itself simulated: replaying it must give the same numbers (0 % error)
     real = tmp_path / "real.json"

@@ -52,9 +52,9 @@ def test_calibrate_then_simulate(tmp_path: Path) -> None:
 def test_samples_against_a_devices_roofline(capsys: pytest.CaptureFixture[str]) -> None:
     """`calibrate --compare-device`: each measured step next to the roofline's prediction for it,
     with the profile's element size (bf16 here) for weights and KV."""
+    from pdserve.model.facts import load_model_facts
     from pdserve.sizing.calibrate import Sample, print_against_roofline
     from pdserve.sizing.devices import device
-    from pdserve.sizing.model_facts import load_model_facts
     from pdserve.sizing.profile import Limits, Profile, StepModel, roofline
 
     model = load_model_facts("qwen3-8b")
@@ -95,7 +95,7 @@ def test_workload_flops_count_prefill_once_and_each_later_token() -> None:
     """bench/matmul_rate.py: one 4-token prompt and 2 output tokens = the prefill (4 rows through
     the layers, 4 x 2.5 attention pairs, one LM-head row) + one decode step over 5 tokens."""
     from pdserve.bench.matmul_rate import gemm_shapes, workload_flops
-    from pdserve.sizing.model_facts import load_model_facts
+    from pdserve.model.facts import load_model_facts
 
     tiny = load_model_facts("tiny")
     layer = 2.0 * tiny.num_layers * tiny.layer_params

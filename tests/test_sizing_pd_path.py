@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli import main
-from pdserve.sizing.model_facts import load_model_facts
+from pdserve.model.facts import load_model_facts
 from pdserve.sizing.profile import PROFILE_VERSION, PDPathCosts, Profile, StepModel, TransferModel, load_profile
 from pdserve.sizing.served_pd import (
     PROBE_OUTPUT_LEN,

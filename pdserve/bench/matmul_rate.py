@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.sizing.model_facts import ModelFacts
+from pdserve.model.facts import ModelFacts
 
 _REPS = 5
 

@@ -121,7 +121,7 @@ def print_roofline_fraction(model_dir: str, work: Workload, seconds: float, batc
     from pathlib import Path
 
     from pdserve.bench.matmul_rate import matmul_rates, workload_flops
-    from pdserve.sizing.model_facts import ModelFacts
+    from pdserve.model.facts import ModelFacts
 
     facts = ModelFacts.from_config(Path(model_dir).name, json.loads((Path(model_dir) / "config.json").read_text()))
     flops = workload_flops(facts, [len(p) for p in work.prompts], work.output_lens)

@@ -43,8 +43,8 @@ from pdserve.config import EngineArgs, create_engine_config
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.step_log import read_step_logs
+from pdserve.model.facts import ModelFacts
 from pdserve.sizing.devices import DeviceSpec, device
-from pdserve.sizing.model_facts import ModelFacts
 from pdserve.sizing.profile import Limits, Placement, Profile, StepModel, TransferModel, roofline
 from pdserve.sizing.served_pd import ServedPlan
 

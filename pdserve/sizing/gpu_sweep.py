@@ -20,8 +20,8 @@ from pathlib import Path
 from pdserve.bench.common import print_table
 from pdserve.bench.serve.metrics import Summary
 from pdserve.bench.serve.report import save_json
+from pdserve.model.facts import load_model_facts
 from pdserve.sizing.devices import device
-from pdserve.sizing.model_facts import load_model_facts
 from pdserve.sizing.plan import GIB, PlanInputs, make_plan
 from pdserve.sizing.profile import Limits, Profile, roofline
 from pdserve.sizing.sim.cluster import Topology

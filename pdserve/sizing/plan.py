@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from pdserve.sizing.model_facts import ModelFacts
+from pdserve.model.facts import ModelFacts
 
 GIB = 1024**3
 SEED_BUFFER = 0.2

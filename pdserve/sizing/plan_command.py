@@ -8,8 +8,8 @@ import sys
 
 from pdserve.bench.serve import workloads
 from pdserve.config import KV_CACHE_DTYPES
+from pdserve.model.facts import dtype_bytes, load_model_facts
 from pdserve.sizing.devices import DEVICES, device
-from pdserve.sizing.model_facts import dtype_bytes, load_model_facts
 from pdserve.sizing.plan import GIB, SEED_BUFFER, Plan, PlanInputs, make_plan
 
 _DEFAULT_UTILIZATION = 0.9  # vLLM's --gpu-memory-utilization default, for memory derived from a model

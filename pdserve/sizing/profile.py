@@ -32,8 +32,8 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from pdserve.model.facts import ModelFacts
 from pdserve.sizing.devices import DeviceSpec
-from pdserve.sizing.model_facts import ModelFacts
 
 # NOTE: roofline efficiencies: what serving engines typically reach (decode ~70 % of HBM bandwidth,
 # prefill ~50 % MFU), and a fixed per-step cost (kernel launches, scheduler, sampling) of 2 ms.

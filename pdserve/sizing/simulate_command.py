@@ -25,8 +25,8 @@ from pdserve.bench.serve.report import (
     save_json,
 )
 from pdserve.bench.serve.sweep import parse_ints, parse_ratios
+from pdserve.model.facts import load_model_facts
 from pdserve.sizing.devices import device
-from pdserve.sizing.model_facts import load_model_facts
 from pdserve.sizing.plan import PlanInputs, make_plan
 from pdserve.sizing.profile import Limits, Profile, load_profile, roofline
 from pdserve.sizing.sim.cluster import Topology

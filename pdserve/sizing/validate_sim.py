@@ -1,6 +1,6 @@
 """Simulator vs real runs: simulate the workload of saved `pdserve bench` results and compare.
 
-    python -m pdserve.bench.validate_sim --profile PROFILE.json \\
+    python -m pdserve.sizing.validate_sim --profile PROFILE.json \\
         --run colocated:2=colocated.json --run pd:1:1=pd.json [--transport tcp] [--save table.json]
 
 Each `--run CONFIG=FILE` names a real run's `--save` file and the cluster it ran on:
@@ -87,7 +87,7 @@ def compare(ns: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.validate_sim", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m pdserve.sizing.validate_sim", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", type=parse_run, action="append", required=True, metavar="CONFIG=FILE")
     parser.add_argument("--save", type=Path, default=None, help="the table as JSON")

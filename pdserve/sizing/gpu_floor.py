@@ -1,6 +1,6 @@
 """Engine steps against the GPU's floors, decode from CUDA graphs and eagerly (issue 30).
 
-    python -m pdserve.bench.gpu_floor --model CK [--model CK2 ...] [--device cuda] [--dtype bfloat16]
+    python -m pdserve.sizing.gpu_floor --model CK [--model CK2 ...] [--device cuda] [--dtype bfloat16]
         [--compare-device H200] [--batches 1,16,64,256] [--context 256] [--prefill-tokens 8192]
         [--greedy-check] [--save FILE]
 
@@ -35,9 +35,9 @@ import torch
 from pdserve.bench.common import hardware_line, print_table
 from pdserve.config import EngineArgs
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.model.facts import ModelFacts
 from pdserve.sizing.calibrate import _Prompts, decode_sample, prefill_sample
 from pdserve.sizing.devices import DeviceSpec, device
-from pdserve.sizing.model_facts import ModelFacts
 from pdserve.sizing.profile import Limits, Placement, roofline
 
 
