@@ -36,11 +36,12 @@ from pdserve.disagg.rank_receiving import link_ranks
 from pdserve.disagg.rank_streaming import MirroredKVStreamer, RankStreamingSpec, rank_layout, sending_heads
 from pdserve.disagg.sender_pool import SenderPool
 from pdserve.disagg.transport import make_receiver, nixl_available
-from pdserve.disagg.transport.base import KVReceiver, KVSender
+from pdserve.disagg.transport.base import KVReceiver
 from pdserve.disagg.transport.errors import KVTransferError
 from pdserve.disagg.transport.handshake import KVPeerPolicy
 from pdserve.disagg.transport.messages import KVEvent
 from pdserve.disagg.transport.ranked import HeadRange
+from pdserve.disagg.transport.sender_base import KVSender
 from pdserve.engine.kv_transfer import KVTarget, KVTransferSetup, RankPools, TransferExpectations
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_runner import ModelRunner

@@ -37,8 +37,8 @@ from pdserve.disagg.auth import load_cluster_secret
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.kv_streamer import KVDestination, KVStreamer, SendLayer
 from pdserve.disagg.sender_pool import SenderPool
-from pdserve.disagg.transport.base import KVSender
 from pdserve.disagg.transport.ranked import HeadRange
+from pdserve.disagg.transport.sender_base import KVSender
 from pdserve.engine.kv_transfer import RankPools
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledChunk

@@ -21,8 +21,8 @@ import torch
 from pdserve.disagg.auth import ClusterSecret
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.transport import make_sender
-from pdserve.disagg.transport.base import KVSender
 from pdserve.disagg.transport.ranked import HeadRange, RankedKVSender, count_links, split_address
+from pdserve.disagg.transport.sender_base import KVSender
 
 logger = logging.getLogger(__name__)
 
