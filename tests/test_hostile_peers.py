@@ -31,7 +31,7 @@ from pdserve.disagg.auth import (
     sign_job,
 )
 from pdserve.disagg.client import WorkerClient
-from pdserve.disagg.control import PrefillJob, ReserveRequest, WireSamplingParams
+from pdserve.disagg.control import FrameDecoder, PrefillJob, ReserveRequest, WireSamplingParams
 from pdserve.disagg.decode_service import DecodeService
 from pdserve.disagg.handoff import HandOffDone
 from pdserve.disagg.kv_layout import KVLayout
@@ -240,8 +240,12 @@ def test_done_with_an_out_of_vocabulary_token_is_refused_through_the_decode_serv
             sender.connect(receiver.address)
             sender.send_done("oov@0", HandOffDone(vocab + 5).encode(), token=reply.token)
             await sender.flush("oov@0", 10)
-            frames = [f async for f in workers.stream(decode_url, "oov")]
-            return frames[-1].text, frames[-1].token_ids
+            decoder = FrameDecoder()  # decode's frames are deltas: rebuilt as the router does
+            seqs = []
+            async for frame in workers.stream(decode_url, "oov"):
+                decoder.check(frame)
+                seqs = decoder.sequences(frame)
+            return seqs[0].text, seqs[0].token_ids
         finally:
             sender.close()
             await workers.close()

@@ -4,8 +4,8 @@ measuring what the router itself costs (bench/router_cost.py).
     python -m pdserve.bench.router_standins --role decode|prefill --port PORT [--model DIR] [--step-ms 0]
 
 Decode: `POST /pd/reserve` always has room; `GET /pd/stream/{id}` streams one NDJSON `OutputFrame`
-per token (cumulative text and token ids, as a real decode worker's frames are: `OutputFrame.of` a
-RequestOutput), `--step-ms` apart (0: as fast as the router reads them), the last one finished
+per token (a delta: the token and its text, as a real decode worker's frames are: `FrameEncoder` over
+RequestOutputs), `--step-ms` apart (0: as fast as the router reads them), the last one finished
 ("length") after the request's `max_tokens`. The tokens are a fixed cycle of ordinary vocabulary
 ids (`token_cycle`), the same for every request, their text what a real engine's output state makes
 of them (so the router's early first token, which prefill sends, matches decode's first frame).
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import itertools
 import uuid
 from collections.abc import AsyncIterator
@@ -31,9 +32,9 @@ from pdserve.disagg.client import NDJSON
 from pdserve.disagg.control import (
     FailJob,
     FirstToken,
+    FrameEncoder,
     HandOff,
     Keepalive,
-    OutputFrame,
     Placement,
     PrefillEvent,
     PrefillJob,
@@ -68,7 +69,7 @@ def token_cycle(tokenizer: Tokenizer, length: int = CYCLE_LENGTH) -> list[int]:
 
 
 class FrameBook:
-    """The NDJSON lines a request of `max_tokens` T streams: T cumulative frames, the last finished
+    """The NDJSON lines a request of `max_tokens` T streams: T delta frames, the last finished
     ("length"); made once per T (a real worker builds each; here the stand-in's own cost stays small)."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
@@ -84,12 +85,13 @@ class FrameBook:
             state = RequestState("", None, [], 1, self.tokenizer, True, False, (), False, 0, 0.0)
             ids = list(itertools.islice(itertools.cycle(self.cycle), max_tokens))
             lines = []
+            frames = FrameEncoder()  # delta frames, as a real decode worker's (control.OutputFrame)
             for index, token_id in enumerate(ids):
                 state.add_token(0, token_id, None)
-                seq = state.snapshot().outputs[0]
-                last = index == len(ids) - 1
-                frame = OutputFrame(text=seq.text, token_ids=seq.token_ids, finish_reason="length" if last else None)
-                lines.append(frame.model_dump_json().encode() + b"\n")
+                output = state.snapshot()
+                if index == len(ids) - 1:
+                    output.outputs[0] = dataclasses.replace(output.outputs[0], finish_reason="length")
+                lines.append(frames.frame(output).model_dump_json().encode() + b"\n")
             self._books[max_tokens] = lines
         return self._books[max_tokens]
 
