@@ -33,7 +33,7 @@ from pdserve.disagg.control import (
 from pdserve.disagg.decode_service import DecodeService
 from pdserve.disagg.pool import WorkerPool
 from pdserve.disagg.queue.memory import MemoryPrefillQueue
-from pdserve.disagg.router import PDRouter
+from pdserve.disagg.router import PDRouter, ServedModel
 from pdserve.disagg.router_outputs import first_output
 from pdserve.disagg.transport.errors import KVTransferError
 from pdserve.disagg.transport.fake import FakeKVSender
@@ -112,8 +112,8 @@ def _router(model_dir: Path, tokenizer: Tokenizer, workers: StubWorkers, decode:
     pool = WorkerPool(workers, [PREFILL], list(decode))
     for worker in pool.members("prefill") + pool.members("decode"):
         mark_ready(worker)
-    return PDRouter(RouterConfig(prefill=(PREFILL,), decode=decode, **config), tokenizer,
-                    Qwen3ModelConfig.from_dir(model_dir), str(model_dir), 1024, pool=pool,
+    return PDRouter(RouterConfig(prefill=(PREFILL,), decode=decode, **config), ServedModel(tokenizer,
+                    Qwen3ModelConfig.from_dir(model_dir), str(model_dir), 1024), pool=pool,
                     queue=MemoryPrefillQueue(pool, workers), client=workers)
 
 

@@ -287,16 +287,8 @@ class DecodeService:
                 event = await self.receiver.wait(tid, self.transfer_timeout_s if started else
                                                  self.lease_s or _LIVENESS_POLL_S)
             except KVTransferTimeout:
-                if not self._expects(rid, tid):
-                    return
-                if not started:
-                    if self.lease_s:
-                        self._expire_lease(rid, tid)
-                        return
+                if await self._keeps_watching_after_timeout(rid, tid, started):
                     continue
-                if self._retry_once(rid, tid):
-                    continue
-                await self._apply_failure_policy(rid, "KV cache transfer timed out")
                 return
             except KVTransferError:
                 return  # cancelled: the request was aborted or retargeted
@@ -319,6 +311,21 @@ class DecodeService:
                 logger.warning("KV payload rejected for request %s: %s", rid, event.reason)
                 await self._apply_failure_policy(rid, f"KV transfer rejected: {event.reason}")
                 return
+
+    async def _keeps_watching_after_timeout(self, rid: str, tid: str, started: bool) -> bool:
+        """`_watch`'s wait timed out: whether it waits again (before the first payload with no lease,
+        or a retried attempt), else the lease expired or the transfer failed."""
+        if not self._expects(rid, tid):
+            return False
+        if not started:
+            if self.lease_s:
+                self._expire_lease(rid, tid)
+                return False
+            return True
+        if self._retry_once(rid, tid):
+            return True
+        await self._apply_failure_policy(rid, "KV cache transfer timed out")
+        return False
 
     def _expire_lease(self, rid: str, tid: str) -> None:
         """No payload and no keepalive for the lease: nobody is computing this attempt (a lost job,
