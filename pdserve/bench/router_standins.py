@@ -163,6 +163,13 @@ def decode_app(book: FrameBook, model: str = "standin", step_s: float = 0.0) -> 
 
         return StreamingResponse(lines(), media_type=NDJSON)
 
+    _add_decode_control_routes(app, reserved)
+    return app
+
+
+def _add_decode_control_routes(app: FastAPI, reserved: dict[str, _Reservation]) -> None:
+    """What decode answers besides reserving and streaming: aborts, keepalives, retargets..."""
+
     @app.post("/pd/abort/{request_id}")
     async def abort(request_id: str) -> JSONResponse:
         if (record := reserved.pop(request_id, None)) is not None:
@@ -185,8 +192,6 @@ def decode_app(book: FrameBook, model: str = "standin", step_s: float = 0.0) -> 
     async def fail(request_id: str, body: FailJob) -> Response:
         return JSONResponse({"failed": request_id}) if reserved.pop(request_id, None) else _not_found(request_id)
 
-    return app
-
 
 def prefill_app(book: FrameBook, model: str = "standin") -> FastAPI:
     app = FastAPI()
@@ -199,26 +204,34 @@ def prefill_app(book: FrameBook, model: str = "standin") -> FastAPI:
                            prefill_compute_s=0.0)
         if not job.placed:
             placed[job.transfer_id] = asyncio.get_running_loop().create_future()
-
-        async def hand_off() -> HandOff:
-            if job.placed:
-                return HandOff(transfer_id=job.transfer_id, status="handed_off")
-            try:
-                status = await asyncio.wait_for(placed[job.transfer_id], _PLACEMENT_WAIT_S)
-            except TimeoutError:
-                status = "failed"
-            finally:
-                placed.pop(job.transfer_id, None)
-            return HandOff(transfer_id=job.transfer_id, status=status)  # type: ignore[arg-type]
-
         if NDJSON not in request.headers.get("accept", ""):
-            return JSONResponse((await hand_off()).model_dump())
+            return JSONResponse((await _hand_off(job, placed)).model_dump())
 
         async def events() -> AsyncIterator[str]:
             yield PrefillEvent(first_token=first).model_dump_json() + "\n"
-            yield PrefillEvent(hand_off=await hand_off()).model_dump_json() + "\n"
+            yield PrefillEvent(hand_off=await _hand_off(job, placed)).model_dump_json() + "\n"
 
         return StreamingResponse(events(), media_type=NDJSON)
+
+    _add_prefill_control_routes(app, placed)
+    return app
+
+
+async def _hand_off(job: PrefillJob, placed: dict[str, asyncio.Future[str]]) -> HandOff:
+    """At once for a placed job; else once its placement (or an abort) comes, or it times out."""
+    if job.placed:
+        return HandOff(transfer_id=job.transfer_id, status="handed_off")
+    try:
+        status = await asyncio.wait_for(placed[job.transfer_id], _PLACEMENT_WAIT_S)
+    except TimeoutError:
+        status = "failed"
+    finally:
+        placed.pop(job.transfer_id, None)
+    return HandOff(transfer_id=job.transfer_id, status=status)  # type: ignore[arg-type]
+
+
+def _add_prefill_control_routes(app: FastAPI, placed: dict[str, asyncio.Future[str]]) -> None:
+    """Placements and aborts of the jobs prefill holds."""
 
     @app.post("/pd/place/{transfer_id}")
     async def place(transfer_id: str, body: Placement) -> Response:
@@ -233,8 +246,6 @@ def prefill_app(book: FrameBook, model: str = "standin") -> FastAPI:
         if (waiting := placed.get(request_id)) is not None and not waiting.done():
             waiting.set_result("aborted")
         return JSONResponse({"aborted": request_id})
-
-    return app
 
 
 def main(argv: list[str] | None = None) -> int:
