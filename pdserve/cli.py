@@ -55,7 +55,7 @@ def _router(ns: argparse.Namespace) -> int:
 
 
 def _balancer(ns: argparse.Namespace) -> int:
-    from pdserve.serving.balancer import Balancer, create_balancer_app
+    from pdserve.ops.balancer import Balancer, create_balancer_app
 
     api = config_from_args(ApiConfig, ns)
     try:

@@ -17,8 +17,8 @@ from server_fixtures import free_port
 from pdserve.cli import build_parser, main, up_plan
 from pdserve.logs import ProbeAccessFilter
 from pdserve.ops import up
+from pdserve.ops.balancer import Balancer, create_balancer_app
 from pdserve.ops.threads import CorePlan, parse_cpu_list
-from pdserve.serving.balancer import Balancer, create_balancer_app
 
 
 def test_core_lists_parse_like_taskset() -> None:

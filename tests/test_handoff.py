@@ -13,6 +13,7 @@ import pytest
 from kv_transport_helpers import PoolSpec
 
 from pdserve.disagg import handoff
+from pdserve.disagg.attempt_states import RESERVATION, State
 from pdserve.disagg.decode_service import DecodeService, _Reserved
 from pdserve.disagg.handoff import HANDOFF_VERSION, HandOffDone, HandOffError
 from pdserve.disagg.phases import PrefillPhases
@@ -139,7 +140,7 @@ def _hand_over(record: bytes) -> tuple[DecodeService, _Client, asyncio.Queue[Any
     client = _Client()
     service = DecodeService(client, _Receiver(record), "fail", transfer_timeout_s=5.0)  # type: ignore[arg-type]
     stream: asyncio.Queue[Any] = asyncio.Queue()
-    service._requests["r"] = _Reserved(stream, (3,), "t", "r@0")
+    service._requests["r"] = _Reserved(stream, (3,), "t", "r@0", State(RESERVATION, "r"))
     asyncio.run(service._watch("r", "r@0"))
     return service, client, stream
 

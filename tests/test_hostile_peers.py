@@ -31,11 +31,11 @@ from pdserve.disagg.auth import (
     sign_job,
 )
 from pdserve.disagg.client import WorkerClient
-from pdserve.disagg.control import PrefillJob, ReserveRequest, WireSamplingParams
+from pdserve.disagg.control import FrameDecoder, PrefillJob, ReserveRequest, WireSamplingParams
 from pdserve.disagg.decode_service import DecodeService
 from pdserve.disagg.handoff import HandOffDone
 from pdserve.disagg.kv_layout import KVLayout
-from pdserve.disagg.sender_pool import SenderPool
+from pdserve.disagg.sender_pool import PoolSettings, SenderPool
 from pdserve.disagg.transport import KVTransferError, make_receiver, make_sender, nixl_available
 from pdserve.disagg.transport.errors import KVAuthError
 from pdserve.disagg.transport.handshake import KVPeerPolicy
@@ -240,8 +240,12 @@ def test_done_with_an_out_of_vocabulary_token_is_refused_through_the_decode_serv
             sender.connect(receiver.address)
             sender.send_done("oov@0", HandOffDone(vocab + 5).encode(), token=reply.token)
             await sender.flush("oov@0", 10)
-            frames = [f async for f in workers.stream(decode_url, "oov")]
-            return frames[-1].text, frames[-1].token_ids
+            decoder = FrameDecoder()  # decode's frames are deltas: rebuilt as the router does
+            seqs = []
+            async for frame in workers.stream(decode_url, "oov"):
+                decoder.check(frame)
+                seqs = decoder.sequences(frame)
+            return seqs[0].text, seqs[0].token_ids
         finally:
             sender.close()
             await workers.close()
@@ -320,7 +324,7 @@ def test_prefill_refuses_a_job_no_router_signed(cluster: Cluster) -> None:
 def test_queue_consumer_drops_a_forged_job_before_contacting_anyone() -> None:
     """A job someone with access to Redis put there, unsigned: dropped (acknowledged) before the
     consumer retargets, fails or prefills anything at the addresses it names."""
-    from pdserve.disagg.queue.redis_streams import RedisJobConsumer
+    from pdserve.disagg.queue.redis_streams import ConsumerOptions, RedisJobConsumer
 
     contacted: list[str] = []
 
@@ -330,7 +334,7 @@ def test_queue_consumer_drops_a_forged_job_before_contacting_anyone() -> None:
             raise AssertionError(f"the consumer called {name} for a forged job")
 
     service = SimpleNamespace(secret=secret(), run=Nobody())
-    consumer = RedisJobConsumer(service, "redis://127.0.0.1:1/0", token_budget=1)  # type: ignore[arg-type]
+    consumer = RedisJobConsumer(service, "redis://127.0.0.1:1/0", options=ConsumerOptions(token_budget=1))  # type: ignore[arg-type]
     consumer._workers = Nobody()  # type: ignore[assignment]
     consumer._redis = Nobody()  # type: ignore[assignment]
     acked: list[str] = []
@@ -404,7 +408,7 @@ def test_prefill_closes_a_kv_connection_unused_for_its_idle_time() -> None:
     layout = KVLayout.from_pool("m", pool)
     receivers = [make_receiver("fake", layout, pool) for _ in range(2)]
     now = [0.0]
-    senders = SenderPool("fake", layout, pool.clone(), idle_s=60.0, clock=lambda: now[0])
+    senders = SenderPool("fake", layout, pool.clone(), settings=PoolSettings(idle_s=60.0, clock=lambda: now[0]))
     try:
         first = senders.get(receivers[0].address)
         now[0] = 59.0

@@ -5,6 +5,7 @@ forced token by token through the sampler, and the utility routes work on both."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -18,7 +19,7 @@ import pytest
 from pd_fixtures import MODEL, Cluster, start_cluster, stop_cluster
 from server_fixtures import ServerHandle, start_server
 
-from pdserve.disagg.control import OutputFrame
+from pdserve.disagg.control import FrameEncoder
 from pdserve.disagg.decode_service import DecodeService
 from pdserve.disagg.prefill_service import PrefillService
 from pdserve.engine.request import Request
@@ -324,8 +325,9 @@ def test_bad_prompt_logprobs_are_a_400_on_both(servers: tuple[ServerHandle, Clus
 
 def test_a_decode_worker_that_does_not_send_the_prompt_logprobs_is_a_502(servers: tuple[ServerHandle, Cluster]) -> None:
     """(A decode worker of an older version would not: a 502 in the envelope, not a 500 or a silent gap.)"""
-    of = OutputFrame.of
-    with mock.patch.object(OutputFrame, "of", lambda output, **_: of(output, with_prompt_logprobs=False)):
+    frame = FrameEncoder.frame
+    with mock.patch.object(FrameEncoder, "frame",
+                           lambda self, output: frame(self, dataclasses.replace(output, prompt_logprobs=None))):
         reply = httpx.post(f"{servers[1].router.url}/v1/completions", timeout=60, json={
             "model": MODEL, "prompt": PROMPT, "max_tokens": 2, "prompt_logprobs": 1})
     assert reply.status_code == 502 and "prompt's logprobs" in reply.json()["error"]["message"]

@@ -21,7 +21,7 @@ from pdserve.disagg.client import WorkerClient
 from pdserve.disagg.control import HandOff, PrefillJob, WireSamplingParams
 from pdserve.disagg.decode_service import DecodeService
 from pdserve.disagg.prefill_service import PrefillService
-from pdserve.disagg.queue.redis_streams import RedisJobConsumer
+from pdserve.disagg.queue.redis_streams import ConsumerOptions, RedisJobConsumer
 from pdserve.disagg.transport.errors import KVTransferError
 from pdserve.disagg.transport.fake import FakeKVSender
 from pdserve.engine.commands import GeneratorState
@@ -161,7 +161,7 @@ def test_a_redis_consumer_that_cannot_reach_decode_says_so() -> None:
     it must end the request on decode (before, it only logged it and the request hung)."""
     async def scenario() -> None:
         workers = _RecordingWorkers()
-        consumer = RedisJobConsumer(_Unreachable(), "redis://127.0.0.1:1/0", token_budget=64)  # type: ignore[arg-type]
+        consumer = RedisJobConsumer(_Unreachable(), "redis://127.0.0.1:1/0", options=ConsumerOptions(token_budget=64))  # type: ignore[arg-type]
         await consumer._workers.close()
         consumer._workers = workers
         job = PrefillJob(request_id="r", transfer_id="r@1", decode_url="http://decode", prompt_token_ids=[1, 2, 3],

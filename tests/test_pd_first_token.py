@@ -21,15 +21,24 @@ from pd_fixtures import start_cluster, stop_cluster
 
 from pdserve.disagg.client import WorkerClient
 from pdserve.disagg.config import RouterConfig
-from pdserve.disagg.control import FirstToken, HandOff, OutputFrame, PrefillJob, ReserveReply, ReserveRequest
+from pdserve.disagg.control import (
+    FirstToken,
+    FrameEncoder,
+    HandOff,
+    OutputFrame,
+    PrefillJob,
+    ReserveReply,
+    ReserveRequest,
+)
 from pdserve.disagg.decode_service import DecodeService
 from pdserve.disagg.pool import WorkerPool
 from pdserve.disagg.queue.memory import MemoryPrefillQueue
-from pdserve.disagg.router import PDRouter
+from pdserve.disagg.router import PDRouter, ServedModel
 from pdserve.disagg.router_outputs import first_output
 from pdserve.disagg.transport.errors import KVTransferError
 from pdserve.disagg.transport.fake import FakeKVSender
 from pdserve.engine.llm import LLM
+from pdserve.engine.output import CompletionOutput, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.qwen3_config import Qwen3ModelConfig
 from pdserve.tokenizer import Tokenizer, load_tokenizer
@@ -84,8 +93,13 @@ class StubWorkers(WorkerClient):
     async def stream(self, url: str, request_id: str) -> AsyncGenerator[OutputFrame, None]:
         await self.sampled[request_id].wait()
         await self.decode_has_kv.wait()
+        encoder = FrameEncoder()  # the stream's cumulative frames as decode sends them: deltas
         for frame in self.streams[request_id]:
-            yield frame
+            if frame.kv_retry:
+                yield encoder.signal(kv_retry=True)
+                continue
+            seq = CompletionOutput(0, frame.text, frame.token_ids, frame.finish_reason)
+            yield encoder.frame(RequestOutput(request_id, None, [], [seq], seq.finished))
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +112,8 @@ def _router(model_dir: Path, tokenizer: Tokenizer, workers: StubWorkers, decode:
     pool = WorkerPool(workers, [PREFILL], list(decode))
     for worker in pool.members("prefill") + pool.members("decode"):
         mark_ready(worker)
-    return PDRouter(RouterConfig(prefill=(PREFILL,), decode=decode, **config), tokenizer,
-                    Qwen3ModelConfig.from_dir(model_dir), str(model_dir), 1024, pool=pool,
+    return PDRouter(RouterConfig(prefill=(PREFILL,), decode=decode, **config), ServedModel(tokenizer,
+                    Qwen3ModelConfig.from_dir(model_dir), str(model_dir), 1024), pool=pool,
                     queue=MemoryPrefillQueue(pool, workers), client=workers)
 
 
@@ -111,7 +125,8 @@ def _tokens(tokenizer: Tokenizer) -> list[int]:
 
 
 def _frame(tokenizer: Tokenizer, tokens: list[int], finish: str | None = None) -> OutputFrame:
-    """Decode's cumulative frame for these tokens (whole characters: the text is their decoding)."""
+    """Decode's cumulative output for these tokens (whole characters: the text is their decoding), as
+    a frame (StubWorkers.stream sends it as the delta a decode worker would)."""
     return OutputFrame(text=detokenize(tokenizer, tokens)[0], token_ids=tokens, finish_reason=finish)
 
 

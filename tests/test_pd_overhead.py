@@ -26,7 +26,7 @@ from pdserve.disagg.control import HandOff, OutputFrame, PrefillJob, ReserveRepl
 from pdserve.disagg.pool import WorkerPool
 from pdserve.disagg.prefill_service import PrefillService
 from pdserve.disagg.queue.memory import MemoryPrefillQueue
-from pdserve.disagg.router import PDRouter
+from pdserve.disagg.router import PDRouter, ServedModel
 from pdserve.engine.async_llm import AsyncLLM
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
@@ -180,8 +180,10 @@ def test_the_router_sends_the_prefill_job_before_it_reserves_and_opens_the_strea
         for worker in pool.members("prefill") + pool.members("decode"):
             mark_ready(worker)
         model_dir = model_dirs["tiny"]
-        router = PDRouter(RouterConfig(prefill=(PREFILL,), decode=(DECODE,)), load_tokenizer(str(model_dir)),
-                          Qwen3ModelConfig.from_dir(model_dir), str(model_dir), 1024, pool=pool,
+        router = PDRouter(RouterConfig(prefill=(PREFILL,), decode=(DECODE,)),
+                          ServedModel(load_tokenizer(str(model_dir)), Qwen3ModelConfig.from_dir(model_dir),
+                                      str(model_dir), 1024),
+                          pool=pool,
                           queue=MemoryPrefillQueue(pool, workers), client=workers)
         try:
             outputs = [o async for o in router.generate("r", [1, 2, 3, 4], SamplingParams(max_tokens=1))]

@@ -19,7 +19,7 @@ from pdserve.disagg.control import FirstToken, HandOff, PrefillJob, WireSampling
 from pdserve.disagg.pool import WorkerPool
 from pdserve.disagg.queue import Refusal, memory
 from pdserve.disagg.queue.memory import MemoryPrefillQueue
-from pdserve.disagg.router import PDRouter
+from pdserve.disagg.router import PDRouter, ServedModel
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.qwen3_config import Qwen3ModelConfig
 from pdserve.tokenizer import load_tokenizer
@@ -135,8 +135,10 @@ def test_resumed_jobs_are_counted_by_where_their_prompt_kv_came_from(model_dirs:
         pool = _pool(workers, [COLD, WARM])
         queue = MemoryPrefillQueue(pool, workers)
         model_dir = model_dirs["tiny"]
-        router = PDRouter(RouterConfig(prefill=(COLD, WARM), decode=(DECODE,)), load_tokenizer(str(model_dir)),
-                          Qwen3ModelConfig.from_dir(model_dir), str(model_dir), 1024, pool=pool, queue=queue,
+        router = PDRouter(RouterConfig(prefill=(COLD, WARM), decode=(DECODE,)),
+                          ServedModel(load_tokenizer(str(model_dir)), Qwen3ModelConfig.from_dir(model_dir),
+                                      str(model_dir), 1024),
+                          pool=pool, queue=queue,
                           client=workers)
         try:
             await router.run("first", PROMPT, PARAMS).dispatch(_job("first"))  # a first run: least loaded, not counted

@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.bench import router_cost
 from pdserve.bench.router_standins import FrameBook, token_cycle
-from pdserve.disagg.control import OutputFrame
+from pdserve.disagg.control import FrameDecoder, OutputFrame
 from pdserve.model.demo_checkpoint import default_model_dir
 from pdserve.tokenizer import load_tokenizer
 
@@ -23,9 +23,14 @@ def test_decode_standin_frames_are_what_a_decode_worker_streams() -> None:
     frames = [OutputFrame.model_validate_json(line) for line in book.lines(20)]
     assert len(frames) == 20
     assert [f.finish_reason for f in frames] == [None] * 19 + ["length"]
-    for index, frame in enumerate(frames):  # cumulative, like RequestOutput
-        assert frame.token_ids == [book.cycle[i % len(book.cycle)] for i in range(index + 1)]
-        assert frame.text == tokenizer.decode(frame.token_ids)
+    decoder = FrameDecoder()
+    for index, frame in enumerate(frames):  # deltas, as a decode worker's: one token each
+        assert frame.frame_no == index and frame.num_tokens_before == index
+        assert frame.token_ids == [book.cycle[index % len(book.cycle)]]
+        decoder.check(frame)
+        seq = decoder.sequences(frame)[0]
+        assert seq.token_ids == [book.cycle[i % len(book.cycle)] for i in range(index + 1)]
+        assert seq.text == tokenizer.decode(seq.token_ids)
     assert frames[0].token_ids == [book.first_token()]  # what prefill sends as the early first token
 
 

@@ -16,7 +16,7 @@ from pdserve.disagg.config import RouterConfig
 from pdserve.disagg.control import HandOff, PrefillJob, WireSamplingParams
 from pdserve.disagg.pool import WorkerPool
 from pdserve.disagg.queue.memory import MemoryPrefillQueue
-from pdserve.disagg.router import PDRouter
+from pdserve.disagg.router import PDRouter, ServedModel
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.qwen3_config import Qwen3ModelConfig
 from pdserve.tokenizer import load_tokenizer
@@ -58,8 +58,10 @@ def test_a_retry_after_a_requeue_gets_a_new_attempt(model_dirs: dict[str, Path])
             mark_ready(worker)
         queue = MemoryPrefillQueue(pool, workers)
         model_dir = model_dirs["tiny"]
-        router = PDRouter(RouterConfig(prefill=(PREFILL,), decode=(DECODE,)), load_tokenizer(str(model_dir)),
-                          Qwen3ModelConfig.from_dir(model_dir), str(model_dir), 1024, pool=pool, queue=queue,
+        router = PDRouter(RouterConfig(prefill=(PREFILL,), decode=(DECODE,)),
+                          ServedModel(load_tokenizer(str(model_dir)), Qwen3ModelConfig.from_dir(model_dir),
+                                      str(model_dir), 1024),
+                          pool=pool, queue=queue,
                           client=workers)
         job = PrefillJob(request_id="r", transfer_id="r@0", decode_url=DECODE, prompt_token_ids=[1, 2, 3],
                          params=WireSamplingParams.of(SamplingParams(max_tokens=2)), kv_address="a:1",

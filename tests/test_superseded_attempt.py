@@ -81,7 +81,8 @@ async def _tokens(frames: AsyncIterator[OutputFrame]) -> list[int]:
     token_ids: list[int] = []
     async for frame in frames:
         assert frame.error is None and not frame.kv_retry
-        token_ids = frame.token_ids
+        assert frame.num_tokens_before == len(token_ids)  # delta frames
+        token_ids = token_ids + frame.token_ids
     return token_ids
 
 

@@ -191,9 +191,18 @@ async def _waves(url: str, streams: int, tokens: int, stream: bool, waves: int) 
         return total
 
 
-def measure(router_pid: int, url: str, streams: int, tokens: int, stream: bool, min_chunks: int,
-            profiled: bool = False) -> Row:
+@dataclass(frozen=True, slots=True)
+class Load:
+    """One row's load: `streams` concurrent requests of `tokens` tokens each, streamed or not."""
+
+    streams: int
+    tokens: int
+    stream: bool
+
+
+def measure(router_pid: int, url: str, load: Load, min_chunks: int, profiled: bool = False) -> Row:
     """`profiled`: the router runs under `_PROFILED_ROUTER`, profiled over the measured waves only."""
+    streams, tokens, stream = load.streams, load.tokens, load.stream
     waves = max(1, math.ceil(min_chunks / (streams * tokens)))
     asyncio.run(_waves(url, min(streams, 8), 8, stream, 1))  # warm-up: connections, first-call paths
     if profiled:
@@ -291,13 +300,15 @@ def run(ns: argparse.Namespace) -> dict:
             procs.start_standins()
             router, url = procs.start_router()
             result["idle_router_cpu_ms_per_s"] = idle_cpu_ms_per_s(router.pid, ns.idle_s)
-            rows = [measure(router.pid, url, n, ns.tokens, stream, ns.min_chunks) for stream in modes for n in streams]
+            loads = [Load(n, ns.tokens, stream) for stream in modes for n in streams]
+            rows = [measure(router.pid, url, load, ns.min_chunks) for load in loads]
             result["rows"] = [asdict(row) for row in rows]
             procs.stop(router)
             if ns.profile:
                 out = logs / "router.prof"
                 router, url = procs.start_router(profile_out=out)
-                profiled = measure(router.pid, url, PROFILE_STREAMS, ns.tokens, True, ns.min_chunks, profiled=True)
+                load = Load(PROFILE_STREAMS, ns.tokens, True)
+                profiled = measure(router.pid, url, load, ns.min_chunks, profiled=True)
                 _wait_for_file(out)
                 procs.stop(router)
                 result["profile"] = {"row": asdict(profiled), **profile_top(out, ns.profile_top)}

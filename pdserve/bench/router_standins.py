@@ -4,8 +4,8 @@ measuring what the router itself costs (bench/router_cost.py).
     python -m pdserve.bench.router_standins --role decode|prefill --port PORT [--model DIR] [--step-ms 0]
 
 Decode: `POST /pd/reserve` always has room; `GET /pd/stream/{id}` streams one NDJSON `OutputFrame`
-per token (cumulative text and token ids, as a real decode worker's frames are: `OutputFrame.of` a
-RequestOutput), `--step-ms` apart (0: as fast as the router reads them), the last one finished
+per token (a delta: the token and its text, as a real decode worker's frames are: `FrameEncoder` over
+RequestOutputs), `--step-ms` apart (0: as fast as the router reads them), the last one finished
 ("length") after the request's `max_tokens`. The tokens are a fixed cycle of ordinary vocabulary
 ids (`token_cycle`), the same for every request, their text what a real engine's output state makes
 of them (so the router's early first token, which prefill sends, matches decode's first frame).
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import itertools
 import uuid
 from collections.abc import AsyncIterator
@@ -31,9 +32,9 @@ from pdserve.disagg.client import NDJSON
 from pdserve.disagg.control import (
     FailJob,
     FirstToken,
+    FrameEncoder,
     HandOff,
     Keepalive,
-    OutputFrame,
     Placement,
     PrefillEvent,
     PrefillJob,
@@ -68,7 +69,7 @@ def token_cycle(tokenizer: Tokenizer, length: int = CYCLE_LENGTH) -> list[int]:
 
 
 class FrameBook:
-    """The NDJSON lines a request of `max_tokens` T streams: T cumulative frames, the last finished
+    """The NDJSON lines a request of `max_tokens` T streams: T delta frames, the last finished
     ("length"); made once per T (a real worker builds each; here the stand-in's own cost stays small)."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
@@ -84,12 +85,13 @@ class FrameBook:
             state = RequestState("", None, [], 1, self.tokenizer, True, False, (), False, 0, 0.0)
             ids = list(itertools.islice(itertools.cycle(self.cycle), max_tokens))
             lines = []
+            frames = FrameEncoder()  # delta frames, as a real decode worker's (control.OutputFrame)
             for index, token_id in enumerate(ids):
                 state.add_token(0, token_id, None)
-                seq = state.snapshot().outputs[0]
-                last = index == len(ids) - 1
-                frame = OutputFrame(text=seq.text, token_ids=seq.token_ids, finish_reason="length" if last else None)
-                lines.append(frame.model_dump_json().encode() + b"\n")
+                output = state.snapshot()
+                if index == len(ids) - 1:
+                    output.outputs[0] = dataclasses.replace(output.outputs[0], finish_reason="length")
+                lines.append(frames.frame(output).model_dump_json().encode() + b"\n")
             self._books[max_tokens] = lines
         return self._books[max_tokens]
 
@@ -161,6 +163,13 @@ def decode_app(book: FrameBook, model: str = "standin", step_s: float = 0.0) -> 
 
         return StreamingResponse(lines(), media_type=NDJSON)
 
+    _add_decode_control_routes(app, reserved)
+    return app
+
+
+def _add_decode_control_routes(app: FastAPI, reserved: dict[str, _Reservation]) -> None:
+    """What decode answers besides reserving and streaming: aborts, keepalives, retargets..."""
+
     @app.post("/pd/abort/{request_id}")
     async def abort(request_id: str) -> JSONResponse:
         if (record := reserved.pop(request_id, None)) is not None:
@@ -183,8 +192,6 @@ def decode_app(book: FrameBook, model: str = "standin", step_s: float = 0.0) -> 
     async def fail(request_id: str, body: FailJob) -> Response:
         return JSONResponse({"failed": request_id}) if reserved.pop(request_id, None) else _not_found(request_id)
 
-    return app
-
 
 def prefill_app(book: FrameBook, model: str = "standin") -> FastAPI:
     app = FastAPI()
@@ -197,26 +204,34 @@ def prefill_app(book: FrameBook, model: str = "standin") -> FastAPI:
                            prefill_compute_s=0.0)
         if not job.placed:
             placed[job.transfer_id] = asyncio.get_running_loop().create_future()
-
-        async def hand_off() -> HandOff:
-            if job.placed:
-                return HandOff(transfer_id=job.transfer_id, status="handed_off")
-            try:
-                status = await asyncio.wait_for(placed[job.transfer_id], _PLACEMENT_WAIT_S)
-            except TimeoutError:
-                status = "failed"
-            finally:
-                placed.pop(job.transfer_id, None)
-            return HandOff(transfer_id=job.transfer_id, status=status)  # type: ignore[arg-type]
-
         if NDJSON not in request.headers.get("accept", ""):
-            return JSONResponse((await hand_off()).model_dump())
+            return JSONResponse((await _hand_off(job, placed)).model_dump())
 
         async def events() -> AsyncIterator[str]:
             yield PrefillEvent(first_token=first).model_dump_json() + "\n"
-            yield PrefillEvent(hand_off=await hand_off()).model_dump_json() + "\n"
+            yield PrefillEvent(hand_off=await _hand_off(job, placed)).model_dump_json() + "\n"
 
         return StreamingResponse(events(), media_type=NDJSON)
+
+    _add_prefill_control_routes(app, placed)
+    return app
+
+
+async def _hand_off(job: PrefillJob, placed: dict[str, asyncio.Future[str]]) -> HandOff:
+    """At once for a placed job; else once its placement (or an abort) comes, or it times out."""
+    if job.placed:
+        return HandOff(transfer_id=job.transfer_id, status="handed_off")
+    try:
+        status = await asyncio.wait_for(placed[job.transfer_id], _PLACEMENT_WAIT_S)
+    except TimeoutError:
+        status = "failed"
+    finally:
+        placed.pop(job.transfer_id, None)
+    return HandOff(transfer_id=job.transfer_id, status=status)  # type: ignore[arg-type]
+
+
+def _add_prefill_control_routes(app: FastAPI, placed: dict[str, asyncio.Future[str]]) -> None:
+    """Placements and aborts of the jobs prefill holds."""
 
     @app.post("/pd/place/{transfer_id}")
     async def place(transfer_id: str, body: Placement) -> Response:
@@ -231,8 +246,6 @@ def prefill_app(book: FrameBook, model: str = "standin") -> FastAPI:
         if (waiting := placed.get(request_id)) is not None and not waiting.done():
             waiting.set_result("aborted")
         return JSONResponse({"aborted": request_id})
-
-    return app
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -229,7 +229,7 @@ class WirePromptLogprobs(BaseModel):
 
 
 class SequenceFrame(BaseModel):
-    """Another of a request's `n` sequences (cumulative, like CompletionOutput)."""
+    """Another of a request's `n` sequences: what is new in it since the previous frame (OutputFrame)."""
 
     index: int
     text: str = ""
@@ -237,27 +237,33 @@ class SequenceFrame(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[WireLogprobs] | None = None
-
-    @classmethod
-    def of(cls, seq: CompletionOutput) -> SequenceFrame:
-        return cls(index=seq.index, text=seq.text, token_ids=seq.token_ids, finish_reason=seq.finish_reason,
-                   stop_reason=seq.stop_reason, logprobs=WireLogprobs.of_list(seq.logprobs))
-
-    def build(self) -> CompletionOutput:
-        return CompletionOutput(self.index, self.text, self.token_ids, self.finish_reason, self.stop_reason,
-                                WireLogprobs.build_list(self.logprobs))
+    num_tokens_before: int = Field(default=0, ge=0)
+    text_offset: int = Field(default=0, ge=0)
 
 
 class OutputFrame(BaseModel):
-    """decode -> router, one NDJSON line per engine output (cumulative, like RequestOutput). The
-    top-level text, token ids, finish and logprobs are sequence 0's; `other_sequences` holds
-    sequences 1..n-1 of a request with n > 1."""
+    """decode -> router, one NDJSON line per engine output of a stream (GET /pd/stream/{id}), each
+    a DELTA: only what is new since the stream's previous frame (`FrameEncoder` makes them,
+    `FrameDecoder` rebuilds the cumulative RequestOutput and refuses a frame that does not follow).
+    The top-level fields are sequence 0's; `other_sequences` holds sequences 1..n-1 of a request
+    with n > 1 (every one in every frame, with what is new in it).
 
+    Per sequence: `token_ids` the tokens after the first `num_tokens_before` ones; `text` replaces
+    the text from character `text_offset` on (the length of what the cumulative text kept of the
+    text before: all of it unless the engine changed earlier characters); `logprobs` the entries
+    after those sent before; `finish_reason` and `stop_reason` as they are now. `frame_no` counts
+    the stream's frames from 0 (retry and error frames included), so that a missed or reordered one
+    is refused. NOTE: no version of this format is negotiated: a router and its decode workers must
+    run the same pdserve (before this format, frames were cumulative)."""
+
+    frame_no: int = Field(default=0, ge=0)
     text: str = ""
     token_ids: list[int] = Field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[WireLogprobs] | None = None  # only when the request asked for them
+    num_tokens_before: int = Field(default=0, ge=0)
+    text_offset: int = Field(default=0, ge=0)
     other_sequences: list[SequenceFrame] = Field(default_factory=list)
     num_cached_tokens: int = 0
     error: str | None = None
@@ -270,20 +276,119 @@ class OutputFrame(BaseModel):
     # hold for every later output of the request
     prompt_logprobs: list[WirePromptLogprobs | None] | None = None
 
-    @classmethod
-    def of(cls, output: RequestOutput, with_prompt_logprobs: bool = True) -> OutputFrame:
-        seq = output.outputs[0]
-        return cls(text=seq.text, token_ids=seq.token_ids, finish_reason=seq.finish_reason,
-                   stop_reason=seq.stop_reason, logprobs=WireLogprobs.of_list(seq.logprobs),
-                   other_sequences=[SequenceFrame.of(s) for s in output.outputs[1:]],
-                   num_cached_tokens=output.num_cached_tokens,
-                   prompt_logprobs=WirePromptLogprobs.of_list(output.prompt_logprobs) if with_prompt_logprobs else None)
 
-    def sequences(self) -> list[CompletionOutput]:
-        """Every sequence, in index order."""
-        first = CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.stop_reason,
-                                 WireLogprobs.build_list(self.logprobs))
-        return [first] + [s.build() for s in self.other_sequences]
+class FrameGap(Exception):
+    """A stream's frame does not follow the ones before it (missed, reordered, or inconsistent)."""
+
+
+@dataclasses.dataclass(slots=True)
+class _Sent:
+    """What a stream's frames said of one sequence so far (either side keeps one per sequence)."""
+
+    num_tokens: int = 0
+    text: str = ""
+    num_logprobs: int = 0
+
+
+def _text_delta(sent: str, text: str) -> tuple[int, str]:
+    """(offset, new text from there) that turns `sent` into `text`: all after `sent` when `text`
+    extends it (the usual case), else after the part of it that `text` kept."""
+    if text.startswith(sent):
+        return len(sent), text[len(sent):]
+    keep = 0
+    for a, b in zip(sent, text, strict=False):
+        if a != b:
+            break
+        keep += 1
+    return keep, text[keep:]
+
+
+class FrameEncoder:
+    """Decode's side of one stream: each engine output as a delta OutputFrame (OutputFrame)."""
+
+    def __init__(self) -> None:
+        self._sent: dict[int, _Sent] = {}
+        self._frames = 0
+        self._prompt_logprobs_sent = False  # NOTE: once, with the first output that has them: they never change
+
+    def _next_no(self) -> int:
+        no = self._frames
+        self._frames += 1
+        return no
+
+    def signal(self, **fields: Any) -> OutputFrame:
+        """A frame without output (a retry, an error), numbered in the stream."""
+        return OutputFrame(frame_no=self._next_no(), **fields)
+
+    def _delta(self, seq: CompletionOutput) -> dict[str, Any]:
+        sent = self._sent.setdefault(seq.index, _Sent())
+        if len(seq.token_ids) < sent.num_tokens:
+            raise ValueError(f"sequence {seq.index} has fewer tokens ({len(seq.token_ids)}) than were sent")
+        offset, text = _text_delta(sent.text, seq.text)
+        logprobs = None
+        if seq.logprobs is not None:
+            logprobs = WireLogprobs.of_list(seq.logprobs[sent.num_logprobs:])
+            sent.num_logprobs = len(seq.logprobs)
+        delta = {"text": text, "token_ids": seq.token_ids[sent.num_tokens:], "finish_reason": seq.finish_reason,
+                 "stop_reason": seq.stop_reason, "logprobs": logprobs, "num_tokens_before": sent.num_tokens,
+                 "text_offset": offset}
+        sent.num_tokens = len(seq.token_ids)
+        sent.text = seq.text
+        return delta
+
+    def frame(self, output: RequestOutput) -> OutputFrame:
+        """The frame for the stream's next engine output."""
+        prompt_logprobs = None
+        if not self._prompt_logprobs_sent and output.prompt_logprobs is not None:
+            prompt_logprobs = WirePromptLogprobs.of_list(output.prompt_logprobs)
+            self._prompt_logprobs_sent = True
+        others = [SequenceFrame(index=s.index, **self._delta(s)) for s in output.outputs[1:]]
+        return OutputFrame(frame_no=self._next_no(), **self._delta(output.outputs[0]), other_sequences=others,
+                           num_cached_tokens=output.num_cached_tokens, prompt_logprobs=prompt_logprobs)
+
+
+@dataclasses.dataclass(slots=True)
+class _Got:
+    """What the router rebuilt of one sequence so far."""
+
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+
+
+class FrameDecoder:
+    """The router's side of one stream: its delta frames as the cumulative sequences (OutputFrame).
+    Every frame is checked to follow the ones before it (FrameGap: never a wrong text)."""
+
+    def __init__(self) -> None:
+        self._got: dict[int, _Got] = {}
+        self._frames = 0
+
+    def check(self, frame: OutputFrame) -> None:
+        """Count `frame` in (any frame of the stream, in order); FrameGap if it is not the next one."""
+        if frame.frame_no != self._frames:
+            raise FrameGap(f"frame {frame.frame_no} where frame {self._frames} was due")
+        self._frames += 1
+
+    def _apply(self, index: int, delta: OutputFrame | SequenceFrame) -> CompletionOutput:
+        got = self._got.setdefault(index, _Got())
+        if delta.num_tokens_before != len(got.token_ids):
+            raise FrameGap(f"sequence {index}: a frame after token {delta.num_tokens_before} where "
+                           f"{len(got.token_ids)} were received")
+        if delta.text_offset > len(got.text):
+            raise FrameGap(f"sequence {index}: text from character {delta.text_offset} where "
+                           f"{len(got.text)} were received")
+        got.token_ids = got.token_ids + delta.token_ids
+        got.text = (got.text if delta.text_offset == len(got.text) else got.text[:delta.text_offset]) + delta.text
+        if delta.logprobs is not None:
+            got.logprobs = (got.logprobs or []) + (WireLogprobs.build_list(delta.logprobs) or [])
+        return CompletionOutput(index, got.text, got.token_ids, delta.finish_reason, delta.stop_reason,
+                                None if got.logprobs is None else list(got.logprobs))
+
+    def sequences(self, frame: OutputFrame) -> list[CompletionOutput]:
+        """Every sequence after `frame` (already `check`ed), in index order."""
+        seqs = [self._apply(0, frame)] + [self._apply(s.index, s) for s in frame.other_sequences]
+        return sorted(seqs, key=lambda s: s.index) if frame.other_sequences else seqs
 
 
 class ConsumerReport(BaseModel):

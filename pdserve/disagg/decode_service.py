@@ -3,7 +3,7 @@
     router --POST /pd/reserve-->  reserve_remote on the engine thread; receiver.expect(transfer id, blocks)
     prefill worker ==KV layers==>  receiver (validated, written into the reserved blocks)
     KVDone(hand-off record: first token, generator state, ...) -> complete_remote: the first token is emitted at once
-    router <--GET /pd/stream---   one NDJSON OutputFrame per engine output until finished
+    router <--GET /pd/stream---   one NDJSON OutputFrame per engine output until finished (deltas)
 
 Before the first payload: the lease. The job is queued for or computing on a prefill worker
 (which the router and the queue watch: a lost prefill worker's job is prefilled again as a new
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pdserve.disagg.attempt_states import RESERVATION, WAITING_FOR_KV, Reservation, State
-from pdserve.disagg.control import OutputFrame, ReserveReply, ReserveRequest
+from pdserve.disagg.control import FrameEncoder, OutputFrame, ReserveReply, ReserveRequest
 from pdserve.disagg.handoff import HandOffDone
 from pdserve.disagg.kv_side import ReceiverView
 from pdserve.disagg.phases import TransferMeter
@@ -220,12 +220,12 @@ class DecodeService:
             raise KeyError(request_id)
         record.streaming = True
         finished = False
-        prompt_logprobs_sent = False  # NOTE: once, with the first output that has them: they never change
+        frames = FrameEncoder()  # what this stream sent: each frame is a delta (control.OutputFrame)
         try:
             while not finished:
                 item = await record.stream.get()
                 if isinstance(item, _RetrySignal):
-                    yield OutputFrame(kv_retry=True)
+                    yield frames.signal(kv_retry=True)
                     continue
                 if isinstance(item, BaseException):
                     finished = True
@@ -234,11 +234,10 @@ class DecodeService:
                         # router resumes the request on another decode worker (or this one restarted)
                         logger.warning("request %s: the engine died; breaking its stream off", request_id)
                         return
-                    yield OutputFrame(error=str(item), finish_reason="abort")
+                    yield frames.signal(error=str(item), finish_reason="abort")
                     return
                 finished = item.finished
-                frame = OutputFrame.of(item, with_prompt_logprobs=not prompt_logprobs_sent)
-                prompt_logprobs_sent = prompt_logprobs_sent or frame.prompt_logprobs is not None
+                frame = frames.frame(item)
                 yield self._meter.annotate(request_id, frame)
         finally:
             if not finished:
@@ -288,16 +287,8 @@ class DecodeService:
                 event = await self.receiver.wait(tid, self.transfer_timeout_s if started else
                                                  self.lease_s or _LIVENESS_POLL_S)
             except KVTransferTimeout:
-                if not self._expects(rid, tid):
-                    return
-                if not started:
-                    if self.lease_s:
-                        self._expire_lease(rid, tid)
-                        return
+                if await self._keeps_watching_after_timeout(rid, tid, started):
                     continue
-                if self._retry_once(rid, tid):
-                    continue
-                await self._apply_failure_policy(rid, "KV cache transfer timed out")
                 return
             except KVTransferError:
                 return  # cancelled: the request was aborted or retargeted
@@ -320,6 +311,21 @@ class DecodeService:
                 logger.warning("KV payload rejected for request %s: %s", rid, event.reason)
                 await self._apply_failure_policy(rid, f"KV transfer rejected: {event.reason}")
                 return
+
+    async def _keeps_watching_after_timeout(self, rid: str, tid: str, started: bool) -> bool:
+        """`_watch`'s wait timed out: whether it waits again (before the first payload with no lease,
+        or a retried attempt), else the lease expired or the transfer failed."""
+        if not self._expects(rid, tid):
+            return False
+        if not started:
+            if self.lease_s:
+                self._expire_lease(rid, tid)
+                return False
+            return True
+        if self._retry_once(rid, tid):
+            return True
+        await self._apply_failure_policy(rid, "KV cache transfer timed out")
+        return False
 
     def _expire_lease(self, rid: str, tid: str) -> None:
         """No payload and no keepalive for the lease: nobody is computing this attempt (a lost job,

@@ -34,13 +34,14 @@ from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.kv_streamer import KVDestination, KVStreamer, small_step_blocks
 from pdserve.disagg.rank_receiving import link_ranks
 from pdserve.disagg.rank_streaming import MirroredKVStreamer, RankStreamingSpec, rank_layout, sending_heads
-from pdserve.disagg.sender_pool import SenderPool
+from pdserve.disagg.sender_pool import PoolSettings, SenderPool
 from pdserve.disagg.transport import make_receiver, nixl_available
-from pdserve.disagg.transport.base import KVReceiver, KVSender
+from pdserve.disagg.transport.base import KVReceiver
 from pdserve.disagg.transport.errors import KVTransferError
 from pdserve.disagg.transport.handshake import KVPeerPolicy
 from pdserve.disagg.transport.messages import KVEvent
 from pdserve.disagg.transport.ranked import HeadRange
+from pdserve.disagg.transport.sender_base import KVSender
 from pdserve.engine.kv_transfer import KVTarget, KVTransferSetup, RankPools, TransferExpectations
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_runner import ModelRunner
@@ -275,8 +276,8 @@ def build_kv_side(runner: ModelRunner, config: EngineConfig, spec: KVSideSpec,
         return KVSide(spec, layout, setup, receiver=receiver)
     small_blocks = small_step_blocks(layout.block_bytes_per_layer, layout.num_layers)
     streamer = pools.streamer(small_blocks)
-    senders = SenderPool(spec.transport, layout, runner.kv_cache, sender_options, secret,
-                         sending_heads=pools.sending_heads, num_kv_heads=config.model.num_key_value_heads)
+    settings = PoolSettings(sending_heads=pools.sending_heads, num_kv_heads=config.model.num_key_value_heads)
+    senders = SenderPool(spec.transport, layout, runner.kv_cache, sender_options, secret, settings)
     prefill = PrefillKV(streamer, senders)
     return KVSide(spec, layout, KVTransferSetup(layer_observer=streamer, stream_targets=prefill), prefill=prefill)
 

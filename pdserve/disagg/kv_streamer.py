@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pdserve.disagg.transport.base import KVSender
+from pdserve.disagg.transport.sender_base import KVSender
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledChunk
 

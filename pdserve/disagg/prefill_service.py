@@ -258,17 +258,22 @@ class PrefillService:
             self._counts.aborted += 1
             return HandOff(transfer_id=tid, status="aborted")
         finally:
-            attempt = self._attempts.pop(tid, None)
-            sender = None
-            if attempt is not None:
-                if not attempt.first_token.done():
-                    attempt.first_token.set_result(None)
-                if attempt.placed.done():
-                    sender = attempt.placed.result()
-                else:
-                    attempt.placed.cancel()
-                    sender = attempt.placing
-            await asyncio.shield(self._release(tid, sender))
+            await asyncio.shield(self._release(tid, self._settle_attempt(tid)))
+
+    def _settle_attempt(self, tid: str) -> int | None:
+        """The attempt ended: forget it, settle its futures, and say which sender (if any) its
+        blocks wait on."""
+        attempt = self._attempts.pop(tid, None)
+        sender = None
+        if attempt is not None:
+            if not attempt.first_token.done():
+                attempt.first_token.set_result(None)
+            if attempt.placed.done():
+                sender = attempt.placed.result()
+            else:
+                attempt.placed.cancel()
+                sender = attempt.placing
+        return sender
 
     def _report_ended(self, tid: str) -> None:
         """The attempt will not hand off (its blocks go now, and with them what was not sent): its

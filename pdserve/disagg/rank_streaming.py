@@ -36,9 +36,9 @@ from pdserve.config import EngineConfig
 from pdserve.disagg.auth import load_cluster_secret
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.kv_streamer import KVDestination, KVStreamer, SendLayer
-from pdserve.disagg.sender_pool import SenderPool
-from pdserve.disagg.transport.base import KVSender
+from pdserve.disagg.sender_pool import PoolSettings, SenderPool
 from pdserve.disagg.transport.ranked import HeadRange
+from pdserve.disagg.transport.sender_base import KVSender
 from pdserve.engine.kv_transfer import RankPools
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledChunk
@@ -93,7 +93,8 @@ class RankStreaming:
         self.streamer = KVStreamer(layout.block_size, layout.num_layers, small_blocks=spec.small_blocks)
         self.senders = SenderPool(spec.transport, layout, kv_cache, None,
                                   load_cluster_secret(spec.cluster_secret_file),
-                                  sending_heads=sending_heads(config), num_kv_heads=config.model.num_key_value_heads)
+                                  PoolSettings(sending_heads=sending_heads(config),
+                                               num_kv_heads=config.model.num_key_value_heads))
         self._request_senders: dict[str, KVSender] = {}
 
     def command(self, message: tuple[Any, ...]) -> None:

@@ -26,6 +26,8 @@ from pdserve.disagg.client import UnknownRequest, WorkerClient, WorkerRefused, W
 from pdserve.disagg.config import RouterConfig
 from pdserve.disagg.control import (
     FirstToken,
+    FrameDecoder,
+    FrameGap,
     OutputFrame,
     Placement,
     PrefillJob,
@@ -115,6 +117,7 @@ class RequestRun:
         self.placed = True  # whether `ticket`'s job names the reservation (else: sent before it was made)
         self.refusal: Refusal | None = None  # a prefill worker refused the job: what the client gets
         self.state = State(RUN, self.rid)  # where it is in its lifecycle (attempt_states.RUN)
+        self.frames_in = FrameDecoder()  # decode's stream of this run: its delta frames made whole
 
     # -- what the queue tells it (AttemptListener) ------------------------------------------------
 
@@ -261,6 +264,10 @@ class RequestRun:
         early = self.early
         if isinstance(item, FirstToken):
             return self._first_token_output(item)
+        try:
+            self.frames_in.check(item)
+        except FrameGap as exc:
+            raise RouterError("decode_broke", f"decode's stream of {self.rid} is broken: {exc}") from exc
         if item.kv_retry:
             self.parts.events.kv_retries += 1
             if self.ticket is not None:
@@ -272,7 +279,10 @@ class RequestRun:
             raise RouterError("kv_failed", item.error)
         if item.phases is not None and (early is None or early.sent is None):
             current_trace().record(item.phases)
-        output = request_output(self.rid, self.prompt, item)
+        try:
+            output = request_output(self.rid, self.prompt, item, self.frames_in)
+        except FrameGap as exc:
+            raise RouterError("decode_broke", f"decode's stream of {self.rid} is broken: {exc}") from exc
         if early is not None and early.after(output) is None:
             return None  # the token prefill sent already
         return output

@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
 
 from pdserve.disagg.admission import Admission
 from pdserve.disagg.auth import load_cluster_secret
@@ -58,17 +59,27 @@ logger = logging.getLogger(__name__)
 _CONNECT_TIMEOUT_S = 5.0
 
 
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """What the router knows of the model its workers serve."""
+
+    tokenizer: Tokenizer
+    config: Qwen3ModelConfig
+    path: str
+    max_model_len: int
+
+
 class PDRouter:
     """EngineClient over remote workers (see serving/engine_client.py for the contract) and the
     RouterState serving/ reads (serving/router_stats.py). Used from one event loop."""
 
-    def __init__(self, config: RouterConfig, tokenizer: Tokenizer, model_config: Qwen3ModelConfig, model_path: str,
-                 max_model_len: int, *, pool: WorkerPool, queue: PrefillQueue, client: WorkerClient,
-                 membership: Membership | None = None) -> None:
+    def __init__(self, config: RouterConfig, model: ServedModel, *, pool: WorkerPool, queue: PrefillQueue,
+                 client: WorkerClient, membership: Membership | None = None) -> None:
         config.validate()
+        tokenizer, model_config, max_model_len = model.tokenizer, model.config, model.max_model_len
         self.config = config
         self.tokenizer = tokenizer
-        self.model_path = model_path
+        self.model_path = model.path
         self.max_model_len = max_model_len
         self.pool = pool
         self.membership = membership or Membership(pool, config)
@@ -94,8 +105,8 @@ class PDRouter:
         registry = Registry(config.registration_ttl_s) if config.accept_registrations else None
         membership = Membership(pool, config, registry=registry)
         queue = make_queue(config.queue, pool, client)
-        return cls(config, tokenizer, model_config, model_path, max_model_len, pool=pool, queue=queue, client=client,
-                   membership=membership)
+        model = ServedModel(tokenizer, model_config, model_path, max_model_len)
+        return cls(config, model, pool=pool, queue=queue, client=client, membership=membership)
 
     @property
     def alive(self) -> bool:

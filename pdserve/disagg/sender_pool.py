@@ -15,35 +15,46 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 
 from pdserve.disagg.auth import ClusterSecret
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.transport import make_sender
-from pdserve.disagg.transport.base import KVSender
 from pdserve.disagg.transport.ranked import HeadRange, RankedKVSender, count_links, split_address
+from pdserve.disagg.transport.sender_base import KVSender
 
 logger = logging.getLogger(__name__)
 
+@dataclass(frozen=True, slots=True)
+class PoolSettings:
+    """Tensor parallelism with a pool per rank: `sending_heads`, the heads of each rank that sends
+    (default: this pool's), of the model's `num_kv_heads` (default: this pool's), say how many
+    connections carry each layer (`KVSender.copies`, transport/ranked.py). `idle_s`: a sender unused
+    this long is closed; `clock` measures it."""
+
+    idle_s: float = 600.0
+    clock: Callable[[], float] = time.monotonic
+    sending_heads: list[HeadRange] | None = None
+    num_kv_heads: int | None = None
+
+
 class SenderPool:
     def __init__(self, transport: str, layout: KVLayout, kv_cache: torch.Tensor,
-                 options: Mapping[str, object] | None = None, secret: ClusterSecret | None = None, *,
-                 idle_s: float = 600.0, clock: Callable[[], float] = time.monotonic,
-                 sending_heads: list[HeadRange] | None = None, num_kv_heads: int | None = None) -> None:
+                 options: Mapping[str, object] | None = None, secret: ClusterSecret | None = None,
+                 settings: PoolSettings | None = None) -> None:
         """`kv_cache`: this worker's pool (or this rank's), which the senders read; `options` go to
-        each sender, with the cluster `secret` each handshake proves. Tensor parallelism with a pool
-        per rank: `sending_heads`, the heads of each rank that sends (default: this pool's), of the
-        model's `num_kv_heads` (default: this pool's), say how many connections carry each layer
-        (`KVSender.copies`, transport/ranked.py)."""
+        each sender, with the cluster `secret` each handshake proves; `settings`: see `PoolSettings`."""
+        settings = settings or PoolSettings()
         self.transport = transport
         self.layout = layout
         self.kv_cache = kv_cache
         self.options = {**(options or {}), "secret": secret}
-        self.idle_s = idle_s
-        self.sending_heads = sending_heads or [(layout.kv_head_start, layout.kv_head_end)]
-        self.num_kv_heads = num_kv_heads or layout.num_kv_heads
-        self._clock = clock
+        self.idle_s = settings.idle_s
+        self.sending_heads = settings.sending_heads or [(layout.kv_head_start, layout.kv_head_end)]
+        self.num_kv_heads = settings.num_kv_heads or layout.num_kv_heads
+        self._clock = settings.clock
         self._senders: dict[str, KVSender] = {}  # decode worker's KV address -> its sender
         self._last_used: dict[str, float] = {}  # address -> when `get` last handed its sender out
         self._retiring: list[KVSender] = []  # worn, replaced: closed once nothing of theirs is pending

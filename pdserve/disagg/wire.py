@@ -88,27 +88,36 @@ def _decode(hint: Any, value: object, where: str) -> object:
     optional = _optional_of(hint)
     if optional is not None:
         return None if value is None else _decode(optional, value, where)
+    if hint in (float, bytes, str, int, bool):
+        return _decode_scalar(hint, value, where)
+    if hint == tuple[float, ...] or hint in _INT_TUPLES:
+        return _decode_tuple(hint, value, where)
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return from_json_obj(hint, value)
+    raise TypeError(f"{where}: unsupported field type {hint!r}")
+
+
+def _decode_scalar(hint: type, value: object, where: str) -> object:
     if hint is float:
         return _decode_float(value, where)
     if hint is bytes:
         return _decode_bytes(value, where)
-    if hint in (str, int, bool):
-        # NOTE: exact type check: json gives bool for true/false, and bool is a subclass of int.
-        if type(value) is not hint:
-            raise WireFormatError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
-        return value
+    # NOTE: exact type check: json gives bool for true/false, and bool is a subclass of int.
+    if type(value) is not hint:
+        raise WireFormatError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _decode_tuple(hint: Any, value: object, where: str) -> tuple[object, ...]:
+    """`tuple[float, ...]` or a `tuple[int, ...]` hint."""
     if hint == tuple[float, ...]:
         if not isinstance(value, list):
             raise WireFormatError(f"{where}: expected a list of numbers")
         return tuple(_decode_float(item, where) for item in value)
-    if hint in _INT_TUPLES:
-        # NOTE: set(map(type, ...)) runs in C: a KV header's 256-block list is checked in ~5 us
-        if not isinstance(value, list) or not set(map(type, value)) <= {int}:
-            raise WireFormatError(f"{where}: expected a list of int")
-        return tuple(value)
-    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        return from_json_obj(hint, value)
-    raise TypeError(f"{where}: unsupported field type {hint!r}")
+    # NOTE: set(map(type, ...)) runs in C: a KV header's 256-block list is checked in ~5 us
+    if not isinstance(value, list) or not set(map(type, value)) <= {int}:
+        raise WireFormatError(f"{where}: expected a list of int")
+    return tuple(value)
 
 
 def _optional_of(hint: Any) -> Any:

@@ -155,10 +155,10 @@ def assemble_worker(client: LocalEngine, receiver: ReceiverView | None, senders:
 def _queue_consumer(service: PrefillService, config: WorkerConfig) -> RedisJobConsumer | None:
     if config.queue.queue == "memory":
         return None
-    from pdserve.disagg.queue.redis_streams import RedisJobConsumer
+    from pdserve.disagg.queue.redis_streams import ConsumerOptions, RedisJobConsumer
 
-    return RedisJobConsumer(service, config.queue.queue, config.queue.queue_deployment,
-                            claim_idle_s=config.queue_claim_idle_s, max_deliveries=config.queue_max_deliveries)
+    options = ConsumerOptions(claim_idle_s=config.queue_claim_idle_s, max_deliveries=config.queue_max_deliveries)
+    return RedisJobConsumer(service, config.queue.queue, config.queue.queue_deployment, options)
 
 
 def _background(consumer: RedisJobConsumer | None, registrar: Registrar | None) -> Lifespan:

@@ -12,6 +12,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pdserve.disagg.client import NDJSON
 from pdserve.disagg.control import (
     FailJob,
+    FirstToken,
+    HandOff,
     Keepalive,
     Placement,
     PrefillEvent,
@@ -119,28 +121,11 @@ def add_prefill_routes(app: FastAPI, service: PrefillService) -> None:
         if NDJSON not in request.headers.get("accept", ""):
             return JSONResponse((await asyncio.shield(task)).model_dump())
         first_token = service.first_token(job.transfer_id)
-
-        async def events() -> AsyncIterator[str]:
-            # NOTE: the first token goes out as soon as it is sampled, before the KV hand-off ends
-            # (waited for beside the task: neither is cancelled when this stream is)
-            await asyncio.wait((first_token, task), return_when=asyncio.FIRST_COMPLETED)
-            if first_token.done() and not first_token.cancelled() and (token := first_token.result()) is not None:
-                yield PrefillEvent(first_token=token).model_dump_json() + "\n"
-            yield PrefillEvent(hand_off=await asyncio.shield(task)).model_dump_json() + "\n"
-
-        return StreamingResponse(events(), media_type=NDJSON)
+        return StreamingResponse(_prefill_events(first_token, task), media_type=NDJSON)
 
     @app.post("/pd/place/{transfer_id}")
     async def place(transfer_id: str, body: Placement) -> Response:
-        if body.transfer_id != transfer_id:
-            return error_response("the placement names another attempt than its path", HTTPStatus.BAD_REQUEST)
-        try:
-            await service.place(body)
-        except KeyError:
-            return error_response(f"attempt {transfer_id!r} is not running here", HTTPStatus.NOT_FOUND)
-        except (ValueError, KVTransferError, OSError) as exc:
-            return _refused(exc)
-        return JSONResponse({"placed": transfer_id})
+        return await _place(service, transfer_id, body)
 
     @app.post("/pd/abort/{request_id}")
     async def abort(request_id: str) -> JSONResponse:
@@ -150,6 +135,28 @@ def add_prefill_routes(app: FastAPI, service: PrefillService) -> None:
     @app.post("/pd/prefix")
     async def prefix(body: PrefixQuery) -> PrefixReply:
         return PrefixReply(num_cached_tokens=await service.cached_prefix_tokens(body.prompt_token_ids))
+
+
+async def _place(service: PrefillService, transfer_id: str, body: Placement) -> Response:
+    if body.transfer_id != transfer_id:
+        return error_response("the placement names another attempt than its path", HTTPStatus.BAD_REQUEST)
+    try:
+        await service.place(body)
+    except KeyError:
+        return error_response(f"attempt {transfer_id!r} is not running here", HTTPStatus.NOT_FOUND)
+    except (ValueError, KVTransferError, OSError) as exc:
+        return _refused(exc)
+    return JSONResponse({"placed": transfer_id})
+
+
+async def _prefill_events(first_token: asyncio.Future[FirstToken | None],
+                          task: asyncio.Task[HandOff]) -> AsyncIterator[str]:
+    # NOTE: the first token goes out as soon as it is sampled, before the KV hand-off ends
+    # (waited for beside the task: neither is cancelled when this stream is)
+    await asyncio.wait((first_token, task), return_when=asyncio.FIRST_COMPLETED)
+    if first_token.done() and not first_token.cancelled() and (token := first_token.result()) is not None:
+        yield PrefillEvent(first_token=token).model_dump_json() + "\n"
+    yield PrefillEvent(hand_off=await asyncio.shield(task)).model_dump_json() + "\n"
 
 
 def _refused(exc: Exception) -> Response:

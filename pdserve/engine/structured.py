@@ -81,31 +81,43 @@ def _llguidance_grammar(spec: StructuredOutput) -> str:
     from llguidance.gbnf_to_lark import any_to_lark
 
     if spec.kind == "json":
-        try:
-            schema = json.loads(spec.text)
-        except ValueError as exc:
-            raise ValueError(f"the JSON schema is no JSON: {exc}") from exc
-        if not isinstance(schema, dict | bool):
-            raise ValueError("a JSON schema is an object (or a boolean)")
-        return LLMatcher.grammar_from_json_schema(spec.text, defaults=_JSON_OPTIONS)
+        return _json_schema_grammar(spec.text)
     if spec.kind == "json_object":
         return LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_OPTIONS)
     if spec.kind == "regex":
         return LLMatcher.grammar_from_regex(spec.text)
     if spec.kind == "choice":
-        try:
-            choices = json.loads(spec.text)
-        except ValueError as exc:
-            raise ValueError(f"choice: not a JSON list: {exc}") from exc
-        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
-            raise ValueError("choice: a non-empty list of non-empty strings")
-        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+        return _choice_grammar(spec.text)
     if spec.kind == "grammar":
         try:
             return LLMatcher.grammar_from_lark(any_to_lark(spec.text))
         except Exception as exc:  # noqa: BLE001 - the converter raises its own error types
             raise ValueError(f"the grammar is neither Lark nor GBNF: {exc}") from exc
     return LLMatcher.grammar_from_lark(spec.text)
+
+
+def _json_schema_grammar(text: str) -> str:
+    from llguidance import LLMatcher
+
+    try:
+        schema = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"the JSON schema is no JSON: {exc}") from exc
+    if not isinstance(schema, dict | bool):
+        raise ValueError("a JSON schema is an object (or a boolean)")
+    return LLMatcher.grammar_from_json_schema(text, defaults=_JSON_OPTIONS)
+
+
+def _choice_grammar(text: str) -> str:
+    from llguidance import LLMatcher
+
+    try:
+        choices = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"choice: not a JSON list: {exc}") from exc
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise ValueError("choice: a non-empty list of non-empty strings")
+    return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)

@@ -177,16 +177,7 @@ def rank_main(conn: Connection) -> None:
     torch.set_num_threads(rank_threads(config))
     if config.device.type == "cpu":
         keep_large_allocations_on_heap()
-    try:
-        store = dist.TCPStore("127.0.0.1", start.store_port, config.tensor_parallel_size, is_master=False,
-                              timeout=_COLLECTIVE_TIMEOUT)
-        parent = os.getppid()
-        shared = shared_group(start.collective_path, config, rank, lambda: os.getppid() == parent)
-        runner = build_rank_runner(config, TorchGroup(rank, config.tensor_parallel_size, store, config.device, shared),
-                                   start.pool_path)
-    except Exception as exc:  # noqa: BLE001 - rank 0 reports it
-        conn.send(repr(exc))
-        raise SystemExit(1) from exc
+    runner = _join_group(conn, start, config)
     conn.send("ready")
     hook: RankHook | None = None
     while True:
@@ -212,6 +203,21 @@ def rank_main(conn: Connection) -> None:
             conn.send(("error", repr(exc)))
         else:
             conn.send(("ok", reply))
+
+
+def _join_group(conn: Connection, start: RankStart, config: EngineConfig) -> ModelRunner:
+    """This rank's runner, in the group with the others (an error goes to rank 0, then SystemExit)."""
+    rank = start.rank
+    try:
+        store = dist.TCPStore("127.0.0.1", start.store_port, config.tensor_parallel_size, is_master=False,
+                              timeout=_COLLECTIVE_TIMEOUT)
+        parent = os.getppid()
+        shared = shared_group(start.collective_path, config, rank, lambda: os.getppid() == parent)
+        return build_rank_runner(config, TorchGroup(rank, config.tensor_parallel_size, store, config.device, shared),
+                                 start.pool_path)
+    except Exception as exc:  # noqa: BLE001 - rank 0 reports it
+        conn.send(repr(exc))
+        raise SystemExit(1) from exc
 
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:

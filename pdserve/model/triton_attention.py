@@ -107,7 +107,6 @@ def _decode_split_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, rows_ptr, part_
     split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, context_len)
-
     groups = tl.arange(0, BLOCK_G)
     dims = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + groups

@@ -22,6 +22,7 @@ import contextvars
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from http import HTTPStatus
 
 from pdserve.disagg.auth import sign_job, sign_placement
 from pdserve.disagg.client import WorkerClient, WorkerError, WorkerRefused
@@ -218,6 +219,12 @@ class MemoryPrefillQueue(PrefillQueue):
             hand_off = await reach(worker, self._client.prefill(worker.url, item.job, on_first_token,
                                                                 None if item.job.placed else item.accepted.set))
         except WorkerRefused as exc:
+            if exc.status >= HTTPStatus.INTERNAL_SERVER_ERROR:
+                # NOTE: the worker's failure, not the job's (its engine died under it): elsewhere, as
+                # for a worker lost
+                logger.warning("request %s: prefill failed the job (%d): %s; sending it elsewhere",
+                               item.job.request_id, exc.status, exc.message)
+                return not item.cancelled
             logger.warning("request %s: prefill refused the job: %s", item.job.request_id, exc.message)
             if item.listener is not None:
                 item.listener.refused(Refusal(exc.status, exc.message))

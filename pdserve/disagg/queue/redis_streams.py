@@ -181,21 +181,33 @@ class _Counts:
     skipped_aborted: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class ConsumerOptions:
+    """How a `RedisJobConsumer` pulls, reclaims and gives up on entries."""
+
+    token_budget: int | None = None  # prompt tokens in flight; None: the engine's max_num_batched_tokens
+    max_jobs: int = 64
+    claim_idle_s: float = 5.0  # re-deliver an entry whose consumer went silent this long
+    claim_interval_s: float = 1.0
+    max_deliveries: int = 3  # then the entry is dead-lettered
+    block_ms: int = 500
+
+
 class RedisJobConsumer:
     """Prefill worker side: feeds `service` from the shared stream (see the module docstring)."""
 
-    def __init__(self, service: PrefillService, url: str, deployment: str = "default", *,
-                 token_budget: int | None = None, max_jobs: int = 64, claim_idle_s: float = 5.0,
-                 claim_interval_s: float = 1.0, max_deliveries: int = 3, block_ms: int = 500) -> None:
+    def __init__(self, service: PrefillService, url: str, deployment: str = "default",
+                 options: ConsumerOptions | None = None) -> None:
+        opts = options or ConsumerOptions()
         self.service = service
         self.keys = RedisKeys(deployment)
         self.name = f"{socket.gethostname()}-{os.getpid()}-{id(self):x}"
-        self.token_budget = token_budget or service.client.config.scheduler.max_num_batched_tokens
-        self.max_jobs = max_jobs
-        self.claim_idle_ms = int(claim_idle_s * 1000)
-        self.claim_interval_s = claim_interval_s
-        self.max_deliveries = max_deliveries
-        self.block_ms = block_ms
+        self.token_budget = opts.token_budget or service.client.config.scheduler.max_num_batched_tokens
+        self.max_jobs = opts.max_jobs
+        self.claim_idle_ms = int(opts.claim_idle_s * 1000)
+        self.claim_interval_s = opts.claim_interval_s
+        self.max_deliveries = opts.max_deliveries
+        self.block_ms = opts.block_ms
         self._counts = _Counts()
         self._redis = connect(url)
         self._workers = WorkerClient(timeout_s=10.0, secret=service.secret)

@@ -13,9 +13,10 @@ from typing import Any
 import torch
 
 from pdserve.disagg.kv_layout import KVLayout, KVLayoutMismatch
-from pdserve.disagg.transport.base import KVReceiver, KVSender
+from pdserve.disagg.transport.base import KVReceiver
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.disagg.transport.messages import KVDone, KVEvent, KVProgress, KVRejected
+from pdserve.disagg.transport.sender_base import KVSender
 
 # name -> (module, receiver class, sender class)
 _TRANSPORTS: dict[str, tuple[str, str, str]] = {

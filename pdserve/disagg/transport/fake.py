@@ -17,8 +17,9 @@ from collections import Counter
 import torch
 
 from pdserve.disagg.kv_layout import KVLayout
-from pdserve.disagg.transport.base import KVReceiver, KVSender
+from pdserve.disagg.transport.base import KVReceiver
 from pdserve.disagg.transport.messages import Ack, DoneHeader, Hello, LayerHeader, Reject, Welcome
+from pdserve.disagg.transport.sender_base import KVSender
 
 _receivers: weakref.WeakValueDictionary[str, FakeKVReceiver] = weakref.WeakValueDictionary()
 _next_id = itertools.count()

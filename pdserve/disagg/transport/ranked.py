@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from pdserve.disagg.kv_layout import KVLayout
-from pdserve.disagg.transport.base import KVSender
+from pdserve.disagg.transport.sender_base import KVSender
 from pdserve.model.parallel import kv_head_range
 
 HeadRange = tuple[int, int]  # [first, end) of a model's KV heads

@@ -177,6 +177,10 @@ class ReservationTable:
         return reservation
 
     def _layer_problem(self, header: LayerHeader, reservation: Reservation) -> str | None:
+        return self._placement_problem(header, reservation) or self._payload_problem(header)
+
+    def _placement_problem(self, header: LayerHeader, reservation: Reservation) -> str | None:
+        """Which layer and blocks the payload is for: within what the request reserved and announced."""
         layout, dst = self.layout, header.dst_block_ids
         done = reservation.pending_done
         if done is not None and reservation.num_layer_payloads >= done.num_layer_payloads:
@@ -188,6 +192,11 @@ class ReservationTable:
             return f"destination blocks {outside} are not reserved for this request"
         if len(set(dst)) != len(dst) or not dst:
             return f"destination blocks must be distinct and non-empty, got {list(dst)}"
+        return None
+
+    def _payload_problem(self, header: LayerHeader) -> str | None:
+        """The payload's dtype, scales, heads, size and shape: what this pool stores (or converts)."""
+        layout, dst = self.layout, header.dst_block_ids
         if header.dtype not in FP8_DTYPES and header.scales != (1.0, 1.0):
             return f"scales {list(header.scales)} on a {header.dtype} payload (only FP8 payloads are scaled)"
         if not layout.stores_as(header.dtype, header.scales, header.layer):

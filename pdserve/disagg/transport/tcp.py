@@ -48,12 +48,13 @@ from pdserve.disagg.auth import ClusterSecret
 from pdserve.disagg.handoff import max_record_bytes
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.transport import frames, regions
-from pdserve.disagg.transport.base import KVReceiver, KVSender
+from pdserve.disagg.transport.base import KVReceiver
 from pdserve.disagg.transport.frames import Frame, ProtocolError
 from pdserve.disagg.transport.handshake import KVPeerGate, KVPeerPolicy, say_hello
 from pdserve.disagg.transport.io_thread import IoThread
 from pdserve.disagg.transport.messages import Ack, DoneHeader, Hello, LayerHeader, Reject
 from pdserve.disagg.transport.reservations import PayloadRejected
+from pdserve.disagg.transport.sender_base import KVSender
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,6 @@ import torch
 from pdserve.disagg.auth import ClusterSecret
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.transport import frames, regions
-from pdserve.disagg.transport.base import KVSender
 from pdserve.disagg.transport.handshake import say_hello
 from pdserve.disagg.transport.io_thread import IoThread
 from pdserve.disagg.transport.messages import (
@@ -43,6 +42,7 @@ from pdserve.disagg.transport.nixl.agent import (
     poll_notifs,
     region_addrs,
 )
+from pdserve.disagg.transport.sender_base import KVSender
 
 logger = logging.getLogger(__name__)
 
