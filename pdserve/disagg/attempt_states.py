@@ -121,7 +121,8 @@ class Reservation(enum.StrEnum):
     ENDED = "ended"
 
 
-_WAITING = (Reservation.AWAITING_KV, Reservation.RECEIVING, Reservation.RETRY_ASKED)
+# the reservation states in which a payload of the current attempt is wanted
+WAITING_FOR_KV = (Reservation.AWAITING_KV, Reservation.RECEIVING, Reservation.RETRY_ASKED)
 RESERVATION = Lifecycle("reservation", {
     Reservation.AWAITING_KV: (Reservation.AWAITING_KV, Reservation.RECEIVING, Reservation.RETRY_ASKED,
                               Reservation.DECODING, Reservation.PREFILLING_HERE, Reservation.ENDED),
@@ -176,4 +177,3 @@ ATTEMPT = Lifecycle("attempt", {
 })
 
 LIFECYCLES = (RUN, RESERVATION, ATTEMPT)
-WAITING_FOR_KV = _WAITING  # the reservation states in which a payload of the current attempt is wanted
