@@ -15,6 +15,7 @@ from pdserve.sizing.profile import PROFILE_VERSION, PDPathCosts, Profile, StepMo
 from pdserve.sizing.served_pd import (
     PROBE_OUTPUT_LEN,
     PROBE_PROMPT_LEN,
+    Load,
     ServedRun,
     Step,
     _simulated,
@@ -132,17 +133,39 @@ def test_path_costs_recovers_what_the_served_run_saw() -> None:
     probe = random_lengths(6, PROBE_PROMPT_LEN, PROBE_OUTPUT_LEN, seed=1)
     load = random_lengths(24, 64, 16, range_ratio=0.75, seed=2)
     profile = _profile()
-    run = ServedRun(_simulated(profile, truth, "tcp", probe, 1), probe, _simulated(profile, truth, "tcp", load, 8),
-                    load, 8, {}, "tcp")
+    run = ServedRun(_simulated(profile, truth, "tcp", probe, 1), probe,
+                    (Load(_simulated(profile, truth, "tcp", load, 8), load, 8),), {}, "tcp")
     got = path_costs(profile, run)
     assert got.first_token_s == pytest.approx(truth.first_token_s, abs=1e-9)
     assert got.handoff_s == pytest.approx(truth.handoff_s, abs=1e-9)
     # NOTE: the load-dependent parts need not be unique (medians of a few requests): they give the load's
     assert got.first_token_per_waiting_s > 0 and got.handoff_per_stream_s > 0
-    real, sim = run.load, _simulated(profile, got, "tcp", load, 8)
+    real, sim = run.loads[0].records, _simulated(profile, got, "tcp", load, 8)
     for index in (0, 1):
         assert _token_s(sim, index) == pytest.approx(_token_s(real, index), abs=1e-3)
     assert got.transport == "tcp" and got.num_requests == 6
+
+
+def test_path_costs_take_the_median_of_the_loads_fits() -> None:
+    """Three loads, one of them seen with a 5x larger per-waiting cost (a noisy spell): the profile
+    keeps the median of the three fits, near the two that agree, not their mean."""
+    from pdserve.bench.serve.workloads import random_lengths
+
+    probe = random_lengths(6, PROBE_PROMPT_LEN, PROBE_OUTPUT_LEN, seed=1)
+    profile = _profile()
+    truths = (PDPathCosts(0.008, 0.006, 0.002, 0.003), PDPathCosts(0.008, 0.006, 0.010, 0.003),
+              PDPathCosts(0.008, 0.006, 0.002, 0.003))
+    loads = []
+    for seed, truth in enumerate(truths, start=2):
+        workload = random_lengths(24, 64, 16, seed=seed)
+        loads.append(Load(_simulated(profile, truth, "tcp", workload, 8), workload, 8))
+    run = ServedRun(_simulated(profile, truths[0], "tcp", probe, 1), probe, tuple(loads), {}, "tcp")
+    fits = [path_costs(profile, dataclasses.replace(run, loads=(load,))) for load in loads]
+    got = path_costs(profile, run)
+    per_waiting = sorted(f.first_token_per_waiting_s for f in fits)
+    assert got.first_token_per_waiting_s == pytest.approx(per_waiting[1])
+    assert got.first_token_per_waiting_s < fits[1].first_token_per_waiting_s  # the outlier is not kept
+    assert got.handoff_per_stream_s == pytest.approx(sorted(f.handoff_per_stream_s for f in fits)[1])
 
 
 def test_simulate_says_when_a_profile_has_no_pd_path_costs(tmp_path: Path,

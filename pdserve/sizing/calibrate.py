@@ -279,6 +279,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-concurrency", type=int, default=ServedPlan().concurrency,
                    help="the served PD run's load: requests in flight (at most --max-num-seqs; near the concurrency "
                         "you will simulate: the load-dependent costs are fitted there)")
+    p.add_argument("--served-rounds", type=int, default=ServedPlan().rounds,
+                   help="the served PD run's loads, each with fresh prompts: the load-dependent costs are the "
+                        "median of their fits (one short load's fit moves a lot)")
     p.add_argument("--compare-device", default=None,
                    help="also print each sample against that device's roofline profile (e.g. H200)")
     add_config_args(p, EngineArgs, title="engine")
@@ -311,7 +314,8 @@ def run(ns: argparse.Namespace) -> int:
                 decode_batches=_ints(ns.decode_batches, Grid().decode_batches))
     compare = device(ns.compare_device) if ns.compare_device else None  # an unknown name fails before measuring
     logged = logged_samples(ns.from_step_log) if ns.from_step_log else None
-    served = ServedPlan(load=ns.served_requests, concurrency=ns.served_concurrency) if ns.served_requests > 0 else None
+    served = (ServedPlan(load=ns.served_requests, concurrency=ns.served_concurrency, rounds=max(1, ns.served_rounds))
+              if ns.served_requests > 0 else None)
     profile, samples = calibrate(engine_args(ns), transports, hardware_line(), grid, logged, served)
     profile.save(Path(ns.out))
     samples_path = Path(ns.out).with_suffix(".samples.json")

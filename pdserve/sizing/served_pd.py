@@ -12,8 +12,9 @@ worker, the calibrated engine flags and threads, `PDSERVE_STEP_LOG` on) and driv
    is the PD path's fixed cost. `PDPathCosts.first_token_s` is the median first token's excess,
    `handoff_s` the second token's (both measured against the simulator itself, run on the same
    requests with the served steps below, so the two agree on an isolated request by construction).
-2. **A load** (`load` requests at `concurrency`, all sent at once, one length as bench's `random`
-   workload: a closed loop of such requests runs in waves, which the prefill worker batches):
+2. **Loads** (`rounds` of them, each `load` requests at `concurrency`, all sent at once, one length
+   as bench's `random` workload, a fresh draw of prompts each round: a closed loop of such requests
+   runs in waves, which the prefill worker batches):
    - the steps the two workers logged while serving (their period: the step and any gap while work
      waited). Each role's served step is the timed step model scaled and shifted, `a x timed + b`,
      fitted to that role's logged steps (least squares on the seconds): the timed model keeps the
@@ -23,7 +24,10 @@ worker, the calibrated engine flags and threads, `PDSERVE_STEP_LOG` on) and driv
      for its first token, `handoff_per_stream_s`: per stream the decode tier is generating): under
      load the first token waits behind the other requests' dispatch and the hand-off behind the
      router's token traffic; the simulator, run on the same requests at the same concurrency, gets
-     the load's real first- and second-token medians with them (bisection).
+     the load's real first- and second-token medians with them (bisection), solved for each load
+     apart; the profile keeps the median of the solutions. One short load's wave structure moves
+     its first-token median a lot (one quiet-machine calibration fitted 36 ms per waiting request
+     where others fitted 11-17): the median of three is what the loop's TTFT can trust.
 """
 
 from __future__ import annotations
@@ -56,7 +60,8 @@ PROBE_OUTPUT_LEN = 8
 @dataclass(frozen=True, slots=True)
 class ServedPlan:
     probe: int = 12  # isolated requests
-    load: int = 48  # requests of the load
+    load: int = 48  # requests of each load
+    rounds: int = 3  # loads (fresh prompts each); the load-dependent costs are the median of their fits
     concurrency: int = 8  # the load's concurrency (capped by max_num_seqs)
     input_len: int = 96  # the load's prompts (all of one length, as `pdserve bench --workload random`'s)
     output_len: int = 24
@@ -72,12 +77,19 @@ class Step:
 
 
 @dataclass(frozen=True, slots=True)
+class Load:
+    """One load of the served run: its requests' records, the workload sent, its concurrency."""
+
+    records: tuple[RequestRecord, ...]
+    workload: Workload
+    concurrency: int
+
+
+@dataclass(frozen=True, slots=True)
 class ServedRun:
     probe: tuple[RequestRecord, ...]
     probe_workload: Workload
-    load: tuple[RequestRecord, ...]
-    load_workload: Workload
-    load_concurrency: int
+    loads: tuple[Load, ...]
     steps: dict[str, list[Step]]  # role ("prefill", "decode") -> its logged steps
     transport: str
 
@@ -130,18 +142,28 @@ def _solve(excess: Callable[[float], float], high: float) -> float:
 def path_costs(profile: Profile, run: ServedRun) -> PDPathCosts:
     """The PD path's costs (profile: with its served steps): the fixed parts are the isolated
     requests' first and second token medians in excess of the simulator's for the same requests;
-    the load-dependent parts are those that make the simulator's first and second token medians of
-    the load (same requests, same concurrency) the real ones."""
+    the load-dependent parts are, for each load, those that make the simulator's first and second
+    token medians of the load (same requests, same concurrency) the real ones: the median over the
+    loads."""
     ok = [r for r in run.probe if r.ok and len(r.chunk_times_s) >= 2]
-    if not ok or not any(r.ok and len(r.chunk_times_s) >= 2 for r in run.load):
+    loads = [load for load in run.loads if any(r.ok and len(r.chunk_times_s) >= 2 for r in load.records)]
+    if not ok or not loads:
         raise RuntimeError("the served PD run's requests failed (see the cluster's log)")
     sim = _simulated(profile, PDPathCosts(), run.transport, run.probe_workload, 1)
-    costs = PDPathCosts(max(0.0, _token_s(ok, 0) - _token_s(sim, 0)), max(0.0, _token_s(ok, 1) - _token_s(sim, 1)),
+    fixed = PDPathCosts(max(0.0, _token_s(ok, 0) - _token_s(sim, 0)), max(0.0, _token_s(ok, 1) - _token_s(sim, 1)),
                         transport=run.transport, num_requests=len(ok))
-    real_first, real_second = _token_s(run.load, 0), _token_s(run.load, 1)
+    fits = [_load_costs(profile, fixed, run.transport, load) for load in loads]
+    return replace(fixed, first_token_per_waiting_s=statistics.median(f.first_token_per_waiting_s for f in fits),
+                   handoff_per_stream_s=statistics.median(f.handoff_per_stream_s for f in fits))
+
+
+def _load_costs(profile: Profile, costs: PDPathCosts, transport: str, load: Load) -> PDPathCosts:
+    """`costs` with the load-dependent parts that give the simulator `load`'s real first and second
+    token medians."""
+    real_first, real_second = _token_s(load.records, 0), _token_s(load.records, 1)
 
     def excess(index: int, target: float, trial: PDPathCosts) -> float:
-        records = _simulated(profile, trial, run.transport, run.load_workload, run.load_concurrency)
+        records = _simulated(profile, trial, transport, load.workload, load.concurrency)
         return _token_s(records, index) - target
 
     def first(x: float, base: PDPathCosts) -> float:
@@ -200,7 +222,9 @@ def run_served_pd(args: EngineArgs, timed: StepModel, transport: str, max_num_se
 
     threads = args.num_threads or local.up_threads_per_worker(2)
     probe = random_lengths(plan.probe, PROBE_PROMPT_LEN, PROBE_OUTPUT_LEN, seed=1, kind=PromptKind(vocab_size))
-    load = random_lengths(plan.load, plan.input_len, plan.output_len, seed=2, kind=PromptKind(vocab_size))
+    workloads = [random_lengths(plan.load, plan.input_len, plan.output_len, seed=2 + n, kind=PromptKind(vocab_size))
+                 for n in range(plan.rounds)]
+    concurrency = max(1, min(plan.concurrency, max_num_seqs))
     with tempfile.TemporaryDirectory(prefix="pdserve-calibrate-pd-") as tmp:
         log_dir, step_dir = Path(tmp) / "logs", Path(tmp) / "steps"
         step_dir.mkdir()
@@ -213,8 +237,8 @@ def run_served_pd(args: EngineArgs, timed: StepModel, transport: str, max_num_se
             skip = _line_counts(step_dir)  # NOTE: the readiness requests' steps (the first, cold ones)
             config = LoadConfig(server.url, max_concurrency=1, progress=False)
             records = asyncio.run(run_load(probe, config)).records
-            concurrency = max(1, min(plan.concurrency, max_num_seqs))
-            loaded = asyncio.run(run_load(load, replace(config, max_concurrency=concurrency))).records
+            loads = tuple(Load(asyncio.run(run_load(w, replace(config, max_concurrency=concurrency))).records, w,
+                               concurrency) for w in workloads)
         finally:
             local.stop(server)
         steps: dict[str, list[Step]] = {}
@@ -225,4 +249,4 @@ def run_served_pd(args: EngineArgs, timed: StepModel, transport: str, max_num_se
                                          work.decode_context)
                 if seconds > 0 and predicted > 0:
                     steps.setdefault(role, []).append(Step(predicted, seconds))
-    return ServedRun(records, probe, loaded, load, concurrency, steps, transport)
+    return ServedRun(records, probe, loads, steps, transport)
