@@ -5,15 +5,18 @@ included; malformed calls come back as content; tools a server cannot serve are 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
+from pdserve.engine.structured import GrammarCache
 from pdserve.serving.chat_output import ChatReading, ChoiceReader, MessageDelta, message_json, plan_reading
 from pdserve.serving.config import ApiConfig
 from pdserve.serving.errors import OpenAIError
 from pdserve.serving.limits import check_limits, requested_prompt_logprobs
 from pdserve.serving.protocol import ChatCompletionRequest
+from pdserve.tokenizer.tokenizer import load_tokenizer
 
 THINKING = "<think>\nStep one.\nStep two.\n</think>\n\nThe answer."
 CALLS = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
@@ -82,6 +85,46 @@ def test_forced_call_start_is_read_with_the_answer() -> None:
 
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
+    """`auto` with parallel_tool_calls false: the answer's first call, whole or streamed however
+    cut; the later calls are dropped, text and all (no content made of them)."""
+    body = chat({"tools": [TOOL], "parallel_tool_calls": False})
+    reading = plan_reading(body, TOOLS_ON)
+    assert reading.max_calls == 1 and plan_reading(chat({"tools": [TOOL]}), TOOLS_ON).max_calls is None
+    for chunks in cuts(CALLS, (1, 4, 9, len(CALLS))):
+        read = read_streamed(reading, chunks)
+        assert read.content == "Let me look."
+        assert [(c.name, json.loads(c.arguments)) for c in read.calls] == [("get_weather", {"city": "Paris"})]
+    unterminated = CALLS.removesuffix("\n</tool_call>")  # the second call ends the answer unterminated
+    assert [c.name for c in read_streamed(reading, [unterminated]).calls] == ["get_weather"]
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_calls_grammar_allows_more_calls_only_when_parallel(model_dirs: dict[str, Path],
+                                                                     parallel: bool) -> None:
+    """`required`: the grammar after the forced `<tool_call>` takes one call of any tool and, with
+    parallel_tool_calls, further `<tool_call>` blocks as Qwen3's template writes them; without, the
+    second block is refused. Checked by replaying the answer's tokens through llguidance."""
+    tools = [TOOL, {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    reading = plan_reading(chat({"tools": tools, "tool_choice": "required", "parallel_tool_calls": parallel}),
+                           TOOLS_ON)
+    assert reading.structured is not None
+    tokenizer = load_tokenizer(str(model_dirs["tiny"]))
+    grammars = GrammarCache(tokenizer, tokenizer.vocab_size)
+    one = '{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+    two = one + '\n<tool_call>\n{"name":"get_time","arguments":{}}\n</tool_call>'
+    assert grammars.matcher(reading.structured, tokenizer.encode(one)).is_accepting()
+    if parallel:
+        assert grammars.matcher(reading.structured, tokenizer.encode(two)).is_accepting()
+        read = read_streamed(reading, [two])  # the reader starts with the forced `<tool_call>`
+        assert [c.name for c in read.calls] == ["get_weather", "get_time"] and read.content == ""
+    else:
+        with pytest.raises(ValueError, match="do not match"):
+            grammars.matcher(reading.structured, tokenizer.encode(two))
+    with pytest.raises(ValueError, match="do not match"):  # never a call of a tool not in the request
+        grammars.matcher(reading.structured, tokenizer.encode('{"name":"nope","arguments":{}}'))
 TOOLS_ON = ApiConfig(enable_auto_tool_choice=True, tool_call_parser="hermes")
 
 

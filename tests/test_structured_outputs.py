@@ -351,27 +351,31 @@ def test_tool_choice_required_and_named_give_calls_that_parse(server: ServerHand
 
 
 def check_tool_calls(http: httpx.Client, seeds: int) -> None:
-    """`tool_choice` required and named: one call, of a tool (the named one), whose arguments match
-    its schema, whole and streamed."""
+    """`tool_choice` required and named: calls of the tools (one of the named one; one or more for
+    required, exactly one with parallel_tool_calls false) whose arguments match their schemas,
+    whole and streamed."""
     chat = {"messages": [{"role": "user", "content": "Weather or time?"}], "tools": TOOLS, "max_tokens": 200,
             "temperature": 1.0}
     for seed in range(seeds):
-        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-            body = chat | {"tool_choice": choice, "seed": seed}
+        for choice, parallel in (("required", True), ("required", False),
+                                 ({"type": "function", "function": {"name": "get_weather"}}, True)):
+            body = chat | {"tool_choice": choice, "seed": seed, "parallel_tool_calls": parallel}
             reply = http.post("/v1/chat/completions", json=body)
             assert reply.status_code == 200, reply.text
             message = reply.json()["choices"][0]["message"]
-            assert len(message["tool_calls"]) == 1, message
-            call = message["tool_calls"][0]["function"]
-            tool = next(t["function"] for t in TOOLS if t["function"]["name"] == call["name"])
-            jsonschema.validate(json.loads(call["arguments"]), tool["parameters"])
+            calls = [c["function"] for c in message["tool_calls"]]
+            assert len(calls) == 1 if choice != "required" or not parallel else len(calls) >= 1, message
+            for call in calls:
+                tool = next(t["function"] for t in TOOLS if t["function"]["name"] == call["name"])
+                jsonschema.validate(json.loads(call["arguments"]), tool["parameters"])
             if choice != "required":
-                assert call["name"] == "get_weather"
+                assert calls[0]["name"] == "get_weather"
             streamed = http.post("/v1/chat/completions", json=body | {"stream": True})
-            calls = [tc for e in parse_sse(streamed.text) if isinstance(e, dict) and e["choices"]
-                     for tc in e["choices"][0]["delta"].get("tool_calls") or []]
-            assert [c["function"]["name"] for c in calls if "id" in c] == [call["name"]]
-            assert "".join(c["function"]["arguments"] for c in calls) == call["arguments"]
+            deltas = [tc for e in parse_sse(streamed.text) if isinstance(e, dict) and e["choices"]
+                      for tc in e["choices"][0]["delta"].get("tool_calls") or []]
+            assert [c["function"]["name"] for c in deltas if "id" in c] == [c["name"] for c in calls]
+            for index, call in enumerate(calls):
+                assert "".join(c["function"]["arguments"] for c in deltas if c["index"] == index) == call["arguments"]
 
 
 @pytest.mark.parametrize(("path", "extra", "words"), [

@@ -1,13 +1,18 @@
 """How a chat request's answers are read (reasoning.py, tool_calls.py) and what its prompt gets
 for it: the tools the chat template renders and, for tool_choice `required` or a named function,
 the start of the call the prompt puts in the model's mouth, and the grammar the rest of the answer
-is constrained to (engine/structured.py): one call whose arguments match that tool's parameters.
+is constrained to (engine/structured.py): calls whose arguments match their tool's parameters.
 
     tool_choice     needs                                   prompt ends with
     none / absent   -                                       -   (tools not rendered, no parsing)
     auto            --enable-auto-tool-choice, parser       -
     required        --tool-call-parser                      <tool_call>\\n
     {function: f}   --tool-call-parser, f among the tools   <tool_call>\\n{"name": "f", "arguments":
+
+`required` is one call of any of the tools or, with `parallel_tool_calls` (OpenAI's default: true),
+one or more, each in its own `<tool_call>` block as Qwen3's chat template writes them; a named
+function is one call of it. `parallel_tool_calls: false` with `auto` keeps the answer's first call
+(the model is free there: later calls are dropped, their text too).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class ChatReading:
     tools: bool = False
     named: bool = False  # a named function: its finish_reason stays "stop", as OpenAI's
     forced: str = ""  # appended to the rendered prompt: the answer's start, read with it
+    max_calls: int | None = None  # 1: parallel_tool_calls false (calls after the first are dropped)
     template_tools: list[dict[str, Any]] | None = None
     structured: StructuredOutput | None = None  # what the answer after `forced` is constrained to
 
@@ -47,10 +53,11 @@ def _arguments_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
 
 def _call_grammar(body: ChatCompletionRequest, name: str | None) -> StructuredOutput:
     """The rest of a forced call, as a Lark grammar (llguidance's `%json` embeds a schema): for
-    `required` (the prompt ends with `<tool_call>`), a call of any of the tools; for a named one (it
-    ends with its name and `"arguments": `), its arguments and the call's end."""
+    `required` (the prompt ends with `<tool_call>`), a call of any of the tools, then (with
+    parallel_tool_calls) any number of further `<tool_call>` blocks; for a named one (it ends with
+    its name and `"arguments": `), its arguments and the call's end."""
     assert body.tools is not None
-    end = json.dumps("\n" + TOOL_CALL_END)
+    end, next_call = json.dumps("\n" + TOOL_CALL_END), json.dumps("\n" + TOOL_CALL_START + "\n")
     if name is not None:
         tool = next(t for t in body.tools if t.function.name == name)
         schema = _arguments_schema(tool.function.parameters) | _COMPACT
@@ -59,7 +66,8 @@ def _call_grammar(body: ChatCompletionRequest, name: str | None) -> StructuredOu
                                                "arguments": _arguments_schema(t.function.parameters)},
               "required": ["name", "arguments"], "additionalProperties": False} for t in body.tools]
     schema = {"anyOf": calls} | _COMPACT
-    return StructuredOutput("lark", f"start: call {end}\ncall: %json {json.dumps(schema)}")
+    more = f" ({next_call} call {end})*" if body.parallel_tool_calls else ""
+    return StructuredOutput("lark", f"start: call {end}{more}\ncall: %json {json.dumps(schema)}")
 
 
 def _refuse(message: str) -> OpenAIError:
@@ -81,7 +89,8 @@ def plan_reading(body: ChatCompletionRequest, api: ApiConfig) -> ChatReading:
     if choice in (None, "auto"):
         if not api.enable_auto_tool_choice:
             raise _refuse('"auto" tool choice needs a server started with --enable-auto-tool-choice')
-        return ChatReading(reasoning=reasoning, tools=True, template_tools=tools)
+        return ChatReading(reasoning=reasoning, tools=True, template_tools=tools,
+                           max_calls=None if body.parallel_tool_calls else 1)
     if body.structured_constraints():
         raise _refuse(f"tool_choice {choice if isinstance(choice, str) else 'naming a function'} constrains the "
                       "answer: it goes with no other structured-output constraint (response_format, "
@@ -114,7 +123,7 @@ class ChoiceReader:
     def __init__(self, reading: ChatReading) -> None:
         self.reading = reading
         self._reasoning = ReasoningSplitter() if reading.reasoning else None
-        self._tools = ToolCallSplitter(reading.forced) if reading.tools else None
+        self._tools = ToolCallSplitter(reading.forced, reading.max_calls) if reading.tools else None
 
     @property
     def num_calls(self) -> int:

@@ -353,7 +353,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: ChatTemplateKwargs | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: Bool = True  # NOTE: accepted; the model decides how many calls it makes
+    parallel_tool_calls: Bool = True  # false: at most one call (chat_output.py)
 
     @property
     def enable_thinking(self) -> bool:

@@ -7,7 +7,8 @@
 Read as the text streams, one choice at a time, like reasoning.py: text that could still be the
 start of `<tool_call>` is held back; a call is complete at `</tool_call>` (or at the end of the
 answer), and then parsed. A call that is no JSON object with a string `name` and an object
-`arguments` is not a call: its text is returned as content, as it came. Whitespace that leads into
+`arguments` is not a call: its text is returned as content, as it came. With `max_calls`
+(parallel_tool_calls false) the calls after the first are dropped. Whitespace that leads into
 a call, or ends an answer that has one, is dropped (so `content` is null for an answer of calls
 only, as with OpenAI); other text stays content.
 """
@@ -53,13 +54,15 @@ def parse_call(text: str) -> ToolCall | None:
 
 class ToolCallSplitter:
     """One choice's content, fed as it streams. `forced`: what the prompt already put at the start
-    of the answer (tool_choice `required` or a named function), which the model continues."""
+    of the answer (tool_choice `required` or a named function), which the model continues.
+    `max_calls`: calls after that many are dropped, text and all (parallel_tool_calls false)."""
 
-    def __init__(self, forced: str = "") -> None:
+    def __init__(self, forced: str = "", max_calls: int | None = None) -> None:
         self._held = ""
         self._in_call = False
         self._spaces = ""  # whitespace not sent yet: dropped if a call follows
         self.num_calls = 0
+        self.max_calls = max_calls
         if forced:
             self.feed(forced)
 
@@ -86,9 +89,14 @@ class ToolCallSplitter:
                 content += self._content(TOOL_CALL_START + body + TOOL_CALL_END)
             else:
                 self._spaces = ""  # NOTE: whitespace that led into a call is no content
-                self.num_calls += 1
-                calls.append(call)
+                calls += self._take(call)
         return ToolDelta(content, calls)
+
+    def _take(self, call: ToolCall) -> list[ToolCall]:
+        if self.max_calls is not None and self.num_calls >= self.max_calls:
+            return []
+        self.num_calls += 1
+        return [call]
 
     def _content(self, text: str) -> str:
         """`text` less its trailing whitespace, held until it is known not to lead into a call."""
@@ -104,8 +112,8 @@ class ToolCallSplitter:
             self._in_call = False
             call = parse_call(held)
             if call is not None:
-                self.num_calls += 1
-                return ToolDelta(calls=[call])
+                self._spaces = ""
+                return ToolDelta(calls=self._take(call))
             held = TOOL_CALL_START + held
         text, self._spaces = self._spaces + held, ""
         return ToolDelta("" if self.num_calls and not text.strip() else text)
