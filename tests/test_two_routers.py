@@ -5,6 +5,7 @@ stream both routers share. A client cannot tell which router answered:
 - a mix of streamed and plain greedy requests sent to both at once: every one answered once, with
   the colocated text, one [DONE] per stream, ids unique across the routers, and each prompt handed
   off exactly once (the workers' counters);
+- the same model list and the same error for a bad request from either router;
 - streams dropped by their clients mid-way on both routers: the aborts reach both workers, which end
   with no reservation, no request, no prefill attempt and every KV block free (and, with Redis, no
   entry left pending in the consumer group).
@@ -163,6 +164,20 @@ def test_every_request_answered_once_through_either_router(two: TwoRouters, colo
     # exactly one hand-off per request: no job placed twice, none lost
     assert {k: after[k] - before[k] for k in after} == {"handed_off": len(prompts), "completed": len(prompts)}
     two.wait_until_free()
+
+
+def test_models_and_errors_are_the_same_through_either_router(two: TwoRouters) -> None:
+    too_long = GREEDY | {"prompt": random_prompt(1100, seed=7300)}  # past the routers' 1024-token window
+    seen = []
+    with httpx.Client(timeout=60) as http:
+        for router in two.routers:
+            models = http.get(f"{router.url}/v1/models").json()
+            for card in models["data"]:
+                card.pop("created")  # NOTE: the time of the call
+            refused = http.post(f"{router.url}/v1/completions", json=too_long)
+            seen.append((models, refused.status_code, refused.json()))
+    assert seen[0] == seen[1]
+    assert seen[0][1] == 400 and seen[0][2]["error"]["type"], seen[0]
 
 
 async def abandon(http: httpx.AsyncClient, url: str, prompt: list[int], num_chunks: int) -> None:
