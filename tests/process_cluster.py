@@ -165,13 +165,16 @@ class InProcessRouter:
 
 
 def start_router(model_dir: Path, prefill: list[WorkerProcess], decode: list[WorkerProcess],
-                 queue_url: str | None = None, deployment: str = "default", **options: Any) -> InProcessRouter:
+                 queue_url: str | None = None, deployment: str = "default", wait_ready: bool = True,
+                 **options: Any) -> InProcessRouter:
+    """`wait_ready=False`: return once it listens (workers that join by registering come later)."""
     config = RouterConfig(prefill=tuple(w.url for w in prefill), decode=tuple(w.url for w in decode),
                           queue=QueueArgs(queue_url or "memory", deployment), **options)
     client = PDRouter.from_config(config, load_tokenizer(str(model_dir)), Qwen3ModelConfig.from_dir(model_dir),
                                   str(model_dir), 1024)
     router = InProcessRouter(client, serve(create_router_app(client, MODEL)))
-    wait_router_ready(router)
+    if wait_ready:
+        wait_router_ready(router)
     return router
 
 

@@ -1,8 +1,9 @@
 """deploy/k8s/overlays/autoscale*: the committed files are a fresh render of AutoscaleConfig's
 defaults; every threshold, window, cooldown and bound in them (read back from the YAML) is the
-local policy's; the KEDA and CronHPA objects validate against the vendored CRD schemas; every
-query reads series a live pdserve cluster exports; both overlays render with kustomize once
-../cpu exists. Pre-warm's cron schedules: tests/test_k8s_cron.py."""
+local policy's; the router scales on its own signals (in-flight requests, CPU) within its own
+bounds; the KEDA and CronHPA objects validate against the vendored CRD schemas; every query reads
+series a live pdserve cluster exports; both overlays render with kustomize once ../cpu exists.
+Pre-warm's cron schedules: tests/test_k8s_cron.py."""
 
 from __future__ import annotations
 
@@ -20,11 +21,14 @@ from test_observability_assets import exported, metric_names  # noqa: F401 - `ex
 
 from pdserve.ops.autoscale import AutoscaleConfig, Reason
 from pdserve.ops.k8s_autoscale import DEFAULT_BOUNDS, OVERLAYS, RenderOptions, main, render, scaling_metrics
+from pdserve.ops.k8s_router_scale import RouterScaling
 
 ROOT = Path(__file__).resolve().parent.parent
 OVERLAYS_DIR = ROOT / "deploy" / "k8s" / "overlays"
 SCHEMAS = ROOT / "deploy" / "k8s" / "schemas"
 DEFAULTS = AutoscaleConfig()
+ROUTER_DEFAULTS = RouterScaling()
+SCALED = {"pdserve-prefill", "pdserve-decode", "pdserve-router"}
 # PromQL functions the metric-name parser of test_observability_assets does not know.
 _FUNCTIONS = {"vector"}
 
@@ -70,9 +74,48 @@ def check_behavior(behavior: dict[str, Any], role: str, c: AutoscaleConfig) -> N
     assert down["policies"] == [{"type": "Pods", "value": 1, "periodSeconds": c.scale_in_cooldown_s}]
 
 
-def check_keda(objects: list[dict[str, Any]], c: AutoscaleConfig, bounds: dict[str, tuple[int, int]]) -> None:
+def check_router_behavior(behavior: dict[str, Any], c: AutoscaleConfig) -> None:
+    assert behavior["scaleUp"] == {"stabilizationWindowSeconds": 0}  # a saturated router slows every stream
+    assert behavior["scaleDown"] == {"stabilizationWindowSeconds": c.scale_in_cooldown_s, "policies": [
+        {"type": "Pods", "value": 1, "periodSeconds": c.scale_in_cooldown_s}]}
+
+
+def check_router_query(query: str, matchers: str = "") -> None:
+    """The routers' in-flight requests, summed over routers (AverageValue divides by the target)."""
+    assert query == f'sum(vllm:num_requests_running{{role="router"{"," + matchers if matchers else ""}}})', query
+
+
+def check_router_keda(spec: dict[str, Any], c: AutoscaleConfig, router: RouterScaling) -> None:
+    assert spec["scaleTargetRef"]["name"] == "pdserve-router"
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == router.bounds
+    check_router_behavior(spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"], c)
+    triggers = {t["type"]: t for t in spec["triggers"]}
+    assert set(triggers) == {"prometheus", "cpu"} and len(spec["triggers"]) == 2
+    in_flight, cpu = triggers["prometheus"], triggers["cpu"]
+    assert in_flight["metricType"] == "AverageValue" and in_flight["metadata"]["ignoreNullValues"] == "false"
+    assert float(in_flight["metadata"]["threshold"]) == router.in_flight_target
+    assert in_flight["metadata"]["query"].startswith('sum(vllm:num_requests_running{role="router"')
+    assert (cpu["metricType"], cpu["metadata"]) == ("AverageValue", {"value": f"{router.cpu_target_millicores}m"})
+
+
+def check_router_hpa(spec: dict[str, Any], c: AutoscaleConfig, router: RouterScaling) -> str:
+    """Checks the router's HPA; returns the External metric it reads (from the adapter)."""
+    assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "pdserve-router"}
+    assert (spec["minReplicas"], spec["maxReplicas"]) == router.bounds
+    check_router_behavior(spec["behavior"], c)
+    external, resource = spec["metrics"]
+    assert external["type"] == "External" and external["external"]["target"] == {
+        "type": "AverageValue", "averageValue": str(router.in_flight_target)}
+    assert resource == {"type": "Resource", "resource": {"name": "cpu", "target": {
+        "type": "AverageValue", "averageValue": f"{router.cpu_target_millicores}m"}}}
+    return str(external["external"]["metric"]["name"])
+
+
+def check_keda(objects: list[dict[str, Any]], c: AutoscaleConfig, bounds: dict[str, tuple[int, int]],
+               router: RouterScaling = ROUTER_DEFAULTS) -> None:
     scaled = by_name(objects, "ScaledObject")
-    assert set(scaled) == {"pdserve-prefill", "pdserve-decode"}
+    assert set(scaled) == SCALED
+    check_router_keda(scaled["pdserve-router"]["spec"], c, router)
     for role, metrics in expected_metrics(c).items():
         spec = scaled[f"pdserve-{role}"]["spec"]
         assert spec["scaleTargetRef"]["name"] == f"pdserve-{role}"
@@ -94,10 +137,13 @@ def adapter_queries(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {rule["name"]["as"]: rule for rule in rules}
 
 
-def check_hpa(objects: list[dict[str, Any]], c: AutoscaleConfig, bounds: dict[str, tuple[int, int]]) -> None:
+def check_hpa(objects: list[dict[str, Any]], c: AutoscaleConfig, bounds: dict[str, tuple[int, int]],
+              router: RouterScaling = ROUTER_DEFAULTS) -> None:
     hpas, rules = by_name(objects, "HorizontalPodAutoscaler"), adapter_queries(objects)
-    assert set(hpas) == {"pdserve-prefill", "pdserve-decode"}
-    served = set()
+    assert set(hpas) == SCALED
+    in_flight = check_router_hpa(hpas["pdserve-router"]["spec"], c, router)
+    check_router_query(rules[in_flight]["metricsQuery"], "<<.LabelMatchers>>")
+    served = {in_flight}
     for role, metrics in expected_metrics(c).items():
         spec = hpas[f"pdserve-{role}"]["spec"]
         assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"pdserve-{role}"}
@@ -163,20 +209,25 @@ def test_every_knob_reaches_the_objects(tmp_path: Path) -> None:
              "--decode-running-high", "30", "--decode-running-target", "20", "--decode-tpot-target-ms", "80",
              "--decode-tpot-avg-target-ms", "70", "--scale-in-cooldown-s", "900", "--prefill", "2:6",
              "--decode", "3:12", "--prewarm", "07:00-09:00=decode:5", "--base", "../ack",
-             "--prometheus-url", "http://prom.example:9090", "--promql-matchers", 'namespace="llm"']
+             "--prometheus-url", "http://prom.example:9090", "--promql-matchers", 'namespace="llm"',
+             "--router", "3:9", "--router-in-flight-target", "200", "--router-cpu-target-millicores", "900"]
     assert main(["--out", str(tmp_path), *flags]) == 0
     config = AutoscaleConfig(autoscale_window_s=120, prefill_queue_target=25, prefill_queue_latency_target_s=2.5,
                              decode_running_high=30, decode_running_target=20, decode_tpot_target_ms=80,
                              decode_tpot_avg_target_ms=70, scale_in_cooldown_s=900)
-    bounds = {"prefill": (2, 6), "decode": (3, 12)}
-    check_keda(docs(tmp_path / "autoscale" / "scaledobjects.yaml"), config, bounds)
-    check_hpa(load_all(tmp_path / "autoscale-hpa"), config, bounds)
+    bounds, router = {"prefill": (2, 6), "decode": (3, 12)}, RouterScaling((3, 9), 200, 900)
+    check_keda(docs(tmp_path / "autoscale" / "scaledobjects.yaml"), config, bounds, router)
+    check_hpa(load_all(tmp_path / "autoscale-hpa"), config, bounds, router)
     for overlay in OVERLAYS:
         assert docs(tmp_path / overlay / "kustomization.yaml")[0]["resources"][0] == "../ack"
     for obj in docs(tmp_path / "autoscale" / "scaledobjects.yaml"):
         for trigger in obj["spec"]["triggers"]:
-            assert trigger["metadata"]["serverAddress"] == "http://prom.example:9090"
-            assert 'namespace="llm"' in trigger["metadata"]["query"]
+            if trigger["type"] == "prometheus":
+                assert trigger["metadata"]["serverAddress"] == "http://prom.example:9090"
+                assert 'namespace="llm"' in trigger["metadata"]["query"]
+    (router_object,) = (o for o in docs(tmp_path / "autoscale" / "scaledobjects.yaml")
+                        if o["metadata"]["name"] == "pdserve-router")
+    check_router_query(router_object["spec"]["triggers"][0]["metadata"]["query"], 'namespace="llm"')
     # a prewarm that names only decode: no prefill pre-warm objects, and no "EXAMPLE" left
     assert not (tmp_path / "autoscale" / "prewarm-prefill.yaml").exists()
     assert "EXAMPLE" not in (tmp_path / "autoscale" / "prewarm-decode.yaml").read_text()
@@ -196,6 +247,9 @@ def test_without_prewarm_an_example_interval_is_rendered_and_said_so() -> None:
     (["--prewarm", "10:01-10:00=prefill:2"], "covers the whole day"),
     (["--decode", "3:2"], "MIN <= MAX"),
     (["--decode-running-target", "20"], "decode_running_target <= decode_running_high"),
+    (["--router", "0:2"], "MIN"),
+    (["--router-in-flight-target", "0"], "router in-flight target 0: must be >= 1"),
+    (["--router-cpu-target-millicores", "0"], "router CPU target 0m: must be >= 1m"),
 ])
 def test_what_kubernetes_cannot_take_is_refused(flags: list[str], message: str, tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
@@ -239,7 +293,7 @@ def with_prewarm_patches(overlay_dir: Path) -> list[dict[str, Any]]:
 
 def test_crd_objects_validate_against_the_vendored_schemas() -> None:
     objects = [*with_prewarm_patches(OVERLAYS_DIR / "autoscale"), *committed("autoscale-hpa", "cronhpa.yaml")]
-    assert sorted(o["kind"] for o in objects) == ["CronHorizontalPodAutoscaler"] * 2 + ["ScaledObject"] * 2
+    assert sorted(o["kind"] for o in objects) == ["CronHorizontalPodAutoscaler"] * 2 + ["ScaledObject"] * 3
     assert sum(t["type"] == "cron" for o in objects if o["kind"] == "ScaledObject" for t in o["spec"]["triggers"]) == 2
     for obj in objects:
         errors = list(validator(obj["apiVersion"], obj["kind"]).iter_errors(obj))
@@ -247,7 +301,7 @@ def test_crd_objects_validate_against_the_vendored_schemas() -> None:
 
 
 def test_the_strict_schemas_catch_a_typo_and_a_non_string_trigger_value() -> None:
-    (prefill, _) = committed("autoscale", "scaledobjects.yaml")
+    prefill = committed("autoscale", "scaledobjects.yaml")[0]
     check = validator(prefill["apiVersion"], prefill["kind"])
     typo = copy.deepcopy(prefill)
     behavior = typo["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
@@ -265,13 +319,13 @@ def all_queries() -> list[str]:
     for rule in adapter_queries(committed("autoscale-hpa", "prometheus-adapter-rules.yaml")).values():
         queries.append(rule["seriesQuery"])
         queries.append(rule["metricsQuery"].replace("<<.LabelMatchers>>", 'namespace="pdserve"'))
-    assert len(queries) == 15
+    assert len(queries) == 18
     return queries
 
 
 def test_queries_name_the_routers_autoscaling_series() -> None:
     names = set().union(*(metric_names(q) - _FUNCTIONS for q in all_queries()))
-    assert names == {"pdserve:prefill_queue_depth", "pdserve:decode_running",
+    assert names == {"pdserve:prefill_queue_depth", "pdserve:decode_running", "vllm:num_requests_running",
                      "pdserve:prefill_queue_latency_seconds_bucket",
                      "pdserve:request_time_per_output_token_seconds_bucket",
                      "pdserve:request_time_per_output_token_seconds_sum",
@@ -301,14 +355,13 @@ def kustomize(overlay: str) -> list[dict[str, Any]]:
 def test_overlay_renders_on_the_cpu_overlay_and_leaves_replicas_to_the_autoscaler(overlay: str) -> None:
     objects = kustomize(overlay)
     deployments = by_name(objects, "Deployment")
-    for role in ("prefill", "decode"):
-        assert "replicas" not in deployments[f"pdserve-{role}"]["spec"], f"{overlay}: {role} replicas are fixed"
-    assert "pdserve-router" in deployments
+    for component in ("router", "prefill", "decode"):
+        assert "replicas" not in deployments[f"pdserve-{component}"]["spec"], f"{overlay}: {component} replicas fixed"
     kind = "ScaledObject" if overlay == "autoscale" else "HorizontalPodAutoscaler"
     scalers = by_name(objects, kind)
-    assert {s["spec"]["scaleTargetRef"]["name"] for s in scalers.values()} == {"pdserve-prefill", "pdserve-decode"}
+    assert {s["spec"]["scaleTargetRef"]["name"] for s in scalers.values()} == SCALED
     crd_objects = [o for o in objects if o["kind"] in ("ScaledObject", "CronHorizontalPodAutoscaler")]
-    assert len(crd_objects) == 2
+    assert len(crd_objects) == (3 if overlay == "autoscale" else 2)
     for obj in crd_objects:
         errors = list(validator(obj["apiVersion"], obj["kind"]).iter_errors(obj))
         assert not errors, [e.message for e in errors]
@@ -320,6 +373,6 @@ def test_overlay_renders_on_the_cpu_overlay_and_leaves_replicas_to_the_autoscale
 def test_hpas_and_adapter_config_map_validate_against_kubernetes_1_30() -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     objects = [*committed("autoscale-hpa", "hpa.yaml"), *committed("autoscale-hpa", "prometheus-adapter-rules.yaml")]
-    assert sorted(o["kind"] for o in objects) == ["ConfigMap", "HorizontalPodAutoscaler", "HorizontalPodAutoscaler"]
+    assert sorted(o["kind"] for o in objects) == ["ConfigMap"] + ["HorizontalPodAutoscaler"] * 3
     for obj in objects:
         kubernetes_validate.validate(obj, "1.30", strict=True)

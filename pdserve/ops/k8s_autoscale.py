@@ -2,6 +2,7 @@
 `AutoscaleConfig`, so the cluster and `pdserve up --autoscale` cannot drift:
 
     python -m pdserve.ops.k8s_autoscale [--out deploy/k8s/overlays] [--prefill MIN:MAX] [--decode MIN:MAX]
+        [--router MIN:MAX] [--router-in-flight-target N] [--router-cpu-target-millicores M]
         [--prometheus-url URL] [--timezone TZ] [--promql-matchers 'namespace="x"'] [--base ../cpu]
         [AutoscaleConfig's flags]
 
@@ -12,6 +13,9 @@ are this output for the defaults; a test re-renders and compares):
                      triggers added by a patch per role)
     autoscale-hpa/   autoscaling/v2 HPAs on External metrics served by prometheus-adapter (its
                      `externalRules` in a ConfigMap); pre-warm as CronHorizontalPodAutoscalers
+
+and in both, one more for the router Deployment, on the router's own load (in-flight requests and
+CPU: k8s_router_scale.py).
 
 One rule, one `ScalingMetric`: its PromQL, its target and how the HPA compares them. HPA
 arithmetic (both variants: KEDA creates an HPA): `Value`: desired = ceil(current * value / target);
@@ -50,10 +54,19 @@ import yaml
 from pdserve.config_flags import add_config_args, config_from_args
 from pdserve.ops.autoscale import AutoscaleConfig, Reason
 from pdserve.ops.k8s_cron import LEAD_MINUTES, clock, cronhpa_schedule, keda_schedule, prewarm_steps, shifted_window
+from pdserve.ops.k8s_objects import Manifest, decimal, deployment_ref, metadata
+from pdserve.ops.k8s_router_scale import (
+    DEFAULT_CPU_TARGET_MILLICORES,
+    DEFAULT_IN_FLIGHT_TARGET,
+    DEFAULT_ROUTER_BOUNDS,
+    RouterScaling,
+    router_adapter_rule,
+    router_hpa,
+    router_scaled_object,
+)
 from pdserve.ops.prewarm import PrewarmRule, parse_prewarm
 from pdserve.ops.signals import DECODE_RUNNING, QUEUE_DEPTH, QUEUE_LATENCY, ROLES, TPOT, Role
 
-Manifest = dict[str, Any]  # one Kubernetes object (or part of one) as YAML will show it
 MetricType = Literal["Value", "AverageValue"]
 
 OVERLAYS = ("autoscale", "autoscale-hpa")
@@ -125,11 +138,16 @@ class RenderOptions:
     timezone: str = "UTC"  # KEDA cron triggers (IANA name); CronHPA uses its controller's zone
     promql_matchers: str = ""  # e.g. namespace="pdserve": scopes KEDA's queries to one deployment
     base: str = "../cpu"  # the overlay the autoscaling one builds on, relative to it
+    router: RouterScaling = field(default_factory=RouterScaling)  # the routers' own scaling
 
     @property
     def example_prewarm(self) -> bool:
         """No --prewarm given: the pre-warm objects show `EXAMPLE_PREWARM`."""
         return not self.autoscale.prewarm
+
+    @property
+    def cooldown_s(self) -> int:
+        return _whole_seconds(self.autoscale.scale_in_cooldown_s, "scale_in_cooldown_s", 0)
 
     @property
     def prewarm(self) -> list[PrewarmRule]:
@@ -140,6 +158,7 @@ class RenderOptions:
         self.autoscale.validate()
         _whole_seconds(self.autoscale.autoscale_window_s, "autoscale_window_s", 1)
         _whole_seconds(self.autoscale.scale_in_cooldown_s, "scale_in_cooldown_s", 0)
+        self.router.validate()
         for role in ROLES:
             low, high = self.bounds[role]
             if not 1 <= low <= high:
@@ -160,11 +179,6 @@ def _whole_seconds(value: float, name: str, low: int) -> int:
     return int(value)
 
 
-def _decimal(value: float) -> str:
-    """10.0 -> '10', 0.06 -> '0.06': a KEDA threshold and a Kubernetes quantity alike."""
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
-
-
 class _Dumper(yaml.SafeDumper):
     """Block style, keys in the order built, multi-line strings (the adapter's config) as `|`."""
 
@@ -178,17 +192,6 @@ _Dumper.add_representer(str, _represent_str)
 
 def _yaml(value: Any) -> str:
     return yaml.dump(value, Dumper=_Dumper, sort_keys=False, width=10_000)
-
-
-def _metadata(name: str, component: str | None) -> Manifest:
-    labels = {"app.kubernetes.io/part-of": "pdserve", "app.kubernetes.io/name": "pdserve"}
-    if component is not None:
-        labels["app.kubernetes.io/component"] = component
-    return {"name": name, "labels": labels}
-
-
-def _deployment_ref(role: Role) -> Manifest:
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"pdserve-{role}"}
 
 
 def behavior(options: RenderOptions, role: Role) -> Manifest:
@@ -213,10 +216,10 @@ def scaled_object(options: RenderOptions, role: Role) -> Manifest:
     low, high = options.bounds[role]
     triggers = [{"type": "prometheus", "name": m.name, "metricType": m.metric_type,
                  "metadata": {"serverAddress": options.prometheus_url, "query": m.query(options.promql_matchers),
-                              "threshold": _decimal(m.target), "ignoreNullValues": "false"}}
+                              "threshold": decimal(m.target), "ignoreNullValues": "false"}}
                 for m in scaling_metrics(options.autoscale) if m.role == role]
-    return {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": _metadata(f"pdserve-{role}", role),
-            "spec": {"scaleTargetRef": _deployment_ref(role), "minReplicaCount": low, "maxReplicaCount": high,
+    return {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": metadata(f"pdserve-{role}", role),
+            "spec": {"scaleTargetRef": deployment_ref(role), "minReplicaCount": low, "maxReplicaCount": high,
                      "advanced": {"horizontalPodAutoscalerConfig": {"behavior": behavior(options, role)}},
                      "triggers": triggers}}
 
@@ -242,10 +245,10 @@ def hpa(options: RenderOptions, role: Role) -> Manifest:
         if m.role == role:
             key = "value" if m.metric_type == "Value" else "averageValue"
             metrics.append({"type": "External", "external": {
-                "metric": {"name": m.external_name}, "target": {"type": m.metric_type, key: _decimal(m.target)}}})
+                "metric": {"name": m.external_name}, "target": {"type": m.metric_type, key: decimal(m.target)}}})
     return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
-            "metadata": _metadata(f"pdserve-{role}", role),
-            "spec": {"scaleTargetRef": _deployment_ref(role), "minReplicas": low, "maxReplicas": high,
+            "metadata": metadata(f"pdserve-{role}", role),
+            "spec": {"scaleTargetRef": deployment_ref(role), "minReplicas": low, "maxReplicas": high,
                      "metrics": metrics, "behavior": behavior(options, role)}}
 
 
@@ -256,8 +259,8 @@ def adapter_rules(options: RenderOptions) -> Manifest:
               "resources": {"overrides": {"namespace": {"resource": "namespace"}}},
               "name": {"matches": f"^{re.escape(m.series)}$", "as": m.external_name},
               "metricsQuery": m.query("<<.LabelMatchers>>")} for m in scaling_metrics(options.autoscale)]
-    config = _yaml({"externalRules": rules})
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(ADAPTER_CONFIGMAP, None),
+    config = _yaml({"externalRules": [*rules, router_adapter_rule(options.router)]})
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata(ADAPTER_CONFIGMAP, None),
             "data": {"config.yaml": config}}
 
 
@@ -271,7 +274,7 @@ def cron_hpa(options: RenderOptions, role: Role) -> Manifest | None:
     jobs = [{"name": f"prewarm-{clock(s.minute).replace(':', '')}-to-{s.replicas}",
              "schedule": cronhpa_schedule(s.minute), "targetSize": s.replicas} for s in steps]
     return {"apiVersion": "autoscaling.alibabacloud.com/v1beta1", "kind": "CronHorizontalPodAutoscaler",
-            "metadata": _metadata(f"pdserve-{role}", role),
+            "metadata": metadata(f"pdserve-{role}", role),
             "spec": {"scaleTargetRef": {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
                                         "name": f"pdserve-{role}"}, "jobs": jobs}}
 
@@ -287,10 +290,11 @@ def _document(comments: Sequence[str], objects: Sequence[Any]) -> str:
 
 def _replicas_patch() -> str:
     """The autoscaler owns `replicas`: a strategic-merge patch removing it from both Deployments."""
-    docs = [{"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": f"pdserve-{role}"},
-             "spec": {"replicas": None}} for role in ROLES]
-    return _document(["The autoscaler owns the workers' `replicas`: the Deployments leave it unset, so an apply "
-                      "does not undo a scaling decision (the first apply over a fixed count resets it once)."], docs)
+    docs = [{"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": f"pdserve-{component}"},
+             "spec": {"replicas": None}} for component in ("router", *ROLES)]
+    return _document(["The autoscalers own the routers' and the workers' `replicas`: the Deployments leave it "
+                      "unset, so an apply does not undo a scaling decision (the first apply over a fixed count "
+                      "resets it once)."], docs)
 
 
 def _kustomization(options: RenderOptions, comment: str, resources: list[str], patches: list[Manifest]) -> str:
@@ -312,7 +316,9 @@ def _keda_overlay(options: RenderOptions) -> dict[str, str]:
             "KEDA ScaledObjects (keda.sh/v1alpha1). serverAddress is where KEDA queries Prometheus: rendered "
             f"from --prometheus-url (default {DEFAULT_PROMETHEUS_URL}, kube-prometheus-stack's Service in "
             "`monitoring`); set it by rendering again, or by a JSON patch of /spec/triggers/N/metadata/serverAddress "
-            "in an overlay of this one."], [scaled_object(options, role) for role in ROLES]),
+            "in an overlay of this one. The router's own: k8s_router_scale.py."],
+            [*(scaled_object(options, role) for role in ROLES), router_scaled_object(
+                options.router, options.cooldown_s, options.prometheus_url, options.promql_matchers)]),
         "replicas.yaml": _replicas_patch()}
     patches: list[Manifest] = [{"path": "replicas.yaml"}]
     for role in ROLES:
@@ -332,8 +338,10 @@ def _keda_overlay(options: RenderOptions) -> dict[str, str]:
 
 def _hpa_overlay(options: RenderOptions) -> dict[str, str]:
     files = {
-        "hpa.yaml": _document(["autoscaling/v2 HPAs on External metrics served by prometheus-adapter."],
-                              [hpa(options, role) for role in ROLES]),
+        "hpa.yaml": _document(["autoscaling/v2 HPAs on External metrics served by prometheus-adapter (the "
+                               "router's also on its pods' CPU, from metrics-server: k8s_router_scale.py)."],
+                              [*(hpa(options, role) for role in ROLES),
+                               router_hpa(options.router, options.cooldown_s)]),
         "prometheus-adapter-rules.yaml": _document([
             "prometheus-adapter's externalRules for the HPAs: the adapter reads one config file, so give it "
             "this ConfigMap's config.yaml (mounted as its --config), or merge these rules into its own."],
@@ -395,6 +403,14 @@ def _parser() -> argparse.ArgumentParser:
         low, high = DEFAULT_BOUNDS[role]
         parser.add_argument(f"--{role}", type=parse_bounds, default=DEFAULT_BOUNDS[role], metavar="MIN:MAX",
                             help=f"{role} replicas the autoscaler keeps within (default {low}:{high})")
+    low, high = DEFAULT_ROUTER_BOUNDS
+    parser.add_argument("--router", type=parse_bounds, default=DEFAULT_ROUTER_BOUNDS, metavar="MIN:MAX",
+                        help=f"routers the autoscaler keeps within (default {low}:{high})")
+    parser.add_argument("--router-in-flight-target", type=int, default=DEFAULT_IN_FLIGHT_TARGET, metavar="N",
+                        help="requests one router relays at once before another is added (default %(default)s)")
+    parser.add_argument("--router-cpu-target-millicores", type=int, default=DEFAULT_CPU_TARGET_MILLICORES,
+                        metavar="M", help="a router pod's CPU use (millicores) before another is added "
+                                          "(default %(default)s: its event loop uses one core at most)")
     parser.add_argument("--prometheus-url", default=DEFAULT_PROMETHEUS_URL,
                         help="where KEDA queries Prometheus (its triggers' serverAddress)")
     parser.add_argument("--timezone", default="UTC", help="IANA time zone of the --prewarm times in KEDA's cron "
@@ -411,8 +427,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     ns = parser.parse_args(argv)
+    router = RouterScaling(ns.router, ns.router_in_flight_target, ns.router_cpu_target_millicores)
     options = RenderOptions(config_from_args(AutoscaleConfig, ns), {"prefill": ns.prefill, "decode": ns.decode},
-                            ns.prometheus_url, ns.timezone, ns.promql_matchers, ns.base)
+                            ns.prometheus_url, ns.timezone, ns.promql_matchers, ns.base, router)
     try:
         files = render(options)
     except ValueError as exc:
