@@ -21,8 +21,8 @@ from pdserve.disagg.decode_service import DecodeService
 from pdserve.disagg.prefill_service import PrefillService
 from pdserve.disagg.router import PDRouter
 from pdserve.disagg.router_app import create_router_app
+from pdserve.disagg.worker_stats import DecodeStats
 from pdserve.model.qwen3_config import Qwen3ModelConfig
-from pdserve.serving.worker_stats import DecodeStats
 from pdserve.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow  # every test starts a cluster

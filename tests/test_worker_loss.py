@@ -19,8 +19,8 @@ from helpers import generate_texts, greedy, random_prompt
 from process_cluster import ProcessCluster, WorkerProcess, spawn_worker, start_router, wait_healthy
 
 from pdserve import LLM, SamplingParams
+from pdserve.disagg.router_stats import Recoveries
 from pdserve.engine.structured import StructuredOutput
-from pdserve.serving.router_stats import Recoveries
 
 pytestmark = pytest.mark.slow  # workers as processes, killed and replaced
 

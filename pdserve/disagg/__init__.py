@@ -7,5 +7,7 @@
     transport/                                  moving KV between workers (tcp, nixl, fake)
     control.py, client.py, handoff.py           the messages between them, and the one client of /pd/*
     attempt_states.py, request_ids.py           the states of a request's run, reservation and attempt; its ids
+    router_stats.py, worker_stats.py            what the router and a worker's service show of themselves
+    router_metrics.py, worker_metrics.py        ... as Prometheus series (and the router's dashboard pool)
 See docs/ARCHITECTURE.md ("One request's lifecycle (disaggregated)").
 """

@@ -18,9 +18,9 @@ from pdserve.disagg.config import RouterConfig
 from pdserve.disagg.errors import Refused, RouterError
 from pdserve.disagg.pool import WorkerPool
 from pdserve.disagg.queue import PrefillQueue
+from pdserve.disagg.router_stats import Rejections
 from pdserve.engine.llm_engine import check_request
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.serving.router_stats import Rejections
 
 RejectReason = Literal["invalid", "queue_full", "no_prefill_worker", "no_decode_worker", "no_kv_room",
                        "queue_unavailable", "first_token_timeout"]

@@ -44,12 +44,12 @@ from pdserve.disagg.prompt_logprobs_wire import unpack
 from pdserve.disagg.request_ids import request_id_of
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.disagg.transport.messages import KVDone, KVRejected
+from pdserve.disagg.worker_stats import DecodeStats
 from pdserve.engine.async_llm import EngineClient, EngineDeadError, RequestFailedError
 from pdserve.engine.commands import CachedPrefixTokens, CompleteRemote, PrefillLocally, ReserveRemote
 from pdserve.engine.output import RequestOutput
 from pdserve.logs import bind_request_id
 from pdserve.serving.trace import TransferRecord
-from pdserve.serving.worker_stats import DecodeStats
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from pdserve.disagg.client import WorkerClient, WorkerUnreachable
 from pdserve.disagg.control import WorkerInfo
-from pdserve.serving.router_stats import WorkerLoad, WorkerRole, WorkerView
+from pdserve.disagg.router_stats import WorkerLoad, WorkerRole, WorkerView
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -43,12 +43,12 @@ from pdserve.disagg.kv_side import SenderHandles
 from pdserve.disagg.phases import PrefillPhases
 from pdserve.disagg.prompt_logprobs_wire import pack
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
+from pdserve.disagg.worker_stats import PrefillStats
 from pdserve.engine.async_llm import EngineClient, EngineDeadError, OutputStream, RequestFailedError
 from pdserve.engine.commands import AddPrefillOnly, CachedPrefixTokens, GeneratorState, PlaceKV, ReleaseKV
 from pdserve.engine.kv_transfer import KVTarget
 from pdserve.engine.output import RequestOutput
 from pdserve.logs import bind_request_id
-from pdserve.serving.worker_stats import PrefillStats
 
 logger = logging.getLogger(__name__)
 _ENGINE_STUCK_S = 30.0

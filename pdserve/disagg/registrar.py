@@ -16,7 +16,7 @@ import httpx
 
 from pdserve.disagg.auth import ClusterSecret, SignedRequests
 from pdserve.disagg.control import Registration
-from pdserve.serving.router_stats import WorkerRole
+from pdserve.disagg.router_stats import WorkerRole
 
 logger = logging.getLogger(__name__)
 _TIMEOUT_S = 2.0

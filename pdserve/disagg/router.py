@@ -49,10 +49,10 @@ from pdserve.disagg.pool import WorkerPool
 from pdserve.disagg.queue import PrefillQueue, make_queue
 from pdserve.disagg.request_run import Instance, RequestRun, RouterParts, RunEvents, instance
 from pdserve.disagg.router_outputs import AttemptFailed, DecodeLost, after_sent, continuation, next_within
+from pdserve.disagg.router_stats import Recoveries, RouterEvents, RouterStats, WorkerView
 from pdserve.engine.output import CompletionOutput, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.qwen3_config import Qwen3ModelConfig
-from pdserve.serving.router_stats import Recoveries, RouterEvents, RouterStats, WorkerView
 from pdserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class ServedModel:
 
 class PDRouter:
     """EngineClient over remote workers (see serving/engine_client.py for the contract) and the
-    RouterState serving/ reads (serving/router_stats.py). Used from one event loop."""
+    RouterState its metrics and dashboard read (router_stats.py). Used from one event loop."""
 
     def __init__(self, config: RouterConfig, model: ServedModel, *, pool: WorkerPool, queue: PrefillQueue,
                  client: WorkerClient, membership: Membership | None = None) -> None:

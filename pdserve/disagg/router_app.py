@@ -17,10 +17,11 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.disagg.auth import PeerAuth
 from pdserve.disagg.control import Registration
 from pdserve.disagg.router import PDRouter
-from pdserve.serving.app import Probes, create_app
+from pdserve.disagg.router_metrics import instrument_router_app
+from pdserve.disagg.router_stats import RouterStats
+from pdserve.serving.app import AppExtras, Probes, create_app
 from pdserve.serving.config import ApiConfig
 from pdserve.serving.errors import error_response
-from pdserve.serving.router_stats import RouterStats
 
 
 def create_router_app(router: PDRouter, model_name: str, api: ApiConfig | None = None) -> FastAPI:
@@ -45,7 +46,10 @@ def create_router_app(router: PDRouter, model_name: str, api: ApiConfig | None =
 
     probes = Probes(live=lambda: watcher is not None and not watcher.done(),
                     unready_reason=lambda: router.unready_reason)
-    app = create_app(router, model_name, lifespan, router=router, probes=probes, api=api)
+    # NOTE: besides serving's own refusals: a full queue (429), a worker that broke off (502)
+    extras = AppExtras(lambda served, client: instrument_router_app(served, client, router, model_name),
+                       refusals=(HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.BAD_GATEWAY))
+    app = create_app(router, model_name, lifespan, probes, api, extras)
 
     @app.get("/workers")
     async def workers() -> JSONResponse:

@@ -60,6 +60,7 @@ from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.kv_side import KVSideSpec, ReceiverView, SenderHandles, attach_kv_side
 from pdserve.disagg.prefill_service import PrefillService
 from pdserve.disagg.registrar import Registrar
+from pdserve.disagg.worker_metrics import ServiceCollector
 from pdserve.disagg.worker_routes import add_decode_routes, add_prefill_routes
 from pdserve.engine.async_llm import AsyncLLM
 from pdserve.engine.llm_engine import LLMEngine
@@ -142,7 +143,7 @@ def assemble_worker(client: LocalEngine, receiver: ReceiverView | None, senders:
     if secret is not None:
         app.add_middleware(PeerAuth, secret=secret)  # inside CatchAll: signed /pd/* calls only
     app.add_middleware(CatchAll)  # no /pd/* route answers a plain-text 500
-    install_engine_metrics(app, client, metrics, service.stats)  # GET /metrics (serving/metrics.py)
+    install_engine_metrics(app, client, metrics, ServiceCollector(metrics.labels, service.stats))  # GET /metrics
     worker = Worker(app, client, service, consumer, registrar)
     _add_common_routes(worker, shape)
     if isinstance(service, DecodeService):

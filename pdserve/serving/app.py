@@ -1,4 +1,6 @@
-"""The OpenAI-compatible HTTP app of a colocated worker: routes only; the work is in the handlers."""
+"""The OpenAI-compatible HTTP app over an `EngineClient`: a colocated worker's engine, or anything
+else that runs requests and brings its own metrics (`AppExtras`). Routes only; the work is in the
+handlers."""
 
 from __future__ import annotations
 
@@ -12,8 +14,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
-from pdserve.engine.async_llm import AsyncLLM
-from pdserve.engine.core_client import EngineCoreClient
 from pdserve.serving.chat import ChatHandler
 from pdserve.serving.completions import CompletionHandler
 from pdserve.serving.config import ApiConfig
@@ -21,12 +21,10 @@ from pdserve.serving.dashboard import install_dashboard
 from pdserve.serving.engine_client import EngineClient
 from pdserve.serving.errors import EXCEPTION_HANDLERS, OpenAIError, documented_errors
 from pdserve.serving.limits import check_limits
-from pdserve.serving.metrics import instrument_engine_app
+from pdserve.serving.metrics import LocalEngine, instrument_engine_app
 from pdserve.serving.middleware import ApiKeyAuth, BodyLimit, CatchAll
 from pdserve.serving.openapi import install_openapi
 from pdserve.serving.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from pdserve.serving.router_metrics import instrument_router_app
-from pdserve.serving.router_stats import RouterState
 from pdserve.serving.sse import sse_stream, started, unless_disconnected
 from pdserve.serving.utility_routes import add_utility_routes
 
@@ -50,24 +48,38 @@ class Probes:
         return cls(lambda: client.alive, lambda: "" if client.alive else "engine dead")
 
 
+@dataclass(frozen=True, slots=True)
+class AppExtras:
+    """What an app over a client that is not a local engine brings with it (the PD router's:
+    disagg/router_app.py). Without one, a local engine gets the colocated metrics and dashboard,
+    any other client none."""
+
+    # puts GET /metrics (and the live dashboard) on the app; returns the client the handlers call
+    # (one that feeds those metrics: `client` wrapped)
+    instrument: Callable[[FastAPI, EngineClient], EngineClient]
+    refusals: tuple[HTTPStatus, ...] = ()  # what else the client refuses requests with (documented)
+
+
 def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None = None,
-               router: RouterState | None = None, probes: Probes | None = None,
-               api: ApiConfig | None = None) -> FastAPI:
-    """`router`: `client` is the PD router (disagg/router_app.py), whose pool and stats this reads
-    for the router's metrics and the live dashboard. `probes`: default
-    `Probes.of_engine(client)`. `api`: client keys and input caps (default `ApiConfig()`: no keys)."""
+               probes: Probes | None = None, api: ApiConfig | None = None,
+               extras: AppExtras | None = None) -> FastAPI:
+    """`probes`: default `Probes.of_engine(client)`. `api`: client keys and input caps (default
+    `ApiConfig()`: no keys). `extras`: the metrics and refusals of a client that is not a local engine."""
     api = api or ApiConfig()
     app = FastAPI(title="pdserve", exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
     install_middleware(app, api)
     install_openapi(app, api, client.vocab_size, client.tokenizer.vocab_size)
-    client = _install_metrics(app, client, router, model_name)
+    if extras is not None:
+        client = extras.instrument(app, client)
+    elif isinstance(client, LocalEngine):
+        install_dashboard(app, instrument_engine_app(app, client, model_name, "colocated"), None)
 
     def check_model(requested: str | None) -> None:
         if requested is not None and requested != model_name:
             raise OpenAIError(f"The model `{requested}` does not exist. This server serves `{model_name}`.",
                               HTTPStatus.NOT_FOUND, "model")
 
-    _add_generation_routes(app, client, model_name, api, check_model, router is not None)
+    _add_generation_routes(app, client, model_name, api, check_model, extras.refusals if extras else ())
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
@@ -79,22 +91,9 @@ def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None 
     return app
 
 
-def _install_metrics(app: FastAPI, client: EngineClient, router: RouterState | None,
-                     model_name: str) -> EngineClient:
-    """/metrics and the live dashboard, for a router or an engine; the client to serve with (a
-    router's: instrumented)."""
-    if router is not None:
-        client, metrics = instrument_router_app(app, client, router, model_name)
-        install_dashboard(app, metrics, router)
-    elif isinstance(client, AsyncLLM | EngineCoreClient):
-        metrics = instrument_engine_app(app, client, model_name, "colocated")
-        install_dashboard(app, metrics, None)
-    return client
-
-
 def _add_generation_routes(app: FastAPI, client: EngineClient, model_name: str, api: ApiConfig,
-                           check_model: Callable[[str | None], None], routed: bool) -> None:
-    """POST /v1/completions and /v1/chat/completions; `routed`: `client` is the PD router."""
+                           check_model: Callable[[str | None], None], refusals: tuple[HTTPStatus, ...]) -> None:
+    """POST /v1/completions and /v1/chat/completions; `refusals`: what else `client` refuses with."""
     completions = CompletionHandler(client, model_name, api.max_tokens_limit)
     chat = ChatHandler(client, model_name, api)
 
@@ -109,11 +108,9 @@ def _add_generation_routes(app: FastAPI, client: EngineClient, model_name: str, 
                                      media_type="text/event-stream")
         return JSONResponse(await unless_disconnected(raw, handler.full(body, request_id, jobs)))
 
-    # NOTE: the router's own refusals too: a full queue (429), a worker that broke off (502)
-    refusals = (HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND, HTTPStatus.INTERNAL_SERVER_ERROR,
-                HTTPStatus.SERVICE_UNAVAILABLE,
-                *((HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.BAD_GATEWAY) if routed else ()))
-    generation = _STREAMED | documented_errors(*refusals)
+    generation = _STREAMED | documented_errors(HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND,
+                                                HTTPStatus.INTERNAL_SERVER_ERROR, HTTPStatus.SERVICE_UNAVAILABLE,
+                                                *refusals)
 
     @app.post("/v1/completions", responses=generation)
     async def create_completion(body: CompletionRequest, raw: Request) -> Any:

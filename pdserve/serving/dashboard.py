@@ -1,16 +1,18 @@
 """The live page: `GET /dashboard` (one self-contained HTML file, no external resources) polls
-`GET /dashboard/data`, which this module assembles from the server's own metrics and, on the
-router, each worker's `/metrics` (scraped on demand, 1 s timeout each, so a dead worker shows as
-unreachable instead of stalling the page), and the ready workers per role as the router's pool
-sees them (the page charts them over time: the pool growing and shrinking). A colocated server
-lists itself as its one worker, from its own registry. Rates (tokens/s, bytes/s) are computed by
-the page from successive counter readings.
+`GET /dashboard/data`, which this module assembles from the server's own metrics and, on a server
+in front of a pool (the PD router: disagg/router_metrics.py), each member's `/metrics` (scraped on
+demand, 1 s timeout each, so a dead member shows as unreachable instead of stalling the page), and
+the ready members per role as the pool's owner sees them (the page charts them over time: the pool
+growing and shrinking). A colocated server lists itself as its one worker, from its own registry.
+Rates (tokens/s, bytes/s) are computed by the page from successive counter readings.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,6 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.serving.metrics import ServerMetrics
-from pdserve.serving.router_stats import RouterState, WorkerView
 
 _PAGE = Path(__file__).with_name("dashboard.html")
 _SCRAPE_TIMEOUT_S = 1.0
@@ -37,6 +38,19 @@ _WORKER_SERIES = {
     "pdserve:kv_transfer_timeouts_total": "kv_transfer_timeouts_total",
     "vllm:num_preemptions_total": "num_preemptions_total",
 }
+_CHARTED_ROLES = ("prefill", "decode")  # the page's ready-workers chart (dashboard.html: ROLE_COLORS)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolMember:
+    """One server of the pool behind this one, as the page lists it; its numbers are scraped."""
+
+    role: str
+    url: str
+    ready: bool  # as the pool's owner sees it (answers and takes work)
+
+
+Pool = Callable[[], Sequence[PoolMember]]  # the members now; called on the event loop at every poll
 
 
 def percentiles_ms(values: list[float]) -> dict[str, float | None]:
@@ -61,11 +75,11 @@ def parse_worker_metrics(text: str) -> dict[str, float]:
     return values
 
 
-async def _scrape(http: httpx.AsyncClient, worker: WorkerView) -> dict[str, Any]:
-    """One worker's dashboard entry, from its /metrics (unreachable: role, url and readiness only)."""
-    entry = {"role": worker.role, "url": worker.url, "ready": worker.ready, "reachable": False}
+async def _scrape(http: httpx.AsyncClient, member: PoolMember) -> dict[str, Any]:
+    """One member's dashboard entry, from its /metrics (unreachable: role, url and readiness only)."""
+    entry = {"role": member.role, "url": member.url, "ready": member.ready, "reachable": False}
     try:
-        reply = await http.get(f"{worker.url}/metrics")
+        reply = await http.get(f"{member.url}/metrics")
         reply.raise_for_status()
     except httpx.HTTPError:
         return entry
@@ -78,7 +92,7 @@ def _itself(metrics: ServerMetrics, request: Request) -> dict[str, Any]:
             **parse_worker_metrics(generate_latest(metrics.registry).decode())}
 
 
-def _router_summary(metrics: ServerMetrics) -> dict[str, Any]:
+def _own_summary(metrics: ServerMetrics) -> dict[str, Any]:
     """The serving process's own numbers (the router's, or a colocated server's)."""
 
     def value(name: str) -> float:
@@ -95,8 +109,8 @@ def _router_summary(metrics: ServerMetrics) -> dict[str, Any]:
     }
 
 
-def install_dashboard(app: FastAPI, metrics: ServerMetrics, router: RouterState | None) -> None:
-    """`router` lists the pool (`workers()`); None: a colocated server, its own one worker."""
+def install_dashboard(app: FastAPI, metrics: ServerMetrics, pool: Pool | None) -> None:
+    """`pool` lists the members to scrape; None: a colocated server, its own one worker."""
 
     clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}  # made on the first poll
 
@@ -116,16 +130,23 @@ def install_dashboard(app: FastAPI, metrics: ServerMetrics, router: RouterState 
 
     @app.get("/dashboard/data", include_in_schema=False)
     async def dashboard_data(request: Request) -> dict[str, Any]:
-        if router is None:
-            workers, ready = [_itself(metrics, request)], {"prefill": 0, "decode": 0, metrics.role: 1}
+        if pool is None:
+            workers = [_itself(metrics, request)]
         else:
-            views = router.workers()
-            workers = list(await asyncio.gather(*(_scrape(scrape_client(), w) for w in views)))
-            ready = {role: sum(1 for w in views if w.role == role and w.ready) for role in ("prefill", "decode")}
+            workers = list(await asyncio.gather(*(_scrape(scrape_client(), m) for m in pool())))
         return {
             "time": time.time(),
             "model": metrics.model_name,
-            "router": _router_summary(metrics),
+            "router": _own_summary(metrics),  # NOTE: the key the page reads, whatever this server is
             "workers": workers,
-            "ready_workers": ready,
+            "ready_workers": _ready_per_role(workers),
         }
+
+
+def _ready_per_role(workers: list[dict[str, Any]]) -> dict[str, int]:
+    """The charted roles always (0 when none), and any other role with a ready member."""
+    ready = dict.fromkeys(_CHARTED_ROLES, 0)
+    for worker in workers:
+        if worker["ready"]:
+            ready[worker["role"]] = ready.get(worker["role"], 0) + 1
+    return ready

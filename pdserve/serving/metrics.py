@@ -1,14 +1,17 @@
-"""The one place where pdserve's plain stats become Prometheus metrics (`GET /metrics`).
+"""Where an engine's plain stats and a server's request outputs become Prometheus metrics
+(`GET /metrics`).
 
 Every server (router, colocated, prefill, decode) gets its own `CollectorRegistry` (tests run
 several servers in one process) and labels every series with `model_name` and `role`. Two kinds:
 
   - histograms and live counters, observed as requests produce outputs (`RequestObserver`): on
-    workers from the engine thread's deliveries (`AsyncLLM.output_listener`), on the router from
-    the outputs the client receives (`router_metrics.ObservedClient`), so the router's latencies are the client's;
-  - gauges and running totals read from `EngineStats` / a worker service's stats
-    (`DecodeStats`, `PrefillStats`) at scrape time (`_StatsCollector`): nothing to keep in sync,
-    and a scrape never touches the engine thread.
+    workers from the engine thread's deliveries (`AsyncLLM.output_listener`), on a server in front
+    of others from the outputs its client receives (the PD router: disagg/router_metrics.py), so
+    its latencies are the client's;
+  - gauges and running totals read at scrape time, from `EngineStats` (`_EngineCollector`) and
+    from whatever else a server registers (a PD worker's service counters, the router's pool and
+    queue: disagg/worker_metrics.py, disagg/router_metrics.py): nothing to keep in sync, and a
+    scrape never touches the engine thread.
 
 Names and units follow vLLM (`vllm:*`); disaggregation-specific series use `pdserve:*`. The README's
 "Metrics" section lists them all; `deploy/observability/` queries them.
@@ -34,7 +37,6 @@ from pdserve.engine.llm_engine import EngineStats
 from pdserve.engine.output import RequestOutput
 from pdserve.serving.kv_tier_metrics import kv_tier_series
 from pdserve.serving.trace import RequestTrace, TransferRecord
-from pdserve.serving.worker_stats import DecodeStats, ServiceStats
 
 ServerRole = Literal["router", "colocated", "prefill", "decode"]
 
@@ -258,23 +260,18 @@ class OneSample:
         return family
 
 
-class _StatsCollector(Collector):
-    """Scrape-time series from `EngineStats` (workers) and service counters (the router's are in
-    router_metrics.py)."""
+class _EngineCollector(Collector):
+    """Scrape-time series from a worker's `EngineStats`."""
 
-    def __init__(self, metrics: ServerMetrics, stats: Callable[[], EngineStats] | None,
-                 service_stats: Callable[[], ServiceStats] | None) -> None:
-        self.metrics, self.stats, self.service_stats = metrics, stats, service_stats
+    def __init__(self, metrics: ServerMetrics, stats: Callable[[], EngineStats]) -> None:
+        self.metrics, self.stats = metrics, stats
 
     def collect(self) -> Iterator[Metric]:
         series = OneSample(self.metrics.labels)
-        if self.stats is not None:
-            stats = self.stats()
-            yield from _engine_series(stats, series.gauge, series.counter)
-            if stats.kv_tier is not None:
-                yield from kv_tier_series(stats.kv_tier, self.metrics.labels)
-        if self.service_stats is not None:
-            yield from _service_series(self.service_stats(), self.metrics.labels, series.counter)
+        stats = self.stats()
+        yield from _engine_series(stats, series.gauge, series.counter)
+        if stats.kv_tier is not None:
+            yield from kv_tier_series(stats.kv_tier, self.metrics.labels)
 
 
 def _engine_series(s: EngineStats, gauge: Callable[..., GaugeMetricFamily],
@@ -303,31 +300,6 @@ def _engine_series(s: EngineStats, gauge: Callable[..., GaugeMetricFamily],
                   "reservation)", s.num_no_available_block)
     yield counter("pdserve:cannot_allocate", "Requests refused as `Cannot allocate for request` (larger than the "
                   "pool)", s.num_cannot_allocate)
-
-
-def _service_series(stats: ServiceStats, labels: dict[str, str],
-                    counter: Callable[..., CounterMetricFamily]) -> Iterator[CounterMetricFamily]:
-    failures = CounterMetricFamily("pdserve:kv_transfer_failures", "KV hand-offs that failed, by reason",
-                                   labels=[*labels, "reason"])
-    if isinstance(stats, DecodeStats):
-        yield counter("pdserve:kv_transfer_timeouts", "Timeout windows without progress (`KV cache transfer "
-                      "timed out` lines)", stats.timeouts)
-        yield counter("pdserve:kv_transfer_retries", "Hand-offs waited on once more after a timeout", stats.retried)
-        yield counter("pdserve:kv_recomputations", "Prompts recomputed on decode after a failed hand-off",
-                      stats.recomputed)
-        yield counter("pdserve:kv_transfers_completed", "Hand-offs completed", stats.completed)
-        yield counter("pdserve:kv_dtype_conversions", "Hand-offs whose KV arrived in another dtype or with other FP8 "
-                      "scales (the prefill worker's --kv-cache-dtype) and was converted into this pool's",
-                      stats.kv_dtype_conversions)
-        yield counter("pdserve:decode_local_prefills", "Short uncached prompts decode prefilled itself (conditional "
-                      "disaggregation)", stats.prefilled_locally)
-        failures.add_metric([*labels.values(), "timeout"], stats.timeouts - stats.retried)
-        failures.add_metric([*labels.values(), "rejected"], stats.rejected)
-        failures.add_metric([*labels.values(), "lease_expired"], stats.lease_expired)
-    else:
-        yield counter("pdserve:kv_transfers_completed", "Hand-offs acknowledged by decode", stats.handed_off)
-        failures.add_metric([*labels.values(), "send"], stats.failed)
-    yield failures
 
 
 _REASONS = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 409: "kv_layout_mismatch",
@@ -362,10 +334,8 @@ class RejectionCounter:
         await self.app(scope, receive, counting_send)
 
 
-def install_metrics(app: FastAPI, metrics: ServerMetrics, stats: Callable[[], EngineStats] | None = None,
-                    service_stats: Callable[[], ServiceStats] | None = None) -> None:
-    """`GET /metrics`, the rejection counter and the scrape-time collector on `app`."""
-    metrics.registry.register(_StatsCollector(metrics, stats, service_stats))
+def install_metrics(app: FastAPI, metrics: ServerMetrics) -> None:
+    """`GET /metrics` (whatever `metrics.registry` holds) and the rejection counter on `app`."""
     app.add_middleware(RejectionCounter, metrics=metrics)
 
     @app.get("/metrics", include_in_schema=False)
@@ -384,9 +354,13 @@ def instrument_engine_app(app: FastAPI, engine: LocalEngine, model_name: str, ro
 
 
 def install_engine_metrics(app: FastAPI, engine: LocalEngine, metrics: ServerMetrics,
-                           service_stats: Callable[[], ServiceStats] | None = None) -> None:
+                           extra: Collector | None = None) -> None:
     """A worker whose `metrics` exist before its app (a PD worker's service reports transfers to
-    them): observe the engine thread's outputs, read its stats and its service's."""
+    them): observe the engine thread's outputs, read its stats at scrape time, and `extra`'s series
+    (a PD worker's service counters: disagg/worker_metrics.py)."""
     engine.output_listener = RequestObserver(metrics).on_output
-    install_metrics(app, metrics, engine.stats, service_stats)
+    metrics.registry.register(_EngineCollector(metrics, engine.stats))
+    if extra is not None:
+        metrics.registry.register(extra)
+    install_metrics(app, metrics)
 

@@ -51,7 +51,7 @@ from pdserve.disagg.queue.base import (
     next_attempt,
 )
 from pdserve.disagg.transport.errors import KVTransferError
-from pdserve.serving.worker_stats import Counts
+from pdserve.disagg.worker_stats import Counts
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """What the PD router shows of itself: its pool (`WorkerView`) and its admission queue and counters
 (`RouterStats`), as frozen snapshots.
 
-They live here, not in `disagg/`, because `serving/` reads them (metrics, the dashboard) and must
-not import `disagg/`: the router (`disagg/router.py`) fills them in and satisfies `RouterState`.
+The router (router.py) fills them in and satisfies `RouterState`; router_metrics.py (its /metrics
+and live dashboard) and router_app.py (GET /workers, GET /router/stats) read them.
 """
 
 from __future__ import annotations
@@ -84,7 +84,8 @@ class RouterStats:
 
 
 class RouterState(Protocol):
-    """What serving/ (metrics, dashboard) reads from the PD router. Called on the event loop."""
+    """What the router's metrics and dashboard (router_metrics.py) read from the PD router. Called on
+    the event loop."""
 
     def workers(self) -> list[WorkerView]: ...
 

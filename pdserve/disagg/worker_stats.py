@@ -1,6 +1,6 @@
 """What a disaggregated worker's service has done, as plain records: `DecodeService.stats()` and
-`PrefillService.stats()` (disagg/) return them; `serving/metrics.py` reads them by attribute and
-`GET /pd/stats` shows them. Here, not in disagg/, so serving never imports disagg."""
+`PrefillService.stats()` return them; worker_metrics.py reads them by attribute at scrape time and
+`GET /pd/stats` shows them."""
 
 from __future__ import annotations
 

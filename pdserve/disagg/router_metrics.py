@@ -1,7 +1,9 @@
-"""The router's metrics: latencies as the client sees them (`ObservedClient` feeds metrics.py's
-`RequestObserver` from the outputs the client receives) and scrape-time series of the router
-itself (`RouterCollector`: requests waiting or sent on, the pool's readiness, admission queue,
-the autoscaler's queue depth and decode concurrency, rejections and events, read from `RouterState`)."""
+"""The router's metrics: latencies as the client sees them (`ObservedClient` feeds serving's
+`RequestObserver` from the outputs the client receives), scrape-time series of the router itself
+(`RouterCollector`: requests waiting or sent on, the pool's readiness, admission queue, the
+autoscaler's queue depth and decode concurrency, rejections and events, read from `RouterState`),
+and its live dashboard over the pool (serving/dashboard.py). `instrument_router_app` puts them on
+the router's app (through serving's `AppExtras`: router_app.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +14,12 @@ from fastapi import FastAPI
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pdserve.disagg.router_stats import RouterState, RouterStats, WorkerView
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.serving.dashboard import PoolMember, install_dashboard
 from pdserve.serving.engine_client import EngineClient
 from pdserve.serving.metrics import OneSample, RequestObserver, ServerMetrics, install_metrics
-from pdserve.serving.router_stats import RouterState, RouterStats, WorkerView
 from pdserve.serving.trace import start_trace
 from pdserve.tokenizer import Tokenizer
 
@@ -116,11 +119,13 @@ def _counter_series(stats: RouterStats, labels: dict[str, str]) -> Iterator[Coun
 
 
 def instrument_router_app(app: FastAPI, client: EngineClient, router: RouterState,
-                          model_name: str) -> tuple[ObservedClient, ServerMetrics]:
-    """The router: latencies as the client sees them (`client`, the router as the handlers call
-    it), the TTFT breakdown, the pool's readiness and the router's stats (`router`)."""
+                          model_name: str) -> ObservedClient:
+    """GET /metrics and the live dashboard of the router: latencies as the client sees them
+    (`client`, the router as the handlers call it; the one to serve with is returned), the TTFT
+    breakdown, the pool's readiness and the router's stats (`router`)."""
     metrics = ServerMetrics(model_name, "router")
     observer = RequestObserver(metrics)
     metrics.registry.register(RouterCollector(metrics, observer, router))
     install_metrics(app, metrics)
-    return ObservedClient(client, observer), metrics
+    install_dashboard(app, metrics, lambda: [PoolMember(w.role, w.url, w.ready) for w in router.workers()])
+    return ObservedClient(client, observer)
