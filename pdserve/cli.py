@@ -146,20 +146,19 @@ def up_plan(ns: argparse.Namespace, engine_flags: list[str]) -> tuple[UpOptions,
 def _make_model(ns: argparse.Namespace) -> int:
     from pdserve.model.demo_checkpoint import PRESETS, QWEN3_SHAPES, ModelVariant, write_checkpoint
     from pdserve.model.fp8 import FP8BlockQuantization
-    from pdserve.model.rope import RopeConfig
 
     shape = (PRESETS | QWEN3_SHAPES)[ns.preset]
     # NOTE: the real shapes in shards of 4 GiB, as Hugging Face writes large checkpoints
     shard = 4 << 30 if ns.preset in QWEN3_SHAPES else None
+    quantization = None if ns.quantize is None else FP8BlockQuantization((ns.weight_block_size, ns.weight_block_size))
     try:
         rope_scaling = None if ns.rope_scaling is None else json.loads(ns.rope_scaling)
-        RopeConfig.from_config({"rope_scaling": rope_scaling, "max_position_embeddings": shape.max_position_embeddings})
+        variant = ModelVariant(rope_scaling=rope_scaling, quantization=quantization)
+        shape.config(variant)  # NOTE: read as the engine will, refused before any weight is drawn
     except (ValueError, TypeError, AttributeError) as exc:
         print(f"pdserve make-model: --rope-scaling: {exc}", file=sys.stderr)
         return 2
-    quantization = None if ns.quantize is None else FP8BlockQuantization((ns.weight_block_size, ns.weight_block_size))
-    out = write_checkpoint(ns.out, shape, seed=ns.seed, device=ns.device, max_shard_bytes=shard,
-                           variant=ModelVariant(rope_scaling=rope_scaling, quantization=quantization))
+    out = write_checkpoint(ns.out, shape, seed=ns.seed, device=ns.device, max_shard_bytes=shard, variant=variant)
     kind = "" if quantization is None else f", block-FP8 weights ({ns.weight_block_size}x{ns.weight_block_size})"
     print(f"wrote random-weight Qwen3 ({ns.preset}{kind}) to {out}; its text output is random")
     return 0

@@ -69,7 +69,8 @@ def test_plan_sizes_fp8_blocks_as_the_engine_does(model_dirs: dict[str, Path]) -
         engine = create_engine_config(EngineArgs(model=str(model_dirs["tiny"]), dtype="bfloat16", kv_cache_dtype=kv,
                                                  kv_cache_memory="1MiB"))
         assert plans[kv].kv_bytes_per_block == engine.kv_bytes_per_block
-    assert plans["fp8"].num_kv_blocks == 2 * plans["bfloat16"].num_kv_blocks  # type: ignore[operator]
+    # half the bytes a block from the same budget: twice the blocks, give or take the floor of each division
+    assert plans["fp8"].num_kv_blocks - 2 * plans["bfloat16"].num_kv_blocks in (0, 1)  # type: ignore[operator]
     assert plans["fp8"].flags("decode")[-2:] == ["--kv-cache-dtype", "fp8"]
 
 

@@ -34,7 +34,7 @@ from server_fixtures import start_server
 from pdserve import LLM
 from pdserve.cli import main as pdserve_main
 from pdserve.disagg.transport import nixl_available
-from pdserve.model.demo_checkpoint import PRESETS, ModelVariant, quantize_checkpoint, write_checkpoint
+from pdserve.model.demo_checkpoint import PRESETS, QWEN3_SHAPES, ModelVariant, quantize_checkpoint, write_checkpoint
 from pdserve.model.fp8 import FP8BlockQuantization, dequantize, quantize
 from pdserve.model.loader import load_model
 from pdserve.model.moe import GroupedExperts
@@ -418,10 +418,10 @@ def test_moe_benchmark_runs_and_checks_its_outputs(monkeypatch: pytest.MonkeyPat
 
 
 def test_sizing_counts_every_expert_for_memory_and_a_tokens_experts_for_flops() -> None:
-    from pdserve.model.facts import load_model_facts
+    from pdserve.model.facts import ModelFacts, load_model_facts
     from pdserve.sizing.devices import device
     from pdserve.sizing.plan import PlanInputs, make_plan
-    from pdserve.sizing.profile import BW_EFFICIENCY, FLOPS_EFFICIENCY, STEP_OVERHEAD_S, Limits, roofline
+    from pdserve.sizing.profile import BW_EFFICIENCY, FLOPS_EFFICIENCY, STEP_OVERHEAD_S, Limits, Profile, roofline
 
     moe, dense = load_model_facts("qwen3-30b-a3b"), load_model_facts("qwen3-8b")
     assert round(moe.num_params / 1e9, 1) == 30.5 and round(moe.num_active_params / 1e9, 2) == 3.35  # Qwen's card
@@ -436,11 +436,28 @@ def test_sizing_counts_every_expert_for_memory_and_a_tokens_experts_for_flops() 
     flops = h200.flops_per_s * FLOPS_EFFICIENCY
     assert profile.step.prefill_token_s == pytest.approx(2.0 * moe.matmul_params / flops)
     assert moe.matmul_params < moe.num_active_params < moe.num_params
-    # the engine's exact count (norms included) agrees with sizing's to 0.01 %
-    from pdserve.model.demo_checkpoint import QWEN3_SHAPES, _config_json
+    # a saved profile keeps a model's numbers: MoE ones too, tiny-moe's dense layer among sparse ones included
+    assert Profile.from_dict(json.loads(json.dumps(profile.to_dict()))) == profile
+    for facts in (moe, load_model_facts("tiny-moe")):
+        back = ModelFacts.from_dict(json.loads(json.dumps(facts.to_dict())))
+        numbers = ("num_params", "num_active_params", "matmul_params", "layer_params", "num_sparse_layers")
+        assert back == facts and [getattr(back, n) for n in numbers] == [getattr(facts, n) for n in numbers]
 
-    exact = Qwen3ModelConfig.from_dict(_config_json(QWEN3_SHAPES["qwen3-30b-a3b"], torch.bfloat16)).num_params
-    assert abs(exact - moe.num_params) / exact < 1e-4
+
+@pytest.mark.parametrize("name", [*PRESETS, *QWEN3_SHAPES])
+def test_parameter_count_is_transformers(name: str) -> None:
+    """The parameter count sizing and the engine use (one formula, Qwen3ModelConfig.num_params) is
+    transformers' own, `sum(p.numel() for p in model.parameters())` (tied embeddings once, every
+    norm), of the model built from the config.json `make-model --preset` writes: every preset and
+    real Qwen3 shape, built on the meta device (no memory, the 235B included)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pdserve.model.facts import load_model_facts
+
+    config_json = json.loads(json.dumps((PRESETS | QWEN3_SHAPES)[name].config_json()))  # as written: lists
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config_json))
+    assert load_model_facts(name).num_params == sum(p.numel() for p in model.parameters())
 
 
 def test_make_model_writes_moe_fp8_and_scaled_rope_checkpoints(tmp_path: Path,

@@ -79,11 +79,10 @@ def test_gpu_kv_budget_leaves_another_workers_memory_alone(monkeypatch: pytest.M
     import torch
 
     from pdserve.config import _cuda_kv_budget
-    from pdserve.model.demo_checkpoint import PRESETS, _config_json
-    from pdserve.model.qwen3_config import Qwen3ModelConfig
+    from pdserve.model.demo_checkpoint import PRESETS, ModelVariant
 
     total = 100 * 2**30
-    model = Qwen3ModelConfig.from_dict(_config_json(PRESETS["tiny"], torch.float32))
+    model = PRESETS["tiny"].config(ModelVariant(dtype=torch.float32))
     args = EngineArgs(gpu_memory_utilization=0.4)
     for free, budget_before_weights in ((total - 41 * 2**30, 40 * 2**30), (10 * 2**30, 10 * 2**30)):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, total))

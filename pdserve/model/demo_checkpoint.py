@@ -2,6 +2,10 @@
 
 Their text is random: they exercise every code path with the real Qwen3 tokenizer and real
 shapes, but say nothing. Point `--model` at a downloaded Qwen3 directory for real answers.
+
+A `ModelShape` is only what a checkpoint is written from: it turns into the config.json it writes
+(`config_json`), and everything else, the weights drawn here included, reads the model from that
+config.json as the engine does (`Qwen3ModelConfig`, qwen3_config.py: the one description).
 """
 
 from __future__ import annotations
@@ -18,12 +22,26 @@ from safetensors.torch import save_file
 
 from pdserve import envs
 from pdserve.model.fp8 import FP8BlockQuantization, quantize_state_dict
+from pdserve.model.qwen3_config import Qwen3ModelConfig
 
 QWEN3_VOCAB_SIZE = 151936
 
 
 @dataclass(frozen=True, slots=True)
+class ModelVariant:
+    """What a demo checkpoint's config.json says beside its shape: the weights' dtype, `rope_scaling`
+    (e.g. {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}), and
+    `quantization`: the projection weights in block FP8 with their scales (fp8.py)."""
+
+    dtype: torch.dtype = torch.bfloat16
+    rope_scaling: dict | None = None
+    quantization: FP8BlockQuantization | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ModelShape:
+    """config.json's shape fields, under their config.json names."""
+
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -46,8 +64,34 @@ class ModelShape:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
-    def is_sparse(self, layer: int) -> bool:
-        return self.is_moe and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+    def config_json(self, variant: ModelVariant = ModelVariant()) -> dict:
+        """The config.json of a checkpoint of this shape, in the official checkpoints' spelling:
+        `num_experts`, `rope_scaling` + `rope_theta`, `torch_dtype`."""
+        fields = asdict(self)
+        if not self.is_moe:
+            fields = {k: v for k, v in fields.items() if k not in _MOE_FIELDS}
+        quantization = variant.quantization
+        quant = {} if quantization is None else {"quantization_config": quantization.to_config()}
+        return {
+            "architectures": ["Qwen3MoeForCausalLM" if self.is_moe else "Qwen3ForCausalLM"],
+            "model_type": "qwen3_moe" if self.is_moe else "qwen3",
+            **fields,
+            **quant,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "hidden_act": "silu",
+            "rms_norm_eps": 1e-6,
+            "rope_scaling": variant.rope_scaling,
+            "bos_token_id": 151643,
+            "eos_token_id": 151645,
+            "torch_dtype": str(variant.dtype).removeprefix("torch."),
+            "use_cache": True,
+            "use_sliding_window": False,
+        }
+
+    def config(self, variant: ModelVariant = ModelVariant()) -> Qwen3ModelConfig:
+        """The model as the engine reads that config.json."""
+        return Qwen3ModelConfig.from_dict(self.config_json(variant))
 
 
 _MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
@@ -83,32 +127,7 @@ QWEN3_SHAPES: dict[str, ModelShape] = {
 }
 
 
-def _config_json(shape: ModelShape, dtype: torch.dtype, rope_scaling: dict | None = None,
-                 quantization: FP8BlockQuantization | None = None) -> dict:
-    """The official checkpoints' spelling: `num_experts`, `rope_scaling` + `rope_theta`, `torch_dtype`."""
-    fields = asdict(shape)
-    if not shape.is_moe:
-        fields = {k: v for k, v in fields.items() if k not in _MOE_FIELDS}
-    quant = {} if quantization is None else {"quantization_config": quantization.to_config()}
-    return {
-        "architectures": ["Qwen3MoeForCausalLM" if shape.is_moe else "Qwen3ForCausalLM"],
-        "model_type": "qwen3_moe" if shape.is_moe else "qwen3",
-        **fields,
-        **quant,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "rope_scaling": rope_scaling,
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-        "use_cache": True,
-        "use_sliding_window": False,
-    }
-
-
-def _random_weights(shape: ModelShape, dtype: torch.dtype, seed: int,
+def _random_weights(model: Qwen3ModelConfig, dtype: torch.dtype, seed: int,
                     device: str = "cpu") -> dict[str, torch.Tensor]:
     """Drawn on `device` (a GPU writes a large model's weights in seconds; other values than on CPU)."""
     gen = torch.Generator(device).manual_seed(seed)
@@ -119,39 +138,40 @@ def _random_weights(shape: ModelShape, dtype: torch.dtype, seed: int,
     def norm_weight(size: int) -> torch.Tensor:
         return (1.0 + torch.randn(size, generator=gen, device=device) * 0.1).to(dtype).cpu()
 
-    h = shape.hidden_size
-    q_size = shape.num_attention_heads * shape.head_dim
-    kv_size = shape.num_key_value_heads * shape.head_dim
-    weights = {"model.embed_tokens.weight": normal(shape.vocab_size, h)}
-    for n in range(shape.num_hidden_layers):
+    h = model.hidden_size
+    q_size = model.num_attention_heads * model.head_dim
+    kv_size = model.num_key_value_heads * model.head_dim
+    weights = {"model.embed_tokens.weight": normal(model.vocab_size, h)}
+    for n in range(model.num_hidden_layers):
         p = f"model.layers.{n}."
         weights |= {
             p + "self_attn.q_proj.weight": normal(q_size, h, std=h**-0.5),
             p + "self_attn.k_proj.weight": normal(kv_size, h, std=h**-0.5),
             p + "self_attn.v_proj.weight": normal(kv_size, h, std=h**-0.5),
             p + "self_attn.o_proj.weight": normal(h, q_size, std=q_size**-0.5),
-            p + "self_attn.q_norm.weight": norm_weight(shape.head_dim),
-            p + "self_attn.k_norm.weight": norm_weight(shape.head_dim),
-            **_mlp_weights(shape, n, normal),
+            p + "self_attn.q_norm.weight": norm_weight(model.head_dim),
+            p + "self_attn.k_norm.weight": norm_weight(model.head_dim),
+            **_mlp_weights(model, n, normal),
             p + "input_layernorm.weight": norm_weight(h),
             p + "post_attention_layernorm.weight": norm_weight(h),
         }
     weights["model.norm.weight"] = norm_weight(h)
-    if not shape.tie_word_embeddings:
-        weights["lm_head.weight"] = normal(shape.vocab_size, h)
+    if not model.tie_word_embeddings:
+        weights["lm_head.weight"] = normal(model.vocab_size, h)
     return weights
 
 
-def _mlp_weights(shape: ModelShape, layer: int, normal: Callable[..., torch.Tensor]) -> dict[str, torch.Tensor]:
+def _mlp_weights(model: Qwen3ModelConfig, layer: int, normal: Callable[..., torch.Tensor]
+                 ) -> dict[str, torch.Tensor]:
     """A dense MLP, or a router and per-expert MLPs (`mlp.experts.{e}.gate_proj.weight`, as Qwen's)."""
-    h, p = shape.hidden_size, f"model.layers.{layer}.mlp."
-    if not shape.is_sparse(layer):
-        i = shape.intermediate_size
+    h, p, moe = model.hidden_size, f"model.layers.{layer}.mlp.", model.moe
+    if moe is None or not moe.is_sparse(layer):
+        i = model.intermediate_size
         return {p + "gate_proj.weight": normal(i, h, std=h**-0.5), p + "up_proj.weight": normal(i, h, std=h**-0.5),
                 p + "down_proj.weight": normal(h, i, std=i**-0.5)}
-    i = shape.moe_intermediate_size
-    weights = {p + "gate.weight": normal(shape.num_experts, h, std=h**-0.5)}
-    for e in range(shape.num_experts):
+    i = moe.moe_intermediate_size
+    weights = {p + "gate.weight": normal(moe.num_experts, h, std=h**-0.5)}
+    for e in range(moe.num_experts):
         weights |= {f"{p}experts.{e}.gate_proj.weight": normal(i, h, std=h**-0.5),
                     f"{p}experts.{e}.up_proj.weight": normal(i, h, std=h**-0.5),
                     f"{p}experts.{e}.down_proj.weight": normal(h, i, std=i**-0.5)}
@@ -181,23 +201,12 @@ def _save_shards(weights: dict[str, torch.Tensor], out: Path, max_shard_bytes: i
     (out / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2))
 
 
-@dataclass(frozen=True, slots=True)
-class ModelVariant:
-    """What a demo checkpoint's config.json says beside its shape: the weights' dtype, `rope_scaling`
-    (e.g. {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}), and
-    `quantization`: the projection weights in block FP8 with their scales (fp8.py)."""
-
-    dtype: torch.dtype = torch.bfloat16
-    rope_scaling: dict | None = None
-    quantization: FP8BlockQuantization | None = None
-
-
 def write_checkpoint(out_dir: str | Path, shape: ModelShape, *, seed: int = 0, max_shard_bytes: int | None = None,
                      device: str = "cpu", variant: ModelVariant = ModelVariant()) -> Path:
     """Write config.json, generation_config.json, safetensors weights and the Qwen3 tokenizer."""
-    dtype, quantization = variant.dtype, variant.quantization
-    weights = _random_weights(shape, dtype, seed, device)
-    return write_weights(out_dir, _config_json(shape, dtype, variant.rope_scaling, quantization),
+    config, quantization = shape.config_json(variant), variant.quantization
+    weights = _random_weights(Qwen3ModelConfig.from_dict(config), variant.dtype, seed, device)
+    return write_weights(out_dir, config,
                          weights if quantization is None else quantize_state_dict(weights, quantization.block_size),
                          max_shard_bytes)
 

@@ -115,23 +115,31 @@ class Qwen3ModelConfig:
         return self.moe is not None and self.moe.is_sparse(layer)
 
     @property
+    def num_sparse_layers(self) -> int:
+        return sum(self.is_sparse(layer) for layer in range(self.num_hidden_layers))
+
+    @property
     def num_params(self) -> int:
-        """Every weight, all experts included (what device memory holds)."""
+        """Every weight, all experts included (what device memory holds): transformers' count,
+        `sum(p.numel() for p in model.parameters())` (tests/test_qwen3_family.py checks it)."""
         h, hd = self.hidden_size, self.head_dim
-        attention = 2 * h * (self.num_attention_heads + self.num_key_value_heads) * hd + 2 * hd + 2 * h
-        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
-        return embeddings + self.num_hidden_layers * attention + self.num_mlp_params
+        norms = 2 * hd + 2 * h  # q_norm and k_norm (per head), input_layernorm, post_attention_layernorm
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h  # + the final norm
+        return embeddings + self.num_hidden_layers * (self.num_attention_params + norms) + self.num_mlp_params
+
+    @property
+    def num_attention_params(self) -> int:
+        """One layer's q, k, v and o projections."""
+        return 2 * self.hidden_size * (self.num_attention_heads + self.num_key_value_heads) * self.head_dim
 
     @property
     def num_mlp_params(self) -> int:
         """The MLP weights of every layer: dense ones, or every expert and the router of sparse ones."""
-        h, total = self.hidden_size, 0
-        for layer in range(self.num_hidden_layers):
-            if self.moe is not None and self.moe.is_sparse(layer):
-                total += self.moe.num_experts * (3 * h * self.moe.moe_intermediate_size + h)
-            else:
-                total += 3 * h * self.intermediate_size
-        return total
+        h, sparse = self.hidden_size, self.num_sparse_layers
+        dense_mlps = (self.num_hidden_layers - sparse) * 3 * h * self.intermediate_size
+        if self.moe is None:
+            return dense_mlps
+        return dense_mlps + sparse * self.moe.num_experts * (3 * h * self.moe.moe_intermediate_size + h)
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:

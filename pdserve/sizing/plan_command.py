@@ -8,6 +8,7 @@ import sys
 
 from pdserve.bench.serve import workloads
 from pdserve.config import KV_CACHE_DTYPES
+from pdserve.model.demo_checkpoint import PRESETS, QWEN3_SHAPES
 from pdserve.model.facts import dtype_bytes, load_model_facts
 from pdserve.sizing.devices import DEVICES, device
 from pdserve.sizing.plan import GIB, SEED_BUFFER, Plan, PlanInputs, make_plan
@@ -19,9 +20,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="size one worker: weights, KV per token/block/request, blocks, --max-num-seqs",
                        description=sys.modules["pdserve.sizing.plan"].__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="checkpoint dir, config.json, preset (tiny, small, qwen3-0.6b, "
-                                                 "tiny-moe) or Qwen3 shape (qwen3-8b, qwen3-14b, qwen3-32b, "
-                                                 "qwen3-30b-a3b, qwen3-235b-a22b)")
+    p.add_argument("--model", default=None, help=f"checkpoint dir, config.json, preset ({', '.join(PRESETS)}) or Qwen3 "
+                                                 f"shape ({', '.join(QWEN3_SHAPES)})")
     p.add_argument("--device", choices=sorted(DEVICES), default=None, help="a known accelerator (memory)")
     p.add_argument("--device-memory-gib", type=float, default=None, help="device memory (instead of --device)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,

@@ -151,7 +151,7 @@ class Profile:
                          f"{', '.join(sorted({*self.transports, *SEED_TRANSPORTS}))}")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "model": self.model.to_dict()}  # the model as sizing's numbers, not its config
 
     @classmethod
     def from_dict(cls, raw: dict) -> Profile:
@@ -160,7 +160,7 @@ class Profile:
         version = int(raw.get("version", 1))
         if version > PROFILE_VERSION:
             raise ValueError(f"profile version {version} is newer than this pdserve's ({PROFILE_VERSION})")
-        return cls(raw["name"], raw["source"], ModelFacts(**raw["model"]), StepModel(**raw["step"]),
+        return cls(raw["name"], raw["source"], ModelFacts.from_dict(raw["model"]), StepModel(**raw["step"]),
                    int(raw["kv_bytes_per_token"]), int(raw["block_size"]), int(raw["num_kv_blocks"]),
                    int(raw["max_num_seqs"]), int(raw["max_num_batched_tokens"]),
                    {k: TransferModel(**v) for k, v in raw.get("transports", {}).items()}, raw.get("notes", ""),
