@@ -11,7 +11,7 @@ from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from pdserve.serving.chat import ChatHandler
@@ -20,6 +20,7 @@ from pdserve.serving.config import ApiConfig
 from pdserve.serving.dashboard import install_dashboard
 from pdserve.serving.engine_client import EngineClient
 from pdserve.serving.errors import EXCEPTION_HANDLERS, OpenAIError, documented_errors
+from pdserve.serving.event_stream import EventStreamResponse
 from pdserve.serving.limits import check_limits
 from pdserve.serving.metrics import LocalEngine, instrument_engine_app
 from pdserve.serving.middleware import ApiKeyAuth, BodyLimit, CatchAll
@@ -104,8 +105,7 @@ def _add_generation_routes(app: FastAPI, client: EngineClient, model_name: str, 
         if body.stream:
             # NOTE: the first chunk is awaited before the response starts, so an error until then
             # (queue full, no worker, no KV room) still gets its own HTTP status, not a 200.
-            return StreamingResponse(sse_stream(await started(raw, handler.stream(body, request_id, jobs))),
-                                     media_type="text/event-stream")
+            return EventStreamResponse(sse_stream(await started(raw, handler.stream(body, request_id, jobs))))
         return JSONResponse(await unless_disconnected(raw, handler.full(body, request_id, jobs)))
 
     generation = _STREAMED | documented_errors(HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND,

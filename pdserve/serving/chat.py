@@ -19,6 +19,7 @@ from pdserve.serving.engine_client import EngineClient
 from pdserve.serving.errors import OpenAIError
 from pdserve.serving.generation import DeltaTracker, Job, encode_text, new_request_id, run_jobs, usage_of
 from pdserve.serving.protocol import ChatCompletionRequest
+from pdserve.serving.sse import ChunkJson, to_json
 from pdserve.tokenizer import Tokenizer
 
 
@@ -88,12 +89,13 @@ class ChatHandler:
             answer["prompt_logprobs"] = prompt_logprobs_json(self.client.tokenizer, final.prompt_logprobs or [])
         return answer
 
-    async def stream(self, body: ChatCompletionRequest, request_id: str, jobs: list[Job]) -> AsyncIterator[dict]:
+    async def stream(self, body: ChatCompletionRequest, request_id: str,
+                     jobs: list[Job]) -> AsyncIterator[str]:
         created = int(time.time())
+        chunks = ChunkJson.of(request_id, "chat.completion.chunk", created, self.model_name)
 
-        def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-            return {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                    "model": self.model_name, "choices": choices, **extra}
+        def chunk(choices: list[dict[str, Any]]) -> str:
+            return chunks.chunk(to_json(choices))
 
         tracker = DeltaTracker(body.n)
         reading = plan_reading(body, self.api)
@@ -120,4 +122,4 @@ class ChatHandler:
                                   "finish_reason": reader.finish_reason(delta.finish_reason) if last else None,
                                   "stop_reason": delta.stop_reason if last else None}])
         if body.include_usage and final is not None:
-            yield chunk([], usage=usage_of({0: final}).model_dump())
+            yield chunks.usage(usage_of({0: final}).model_dump())

@@ -19,6 +19,7 @@ from pdserve.serving.errors import OpenAIError
 from pdserve.serving.generation import ChoiceDelta, DeltaTracker, Job, new_request_id, run_jobs, usage_of
 from pdserve.serving.limits import requested_logprobs, requested_max_tokens, requested_prompt_logprobs
 from pdserve.serving.protocol import CompletionRequest
+from pdserve.serving.sse import ChunkJson, to_json
 from pdserve.tokenizer import Tokenizer
 
 
@@ -139,10 +140,13 @@ class CompletionHandler:
         return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": usage_of(finals).model_dump()}
 
-    async def stream(self, body: CompletionRequest, request_id: str, jobs: list[Job]) -> AsyncIterator[dict]:
+    async def stream(self, body: CompletionRequest, request_id: str,
+                     jobs: list[Job]) -> AsyncIterator[str]:
         """`echo`: a choice's first chunk starts with its prompt (and, with `logprobs`, the prompt
-        tokens' entries), as vLLM streams it; so it waits for the prompt's logprobs."""
+        tokens' entries), as vLLM streams it; so it waits for the prompt's logprobs. Each chunk
+        comes as its JSON text (`ChunkJson`: one or more a token, the hot path)."""
         created = int(time.time())
+        chunks = ChunkJson.of(request_id, "text_completion", created, self.model_name)
         tracker = DeltaTracker(body.n)
         finals: dict[int, RequestOutput] = {}
         text_offsets: dict[int, int] = {}
@@ -155,15 +159,13 @@ class CompletionHandler:
                 continue  # NOTE: the tracker sends what this output adds with the next one
             for delta in tracker.deltas(index, output):
                 choice = self._stream_choice(delta, text_offsets, output, prompt_texts[index] if body.echo else None)
-                yield {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
-                       "choices": [choice]}
+                yield chunks.chunk(f"[{choice}]")
         if body.include_usage:
-            yield {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
-                   "choices": [], "usage": usage_of(finals).model_dump()}
+            yield chunks.usage(usage_of(finals).model_dump())
 
     def _stream_choice(self, delta: ChoiceDelta, text_offsets: dict[int, int], output: RequestOutput,
-                       prompt_text: str | None) -> dict[str, Any]:
-        """One streamed choice; `prompt_text` (echo) leads the choice's first."""
+                       prompt_text: str | None) -> str:
+        """One streamed choice's JSON; `prompt_text` (echo) leads the choice's first."""
         offset = text_offsets.get(delta.index)
         if offset is None and prompt_text is not None:
             text, logprobs = _echoed_delta(self.client.tokenizer, delta, output, prompt_text)
@@ -171,5 +173,6 @@ class CompletionHandler:
             offset = offset or 0
             text, logprobs = delta.text, _logprobs_json(self.client.tokenizer, delta.logprobs, offset)
         text_offsets[delta.index] = (offset or 0) + len(text)
-        return {"index": delta.index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason,
-                "stop_reason": delta.stop_reason}
+        # NOTE: the text json.dumps writes for {"index", "text", "logprobs", "finish_reason", "stop_reason"}
+        return (f'{{"index": {delta.index}, "text": {to_json(text)}, "logprobs": {to_json(logprobs)}, '
+                f'"finish_reason": {to_json(delta.finish_reason)}, "stop_reason": {to_json(delta.stop_reason)}}}')

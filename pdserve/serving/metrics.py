@@ -35,6 +35,7 @@ from pdserve.engine.async_llm import AsyncLLM
 from pdserve.engine.core_client import EngineCoreClient
 from pdserve.engine.llm_engine import EngineStats
 from pdserve.engine.output import RequestOutput
+from pdserve.serving.hot_metrics import HotCounter, HotHistogram
 from pdserve.serving.kv_tier_metrics import kv_tier_series
 from pdserve.serving.trace import RequestTrace, TransferRecord
 
@@ -78,15 +79,18 @@ class ServerMetrics:
             return Counter(name, doc, labels, registry=self.registry).labels(**self.labels)
 
         self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token (s)", TTFT_BUCKETS)
-        self.itl = hist("vllm:inter_token_latency_seconds", "Time between successive outputs of a request (s)",
-                        ITL_BUCKETS)
+        # NOTE: the two series updated per streamed output: plain numbers (hot_metrics.py)
+        self.itl = HotHistogram("vllm:inter_token_latency_seconds", "Time between successive outputs of a request (s)",
+                                self.labels, ITL_BUCKETS)
+        self.generation_tokens = HotCounter("vllm:generation_tokens", "Generated tokens", self.labels)
+        self.registry.register(self.itl)
+        self.registry.register(self.generation_tokens)
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Arrival to last token of finished requests (s)",
                         REQUEST_BUCKETS)
         self.queue = hist("vllm:request_queue_time_seconds",
                           "Arrival to first scheduled (router: until the prefill job leaves the router) (s)",
                           QUEUE_BUCKETS)
         self.prompt_tokens = count("vllm:prompt_tokens", "Prompt tokens of requests that produced a first token")
-        self.generation_tokens = count("vllm:generation_tokens", "Generated tokens")
         self.rejections = Counter("pdserve:rejections", "Error responses by HTTP status and reason",
                                   [*labels, "code", "reason"], registry=self.registry)
         if role in ("prefill", "colocated"):
@@ -185,7 +189,8 @@ class RequestObserver:
             self.start(output.request_id, arrival)
             progress = self._requests[output.request_id]
         now = time.monotonic()
-        num_tokens = sum(len(seq.token_ids) for seq in output.outputs)
+        seqs = output.outputs
+        num_tokens = len(seqs[0].token_ids) if len(seqs) == 1 else sum(len(seq.token_ids) for seq in seqs)
         new = num_tokens - progress.num_tokens
         if new > 0:
             self._on_tokens(progress, output, new, now)

@@ -1,11 +1,14 @@
-"""Server-sent events framing and the non-streaming disconnect watch."""
+"""Server-sent events framing (and chunks' JSON written without encoding what every chunk of a
+stream repeats) and the non-streaming disconnect watch."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
 from http import HTTPStatus
+from json.encoder import encode_basestring
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -16,16 +19,50 @@ T = TypeVar("T")
 _DISCONNECT_POLL_S = 0.1
 
 
+def to_json(value: Any) -> str:
+    """`json.dumps(value, ensure_ascii=False)`, its two commonest cases (null, a string) short:
+    `encode_basestring` is the (C) function json.dumps writes a string with then."""
+    if value is None:
+        return "null"
+    if type(value) is str:
+        return encode_basestring(value)
+    return json.dumps(value, ensure_ascii=False)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkJson:
+    """One stream's chunks as JSON text, the same text `json.dumps(chunk, ensure_ascii=False)`
+    writes for `{"id", "object", "created", "model", "choices"}`, with the four fields every
+    chunk repeats encoded once (`head`: that text up to the choices' list)."""
+
+    head: str
+
+    @classmethod
+    def of(cls, request_id: str, kind: str, created: int, model: str) -> ChunkJson:
+        fields = json.dumps({"id": request_id, "object": kind, "created": created, "model": model},
+                            ensure_ascii=False)
+        return cls(fields[:-1] + ', "choices": ')
+
+    def chunk(self, choices_json: str) -> str:
+        """The chunk whose choices' list is `choices_json` (JSON text, written as json.dumps would)."""
+        return f"{self.head}{choices_json}}}"
+
+    def usage(self, usage: dict[str, Any]) -> str:
+        """The last chunk (`stream_options.include_usage`): no choices, the request's `usage`."""
+        return f'{self.head}[], "usage": {to_json(usage)}}}'
+
+
 def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def sse_stream(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
-    """Frame chunks as SSE and end with [DONE]. An error after the response has started cannot
-    change the status code any more, so it goes in-band as an error object, then [DONE]."""
+async def sse_stream(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Frame chunks (each its JSON text, see `ChunkJson`) as SSE and end with [DONE]. An error
+    after the response has started cannot change the status code any more, so it goes in-band as
+    an error object, then [DONE]."""
     try:
         async for chunk in chunks:
-            yield sse(chunk)
+            yield f"data: {chunk}\n\n"
     except OpenAIError as exc:
         yield sse(error_body(exc.message, exc.status, exc.param))
     except Exception as exc:  # noqa: BLE001 - the client must still get a terminated stream
