@@ -325,7 +325,8 @@ def all_queries() -> list[str]:
 
 def test_queries_name_the_routers_autoscaling_series() -> None:
     names = set().union(*(metric_names(q) - _FUNCTIONS for q in all_queries()))
-    assert names == {"pdserve:prefill_queue_depth", "pdserve:decode_running", "vllm:num_requests_running",
+    assert names == {"pdserve:prefill_queue_depth", "pdserve:router_dispatch_pending", "pdserve:decode_running",
+                     "vllm:num_requests_running",
                      "pdserve:prefill_queue_latency_seconds_bucket",
                      "pdserve:request_time_per_output_token_seconds_bucket",
                      "pdserve:request_time_per_output_token_seconds_sum",

@@ -91,8 +91,9 @@ def _autoscaling_series(stats: RouterStats, workers: list[WorkerView],
     """What the autoscaler (pdserve/ops/autoscale.py) reads besides the two latency histograms."""
     waiting = sum(w.load.num_waiting for w in workers if w.role == "prefill" and w.ready and w.load is not None)
     yield gauge("pdserve:prefill_queue_depth", "Router: prefill jobs no prefill worker has started: not taken yet "
-                "(the router's FIFO, or the Redis consumer group's lag) + waiting in ready prefill workers. With "
-                "several routers on one Redis stream each counts the shared lag: take max over routers, not sum",
+                "(the router's FIFO, or the Redis consumer group's lag) + waiting in ready prefill workers. Over "
+                "several routers: max of (this - router_dispatch_pending) + sum of router_dispatch_pending (each "
+                "router's own FIFO on the memory queue; 0 on Redis, whose lag every router counts)",
                 stats.queue_backlog + waiting)
     yield gauge("pdserve:decode_running", "Router: requests in the running batch of the ready decode workers",
                 sum(w.load.num_running for w in workers if w.role == "decode" and w.ready and w.load is not None))

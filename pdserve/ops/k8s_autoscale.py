@@ -23,15 +23,18 @@ arithmetic (both variants: KEDA creates an HPA): `Value`: desired = ceil(current
 largest desired count over a role's metrics wins. Rule by rule (docs/AUTOSCALING.md says where
 this differs from the local policy):
 
-    prefill  queue_depth    max(DEPTH)                          Value         prefill_queue_target
+    prefill  queue_depth    max(DEPTH - OWN) + sum(OWN)         Value         prefill_queue_target
              queue_latency  P90 of QLAT over the window         Value         prefill_queue_latency_target_s
     decode   running        max(pdserve:decode_running)         AverageValue  decode_running_target
                             -> ceil(running / target) workers, the local rule's size
              tpot_p99       P99 of TPOT over the window         Value         decode_tpot_target_ms / 1000
              tpot_avg       rate(TPOT_sum) / rate(TPOT_count)   Value         decode_tpot_avg_target_ms / 1000
 
-Series are the router's (several routers: `max`, as each sees the whole queue and pool; the
-histograms sum over routers). A latency over a window with no request is NaN in PromQL: the queries
+Series are the router's (several routers: `max`, as each sees the whole pool and, on Redis, the
+whole shared queue; the histograms sum over routers). DEPTH = pdserve:prefill_queue_depth, a
+router's own FIFO (OWN = pdserve:router_dispatch_pending: the memory queue's jobs not yet placed,
+0 on Redis) plus the shared rest: each router's own FIFO is summed, so routers on the memory
+queue each count their own jobs. A latency over a window with no request is NaN in PromQL: the queries
 map it to 0 (`>= 0 or vector(0)`), which never scales out, as locally. Timing lives in `behavior`:
 scale-up stabilization = the window (the lowest recommendation over it: a rule must hold for the
 whole window), prefill +1 pod per window; scale-down stabilization = scale_in_cooldown_s, one pod
@@ -65,7 +68,7 @@ from pdserve.ops.k8s_router_scale import (
     router_scaled_object,
 )
 from pdserve.ops.prewarm import PrewarmRule, parse_prewarm
-from pdserve.ops.signals import DECODE_RUNNING, QUEUE_DEPTH, QUEUE_LATENCY, ROLES, TPOT, Role
+from pdserve.ops.signals import DECODE_RUNNING, DISPATCH_PENDING, QUEUE_DEPTH, QUEUE_LATENCY, ROLES, TPOT, Role
 
 MetricType = Literal["Value", "AverageValue"]
 
@@ -110,7 +113,8 @@ def scaling_metrics(config: AutoscaleConfig) -> tuple[ScalingMetric, ...]:
 
     tpot_avg = _no_nan(f"sum(rate({TPOT}_sum{_M}{w})) / sum(rate({TPOT}_count{_M}{w}))")
     return (
-        ScalingMetric("prefill", "queue_depth", "queue-depth", QUEUE_DEPTH, f"max({QUEUE_DEPTH}{_M})",
+        ScalingMetric("prefill", "queue_depth", "queue-depth", QUEUE_DEPTH,
+                      f"max({QUEUE_DEPTH}{_M} - {DISPATCH_PENDING}{_M}) + sum({DISPATCH_PENDING}{_M})",
                       config.prefill_queue_target, "Value"),
         ScalingMetric("prefill", "queue_latency", "queue-latency-p90-seconds", f"{QUEUE_LATENCY}_bucket",
                       p(0.9, QUEUE_LATENCY), config.prefill_queue_latency_target_s, "Value"),

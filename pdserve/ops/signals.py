@@ -29,6 +29,7 @@ ROLES: tuple[Role, ...] = ("prefill", "decode")
 
 # The router's series (disagg/router_metrics.py, serving/metrics.py).
 QUEUE_DEPTH = "pdserve:prefill_queue_depth"
+DISPATCH_PENDING = "pdserve:router_dispatch_pending"  # the part of QUEUE_DEPTH in the router's own FIFO
 DECODE_RUNNING = "pdserve:decode_running"
 WORKERS_READY = "pdserve:workers_ready"
 QUEUE_LATENCY = "pdserve:prefill_queue_latency_seconds"

@@ -242,6 +242,8 @@ def calibrate(args: EngineArgs, transports: list[str], hardware: str,
             return profile, samples
         said = "; ".join(f"{role} {a:.2f} x timed + {b * 1e3:.2f} ms ({len(run_.steps[role])} steps)"
                          for role, (a, b) in fits.items())
+        loads = profile.pd_path.num_loads if profile.pd_path else 0
+        said += f"; load-dependent costs: the median of {loads} loads' fits"
         profile = replace(profile, notes=f"{profile.notes}; served PD run over {transport}: {said}")
     return profile, samples
 
@@ -254,6 +256,17 @@ def fit_error(step: StepModel, samples: list[Sample]) -> float:
     """Median relative error of the fitted model over the samples."""
     return statistics.median(abs(step.step_s(s.prefill_tokens, s.prefill_pairs, s.decode_seqs, s.decode_context)
                                  - s.seconds) / s.seconds for s in samples)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -279,7 +292,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-concurrency", type=int, default=ServedPlan().concurrency,
                    help="the served PD run's load: requests in flight (at most --max-num-seqs; near the concurrency "
                         "you will simulate: the load-dependent costs are fitted there)")
-    p.add_argument("--served-rounds", type=int, default=ServedPlan().rounds,
+    p.add_argument("--served-rounds", type=positive_int, default=ServedPlan().rounds,
                    help="the served PD run's loads, each with fresh prompts: the load-dependent costs are the "
                         "median of their fits (one short load's fit moves a lot)")
     p.add_argument("--compare-device", default=None,
@@ -314,7 +327,7 @@ def run(ns: argparse.Namespace) -> int:
                 decode_batches=_ints(ns.decode_batches, Grid().decode_batches))
     compare = device(ns.compare_device) if ns.compare_device else None  # an unknown name fails before measuring
     logged = logged_samples(ns.from_step_log) if ns.from_step_log else None
-    served = (ServedPlan(load=ns.served_requests, concurrency=ns.served_concurrency, rounds=max(1, ns.served_rounds))
+    served = (ServedPlan(load=ns.served_requests, concurrency=ns.served_concurrency, rounds=ns.served_rounds)
               if ns.served_requests > 0 else None)
     profile, samples = calibrate(engine_args(ns), transports, hardware_line(), grid, logged, served)
     profile.save(Path(ns.out))

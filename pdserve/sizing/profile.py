@@ -110,6 +110,7 @@ class PDPathCosts:
     handoff_per_stream_s: float = 0.0
     transport: str = ""  # the KV transport of the run that measured them
     num_requests: int = 0  # the isolated requests the fixed parts are the medians of
+    num_loads: int = 0  # the loads the load-dependent parts are the median of the fits of
 
     def first_token(self, waiting: int) -> float:
         return self.first_token_s + self.first_token_per_waiting_s * waiting

@@ -146,6 +146,7 @@ def path_costs(profile: Profile, run: ServedRun) -> PDPathCosts:
     token medians of the load (same requests, same concurrency) the real ones: the median over the
     loads."""
     ok = [r for r in run.probe if r.ok and len(r.chunk_times_s) >= 2]
+    # NOTE: a load whose requests all failed says nothing; `num_loads` counts the fits kept
     loads = [load for load in run.loads if any(r.ok and len(r.chunk_times_s) >= 2 for r in load.records)]
     if not ok or not loads:
         raise RuntimeError("the served PD run's requests failed (see the cluster's log)")
@@ -154,7 +155,7 @@ def path_costs(profile: Profile, run: ServedRun) -> PDPathCosts:
                         transport=run.transport, num_requests=len(ok))
     fits = [_load_costs(profile, fixed, run.transport, load) for load in loads]
     return replace(fixed, first_token_per_waiting_s=statistics.median(f.first_token_per_waiting_s for f in fits),
-                   handoff_per_stream_s=statistics.median(f.handoff_per_stream_s for f in fits))
+                   handoff_per_stream_s=statistics.median(f.handoff_per_stream_s for f in fits), num_loads=len(fits))
 
 
 def _load_costs(profile: Profile, costs: PDPathCosts, transport: str, load: Load) -> PDPathCosts:
