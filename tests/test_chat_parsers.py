@@ -123,6 +123,9 @@ def test_required_calls_grammar_allows_more_calls_only_when_parallel(model_dirs:
     else:
         with pytest.raises(ValueError, match="do not match"):
             grammars.matcher(reading.structured, tokenizer.encode(two))
+    if parallel:  # cut short (max_tokens) inside the second call: the first one, no content
+        cut = read_streamed(reading, [two[:len(one) + 30]])
+        assert [c.name for c in cut.calls] == ["get_weather"] and cut.content == ""
     with pytest.raises(ValueError, match="do not match"):  # never a call of a tool not in the request
         grammars.matcher(reading.structured, tokenizer.encode('{"name":"nope","arguments":{}}'))
 TOOLS_ON = ApiConfig(enable_auto_tool_choice=True, tool_call_parser="hermes")

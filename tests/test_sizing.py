@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -58,6 +59,17 @@ def test_plan_refuses_what_cannot_fit(capsys: pytest.CaptureFixture[str]) -> Non
     with pytest.raises(ValueError, match="only"):
         make_plan(PlanInputs(40 * GIB, 1.0, None, reserved_bytes=39.5 * GIB, kv_per_request_bytes=1 * GIB))
     assert main(["plan", "--device", "H20", "--device-memory-gib", "40", "--reserved-gib", "1"]) == 2
+
+
+def test_plan_refuses_a_config_that_is_no_qwen3_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A config.json without a field sizing needs, or of another model type: exit 2, the reason said."""
+    config = tmp_path / "config.json"
+    for raw, words in (({"hidden_size": 64, "num_attention_heads": 4}, "lacks vocab_size, intermediate_size"),
+                       ({"model_type": "llama", "vocab_size": 8, "hidden_size": 64, "intermediate_size": 128,
+                         "num_hidden_layers": 2, "num_attention_heads": 4}, "unsupported model_type 'llama'")):
+        config.write_text(json.dumps(raw))
+        assert main(["plan", "--model", str(config), "--device", "H20"]) == 2
+        assert words in capsys.readouterr().err
 
 
 def _spec(topology: Topology, limits: WorkerLimits, decode: WorkerLimits | None = None,

@@ -16,6 +16,7 @@ from pdserve.model.fp8 import FP8BlockQuantization
 from pdserve.model.rope import RopeConfig
 
 MODEL_TYPES = ("qwen3", "qwen3_moe")
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -73,6 +74,10 @@ class Qwen3ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> Qwen3ModelConfig:
+        """ValueError naming what is wrong: a model type not served, a required field missing."""
+        missing = [key for key in _REQUIRED if key not in raw]
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(missing)}: not a Qwen3 config")
         model_type = raw.get("model_type", "qwen3")
         if model_type not in MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}: pdserve serves Qwen3 dense (qwen3) and "

@@ -57,7 +57,7 @@ import yaml
 from pdserve.config_flags import add_config_args, config_from_args
 from pdserve.ops.autoscale import AutoscaleConfig, Reason
 from pdserve.ops.k8s_cron import LEAD_MINUTES, clock, cronhpa_schedule, keda_schedule, prewarm_steps, shifted_window
-from pdserve.ops.k8s_objects import Manifest, decimal, deployment_ref, metadata
+from pdserve.ops.k8s_objects import Manifest, decimal, deployment_ref, metadata, one_pod_per_cooldown
 from pdserve.ops.k8s_router_scale import (
     DEFAULT_CPU_TARGET_MILLICORES,
     DEFAULT_IN_FLIGHT_TARGET,
@@ -161,7 +161,7 @@ class RenderOptions:
         """Raises ValueError saying what Kubernetes could not take."""
         self.autoscale.validate()
         _whole_seconds(self.autoscale.autoscale_window_s, "autoscale_window_s", 1)
-        _whole_seconds(self.autoscale.scale_in_cooldown_s, "scale_in_cooldown_s", 0)
+        _ = self.cooldown_s
         self.router.validate()
         for role in ROLES:
             low, high = self.bounds[role]
@@ -204,13 +204,10 @@ def behavior(options: RenderOptions, role: Role) -> Manifest:
     rate (locally its running rule jumps to ceil(running / target) at once). Scale-down: the
     highest recommendation over the cooldown, one pod per cooldown."""
     window = _whole_seconds(options.autoscale.autoscale_window_s, "autoscale_window_s", 1)
-    cooldown = _whole_seconds(options.autoscale.scale_in_cooldown_s, "scale_in_cooldown_s", 0)
     scale_up: Manifest = {"stabilizationWindowSeconds": window}
     if role == "prefill":
         scale_up["policies"] = [{"type": "Pods", "value": 1, "periodSeconds": window}]
-    scale_down = {"stabilizationWindowSeconds": cooldown,
-                  "policies": [{"type": "Pods", "value": 1, "periodSeconds": max(1, cooldown)}]}
-    return {"scaleUp": scale_up, "scaleDown": scale_down}
+    return {"scaleUp": scale_up, "scaleDown": one_pod_per_cooldown(options.cooldown_s)}
 
 
 def scaled_object(options: RenderOptions, role: Role) -> Manifest:

@@ -24,3 +24,9 @@ def deployment_ref(component: str) -> Manifest:
 def decimal(value: float) -> str:
     """10.0 -> '10', 0.06 -> '0.06': a KEDA threshold and a Kubernetes quantity alike."""
     return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def one_pod_per_cooldown(cooldown_s: int) -> Manifest:
+    """An HPA's `behavior.scaleDown`: the highest recommendation over the cooldown, one pod per cooldown."""
+    return {"stabilizationWindowSeconds": cooldown_s,
+            "policies": [{"type": "Pods", "value": 1, "periodSeconds": max(1, cooldown_s)}]}

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.ops.k8s_objects import Manifest, decimal, deployment_ref, metadata
+from pdserve.ops.k8s_objects import Manifest, decimal, deployment_ref, metadata, one_pod_per_cooldown
 
 ROUTER_IN_FLIGHT = "vllm:num_requests_running"  # the router's: requests sent on to workers, not finished
 _ROLE = 'role="router"'
@@ -65,9 +65,7 @@ class RouterScaling:
 
 def router_behavior(cooldown_s: int) -> Manifest:
     """Up at once (the HPA's default rate), down one router per cooldown (module docstring)."""
-    return {"scaleUp": {"stabilizationWindowSeconds": 0},
-            "scaleDown": {"stabilizationWindowSeconds": cooldown_s,
-                          "policies": [{"type": "Pods", "value": 1, "periodSeconds": max(1, cooldown_s)}]}}
+    return {"scaleUp": {"stabilizationWindowSeconds": 0}, "scaleDown": one_pod_per_cooldown(cooldown_s)}
 
 
 def router_scaled_object(scaling: RouterScaling, cooldown_s: int, prometheus_url: str, matchers: str) -> Manifest:

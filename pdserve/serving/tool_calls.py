@@ -63,6 +63,7 @@ class ToolCallSplitter:
         self._spaces = ""  # whitespace not sent yet: dropped if a call follows
         self.num_calls = 0
         self.max_calls = max_calls
+        self._forced = bool(forced)
         if forced:
             self.feed(forced)
 
@@ -106,7 +107,9 @@ class ToolCallSplitter:
         return kept
 
     def finish(self) -> ToolDelta:
-        """The answer ended: an unterminated call is a call if it parses, else content."""
+        """The answer ended: an unterminated call is a call if it parses, else content; but in a
+        forced answer (tool_choice required) a call cut short after whole ones is dropped: the
+        answer is made of calls, and `finish_reason: "length"` says it was cut."""
         held, self._held = self._held, ""
         if self._in_call:
             self._in_call = False
@@ -114,6 +117,9 @@ class ToolCallSplitter:
             if call is not None:
                 self._spaces = ""
                 return ToolDelta(calls=self._take(call))
+            if self._forced and self.num_calls:  # NOTE: a forced answer's later call, cut short (max_tokens)
+                self._spaces = ""
+                return ToolDelta()
             held = TOOL_CALL_START + held
         text, self._spaces = self._spaces + held, ""
         return ToolDelta("" if self.num_calls and not text.strip() else text)
