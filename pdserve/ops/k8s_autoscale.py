@@ -161,7 +161,7 @@ class RenderOptions:
         """Raises ValueError saying what Kubernetes could not take."""
         self.autoscale.validate()
         _whole_seconds(self.autoscale.autoscale_window_s, "autoscale_window_s", 1)
-        _ = self.cooldown_s
+        _ = self.cooldown_s  # NOTE: its ValueError when the cooldown is no whole number of seconds
         self.router.validate()
         for role in ROLES:
             low, high = self.bounds[role]
