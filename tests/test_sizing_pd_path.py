@@ -1,5 +1,6 @@
-"""The PD path's costs (issue 29, item 3): the profile's version-2 fields, the simulator charging
-them, and calibrate's served PD run recovering them (against the simulator itself: no cluster)."""
+"""The PD path's costs (issue 29, item 3): the profile's version-2 and -3 fields, the simulator
+charging them, and calibrate's served PD run recovering them (against the simulator itself: no
+cluster)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ from pdserve.sizing.served_pd import (
     PROBE_OUTPUT_LEN,
     PROBE_PROMPT_LEN,
     Load,
+    ServedPlan,
     ServedRun,
     Step,
     _simulated,
     _token_s,
     fit_served,
+    load_prompt_len,
     path_costs,
 )
 from pdserve.sizing.sim.cluster import Arrival, Topology
@@ -61,15 +64,29 @@ def test_version_1_profiles_load_without_pd_path_costs(tmp_path: Path) -> None:
         load_profile(old)
 
 
-def test_version_2_fields_round_trip(tmp_path: Path) -> None:
+def test_version_3_fields_round_trip(tmp_path: Path) -> None:
     costs = PDPathCosts(0.012, 0.004, 0.0015, 0.0025, "tcp", 12)
     profile = _profile(pd_path=costs, prefill_step=dataclasses.replace(STEP, base_s=0.009))
-    path = tmp_path / "v2.json"
+    path = tmp_path / "v3.json"
     profile.save(path)
-    assert json.loads(path.read_text())["version"] == PROFILE_VERSION == 2
+    assert json.loads(path.read_text())["version"] == PROFILE_VERSION == 3
     assert load_profile(path) == profile
     assert costs.first_token(4) == pytest.approx(0.012 + 4 * 0.0015)
     assert costs.handoff(4) == pytest.approx(0.004 + 4 * 0.0025)
+
+
+def test_a_version_2_profile_loads_without_its_per_stream_cost(tmp_path: Path) -> None:
+    """Version 2 charged the hand-off per stream decoding, which version 3 replaced: such a profile
+    loads with its other costs, no load-dependent hand-off cost, and notes that say so."""
+    raw = _profile(pd_path=PDPathCosts(0.012, 0.004, 0.0015, 0.0, "tcp", 12)).to_dict()
+    raw["version"] = 2
+    raw["pd_path"] = {**raw["pd_path"], "handoff_per_stream_s": 0.040}
+    raw["pd_path"].pop("handoff_per_waiting_s")
+    old = tmp_path / "v2.json"
+    old.write_text(json.dumps(raw))
+    profile = load_profile(old)
+    assert profile.version == 2 and profile.pd_path == PDPathCosts(0.012, 0.004, 0.0015, 0.0, "tcp", 12)
+    assert "per-stream hand-off cost is not used" in profile.notes
 
 
 def test_the_simulator_charges_the_pd_path_costs() -> None:
@@ -88,10 +105,10 @@ def test_the_simulator_charges_the_pd_path_costs() -> None:
 
 
 @pytest.mark.parametrize("costs", [PDPathCosts(first_token_per_waiting_s=0.010),
-                                   PDPathCosts(handoff_per_stream_s=0.010)])
+                                   PDPathCosts(handoff_per_waiting_s=0.010)])
 def test_the_load_dependent_costs_grow_with_the_load(costs: PDPathCosts) -> None:
     """Under load the first token waits behind the other requests' dispatch, and the hand-off behind
-    the decode tier's token traffic: a request alone pays neither, a burst of 8 pays them."""
+    the others' hand-offs: a request alone pays neither, a burst of 8 pays them."""
     arrivals = [Arrival(64, 40, 0.0)] * 16
 
     def medians(profile: Profile, num: int) -> tuple[float, float]:
@@ -104,6 +121,26 @@ def test_the_load_dependent_costs_grow_with_the_load(costs: PDPathCosts) -> None
         assert ttft > bare_ttft + 10
     else:
         assert e2el > bare_e2el + 10
+
+
+def test_a_waves_hand_offs_wait_behind_the_rest_of_it() -> None:
+    """8 requests at once (one wave, nothing decoding yet): with a per-waiting hand-off cost each
+    hand-off pays for the 7 others not yet at decode, in the first wave too (a per-stream-decoding
+    cost, version 2's, was 0 there: nothing decoded yet)."""
+    arrivals = [Arrival(64, 8, 0.0)] * 8
+
+    def gaps(profile: Profile) -> list[float]:
+        records = simulate(cluster_spec(profile, PD, "tcp"), arrivals, 8).result.records
+        return [r.chunk_times_s[1] - r.chunk_times_s[0] for r in records]
+
+    bare, charged = gaps(_profile()), gaps(_profile(pd_path=PDPathCosts(handoff_per_waiting_s=0.010)))
+    assert min(charged) > min(bare) and max(charged) - max(bare) > 0.030
+
+
+def test_the_served_loads_alternate_two_prompt_lengths() -> None:
+    plan = ServedPlan(input_len=96)
+    assert [load_prompt_len(plan, n) for n in range(4)] == [48, 144, 48, 144]
+    assert load_prompt_len(ServedPlan(input_len=1), 0) == 1
 
 
 def test_the_prefill_workers_step_with_their_served_model() -> None:
@@ -139,7 +176,7 @@ def test_path_costs_recovers_what_the_served_run_saw() -> None:
     assert got.first_token_s == pytest.approx(truth.first_token_s, abs=1e-9)
     assert got.handoff_s == pytest.approx(truth.handoff_s, abs=1e-9)
     # NOTE: the load-dependent parts need not be unique (medians of a few requests): they give the load's
-    assert got.first_token_per_waiting_s > 0 and got.handoff_per_stream_s > 0
+    assert got.first_token_per_waiting_s > 0 and got.handoff_per_waiting_s > 0
     real, sim = run.loads[0].records, _simulated(profile, got, "tcp", load, 8)
     for index in (0, 1):
         assert _token_s(sim, index) == pytest.approx(_token_s(real, index), abs=1e-3)
@@ -165,7 +202,7 @@ def test_path_costs_take_the_median_of_the_loads_fits() -> None:
     per_waiting = sorted(f.first_token_per_waiting_s for f in fits)
     assert got.first_token_per_waiting_s == pytest.approx(per_waiting[1])
     assert got.first_token_per_waiting_s < fits[1].first_token_per_waiting_s  # the outlier is not kept
-    assert got.handoff_per_stream_s == pytest.approx(sorted(f.handoff_per_stream_s for f in fits)[1])
+    assert got.handoff_per_waiting_s == pytest.approx(sorted(f.handoff_per_waiting_s for f in fits)[1])
 
 
 def test_simulate_says_when_a_profile_has_no_pd_path_costs(tmp_path: Path,

@@ -293,8 +293,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the served PD run's load: requests in flight (at most --max-num-seqs; near the concurrency "
                         "you will simulate: the load-dependent costs are fitted there)")
     p.add_argument("--served-rounds", type=positive_int, default=ServedPlan().rounds,
-                   help="the served PD run's loads, each with fresh prompts: the load-dependent costs are the "
-                        "median of their fits (one short load's fit moves a lot)")
+                   help="the served PD run's loads, each with fresh prompts, of two prompt lengths in turn: the "
+                        "load-dependent costs are the median of their fits (one short load's fit moves a lot)")
     p.add_argument("--compare-device", default=None,
                    help="also print each sample against that device's roofline profile (e.g. H200)")
     add_config_args(p, EngineArgs, title="engine")
@@ -353,7 +353,7 @@ def run(ns: argparse.Namespace) -> int:
               f"requests; the rest: the load): first token +{c.first_token_s * 1e3:.1f} ms + "
               f"{c.first_token_per_waiting_s * 1e3:.2f} ms per other request waiting for its own, hand-off "
               f"+{c.handoff_s * 1e3:.1f} ms + "
-              f"{c.handoff_per_stream_s * 1e3:.2f} ms/stream")
+              f"{c.handoff_per_waiting_s * 1e3:.2f} ms per other request not yet at decode")
     if compare is not None:
         print_against_roofline(profile, samples, compare)
     print(f"wrote {ns.out} (samples: {samples_path}) in {time.perf_counter() - start:.1f} s")

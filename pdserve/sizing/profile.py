@@ -18,7 +18,7 @@ A profile is measured on this machine (`pdserve calibrate`) or derived from a GP
 (`roofline`): decode reads the weights and the KV at `bw_efficiency` x HBM bandwidth, prefill
 computes at `flops_efficiency` x dense BF16 FLOPs; the two costs add (no overlap: conservative).
 
-What a PD request costs beyond its steps and its KV transfer (`PDPathCosts`, profile version 2):
+What a PD request costs beyond its steps and its KV transfer (`PDPathCosts`, profile version 2; 3):
 the router, the `/pd/*` HTTP hops, the early first token's way back, the hand-off's messages and
 the decode worker's token relay through the router. `pdserve calibrate` measures them with a small
 real PD run (`sizing/served_pd.py`), with the served steps of its prefill and decode workers
@@ -79,8 +79,9 @@ class TransferModel:
         return self.latency_s + max(whole / max(1, num_layers), whole - hidden)
 
 
-# NOTE: 1: steps and transfers only; 2: + `prefill_step` and `pd_path` (the PD path's fixed costs)
-PROFILE_VERSION = 2
+# NOTE: 1: steps and transfers only; 2: + `prefill_step` and `pd_path` (the PD path's fixed costs);
+# 3: the hand-off's load-dependent cost is per other request not yet at decode (2: per stream decoding)
+PROFILE_VERSION = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,16 +91,18 @@ class PDPathCosts:
     the work the router and the workers' API servers have in hand when it is paid: the first token's
     per other request still waiting for its own (each one's reservation, job POST, placement and
     answer line is serial work of the router's and the prefill worker's event loops: a burst of
-    arrivals waits behind itself), the hand-off's per stream the decode tier is generating (the
-    router relays every stream's tokens, one SSE chunk each, on the same shared cores).
+    arrivals waits behind itself), the hand-off's per other request not yet at its decode worker
+    (waiting for its first token, or handed off and not yet taken by decode: each one's hand-off
+    messages, reservation bookkeeping and KV arrival are serial work of the same loops and of the
+    decode worker's engine process, so a wave's first hand-offs wait behind the rest of it).
 
     first_token_s (+ first_token_per_waiting_s x others waiting): from the prefill step that sampled the
         first token to the client having it, and the way in before that step (the router, the
         job's POST to prefill, prefill's answer line, the router's SSE frame): added to the first
         token's time.
-    handoff_s (+ handoff_per_stream_s x streams): from the simulated transfer's end to the decode
-        worker stepping the request (the hand-off's messages, the reservation's bookkeeping, the
-        decode tokens' relay): the decode worker gets the request this much later.
+    handoff_s (+ handoff_per_waiting_s x others not yet at decode): from the simulated transfer's end
+        to the decode worker stepping the request (the hand-off's messages, the reservation's
+        bookkeeping, the decode tokens' relay): the decode worker gets the request this much later.
 
     `pdserve calibrate` measures the fixed parts on isolated requests and the load-dependent parts
     under a load (sizing/served_pd.py)."""
@@ -107,7 +110,7 @@ class PDPathCosts:
     first_token_s: float = 0.0
     handoff_s: float = 0.0
     first_token_per_waiting_s: float = 0.0
-    handoff_per_stream_s: float = 0.0
+    handoff_per_waiting_s: float = 0.0
     transport: str = ""  # the KV transport of the run that measured them
     num_requests: int = 0  # the isolated requests the fixed parts are the medians of
     num_loads: int = 0  # the loads the load-dependent parts are the median of the fits of
@@ -115,8 +118,8 @@ class PDPathCosts:
     def first_token(self, waiting: int) -> float:
         return self.first_token_s + self.first_token_per_waiting_s * waiting
 
-    def handoff(self, streams: int) -> float:
-        return self.handoff_s + self.handoff_per_stream_s * streams
+    def handoff(self, waiting: int) -> float:
+        return self.handoff_s + self.handoff_per_waiting_s * waiting
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,17 +160,22 @@ class Profile:
     @classmethod
     def from_dict(cls, raw: dict) -> Profile:
         """Any version up to PROFILE_VERSION; a version-1 file (no "version" key) has no served
-        prefill step and no PD path costs."""
+        prefill step and no PD path costs; a version-2 file's per-stream hand-off cost is dropped
+        (the simulator no longer charges one: recalibrate for the per-waiting one), which its notes say."""
         version = int(raw.get("version", 1))
         if version > PROFILE_VERSION:
             raise ValueError(f"profile version {version} is newer than this pdserve's ({PROFILE_VERSION})")
+        path = dict(raw["pd_path"]) if raw.get("pd_path") else None
+        if path is not None and path.pop("handoff_per_stream_s", None):
+            raw = {**raw, "notes": f"{raw.get('notes', '')}; version {version}: its per-stream hand-off cost "
+                                   "is not used (recalibrate)"}
         return cls(raw["name"], raw["source"], ModelFacts.from_dict(raw["model"]), StepModel(**raw["step"]),
                    int(raw["kv_bytes_per_token"]), int(raw["block_size"]), int(raw["num_kv_blocks"]),
                    int(raw["max_num_seqs"]), int(raw["max_num_batched_tokens"]),
                    {k: TransferModel(**v) for k, v in raw.get("transports", {}).items()}, raw.get("notes", ""),
                    StepModel(**raw["decode_step"]) if raw.get("decode_step") else None,
                    StepModel(**raw["prefill_step"]) if raw.get("prefill_step") else None,
-                   PDPathCosts(**raw["pd_path"]) if raw.get("pd_path") else None, version)
+                   PDPathCosts(**path) if path is not None else None, version)
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -12,22 +12,26 @@ worker, the calibrated engine flags and threads, `PDSERVE_STEP_LOG` on) and driv
    is the PD path's fixed cost. `PDPathCosts.first_token_s` is the median first token's excess,
    `handoff_s` the second token's (both measured against the simulator itself, run on the same
    requests with the served steps below, so the two agree on an isolated request by construction).
-2. **Loads** (`rounds` of them, each `load` requests at `concurrency`, all sent at once, one length
-   as bench's `random` workload, a fresh draw of prompts each round: a closed loop of such requests
-   runs in waves, which the prefill worker batches):
+2. **Loads** (`rounds` of them, each `load` requests at `concurrency`, all sent at once, a fresh
+   draw of prompts each round; within a load one length, as bench's `random` workload, and the loads
+   alternate two lengths, half and one and a half times `input_len`: a closed loop of such requests
+   runs in waves, which the prefill worker batches, and two lengths tell the served prefill step's
+   scale from its shift, which steps of one length trade against each other):
    - the steps the two workers logged while serving (their period: the step and any gap while work
      waited). Each role's served step is the timed step model scaled and shifted, `a x timed + b`,
      fitted to that role's logged steps (least squares on the seconds): the timed model keeps the
      shape over the whole grid, the served run says what serving does to it (the API server's loop
      and the KV transport sharing the worker's process, the router and the client sharing the cores);
    - the PD path's load-dependent costs (`first_token_per_waiting_s`: per other request waiting
-     for its first token, `handoff_per_stream_s`: per stream the decode tier is generating): under
-     load the first token waits behind the other requests' dispatch and the hand-off behind the
-     router's token traffic; the simulator, run on the same requests at the same concurrency, gets
-     the load's real first- and second-token medians with them (bisection), solved for each load
-     apart; the profile keeps the median of the solutions. One short load's wave structure moves
-     its first-token median a lot (one quiet-machine calibration fitted 36 ms per waiting request
-     where others fitted 11-17): the median of three is what the loop's TTFT can trust.
+     for its first token, `handoff_per_waiting_s`: per other request not yet at its decode worker):
+     under load the first token waits behind the other requests' dispatch and the hand-off behind
+     theirs; the simulator, run on the same requests at the same concurrency, gets the load's real
+     first- and second-token medians with them (bisection), solved for each load apart; the profile
+     keeps the median of the solutions. One short load's wave structure moves its first-token median
+     a lot (loads of one workload on one cluster: medians 73-123 ms): the median of several loads is
+     what the loop's TTFT can trust. (A per-stream-decoding hand-off cost, profile version 2, is ~0
+     in a wave whose predecessor has finished and huge otherwise: its fit hit the bisection's bound
+     in 3 of 12 sessions and sent the simulated TPOT 58 % over.)
 """
 
 from __future__ import annotations
@@ -61,11 +65,16 @@ PROBE_OUTPUT_LEN = 8
 class ServedPlan:
     probe: int = 12  # isolated requests
     load: int = 48  # requests of each load
-    rounds: int = 3  # loads (fresh prompts each); the load-dependent costs are the median of their fits
+    rounds: int = 6  # loads (fresh prompts each); the load-dependent costs are the median of their fits
     concurrency: int = 8  # the load's concurrency (capped by max_num_seqs)
-    input_len: int = 96  # the load's prompts (all of one length, as `pdserve bench --workload random`'s)
+    input_len: int = 96  # the loads' mean prompt (each load of one length: input_len / 2, then x 3 / 2)
     output_len: int = 24
     ready_timeout_s: float = 600.0
+
+
+def load_prompt_len(plan: ServedPlan, n: int) -> int:
+    """Load n's prompt length: half `input_len`, then one and a half times, in turn."""
+    return max(1, plan.input_len // 2 if n % 2 == 0 else plan.input_len * 3 // 2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +164,7 @@ def path_costs(profile: Profile, run: ServedRun) -> PDPathCosts:
                         transport=run.transport, num_requests=len(ok))
     fits = [_load_costs(profile, fixed, run.transport, load) for load in loads]
     return replace(fixed, first_token_per_waiting_s=statistics.median(f.first_token_per_waiting_s for f in fits),
-                   handoff_per_stream_s=statistics.median(f.handoff_per_stream_s for f in fits), num_loads=len(fits))
+                   handoff_per_waiting_s=statistics.median(f.handoff_per_waiting_s for f in fits), num_loads=len(fits))
 
 
 def _load_costs(profile: Profile, costs: PDPathCosts, transport: str, load: Load) -> PDPathCosts:
@@ -171,11 +180,11 @@ def _load_costs(profile: Profile, costs: PDPathCosts, transport: str, load: Load
         return excess(0, real_first, replace(base, first_token_per_waiting_s=x))
 
     def second(x: float, base: PDPathCosts) -> float:
-        return excess(1, real_second, replace(base, handoff_per_stream_s=x))
+        return excess(1, real_second, replace(base, handoff_per_waiting_s=x))
 
     for _ in range(2):  # NOTE: the two interact (a later hand-off keeps fewer streams decoding)
         costs = replace(costs, first_token_per_waiting_s=_solve(partial(first, base=costs), real_first))
-        costs = replace(costs, handoff_per_stream_s=_solve(partial(second, base=costs), real_second))
+        costs = replace(costs, handoff_per_waiting_s=_solve(partial(second, base=costs), real_second))
     return costs
 
 
@@ -223,8 +232,8 @@ def run_served_pd(args: EngineArgs, timed: StepModel, transport: str, max_num_se
 
     threads = args.num_threads or local.up_threads_per_worker(2)
     probe = random_lengths(plan.probe, PROBE_PROMPT_LEN, PROBE_OUTPUT_LEN, seed=1, kind=PromptKind(vocab_size))
-    workloads = [random_lengths(plan.load, plan.input_len, plan.output_len, seed=2 + n, kind=PromptKind(vocab_size))
-                 for n in range(plan.rounds)]
+    workloads = [random_lengths(plan.load, load_prompt_len(plan, n), plan.output_len, seed=2 + n,
+                                kind=PromptKind(vocab_size)) for n in range(plan.rounds)]
     concurrency = max(1, min(plan.concurrency, max_num_seqs))
     with tempfile.TemporaryDirectory(prefix="pdserve-calibrate-pd-") as tmp:
         log_dir, step_dir = Path(tmp) / "logs", Path(tmp) / "steps"

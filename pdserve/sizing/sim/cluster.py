@@ -22,9 +22,9 @@ Model (what it includes, what it leaves out):
   reaches the client `first_token(w)` after the prefill step that sampled it (the router, the
   `/pd/*` hops, the early first token's way back; w: the other requests still waiting for their
   first token), and the decode worker gets a request `handoff(n)` after its transfer ended (the
-  hand-off's messages, the token relay through the router; n: the streams the decode workers are
-  generating then). No token reaches the client
-  before the first (the router relays them in order).
+  hand-off's messages, the token relay through the router; n: the other requests admitted and not
+  yet at their decode worker then: a wave's first hand-offs wait behind the rest of it). No token
+  reaches the client before the first (the router relays them in order).
 - Not modelled: network and HTTP latency beyond `dispatch_s`, detokenization, prefix caching, swap.
 """
 
@@ -111,7 +111,8 @@ class Cluster:
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = 0
         self._in_flight = 0
-        self._awaiting_first = 0  # admitted, no first token yet (the router's queue)
+        self._awaiting_first = 0  # admitted, KV not yet transferred (colocated: no first token yet)
+        self._in_handoff = 0  # PD: transferred, not yet at the decode worker (paying `PDPathCosts.handoff`)
         self._client_backlog: deque[int] = deque()
         self._router_backlog: deque[SimRequest] = deque()  # PD: waiting for decode KV room
         self._prefill_queue: deque[SimRequest] = deque()  # PD: reserved, waiting for a prefill worker
@@ -296,7 +297,8 @@ class Cluster:
         self._kick(prefill)
         self._dispatch_prefill()
         self._awaiting_first -= 1
-        handoff_s = self.spec.path.handoff(self._streams())
+        handoff_s = self.spec.path.handoff(self._awaiting_first + self._in_handoff)
+        self._in_handoff += 1
         if handoff_s > 0:
             self._push(self.now_s + handoff_s, _AT_DECODE, request)
         else:
@@ -304,6 +306,7 @@ class Cluster:
 
     def _at_decode(self, request: SimRequest) -> None:
         """The hand-off's end: the decode worker has the request (and its KV)."""
+        self._in_handoff -= 1
         if not self.spec.early_first_token:  # the client sees the first token once decode has the KV
             request.token_times_s[-1] = self.now_s
         decode = self.decode[request.decode]
@@ -317,11 +320,6 @@ class Cluster:
             return
         decode.waiting.append(request)
         self._kick(decode)
-
-
-    def _streams(self) -> int:
-        """PD: the streams the decode workers are generating (whose tokens the router relays)."""
-        return sum(len(w.running) for w in self.decode)
 
 
 def _load(worker: SimWorker) -> int:
