@@ -75,18 +75,34 @@ def test_version_3_fields_round_trip(tmp_path: Path) -> None:
     assert costs.handoff(4) == pytest.approx(0.004 + 4 * 0.0025)
 
 
-def test_a_version_2_profile_loads_without_its_per_stream_cost(tmp_path: Path) -> None:
-    """Version 2 charged the hand-off per stream decoding, which version 3 replaced: such a profile
-    loads with its other costs, no load-dependent hand-off cost, and notes that say so."""
-    raw = _profile(pd_path=PDPathCosts(0.012, 0.004, 0.0015, 0.0, "tcp", 12)).to_dict()
+def test_a_version_2_profile_loads_without_its_load_dependent_costs(tmp_path: Path) -> None:
+    """Version 2 counted the load other ways (the first token per request waiting for its own, the
+    hand-off per stream decoding): such a profile loads with its fixed costs only, and notes that
+    say so."""
+    raw = _profile(pd_path=PDPathCosts(0.012, 0.004, 0.0, 0.0, "tcp", 12)).to_dict()
     raw["version"] = 2
-    raw["pd_path"] = {**raw["pd_path"], "handoff_per_stream_s": 0.040}
-    raw["pd_path"].pop("handoff_per_waiting_s")
+    raw["pd_path"] = {**raw["pd_path"], "first_token_per_waiting_s": 0.010, "handoff_per_stream_s": 0.040}
+    for key in ("first_token_per_in_flight_s", "handoff_per_waiting_s"):
+        raw["pd_path"].pop(key)
     old = tmp_path / "v2.json"
     old.write_text(json.dumps(raw))
     profile = load_profile(old)
-    assert profile.version == 2 and profile.pd_path == PDPathCosts(0.012, 0.004, 0.0015, 0.0, "tcp", 12)
-    assert "per-stream hand-off cost is not used" in profile.notes
+    assert profile.version == 2 and profile.pd_path == PDPathCosts(0.012, 0.004, 0.0, 0.0, "tcp", 12)
+    assert "load-dependent PD path costs are not used" in profile.notes
+
+
+def test_a_steady_load_pays_the_first_tokens_load_cost() -> None:
+    """Arrivals spread out (one every 60 ms, 8 in flight): few requests wait for their first token
+    at once, but each shares the loops with the 7 others in flight, as served runs show (a steady
+    load's real TTFT is about a burst's). A cost per request waiting for its first token, version
+    2's, charged the spread-out load almost nothing."""
+    arrivals = [Arrival(64, 40, 0.060 * i) for i in range(40)]
+
+    def ttft(profile: Profile) -> float:
+        return simulate(cluster_spec(profile, PD, "tcp"), arrivals, 8).summary.latency["ttft"].median_ms
+
+    bare = ttft(_profile())
+    assert ttft(_profile(pd_path=PDPathCosts(first_token_per_in_flight_s=0.010))) > bare + 40
 
 
 def test_the_simulator_charges_the_pd_path_costs() -> None:
@@ -104,11 +120,11 @@ def test_the_simulator_charges_the_pd_path_costs() -> None:
     assert second == pytest.approx(first)
 
 
-@pytest.mark.parametrize("costs", [PDPathCosts(first_token_per_waiting_s=0.010),
+@pytest.mark.parametrize("costs", [PDPathCosts(first_token_per_in_flight_s=0.010),
                                    PDPathCosts(handoff_per_waiting_s=0.010)])
 def test_the_load_dependent_costs_grow_with_the_load(costs: PDPathCosts) -> None:
-    """Under load the first token waits behind the other requests' dispatch, and the hand-off behind
-    the others' hand-offs: a request alone pays neither, a burst of 8 pays them."""
+    """Under load the first token's way shares the loops with the other requests in flight, and the
+    hand-off waits behind the others' hand-offs: a request alone pays neither, a burst of 8 pays them."""
     arrivals = [Arrival(64, 40, 0.0)] * 16
 
     def medians(profile: Profile, num: int) -> tuple[float, float]:
@@ -117,7 +133,7 @@ def test_the_load_dependent_costs_grow_with_the_load(costs: PDPathCosts) -> None
 
     assert medians(_profile(pd_path=costs), 1) == pytest.approx(medians(_profile(), 1))
     (ttft, e2el), (bare_ttft, bare_e2el) = medians(_profile(pd_path=costs), 16), medians(_profile(), 16)
-    if costs.first_token_per_waiting_s:
+    if costs.first_token_per_in_flight_s:
         assert ttft > bare_ttft + 10
     else:
         assert e2el > bare_e2el + 10
@@ -175,8 +191,9 @@ def test_path_costs_recovers_what_the_served_run_saw() -> None:
     got = path_costs(profile, run)
     assert got.first_token_s == pytest.approx(truth.first_token_s, abs=1e-9)
     assert got.handoff_s == pytest.approx(truth.handoff_s, abs=1e-9)
-    # NOTE: the load-dependent parts need not be unique (medians of a few requests): they give the load's
-    assert got.first_token_per_waiting_s > 0 and got.handoff_per_waiting_s > 0
+    # NOTE: the load-dependent parts need not be unique (medians of a few requests, and a later first
+    # token holds the second back too): they are charged, and they give the load's medians
+    assert got.first_token_per_in_flight_s + got.handoff_per_waiting_s > 0
     real, sim = run.loads[0].records, _simulated(profile, got, "tcp", load, 8)
     for index in (0, 1):
         assert _token_s(sim, index) == pytest.approx(_token_s(real, index), abs=1e-3)
@@ -184,7 +201,7 @@ def test_path_costs_recovers_what_the_served_run_saw() -> None:
 
 
 def test_path_costs_take_the_median_of_the_loads_fits() -> None:
-    """Three loads, one of them seen with a 5x larger per-waiting cost (a noisy spell): the profile
+    """Three loads, one of them seen with a 5x larger per-in-flight cost (a noisy spell): the profile
     keeps the median of the three fits, near the two that agree, not their mean."""
     from pdserve.bench.serve.workloads import random_lengths
 
@@ -199,9 +216,9 @@ def test_path_costs_take_the_median_of_the_loads_fits() -> None:
     run = ServedRun(_simulated(profile, truths[0], "tcp", probe, 1), probe, tuple(loads), {}, "tcp")
     fits = [path_costs(profile, dataclasses.replace(run, loads=(load,))) for load in loads]
     got = path_costs(profile, run)
-    per_waiting = sorted(f.first_token_per_waiting_s for f in fits)
-    assert got.first_token_per_waiting_s == pytest.approx(per_waiting[1])
-    assert got.first_token_per_waiting_s < fits[1].first_token_per_waiting_s  # the outlier is not kept
+    per_in_flight = sorted(f.first_token_per_in_flight_s for f in fits)
+    assert got.first_token_per_in_flight_s == pytest.approx(per_in_flight[1])
+    assert got.first_token_per_in_flight_s < fits[1].first_token_per_in_flight_s  # the outlier is not kept
     assert got.handoff_per_waiting_s == pytest.approx(sorted(f.handoff_per_waiting_s for f in fits)[1])
 
 

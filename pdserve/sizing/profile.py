@@ -18,7 +18,7 @@ A profile is measured on this machine (`pdserve calibrate`) or derived from a GP
 (`roofline`): decode reads the weights and the KV at `bw_efficiency` x HBM bandwidth, prefill
 computes at `flops_efficiency` x dense BF16 FLOPs; the two costs add (no overlap: conservative).
 
-What a PD request costs beyond its steps and its KV transfer (`PDPathCosts`, profile version 2; 3):
+What a PD request costs beyond its steps and its KV transfer (`PDPathCosts`, profile versions 2 and 3):
 the router, the `/pd/*` HTTP hops, the early first token's way back, the hand-off's messages and
 the decode worker's token relay through the router. `pdserve calibrate` measures them with a small
 real PD run (`sizing/served_pd.py`), with the served steps of its prefill and decode workers
@@ -80,7 +80,8 @@ class TransferModel:
 
 
 # NOTE: 1: steps and transfers only; 2: + `prefill_step` and `pd_path` (the PD path's fixed costs);
-# 3: the hand-off's load-dependent cost is per other request not yet at decode (2: per stream decoding)
+# 3: the load-dependent costs: the first token's per other request in flight, the hand-off's per other
+# request not yet at decode (2: per request waiting for its first token, per stream decoding)
 PROFILE_VERSION = 3
 
 
@@ -89,14 +90,16 @@ class PDPathCosts:
     """A PD request's costs beyond what the simulator models itself (its client's dispatch, the
     prefill and decode steps, the KV transfer model), each a fixed part and a part that grows with
     the work the router and the workers' API servers have in hand when it is paid: the first token's
-    per other request still waiting for its own (each one's reservation, job POST, placement and
-    answer line is serial work of the router's and the prefill worker's event loops: a burst of
-    arrivals waits behind itself), the hand-off's per other request not yet at its decode worker
+    per other request in flight (sent and not finished: each one's reservation, job POST, placement,
+    answer line and token relay is work of the router's and the workers' event loops, which on a
+    CPU host also share the cores; charged per request waiting for its first token instead, profile
+    version 2, it was ~0 once arrivals spread out and the simulated TTFT of a steady load came out
+    62 % short), the hand-off's per other request not yet at its decode worker
     (waiting for its first token, or handed off and not yet taken by decode: each one's hand-off
     messages, reservation bookkeeping and KV arrival are serial work of the same loops and of the
     decode worker's engine process, so a wave's first hand-offs wait behind the rest of it).
 
-    first_token_s (+ first_token_per_waiting_s x others waiting): from the prefill step that sampled the
+    first_token_s (+ first_token_per_in_flight_s x others in flight): from the prefill step that sampled the
         first token to the client having it, and the way in before that step (the router, the
         job's POST to prefill, prefill's answer line, the router's SSE frame): added to the first
         token's time.
@@ -109,14 +112,14 @@ class PDPathCosts:
 
     first_token_s: float = 0.0
     handoff_s: float = 0.0
-    first_token_per_waiting_s: float = 0.0
+    first_token_per_in_flight_s: float = 0.0
     handoff_per_waiting_s: float = 0.0
     transport: str = ""  # the KV transport of the run that measured them
     num_requests: int = 0  # the isolated requests the fixed parts are the medians of
     num_loads: int = 0  # the loads the load-dependent parts are the median of the fits of
 
-    def first_token(self, waiting: int) -> float:
-        return self.first_token_s + self.first_token_per_waiting_s * waiting
+    def first_token(self, in_flight: int) -> float:
+        return self.first_token_s + self.first_token_per_in_flight_s * in_flight
 
     def handoff(self, waiting: int) -> float:
         return self.handoff_s + self.handoff_per_waiting_s * waiting
@@ -160,15 +163,16 @@ class Profile:
     @classmethod
     def from_dict(cls, raw: dict) -> Profile:
         """Any version up to PROFILE_VERSION; a version-1 file (no "version" key) has no served
-        prefill step and no PD path costs; a version-2 file's per-stream hand-off cost is dropped
-        (the simulator no longer charges one: recalibrate for the per-waiting one), which its notes say."""
+        prefill step and no PD path costs; a version-2 file's load-dependent costs (counted other
+        ways) are dropped, which its notes say: recalibrate for version 3's."""
         version = int(raw.get("version", 1))
         if version > PROFILE_VERSION:
             raise ValueError(f"profile version {version} is newer than this pdserve's ({PROFILE_VERSION})")
         path = dict(raw["pd_path"]) if raw.get("pd_path") else None
-        if path is not None and path.pop("handoff_per_stream_s", None):
-            raw = {**raw, "notes": f"{raw.get('notes', '')}; version {version}: its per-stream hand-off cost "
-                                   "is not used (recalibrate)"}
+        old = {"first_token_per_waiting_s", "handoff_per_stream_s"}
+        if path is not None and any([path.pop(key, 0.0) for key in old]):
+            raw = {**raw, "notes": f"{raw.get('notes', '')}; version {version}: its load-dependent PD path costs "
+                                   "are not used (recalibrate)"}
         return cls(raw["name"], raw["source"], ModelFacts.from_dict(raw["model"]), StepModel(**raw["step"]),
                    int(raw["kv_bytes_per_token"]), int(raw["block_size"]), int(raw["num_kv_blocks"]),
                    int(raw["max_num_seqs"]), int(raw["max_num_batched_tokens"]),

@@ -22,16 +22,18 @@ worker, the calibrated engine flags and threads, `PDSERVE_STEP_LOG` on) and driv
      fitted to that role's logged steps (least squares on the seconds): the timed model keeps the
      shape over the whole grid, the served run says what serving does to it (the API server's loop
      and the KV transport sharing the worker's process, the router and the client sharing the cores);
-   - the PD path's load-dependent costs (`first_token_per_waiting_s`: per other request waiting
-     for its first token, `handoff_per_waiting_s`: per other request not yet at its decode worker):
-     under load the first token waits behind the other requests' dispatch and the hand-off behind
-     theirs; the simulator, run on the same requests at the same concurrency, gets the load's real
-     first- and second-token medians with them (bisection), solved for each load apart; the profile
-     keeps the median of the solutions. One short load's wave structure moves its first-token median
+   - the PD path's load-dependent costs (`first_token_per_in_flight_s`: per other request in
+     flight, `handoff_per_waiting_s`: per other request not yet at its decode worker): under load
+     the first token's way shares the router's and the workers' loops (and a CPU host's cores) with
+     every other request's, and the hand-off waits behind the others'; the simulator, run on the
+     same requests at the same concurrency, gets the load's real first- and second-token medians
+     with them (bisection), solved for each load apart; the profile keeps the median of the
+     solutions. One short load's wave structure moves its first-token median
      a lot (loads of one workload on one cluster: medians 73-123 ms): the median of several loads is
-     what the loop's TTFT can trust. (A per-stream-decoding hand-off cost, profile version 2, is ~0
-     in a wave whose predecessor has finished and huge otherwise: its fit hit the bisection's bound
-     in 3 of 12 sessions and sent the simulated TPOT 58 % over.)
+     what the loop's TTFT can trust. (Profile version 2 counted other things: the first token's
+     cost per request waiting for its own, ~0 once arrivals spread out, so a steady load's TTFT was
+     simulated 62 % short; the hand-off's per stream decoding, ~0 in a wave whose predecessor had
+     finished and huge otherwise: its fit hit the bisection's bound in 3 of 12 sessions.)
 """
 
 from __future__ import annotations
@@ -163,7 +165,7 @@ def path_costs(profile: Profile, run: ServedRun) -> PDPathCosts:
     fixed = PDPathCosts(max(0.0, _token_s(ok, 0) - _token_s(sim, 0)), max(0.0, _token_s(ok, 1) - _token_s(sim, 1)),
                         transport=run.transport, num_requests=len(ok))
     fits = [_load_costs(profile, fixed, run.transport, load) for load in loads]
-    return replace(fixed, first_token_per_waiting_s=statistics.median(f.first_token_per_waiting_s for f in fits),
+    return replace(fixed, first_token_per_in_flight_s=statistics.median(f.first_token_per_in_flight_s for f in fits),
                    handoff_per_waiting_s=statistics.median(f.handoff_per_waiting_s for f in fits), num_loads=len(fits))
 
 
@@ -177,13 +179,13 @@ def _load_costs(profile: Profile, costs: PDPathCosts, transport: str, load: Load
         return _token_s(records, index) - target
 
     def first(x: float, base: PDPathCosts) -> float:
-        return excess(0, real_first, replace(base, first_token_per_waiting_s=x))
+        return excess(0, real_first, replace(base, first_token_per_in_flight_s=x))
 
     def second(x: float, base: PDPathCosts) -> float:
         return excess(1, real_second, replace(base, handoff_per_waiting_s=x))
 
     for _ in range(2):  # NOTE: the two interact (a later hand-off keeps fewer streams decoding)
-        costs = replace(costs, first_token_per_waiting_s=_solve(partial(first, base=costs), real_first))
+        costs = replace(costs, first_token_per_in_flight_s=_solve(partial(first, base=costs), real_first))
         costs = replace(costs, handoff_per_waiting_s=_solve(partial(second, base=costs), real_second))
     return costs
 

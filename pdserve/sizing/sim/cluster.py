@@ -20,11 +20,11 @@ Model (what it includes, what it leaves out):
   the rest. Prefill keeps the blocks until the transfer ends. Transfers do not contend for links.
 - The PD path's costs (a calibrated profile's `pd_path`, profile.PDPathCosts): the first token
   reaches the client `first_token(w)` after the prefill step that sampled it (the router, the
-  `/pd/*` hops, the early first token's way back; w: the other requests still waiting for their
-  first token), and the decode worker gets a request `handoff(n)` after its transfer ended (the
-  hand-off's messages, the token relay through the router; n: the other requests admitted and not
-  yet at their decode worker then: a wave's first hand-offs wait behind the rest of it). No token
-  reaches the client before the first (the router relays them in order).
+  `/pd/*` hops, the early first token's way back; w: the other requests in flight), and the decode
+  worker gets a request `handoff(n)` after its transfer ended (the hand-off's messages, the token
+  relay through the router; n: the other requests admitted and not yet at their decode worker
+  then: a wave's hand-offs wait behind the rest of it). No token reaches the client before the
+  first (the router relays them in order).
 - Not modelled: network and HTTP latency beyond `dispatch_s`, detokenization, prefix caching, swap.
 """
 
@@ -280,7 +280,7 @@ class Cluster:
     def _hand_off(self, request: SimRequest, prefill_s: float) -> None:
         spec = self.spec
         if spec.early_first_token:
-            request.token_times_s[-1] += spec.path.first_token(self._awaiting_first - 1)
+            request.token_times_s[-1] += spec.path.first_token(self._in_flight - 1)
         delay = 0.0
         if spec.transfer is not None:
             num_bytes = request.prompt_len * spec.kv_bytes_per_token
