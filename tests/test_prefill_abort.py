@@ -24,6 +24,7 @@ from pd_fixtures import Cluster, start_cluster, stop_cluster
 from pdserve import LLM
 from pdserve.disagg.client import WorkerClient, WorkerUnreachable
 from pdserve.disagg.control import FirstToken, HandOff, PrefillJob, WireSamplingParams
+from pdserve.disagg.decode_service import DecodeService
 from pdserve.disagg.prefill_service import PrefillService
 from pdserve.disagg.request_ids import transfer_id
 from pdserve.engine.commands import AddPrefillOnly
@@ -169,5 +170,55 @@ def test_a_job_answer_cut_short_still_answers_the_request_and_aborts_the_attempt
         assert stats.failed == 0 and stats.in_flight == 0, stats
         if point == "accepted":  # NOTE: cut before its placement: nothing else ends it for 5 s
             assert stats.aborted == 1 and stats.handed_off == 1, stats
+    finally:
+        stop_cluster(cluster)
+
+
+def _start_late(prefill: PrefillService, nth: int) -> list[str]:
+    """The task of the `nth` attempt (1 first) starts only once the router's abort of it came, as on
+    a loaded worker where both POSTs are read in one turn of the loop. Returns the aborts heard."""
+    finish, abort, aborts, starts = prefill._finish, prefill.abort, [], []
+    came = asyncio.Event()
+
+    async def noted(transfer_id: str) -> None:
+        await abort(transfer_id)
+        aborts.append(transfer_id)
+        came.set()
+
+    async def late(tid: str, stream: Any) -> HandOff:
+        starts.append(tid)
+        if len(starts) == nth:
+            await asyncio.wait_for(came.wait(), 30)
+        return await finish(tid, stream)
+
+    prefill.abort = noted  # type: ignore[method-assign]
+    prefill._finish = late  # type: ignore[method-assign]
+    return aborts
+
+
+def test_the_router_cancels_a_job_before_its_attempt_started_and_nothing_is_left(
+        model_dirs: dict[str, Path], colocated: LLM, caplog: pytest.LogCaptureFixture) -> None:
+    """CI's case (tests/test_router_admission.py::test_short_uncached_rest_is_prefilled_on_decode):
+    the second long prompt's job goes out unplaced, decode then caches all but 4 tokens of it, so
+    the router cancels the job and prefills on decode; its abort reaches prefill before the
+    attempt's task started."""
+    cluster = start_cluster(model_dirs["tiny"], "tcp", 1, 1, pd_threshold=64)
+    short, long = random_prompt(40, seed=1), PROMPT
+    try:
+        prefill: PrefillService = cluster.service(PrefillService)
+        aborts = _start_late(prefill, 2)
+        with httpx.Client(base_url=cluster.router.url, timeout=60) as http:
+            for prompt in (short, long, long):
+                reply = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "ignore_eos": True,
+                                                           "temperature": 0})
+                assert reply.status_code == 200, reply.text
+                assert reply.json()["choices"][0]["text"] == generate_texts(colocated, [prompt], greedy(6))[0]
+        assert len(aborts) == 1, aborts
+        assert cluster.pd.stats().events.prefilled_on_decode == 2
+        assert cluster.service(DecodeService).stats().prefilled_locally == 2
+        cluster.wait_until_idle()
+        stats = prefill.stats()
+        assert (stats.handed_off, stats.aborted, stats.failed, stats.in_flight) == (1, 1, 0, 0), stats
+        assert "unreachable" not in caplog.text  # NOTE: its answer ended in full: the router kept the worker
     finally:
         stop_cluster(cluster)
