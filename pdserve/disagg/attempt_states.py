@@ -173,7 +173,9 @@ ATTEMPT = Lifecycle("attempt", {
     Attempt.TIMED_OUT: "no placement named in time, or decode stopped acknowledging: decode is told the "
                        "attempt ended (its task)",
     Attempt.FAILED: "the engine or the transport failed it; the queue ends the request on decode (its task)",
-    Attempt.ABORTED: "cancelled by its router or queue (a retry superseded it, the client left) (abort)",
+    Attempt.ABORTED: "cancelled by its router or queue (a retry superseded it, the client left, its answer "
+                     "was cut) (abort; one that came before the job, or before its task started, ends it "
+                     "as it starts)",
 })
 
 LIFECYCLES = (RUN, RESERVATION, ATTEMPT)

@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
@@ -54,6 +55,7 @@ logger = logging.getLogger(__name__)
 _ENGINE_STUCK_S = 30.0
 _REPORT_TIMEOUT_S = 10.0  # telling decode an attempt ended (`_report_ended`)
 _CONNECT_WAIT_S = 10.0  # a named placement whose sender connects to its decode worker (`_placement`)
+_MAX_ABORTS_KEPT = 1024  # aborts of attempts not running here, kept for one that is still coming (`abort`)
 
 
 @dataclass(slots=True)
@@ -78,6 +80,8 @@ class _Attempt:
     # its first token once sampled, before the hand-off (None: it ended without one)
     first_token: asyncio.Future[FirstToken | None] = dataclasses.field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
+    started: bool = False  # its task took its first step: from then on an abort cancels it
+    aborted: bool = False  # an abort came before that (or before the record): the task ends so at once
 
 
 @dataclass(slots=True)
@@ -100,6 +104,7 @@ class PrefillService:
         self.placement_timeout_s = max(placement_timeout_s, transfer_timeout_s)  # NOTE: never less than that
         self.draining = False
         self._attempts: dict[str, _Attempt] = {}  # transfer id -> its record
+        self._aborts_kept: OrderedDict[str, None] = OrderedDict()  # aborted transfer ids with no record, oldest first
         self._counts = _Counts()
         self._keepalive: asyncio.Task[None] | None = None
         self._reports: set[asyncio.Task[None]] = set()  # attempts' ends being told to decode
@@ -148,6 +153,9 @@ class PrefillService:
         attempt = self._attempts[tid] = _Attempt(task, job.decode_url,
                                                  len(job.prompt_token_ids) - job.num_cached_tokens, job.token,
                                                  State(ATTEMPT, tid), seeded=params.seed is not None)
+        if tid in self._aborts_kept:  # NOTE: its abort came first (while the engine took it, or before)
+            del self._aborts_kept[tid]
+            attempt.aborted = True
         if sender is not None:
             attempt.placed.set_result(sender)
         if self._keepalive is None or self._keepalive.done():
@@ -212,24 +220,42 @@ class PrefillService:
         return await self.client.send(CachedPrefixTokens(prompt_token_ids))
 
     async def abort(self, transfer_id: str) -> None:
+        """End the attempt as aborted, its blocks released, wherever it is in its life.
+        NOTE: a task cancelled before its first step never runs its body, the `finally` that
+        releases included: the engine request and its blocks stayed held for good, and POST
+        /pd/prefill's answer was cut short. Until then the abort is noted, and the task, when it
+        starts, ends at once as a cancelled one does. An abort of an attempt with no record here
+        is kept (the last `_MAX_ABORTS_KEPT`): its job may still come (two POSTs from the router,
+        on two connections, in either order) or be handed to the engine now (`submit`)."""
         attempt = self._attempts.get(transfer_id)
-        if attempt is not None:
+        if attempt is None:
+            self._aborts_kept[transfer_id] = None
+            while len(self._aborts_kept) > _MAX_ABORTS_KEPT:
+                self._aborts_kept.popitem(last=False)
+        elif attempt.started:
             attempt.task.cancel()
+        else:
+            attempt.aborted = True
 
     async def _finish(self, tid: str, stream: OutputStream) -> HandOff:
         """`_hand_off_when_done`, the attempt's state moved to how it ended (attempt_states.ATTEMPT)."""
         attempt = self._attempts.get(tid)  # NOTE: made in the same turn as this task: there
-        hand_off = await self._hand_off_when_done(tid, stream)
+        if attempt is not None:
+            attempt.started = True
+        hand_off = await self._hand_off_when_done(tid, stream, attempt is not None and attempt.aborted)
         if attempt is not None:
             attempt.state.move(Attempt(hand_off.status))
         return hand_off
 
-    async def _hand_off_when_done(self, tid: str, stream: OutputStream) -> HandOff:
+    async def _hand_off_when_done(self, tid: str, stream: OutputStream, aborted: bool) -> HandOff:
         """Wait for the first token (and tell whoever follows the attempt), for the placement of
         an unplaced job, send the final message, wait for decode's acknowledgement, release the
         blocks. Whatever happens (abort, rejection, timeout), the blocks are released when it
-        ends: the lease is the transfer timeout (a placement that does not come within it too)."""
+        ends: the lease is the transfer timeout (a placement that does not come within it too).
+        `aborted`: aborted before it started (`abort`): it ends as a cancelled one does."""
         try:
+            if aborted:
+                raise asyncio.CancelledError
             final = None
             async for output in self.client.consume(tid, stream):
                 final = output

@@ -20,7 +20,8 @@
                                sampled, then the HandOff
              POST /pd/place/{transfer id}  Placement: the decode reservation of a job sent without one
                                (its KV computed so far goes now) | 404 (not running here) | 400 | 409 | 502
-             POST /pd/abort/{transfer id}
+             POST /pd/abort/{transfer id}  end the attempt (aborted, its blocks released) wherever it
+                               is; one that comes before its job is kept: the job then ends at once
              POST /pd/prefix   as decode's, pool and disk tier (prefix-affinity placement of jobs)
 
 With a cluster secret (--cluster-secret-file / PDSERVE_CLUSTER_SECRET) every /pd/* route but GET

@@ -11,13 +11,15 @@ when the job is put, only when more than one prefill worker is ready, each answe
 least loaded. A job's listener hears its first token as soon as the worker sampled it (the POST's
 answer then streams it, before the hand-off's end), and its hand-off or refusal. A worker lost (or
 draining) with a job: the job is queued again at the front as a new attempt, the decode worker told
-first. A worker that refuses a job for good: the listener hears the refusal (for the client), then the
-decode worker ends the request.
+first; a worker whose answer was cut short (it may still run the attempt, holding its blocks until
+its placement or transfer timeout) is told to abort it, best effort. A worker that refuses a job for
+good: the listener hears the refusal (for the client), then the decode worker ends the request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 from collections import deque
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 
 from pdserve.disagg.auth import sign_job, sign_placement
-from pdserve.disagg.client import WorkerClient, WorkerError, WorkerRefused
+from pdserve.disagg.client import WorkerClient, WorkerError, WorkerRefused, WorkerUnreachable
 from pdserve.disagg.control import Placement, PrefillJob
 from pdserve.disagg.pool import Worker, WorkerPool, reach
 from pdserve.disagg.queue.base import (
@@ -43,6 +45,7 @@ logger = logging.getLogger(__name__)
 # NOTE: the query delays only the job it is for; a prefill worker slower than this to say what it
 # caches is treated as caching nothing (the job still goes somewhere at once)
 _PREFIX_QUERY_TIMEOUT_S = 0.5
+_ABORT_TIMEOUT_S = 5.0  # the abort of an attempt whose answer was cut (`_abort_cut`)
 
 
 @dataclass(slots=True, eq=False)
@@ -216,8 +219,12 @@ class MemoryPrefillQueue(PrefillQueue):
         try:
             listener = item.listener
             on_first_token = listener.first_token if listener is not None and listener.wants_first_token else None
-            hand_off = await reach(worker, self._client.prefill(worker.url, item.job, on_first_token,
-                                                                None if item.job.placed else item.accepted.set))
+            hand_off = await self._client.prefill(worker.url, item.job, on_first_token,
+                                                  None if item.job.placed else item.accepted.set)
+        except WorkerUnreachable as exc:
+            worker.mark_unreachable(exc)
+            self._abort_cut(worker, item.job)
+            return not item.cancelled
         except WorkerRefused as exc:
             if exc.status >= HTTPStatus.INTERNAL_SERVER_ERROR:
                 # NOTE: the worker's failure, not the job's (its engine died under it): elsewhere, as
@@ -242,6 +249,18 @@ class MemoryPrefillQueue(PrefillQueue):
         if hand_off.status == "timed_out" and not item.cancelled:
             await self._report_ended(item.job)
         return False
+
+    def _abort_cut(self, worker: Worker, job: PrefillJob) -> None:
+        """The job's answer was cut short (or never came): the worker may still run the attempt, which
+        holds its blocks there until it ends by itself; abort it, in the background (the re-dispatch
+        does not wait for a worker that may be gone), best effort."""
+        async def abort() -> None:
+            with contextlib.suppress(WorkerError, TimeoutError):
+                await asyncio.wait_for(self._client.abort(worker.url, job.transfer_id), _ABORT_TIMEOUT_S)
+
+        task = contextvars.Context().run(asyncio.create_task, abort())
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
 
     async def _retarget(self, old: PrefillJob, new: PrefillJob) -> bool:
         """Tell the decode worker to expect `new` instead of `old`; False if it no longer waits."""
