@@ -28,9 +28,9 @@ worker, the calibrated engine flags and threads, `PDSERVE_STEP_LOG` on) and driv
      every other request's, and the hand-off waits behind the others'; the simulator, run on the
      same requests at the same concurrency, gets the load's real first- and second-token medians
      with them (bisection), solved for each load apart; the profile keeps the median of the
-     solutions. One short load's wave structure moves its first-token median
-     a lot (loads of one workload on one cluster: medians 73-123 ms): the median of several loads is
-     what the loop's TTFT can trust. (Profile version 2 counted other things: the first token's
+     solutions. One short load's wave structure moves its first-token median a lot (loads of one
+     workload on one cluster: medians 73-123 ms): the median of several loads is what the loop's
+     TTFT can trust. (Profile version 2 counted other things: the first token's
      cost per request waiting for its own, ~0 once arrivals spread out, so a steady load's TTFT was
      simulated 62 % short; the hand-off's per stream decoding, ~0 in a wave whose predecessor had
      finished and huge otherwise: its fit hit the bisection's bound in 3 of 12 sessions.)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 
 from pdserve.disagg.auth import sign_job, sign_placement
-from pdserve.disagg.client import WorkerClient, WorkerError, WorkerRefused, WorkerUnreachable
+from pdserve.disagg.client import WorkerClient, WorkerError, WorkerRefused
 from pdserve.disagg.control import Placement, PrefillJob
 from pdserve.disagg.pool import Worker, WorkerPool, reach
 from pdserve.disagg.queue.base import (
@@ -219,12 +219,8 @@ class MemoryPrefillQueue(PrefillQueue):
         try:
             listener = item.listener
             on_first_token = listener.first_token if listener is not None and listener.wants_first_token else None
-            hand_off = await self._client.prefill(worker.url, item.job, on_first_token,
-                                                  None if item.job.placed else item.accepted.set)
-        except WorkerUnreachable as exc:
-            worker.mark_unreachable(exc)
-            self._abort_cut(worker, item.job)
-            return not item.cancelled
+            hand_off = await reach(worker, self._client.prefill(worker.url, item.job, on_first_token,
+                                                                None if item.job.placed else item.accepted.set))
         except WorkerRefused as exc:
             if exc.status >= HTTPStatus.INTERNAL_SERVER_ERROR:
                 # NOTE: the worker's failure, not the job's (its engine died under it): elsewhere, as
@@ -239,7 +235,8 @@ class MemoryPrefillQueue(PrefillQueue):
             return False
         finally:
             item.accepted.set()  # NOTE: a placement waiting for this push looks again
-        if hand_off is None:
+        if hand_off is None:  # NOTE: unreachable, or its answer cut short: it may still run the attempt
+            self._abort_cut(worker, item.job)
             return not item.cancelled
         if hand_off.status == "handed_off" and item.listener is not None:
             item.listener.handed_off(hand_off.prefill_cached_tokens)
