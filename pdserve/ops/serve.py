@@ -4,13 +4,14 @@ the uvicorn server every command's app runs in (`run_server`: serve, router, bal
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import os
 import signal
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, replace
 from types import FrameType
 from typing import TYPE_CHECKING, cast
@@ -185,26 +186,44 @@ def run_server(app: ASGIApp, ns: argparse.Namespace, access_log: bool = True,
     # JSON lines, request id), not to uvicorn's own formatters.
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower(),
                             access_log=access_log, log_config=None)
+    server = _DrainingServer(config, on_exit)
     # NOTE: uvicorn re-raises the signal that stopped it once it has shut down gracefully; with
-    # no-op handlers installed first, that ends here and the process exits 0.
+    # non-fatal handlers installed first, that ends here and the process exits 0. Until uvicorn
+    # takes the signals over they are kept, not dropped: a supervisor's SIGTERM landing here (a
+    # worker drained while it still started) once left the worker serving, "draining" for good.
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
+        signal.signal(sig, server.note_early_signal)
     # NOTE: everything allocated so far (modules, the model, the tokenizer) lives as long as the
     # process: out of the collector's sight, a full collection scans only what requests made since.
     # Left in, each one took 85-220 ms on a 2-core VM, stalling whatever request it landed in.
     gc.collect()
     gc.freeze()
     envs.serving_switch_interval()
-    _DrainingServer(config, on_exit).run()
+    server.run()
 
 
 class _DrainingServer(uvicorn.Server):
     """SIGTERM/SIGINT: first stop taking work (`on_exit`), then uvicorn's graceful shutdown, which
-    waits for the requests in flight (decode streams, prefill hand-offs) to finish."""
+    waits for the requests in flight (decode streams, prefill hand-offs) to finish. One that came
+    before uvicorn listened for signals is acted on as soon as it does (the server then stops
+    right after its start-up)."""
 
     def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None] | None) -> None:
         super().__init__(config)
         self._on_exit = on_exit
+        self._early_signals: list[int] = []
+
+    def note_early_signal(self, sig: int, frame: FrameType | None) -> None:
+        """Before `run` (and again after it: uvicorn's re-raised signal, then of no consequence)."""
+        self._early_signals.append(sig)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        with super().capture_signals():
+            early, self._early_signals = self._early_signals, []
+            for sig in early:
+                self.handle_exit(sig, None)
+            yield
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._on_exit is not None:
