@@ -3,7 +3,9 @@ samples, and drives the simulator."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -122,16 +124,19 @@ def test_served_steps_are_logged_and_fitted(tmp_path: Path, monkeypatch: pytest.
     llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0))
     llm.engine.close()
     steps = read_step_logs([tmp_path / "steps"])
-    assert sum(w.prefill_tokens for w, _, _ in steps) == 5 + 40 + 70
-    assert sum(w.decode_seqs for w, _, _ in steps) == 3 * 5  # the first token comes with the prefill
-    assert max(w.prefill_tokens + w.decode_seqs for w, _, _ in steps) <= 32  # the step budget
-    assert all(s > 0 and role is None for _, s, role in steps)  # not a worker: no role in the name
-    first = next(w for w, _, _ in steps if w.decode_seqs)  # a decode step reads the whole context
+    assert sum(s.work.prefill_tokens for s in steps) == 5 + 40 + 70
+    assert sum(s.work.decode_seqs for s in steps) == 3 * 5  # the first token comes with the prefill
+    assert max(s.work.prefill_tokens + s.work.decode_seqs for s in steps) <= 32  # the step budget
+    assert all(s.period_s > 0 and s.role is None for s in steps)  # not a worker: no role in the name
+    # each period starts on the host's monotonic clock, after the previous one ended
+    assert all(s.start_s is not None for s in steps)
+    assert all(b.start_s >= a.start_s + a.period_s - 1e-5 for a, b in itertools.pairwise(steps))  # type: ignore[operator]
+    first = next(s.work for s in steps if s.work.decode_seqs)  # a decode step reads the whole context
     assert first.decode_context >= 5 + 1
     raw = [json.loads(line) for f in (tmp_path / "steps").iterdir() for line in f.read_text().splitlines()]
     assert raw[0]["gap_s"] is None  # idle before the first step; busy between the others
     assert all(r["gap_s"] is not None and r["gap_s"] >= 0 for r in raw[1:])
-    assert [period for _, period, _ in steps] == pytest.approx([r["seconds"] + (r["gap_s"] or 0) for r in raw])
+    assert [s.period_s for s in steps] == pytest.approx([r["seconds"] + (r["gap_s"] or 0) for r in raw])
     out = tmp_path / "served.json"
     assert main(["calibrate", "--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "64",
                  "--transports", "", "--from-step-log", str(tmp_path / "steps"), "--out", str(out)]) == 0
@@ -223,3 +228,19 @@ def test_calibrate_times_the_engine_with_the_threads_up_gives_a_worker(monkeypat
     assert engine_args(parse(["calibrate", "--out", "p.json", "--num-threads", "3"])).num_threads == 3
     with pytest.raises(ValueError, match="--workers 0"):
         engine_args(parse(["calibrate", "--out", "p.json", "--workers", "0"]))
+
+
+def test_calibrate_ends_with_a_served_pd_run_whose_fits_reach_the_profile(tmp_path: Path) -> None:
+    """`pdserve calibrate`'s whole path, kept small (a short grid, two loads of 8): the served PD run
+    starts a real 1 prefill + 1 decode cluster, reads its workers' step logs, and the profile gets
+    both roles' served steps and the PD path's costs."""
+    out = tmp_path / "p.json"
+    assert main(["calibrate", "--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "256",
+                 "--prefill-tokens", "16,48", "--decode-batches", "1,4", "--transports", "",
+                 "--served-requests", "8", "--served-concurrency", "4", "--served-rounds", "2",
+                 "--out", str(out)]) == 0
+    profile = load_profile(out)
+    assert profile.prefill_step is not None and profile.decode_step is not None
+    assert profile.pd_path is not None and profile.pd_path.num_loads == 2
+    assert profile.pd_path.num_requests > 0 and profile.pd_path.transport in ("nixl", "tcp")
+    assert re.search(r"served PD run over \w+: prefill [\d.]+ x timed .* decode [\d.]+ x timed", profile.notes)

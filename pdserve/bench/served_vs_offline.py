@@ -48,7 +48,7 @@ class Run:
 
 
 def _steps(directory: Path) -> list[float]:
-    return [period for _, period, _ in read_step_logs([directory])] if any(directory.glob("steps-*.jsonl")) else []
+    return [step.period_s for step in read_step_logs([directory])] if any(directory.glob("steps-*.jsonl")) else []
 
 
 def run_offline(model: str, work: Workload, engine_args: dict[str, int | str], step_dir: Path) -> Run:

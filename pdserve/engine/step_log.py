@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, NamedTuple
 
 from pdserve.engine.scheduler import ScheduledChunk
 
@@ -47,10 +47,12 @@ class StepWork:
 
 
 class StepLog:
-    """Appends `{"seconds": ..., "gap_s": ..., <StepWork>}` lines; line-buffered, so a killed worker
-    loses at most the step it was in. `gap_s`: from the previous step's end to this one's start
-    when the engine still had work then (time lost between steps: handing requests and outputs to
-    and from the API server, waiting for the GIL), else null (it was idle)."""
+    """Appends `{"seconds": ..., "gap_s": ..., "start_s": ..., <StepWork>}` lines; line-buffered, so
+    a killed worker loses at most the step it was in. `gap_s`: from the previous step's end to this
+    one's start when the engine still had work then (time lost between steps: handing requests and
+    outputs to and from the API server, waiting for the GIL), else null (it was idle). `start_s`:
+    the step's start on `time.perf_counter`'s clock, the host's monotonic clock on Linux, so the
+    steps of several workers on one host line up (whether one role stepped while the other did)."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -76,7 +78,8 @@ class StepLog:
         if self._file is None:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a", buffering=1)
-        self._file.write(json.dumps({"seconds": round(seconds, 6), "gap_s": gap, **asdict(work)}) + "\n")
+        self._file.write(json.dumps({"seconds": round(seconds, 6), "gap_s": gap, "start_s": round(start, 6),
+                                     **asdict(work)}) + "\n")
 
     def close(self) -> None:
         if self._file is not None:
@@ -89,10 +92,20 @@ def step_log_role(path: Path) -> str | None:
     return parts[1] if len(parts) == 3 else None
 
 
-def read_step_logs(paths: Iterable[Path]) -> list[tuple[StepWork, float, str | None]]:
-    """Every logged step of these files (directories: their steps-*.jsonl), in order, with its
-    period: its own time plus the gap before it when the engine had work waiting (the simulator's
-    steps follow each other with no gap, so that time belongs to the step), and the role that ran it."""
+class LoggedStep(NamedTuple):
+    """One logged step: its work; its period, its own time plus the gap before it when the engine
+    had work waiting (the simulator's steps follow each other with no gap, so that time belongs to
+    the step); the worker role that ran it (None outside a worker); and when the period began, on
+    the host's monotonic clock (None in a log written before it was recorded)."""
+
+    work: StepWork
+    period_s: float
+    role: str | None
+    start_s: float | None
+
+
+def read_step_logs(paths: Iterable[Path]) -> list[LoggedStep]:
+    """Every logged step of these files (directories: their steps-*.jsonl), in order."""
     out = []
     for path in paths:
         if not Path(path).exists():
@@ -102,9 +115,12 @@ def read_step_logs(paths: Iterable[Path]) -> list[tuple[StepWork, float, str | N
             for number, line in enumerate(file.read_text().splitlines(), 1):
                 try:
                     raw = json.loads(line)
-                    out.append((StepWork(int(raw["prefill_tokens"]), float(raw["prefill_pairs"]),
-                                         int(raw["decode_seqs"]), int(raw["decode_context"])),
-                                float(raw["seconds"]) + float(raw.get("gap_s") or 0.0), step_log_role(file)))
+                    gap = float(raw.get("gap_s") or 0.0)
+                    start = raw.get("start_s")
+                    out.append(LoggedStep(StepWork(int(raw["prefill_tokens"]), float(raw["prefill_pairs"]),
+                                                   int(raw["decode_seqs"]), int(raw["decode_context"])),
+                                          float(raw["seconds"]) + gap, step_log_role(file),
+                                          None if start is None else float(start) - gap))
                 except (KeyError, TypeError, ValueError) as exc:
                     raise ValueError(f"{file}:{number}: not a step log line ({exc!r})") from None
     return out

@@ -188,7 +188,7 @@ class Logged:
 def logged_samples(paths: list[Path]) -> Logged:
     """The steps engines logged while serving (`PDSERVE_STEP_LOG`, engine/step_log.py)."""
     logged = Logged([], [])
-    for w, seconds, role in read_step_logs(paths):
+    for w, seconds, role, _ in read_step_logs(paths):
         if seconds > 0:
             sample = Sample(w.prefill_tokens, w.prefill_pairs, w.decode_seqs, w.decode_context, seconds)
             (logged.decode if role == "decode" else logged.steps).append(sample)

@@ -256,7 +256,7 @@ def run_served_pd(args: EngineArgs, timed: StepModel, transport: str, max_num_se
         steps: dict[str, list[Step]] = {}
         for file in sorted(step_dir.glob("steps-*.jsonl")):
             role = step_log_role(file) or "colocated"
-            for work, seconds, _ in read_step_logs([file])[skip.get(file, 0):]:
+            for work, seconds, _, _ in read_step_logs([file])[skip.get(file, 0):]:
                 predicted = timed.step_s(work.prefill_tokens, work.prefill_pairs, work.decode_seqs,
                                          work.decode_context)
                 if seconds > 0 and predicted > 0:
