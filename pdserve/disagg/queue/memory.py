@@ -23,8 +23,10 @@ import contextlib
 import contextvars
 import logging
 from collections import deque
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from http import HTTPStatus
+from typing import Any
 
 from pdserve.disagg.auth import sign_job, sign_placement
 from pdserve.disagg.client import WorkerClient, WorkerError, WorkerRefused
@@ -165,10 +167,7 @@ class MemoryPrefillQueue(PrefillQueue):
             # NOTE: what is added is taken off again, though a placement may change `num_tokens` meanwhile
             item.charged_tokens = item.num_tokens
             worker.in_flight_tokens += item.charged_tokens
-            # NOTE: in a fresh context, as the loop task's own pushes (put runs in a request's task)
-            task = contextvars.Context().run(asyncio.create_task, self._push(item, worker))
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
+            self._spawn(self._push(item, worker))
 
     async def _cached_tokens(self, prompt_token_ids: list[int]) -> dict[str, int]:
         """Prompt tokens each ready prefill worker caches (none asked when fewer than two are ready)."""
@@ -255,7 +254,12 @@ class MemoryPrefillQueue(PrefillQueue):
             with contextlib.suppress(WorkerError, TimeoutError):
                 await asyncio.wait_for(self._client.abort(worker.url, job.transfer_id), _ABORT_TIMEOUT_S)
 
-        task = contextvars.Context().run(asyncio.create_task, abort())
+        self._spawn(abort())
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """`work` as a task of this queue (cancelled by `close`).
+        NOTE: in a fresh context, as the loop task's own pushes (put runs in a request's task)."""
+        task = contextvars.Context().run(asyncio.create_task, work)
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
