@@ -94,7 +94,6 @@ class Load:
     records: tuple[RequestRecord, ...]
     workload: Workload
     concurrency: int
-    started_s: float = 0.0  # when it began, on the step logs' clock (perf_counter)
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,8 +249,8 @@ def run_served_pd(args: EngineArgs, timed: StepModel, transport: str, max_num_se
             skip = _line_counts(step_dir)  # NOTE: the readiness requests' steps (the first, cold ones)
             config = LoadConfig(server.url, max_concurrency=1, progress=False)
             records = asyncio.run(run_load(probe, config)).records
-            results = [(asyncio.run(run_load(w, replace(config, max_concurrency=concurrency))), w) for w in workloads]
-            loads = tuple(Load(r.records, w, concurrency, r.started_s) for r, w in results)
+            loads = tuple(Load(asyncio.run(run_load(w, replace(config, max_concurrency=concurrency))).records, w,
+                               concurrency) for w in workloads)
         finally:
             local.stop(server)
         steps: dict[str, list[Step]] = {}

@@ -80,7 +80,6 @@ class LoadResult:
     duration_s: float
     model: str
     config: LoadConfig = field(repr=False)
-    started_s: float = 0.0  # the run's start (records' `sent_s` count from it) on `time.perf_counter`'s clock
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,4 +281,4 @@ async def run_load(workload: Workload, config: LoadConfig) -> LoadResult:
         records = await asyncio.gather(*(one(i, spec) for i, spec in enumerate(workload.requests)))
         duration_s = time.perf_counter() - run_start
         bar.close()
-    return LoadResult(tuple(records), duration_s, model, config, run_start)
+    return LoadResult(tuple(records), duration_s, model, config)
