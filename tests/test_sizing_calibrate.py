@@ -231,16 +231,16 @@ def test_calibrate_times_the_engine_with_the_threads_up_gives_a_worker(monkeypat
 
 
 def test_calibrate_ends_with_a_served_pd_run_whose_fits_reach_the_profile(tmp_path: Path) -> None:
-    """`pdserve calibrate`'s whole path, kept small (a short grid, two loads of 8): the served PD run
-    starts a real 1 prefill + 1 decode cluster, reads its workers' step logs, and the profile gets
-    both roles' served steps and the PD path's costs."""
+    """`pdserve calibrate`'s whole path, kept small (a short grid, two short loads of 8 and a long
+    one of 12): the served PD run starts a real 1 prefill + 1 decode cluster, reads its workers'
+    step logs, and the profile gets both roles' served steps and the PD path's costs."""
     out = tmp_path / "p.json"
     assert main(["calibrate", "--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "256",
                  "--prefill-tokens", "16,48", "--decode-batches", "1,4", "--transports", "",
                  "--served-requests", "8", "--served-concurrency", "4", "--served-rounds", "2",
-                 "--out", str(out)]) == 0
+                 "--served-long-requests", "12", "--served-long-rounds", "1", "--out", str(out)]) == 0
     profile = load_profile(out)
     assert profile.prefill_step is not None and profile.decode_step is not None
-    assert profile.pd_path is not None and profile.pd_path.num_loads == 2
+    assert profile.pd_path is not None and profile.pd_path.num_loads == 3
     assert profile.pd_path.num_requests > 0 and profile.pd_path.transport in ("nixl", "tcp")
     assert re.search(r"served PD run over \w+: prefill [\d.]+ x timed .* decode [\d.]+ x timed", profile.notes)

@@ -177,6 +177,19 @@ def test_fit_served_recovers_scale_and_shift() -> None:
     assert b == 0 and a == pytest.approx(0.041 / 0.03)
 
 
+def test_fit_served_weighs_each_step_as_its_sequences() -> None:
+    """A decode step of 8 sequences counts as 8 steps (TPOT follows the tokens, not the steps)."""
+    steps = [Step(0.010, 0.0105, 8), Step(0.012, 0.0127, 8), Step(0.004, 0.0055, 1), Step(0.006, 0.0070, 2)]
+    repeated = [Step(s.predicted_s, s.seconds) for s in steps for _ in range(int(s.weight))]
+    assert fit_served(STEP, steps)[1:] == pytest.approx(fit_served(STEP, repeated)[1:])
+    # a single-sequence step slower than a full batch (the line falls): b = 0, a the weighted ratio
+    slow_single = [Step(0.004, 0.012, 1), Step(0.010, 0.0105, 8)]
+    _, a, b = fit_served(STEP, slow_single)
+    assert b == 0 and a == pytest.approx((0.012 + 8 * 0.0105) / (0.004 + 8 * 0.010))
+    _, a_unweighted, _ = fit_served(STEP, [dataclasses.replace(s, weight=1.0) for s in slow_single])
+    assert a < 1.15 < 1.6 < a_unweighted
+
+
 def test_path_costs_recovers_what_the_served_run_saw() -> None:
     """The served run's records made by the simulator with known costs: calibrate's fit recovers
     the fixed parts exactly, and load-dependent parts that give the load's medians."""
@@ -220,6 +233,29 @@ def test_path_costs_take_the_median_of_the_loads_fits() -> None:
     assert got.first_token_per_in_flight_s == pytest.approx(per_in_flight[1])
     assert got.first_token_per_in_flight_s < fits[1].first_token_per_in_flight_s  # the outlier is not kept
     assert got.handoff_per_waiting_s == pytest.approx(sorted(f.handoff_per_waiting_s for f in fits)[1])
+
+
+def test_path_costs_fit_the_first_token_on_long_loads_and_the_hand_off_on_short_ones() -> None:
+    """A long load (seen with a larger per-in-flight cost) and a short one: the first token's cost
+    is the long load's fit, and the hand-off's is the short load's with that first-token cost held."""
+    from pdserve.bench.serve.workloads import random_lengths
+
+    probe = random_lengths(6, PROBE_PROMPT_LEN, PROBE_OUTPUT_LEN, seed=1)
+    profile = _profile()
+    short_truth, long_truth = PDPathCosts(0.008, 0.006, 0.002, 0.004), PDPathCosts(0.008, 0.006, 0.003, 0.004)
+    short_w, long_w = random_lengths(24, 64, 16, seed=2), random_lengths(24, 64, 16, seed=3)
+    short = Load(_simulated(profile, short_truth, "tcp", short_w, 8), short_w, 8)
+    long_ = Load(_simulated(profile, long_truth, "tcp", long_w, 8), long_w, 8, long=True)
+    run = ServedRun(_simulated(profile, short_truth, "tcp", probe, 1), probe, (short, long_), {}, "tcp")
+    got = path_costs(profile, run)
+    only_long = path_costs(profile, dataclasses.replace(run, loads=(long_,)))
+    only_short = path_costs(profile, dataclasses.replace(run, loads=(short,)))
+    assert got.first_token_per_in_flight_s == pytest.approx(only_long.first_token_per_in_flight_s)
+    assert got.first_token_per_in_flight_s > only_short.first_token_per_in_flight_s + 0.0005
+    assert got.num_loads == 2
+    # the short load's second token median, with the long load's first-token cost: the real one
+    sim = _simulated(profile, got, "tcp", short_w, 8)
+    assert _token_s(sim, 1) == pytest.approx(_token_s(short.records, 1), abs=1e-3)
 
 
 def test_simulate_says_when_a_profile_has_no_pd_path_costs(tmp_path: Path,

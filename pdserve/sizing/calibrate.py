@@ -243,7 +243,7 @@ def calibrate(args: EngineArgs, transports: list[str], hardware: str,
         said = "; ".join(f"{role} {a:.2f} x timed + {b * 1e3:.2f} ms ({len(run_.steps[role])} steps)"
                          for role, (a, b) in fits.items())
         loads = profile.pd_path.num_loads if profile.pd_path else 0
-        said += f"; load-dependent costs: the median of {loads} loads' fits"
+        said += f"; load-dependent costs: the medians of {loads} loads' fits"
         profile = replace(profile, notes=f"{profile.notes}; served PD run over {transport}: {said}")
     return profile, samples
 
@@ -294,7 +294,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "you will simulate: the load-dependent costs are fitted there)")
     p.add_argument("--served-rounds", type=positive_int, default=ServedPlan().rounds,
                    help="the served PD run's loads, each with fresh prompts, of two prompt lengths in turn: the "
-                        "load-dependent costs are the median of their fits (one short load's fit moves a lot)")
+                        "hand-off's load-dependent cost is the median of their fits (one short load's fit moves a lot)")
+    p.add_argument("--served-long-requests", type=int, default=ServedPlan().long_load,
+                   help="then the served PD run's long loads (requests each): the first token's load-dependent cost "
+                        "is the median of their fits (a short load runs in waves, a long one loses them, as a bench "
+                        "does); 0: none (the short loads fit both costs)")
+    p.add_argument("--served-long-rounds", type=positive_int, default=ServedPlan().long_rounds,
+                   help="the served PD run's long loads, fresh prompts each")
     p.add_argument("--compare-device", default=None,
                    help="also print each sample against that device's roofline profile (e.g. H200)")
     add_config_args(p, EngineArgs, title="engine")
@@ -327,7 +333,8 @@ def run(ns: argparse.Namespace) -> int:
                 decode_batches=_ints(ns.decode_batches, Grid().decode_batches))
     compare = device(ns.compare_device) if ns.compare_device else None  # an unknown name fails before measuring
     logged = logged_samples(ns.from_step_log) if ns.from_step_log else None
-    served = (ServedPlan(load=ns.served_requests, concurrency=ns.served_concurrency, rounds=ns.served_rounds)
+    served = (ServedPlan(load=ns.served_requests, concurrency=ns.served_concurrency, rounds=ns.served_rounds,
+                         long_load=max(0, ns.served_long_requests), long_rounds=ns.served_long_rounds)
               if ns.served_requests > 0 else None)
     profile, samples = calibrate(engine_args(ns), transports, hardware_line(), grid, logged, served)
     profile.save(Path(ns.out))

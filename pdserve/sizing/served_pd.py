@@ -12,28 +12,35 @@ worker, the calibrated engine flags and threads, `PDSERVE_STEP_LOG` on) and driv
    is the PD path's fixed cost. `PDPathCosts.first_token_s` is the median first token's excess,
    `handoff_s` the second token's (both measured against the simulator itself, run on the same
    requests with the served steps below, so the two agree on an isolated request by construction).
-2. **Loads** (`rounds` of them, each `load` requests at `concurrency`, all sent at once, a fresh
-   draw of prompts each round; within a load one length, as bench's `random` workload, and the loads
-   alternate two lengths, half and one and a half times `input_len`: a closed loop of such requests
-   runs in waves, which the prefill worker batches, and two lengths tell the served prefill step's
-   scale from its shift, which steps of one length trade against each other):
+2. **Loads** (`rounds` short ones of `load` requests, then `long_rounds` long ones of `long_load`,
+   each at `concurrency`, all sent at once, a fresh draw of prompts each; within a load one length,
+   as bench's `random` workload, and the loads alternate two lengths, half and one and a half times
+   `input_len`: two lengths tell the served prefill step's scale from its shift, which steps of one
+   length trade against each other). A closed loop of one-length requests runs in waves, which the
+   prefill worker batches; a short load is mostly waves, a long one loses them after a few:
    - the steps the two workers logged while serving (their period: the step and any gap while work
      waited). Each role's served step is the timed step model scaled and shifted, `a x timed + b`,
-     fitted to that role's logged steps (least squares on the seconds): the timed model keeps the
-     shape over the whole grid, the served run says what serving does to it (the API server's loop
-     and the KV transport sharing the worker's process, the router and the client sharing the cores);
+     fitted to that role's logged steps (least squares on the seconds, a decode step weighted by its
+     sequences, see `fit_served`): the timed model keeps the shape over the whole grid, the served
+     run says what serving does to it (the API server's loop and the KV transport sharing the
+     worker's process, the router and the client sharing the cores);
    - the PD path's load-dependent costs (`first_token_per_in_flight_s`: per other request in
      flight, `handoff_per_waiting_s`: per other request not yet at its decode worker): under load
      the first token's way shares the router's and the workers' loops (and a CPU host's cores) with
      every other request's, and the hand-off waits behind the others'; the simulator, run on the
-     same requests at the same concurrency, gets the load's real first- and second-token medians
-     with them (bisection), solved for each load apart; the profile keeps the median of the
-     solutions. One short load's wave structure moves its first-token median a lot (loads of one
-     workload on one cluster: medians 73-123 ms): the median of several loads is what the loop's
-     TTFT can trust. (Profile version 2 counted other things: the first token's
-     cost per request waiting for its own, ~0 once arrivals spread out, so a steady load's TTFT was
-     simulated 62 % short; the hand-off's per stream decoding, ~0 in a wave whose predecessor had
-     finished and huge otherwise: its fit hit the bisection's bound in 3 of 12 sessions.)
+     same requests at the same concurrency, gets a load's real first- and second-token medians with
+     them (bisection), solved for each load apart. The first token's cost is the median of the long
+     loads' solutions: in waves the simulator puts a burst's first tokens behind the prefill
+     worker's batched step, the real run shows as long a first token once the waves are gone, and
+     short loads alone left a steady load's TTFT simulated 15 % short. The hand-off's cost is then
+     the median of the short loads' solutions with that first-token cost held: it counts the
+     others not yet at decode, which a wave has many of and a steady load one or two, so a long
+     load's solution stands for whatever else holds a steady load's second token back (2-3x the
+     short loads': +40-70 % on a waves workload's TPOT). (Profile version 2 counted other things:
+     the first token's cost per request waiting for its own, ~0 once arrivals spread out, so a
+     steady load's TTFT was simulated 62 % short; the hand-off's per stream decoding, ~0 in a wave
+     whose predecessor had finished and huge otherwise: its fit hit the bisection's bound in 3 of
+     12 sessions.)
 """
 
 from __future__ import annotations
@@ -67,7 +74,9 @@ PROBE_OUTPUT_LEN = 8
 class ServedPlan:
     probe: int = 12  # isolated requests
     load: int = 48  # requests of each load
-    rounds: int = 6  # loads (fresh prompts each); the load-dependent costs are the median of their fits
+    rounds: int = 4  # loads (fresh prompts each): the hand-off's load-dependent cost is the median of their fits
+    long_load: int = 144  # requests of each long load (0: none; the short loads then fit both costs)
+    long_rounds: int = 2  # long loads: the first token's load-dependent cost is the median of their fits
     concurrency: int = 8  # the load's concurrency (capped by max_num_seqs)
     input_len: int = 96  # the loads' mean prompt (each load of one length: input_len / 2, then x 3 / 2)
     output_len: int = 24
@@ -81,19 +90,23 @@ def load_prompt_len(plan: ServedPlan, n: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    """One logged step: the timed model's prediction for its work, and its served period."""
+    """One logged step: the timed model's prediction for its work, its served period, and its weight
+    in the fit (a decode step's sequences, each of which got a token; 1 for a prefill step)."""
 
     predicted_s: float
     seconds: float
+    weight: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
 class Load:
-    """One load of the served run: its requests' records, the workload sent, its concurrency."""
+    """One load of the served run: its requests' records, the workload sent, its concurrency, and
+    whether it is a long one (it fits the first token's cost; a short one, the hand-off's)."""
 
     records: tuple[RequestRecord, ...]
     workload: Workload
     concurrency: int
+    long: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,13 +121,23 @@ class ServedRun:
 def fit_served(timed: StepModel, steps: list[Step]) -> tuple[StepModel, float, float]:
     """`a x timed + b` fitted to the served steps by least squares on the seconds (not the relative
     error: the simulator must get the role's busy time right, and served steps spread widely, which
-    a relative fit answers with too short a step); where b comes out negative, b = 0 and a is the
-    ratio of the sums. Returns the served step model, a and b."""
+    a relative fit answers with too short a step), each step weighted by `Step.weight`; where b
+    comes out negative, b = 0 and a is the ratio of the weighted sums. Returns the served step
+    model, a and b.
+
+    Why a decode step weighs as its sequences: a request's TPOT is the mean over its tokens, so the
+    TPOT median follows the step periods seen per token, not per step. Unweighted, the small decode
+    steps that run while the rest of a wave is prefilled and handed off (1.2-1.7x their timed step
+    on a 2-vCPU host, where the router, both API processes and the prefill engine want the same
+    cores) set the scale of the full-batch steps (1.06x): the loop's 48-prompt TPOT median came out
+    +18 % (docs/BENCHMARKS.md, issue 29)."""
     y = np.array([s.seconds for s in steps])
     x = np.array([[s.predicted_s, 1.0] for s in steps])
-    (a, b), *_ = np.linalg.lstsq(x, y, rcond=None)
+    w = np.array([s.weight for s in steps])
+    root = np.sqrt(w)
+    (a, b), *_ = np.linalg.lstsq(x * root[:, None], y * root, rcond=None)
     if b < 0 or a <= 0:
-        a, b = float(y.sum() / x[:, 0].sum()), 0.0
+        a, b = float((w * y).sum() / (w * x[:, 0]).sum()), 0.0
     a, b = float(a), float(b)
     model = StepModel(timed.base_s * a + b, timed.prefill_token_s * a, timed.prefill_pair_s * a,
                       timed.decode_seq_s * a, timed.decode_context_s * a)
@@ -164,14 +187,20 @@ def path_costs(profile: Profile, run: ServedRun) -> PDPathCosts:
     sim = _simulated(profile, PDPathCosts(), run.transport, run.probe_workload, 1)
     fixed = PDPathCosts(max(0.0, _token_s(ok, 0) - _token_s(sim, 0)), max(0.0, _token_s(ok, 1) - _token_s(sim, 1)),
                         transport=run.transport, num_requests=len(ok))
-    fits = [_load_costs(profile, fixed, run.transport, load) for load in loads]
-    return replace(fixed, first_token_per_in_flight_s=statistics.median(f.first_token_per_in_flight_s for f in fits),
-                   handoff_per_waiting_s=statistics.median(f.handoff_per_waiting_s for f in fits), num_loads=len(fits))
+    short, long_ = [load for load in loads if not load.long], [load for load in loads if load.long]
+    fits = [_load_costs(profile, fixed, run.transport, load) for load in long_ or short]
+    first = statistics.median(f.first_token_per_in_flight_s for f in fits)
+    if long_ and short:
+        costs = replace(fixed, first_token_per_in_flight_s=first)
+        fits = [_load_costs(profile, costs, run.transport, load, fit_first=False) for load in short]
+    return replace(fixed, first_token_per_in_flight_s=first,
+                   handoff_per_waiting_s=statistics.median(f.handoff_per_waiting_s for f in fits), num_loads=len(loads))
 
 
-def _load_costs(profile: Profile, costs: PDPathCosts, transport: str, load: Load) -> PDPathCosts:
+def _load_costs(profile: Profile, costs: PDPathCosts, transport: str, load: Load, fit_first: bool = True
+                ) -> PDPathCosts:
     """`costs` with the load-dependent parts that give the simulator `load`'s real first and second
-    token medians."""
+    token medians (`fit_first` False: the second's only, the first token's cost kept)."""
     real_first, real_second = _token_s(load.records, 0), _token_s(load.records, 1)
 
     def excess(index: int, target: float, trial: PDPathCosts) -> float:
@@ -184,8 +213,9 @@ def _load_costs(profile: Profile, costs: PDPathCosts, transport: str, load: Load
     def second(x: float, base: PDPathCosts) -> float:
         return excess(1, real_second, replace(base, handoff_per_waiting_s=x))
 
-    for _ in range(2):  # NOTE: the two interact (a later hand-off keeps fewer streams decoding)
-        costs = replace(costs, first_token_per_in_flight_s=_solve(partial(first, base=costs), real_first))
+    for _ in range(2 if fit_first else 1):  # NOTE: the two interact (a later hand-off keeps fewer streams decoding)
+        if fit_first:
+            costs = replace(costs, first_token_per_in_flight_s=_solve(partial(first, base=costs), real_first))
         costs = replace(costs, handoff_per_waiting_s=_solve(partial(second, base=costs), real_second))
     return costs
 
@@ -234,8 +264,9 @@ def run_served_pd(args: EngineArgs, timed: StepModel, transport: str, max_num_se
 
     threads = args.num_threads or local.up_threads_per_worker(2)
     probe = random_lengths(plan.probe, PROBE_PROMPT_LEN, PROBE_OUTPUT_LEN, seed=1, kind=PromptKind(vocab_size))
-    workloads = [random_lengths(plan.load, load_prompt_len(plan, n), plan.output_len, seed=2 + n,
-                                kind=PromptKind(vocab_size)) for n in range(plan.rounds)]
+    sizes = [(plan.load, False)] * plan.rounds + [(plan.long_load, True)] * (plan.long_rounds if plan.long_load else 0)
+    workloads = [(random_lengths(size, load_prompt_len(plan, n), plan.output_len, seed=2 + n, kind=PromptKind(vocab_size)),
+                  long) for n, (size, long) in enumerate(sizes)]
     concurrency = max(1, min(plan.concurrency, max_num_seqs))
     with tempfile.TemporaryDirectory(prefix="pdserve-calibrate-pd-") as tmp:
         log_dir, step_dir = Path(tmp) / "logs", Path(tmp) / "steps"
@@ -250,7 +281,7 @@ def run_served_pd(args: EngineArgs, timed: StepModel, transport: str, max_num_se
             config = LoadConfig(server.url, max_concurrency=1, progress=False)
             records = asyncio.run(run_load(probe, config)).records
             loads = tuple(Load(asyncio.run(run_load(w, replace(config, max_concurrency=concurrency))).records, w,
-                               concurrency) for w in workloads)
+                               concurrency, long) for w, long in workloads)
         finally:
             local.stop(server)
         steps: dict[str, list[Step]] = {}
@@ -260,5 +291,5 @@ def run_served_pd(args: EngineArgs, timed: StepModel, transport: str, max_num_se
                 predicted = timed.step_s(work.prefill_tokens, work.prefill_pairs, work.decode_seqs,
                                          work.decode_context)
                 if seconds > 0 and predicted > 0:
-                    steps.setdefault(role, []).append(Step(predicted, seconds))
+                    steps.setdefault(role, []).append(Step(predicted, seconds, max(1, work.decode_seqs)))
     return ServedRun(records, probe, loads, steps, transport)
