@@ -21,6 +21,7 @@ from pdserve.sizing.served_pd import (
     ServedRun,
     Step,
     _simulated,
+    _load_costs,
     _token_s,
     fit_served,
     load_prompt_len,
@@ -166,6 +167,24 @@ def test_the_prefill_workers_step_with_their_served_model() -> None:
     assert first == pytest.approx(bare_first + 0.045)
 
 
+def test_the_first_tokens_load_delay_is_the_relays_every_later_token_and_the_end_take_it_too() -> None:
+    """The per-in-flight cost delays the router's relay, not just the first token: a burst of 8
+    requests gets every token and its end that much later, so the gaps between tokens (TPOT) are
+    the decode worker's, not shortened by a late first token."""
+    from pdserve.bench.serve.workloads import random_lengths
+
+    burst = random_lengths(8, 64, 16, seed=2)
+    bare = _simulated(_profile(), PDPathCosts(), "tcp", burst, 8)
+    loaded = _simulated(_profile(), PDPathCosts(first_token_per_in_flight_s=0.005), "tcp", burst, 8)
+    delays = set()
+    for b, r in zip(bare, loaded, strict=True):
+        shift = [x - y for x, y in zip(r.chunk_times_s, b.chunk_times_s, strict=True)]
+        assert shift == pytest.approx([shift[0]] * len(shift))  # every token as late as the first
+        assert r.e2e_s - b.e2e_s == pytest.approx(shift[0])
+        delays.add(round(shift[0], 6))
+    assert max(delays) == pytest.approx(0.005 * 7)  # the last of the burst: 7 others in flight
+
+
 def test_fit_served_recovers_scale_and_shift() -> None:
     steps = [Step(t, 1.5 * t + 0.002) for t in (0.004, 0.006, 0.010, 0.020, 0.035)]
     model, a, b = fit_served(STEP, steps)
@@ -243,7 +262,8 @@ def test_path_costs_fit_the_first_token_on_long_loads_and_the_hand_off_on_short_
     probe = random_lengths(6, PROBE_PROMPT_LEN, PROBE_OUTPUT_LEN, seed=1)
     profile = _profile()
     short_truth, long_truth = PDPathCosts(0.008, 0.006, 0.002, 0.004), PDPathCosts(0.008, 0.006, 0.003, 0.004)
-    short_w, long_w = random_lengths(24, 64, 16, seed=2), random_lengths(24, 64, 16, seed=3)
+    short_w, long_w = (random_lengths(24, 64, 16, range_ratio=0.75, seed=2),
+                       random_lengths(24, 64, 16, range_ratio=0.75, seed=3))
     short = Load(_simulated(profile, short_truth, "tcp", short_w, 8), short_w, 8)
     long_ = Load(_simulated(profile, long_truth, "tcp", long_w, 8), long_w, 8, long=True)
     run = ServedRun(_simulated(profile, short_truth, "tcp", probe, 1), probe, (short, long_), {}, "tcp")
@@ -253,9 +273,11 @@ def test_path_costs_fit_the_first_token_on_long_loads_and_the_hand_off_on_short_
     assert got.first_token_per_in_flight_s == pytest.approx(only_long.first_token_per_in_flight_s)
     assert got.first_token_per_in_flight_s > only_short.first_token_per_in_flight_s + 0.0005
     assert got.num_loads == 2
-    # the short load's second token median, with the long load's first-token cost: the real one
-    sim = _simulated(profile, got, "tcp", short_w, 8)
-    assert _token_s(sim, 1) == pytest.approx(_token_s(short.records, 1), abs=1e-3)
+    # the hand-off's: the short load's solution with the long load's first-token cost held
+    held = dataclasses.replace(got, handoff_per_waiting_s=0.0)
+    assert got.handoff_per_waiting_s == pytest.approx(
+        _load_costs(profile, held, "tcp", short, fit_first=False).handoff_per_waiting_s)
+    assert got.handoff_per_waiting_s != pytest.approx(only_long.handoff_per_waiting_s, rel=0.05)
 
 
 def test_simulate_says_when_a_profile_has_no_pd_path_costs(tmp_path: Path,

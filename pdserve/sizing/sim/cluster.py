@@ -40,7 +40,7 @@ from pdserve.sizing.profile import PDPathCosts, StepModel, TransferModel
 from pdserve.sizing.sim.request import SimRequest
 from pdserve.sizing.sim.worker import SimWorker, StepPlan, WorkerLimits
 
-_ARRIVAL, _STEP_END, _TRANSFER_DONE, _DELIVER, _AT_DECODE = 0, 1, 2, 3, 4
+_ARRIVAL, _STEP_END, _TRANSFER_DONE, _DELIVER, _AT_DECODE, _END = 0, 1, 2, 3, 4, 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +150,8 @@ class Cluster:
                     self._deliver(payload)  # type: ignore[arg-type]
                 elif kind == _AT_DECODE:
                     self._at_decode(payload)  # type: ignore[arg-type]
+                elif kind == _END:
+                    self._end(payload)  # type: ignore[arg-type]
                 else:
                     self._on_transfer_done(payload)  # type: ignore[arg-type]
             workers, self._batching = self._batching, None
@@ -243,6 +245,12 @@ class Cluster:
         self._finish(request)
 
     def _finish(self, request: SimRequest) -> None:
+        if request.relay_s > 0 and request.error_kind is None:
+            self._push(self.now_s + request.relay_s, _END, request)  # NOTE: the end's way to the client
+            return
+        self._end(request)
+
+    def _end(self, request: SimRequest) -> None:
         request.finished_s = self.now_s
         self._in_flight -= 1
         if self._client_backlog:
@@ -279,6 +287,8 @@ class Cluster:
 
     def _hand_off(self, request: SimRequest, prefill_s: float) -> None:
         spec = self.spec
+        # NOTE: the load's part is a delay on the router's relay, which every later token and the end take too
+        request.relay_s = spec.path.first_token(self._in_flight - 1) - spec.path.first_token(0)
         if spec.early_first_token:
             request.token_times_s[-1] += spec.path.first_token(self._in_flight - 1)
         delay = 0.0

@@ -9,7 +9,7 @@ class SimRequest:
     output tokens exist, each with its time in `token_times_s` (absolute simulated seconds)."""
 
     __slots__ = ("index", "prompt_len", "output_len", "sent_s", "computed", "target", "generated", "blocks",
-                 "token_times_s", "worker", "decode", "error_kind", "finished_s", "num_preemptions")
+                 "token_times_s", "worker", "decode", "error_kind", "finished_s", "num_preemptions", "relay_s")
 
     def __init__(self, index: int, prompt_len: int, output_len: int, sent_s: float) -> None:
         self.index = index
@@ -25,6 +25,7 @@ class SimRequest:
         self.decode = -1  # PD: index of the decode worker holding its reservation
         self.error_kind: str | None = None
         self.finished_s: float | None = None
+        self.relay_s = 0.0  # PD: the load's delay on the router's relay, paid by every token and the end
         self.num_preemptions = 0
 
     @property
