@@ -167,17 +167,23 @@ def test_the_prefill_workers_step_with_their_served_model() -> None:
     assert first == pytest.approx(bare_first + 0.045)
 
 
-def test_the_first_tokens_load_delay_is_the_relays_every_later_token_and_the_end_take_it_too() -> None:
+@pytest.mark.parametrize("early_first_token", [True, False])
+def test_the_first_tokens_load_delay_is_the_relays_every_later_token_and_the_end_take_it_too(
+        early_first_token: bool) -> None:
     """The per-in-flight cost delays the router's relay, not just the first token: a burst of 8
     requests gets every token and its end that much later, so the gaps between tokens (TPOT) are
-    the decode worker's, not shortened by a late first token."""
+    the decode worker's, not shortened by a late first token (nor, when the first token comes from
+    decode, lengthened by late later ones)."""
     from pdserve.bench.serve.workloads import random_lengths
 
+    def records(costs: PDPathCosts) -> tuple:
+        profile = _profile(pd_path=costs)
+        spec = cluster_spec(profile, PD, "tcp", ClusterOptions(early_first_token=early_first_token))
+        return simulate(spec, [Arrival(r.prompt_len, r.max_tokens, 0.0) for r in burst.requests], 8).result.records
+
     burst = random_lengths(8, 64, 16, seed=2)
-    bare = _simulated(_profile(), PDPathCosts(), "tcp", burst, 8)
-    loaded = _simulated(_profile(), PDPathCosts(first_token_per_in_flight_s=0.005), "tcp", burst, 8)
     delays = set()
-    for b, r in zip(bare, loaded, strict=True):
+    for b, r in zip(records(PDPathCosts()), records(PDPathCosts(first_token_per_in_flight_s=0.005)), strict=True):
         shift = [x - y for x, y in zip(r.chunk_times_s, b.chunk_times_s, strict=True)]
         assert shift == pytest.approx([shift[0]] * len(shift))  # every token as late as the first
         assert r.e2e_s - b.e2e_s == pytest.approx(shift[0])

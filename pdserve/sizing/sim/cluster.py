@@ -317,8 +317,8 @@ class Cluster:
     def _at_decode(self, request: SimRequest) -> None:
         """The hand-off's end: the decode worker has the request (and its KV)."""
         self._in_handoff -= 1
-        if not self.spec.early_first_token:  # the client sees the first token once decode has the KV
-            request.token_times_s[-1] = self.now_s
+        if not self.spec.early_first_token:  # the client sees the first token once decode has the KV (relayed)
+            request.token_times_s[-1] = self.now_s + request.relay_s
         decode = self.decode[request.decode]
         request.worker = decode.index
         request.blocks = decode.blocks_for(request.prompt_len + 1)  # its reservation
