@@ -265,8 +265,9 @@ def run_served_pd(args: EngineArgs, timed: StepModel, transport: str, max_num_se
     threads = args.num_threads or local.up_threads_per_worker(2)
     probe = random_lengths(plan.probe, PROBE_PROMPT_LEN, PROBE_OUTPUT_LEN, seed=1, kind=PromptKind(vocab_size))
     sizes = [(plan.load, False)] * plan.rounds + [(plan.long_load, True)] * (plan.long_rounds if plan.long_load else 0)
-    workloads = [(random_lengths(size, load_prompt_len(plan, n), plan.output_len, seed=2 + n, kind=PromptKind(vocab_size)),
-                  long) for n, (size, long) in enumerate(sizes)]
+    kind = PromptKind(vocab_size)
+    workloads = [(random_lengths(size, load_prompt_len(plan, n), plan.output_len, seed=2 + n, kind=kind), long)
+                 for n, (size, long) in enumerate(sizes)]
     concurrency = max(1, min(plan.concurrency, max_num_seqs))
     with tempfile.TemporaryDirectory(prefix="pdserve-calibrate-pd-") as tmp:
         log_dir, step_dir = Path(tmp) / "logs", Path(tmp) / "steps"

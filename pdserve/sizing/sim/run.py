@@ -104,9 +104,9 @@ def to_record(request_index: int, r: SimRequest) -> RequestRecord:
     if r.error_kind is not None:
         return RequestRecord(request_index, r.sent_s, e2e, r.prompt_len, 0, error_kind=r.error_kind,
                              error=f"simulated {r.error_kind}")
-    # NOTE: in order: the router relays a PD request's decode tokens after its first
-    times = tuple(itertools.accumulate((t - r.sent_s + (r.relay_s if i else 0.0) for i, t in enumerate(r.token_times_s)),
-                                       max))
+    # NOTE: in order: the router relays a PD request's decode tokens after its first (and the load's relay delay)
+    relayed = (t - r.sent_s + (r.relay_s if i else 0.0) for i, t in enumerate(r.token_times_s))
+    times = tuple(itertools.accumulate(relayed, max))
     return RequestRecord(request_index, r.sent_s, e2e, r.prompt_len, r.generated, times[0], times)
 
 
