@@ -213,9 +213,10 @@ def _load_costs(profile: Profile, costs: PDPathCosts, transport: str, load: Load
     def second(x: float, base: PDPathCosts) -> float:
         return excess(1, real_second, replace(base, handoff_per_waiting_s=x))
 
-    for _ in range(2 if fit_first else 1):  # NOTE: the two interact (a later hand-off keeps fewer streams decoding)
-        if fit_first:
-            costs = replace(costs, first_token_per_in_flight_s=_solve(partial(first, base=costs), real_first))
+    if not fit_first:
+        return replace(costs, handoff_per_waiting_s=_solve(partial(second, base=costs), real_second))
+    for _ in range(2):  # NOTE: the two interact (a later hand-off keeps fewer streams decoding)
+        costs = replace(costs, first_token_per_in_flight_s=_solve(partial(first, base=costs), real_first))
         costs = replace(costs, handoff_per_waiting_s=_solve(partial(second, base=costs), real_second))
     return costs
 

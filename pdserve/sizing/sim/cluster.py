@@ -288,7 +288,7 @@ class Cluster:
     def _hand_off(self, request: SimRequest, prefill_s: float) -> None:
         spec = self.spec
         # NOTE: the load's part is a delay on the router's relay, which every later token and the end take too
-        request.relay_s = spec.path.first_token(self._in_flight - 1) - spec.path.first_token(0)
+        request.relay_s = spec.path.first_token_per_in_flight_s * (self._in_flight - 1)
         if spec.early_first_token:
             request.token_times_s[-1] += spec.path.first_token(self._in_flight - 1)
         delay = 0.0
