@@ -1,4 +1,4 @@
-"""The PD path's costs (issue 29, item 3): the profile's version-2 and -3 fields, the simulator
+"""The PD path's costs (issue 29, item 3): the profile's fields (and its older versions'), the simulator
 charging them, and calibrate's served PD run recovering them (against the simulator itself: no
 cluster)."""
 
@@ -20,8 +20,9 @@ from pdserve.sizing.served_pd import (
     ServedPlan,
     ServedRun,
     Step,
-    _load_costs,
+    _load_cost,
     _simulated,
+    _solve,
     _token_s,
     fit_served,
     load_prompt_len,
@@ -65,63 +66,67 @@ def test_version_1_profiles_load_without_pd_path_costs(tmp_path: Path) -> None:
         load_profile(old)
 
 
-def test_version_3_fields_round_trip(tmp_path: Path) -> None:
-    costs = PDPathCosts(0.012, 0.004, 0.0015, 0.0025, "tcp", 12)
+def test_version_4_fields_round_trip(tmp_path: Path) -> None:
+    costs = PDPathCosts(0.012, 0.004, 0.0035, 0.0025, "tcp", 12)
     profile = _profile(pd_path=costs, prefill_step=dataclasses.replace(STEP, base_s=0.009))
-    path = tmp_path / "v3.json"
+    path = tmp_path / "v4.json"
     profile.save(path)
-    assert json.loads(path.read_text())["version"] == PROFILE_VERSION == 3
+    assert json.loads(path.read_text())["version"] == PROFILE_VERSION == 4
     assert load_profile(path) == profile
-    assert costs.first_token(4) == pytest.approx(0.012 + 4 * 0.0015)
+    assert costs.first_token(2) == pytest.approx(0.012 + 2 * 0.0035)
     assert costs.handoff(4) == pytest.approx(0.004 + 4 * 0.0025)
 
 
-def test_a_version_2_profile_loads_without_its_load_dependent_costs(tmp_path: Path) -> None:
-    """Version 2 counted the load other ways (the first token per request waiting for its own, the
-    hand-off per stream decoding): such a profile loads with its fixed costs only, and notes that
-    say so."""
+@pytest.mark.parametrize("version", [2, 3])
+def test_an_older_profile_loads_without_its_load_dependent_costs(tmp_path: Path, version: int) -> None:
+    """Versions 2 and 3 counted the load other ways (2: the first token per request waiting for its
+    own, the hand-off per stream decoding; 3: the first token per request in flight): such a
+    profile loads with its fixed costs only, and notes that say so."""
     raw = _profile(pd_path=PDPathCosts(0.012, 0.004, 0.0, 0.0, "tcp", 12)).to_dict()
-    raw["version"] = 2
-    raw["pd_path"] = {**raw["pd_path"], "first_token_per_waiting_s": 0.010, "handoff_per_stream_s": 0.040}
-    for key in ("first_token_per_in_flight_s", "handoff_per_waiting_s"):
+    raw["version"] = version
+    for key in ("first_token_per_streaming_s", "handoff_per_waiting_s"):
         raw["pd_path"].pop(key)
-    old = tmp_path / "v2.json"
+    raw["pd_path"].update({"first_token_per_waiting_s": 0.010, "handoff_per_stream_s": 0.040} if version == 2 else
+                          {"first_token_per_in_flight_s": 0.005, "handoff_per_waiting_s": 0.012})
+    old = tmp_path / f"v{version}.json"
     old.write_text(json.dumps(raw))
     profile = load_profile(old)
-    assert profile.version == 2 and profile.pd_path == PDPathCosts(0.012, 0.004, 0.0, 0.0, "tcp", 12)
+    assert profile.version == version and profile.pd_path == PDPathCosts(0.012, 0.004, 0.0, 0.0, "tcp", 12)
     assert "load-dependent PD path costs are not used" in profile.notes
 
 
-def test_a_steady_load_pays_the_first_tokens_load_cost() -> None:
+def test_a_steady_load_pays_the_first_tokens_load_cost_per_request_streaming() -> None:
     """Arrivals spread out (one every 60 ms, 8 in flight): few requests wait for their first token
-    at once, but each shares the loops with the 7 others in flight, as served runs show (a steady
-    load's real TTFT is about a burst's). A cost per request waiting for its first token, version
-    2's, charged the spread-out load almost nothing."""
+    at once, but each shares the loops with the 7 others in flight, whose tokens stream through
+    them, as served runs show (a steady load's real TTFT is about a burst's). A cost per request
+    waiting for its first token alone, version 2's, charged the spread-out load almost nothing."""
     arrivals = [Arrival(64, 40, 0.060 * i) for i in range(40)]
 
-    def ttft(profile: Profile) -> float:
-        return simulate(cluster_spec(profile, PD, "tcp"), arrivals, 8).summary.latency["ttft"].median_ms
+    def ttft(costs: PDPathCosts) -> float:
+        return simulate(cluster_spec(_profile(pd_path=costs), PD, "tcp"), arrivals, 8).summary.latency["ttft"].median_ms
 
-    bare = ttft(_profile())
-    assert ttft(_profile(pd_path=PDPathCosts(first_token_per_in_flight_s=0.010))) > bare + 40
-
-
-def test_the_simulator_charges_the_pd_path_costs() -> None:
-    """An isolated request (no stream decoding: the fixed parts only): the first token comes
-    `first_token_s` later, the second `handoff_s` later; without the costs (or with
-    `--no-pd-path-costs`) neither moves. Fails if the simulator ignores them."""
-    bare_first, bare_second = _alone(_profile())
-    costs = PDPathCosts(first_token_s=0.030, handoff_s=0.045)
-    first, second = _alone(_profile(pd_path=costs))
-    assert first == pytest.approx(bare_first + 0.030)
-    assert second == pytest.approx(bare_second + 0.045)
-    assert _alone(_profile(pd_path=costs), pd_path_costs=False) == pytest.approx((bare_first, bare_second))
-    # NOTE: the router relays in order: a hand-off faster than the first token's way back waits for it
-    first, second = _alone(_profile(pd_path=PDPathCosts(first_token_s=0.5)))
-    assert second == pytest.approx(first)
+    assert ttft(PDPathCosts(first_token_per_streaming_s=0.010)) > ttft(PDPathCosts()) + 40
 
 
-@pytest.mark.parametrize("costs", [PDPathCosts(first_token_per_in_flight_s=0.010),
+def test_a_waves_first_tokens_do_not_pay_for_the_others_of_their_step() -> None:
+    """8 requests at once, prefilled in one step: the 8 first tokens leave together and none of
+    them counts the others of its step as streaming (a per-streaming cost charged in order would
+    make the last of them pay for 7); a ninth, prefilled after them, pays for the 8 streams."""
+    options = ClusterOptions(dispatch_s=0.0)  # NOTE: all 8 at prefill before it steps
+
+    def firsts(costs: PDPathCosts, arrivals: list[Arrival]) -> list[float]:
+        records = simulate(cluster_spec(_profile(pd_path=costs), PD, "tcp", options), arrivals, 9).result.records
+        return [r.chunk_times_s[0] for r in records]
+
+    wave, charged = [Arrival(64, 8, 0.0)] * 8, PDPathCosts(first_token_per_streaming_s=0.004)
+    bare = firsts(PDPathCosts(), wave)
+    assert bare == pytest.approx([bare[0]] * 8)  # one prefill step
+    assert firsts(charged, wave) == pytest.approx(bare)
+    late = [*wave, Arrival(64, 8, 0.001)]
+    assert firsts(charged, late)[8] == pytest.approx(firsts(PDPathCosts(), late)[8] + 8 * 0.004)
+
+
+@pytest.mark.parametrize("costs", [PDPathCosts(first_token_per_streaming_s=0.010),
                                    PDPathCosts(handoff_per_waiting_s=0.010)])
 def test_the_load_dependent_costs_grow_with_the_load(costs: PDPathCosts) -> None:
     """Under load the first token's way shares the loops with the other requests in flight, and the
@@ -134,7 +139,7 @@ def test_the_load_dependent_costs_grow_with_the_load(costs: PDPathCosts) -> None
 
     assert medians(_profile(pd_path=costs), 1) == pytest.approx(medians(_profile(), 1))
     (ttft, e2el), (bare_ttft, bare_e2el) = medians(_profile(pd_path=costs), 16), medians(_profile(), 16)
-    if costs.first_token_per_in_flight_s:
+    if costs.first_token_per_streaming_s:
         assert ttft > bare_ttft + 10
     else:
         assert e2el > bare_e2el + 10
@@ -170,8 +175,8 @@ def test_the_prefill_workers_step_with_their_served_model() -> None:
 @pytest.mark.parametrize("early_first_token", [True, False])
 def test_the_first_tokens_load_delay_is_the_relays_every_later_token_and_the_end_take_it_too(
         early_first_token: bool) -> None:
-    """The per-in-flight cost delays the router's relay, not just the first token: a burst of 8
-    requests gets every token and its end that much later, so the gaps between tokens (TPOT) are
+    """The first token's load cost delays the router's relay, not just the first token: in a burst
+    of 8 requests, each gets every token and its end that much later, so the gaps between tokens (TPOT) are
     the decode worker's, not shortened by a late first token (nor, when the first token comes from
     decode, lengthened by late later ones)."""
     from pdserve.bench.serve.workloads import random_lengths
@@ -183,12 +188,15 @@ def test_the_first_tokens_load_delay_is_the_relays_every_later_token_and_the_end
 
     burst = random_lengths(8, 64, 16, seed=2)
     delays = set()
-    for b, r in zip(records(PDPathCosts()), records(PDPathCosts(first_token_per_in_flight_s=0.005)), strict=True):
+    for b, r in zip(records(PDPathCosts()), records(PDPathCosts(first_token_per_streaming_s=0.005)), strict=True):
         shift = [x - y for x, y in zip(r.chunk_times_s, b.chunk_times_s, strict=True)]
         assert shift == pytest.approx([shift[0]] * len(shift))  # every token as late as the first
         assert r.e2e_s - b.e2e_s == pytest.approx(shift[0])
         delays.add(round(shift[0], 6))
-    assert max(delays) == pytest.approx(0.005 * 7)  # the last of the burst: 7 others in flight
+    # NOTE: the delay is 5 ms per stream relaying when the request's prefill step ended: none for the
+    # first step's, more for each later one's
+    assert min(delays) == 0 and max(delays) >= 0.005 * 5
+    assert all(d / 0.005 == pytest.approx(round(d / 0.005)) for d in delays)
 
 
 def test_fit_served_recovers_scale_and_shift() -> None:
@@ -215,6 +223,16 @@ def test_fit_served_weighs_each_step_as_its_sequences() -> None:
     assert a < 1.15 < 1.6 < a_unweighted
 
 
+def test_solve_takes_the_side_of_a_jump_nearer_zero() -> None:
+    """A load's median moves in steps: where it jumps over the target, the fit takes the side of the
+    jump nearer it (the bisection's midpoint can land on the far side)."""
+    assert _solve(lambda x: x - 0.3, 1.0) == pytest.approx(0.3)
+    assert _solve(lambda x: -0.1 if x < 0.5 else 2.0, 1.0) == pytest.approx(0.5, abs=1e-6)
+    assert _solve(lambda x: -0.1 if x < 0.5 else 2.0, 1.0) < 0.5
+    assert _solve(lambda x: -2.0 if x < 0.5 else 0.1, 1.0) >= 0.5
+    assert _solve(lambda x: x + 1.0, 1.0) == 0.0  # above the target with no cost: none
+
+
 def test_path_costs_recovers_what_the_served_run_saw() -> None:
     """The served run's records made by the simulator with known costs: calibrate's fit recovers
     the fixed parts exactly, and load-dependent parts that give the load's medians."""
@@ -231,7 +249,7 @@ def test_path_costs_recovers_what_the_served_run_saw() -> None:
     assert got.handoff_s == pytest.approx(truth.handoff_s, abs=1e-9)
     # NOTE: the load-dependent parts need not be unique (medians of a few requests, and a later first
     # token holds the second back too): they are charged, and they give the load's medians
-    assert got.first_token_per_in_flight_s + got.handoff_per_waiting_s > 0
+    assert got.first_token_per_streaming_s + got.handoff_per_waiting_s > 0
     real, sim = run.loads[0].records, _simulated(profile, got, "tcp", load, 8)
     for index in (0, 1):
         assert _token_s(sim, index) == pytest.approx(_token_s(real, index), abs=1e-3)
@@ -239,7 +257,7 @@ def test_path_costs_recovers_what_the_served_run_saw() -> None:
 
 
 def test_path_costs_take_the_median_of_the_loads_fits() -> None:
-    """Three loads, one of them seen with a 5x larger per-in-flight cost (a noisy spell): the profile
+    """Three loads, one of them seen with a 5x larger first-token cost (a noisy spell): the profile
     keeps the median of the three fits, near the two that agree, not their mean."""
     from pdserve.bench.serve.workloads import random_lengths
 
@@ -254,15 +272,16 @@ def test_path_costs_take_the_median_of_the_loads_fits() -> None:
     run = ServedRun(_simulated(profile, truths[0], "tcp", probe, 1), probe, tuple(loads), {}, "tcp")
     fits = [path_costs(profile, dataclasses.replace(run, loads=(load,))) for load in loads]
     got = path_costs(profile, run)
-    per_in_flight = sorted(f.first_token_per_in_flight_s for f in fits)
-    assert got.first_token_per_in_flight_s == pytest.approx(per_in_flight[1])
-    assert got.first_token_per_in_flight_s < fits[1].first_token_per_in_flight_s  # the outlier is not kept
+    per_streaming = sorted(f.first_token_per_streaming_s for f in fits)
+    assert got.first_token_per_streaming_s == pytest.approx(per_streaming[1])
+    assert got.first_token_per_streaming_s < fits[1].first_token_per_streaming_s  # the outlier is not kept
     assert got.handoff_per_waiting_s == pytest.approx(sorted(f.handoff_per_waiting_s for f in fits)[1])
 
 
 def test_path_costs_fit_the_first_token_on_long_loads_and_the_hand_off_on_short_ones() -> None:
-    """A long load (seen with a larger per-in-flight cost) and a short one: the first token's cost
-    is the long load's fit, and the hand-off's is the short load's with that first-token cost held."""
+    """A long load (seen with a larger first-token cost) and a short one: the first token's cost is
+    the long load's solution with the hand-off's held, the hand-off's the short load's with the
+    first token's held."""
     from pdserve.bench.serve.workloads import random_lengths
 
     probe = random_lengths(6, PROBE_PROMPT_LEN, PROBE_OUTPUT_LEN, seed=1)
@@ -276,14 +295,13 @@ def test_path_costs_fit_the_first_token_on_long_loads_and_the_hand_off_on_short_
     got = path_costs(profile, run)
     only_long = path_costs(profile, dataclasses.replace(run, loads=(long_,)))
     only_short = path_costs(profile, dataclasses.replace(run, loads=(short,)))
-    assert got.first_token_per_in_flight_s == pytest.approx(only_long.first_token_per_in_flight_s)
-    assert got.first_token_per_in_flight_s > only_short.first_token_per_in_flight_s + 0.0005
     assert got.num_loads == 2
-    # the hand-off's: the short load's solution with the long load's first-token cost held
-    held = dataclasses.replace(got, handoff_per_waiting_s=0.0)
-    assert got.handoff_per_waiting_s == pytest.approx(
-        _load_costs(profile, held, "tcp", short, fit_first=False).handoff_per_waiting_s)
+    assert got.first_token_per_streaming_s > only_short.first_token_per_streaming_s + 0.0005
     assert got.handoff_per_waiting_s != pytest.approx(only_long.handoff_per_waiting_s, rel=0.05)
+    # each is its load's solution with the other held (the last round's order: first token, then hand-off)
+    assert got.handoff_per_waiting_s == pytest.approx(_load_cost(profile, got, "tcp", short, 1).handoff_per_waiting_s)
+    first = _load_cost(profile, got, "tcp", long_, 0).first_token_per_streaming_s
+    assert got.first_token_per_streaming_s == pytest.approx(first, rel=0.05)
 
 
 def test_simulate_says_when_a_profile_has_no_pd_path_costs(tmp_path: Path,

@@ -358,8 +358,8 @@ def run(ns: argparse.Namespace) -> int:
         print(f"served PD run over {profile.notes.rpartition('served PD run over ')[2]}")
         print(f"PD path over {c.transport}, beyond the simulated steps and transfer (fixed: {c.num_requests} isolated "
               f"requests; the rest: the load): first token +{c.first_token_s * 1e3:.1f} ms + "
-              f"{c.first_token_per_in_flight_s * 1e3:.2f} ms per other request in flight, hand-off "
-              f"+{c.handoff_s * 1e3:.1f} ms + "
+              f"{c.first_token_per_streaming_s * 1e3:.2f} ms per other request streaming (past its first token), "
+              f"hand-off +{c.handoff_s * 1e3:.1f} ms + "
               f"{c.handoff_per_waiting_s * 1e3:.2f} ms per other request not yet at decode")
     if compare is not None:
         print_against_roofline(profile, samples, compare)

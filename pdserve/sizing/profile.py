@@ -81,8 +81,9 @@ class TransferModel:
 
 # NOTE: 1: steps and transfers only; 2: + `prefill_step` and `pd_path` (the PD path's fixed costs);
 # 3: the load-dependent costs: the first token's per other request in flight, the hand-off's per other
-# request not yet at decode (2: per request waiting for its first token, per stream decoding)
-PROFILE_VERSION = 3
+# request not yet at decode (2: per request waiting for its first token, per stream decoding);
+# 4: the first token's per other request in flight past its first token (3: per other request in flight)
+PROFILE_VERSION = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,22 +91,31 @@ class PDPathCosts:
     """A PD request's costs beyond what the simulator models itself (its client's dispatch, the
     prefill and decode steps, the KV transfer model), each a fixed part and a part that grows with
     the work the router and the workers' API servers have in hand when it is paid: the first token's
-    per other request in flight (sent and not finished: each one's reservation, job POST, placement,
-    answer line and token relay is work of the router's and the workers' event loops, which on a
-    CPU host also share the cores; charged per request waiting for its first token instead, profile
-    version 2, it was ~0 once arrivals spread out and the simulated TTFT of a steady load came out
-    62 % short), the hand-off's per other request not yet at its decode worker
-    (waiting for its first token, or handed off and not yet taken by decode: each one's hand-off
-    messages, reservation bookkeeping and KV arrival are serial work of the same loops and of the
-    decode worker's engine process, so a wave's first hand-offs wait behind the rest of it).
+    per other request in flight past its own first token (streaming: each one's tokens are relayed
+    by the router's and the workers' event loops, which on a CPU host also share the cores), the
+    hand-off's per other request not yet at its decode worker (waiting for its first token, or
+    handed off and not yet taken by decode: each one's hand-off messages, reservation bookkeeping
+    and KV arrival are serial work of the same loops and of the decode worker's engine process, so
+    a wave's first hand-offs wait behind the rest of it).
 
-    first_token_s (+ first_token_per_in_flight_s x others in flight): from the prefill step that sampled the
-        first token to the client having it, and the way in before that step (the router, the
-        job's POST to prefill, prefill's answer line, the router's SSE frame): added to the first
-        token's time. The per-in-flight part is a delay of the relay all of a request's tokens take
-        (the router's and the workers' loops), so every later token and the request's end take it
-        too: charged to the first token alone, it shortened the simulated gap to the second token
-        (0 for a tenth of the requests, against 10-37 ms real at p10) and a steady load's TPOT.
+    What the first token's cost counts was found on served runs (docs/BENCHMARKS.md, issue 29):
+    per request waiting for its first token (profile version 2) it was ~0 once arrivals spread out
+    and a steady load's TTFT came out 62 % short; per request in flight (version 3) a wave's first
+    tokens paid for seven others that had sent nothing yet, and the loop's 48-prompt TTFT median
+    came out +16 %; fitted as two costs, per waiting and per streaming, the waiting one came out
+    0-12 ms from session to session, traded against the hand-off's, and the streaming one with it.
+    Per request streaming, a wave's first tokens pay for nothing the prefill step's batch does
+    not already hold them back by, and the fitted cost agrees between sessions (3.9-5.8 ms).
+
+    first_token_s (+ first_token_per_streaming_s x others streaming): from the prefill step that
+        sampled the first token to the client having it, and the way in before that step (the
+        router, the job's POST to prefill, prefill's answer line, the router's SSE frame): added to
+        the first token's time. The first tokens of one prefill step leave together, none counting
+        the others of its step. The load-dependent part is a delay of the relay all of a request's
+        tokens take (the router's and the workers' loops), so every later token and the request's
+        end take it too: charged to the first token alone, it shortened the simulated gap to the
+        second token (0 for a tenth of the requests, against 10-37 ms real at p10) and a steady
+        load's TPOT.
     handoff_s (+ handoff_per_waiting_s x others not yet at decode): from the simulated transfer's end
         to the decode worker stepping the request (the hand-off's messages, the reservation's
         bookkeeping, the decode tokens' relay): the decode worker gets the request this much later.
@@ -115,14 +125,14 @@ class PDPathCosts:
 
     first_token_s: float = 0.0
     handoff_s: float = 0.0
-    first_token_per_in_flight_s: float = 0.0
+    first_token_per_streaming_s: float = 0.0
     handoff_per_waiting_s: float = 0.0
     transport: str = ""  # the KV transport of the run that measured them
     num_requests: int = 0  # the isolated requests the fixed parts are the medians of
     num_loads: int = 0  # the loads the load-dependent parts are the median of the fits of
 
-    def first_token(self, in_flight: int) -> float:
-        return self.first_token_s + self.first_token_per_in_flight_s * in_flight
+    def first_token(self, streaming: int) -> float:
+        return self.first_token_s + self.first_token_per_streaming_s * streaming
 
     def handoff(self, waiting: int) -> float:
         return self.handoff_s + self.handoff_per_waiting_s * waiting
@@ -166,13 +176,14 @@ class Profile:
     @classmethod
     def from_dict(cls, raw: dict) -> Profile:
         """Any version up to PROFILE_VERSION; a version-1 file (no "version" key) has no served
-        prefill step and no PD path costs; a version-2 file's load-dependent costs (counted other
-        ways) are dropped, which its notes say: recalibrate for version 3's."""
+        prefill step and no PD path costs; a version-2 or -3 file's load-dependent costs (counted other
+        ways) are dropped, which its notes say: recalibrate for version 4's."""
         version = int(raw.get("version", 1))
         if version > PROFILE_VERSION:
             raise ValueError(f"profile version {version} is newer than this pdserve's ({PROFILE_VERSION})")
         path = dict(raw["pd_path"]) if raw.get("pd_path") else None
-        old = {"first_token_per_waiting_s", "handoff_per_stream_s"}
+        old = {2: ("first_token_per_waiting_s", "handoff_per_stream_s"), 3: ("first_token_per_in_flight_s",
+                                                                           "handoff_per_waiting_s")}.get(version, ())
         if path is not None and any([path.pop(key, 0.0) for key in old]):
             raw = {**raw, "notes": f"{raw.get('notes', '')}; version {version}: its load-dependent PD path costs "
                                    "are not used (recalibrate)"}

@@ -24,23 +24,19 @@ worker, the calibrated engine flags and threads, `PDSERVE_STEP_LOG` on) and driv
      sequences, see `fit_served`): the timed model keeps the shape over the whole grid, the served
      run says what serving does to it (the API server's loop and the KV transport sharing the
      worker's process, the router and the client sharing the cores);
-   - the PD path's load-dependent costs (`first_token_per_in_flight_s`: per other request in
-     flight, `handoff_per_waiting_s`: per other request not yet at its decode worker): under load
-     the first token's way shares the router's and the workers' loops (and a CPU host's cores) with
-     every other request's, and the hand-off waits behind the others'; the simulator, run on the
-     same requests at the same concurrency, gets a load's real first- and second-token medians with
-     them (bisection), solved for each load apart. The first token's cost is the median of the long
-     loads' solutions: in waves the simulator puts a burst's first tokens behind the prefill
-     worker's batched step, the real run shows as long a first token once the waves are gone, and
-     short loads alone left a steady load's TTFT simulated 15 % short. The hand-off's cost is then
-     the median of the short loads' solutions with that first-token cost held: it counts the
-     others not yet at decode, which a wave has many of and a steady load one or two, so a long
-     load's solution stands for whatever else holds a steady load's second token back (2-3x the
-     short loads': +40-70 % on a waves workload's TPOT). (Profile version 2 counted other things:
-     the first token's cost per request waiting for its own, ~0 once arrivals spread out, so a
-     steady load's TTFT was simulated 62 % short; the hand-off's per stream decoding, ~0 in a wave
-     whose predecessor had finished and huge otherwise: its fit hit the bisection's bound in 3 of
-     12 sessions.)
+   - the PD path's load-dependent costs (`first_token_per_streaming_s`: per other request in
+     flight past its first token, `handoff_per_waiting_s`: per other request not yet at its decode
+     worker): under load the first token's way shares the router's and the workers' loops (and a
+     CPU host's cores) with the other requests' token relays, and the hand-off waits behind the
+     others'; the simulator, run on the same requests at the same concurrency, gets a load's real
+     first- and second-token medians with them (bisection), solved for each load apart. The first
+     token's cost is the median of the long loads' solutions: a steady load's first token shares
+     the loops with seven streams, a wave's with none (its step's batch holds it back instead).
+     The hand-off's cost is the median of the short loads' solutions with that first-token cost
+     held: it counts the others not yet at decode, which a wave has many of and a steady load one
+     or two, so a long load's solution stands for whatever else holds a steady load's second token
+     back (2-3x the short loads': +40-70 % on a waves workload's TPOT). What the costs count, and
+     what the earlier profile versions counted, is `PDPathCosts`'s story.
 """
 
 from __future__ import annotations
@@ -52,7 +48,6 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -163,14 +158,22 @@ def _simulated(profile: Profile, costs: PDPathCosts, transport: str, workload: W
 
 
 def _solve(excess: Callable[[float], float], high: float) -> float:
-    """The x in [0, high] where excess(x) (increasing) crosses 0, by bisection; 0 if it is above 0 there."""
-    low = 0.0
-    if excess(low) >= 0:
+    """The x in [0, high] where excess(x) (increasing) crosses 0, by bisection; 0 if it is above 0
+    there. A median of a few dozen requests moves in steps: where it jumps over 0, the side of the
+    jump nearer 0 (the midpoint may land on the far side: a hand-off's cost 2 ms off the load's
+    second-token median in a test, when the near side was 0.1 ms off)."""
+    low, low_excess = 0.0, excess(0.0)
+    if low_excess >= 0:
         return low
+    high_excess = excess(high)
     for _ in range(30):
         mid = (low + high) / 2
-        low, high = (mid, high) if excess(mid) < 0 else (low, mid)
-    return (low + high) / 2
+        mid_excess = excess(mid)
+        if mid_excess < 0:
+            low, low_excess = mid, mid_excess
+        else:
+            high, high_excess = mid, mid_excess
+    return low if -low_excess < high_excess else high
 
 
 def path_costs(profile: Profile, run: ServedRun) -> PDPathCosts:
@@ -178,47 +181,42 @@ def path_costs(profile: Profile, run: ServedRun) -> PDPathCosts:
     requests' first and second token medians in excess of the simulator's for the same requests;
     the load-dependent parts are, for each load, those that make the simulator's first and second
     token medians of the load (same requests, same concurrency) the real ones: the median over the
-    loads."""
+    loads. The first token's cost comes from the long loads (no waves: a request's others stream),
+    the hand-off's from the short ones (waves: many others not yet at decode), each solved with
+    the other held, twice over (each moves the other's loads a little); with loads of one kind,
+    both from those."""
     ok = [r for r in run.probe if r.ok and len(r.chunk_times_s) >= 2]
     # NOTE: a load whose requests all failed says nothing; `num_loads` counts the fits kept
     loads = [load for load in run.loads if any(r.ok and len(r.chunk_times_s) >= 2 for r in load.records)]
     if not ok or not loads:
         raise RuntimeError("the served PD run's requests failed (see the cluster's log)")
     sim = _simulated(profile, PDPathCosts(), run.transport, run.probe_workload, 1)
-    fixed = PDPathCosts(max(0.0, _token_s(ok, 0) - _token_s(sim, 0)), max(0.0, _token_s(ok, 1) - _token_s(sim, 1)),
-                        transport=run.transport, num_requests=len(ok))
+    costs = PDPathCosts(max(0.0, _token_s(ok, 0) - _token_s(sim, 0)), max(0.0, _token_s(ok, 1) - _token_s(sim, 1)),
+                        transport=run.transport, num_requests=len(ok), num_loads=len(loads))
     short, long_ = [load for load in loads if not load.long], [load for load in loads if load.long]
-    fits = [_load_costs(profile, fixed, run.transport, load) for load in long_ or short]
-    first = statistics.median(f.first_token_per_in_flight_s for f in fits)
-    if long_ and short:
-        costs = replace(fixed, first_token_per_in_flight_s=first)
-        fits = [_load_costs(profile, costs, run.transport, load, fit_first=False) for load in short]
-    return replace(fixed, first_token_per_in_flight_s=first,
-                   handoff_per_waiting_s=statistics.median(f.handoff_per_waiting_s for f in fits), num_loads=len(loads))
-
-
-def _load_costs(profile: Profile, costs: PDPathCosts, transport: str, load: Load, fit_first: bool = True
-                ) -> PDPathCosts:
-    """`costs` with the load-dependent parts that give the simulator `load`'s real first and second
-    token medians (`fit_first` False: the second's only, the first token's cost kept)."""
-    real_first, real_second = _token_s(load.records, 0), _token_s(load.records, 1)
-
-    def excess(index: int, target: float, trial: PDPathCosts) -> float:
-        records = _simulated(profile, trial, transport, load.workload, load.concurrency)
-        return _token_s(records, index) - target
-
-    def first(x: float, base: PDPathCosts) -> float:
-        return excess(0, real_first, replace(base, first_token_per_in_flight_s=x))
-
-    def second(x: float, base: PDPathCosts) -> float:
-        return excess(1, real_second, replace(base, handoff_per_waiting_s=x))
-
-    if not fit_first:
-        return replace(costs, handoff_per_waiting_s=_solve(partial(second, base=costs), real_second))
-    for _ in range(2):  # NOTE: the two interact (a later hand-off keeps fewer streams decoding)
-        costs = replace(costs, first_token_per_in_flight_s=_solve(partial(first, base=costs), real_first))
-        costs = replace(costs, handoff_per_waiting_s=_solve(partial(second, base=costs), real_second))
+    for _ in range(2):
+        first = statistics.median(_load_cost(profile, costs, run.transport, load, 0).first_token_per_streaming_s
+                                  for load in long_ or short)
+        costs = replace(costs, first_token_per_streaming_s=first)
+        handoff = statistics.median(_load_cost(profile, costs, run.transport, load, 1).handoff_per_waiting_s
+                                    for load in short or long_)
+        costs = replace(costs, handoff_per_waiting_s=handoff)
     return costs
+
+
+def _load_cost(profile: Profile, costs: PDPathCosts, transport: str, load: Load, index: int) -> PDPathCosts:
+    """`costs` with the load-dependent part that gives the simulator `load`'s real median of token
+    `index`: the first token's cost per other request streaming (0) or the hand-off's per other
+    request not yet at decode (1), the other held."""
+    real = _token_s(load.records, index)
+
+    def excess(x: float) -> float:
+        trial = (replace(costs, first_token_per_streaming_s=x) if index == 0
+                 else replace(costs, handoff_per_waiting_s=x))
+        return _token_s(_simulated(profile, trial, transport, load.workload, load.concurrency), index) - real
+
+    x = _solve(excess, real)
+    return replace(costs, first_token_per_streaming_s=x) if index == 0 else replace(costs, handoff_per_waiting_s=x)
 
 
 def served_profile(profile: Profile, run: ServedRun) -> tuple[Profile, dict[str, tuple[float, float]]]:

@@ -112,6 +112,7 @@ class Cluster:
         self._seq = 0
         self._in_flight = 0
         self._awaiting_first = 0  # admitted, KV not yet transferred (colocated: no first token yet)
+        self._streaming = 0  # PD: in flight and past the first token (handed off, not yet ended)
         self._in_handoff = 0  # PD: transferred, not yet at the decode worker (paying `PDPathCosts.handoff`)
         self._client_backlog: deque[int] = deque()
         self._router_backlog: deque[SimRequest] = deque()  # PD: waiting for decode KV room
@@ -253,6 +254,8 @@ class Cluster:
     def _end(self, request: SimRequest) -> None:
         request.finished_s = self.now_s
         self._in_flight -= 1
+        if self.spec.topology.is_pd and request.token_times_s:  # NOTE: PD: a first token means a hand-off
+            self._streaming -= 1
         if self._client_backlog:
             self._send(self._client_backlog.popleft())
 
@@ -273,8 +276,10 @@ class Cluster:
         handoffs, finished, num_first = worker.finish_step(plan, self.now_s)
         if worker.role == "colocated":
             self._awaiting_first -= num_first
+        # NOTE: a step's first tokens leave together: none of them counts the others of its step as streaming
+        streaming = self._streaming
         for request in handoffs:
-            self._hand_off(request, plan.duration_s)
+            self._hand_off(request, plan.duration_s, streaming)
         for request in finished:
             self._complete(worker, request)
         self._kick(worker)
@@ -285,12 +290,15 @@ class Cluster:
         worker.num_unfinished -= 1
         self._finish(request)
 
-    def _hand_off(self, request: SimRequest, prefill_s: float) -> None:
+    def _hand_off(self, request: SimRequest, prefill_s: float, streaming: int) -> None:
+        """The first token out of prefill (`streaming`: the requests in flight past their first token
+        when its step ended), and the KV on its way to decode."""
         spec = self.spec
         # NOTE: the load's part is a delay on the router's relay, which every later token and the end take too
-        request.relay_s = spec.path.first_token_per_in_flight_s * (self._in_flight - 1)
+        request.relay_s = spec.path.first_token_per_streaming_s * streaming
         if spec.early_first_token:
-            request.token_times_s[-1] += spec.path.first_token(self._in_flight - 1)
+            request.token_times_s[-1] += spec.path.first_token_s + request.relay_s
+        self._streaming += 1
         delay = 0.0
         if spec.transfer is not None:
             num_bytes = request.prompt_len * spec.kv_bytes_per_token
