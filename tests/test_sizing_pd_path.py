@@ -73,7 +73,7 @@ def test_version_4_fields_round_trip(tmp_path: Path) -> None:
     profile.save(path)
     assert json.loads(path.read_text())["version"] == PROFILE_VERSION == 4
     assert load_profile(path) == profile
-    assert costs.first_token(2) == pytest.approx(0.012 + 2 * 0.0035)
+    assert costs.relay_delay(2) == pytest.approx(2 * 0.0035)
     assert costs.handoff(4) == pytest.approx(0.004 + 4 * 0.0025)
 
 

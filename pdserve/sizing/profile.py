@@ -101,8 +101,8 @@ class PDPathCosts:
     What the first token's cost counts was found on served runs (docs/BENCHMARKS.md, issue 29):
     per request waiting for its first token (profile version 2) it was ~0 once arrivals spread out
     and a steady load's TTFT came out 62 % short; per request in flight (version 3) a wave's first
-    tokens paid for seven others that had sent nothing yet, and the loop's 48-prompt TTFT median
-    came out +16 %; fitted as two costs, per waiting and per streaming, the waiting one came out
+    tokens paid for the seven others waiting with them, and the loop's 48-prompt TTFT median came
+    out +16 %; fitted as two costs, per waiting and per streaming, the waiting one came out
     0-12 ms from session to session, traded against the hand-off's, and the streaming one with it.
     Per request streaming, a wave's first tokens pay for nothing the prefill step's batch does
     not already hold them back by, and the fitted cost agrees between sessions (3.9-5.8 ms).
@@ -131,8 +131,10 @@ class PDPathCosts:
     num_requests: int = 0  # the isolated requests the fixed parts are the medians of
     num_loads: int = 0  # the loads the load-dependent parts are the median of the fits of
 
-    def first_token(self, streaming: int) -> float:
-        return self.first_token_s + self.first_token_per_streaming_s * streaming
+    def relay_delay(self, streaming: int) -> float:
+        """The first token's load-dependent part, with `streaming` other requests streaming: a delay
+        of the relay, which every later token and the request's end take too."""
+        return self.first_token_per_streaming_s * streaming
 
     def handoff(self, waiting: int) -> float:
         return self.handoff_s + self.handoff_per_waiting_s * waiting
@@ -176,14 +178,14 @@ class Profile:
     @classmethod
     def from_dict(cls, raw: dict) -> Profile:
         """Any version up to PROFILE_VERSION; a version-1 file (no "version" key) has no served
-        prefill step and no PD path costs; a version-2 or -3 file's load-dependent costs (counted other
-        ways) are dropped, which its notes say: recalibrate for version 4's."""
+        prefill step and no PD path costs; a version-2 or -3 file's load-dependent costs (counted
+        other ways) are dropped, which its notes say: recalibrate for version 4's."""
         version = int(raw.get("version", 1))
         if version > PROFILE_VERSION:
             raise ValueError(f"profile version {version} is newer than this pdserve's ({PROFILE_VERSION})")
         path = dict(raw["pd_path"]) if raw.get("pd_path") else None
-        old = {2: ("first_token_per_waiting_s", "handoff_per_stream_s"), 3: ("first_token_per_in_flight_s",
-                                                                           "handoff_per_waiting_s")}.get(version, ())
+        old = {2: ("first_token_per_waiting_s", "handoff_per_stream_s"),
+               3: ("first_token_per_in_flight_s", "handoff_per_waiting_s")}.get(version, ())
         if path is not None and any([path.pop(key, 0.0) for key in old]):
             raw = {**raw, "notes": f"{raw.get('notes', '')}; version {version}: its load-dependent PD path costs "
                                    "are not used (recalibrate)"}

@@ -19,12 +19,13 @@ Model (what it includes, what it leaves out):
   step remains); the client sees the first token when the KV has arrived, then decode generates
   the rest. Prefill keeps the blocks until the transfer ends. Transfers do not contend for links.
 - The PD path's costs (a calibrated profile's `pd_path`, profile.PDPathCosts): the first token
-  reaches the client `first_token(w)` after the prefill step that sampled it (the router, the
-  `/pd/*` hops, the early first token's way back; w: the other requests in flight), and the decode
-  worker gets a request `handoff(n)` after its transfer ended (the hand-off's messages, the token
-  relay through the router; n: the other requests admitted and not yet at their decode worker
-  then: a wave's hand-offs wait behind the rest of it). No token reaches the client before the
-  first (the router relays them in order).
+  reaches the client `first_token_s + relay_delay(w)` after the prefill step that sampled it (the
+  router, the `/pd/*` hops, the early first token's way back; w: the requests streaming, past
+  their first token, when that step ended), and every later token and the request's end take the
+  same `relay_delay(w)`; the decode worker gets a request `handoff(n)` after its transfer ended
+  (the hand-off's messages, the token relay through the router; n: the other requests admitted
+  and not yet at their decode worker then: a wave's hand-offs wait behind the rest of it). No
+  token reaches the client before the first (the router relays them in order).
 - Not modelled: network and HTTP latency beyond `dispatch_s`, detokenization, prefix caching, swap.
 """
 
@@ -295,7 +296,7 @@ class Cluster:
         when its step ended), and the KV on its way to decode."""
         spec = self.spec
         # NOTE: the load's part is a delay on the router's relay, which every later token and the end take too
-        request.relay_s = spec.path.first_token_per_streaming_s * streaming
+        request.relay_s = spec.path.relay_delay(streaming)
         if spec.early_first_token:
             request.token_times_s[-1] += spec.path.first_token_s + request.relay_s
         self._streaming += 1
