@@ -187,7 +187,9 @@ class RequestRun:
         deadline = loop.time() + parts.config.reserve_deadline_s
         while True:
             candidates = [w for w in parts.pool.ready("decode") if instance(w) not in exclude]
-            if not candidates and (not exclude or loop.time() > deadline):
+            # NOTE: a resume waits whatever ended the run before: after a failed attempt `exclude` can
+            # be empty while the decode worker that failed it is down (CI once got this 503 mid-stream)
+            if not candidates and (not self.recovering or loop.time() > deadline):
                 parts.admission.reject("no_decode_worker", "no decode worker is ready")
             for worker in await parts.policy.order(candidates, self.prompt):
                 try:
