@@ -42,6 +42,7 @@ worker, the calibrated engine flags and threads, `PDSERVE_STEP_LOG` on) and driv
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import statistics
 import tempfile
@@ -165,7 +166,7 @@ def _solve(excess: Callable[[float], float], high: float) -> float:
     low, low_excess = 0.0, excess(0.0)
     if low_excess >= 0:
         return low
-    high_excess = excess(high)
+    high_excess = math.inf  # NOTE: `high` itself is not simulated: until a midpoint crosses, low is nearer
     for _ in range(30):
         mid = (low + high) / 2
         mid_excess = excess(mid)
@@ -195,19 +196,17 @@ def path_costs(profile: Profile, run: ServedRun) -> PDPathCosts:
                         transport=run.transport, num_requests=len(ok), num_loads=len(loads))
     short, long_ = [load for load in loads if not load.long], [load for load in loads if load.long]
     for _ in range(2):
-        first = statistics.median(_load_cost(profile, costs, run.transport, load, 0).first_token_per_streaming_s
-                                  for load in long_ or short)
+        first = statistics.median(_load_cost(profile, costs, run.transport, load, 0) for load in long_ or short)
         costs = replace(costs, first_token_per_streaming_s=first)
-        handoff = statistics.median(_load_cost(profile, costs, run.transport, load, 1).handoff_per_waiting_s
-                                    for load in short or long_)
+        handoff = statistics.median(_load_cost(profile, costs, run.transport, load, 1) for load in short or long_)
         costs = replace(costs, handoff_per_waiting_s=handoff)
     return costs
 
 
-def _load_cost(profile: Profile, costs: PDPathCosts, transport: str, load: Load, index: int) -> PDPathCosts:
-    """`costs` with the load-dependent part that gives the simulator `load`'s real median of token
-    `index`: the first token's cost per other request streaming (0) or the hand-off's per other
-    request not yet at decode (1), the other held."""
+def _load_cost(profile: Profile, costs: PDPathCosts, transport: str, load: Load, index: int) -> float:
+    """The load-dependent cost that gives the simulator `load`'s real median of token `index`, the
+    rest of `costs` held: the first token's per other request streaming (0) or the hand-off's per
+    other request not yet at decode (1)."""
     real = _token_s(load.records, index)
 
     def excess(x: float) -> float:
@@ -215,8 +214,7 @@ def _load_cost(profile: Profile, costs: PDPathCosts, transport: str, load: Load,
                  else replace(costs, handoff_per_waiting_s=x))
         return _token_s(_simulated(profile, trial, transport, load.workload, load.concurrency), index) - real
 
-    x = _solve(excess, real)
-    return replace(costs, first_token_per_streaming_s=x) if index == 0 else replace(costs, handoff_per_waiting_s=x)
+    return _solve(excess, real)
 
 
 def served_profile(profile: Profile, run: ServedRun) -> tuple[Profile, dict[str, tuple[float, float]]]:
