@@ -35,6 +35,13 @@ SCHEMAS_DIR = ROOT / "deploy" / "k8s" / "schemas"
 KUBERNETES_VERSION = "1.30"  # the oldest minor ACK still offers; the manifests use nothing newer
 
 Obj = dict[str, Any]
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the RoleBasedGroup schema is 600 kB
+
+# What the RoleBasedGroup controller (sigs.k8s.io/rbgs v0.7) adds to each role's pods and selects
+# them by: the group's and the role's name; its workloads are <group>-<role>, its headless
+# Services s-<group>-<role> (publishNotReadyAddresses: true, no ports).
+RBG_GROUP_LABEL = "rbg.workloads.x-k8s.io/group-name"
+RBG_ROLE_LABEL = "rbg.workloads.x-k8s.io/role-name"
 
 # What the downward API gives a container, stood in by fixed values (fieldRef -> value).
 FIELD_REFS = {"status.podIP": "10.0.0.7", "status.hostIP": "10.0.0.1", "metadata.name": "pod-0",
@@ -60,17 +67,20 @@ def name_of(obj: Obj) -> str:
 
 # -- schemas ------------------------------------------------------------------------------------
 
-def is_builtin(api_version: str) -> bool:
+def is_builtin(api_version: str, kind: str = "") -> bool:
     """Kinds Kubernetes itself serves: the core group, groups without a dot (apps, batch, policy,
-    autoscaling) and *.k8s.io; everything else is a custom resource."""
+    autoscaling) and *.k8s.io, but for the *.k8s.io kinds that are CRDs (Gateway API, the Inference
+    Extension: those have a vendored schema); everything else is a custom resource."""
     group = api_version.rpartition("/")[0]
+    if kind and crd_schema_path(api_version, kind).is_file():
+        return False
     return group == "" or "." not in group or group.endswith(".k8s.io")
 
 
 def schema_errors(obj: Obj) -> list[str]:
     """Why `obj` would not pass the API server's schema (strict field validation); [] if it would."""
     api_version, kind = obj["apiVersion"], obj["kind"]
-    if is_builtin(api_version):
+    if is_builtin(api_version, kind):
         validator = _builtin_validator(api_version, kind)
         if validator is None:
             return [f"{name_of(obj)}: Kubernetes {KUBERNETES_VERSION} has no {api_version} {kind}"]
@@ -79,22 +89,49 @@ def schema_errors(obj: Obj) -> list[str]:
         if validator is None:
             return [f"{name_of(obj)}: custom resource {api_version} {kind} has no vendored schema "
                     f"{crd_schema_path(api_version, kind).relative_to(ROOT)} (see its folder's README.md)"]
-    return [f"{name_of(obj)}: {'.'.join(map(str, e.absolute_path)) or '(root)'}: {e.message[:300]}"
-            for e in validator.iter_errors(obj)]
+        vendored = crd_schema_version(api_version, kind)
+        if vendored != api_version:
+            return [f"{name_of(obj)}: {api_version}, but the vendored schema is {vendored}'s"]
+    errors = [f"{name_of(obj)}: {'.'.join(map(str, e.absolute_path)) or '(root)'}: {e.message[:300]}"
+              for e in validator.iter_errors(obj)]
+    # a CRD that embeds pod templates checks them with its own copy of the schema (RBG's is its
+    # Kubernetes' version); they validate against this Kubernetes' PodTemplateSpec too
+    for template in pod_templates((obj,)) if not is_builtin(api_version, kind) else []:
+        errors += [f"{template.name}: template.{'.'.join(map(str, e.absolute_path))}: {e.message[:300]}"
+                   for e in _pod_template_validator().iter_errors({"metadata": template.metadata,
+                                                                    "spec": template.spec})]
+    return errors
+
+
+def _kubernetes_schemas() -> tuple[str, str]:
+    """(the kubernetes-validate version of KUBERNETES_VERSION, its folder of strict schemas)."""
+    versions = [v for v in kv.all_versions() if kv.major_minor(v) == KUBERNETES_VERSION]
+    assert versions, f"this kubernetes-validate has no Kubernetes {KUBERNETES_VERSION} schemas: {kv.all_versions()}"
+    return versions[-1], f"kubernetes-json-schema/v{versions[-1]}-local-strict"
 
 
 @functools.cache
 def _builtin_validator(api_version: str, kind: str) -> jsonschema.Draft202012Validator | None:
     """kubernetes-validate's strict schema of one kind (its `validate`, with the schemas loaded once)."""
-    versions = [v for v in kv.all_versions() if kv.major_minor(v) == KUBERNETES_VERSION]
-    assert versions, f"this kubernetes-validate has no Kubernetes {KUBERNETES_VERSION} schemas: {kv.all_versions()}"
-    version = versions[-1]
-    folder = f"kubernetes-json-schema/v{version}-local-strict"
+    version, folder = _kubernetes_schemas()
     group_version = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)  # apps/v1 -> apps-v1
     try:
         schema = kv.schema_contents(f"{folder}/{kind.lower()}-{group_version}.json", version)
     except FileNotFoundError:
         return None
+    return _with_definitions(schema)
+
+
+@functools.cache
+def _pod_template_validator() -> jsonschema.Draft202012Validator:
+    """Kubernetes' strict io.k8s.api.core.v1.PodTemplateSpec."""
+    return _with_definitions({"$ref": "/api/_definitions.json#/$defs/io.k8s.api.core.v1.PodTemplateSpec",
+                              "$id": "https://kubernetes.io/api/pod-template-spec",
+                              "$schema": "https://json-schema.org/draft/2020-12/schema"})
+
+
+def _with_definitions(schema: Obj) -> jsonschema.Draft202012Validator:
+    version, folder = _kubernetes_schemas()
     definitions = kv.schema_contents(f"{folder}/_definitions.json", version)
     # both carry their $id (https://kubernetes.io/api/...), which the references resolve against
     registry: referencing.Registry[Any] = referencing.Resource.from_contents(definitions) @ (
@@ -107,12 +144,21 @@ def crd_schema_path(api_version: str, kind: str) -> Path:
     return SCHEMAS_DIR / f"{api_version.partition('/')[0]}_{kind.lower()}.yaml"
 
 
+def crd_schema_version(api_version: str, kind: str) -> str:
+    """The group/version whose schema the vendored file holds, as its first line names it."""
+    group = api_version.partition("/")[0]
+    first = crd_schema_path(api_version, kind).read_text().partition("\n")[0]
+    found = re.search(rf"\b{re.escape(group)}/(v\w+)\b", first)
+    assert found, f"{crd_schema_path(api_version, kind).name}: its first line names no {group}/<version>"
+    return f"{group}/{found.group(1)}"
+
+
 @functools.cache
 def _crd_validator(api_version: str, kind: str) -> jsonschema.Draft202012Validator | None:
     path = crd_schema_path(api_version, kind)
     if not path.is_file():
         return None
-    return jsonschema.Draft202012Validator(strict(yaml.safe_load(path.read_text())))
+    return jsonschema.Draft202012Validator(strict(yaml.load(path.read_text(), Loader=_YAML_LOADER)))
 
 
 def strict(schema: Obj) -> Obj:
@@ -148,19 +194,40 @@ class PodTemplate:
     workload: Obj
     metadata: Obj
     spec: Obj
+    role: str = ""  # a RoleBasedGroup's role ("" for other workloads)
 
     @property
     def labels(self) -> dict[str, str]:
-        return dict(self.metadata.get("labels", {}))
+        labels = dict(self.metadata.get("labels", {}))
+        if self.role:
+            labels |= {RBG_GROUP_LABEL: self.workload["metadata"]["name"], RBG_ROLE_LABEL: self.role}
+        return labels
 
     @property
     def name(self) -> str:
-        return name_of(self.workload)
+        return f"{name_of(self.workload)}[{self.role}]" if self.role else name_of(self.workload)
+
+    @property
+    def workload_name(self) -> str:
+        """The object that runs the pods: the Deployment, or the role's workload of a RoleBasedGroup."""
+        name = self.workload["metadata"]["name"]
+        return f"{name}-{self.role}" if self.role else name
+
+    @property
+    def selector(self) -> Obj:
+        if self.role:
+            return {"matchLabels": {RBG_GROUP_LABEL: self.workload["metadata"]["name"], RBG_ROLE_LABEL: self.role}}
+        return dict(self.workload["spec"]["selector"])
 
 
 def pod_templates(objects: tuple[Obj, ...]) -> list[PodTemplate]:
     found = []
     for obj in objects:
+        if obj["kind"] == "RoleBasedGroup":
+            for role in obj["spec"]["roles"]:
+                template = role.get("standalonePattern", {}).get("template", {})
+                found.append(PodTemplate(obj, template.get("metadata", {}), template.get("spec", {}), role["name"]))
+            continue
         spec = obj.get("spec", {})
         if obj["kind"] == "CronJob":
             spec = spec.get("jobTemplate", {}).get("spec", {})
@@ -298,9 +365,9 @@ def containers(objects: tuple[Obj, ...]) -> Iterator[tuple[PodTemplate, Obj]]:
 def app_get_routes(model_dir: Path) -> dict[str, set[str]]:
     """The GET paths of the apps `pdserve serve --role prefill|decode` and `pdserve router` serve,
     built for real on `model_dir` (then shut down)."""
-    from pdserve.disagg.router import PDRouter
-    from pdserve.disagg.router_app import create_router_app
-    from pdserve.disagg.worker_app import build_worker
+    from pdserve.disagg.router.app import create_router_app
+    from pdserve.disagg.router.core import PDRouter
+    from pdserve.disagg.worker.app import build_worker
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.model.qwen3_config import Qwen3ModelConfig
     from pdserve.tokenizer import load_tokenizer

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None,
                                 reason="kubectl is not installed: it renders the kustomize overlays")
 
 OVERLAYS = overlay_names()
-ACK = [name for name in OVERLAYS if name.startswith("ack")]
+ACK = [name for name in OVERLAYS if name.startswith(("ack", "rbg"))]  # rbg: the ack overlay's pods in a RoleBasedGroup
 ROLES = ("router", "prefill", "decode")
 WORKERS = ("prefill", "decode")
 ERDMA_ANNOTATION = "networking.alibabacloud.com/erdma"
@@ -51,7 +51,7 @@ def of_kind(overlay: str, kind: str) -> list[Obj]:
 
 
 def test_overlays_exist() -> None:
-    assert {"cpu", "ack", "ack-cgpu"} <= set(OVERLAYS)
+    assert {"cpu", "ack", "ack-cgpu", "rbg", "ack-gateway", "ack-gateway-v1alpha2"} <= set(OVERLAYS)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -91,17 +91,18 @@ def test_pdserve_command_lines_parse(overlay: str) -> None:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_prefill_and_decode_never_share_a_deployment(overlay: str) -> None:
+    """One workload per role: a Deployment, or a RoleBasedGroup's role (its own workload)."""
     roles = by_role(overlay)
     for role, container in roles.items():
         pod = container.pod
-        assert pod.workload["kind"] == "Deployment" and pod.workload["metadata"]["name"] == f"pdserve-{role}"
-        in_pod = [c.role for c in pdserve_containers(render(overlay)) if c.pod.workload is pod.workload]
+        assert pod.workload["kind"] in ("Deployment", "RoleBasedGroup") and pod.workload_name == f"pdserve-{role}"
+        in_pod = [c.role for c in pdserve_containers(render(overlay)) if c.pod.name == pod.name]
         assert in_pod == [role], f"{pod.name} runs {in_pod}"
         assert pod.labels["app.kubernetes.io/component"] == role
         assert pod.labels["app.kubernetes.io/part-of"] == pod.labels["app.kubernetes.io/name"] == "pdserve"
-        assert selects(pod.workload["spec"]["selector"], pod.labels)
+        assert selects(pod.selector, pod.labels)
         others = [c.pod for r, c in roles.items() if r != role]
-        assert not any(selects(pod.workload["spec"]["selector"], other.labels) for other in others)
+        assert not any(selects(pod.selector, other.labels) for other in others)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
