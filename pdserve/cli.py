@@ -25,7 +25,7 @@ from pdserve.serving.config import ApiConfig
 from pdserve.sizing.commands import add_sizing_commands, guarded
 
 if TYPE_CHECKING:
-    from pdserve.disagg.router import PDRouter
+    from pdserve.disagg.router.core import PDRouter
     from pdserve.ops.up import UpOptions
 
 
@@ -35,7 +35,7 @@ _PORT = 8000
 
 
 def _router(ns: argparse.Namespace) -> int:
-    from pdserve.disagg.router_app import create_router_app
+    from pdserve.disagg.router.app import create_router_app
     from pdserve.model.demo_checkpoint import default_model_dir
 
     router = config_from_args(RouterConfig, ns)
@@ -70,7 +70,7 @@ def _balancer(ns: argparse.Namespace) -> int:
 
 
 def _router_client(router: RouterConfig, model_dir: str, max_model_len: int | None) -> PDRouter:
-    from pdserve.disagg.router import PDRouter
+    from pdserve.disagg.router.core import PDRouter
     from pdserve.model.qwen3_config import Qwen3ModelConfig
     from pdserve.tokenizer import load_tokenizer
 
@@ -172,8 +172,8 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_listen_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default=_HOST)
-    parser.add_argument("--port", type=int, default=_PORT)
+    parser.add_argument("--host", default=_HOST, help="address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=_PORT, help="port to listen on")
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:

@@ -52,7 +52,7 @@ TP_RANK_POOLS = "PDSERVE_TP_RANK_POOLS"
 def tp_rank_pools() -> bool:
     """PDSERVE_TP_RANK_POOLS=1: on CPU, each tensor-parallel rank gets a KV pool of its own, holding
     its heads, as on CUDA (default: one pool the ranks share). A prefill worker's ranks then each
-    send their own heads (disagg/rank_streaming.py): the GPU path, run on a CPU (tests, benchmarks)."""
+    send their own heads (disagg/worker/rank_streaming.py): the GPU path, run on a CPU (tests, benchmarks)."""
     return os.environ.get(TP_RANK_POOLS, "0") == "1"
 
 

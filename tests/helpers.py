@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from pdserve import LLM
 from pdserve.config import CacheConfig, SchedulerConfig
 from pdserve.disagg.control import WorkerInfo
-from pdserve.disagg.pool import Worker
+from pdserve.disagg.router.pool import Worker
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.llm import TokensPrompt
 from pdserve.engine.logprobs import TokenLogprobs

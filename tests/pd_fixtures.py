@@ -19,11 +19,11 @@ from pdserve.config import EngineArgs
 from pdserve.disagg.client import WorkerClient
 from pdserve.disagg.config import RouterConfig, WorkerConfig
 from pdserve.disagg.control import FirstToken, HandOff, Placement, PrefillJob
-from pdserve.disagg.decode_service import DecodeService, FailurePolicy
-from pdserve.disagg.prefill_service import PrefillService
-from pdserve.disagg.router import PDRouter
-from pdserve.disagg.router_app import create_router_app
-from pdserve.disagg.worker_app import build_worker
+from pdserve.disagg.router.app import create_router_app
+from pdserve.disagg.router.core import PDRouter
+from pdserve.disagg.worker.app import build_worker
+from pdserve.disagg.worker.decode_service import DecodeService, FailurePolicy
+from pdserve.disagg.worker.prefill_service import PrefillService
 from pdserve.engine.async_llm import AsyncLLM
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.model.qwen3_config import Qwen3ModelConfig

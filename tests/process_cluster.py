@@ -22,8 +22,8 @@ from server_fixtures import free_port
 
 from pdserve.bench.soak_load import redis_pending
 from pdserve.disagg.config import QueueArgs, RouterConfig
-from pdserve.disagg.router import PDRouter
-from pdserve.disagg.router_app import create_router_app
+from pdserve.disagg.router.app import create_router_app
+from pdserve.disagg.router.core import PDRouter
 from pdserve.model.qwen3_config import Qwen3ModelConfig
 from pdserve.tokenizer import load_tokenizer
 
@@ -112,11 +112,11 @@ def spawn_worker(role: str, model_dir: Path, log_dir: Path, flags: list[str], ho
 
 def engine_process_of(server_pid: int, timeout_s: float = 10.0) -> int:
     """The engine core process (engine/core_proc.py; a prefill or decode worker's:
-    disagg/worker_core.py) of the `pdserve serve` process `server_pid`."""
+    disagg/worker/core.py) of the `pdserve serve` process `server_pid`."""
     deadline = time.monotonic() + timeout_s
     while True:
         found = subprocess.run(["pgrep", "-P", str(server_pid), "-f",
-                                "pdserve.engine.core_proc|pdserve.disagg.worker_core"],
+                                "pdserve.engine.core_proc|pdserve.disagg.worker.core"],
                                capture_output=True, text=True).stdout.split()
         if len(found) == 1:
             return int(found[0])

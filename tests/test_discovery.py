@@ -20,8 +20,8 @@ from server_fixtures import free_port
 
 from pdserve.disagg.config import RouterConfig
 from pdserve.disagg.control import WorkerInfo
-from pdserve.disagg.router import PDRouter
-from pdserve.disagg.router_app import create_router_app
+from pdserve.disagg.router.app import create_router_app
+from pdserve.disagg.router.core import PDRouter
 from pdserve.model.qwen3_config import Qwen3ModelConfig
 from pdserve.tokenizer import load_tokenizer
 

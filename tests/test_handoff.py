@@ -14,11 +14,11 @@ from kv_transport_helpers import PoolSpec
 
 from pdserve.disagg import handoff
 from pdserve.disagg.attempt_states import RESERVATION, State
-from pdserve.disagg.decode_service import DecodeService, _Reserved
 from pdserve.disagg.handoff import HANDOFF_VERSION, HandOffDone, HandOffError
 from pdserve.disagg.phases import PrefillPhases
 from pdserve.disagg.prompt_logprobs_wire import pack
 from pdserve.disagg.transport import KVDone, KVProgress, KVTransferError, make_receiver, make_sender, nixl_available
+from pdserve.disagg.worker.decode_service import DecodeService, _Reserved
 from pdserve.engine.commands import CompleteRemote
 from pdserve.engine.sampler import PromptLogprobs
 

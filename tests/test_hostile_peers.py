@@ -32,14 +32,14 @@ from pdserve.disagg.auth import (
 )
 from pdserve.disagg.client import WorkerClient
 from pdserve.disagg.control import FrameDecoder, PrefillJob, ReserveRequest, WireSamplingParams
-from pdserve.disagg.decode_service import DecodeService
 from pdserve.disagg.handoff import HandOffDone
 from pdserve.disagg.kv_layout import KVLayout
-from pdserve.disagg.sender_pool import PoolSettings, SenderPool
 from pdserve.disagg.transport import KVTransferError, make_receiver, make_sender, nixl_available
 from pdserve.disagg.transport.errors import KVAuthError
 from pdserve.disagg.transport.handshake import KVPeerPolicy
 from pdserve.disagg.transport.tcp import TcpKVReceiver
+from pdserve.disagg.worker.decode_service import DecodeService
+from pdserve.disagg.worker.sender_pool import PoolSettings, SenderPool
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.serving.config import ApiConfig
 
@@ -324,7 +324,7 @@ def test_prefill_refuses_a_job_no_router_signed(cluster: Cluster) -> None:
 def test_queue_consumer_drops_a_forged_job_before_contacting_anyone() -> None:
     """A job someone with access to Redis put there, unsigned: dropped (acknowledged) before the
     consumer retargets, fails or prefills anything at the addresses it names."""
-    from pdserve.disagg.queue.redis_streams import ConsumerOptions, RedisJobConsumer
+    from pdserve.disagg.worker.queue_consumer import ConsumerOptions, RedisJobConsumer
 
     contacted: list[str] = []
 

@@ -112,11 +112,11 @@ def test_every_module_has_a_layer() -> None:
 def test_the_checker_sees_every_kind_of_import() -> None:
     """Lazy, TYPE_CHECKING and relative imports all count; a name imported from a module is that module."""
     source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pdserve.serving import app\n"
-              "def f():\n    import pdserve.disagg.router\n    from ..cli import main\n"
+              "def f():\n    import pdserve.disagg.router.core\n    from ..cli import main\n"
               "from pdserve.config import EngineArgs\nfrom . import scheduler\n")
     upward = upward_in(source, "pdserve.engine.probe", "probe.py")
     assert [(u.line, u.imported, u.to_layer) for u in upward] == [
-        (3, "pdserve.serving.app", 2), (5, "pdserve.disagg.router", 3), (6, "pdserve.cli", 7)]
+        (3, "pdserve.serving.app", 2), (5, "pdserve.disagg.router.core", 3), (6, "pdserve.cli", 7)]
     assert str(upward[0]) == "probe.py:3 imports pdserve.serving.app (layer 1 -> 2)"
     assert (8, "pdserve.engine.scheduler") in imported_modules(source, "pdserve.engine.probe")
 
@@ -183,3 +183,40 @@ def test_every_module_imports() -> None:
     for path in _modules():
         if path.name != "__main__.py":
             importlib.import_module(module_name(path))
+
+
+def disagg_side(module: str) -> str | None:
+    """'router' or 'worker' for a module of disagg/router/ or disagg/worker/, 'shared' for the rest
+    of disagg/ (its top-level modules, transport/, queue/), None outside disagg/."""
+    parts = module.split(".")
+    if parts[:2] != ["pdserve", "disagg"]:
+        return None
+    return parts[2] if len(parts) > 2 and parts[2] in ("router", "worker") else "shared"
+
+
+def across_sides(graph: dict[str, set[str]]) -> list[str]:
+    """Imports inside disagg/ that do not point one way: shared -> router/worker, router <-> worker."""
+    allowed = {"shared": {"shared"}, "router": {"shared", "router"}, "worker": {"shared", "worker"}}
+    return [f"{module} imports {imported}" for module, imports in sorted(graph.items())
+            if (side := disagg_side(module)) is not None
+            for imported in sorted(imports)
+            if (other := disagg_side(imported)) is not None and other not in allowed[side]]
+
+
+def test_the_side_checker_sees_each_direction() -> None:
+    graph = {"pdserve.disagg.router.core": {"pdserve.disagg.worker.app", "pdserve.disagg.control"},
+             "pdserve.disagg.queue.base": {"pdserve.disagg.router.pool"},
+             "pdserve.disagg.worker.app": {"pdserve.disagg.transport.tcp", "pdserve.serving.app"}}
+    assert across_sides(graph) == ["pdserve.disagg.queue.base imports pdserve.disagg.router.pool",
+                                   "pdserve.disagg.router.core imports pdserve.disagg.worker.app"]
+
+
+def test_router_and_worker_import_only_what_they_share() -> None:
+    found = across_sides(import_graph(_modules()))
+    assert not found, "imports across disagg's router/, worker/ and what they share:\n" + "\n".join(found)
+
+
+def test_disagg_top_level_stays_small() -> None:
+    """What both sides share stays a short list; a module of one side goes into router/ or worker/."""
+    top = sorted(path.name for path in (PACKAGE_DIR / "disagg").glob("*.py"))
+    assert len(top) <= 15, top

@@ -29,7 +29,6 @@ from server_fixtures import parse_sse
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import EngineArgs, create_engine_config
-from pdserve.disagg.decode_service import DecodeService
 from pdserve.disagg.kv_layout import KVLayout, KVLayoutMismatch
 from pdserve.disagg.transport import (
     KVDone,
@@ -44,6 +43,7 @@ from pdserve.disagg.transport import (
 from pdserve.disagg.transport.messages import DoneHeader, LayerHeader
 from pdserve.disagg.transport.reservations import PayloadRejected, ReservationTable
 from pdserve.disagg.wire import WireFormatError
+from pdserve.disagg.worker.decode_service import DecodeService
 from pdserve.model.kv_scales import KVScales, requantize
 
 NIXL = pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="nixl_cu12 is not installed"))

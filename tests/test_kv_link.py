@@ -1,4 +1,4 @@
-"""A worker's KV side across the engine-core link (disagg/kv_link.py, disagg/worker_core.py): its
+"""A worker's KV side across the engine-core link (disagg/worker/kv_link.py, disagg/worker/core.py): its
 events and errors cross typed; the API process's mirror of the receiver delivers events that came
 before anyone waited, times transfers out as the receiver would (keepalives included), and drops
 the late events of a transfer it ended. (A whole PD cluster with its workers' engines in their own
@@ -14,10 +14,10 @@ import msgpack
 import pytest
 
 from pdserve.disagg.kv_layout import KVLayout, KVLayoutMismatch
-from pdserve.disagg.kv_link import RemoteReceiver, RemoteSenders, decode_event, encode_event, error_reply
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.disagg.transport.messages import KVDone, KVProgress, KVRejected
-from pdserve.disagg.worker_core import _coalesced, _typed
+from pdserve.disagg.worker.core import _coalesced, _typed
+from pdserve.disagg.worker.kv_link import RemoteReceiver, RemoteSenders, decode_event, encode_event, error_reply
 from pdserve.engine.core_client import CoreCallError
 from pdserve.engine.core_wire import CoreWireError
 

@@ -13,9 +13,9 @@ import torch
 
 from pdserve.config import EngineArgs, EngineConfig, create_engine_config
 from pdserve.disagg.kv_layout import KVLayout
-from pdserve.disagg.kv_side import KVSideSpec, OnePool, PoolPerRank, kv_pools
-from pdserve.disagg.kv_streamer import KVStreamer
-from pdserve.disagg.rank_streaming import MirroredKVStreamer, RankStreamingSpec, sending_heads
+from pdserve.disagg.worker.kv_side import KVSideSpec, OnePool, PoolPerRank, kv_pools
+from pdserve.disagg.worker.kv_streamer import KVStreamer
+from pdserve.disagg.worker.rank_streaming import MirroredKVStreamer, RankStreamingSpec, sending_heads
 from pdserve.engine.kv_transfer import RankPools
 from pdserve.engine.model_runner import ModelRunner
 

@@ -12,7 +12,6 @@ import pytest
 import torch
 from kv_transport_helpers import PoolSpec, record
 
-from pdserve.disagg.sender_pool import SenderPool
 from pdserve.disagg.transport import (
     KVDone,
     KVProgress,
@@ -23,6 +22,7 @@ from pdserve.disagg.transport import (
     make_sender,
     nixl_available,
 )
+from pdserve.disagg.worker.sender_pool import SenderPool
 
 SPEC = PoolSpec()
 TIMEOUT_S = 10.0

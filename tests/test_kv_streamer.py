@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.disagg.kv_streamer import SMALL_STEP_KV_BYTES, KVStreamer, small_step_blocks
+from pdserve.disagg.worker.kv_streamer import SMALL_STEP_KV_BYTES, KVStreamer, small_step_blocks
 
 BLOCK = 4
 LAYERS = 3

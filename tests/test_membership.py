@@ -14,8 +14,8 @@ from pdserve.addresses import DnsMember, parse_member
 from pdserve.disagg.client import WorkerClient
 from pdserve.disagg.config import RouterConfig
 from pdserve.disagg.control import WorkerInfo
-from pdserve.disagg.membership import DnsSource, Membership, Registry
-from pdserve.disagg.pool import WorkerPool
+from pdserve.disagg.router.membership import DnsSource, Membership, Registry
+from pdserve.disagg.router.pool import WorkerPool
 
 
 class Clock:

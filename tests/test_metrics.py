@@ -54,6 +54,22 @@ async def _load(base_url: str, prompts: list[list[int]]) -> list[dict[str, Any]]
         return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
 
+PICKER_METRICS = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                  "vllm:gpu_cache_usage_perc", "vllm:cache_config_info")
+
+
+def assert_picker_metrics(scrapes: dict[str, Scrape], block_size: int) -> None:
+    """What an Inference Extension endpoint picker reads, on every role: the five series, the old
+    usage name equal to the new, the cache's shape as labels of a gauge of 1."""
+    for role, metrics in scrapes.items():
+        missing = [name for name in PICKER_METRICS if not metrics.has(name)]
+        assert not missing, (role, missing)
+        assert metrics.value("vllm:gpu_cache_usage_perc") == metrics.value("vllm:kv_cache_usage_perc"), role
+        [(labels, value)] = metrics.samples["vllm:cache_config_info"]
+        assert value == 1 and labels["block_size"] == str(block_size), (role, labels)
+        assert int(labels["num_gpu_blocks"]) > 0, (role, labels)
+
+
 @pytest.fixture(scope="module")
 def cluster(model_dirs: dict[str, Path]) -> Any:
     started = start_cluster(model_dirs["tiny"], "tcp", 1, 1)
@@ -115,6 +131,7 @@ def test_pd_metrics_follow_the_requests(cluster: Cluster) -> None:
     assert d("decode", "pdserve:kv_transfer_timeouts_total") == 0
     assert after["decode"].value("vllm:kv_cache_usage_perc") == 0.0
     assert after["decode"].value("pdserve:decode_active_requests") == 0
+    assert_picker_metrics(after, block_size=16)
     assert after["decode"].value("pdserve:decode_reserved_requests") == 0
 
 
@@ -201,6 +218,7 @@ def test_colocated_metrics_preemption_and_allocation_failures(model_dirs: dict[s
         assert metrics.value("pdserve:no_available_block_total") >= metrics.value("vllm:num_preemptions_total")
         assert metrics.value("vllm:kv_cache_usage_perc") == 0.0
         assert metrics.value("vllm:num_requests_running") == 0
+        assert_picker_metrics({"colocated": metrics}, block_size=16)
         assert metrics.value("pdserve:rejections_total", code="400", reason="invalid_request") == 1
         assert metrics.value("pdserve:cannot_allocate_total") == 1
         if not in_process:

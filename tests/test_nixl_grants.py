@@ -210,8 +210,8 @@ def test_a_sender_holding_too_much_grant_metadata_is_replaced_once_its_requests_
     """NIXL keeps every grant's metadata a prefill agent loaded: past a bound the sender is worn,
     and SenderPool sends new requests through a new one (new agent) and closes the old one once
     nothing of it is pending."""
-    from pdserve.disagg.sender_pool import SenderPool
     from pdserve.disagg.transport.nixl import sender as nixl_sender
+    from pdserve.disagg.worker.sender_pool import SenderPool
 
     monkeypatch.setattr(nixl_sender, "MAX_LOADED_METADATA_BYTES", 0)
     pool = SPEC.pool(1)

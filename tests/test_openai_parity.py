@@ -20,8 +20,8 @@ from pd_fixtures import MODEL, Cluster, start_cluster, stop_cluster
 from server_fixtures import ServerHandle, start_server
 
 from pdserve.disagg.control import FrameEncoder
-from pdserve.disagg.decode_service import DecodeService
-from pdserve.disagg.prefill_service import PrefillService
+from pdserve.disagg.worker.decode_service import DecodeService
+from pdserve.disagg.worker.prefill_service import PrefillService
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, SampleResult
 from pdserve.serving.config import ApiConfig

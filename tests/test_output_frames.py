@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from pdserve.disagg.control import FrameDecoder, FrameEncoder, FrameGap, OutputFrame
-from pdserve.disagg.errors import RouterError
+from pdserve.disagg.router.errors import RouterError
 from pdserve.engine.output import CompletionOutput, RequestOutput
 from pdserve.engine.sampler import PromptLogprobs, TokenLogprobs
 
@@ -93,7 +93,7 @@ def test_a_frame_after_tokens_not_received_is_refused() -> None:
 
 def test_the_router_ends_a_request_whose_stream_has_a_gap() -> None:
     """RequestRun._output_of: a gap is the request's error (decode_broke), not an output."""
-    from pdserve.disagg.request_run import RequestRun
+    from pdserve.disagg.router.request_run import RequestRun
 
     frames = _frames(3)
     run = object.__new__(RequestRun)

@@ -15,9 +15,9 @@ from pd_fixtures import start_cluster, stop_cluster
 from server_fixtures import parse_sse
 
 from pdserve import LLM, SamplingParams
-from pdserve.disagg.decode_service import DecodeService, FailurePolicy
-from pdserve.disagg.prefill_service import PrefillService
 from pdserve.disagg.transport import nixl_available
+from pdserve.disagg.worker.decode_service import DecodeService, FailurePolicy
+from pdserve.disagg.worker.prefill_service import PrefillService
 
 pytestmark = pytest.mark.slow  # every test starts a cluster
 

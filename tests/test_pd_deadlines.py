@@ -19,11 +19,11 @@ from pd_fixtures import start_cluster, stop_cluster
 from pdserve import LLM
 from pdserve.disagg.client import WorkerClient
 from pdserve.disagg.control import HandOff, PrefillJob, WireSamplingParams
-from pdserve.disagg.decode_service import DecodeService
-from pdserve.disagg.prefill_service import PrefillService
-from pdserve.disagg.queue.redis_streams import ConsumerOptions, RedisJobConsumer
 from pdserve.disagg.transport.errors import KVTransferError
 from pdserve.disagg.transport.fake import FakeKVSender
+from pdserve.disagg.worker.decode_service import DecodeService
+from pdserve.disagg.worker.prefill_service import PrefillService
+from pdserve.disagg.worker.queue_consumer import ConsumerOptions, RedisJobConsumer
 from pdserve.engine.commands import GeneratorState
 from pdserve.engine.sampling_params import SamplingParams
 

@@ -10,7 +10,7 @@ import pytest
 from helpers import assert_no_leak, greedy, random_prompt, until
 
 from pdserve import LLM, SamplingParams
-from pdserve.disagg.kv_streamer import KVStreamer
+from pdserve.disagg.worker.kv_streamer import KVStreamer
 from pdserve.engine.llm_engine import KVTransferSetup
 from pdserve.engine.output import RequestOutput
 

@@ -30,13 +30,13 @@ from pdserve.disagg.control import (
     ReserveReply,
     ReserveRequest,
 )
-from pdserve.disagg.decode_service import DecodeService
-from pdserve.disagg.pool import WorkerPool
-from pdserve.disagg.queue.memory import MemoryPrefillQueue
-from pdserve.disagg.router import PDRouter, ServedModel
-from pdserve.disagg.router_outputs import first_output
+from pdserve.disagg.router.core import PDRouter, ServedModel
+from pdserve.disagg.router.memory_queue import MemoryPrefillQueue
+from pdserve.disagg.router.outputs import first_output
+from pdserve.disagg.router.pool import WorkerPool
 from pdserve.disagg.transport.errors import KVTransferError
 from pdserve.disagg.transport.fake import FakeKVSender
+from pdserve.disagg.worker.decode_service import DecodeService
 from pdserve.engine.llm import LLM
 from pdserve.engine.output import CompletionOutput, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams

@@ -19,14 +19,14 @@ from pd_fixtures import StubPrefillClient, start_cluster, stop_cluster
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from pdserve.bench import pd_overhead
-from pdserve.disagg import prefill_service
 from pdserve.disagg.client import WorkerClient
 from pdserve.disagg.config import RouterConfig
 from pdserve.disagg.control import HandOff, OutputFrame, PrefillJob, ReserveReply, ReserveRequest, WireSamplingParams
-from pdserve.disagg.pool import WorkerPool
-from pdserve.disagg.prefill_service import PrefillService
-from pdserve.disagg.queue.memory import MemoryPrefillQueue
-from pdserve.disagg.router import PDRouter, ServedModel
+from pdserve.disagg.router.core import PDRouter, ServedModel
+from pdserve.disagg.router.memory_queue import MemoryPrefillQueue
+from pdserve.disagg.router.pool import WorkerPool
+from pdserve.disagg.worker import prefill_service
+from pdserve.disagg.worker.prefill_service import PrefillService
 from pdserve.engine.async_llm import AsyncLLM
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams

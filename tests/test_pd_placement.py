@@ -16,9 +16,9 @@ from pd_fixtures import start_cluster, stop_cluster
 
 from pdserve import LLM, SamplingParams
 from pdserve.disagg.control import Placement
-from pdserve.disagg.decode_service import DecodeService
-from pdserve.disagg.prefill_service import PrefillService
 from pdserve.disagg.transport import nixl_available
+from pdserve.disagg.worker.decode_service import DecodeService
+from pdserve.disagg.worker.prefill_service import PrefillService
 from pdserve.engine.commands import PlaceKV
 
 pytestmark = pytest.mark.slow  # every test starts a cluster

@@ -17,7 +17,7 @@ from kv_transport_helpers import PoolSpec, record
 from pdserve import LLM
 from pdserve.disagg.handoff import HandOffDone
 from pdserve.disagg.prompt_logprobs_wire import pack, unpack
-from pdserve.disagg.router import continuation
+from pdserve.disagg.router.core import continuation
 from pdserve.disagg.transport import KVDone, make_receiver, make_sender
 from pdserve.disagg.transport.frames import MAX_HEADER_BYTES
 from pdserve.engine.logprobs import PromptLogprobs

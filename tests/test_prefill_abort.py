@@ -24,9 +24,9 @@ from pd_fixtures import Cluster, start_cluster, stop_cluster
 from pdserve import LLM
 from pdserve.disagg.client import WorkerClient, WorkerUnreachable
 from pdserve.disagg.control import FirstToken, HandOff, PrefillJob, WireSamplingParams
-from pdserve.disagg.decode_service import DecodeService
-from pdserve.disagg.prefill_service import PrefillService
 from pdserve.disagg.request_ids import transfer_id
+from pdserve.disagg.worker.decode_service import DecodeService
+from pdserve.disagg.worker.prefill_service import PrefillService
 from pdserve.engine.commands import AddPrefillOnly
 
 pytestmark = pytest.mark.slow  # every test starts a cluster

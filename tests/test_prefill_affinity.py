@@ -16,10 +16,11 @@ from pd_fixtures import StubPrefillClient
 
 from pdserve.disagg.config import RouterConfig
 from pdserve.disagg.control import FirstToken, HandOff, PrefillJob, WireSamplingParams
-from pdserve.disagg.pool import WorkerPool
-from pdserve.disagg.queue import Refusal, memory
-from pdserve.disagg.queue.memory import MemoryPrefillQueue
-from pdserve.disagg.router import PDRouter, ServedModel
+from pdserve.disagg.queue import Refusal
+from pdserve.disagg.router import memory_queue as memory
+from pdserve.disagg.router.core import PDRouter, ServedModel
+from pdserve.disagg.router.memory_queue import MemoryPrefillQueue
+from pdserve.disagg.router.pool import WorkerPool
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.qwen3_config import Qwen3ModelConfig
 from pdserve.tokenizer import load_tokenizer

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from pdserve.disagg.config import RouterConfig
-from pdserve.disagg.errors import RouterError
-from pdserve.disagg.request_run import RequestRun, RouterParts
+from pdserve.disagg.router.errors import RouterError
+from pdserve.disagg.router.request_run import RequestRun, RouterParts
 from pdserve.engine.sampling_params import SamplingParams
 
 

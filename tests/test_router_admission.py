@@ -17,11 +17,11 @@ from server_fixtures import free_port
 from pdserve import LLM, SamplingParams
 from pdserve.disagg.config import RouterConfig
 from pdserve.disagg.control import ReserveRequest, WireSamplingParams
-from pdserve.disagg.decode_service import DecodeService
-from pdserve.disagg.prefill_service import PrefillService
-from pdserve.disagg.router import PDRouter
-from pdserve.disagg.router_app import create_router_app
-from pdserve.disagg.worker_stats import DecodeStats
+from pdserve.disagg.router.app import create_router_app
+from pdserve.disagg.router.core import PDRouter
+from pdserve.disagg.worker.decode_service import DecodeService
+from pdserve.disagg.worker.prefill_service import PrefillService
+from pdserve.disagg.worker.stats import DecodeStats
 from pdserve.model.qwen3_config import Qwen3ModelConfig
 from pdserve.tokenizer import load_tokenizer
 

@@ -9,7 +9,7 @@ from collections.abc import AsyncGenerator
 
 import pytest
 
-from pdserve.disagg.router_outputs import next_within
+from pdserve.disagg.router.outputs import next_within
 
 
 async def _one_output(ready: asyncio.Future[str], cleaned: list[str]) -> AsyncGenerator[str, None]:

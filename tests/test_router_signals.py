@@ -22,8 +22,8 @@ from server_fixtures import free_port
 
 from pdserve.disagg.control import PrefillJob, WireSamplingParams
 from pdserve.disagg.queue.redis_streams import GROUP, RedisPrefillQueue
-from pdserve.disagg.router_metrics import RouterCollector
-from pdserve.disagg.router_stats import Rejections, RouterEvents, RouterStats, WorkerLoad, WorkerView
+from pdserve.disagg.router.metrics import RouterCollector
+from pdserve.disagg.router.stats import Rejections, RouterEvents, RouterStats, WorkerLoad, WorkerView
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.ops.signals import HistogramSnapshot, Signals, mean, parse_router_metrics, quantile, scrape
 from pdserve.serving.metrics import RequestObserver, ServerMetrics

@@ -340,7 +340,7 @@ def test_a_resumed_request_finds_a_stop_string_across_the_resume(llm: LLM, greed
     """The router resumes a request on another decode worker after the tokens its client got: the
     text held back as a possible stop string travels with it (SamplingParams.text_prefix), so a
     stop string that starts before the resume and ends after it still ends the output there."""
-    from pdserve.disagg.router import continuation
+    from pdserve.disagg.router.core import continuation
 
     tokenizer = llm.get_tokenizer()
     text = tokenizer.decode(greedy_tokens)
@@ -360,7 +360,7 @@ def test_a_resumed_seeded_request_samples_what_the_lost_worker_would_have(llm: L
     """A seeded request resumed after k tokens (its prompt now the prompt + those k) continues the
     same random stream: its generator skips the k draws those tokens made (SamplingParams.
     seed_draws_done, set by the router's `continuation`), so nothing in the output repeats the start."""
-    from pdserve.disagg.router import continuation
+    from pdserve.disagg.router.core import continuation
 
     whole = generate_token_ids(llm, [PROMPT], SEEDED)[0]
     tokenizer = llm.get_tokenizer()

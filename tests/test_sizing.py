@@ -172,7 +172,7 @@ def test_validate_sim_replays_a_saved_run(tmp_path, capsys: pytest.CaptureFixtur
 
 
 def test_prefill_workers_take_jobs_while_they_fit_their_token_budget() -> None:
-    # the router's FIFO (disagg/queue/memory.py): three 300-token jobs fit a 1000-token budget
+    # the router's FIFO (disagg/router/memory_queue.py): three 300-token jobs fit a 1000-token budget
     # together; the fourth waits until a hand-off ends, i.e. for a whole (slow) transfer
     limits = WorkerLimits(num_kv_blocks=1000, block_size=16, max_num_seqs=8, max_num_batched_tokens=1000)
     transfer = TransferModel(latency_s=1.0, bytes_per_s=1e12)

@@ -445,7 +445,7 @@ def test_the_benchmark_runs(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Capt
 def test_a_resume_replays_every_token_sent_so_far(colocated: LLM) -> None:
     """The router's continuation after a decode loss: the sent tokens end the new prompt, and the
     matcher replays them all (after a second loss, those of both workers)."""
-    from pdserve.disagg.router_outputs import continuation
+    from pdserve.disagg.router.outputs import continuation
 
     params = constrained("json", temperature=0)
     first = continuation(colocated.engine.tokenizer, params, [90, 91, 92], "")

@@ -21,12 +21,12 @@ from helpers import greedy, random_prompt
 from pdserve import LLM
 from pdserve.config import EngineArgs
 from pdserve.disagg.control import OutputFrame, ReserveReply, ReserveRequest, WireSamplingParams
-from pdserve.disagg.decode_service import DecodeService
 from pdserve.disagg.handoff import HandOffDone
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.transport.fake import FakeKVReceiver, FakeKVSender
 from pdserve.disagg.transport.messages import KVDone, KVEvent
 from pdserve.disagg.transport.progress import AckTracker, EventBox
+from pdserve.disagg.worker.decode_service import DecodeService
 from pdserve.engine.async_llm import AsyncLLM
 from pdserve.engine.commands import CachedPrefixTokens
 from pdserve.engine.llm_engine import KVTransferSetup, LLMEngine

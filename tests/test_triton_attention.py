@@ -113,7 +113,7 @@ def test_decode_matches_reference(dtype: torch.dtype, block_size: int, num_kv_he
     q = torch.randn((num_rows, num_heads, HEAD_DIM), generator=gen).to(DEVICE, dtype)
     out = torch.full_like(q, 7.0)
     scale = HEAD_DIM**-0.5
-    ta.decode_attention(q, pool, padded, _ints(lens), rows, scale, splits, out)
+    ta.decode_attention(q, pool, padded, _ints(lens), rows, out, scale=scale, num_splits=splits)
     for i, (table, n) in enumerate(zip(tables, lens, strict=True)):
         keys, values = _context(pool, table, n)
         row = int(rows[i])
@@ -130,8 +130,8 @@ def test_decode_splits_agree() -> None:
     lens, rows = _ints([155, 97]), _ints([0, 1])
     q = torch.randn((2, 8, HEAD_DIM), device=DEVICE)
     one, eight = torch.empty_like(q), torch.empty_like(q)
-    ta.decode_attention(q, pool, tables, lens, rows, 0.2, 1, one)
-    ta.decode_attention(q, pool, tables, lens, rows, 0.2, 8, eight)
+    ta.decode_attention(q, pool, tables, lens, rows, one, scale=0.2, num_splits=1)
+    ta.decode_attention(q, pool, tables, lens, rows, eight, scale=0.2, num_splits=8)
     torch.testing.assert_close(one, eight, atol=1e-5, rtol=1e-5)
 
 
@@ -163,8 +163,8 @@ def test_prefix_prefill_matches_reference(dtype: torch.dtype, block_size: int, n
     q = torch.randn((at + 1, num_heads, HEAD_DIM), generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
     out = torch.full_like(q, 7.0)
     scale = 0.3
-    ta.prefix_attention(q, pool, padded, _ints(lens), _ints(starts), _ints(ends), max(new for _, new in spans), scale,
-                        out)
+    ta.prefix_attention(q, pool, padded, _ints(lens), _ints(starts), _ints(ends), out,
+                        max_query_len=max(new for _, new in spans), scale=scale)
     for table, n, (cached, new), start in zip(tables, lens, spans, starts, strict=True):
         keys, values = _context(pool, table, n)
         expected = _reference(q[start:start + new], keys, values, torch.arange(cached, n), scale)

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from pd_fixtures import start_cluster, stop_cluster
 
-from pdserve.disagg.decode_service import DecodeService
+from pdserve.disagg.worker.decode_service import DecodeService
 
 
 def test_an_unexpected_failure_in_a_worker_route_is_an_enveloped_500(model_dirs: dict[str, Path],

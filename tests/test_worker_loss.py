@@ -19,7 +19,7 @@ from helpers import generate_texts, greedy, random_prompt
 from process_cluster import ProcessCluster, WorkerProcess, spawn_worker, start_router, wait_healthy
 
 from pdserve import LLM, SamplingParams
-from pdserve.disagg.router_stats import Recoveries
+from pdserve.disagg.router.stats import Recoveries
 from pdserve.engine.structured import StructuredOutput
 
 pytestmark = pytest.mark.slow  # workers as processes, killed and replaced

@@ -25,8 +25,8 @@ from pdserve.bench.common import hardware_line, print_table
 from pdserve.config import EngineArgs
 from pdserve.disagg.handoff import HandOffDone
 from pdserve.disagg.kv_layout import KVLayout
-from pdserve.disagg.kv_streamer import KVStreamer
 from pdserve.disagg.transport import KVReceiver, KVSender, make_receiver, make_sender
+from pdserve.disagg.worker.kv_streamer import KVStreamer
 from pdserve.engine.llm_engine import KVTransferSetup, LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.demo_checkpoint import default_model_dir

@@ -262,7 +262,7 @@ def _describe(pid: int) -> str:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
         return str(pid)
-    if any(a in ("pdserve.disagg.worker_core", "pdserve.engine.core_proc") for a in argv):
+    if any(a in ("pdserve.disagg.worker.core", "pdserve.engine.core_proc") for a in argv):
         return f"pid {pid} (engine process)"
     role = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--role"), None)
     command = next((a for a in argv if a in ("up", "router", "serve", "balancer")), "?")

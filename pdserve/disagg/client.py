@@ -1,4 +1,4 @@
-"""The one client of the workers' `/pd/*` control API (routes: worker_app.py's docstring; bodies:
+"""The one client of the workers' `/pd/*` control API (routes: worker/app.py's docstring; bodies:
 control.py's models). The router, the in-memory queue, the Redis queue consumer and prefill
 keepalives all talk to workers through it, so a route's URL and status codes are spelled once.
 

@@ -62,7 +62,7 @@ class RouterConfig:
     max_resumes: int = knob(2, "times a request moves to another decode worker after losing its own")
     early_first_token: bool = knob(True, "send a request's first token to its client as soon as the prefill worker "
                                          "sampled it, before decode has the KV (memory queue; one sequence, no "
-                                         "logprobs; see disagg/router_outputs.py)")
+                                         "logprobs; see disagg/router/outputs.py)")
     first_token_timeout_s: float = knob(300.0, "a request with no first token this long after it arrived gets a "
                                                "503 and is aborted on every worker (0: no deadline)")
 

@@ -15,6 +15,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.serving.trace import TTFTPhases
 
 Role = Literal["prefill", "decode", "colocated"]
+WorkerRole = Literal["prefill", "decode"]  # a PD worker's role
 
 
 class WireSamplingParams(BaseModel):
@@ -148,7 +149,7 @@ class HandOff(BaseModel):
 class FirstToken(BaseModel):
     """prefill -> router: a job's first token, as soon as prefill sampled it (the first line of
     POST /pd/prefill's NDJSON answer, when the router asked for one), before the KV hand-off ends:
-    the router may send it to its client at once (router_outputs.py says when)."""
+    the router may send it to its client at once (router/outputs.py says when)."""
 
     transfer_id: str
     token_id: int

@@ -9,7 +9,7 @@ that already flow:
     router       transfer = TTFT − the four phases above: the part of the KV hand-off not hidden
                  behind compute, plus the control-plane hops
 
-A first token prefill sends the router itself (router_outputs.py) carries prefill's two phases
+A first token prefill sends the router itself (router/outputs.py) carries prefill's two phases
 (`FirstToken`); its first decode step is 0, and its transfer the way of that message back.
 
 Only durations travel, each measured on one host's monotonic clock: workers' clocks never need to agree.

@@ -131,7 +131,7 @@ class EngineCoreClient:
     def start(cls, args: EngineArgs, worker: dict[str, Any] | None = None,
               module: str = "pdserve.engine.core_proc") -> EngineCoreClient:
         """Spawn the engine core process (`module`) and wait until its engine is built; `worker`: the
-        KV side it builds beside the engine (disagg/worker_core.py). A bad flag raises ValueError here,
+        KV side it builds beside the engine (disagg/worker/core.py). A bad flag raises ValueError here,
         before anything starts; a failure in the engine process EngineStartError."""
         config = create_engine_config(args)
         process, sock = spawn_module(module)

@@ -1,6 +1,6 @@
 """The engine core process: `python -m pdserve.engine.core_proc FD`, started by its API process
 (engine/core_client.py) with FD its end of a private socket pair; a prefill or decode worker's is
-`python -m pdserve.disagg.worker_core FD`, the same loop with the worker's KV side beside the engine.
+`python -m pdserve.disagg.worker.core FD`, the same loop with the worker's KV side beside the engine.
 
 It builds the `LLMEngine` (and with --tensor-parallel-size its ranks, children of this process), then
 runs a busy loop that never waits on the API process:
@@ -112,7 +112,7 @@ class _DeltaTracker:
 
 
 class CoreSide(Protocol):
-    """What a worker adds beside the engine in its engine process (disagg/worker_core.py): its KV
+    """What a worker adds beside the engine in its engine process (disagg/worker/core.py): its KV
     transport's engine side. It answers `kv` calls on its own thread (`send` is thread-safe)."""
 
     def info(self) -> dict[str, Any]:
@@ -269,7 +269,7 @@ def serve_engine_core(fd: int, side_factory: SideFactory | None = None) -> int:
         core = EngineCore(engine, sock, reader)
         if start.worker is not None:
             if side_factory is None:
-                raise CoreWireError("a worker's KV side needs `python -m pdserve.disagg.worker_core`")
+                raise CoreWireError("a worker's KV side needs `python -m pdserve.disagg.worker.core`")
             core.side = side_factory(engine, start.worker, core.send)
     except Exception as exc:  # noqa: BLE001 - the API process reports it (a bad flag: exit 2)
         logger.debug("engine core failed to start", exc_info=True)

@@ -10,7 +10,7 @@ with fields of the checked types (a frame that does not decode is the peer's fau
                                  new token ids (`RequestDelta`), failures, command replies, stats;
                                  and the KV side's replies and events as they happen
 
-The `kv` calls and events are lists the KV side encodes and checks itself (disagg/worker_core.py):
+The `kv` calls and events are lists the KV side encodes and checks itself (disagg/worker/core.py):
 this layer only carries them.
 
 Every frame starts with `WIRE_VERSION`; the two processes run the same code, so a mismatch is a bug

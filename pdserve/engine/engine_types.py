@@ -37,6 +37,7 @@ class EngineStats:
     kv_tier: TierStats | None = None  # with --kv-disk-dir
     num_engine_requests: int = 0  # user requests the engine tracks (their output state included)
     num_scheduler_requests: int = 0  # sequences the scheduler tracks (waiting, running, swapped, remote, held)
+    block_size: int = 0  # tokens per KV block (vllm:cache_config_info)
 
 
 def check_request(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int) -> None:

@@ -1,7 +1,7 @@
 """How a disaggregated worker's KV transport hooks into its engine: the records and hooks the engine
 commands of the prefill and decode roles (engine/commands.py) hand to it, on the engine thread.
 
-    prefill role  layer_observer   after each layer of a step: stream its KV (disagg/kv_streamer.py)
+    prefill role  layer_observer   after each layer of a step: stream its KV (disagg/worker/kv_streamer.py)
                   stream_targets   where each request's KV goes: `expect` as the engine takes the
                                    request (`KVTarget`, or None: not placed yet), `place` once its
                                    decode reservation is known, `forget` once its blocks are freed
@@ -11,11 +11,11 @@ commands of the prefill and decode roles (engine/commands.py) hand to it, on the
 
 Every field of a command is data (`KVTarget` names the KV sender by a handle, not the object), so
 the same command runs on an engine thread of the worker's process or, sent over the engine-core
-link, in an engine process of its own (disagg/worker_core.py); the hooks are that side's objects.
+link, in an engine process of its own (disagg/worker/core.py); the hooks are that side's objects.
 
 Where the KV moves from and into is the runner's: its `kv_cache`, and with tensor parallelism and a
 pool per rank its `rank_pools` (`RankPools`: the other ranks, each moving its own heads through a
-rank hook); the KV side reads both through disagg/kv_side.py's `kv_pools`.
+rank hook); the KV side reads both through disagg/worker/kv_side.py's `kv_pools`.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ RankHookSpec = Callable[[torch.Tensor, EngineConfig, int], RankHook]
 class RankPools(Protocol):
     """Tensor parallelism with a KV pool per rank (`ModelRunner.rank_pools`): the runner's `kv_cache`
     holds rank 0's heads only, and each other rank does its share of the KV hand-off on its own pool
-    through a rank hook (engine/tensor_parallel.py; disagg/rank_streaming.py, rank_receiving.py)."""
+    through a rank hook (engine/tensor_parallel.py; disagg/worker/rank_streaming.py, rank_receiving.py)."""
 
     @property
     def num_other_ranks(self) -> int: ...

@@ -416,4 +416,5 @@ class LLMEngine:
             kv_tier=None if self.offload is None else self.offload.stats(),
             num_engine_requests=len(self._states),
             num_scheduler_requests=self.scheduler.num_unfinished,
+            block_size=kv.block_size,
         )

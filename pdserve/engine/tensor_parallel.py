@@ -13,7 +13,7 @@ only compute. On CPU every rank maps one shared KV pool file and writes only its
 rank 0's `kv_cache` holds every head: the KV transports and the disk tier use it as with one
 process (the KV hand-off across TP sizes needs nothing more). On CUDA each rank has its own pool
 (`rank_pools`; on CPU too with PDSERVE_TP_RANK_POOLS=1): a prefill worker's ranks then each send
-their own heads, which a rank hook does on every rank (`install_rank_hook`, disagg/rank_streaming.py):
+their own heads, which a rank hook does on every rank (`install_rank_hook`, disagg/worker/rank_streaming.py):
 
     rank 0                                            rank r
     install_rank_hook(spec)        --pipe-->          hook = spec(kv_cache, config, r)  -> "ok"

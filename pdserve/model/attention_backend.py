@@ -84,10 +84,10 @@ class TritonAttention:
         assert isinstance(meta, PagedMetadata)
         kernels.store_kv(k, v, layer_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        kernels.decode_attention(q, layer_cache, meta.decode_tables, meta.decode_lens, meta.decode_rows, scale,
-                                 meta.num_splits, out)
+        kernels.decode_attention(q, layer_cache, meta.decode_tables, meta.decode_lens, meta.decode_rows, out,
+                                 scale=scale, num_splits=meta.num_splits)
         kernels.prefix_attention(q, layer_cache, meta.prefix_tables, meta.prefix_lens, meta.prefix_starts,
-                                 meta.prefix_ends, meta.max_prefix_query_len, scale, out)
+                                 meta.prefix_ends, out, max_query_len=meta.max_prefix_query_len, scale=scale)
         for start, end in meta.fresh_prefills:  # NOTE: the whole context is new: no pool read (flash on CUDA)
             out[start:end] = _fresh_prefill_attention(q, k, v, PrefillSpan(start, end, end - start, _NO_TABLE),
                                                       scale)  # NOTE: a float pool: FP8 pools take torch's path

@@ -163,8 +163,8 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, rows_ptr, out_ptr, stride_o
 
 
 def decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, rows: torch.Tensor, scale: float, num_splits: int,
-                     out: torch.Tensor) -> None:
+                     context_lens: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, *, scale: float,
+                     num_splits: int) -> None:
     """For each sequence s: out[rows[s]] = attention of q[rows[s]] over its context_lens[s] tokens
     read through block_tables[s]. q, out: [num_tokens, num_heads, head_dim]; block_tables
     [num_seqs, width] (any width covering the contexts); num_splits a power of two."""
@@ -239,8 +239,8 @@ def _prefix_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, starts_ptr, ends_ptr,
 
 
 def prefix_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, max_query_len: int,
-                     scale: float, out: torch.Tensor) -> None:
+                     context_lens: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, out: torch.Tensor, *,
+                     max_query_len: int, scale: float) -> None:
     """Sequence s's queries are rows [starts[s], ends[s]) of q (its newest tokens, their K/V
     already in the pool); they attend causally to its context_lens[s] tokens through
     block_tables[s]. Writes those rows of out. max_query_len: the longest span (the grid)."""

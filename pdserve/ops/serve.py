@@ -27,7 +27,7 @@ from pdserve.disagg.config import WorkerConfig
 from pdserve.serving.config import ApiConfig
 
 if TYPE_CHECKING:
-    from pdserve.disagg.worker_app import Worker
+    from pdserve.disagg.worker.app import Worker
     from pdserve.engine.async_llm import AsyncLLM
     from pdserve.engine.core_client import EngineCoreClient
     from pdserve.engine.llm_engine import LLMEngine
@@ -112,7 +112,7 @@ def _start(ns: argparse.Namespace, configs: _ServeConfigs) -> _Started:
         inject_model_step_failure(engine)
         return _Started(engine=engine)
     if worker is not None:
-        from pdserve.disagg.worker_core import start_worker
+        from pdserve.disagg.worker.core import start_worker
 
         built = start_worker(args, worker, ns.served_model_name or (args.model or DEMO_MODEL_NAME))
         return _Started(core=cast("EngineCoreClient", built.client), built=built)
@@ -174,7 +174,7 @@ def _colocated_app(engine: LLMEngine, name: str, api: ApiConfig) -> _Served:
 
 
 def _worker_app(engine: LLMEngine, config: WorkerConfig, name: str) -> _Served:
-    from pdserve.disagg.worker_app import build_worker
+    from pdserve.disagg.worker.app import build_worker
 
     worker = build_worker(engine, config, name)
     return worker.app, worker.drain, worker.client

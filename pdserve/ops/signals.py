@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
 
-# The router's series (disagg/router_metrics.py, serving/metrics.py).
+# The router's series (disagg/router/metrics.py, serving/metrics.py).
 QUEUE_DEPTH = "pdserve:prefill_queue_depth"
 DISPATCH_PENDING = "pdserve:router_dispatch_pending"  # the part of QUEUE_DEPTH in the router's own FIFO
 DECODE_RUNNING = "pdserve:decode_running"

@@ -52,7 +52,7 @@ class Probes:
 @dataclass(frozen=True, slots=True)
 class AppExtras:
     """What an app over a client that is not a local engine brings with it (the PD router's:
-    disagg/router_app.py). Without one, a local engine gets the colocated metrics and dashboard,
+    disagg/router/app.py). Without one, a local engine gets the colocated metrics and dashboard,
     any other client none."""
 
     # puts GET /metrics (and the live dashboard) on the app; returns the client the handlers call

@@ -1,6 +1,6 @@
 """The live page: `GET /dashboard` (one self-contained HTML file, no external resources) polls
 `GET /dashboard/data`, which this module assembles from the server's own metrics and, on a server
-in front of a pool (the PD router: disagg/router_metrics.py), each member's `/metrics` (scraped on
+in front of a pool (the PD router: disagg/router/metrics.py), each member's `/metrics` (scraped on
 demand, 1 s timeout each, so a dead member shows as unreachable instead of stalling the page), and
 the ready members per role as the pool's owner sees them (the page charts them over time: the pool
 growing and shrinking). A colocated server lists itself as its one worker, from its own registry.

@@ -6,11 +6,11 @@ several servers in one process) and labels every series with `model_name` and `r
 
   - histograms and live counters, observed as requests produce outputs (`RequestObserver`): on
     workers from the engine thread's deliveries (`AsyncLLM.output_listener`), on a server in front
-    of others from the outputs its client receives (the PD router: disagg/router_metrics.py), so
+    of others from the outputs its client receives (the PD router: disagg/router/metrics.py), so
     its latencies are the client's;
   - gauges and running totals read at scrape time, from `EngineStats` (`_EngineCollector`) and
     from whatever else a server registers (a PD worker's service counters, the router's pool and
-    queue: disagg/worker_metrics.py, disagg/router_metrics.py): nothing to keep in sync, and a
+    queue: disagg/worker/metrics.py, disagg/router/metrics.py): nothing to keep in sync, and a
     scrape never touches the engine thread.
 
 Names and units follow vLLM (`vllm:*`); disaggregation-specific series use `pdserve:*`. The README's
@@ -275,8 +275,22 @@ class _EngineCollector(Collector):
         series = OneSample(self.metrics.labels)
         stats = self.stats()
         yield from _engine_series(stats, series.gauge, series.counter)
+        yield from cache_series(self.metrics.labels, stats.kv_cache_usage, stats.block_size, stats.num_kv_blocks)
         if stats.kv_tier is not None:
             yield from kv_tier_series(stats.kv_tier, self.metrics.labels)
+
+
+def cache_series(labels: dict[str, str], usage: float, block_size: int,
+                 num_blocks: int) -> Iterator[GaugeMetricFamily]:
+    """The KV cache series an Inference Extension endpoint picker reads besides
+    `vllm:kv_cache_usage_perc`: its older name and the cache's shape (vLLM's `cache_config_info`,
+    a gauge of 1 whose labels carry the configuration)."""
+    yield OneSample(labels).gauge("vllm:gpu_cache_usage_perc", "KV cache usage (vllm:kv_cache_usage_perc's older "
+                                  "name)", usage)
+    info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration (always 1)",
+                             labels=[*labels, "block_size", "num_gpu_blocks"])
+    info.add_metric([*labels.values(), str(block_size), str(num_blocks)], 1)
+    yield info
 
 
 def _engine_series(s: EngineStats, gauge: Callable[..., GaugeMetricFamily],
@@ -362,7 +376,7 @@ def install_engine_metrics(app: FastAPI, engine: LocalEngine, metrics: ServerMet
                            extra: Collector | None = None) -> None:
     """A worker whose `metrics` exist before its app (a PD worker's service reports transfers to
     them): observe the engine thread's outputs, read its stats at scrape time, and `extra`'s series
-    (a PD worker's service counters: disagg/worker_metrics.py)."""
+    (a PD worker's service counters: disagg/worker/metrics.py)."""
     engine.output_listener = RequestObserver(metrics).on_output
     metrics.registry.register(_EngineCollector(metrics, engine.stats))
     if extra is not None:

@@ -15,10 +15,10 @@ from collections import Counter
 from typing import Literal, NoReturn
 
 from pdserve.disagg.config import RouterConfig
-from pdserve.disagg.errors import Refused, RouterError
-from pdserve.disagg.pool import WorkerPool
 from pdserve.disagg.queue import PrefillQueue
-from pdserve.disagg.router_stats import Rejections
+from pdserve.disagg.router.errors import Refused, RouterError
+from pdserve.disagg.router.pool import WorkerPool
+from pdserve.disagg.router.stats import Rejections
 from pdserve.engine.llm_engine import check_request
 from pdserve.engine.sampling_params import SamplingParams
 

@@ -16,9 +16,9 @@ from fastapi.responses import JSONResponse, Response
 
 from pdserve.disagg.auth import PeerAuth
 from pdserve.disagg.control import Registration
-from pdserve.disagg.router import PDRouter
-from pdserve.disagg.router_metrics import instrument_router_app
-from pdserve.disagg.router_stats import RouterStats
+from pdserve.disagg.router.core import PDRouter
+from pdserve.disagg.router.metrics import instrument_router_app
+from pdserve.disagg.router.stats import RouterStats
 from pdserve.serving.app import AppExtras, Probes, create_app
 from pdserve.serving.config import ApiConfig
 from pdserve.serving.errors import error_response

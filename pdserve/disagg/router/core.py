@@ -1,5 +1,5 @@
 """The PD router: makes P prefill and D decode workers look like one engine to the OpenAI handlers
-(`router_app.py` serves it through `serving/app.py`), so it serves the same API as a colocated server.
+(`router/app.py` serves it through `serving/app.py`), so it serves the same API as a colocated server.
 
 It owns one of each piece and runs a request through them; none of them calls back into it:
   `pool.py` (workers, readiness, load), `admission.py` (400/429/503), `policy.py` (which decode
@@ -17,7 +17,7 @@ One request:
      prefill job goes onto the prefill queue.
   3. stream the decode worker's outputs (GET /pd/stream/{id}) back as RequestOutputs; the first
      token, where it is exactly what decode would send, comes from the prefill worker as soon as
-     it is sampled (`early_first_token`, router_outputs.py), before decode has the KV. A
+     it is sampled (`early_first_token`, router/outputs.py), before decode has the KV. A
      `kv_retry` frame (the transfer stalled) makes a new prefill attempt. A decode worker lost
      mid-stream: the request resumes on another one, prefilled over prompt + tokens already sent
      (its job goes to the prefill worker whose cache, pool or disk tier, holds the prompt's KV:
@@ -38,18 +38,19 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
-from pdserve.disagg.admission import Admission
 from pdserve.disagg.auth import load_cluster_secret
 from pdserve.disagg.client import WorkerClient
 from pdserve.disagg.config import RouterConfig
-from pdserve.disagg.errors import RouterError
-from pdserve.disagg.membership import Membership, Registry
-from pdserve.disagg.policy import DecodePolicy, make_decode_policy
-from pdserve.disagg.pool import WorkerPool
-from pdserve.disagg.queue import PrefillQueue, make_queue
-from pdserve.disagg.request_run import Instance, RequestRun, RouterParts, RunEvents, instance
-from pdserve.disagg.router_outputs import AttemptFailed, DecodeLost, after_sent, continuation, next_within
-from pdserve.disagg.router_stats import Recoveries, RouterEvents, RouterStats, WorkerView
+from pdserve.disagg.queue import PrefillQueue
+from pdserve.disagg.router.admission import Admission
+from pdserve.disagg.router.errors import RouterError
+from pdserve.disagg.router.membership import Membership, Registry
+from pdserve.disagg.router.memory_queue import make_queue
+from pdserve.disagg.router.outputs import AttemptFailed, DecodeLost, after_sent, continuation, next_within
+from pdserve.disagg.router.policy import DecodePolicy, make_decode_policy
+from pdserve.disagg.router.pool import WorkerPool
+from pdserve.disagg.router.request_run import Instance, RequestRun, RouterParts, RunEvents, instance
+from pdserve.disagg.router.stats import Recoveries, RouterEvents, RouterStats, WorkerView
 from pdserve.engine.output import CompletionOutput, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.qwen3_config import Qwen3ModelConfig
@@ -71,7 +72,7 @@ class ServedModel:
 
 class PDRouter:
     """EngineClient over remote workers (see serving/engine_client.py for the contract) and the
-    RouterState its metrics and dashboard read (router_stats.py). Used from one event loop."""
+    RouterState its metrics and dashboard read (router/stats.py). Used from one event loop."""
 
     def __init__(self, config: RouterConfig, model: ServedModel, *, pool: WorkerPool, queue: PrefillQueue,
                  client: WorkerClient, membership: Membership | None = None) -> None:

@@ -26,8 +26,8 @@ import dns.resolver
 
 from pdserve.addresses import DnsMember, http_url, parse_host_port, parse_member
 from pdserve.disagg.config import RouterConfig
-from pdserve.disagg.pool import WorkerPool
-from pdserve.disagg.router_stats import WorkerRole
+from pdserve.disagg.router.pool import WorkerPool
+from pdserve.disagg.router.stats import WorkerRole
 
 logger = logging.getLogger(__name__)
 _ROLES: tuple[WorkerRole, ...] = ("prefill", "decode")

@@ -30,8 +30,8 @@ from typing import Any
 
 from pdserve.disagg.auth import sign_job, sign_placement
 from pdserve.disagg.client import WorkerClient, WorkerError, WorkerRefused
+from pdserve.disagg.config import QueueArgs
 from pdserve.disagg.control import Placement, PrefillJob
-from pdserve.disagg.pool import Worker, WorkerPool, reach
 from pdserve.disagg.queue.base import (
     AttemptListener,
     PlacesLater,
@@ -41,6 +41,7 @@ from pdserve.disagg.queue.base import (
     Refusal,
     next_attempt,
 )
+from pdserve.disagg.router.pool import Worker, WorkerPool, reach
 from pdserve.logs import bind_request_id
 
 logger = logging.getLogger(__name__)
@@ -283,3 +284,15 @@ class MemoryPrefillQueue(PrefillQueue):
         decode = self._pool.find("decode", job.decode_url)
         if decode is not None:
             await reach(decode, self._client.fail(decode.url, job.request_id, reason, job.transfer_id))
+
+
+def make_queue(args: QueueArgs, pool: WorkerPool, client: WorkerClient) -> PrefillQueue:
+    """The router's queue: its own FIFO pushed to `pool`'s prefill workers through `client`
+    ('memory'), or a Redis Streams queue shared with other routers (`redis://host:port/db`)."""
+    args.validate()
+    if args.queue == "memory":
+        return MemoryPrefillQueue(pool, client)
+    # NOTE: imported here: a router on the memory queue never needs redis.
+    from pdserve.disagg.queue.redis_streams import RedisPrefillQueue
+
+    return RedisPrefillQueue(args.queue, args.queue_deployment)

@@ -3,7 +3,7 @@
 (`RouterCollector`: requests waiting or sent on, the pool's readiness, admission queue, the
 autoscaler's queue depth and decode concurrency, rejections and events, read from `RouterState`),
 and its live dashboard over the pool (serving/dashboard.py). `instrument_router_app` puts them on
-the router's app (through serving's `AppExtras`: router_app.py)."""
+the router's app (through serving's `AppExtras`: router/app.py)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from fastapi import FastAPI
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pdserve.disagg.router_stats import RouterState, RouterStats, WorkerView
+from pdserve.disagg.router.stats import RouterState, RouterStats, WorkerLoad, WorkerView
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.serving.dashboard import PoolMember, install_dashboard
 from pdserve.serving.engine_client import EngineClient
-from pdserve.serving.metrics import OneSample, RequestObserver, ServerMetrics, install_metrics
+from pdserve.serving.metrics import OneSample, RequestObserver, ServerMetrics, cache_series, install_metrics
 from pdserve.serving.trace import start_trace
 from pdserve.tokenizer import Tokenizer
 
@@ -66,17 +66,19 @@ class RouterCollector(Collector):
 
         in_flight = self.observer.num_in_flight
         sent_on = self.observer.num_sent_on()
+        workers = self.state.workers()
+        stats = self.state.stats()
         yield gauge("vllm:num_requests_running", "Router: requests sent on to the workers, not finished",
                     sent_on)
-        yield gauge("vllm:num_requests_waiting", "Router: requests whose prefill job has not left the router",
-                    in_flight - sent_on)
+        yield gauge("vllm:num_requests_waiting", "Router: requests waiting for prefill: in the router (admission, "
+                    "its own FIFO) + in the shared queue + waiting in ready prefill workers",
+                    router_waiting(in_flight - sent_on, stats, workers))
+        yield from _decode_cache_series(labels, workers)
         ready = GaugeMetricFamily("pdserve:workers_ready", "Workers in the router's pool that answer and are ready",
                                   labels=[*labels, "worker_role"])
-        workers = self.state.workers()
         for role in ("prefill", "decode"):
             ready.add_metric([*labels.values(), role], sum(1 for w in workers if w.role == role and w.ready))
         yield ready
-        stats = self.state.stats()
         yield gauge("pdserve:router_queued_requests", "Router: admitted requests whose first token is not out yet",
                     stats.queued_requests)
         yield gauge("pdserve:router_queued_tokens", "Router: prompt tokens of those requests", stats.queued_tokens)
@@ -84,6 +86,30 @@ class RouterCollector(Collector):
                     stats.dispatch_pending)
         yield from _autoscaling_series(stats, workers, gauge)
         yield from _counter_series(stats, labels)
+
+
+def _ready_loads(workers: list[WorkerView], role: str) -> list[WorkerLoad]:
+    return [w.load for w in workers if w.role == role and w.ready and w.load is not None]
+
+
+def router_waiting(not_sent_on: int, stats: RouterStats, workers: list[WorkerView]) -> int:
+    """The router's `vllm:num_requests_waiting`: requests that have not left it (its admission queue
+    and its own FIFO, which is part of them), the shared queue's jobs no prefill worker has taken
+    (Redis: the consumer group's lag; `queue_backlog` counts the router's FIFO too, taken out here)
+    and the jobs waiting in ready prefill workers."""
+    shared = max(0, stats.queue_backlog - stats.dispatch_pending)
+    return not_sent_on + shared + sum(load.num_waiting for load in _ready_loads(workers, "prefill"))
+
+
+def _decode_cache_series(labels: dict[str, str], workers: list[WorkerView]) -> Iterator[GaugeMetricFamily]:
+    """The router's KV usage: the ready decode workers' pools taken as one (used blocks / blocks,
+    0 with none), and their shape (block size, blocks summed) as `vllm:cache_config_info`."""
+    loads = _ready_loads(workers, "decode")
+    total = sum(load.num_kv_blocks for load in loads)
+    usage = (total - sum(load.num_free_kv_blocks for load in loads)) / total if total else 0.0
+    yield OneSample(labels).gauge("vllm:kv_cache_usage_perc", "Router: KV cache usage of its ready decode workers "
+                                  "taken as one pool (used blocks / blocks; 1 = full)", usage)
+    yield from cache_series(labels, usage, max((load.block_size for load in loads), default=0), total)
 
 
 def _autoscaling_series(stats: RouterStats, workers: list[WorkerView],

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from pdserve.disagg.client import WorkerClient
 from pdserve.disagg.config import DecodePolicyName
-from pdserve.disagg.pool import Worker, reach
+from pdserve.disagg.router.pool import Worker, reach
 
 
 class DecodePolicy(abc.ABC):

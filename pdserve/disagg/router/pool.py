@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from pdserve.disagg.client import WorkerClient, WorkerUnreachable
 from pdserve.disagg.control import WorkerInfo
-from pdserve.disagg.router_stats import WorkerLoad, WorkerRole, WorkerView
+from pdserve.disagg.router.stats import WorkerLoad, WorkerRole, WorkerView
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -50,7 +50,7 @@ class Worker:
     def view(self) -> WorkerView:
         info = self.info
         load = None if info is None else WorkerLoad(info.num_running, info.num_waiting, info.num_free_kv_blocks,
-                                                     info.num_kv_blocks)
+                                                     info.num_kv_blocks, int(info.kv_layout.get("block_size", 0)))
         return WorkerView(self.role, self.url, self.ready, self.in_flight, bool(info and info.draining), load)
 
 

@@ -1,5 +1,5 @@
 """One run of a request through the cluster: its decode reservation, its prefill attempts and
-decode's outputs (router.py runs a request as one run, and one more after each decode loss).
+decode's outputs (router/core.py runs a request as one run, and one more after each decode loss).
 
 A `RequestRun` is made by the router when the request is admitted (and for each resume) and every
 step takes it: `dispatch_unplaced` (the prefill job before the reservation, where the queue can
@@ -19,7 +19,6 @@ import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from http import HTTPStatus
 
-from pdserve.disagg.admission import Admission
 from pdserve.disagg.attempt_states import RUN, Run, State
 from pdserve.disagg.auth import sign_job
 from pdserve.disagg.client import UnknownRequest, WorkerClient, WorkerRefused, WorkerUnreachable
@@ -35,12 +34,11 @@ from pdserve.disagg.control import (
     ReserveRequest,
     WireSamplingParams,
 )
-from pdserve.disagg.errors import RouterError
-from pdserve.disagg.policy import DecodePolicy
-from pdserve.disagg.pool import Worker, WorkerPool, reach
 from pdserve.disagg.queue import PlacesLater, PrefillQueue, PrefillTicket, QueueUnavailable, Refusal, next_attempt
 from pdserve.disagg.request_ids import run_id, transfer_id
-from pdserve.disagg.router_outputs import (
+from pdserve.disagg.router.admission import Admission
+from pdserve.disagg.router.errors import RouterError
+from pdserve.disagg.router.outputs import (
     AttemptFailed,
     DecodeLost,
     EarlyFirstToken,
@@ -48,6 +46,8 @@ from pdserve.disagg.router_outputs import (
     merged,
     request_output,
 )
+from pdserve.disagg.router.policy import DecodePolicy
+from pdserve.disagg.router.pool import Worker, WorkerPool, reach
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.serving.trace import current_trace
@@ -205,7 +205,7 @@ class RequestRun:
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """The run's outputs from its decode worker (after `reserve`), prefilled there or through
-        the queue, whose prefill worker may send the first token before decode does (router_outputs.py).
+        the queue, whose prefill worker may send the first token before decode does (router/outputs.py).
         Raises DecodeLost if the worker goes away before the request ends; aborts the request on
         every worker if it ends early."""
         decode, reply = self._reservation()

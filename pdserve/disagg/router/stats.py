@@ -1,8 +1,8 @@
 """What the PD router shows of itself: its pool (`WorkerView`) and its admission queue and counters
 (`RouterStats`), as frozen snapshots.
 
-The router (router.py) fills them in and satisfies `RouterState`; router_metrics.py (its /metrics
-and live dashboard) and router_app.py (GET /workers, GET /router/stats) read them.
+The router (router/core.py) fills them in and satisfies `RouterState`; router/metrics.py (its /metrics
+and live dashboard) and router/app.py (GET /workers, GET /router/stats) read them.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-WorkerRole = Literal["prefill", "decode"]
+from pdserve.disagg.control import WorkerRole
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +21,7 @@ class WorkerLoad:
     num_waiting: int
     num_free_kv_blocks: int
     num_kv_blocks: int
+    block_size: int = 0  # tokens per KV block (its KV layout)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +85,7 @@ class RouterStats:
 
 
 class RouterState(Protocol):
-    """What the router's metrics and dashboard (router_metrics.py) read from the PD router. Called on
+    """What the router's metrics and dashboard (router/metrics.py) read from the PD router. Called on
     the event loop."""
 
     def workers(self) -> list[WorkerView]: ...

@@ -76,7 +76,7 @@ def cast_into_blocks(layer_cache: torch.Tensor, values: torch.Tensor, block_ids:
 
 
 class RankReceivers(Protocol):
-    """The other ranks' receivers, as rank 0's receiver drives them (disagg/rank_receiving.py)."""
+    """The other ranks' receivers, as rank 0's receiver drives them (disagg/worker/rank_receiving.py)."""
 
     addresses: list[str]
 
@@ -111,7 +111,7 @@ class KVReceiver(abc.ABC):
     - Every implementation runs its network I/O on its own thread (`IoThread`) except the fake,
       which runs in the sender's calling thread. `close()` stops it; the pool is not touched after.
     - Underscore methods are the implementations' shared steps (handshake, admission), not API.
-    - Tensor parallelism with a pool per rank (disagg/rank_receiving.py): rank 0's receiver has
+    - Tensor parallelism with a pool per rank (disagg/worker/rank_receiving.py): rank 0's receiver has
       `ranks` (the other ranks' receivers: `kv_address` lists them; expect and cancel reach them;
       `remote_admitted` / `remote_rejected` count their payloads here, any thread); a rank's
       receiver reports through `on_admitted` / `on_rejected` (its I/O thread).
@@ -200,7 +200,7 @@ class KVReceiver(abc.ABC):
 
     async def settled(self) -> None:
         """Once every `expect` and `cancel` made so far is in effect: at once here (they are
-        synchronous); a stand-in across a process boundary waits for them (disagg/kv_link.py)."""
+        synchronous); a stand-in across a process boundary waits for them (disagg/worker/kv_link.py)."""
         return
 
     def reserved_request_ids(self) -> frozenset[str]:

@@ -9,7 +9,7 @@ sends each decode rank exactly the heads both hold, over a connection of its own
 
 Every link carries one payload per `send_layer`, so the final message (one, to decode rank 0,
 from prefill rank 0) announces `links x` its own count (`count_links`, `KVSender.copies`); decode
-rank 0 counts what every one of its ranks admitted (disagg/rank_receiving.py) before it completes
+rank 0 counts what every one of its ranks admitted (disagg/worker/rank_receiving.py) before it completes
 the request.
 """
 

@@ -35,7 +35,7 @@ routers announces itself to them while it serves (registrar.py) and leaves when 
 `build_worker` wires one worker from its engine and `WorkerConfig`, all in this process: the KV
 side, hooked into the engine (kv_side.py's `attach_kv_side`, as an engine process does for its
 own), the engine thread, then the service and app (`assemble_worker`, as `start_worker` does over
-an engine process); the role's routes are in worker_routes.py.
+an engine process); the role's routes are in worker/routes.py.
 """
 
 from __future__ import annotations
@@ -56,13 +56,13 @@ from fastapi.responses import JSONResponse
 from pdserve.disagg.auth import PeerAuth, load_cluster_secret, warn_if_open
 from pdserve.disagg.config import WorkerConfig
 from pdserve.disagg.control import ConsumerReport, Role, WorkerInfo, WorkerStatsReply
-from pdserve.disagg.decode_service import DecodeService
 from pdserve.disagg.kv_layout import KVLayout
-from pdserve.disagg.kv_side import KVSideSpec, ReceiverView, SenderHandles, attach_kv_side
-from pdserve.disagg.prefill_service import PrefillService
-from pdserve.disagg.registrar import Registrar
-from pdserve.disagg.worker_metrics import ServiceCollector
-from pdserve.disagg.worker_routes import add_decode_routes, add_prefill_routes
+from pdserve.disagg.worker.decode_service import DecodeService
+from pdserve.disagg.worker.kv_side import KVSideSpec, ReceiverView, SenderHandles, attach_kv_side
+from pdserve.disagg.worker.metrics import ServiceCollector
+from pdserve.disagg.worker.prefill_service import PrefillService
+from pdserve.disagg.worker.registrar import Registrar
+from pdserve.disagg.worker.routes import add_decode_routes, add_prefill_routes
 from pdserve.engine.async_llm import AsyncLLM
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.serving.app import Lifespan
@@ -71,7 +71,7 @@ from pdserve.serving.metrics import LocalEngine, ServerMetrics, install_engine_m
 from pdserve.serving.middleware import CatchAll
 
 if TYPE_CHECKING:
-    from pdserve.disagg.queue.redis_streams import RedisJobConsumer
+    from pdserve.disagg.worker.queue_consumer import RedisJobConsumer
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +157,7 @@ def assemble_worker(client: LocalEngine, receiver: ReceiverView | None, senders:
 def _queue_consumer(service: PrefillService, config: WorkerConfig) -> RedisJobConsumer | None:
     if config.queue.queue == "memory":
         return None
-    from pdserve.disagg.queue.redis_streams import ConsumerOptions, RedisJobConsumer
+    from pdserve.disagg.worker.queue_consumer import ConsumerOptions, RedisJobConsumer
 
     options = ConsumerOptions(claim_idle_s=config.queue_claim_idle_s, max_deliveries=config.queue_max_deliveries)
     return RedisJobConsumer(service, config.queue.queue, config.queue.queue_deployment, options)

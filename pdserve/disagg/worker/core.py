@@ -1,4 +1,4 @@
-"""The engine process of a prefill or decode worker: `python -m pdserve.disagg.worker_core FD`,
+"""The engine process of a prefill or decode worker: `python -m pdserve.disagg.worker.core FD`,
 started by the worker's API process (`start_worker`). It runs the engine core's loop
 (engine/core_proc.py) with the worker's KV side beside the engine (`WorkerCoreSide`): the KV
 receiver or the streamer and senders, which read and write the pool where it lives.
@@ -25,11 +25,11 @@ from typing import Any
 from pdserve.config import EngineArgs
 from pdserve.disagg.config import WorkerConfig
 from pdserve.disagg.kv_layout import KVLayout
-from pdserve.disagg.kv_link import RemoteReceiver, RemoteSenders, encode_event, error_reply
-from pdserve.disagg.kv_side import KVSide, KVSideSpec, attach_kv_side
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.disagg.transport.messages import KVDone, KVProgress, KVRejected
-from pdserve.disagg.worker_app import Worker, WorkerShape, assemble_worker
+from pdserve.disagg.worker.app import Worker, WorkerShape, assemble_worker
+from pdserve.disagg.worker.kv_link import RemoteReceiver, RemoteSenders, encode_event, error_reply
+from pdserve.disagg.worker.kv_side import KVSide, KVSideSpec, attach_kv_side
 from pdserve.engine.core_client import EngineCoreClient
 from pdserve.engine.core_proc import serve_engine_core
 from pdserve.engine.core_wire import CoreReply, FromCore
@@ -43,7 +43,7 @@ def start_worker(args: EngineArgs, config: WorkerConfig, model_name: str) -> Wor
     """A worker whose engine (and KV side) runs in an engine process of its own: the process is
     started and its engine built before this returns (ValueError: a bad flag; EngineStartError)."""
     spec = KVSideSpec.of(config, model_name)
-    client = EngineCoreClient.start(args, worker=dataclasses.asdict(spec), module="pdserve.disagg.worker_core")
+    client = EngineCoreClient.start(args, worker=dataclasses.asdict(spec), module="pdserve.disagg.worker.core")
     try:
         layout = KVLayout.from_json(client.info["layout"])
         receiver = RemoteReceiver(client, layout, client.info["kv_address"]) if spec.role == "decode" else None

@@ -38,13 +38,13 @@ from typing import Literal
 from pdserve.disagg.attempt_states import RESERVATION, WAITING_FOR_KV, Reservation, State
 from pdserve.disagg.control import FrameEncoder, OutputFrame, ReserveReply, ReserveRequest
 from pdserve.disagg.handoff import HandOffDone
-from pdserve.disagg.kv_side import ReceiverView
 from pdserve.disagg.phases import TransferMeter
 from pdserve.disagg.prompt_logprobs_wire import unpack
 from pdserve.disagg.request_ids import request_id_of
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.disagg.transport.messages import KVDone, KVRejected
-from pdserve.disagg.worker_stats import DecodeStats
+from pdserve.disagg.worker.kv_side import ReceiverView
+from pdserve.disagg.worker.stats import DecodeStats
 from pdserve.engine.async_llm import EngineClient, EngineDeadError, RequestFailedError
 from pdserve.engine.commands import CachedPrefixTokens, CompleteRemote, PrefillLocally, ReserveRemote
 from pdserve.engine.output import RequestOutput

@@ -1,7 +1,7 @@
 """A worker's KV side across the engine-core link: the calls its API process makes of it, the events
 it reports, and the API process's stand-ins for what lives in the engine process.
 
-    API process                                      engine process (disagg/worker_core.py)
+    API process                                      engine process (disagg/worker/core.py)
     DecodeService -> RemoteReceiver   --kv calls-->   the KV receiver: expect, cancel
                      (a mirror of its events) <--kv events--  progress / done / rejected per transfer
     PrefillService -> RemoteSenders   --kv calls-->   PrefillKV: connect, send_done, flush, release

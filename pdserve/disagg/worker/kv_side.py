@@ -1,6 +1,6 @@
 """The engine side of a worker's KV transport: what lives beside the engine and its KV pool, in the
 worker's process (engine on a thread: `--engine-in-process`, the in-process test clusters) or in
-its engine process (disagg/worker_core.py, the default).
+its engine process (disagg/worker/core.py, the default).
 
     decode   `DecodeKV`: the KV receiver (listening on the KV port, writing into the pool), which the
              engine's `ReserveRemote` makes expect each transfer (`KVTransferSetup.expectations`)
@@ -31,10 +31,6 @@ from pdserve.config import EngineConfig
 from pdserve.disagg.auth import load_cluster_secret
 from pdserve.disagg.config import WorkerConfig
 from pdserve.disagg.kv_layout import KVLayout
-from pdserve.disagg.kv_streamer import KVDestination, KVStreamer, small_step_blocks
-from pdserve.disagg.rank_receiving import link_ranks
-from pdserve.disagg.rank_streaming import MirroredKVStreamer, RankStreamingSpec, rank_layout, sending_heads
-from pdserve.disagg.sender_pool import PoolSettings, SenderPool
 from pdserve.disagg.transport import make_receiver, nixl_available
 from pdserve.disagg.transport.base import KVReceiver
 from pdserve.disagg.transport.errors import KVTransferError
@@ -42,6 +38,10 @@ from pdserve.disagg.transport.handshake import KVPeerPolicy
 from pdserve.disagg.transport.messages import KVEvent
 from pdserve.disagg.transport.ranked import HeadRange
 from pdserve.disagg.transport.sender_base import KVSender
+from pdserve.disagg.worker.kv_streamer import KVDestination, KVStreamer, small_step_blocks
+from pdserve.disagg.worker.rank_receiving import link_ranks
+from pdserve.disagg.worker.rank_streaming import MirroredKVStreamer, RankStreamingSpec, rank_layout, sending_heads
+from pdserve.disagg.worker.sender_pool import PoolSettings, SenderPool
 from pdserve.engine.kv_transfer import KVTarget, KVTransferSetup, RankPools, TransferExpectations
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_runner import ModelRunner
@@ -70,7 +70,7 @@ class KVSideSpec:
 
 class ReceiverView(Protocol):
     """What the decode service uses of the KV receiver: the receiver itself, or its mirror in the
-    API process of a worker whose engine runs in its own process (disagg/worker_core.py)."""
+    API process of a worker whose engine runs in its own process (disagg/worker/core.py)."""
 
     @property
     def layout(self) -> KVLayout: ...
@@ -96,7 +96,7 @@ class ReceiverView(Protocol):
 
 class SenderHandles(Protocol):
     """What the prefill service drives a hand-off through: `PrefillKV` itself, or its proxy in the
-    API process of a worker whose engine runs in its own process (disagg/worker_core.py)."""
+    API process of a worker whose engine runs in its own process (disagg/worker/core.py)."""
 
     async def connect(self, kv_address: str) -> int: ...
 

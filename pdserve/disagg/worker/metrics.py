@@ -1,5 +1,5 @@
 """A PD worker's service counters as Prometheus series: `ServiceCollector` reads `DecodeStats` /
-`PrefillStats` (worker_stats.py) at scrape time. worker_app.py hands it to serving's
+`PrefillStats` (worker/stats.py) at scrape time. worker/app.py hands it to serving's
 `install_engine_metrics`, beside the engine's own series (serving/metrics.py)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from pdserve.disagg.worker_stats import DecodeStats, ServiceStats
+from pdserve.disagg.worker.stats import DecodeStats, ServiceStats
 from pdserve.serving.metrics import OneSample
 
 

@@ -20,7 +20,7 @@ The streaming itself is the engine's layer observer (`KVStreamer`), called on th
 right after each layer; the transport moves the bytes on its own I/O thread meanwhile. Where an
 attempt's KV goes (its sender, its decode blocks) lives in the streamer, on the engine side: the
 service names it in the engine commands (`KVTarget`, its sender by handle) and drives the hand-off
-through `SenderHandles` (disagg/kv_side.py), the same calls whether the engine runs on a thread of
+through `SenderHandles` (disagg/worker/kv_side.py), the same calls whether the engine runs on a thread of
 this process or in an engine process of its own.
 """
 
@@ -40,11 +40,11 @@ from pdserve.disagg.auth import ClusterSecret, verify_job, verify_placement
 from pdserve.disagg.client import WorkerClient, WorkerError
 from pdserve.disagg.control import FirstToken, HandOff, Placement, PrefillJob
 from pdserve.disagg.handoff import HandOffDone
-from pdserve.disagg.kv_side import SenderHandles
 from pdserve.disagg.phases import PrefillPhases
 from pdserve.disagg.prompt_logprobs_wire import pack
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
-from pdserve.disagg.worker_stats import PrefillStats
+from pdserve.disagg.worker.kv_side import SenderHandles
+from pdserve.disagg.worker.stats import PrefillStats
 from pdserve.engine.async_llm import EngineClient, EngineDeadError, OutputStream, RequestFailedError
 from pdserve.engine.commands import AddPrefillOnly, CachedPrefixTokens, GeneratorState, PlaceKV, ReleaseKV
 from pdserve.engine.kv_transfer import KVTarget

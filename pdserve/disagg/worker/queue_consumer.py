@@ -14,21 +14,22 @@ import socket
 from dataclasses import dataclass
 from typing import cast
 
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 from redis.typing import EncodableT, FieldT
 
 from pdserve.disagg.auth import verify_job
 from pdserve.disagg.client import WorkerClient, WorkerUnreachable
 from pdserve.disagg.control import PrefillJob
 from pdserve.disagg.kv_layout import KVLayoutMismatch
-from pdserve.disagg.worker.prefill_service import PrefillService
 from pdserve.disagg.queue.base import next_attempt
-from pdserve.disagg.queue.redis_streams import _ABORTED_TTL_S, _ALIVE_TTL_S, GROUP, RedisKeys, connect, ensure_group
+from pdserve.disagg.queue.redis_streams import ALIVE_TTL_S, GROUP, RedisKeys, connect, ensure_group
 from pdserve.disagg.transport.errors import KVTransferError
+from pdserve.disagg.worker.prefill_service import PrefillService
 from pdserve.disagg.worker.stats import Counts
 
 logger = logging.getLogger(__name__)
+
+_StreamReply = list[tuple[str, list[tuple[str, dict[str, str]]]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +148,7 @@ class RedisJobConsumer:
     async def _heartbeat(self) -> None:
         """Say we are alive; reset the idle time of our entries, so no other consumer reclaims them
         while we work."""
-        await self._redis.set(self.keys.alive_prefix + self.name, str(len(self._jobs)), ex=_ALIVE_TTL_S)
+        await self._redis.set(self.keys.alive_prefix + self.name, str(len(self._jobs)), ex=ALIVE_TTL_S)
         if self._jobs:
             await self._redis.xclaim(self.keys.stream, GROUP, self.name, min_idle_time=0,
                                      message_ids=list(self._jobs), justid=True)

@@ -31,10 +31,10 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.disagg.auth import load_cluster_secret
-from pdserve.disagg.rank_streaming import rank_layout
 from pdserve.disagg.transport import make_receiver
 from pdserve.disagg.transport.base import KVReceiver
 from pdserve.disagg.transport.handshake import KVPeerPolicy
+from pdserve.disagg.worker.rank_streaming import rank_layout
 from pdserve.engine.kv_transfer import RankPools
 
 logger = logging.getLogger(__name__)
@@ -204,7 +204,7 @@ def _send(control: Connection, message: tuple[Any, ...]) -> None:
 
 
 class ReceivingAt(Protocol):
-    """What `link_ranks` reads of a decode worker's KV settings (disagg/kv_side.py's `KVSideSpec`)."""
+    """What `link_ranks` reads of a decode worker's KV settings (disagg/worker/kv_side.py's `KVSideSpec`)."""
 
     @property
     def transport(self) -> str: ...

@@ -35,10 +35,10 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.disagg.auth import load_cluster_secret
 from pdserve.disagg.kv_layout import KVLayout
-from pdserve.disagg.kv_streamer import KVDestination, KVStreamer, SendLayer
-from pdserve.disagg.sender_pool import PoolSettings, SenderPool
 from pdserve.disagg.transport.ranked import HeadRange
 from pdserve.disagg.transport.sender_base import KVSender
+from pdserve.disagg.worker.kv_streamer import KVDestination, KVStreamer, SendLayer
+from pdserve.disagg.worker.sender_pool import PoolSettings, SenderPool
 from pdserve.engine.kv_transfer import RankPools
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledChunk

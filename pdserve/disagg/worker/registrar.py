@@ -15,8 +15,7 @@ from collections.abc import Callable
 import httpx
 
 from pdserve.disagg.auth import ClusterSecret, SignedRequests
-from pdserve.disagg.control import Registration
-from pdserve.disagg.router_stats import WorkerRole
+from pdserve.disagg.control import Registration, WorkerRole
 
 logger = logging.getLogger(__name__)
 _TIMEOUT_S = 2.0

@@ -1,4 +1,4 @@
-"""The `/pd/*` routes of each worker role (paths, bodies and status codes: see worker_app.py)."""
+"""The `/pd/*` routes of each worker role (paths, bodies and status codes: see worker/app.py)."""
 
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ from pdserve.disagg.control import (
     ReserveRequest,
     Retarget,
 )
-from pdserve.disagg.decode_service import DecodeService
 from pdserve.disagg.kv_layout import KVLayoutMismatch
-from pdserve.disagg.prefill_service import PrefillService
 from pdserve.disagg.transport.errors import KVTransferError
+from pdserve.disagg.worker.decode_service import DecodeService
+from pdserve.disagg.worker.prefill_service import PrefillService
 from pdserve.serving.errors import error_response
 
 

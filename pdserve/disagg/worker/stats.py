@@ -1,5 +1,5 @@
 """What a disaggregated worker's service has done, as plain records: `DecodeService.stats()` and
-`PrefillService.stats()` return them; worker_metrics.py reads them by attribute at scrape time and
+`PrefillService.stats()` return them; worker/metrics.py reads them by attribute at scrape time and
 `GET /pd/stats` shows them."""
 
 from __future__ import annotations

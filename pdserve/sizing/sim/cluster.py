@@ -223,7 +223,7 @@ class Cluster:
         self._dispatch_prefill()
 
     def _dispatch_prefill(self) -> None:
-        """The router's prefill FIFO (disagg/queue/memory.py): a prefill worker takes a job when it
+        """The router's prefill FIFO (disagg/router/memory_queue.py): a prefill worker takes a job when it
         holds none, or when the job fits its token budget beside the jobs it holds (until their
         hand-off ends); a job that fits nowhere yet does not hold back smaller ones behind it."""
         budget = self.spec.colocated.max_num_batched_tokens
