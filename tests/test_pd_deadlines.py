@@ -152,6 +152,9 @@ class _Unreachable:
 
     secret = None  # no cluster secret: jobs are not checked
 
+    def holds(self, transfer_id: str) -> bool:
+        return False
+
     async def run(self, job: PrefillJob) -> HandOff:
         raise ConnectionRefusedError(f"cannot connect to {job.kv_address}")
 

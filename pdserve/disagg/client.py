@@ -139,9 +139,11 @@ class WorkerClient:
         reply = await self._post(url, f"/pd/prefill_here/{request_id}")
         return reply.status == HTTPStatus.OK
 
-    async def retarget(self, url: str, request_id: str, transfer_id: str) -> bool:
-        """Decode: expect this attempt instead. False: the request no longer waits for KV."""
-        reply = await self._post(url, f"/pd/retarget/{request_id}", Retarget(transfer_id=transfer_id))
+    async def retarget(self, url: str, request_id: str, transfer_id: str, replaces: str = "") -> bool:
+        """Decode: expect this attempt instead (of `replaces`, if it still expects that one). False:
+        the request no longer waits for KV, or (with `replaces`) another attempt replaced that one."""
+        reply = await self._post(url, f"/pd/retarget/{request_id}",
+                                 Retarget(transfer_id=transfer_id, replaces=replaces))
         return reply.status == HTTPStatus.OK
 
     async def fail(self, url: str, request_id: str, reason: str, transfer_id: str = "") -> bool:

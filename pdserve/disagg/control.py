@@ -98,9 +98,12 @@ class Placement(BaseModel):
 
 class Retarget(BaseModel):
     """router/queue consumer -> decode: the reservation now expects this attempt's transfer id
-    (the previous attempt is cancelled: its late payloads are rejected)."""
+    (the previous attempt is cancelled: its late payloads are rejected). With `replaces`, only if
+    the reservation still expects that attempt: whoever moved it on first runs the new attempt, a
+    second copy of the move is refused (404), so no attempt is run by two prefill workers."""
 
     transfer_id: str
+    replaces: str = ""  # the attempt this one replaces ("": whichever the reservation expects)
 
 
 class FailJob(BaseModel):

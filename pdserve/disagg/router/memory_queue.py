@@ -268,7 +268,8 @@ class MemoryPrefillQueue(PrefillQueue):
         """Tell the decode worker to expect `new` instead of `old`; False if it no longer waits."""
         decode = self._pool.find("decode", old.decode_url)
         return decode is not None and bool(
-            await reach(decode, self._client.retarget(decode.url, old.request_id, new.transfer_id)))
+            await reach(decode, self._client.retarget(decode.url, old.request_id, new.transfer_id,
+                                                      replaces=old.transfer_id)))
 
     async def _report_ended(self, job: PrefillJob) -> None:
         """The attempt timed out on its prefill worker, which tells decode itself, but only if it

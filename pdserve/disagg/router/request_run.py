@@ -393,7 +393,8 @@ class RequestRun:
         # NOTE: after the ticket's job, which the memory queue moves on when it re-queues the job
         # (its worker was lost): a retry numbered from the first attempt would reuse that id.
         retry = next_attempt(ticket.job)
-        if not await reach(decode, self.parts.client.retarget(decode.url, retry.request_id, retry.transfer_id)):
+        if not await reach(decode, self.parts.client.retarget(decode.url, retry.request_id, retry.transfer_id,
+                                                              replaces=ticket.job.transfer_id)):
             return
         await self.parts.queue.cancel(ticket)
         # NOTE: a resume is counted once, by its first attempt: a retry would find in prefill's

@@ -147,13 +147,19 @@ class DecodeService:
         record = self._requests.get(request_id)
         return record if record is not None and record.state.is_in(*WAITING_FOR_KV) else None
 
-    async def retarget(self, request_id: str, transfer_id: str) -> bool:
+    async def retarget(self, request_id: str, transfer_id: str, replaces: str = "") -> bool:
         """Expect a new attempt's KV (same blocks); the current attempt is cancelled. False when
-        the request is not waiting for KV any more (finished, aborted, or already recomputing).
-        Returns once the receiver expects the new attempt (so before the router can send it)."""
+        the request is not waiting for KV any more (finished, aborted, or already recomputing), or
+        when it no longer expects `replaces` (given): another copy of this move came first, and
+        its sender runs the new attempt. Returns once the receiver expects the new attempt (so
+        before the router can send it)."""
         bind_request_id(request_id)  # the new watcher's log lines name the request
         record = self._waiting_for_kv(request_id)
         if record is None or record.transfer_id is None:
+            return False
+        if replaces and record.transfer_id != replaces:
+            logger.info("request %s: attempt %s no longer expected (now %s); not replaced by %s", request_id,
+                        replaces, record.transfer_id, transfer_id)
             return False
         if record.transfer_id == transfer_id:
             return True

@@ -89,6 +89,10 @@ class _Counts:
     handed_off: int = 0
     failed: int = 0
     aborted: int = 0
+    duplicates: int = 0
+
+
+_ENDED_KEPT = 4096  # ended attempts remembered, so a late copy of one is recognised (not run again)
 
 
 class PrefillService:
@@ -105,6 +109,7 @@ class PrefillService:
         self.draining = False
         self._attempts: dict[str, _Attempt] = {}  # transfer id -> its record
         self._aborts_kept: OrderedDict[str, None] = OrderedDict()  # aborted transfer ids with no record, oldest first
+        self._ended: OrderedDict[str, HandOff] = OrderedDict()  # how recent attempts ended, oldest first
         self._counts = _Counts()
         self._keepalive: asyncio.Task[None] | None = None
         self._reports: set[asyncio.Task[None]] = set()  # attempts' ends being told to decode
@@ -133,13 +138,14 @@ class PrefillService:
 
     async def submit(self, job: PrefillJob) -> asyncio.Task[HandOff]:
         """Accept a job: raises ValueError (bad job) or KVLayoutMismatch/KVTransferError (decode
-        worker unusable) before anything is computed. The task ends with the hand-off."""
+        worker unusable) before anything is computed. The task ends with the hand-off. A copy of
+        an attempt that runs or ended here (`holds`) gets that attempt's task: nothing runs twice."""
         bind_request_id(job.request_id)
         verify_job(self.secret, job)  # NOTE: before anything connects to an address the job names
         params = job.params.build()
         tid = job.transfer_id
-        if tid in self._attempts:
-            raise ValueError(f"attempt {tid!r} is already running here")
+        if self.holds(tid):
+            return self._again(tid)
         sender = await self.kv.connect(job.kv_address) if job.placed else None
         stream: OutputStream = asyncio.Queue()
         # NOTE: the streamer learns where the attempt's KV goes on the engine side just before the
@@ -161,6 +167,24 @@ class PrefillService:
         if self._keepalive is None or self._keepalive.done():
             self._keepalive = asyncio.create_task(self._keep_alive())
         return task
+
+    def holds(self, transfer_id: str) -> bool:
+        """Whether this attempt runs here or ended here lately: another delivery of it is a copy."""
+        return transfer_id in self._attempts or transfer_id in self._ended
+
+    def _again(self, tid: str) -> asyncio.Task[HandOff]:
+        """A copy of an attempt that runs or ended here (a re-delivered or duplicated job): nothing
+        runs again; the copy's task ends as the attempt does (did)."""
+        self._counts.duplicates += 1
+        logger.info("attempt %s was delivered again; it %s here, not run twice", tid,
+                    "runs" if tid in self._attempts else "ended")
+        if tid in self._attempts:
+            return self._attempts[tid].task
+        ended = self._ended[tid]
+
+        async def same() -> HandOff:
+            return ended
+        return asyncio.create_task(same())
 
     async def place(self, placement: Placement) -> None:
         """An unplaced job's decode reservation: its KV computed so far goes now, the rest as it is
@@ -211,8 +235,14 @@ class PrefillService:
 
     def first_token(self, transfer_id: str) -> asyncio.Future[FirstToken | None]:
         """The attempt's first token, as soon as it is sampled (None: it ended without one: see its
-        hand-off). Ask before the first await after `submit` (the record goes when the hand-off ends)."""
-        return self._attempts[transfer_id].first_token
+        hand-off). Ask before the first await after `submit` (the record goes when the hand-off ends;
+        an attempt that ended already, delivered again, has none to give: None)."""
+        attempt = self._attempts.get(transfer_id)
+        if attempt is not None:
+            return attempt.first_token
+        none: asyncio.Future[FirstToken | None] = asyncio.get_running_loop().create_future()
+        none.set_result(None)
+        return none
 
     async def cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
         """Leading tokens of this prompt the prefix cache (pool, disk tier) holds now (prefix-affinity
@@ -245,6 +275,9 @@ class PrefillService:
         hand_off = await self._hand_off_when_done(tid, stream, attempt is not None and attempt.aborted)
         if attempt is not None:
             attempt.state.move(Attempt(hand_off.status))
+        self._ended[tid] = hand_off
+        while len(self._ended) > _ENDED_KEPT:
+            self._ended.popitem(last=False)
         return hand_off
 
     async def _hand_off_when_done(self, tid: str, stream: OutputStream, aborted: bool) -> HandOff:

@@ -40,6 +40,7 @@ class ConsumerStats(Counts):
     reclaimed: int = 0  # entries of a silent consumer re-delivered here (XAUTOCLAIM)
     dead_lettered: int = 0  # entries delivered more than `max_deliveries` times
     skipped_aborted: int = 0  # entries whose request was aborted before they ran
+    duplicates: int = 0  # entries of an attempt that runs or ran here already (dropped, acknowledged)
     in_flight: int = 0  # entries being worked on
 
 
@@ -50,6 +51,7 @@ class _Counts:
     reclaimed: int = 0
     dead_lettered: int = 0
     skipped_aborted: int = 0
+    duplicates: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +196,11 @@ class RedisJobConsumer:
             self._jobs.pop(entry_id, None)
 
     async def _run(self, job: PrefillJob) -> None:
+        if self.service.holds(job.transfer_id):  # NOTE: a copy: the attempt's own delivery answers for it
+            self._counts.duplicates += 1
+            logger.info("request %s: attempt %s runs or ran here already; this copy is dropped", job.request_id,
+                        job.transfer_id)
+            return
         try:
             hand_off = await self.service.run(job)
         except (ValueError, KVLayoutMismatch) as exc:  # permanent: retrying cannot help
@@ -209,9 +216,10 @@ class RedisJobConsumer:
 
     async def _retarget(self, job: PrefillJob) -> PrefillJob | None:
         """A re-delivered job is a new attempt: the decode worker must expect it first."""
-        job = next_attempt(job)
+        job, replaced = next_attempt(job), job.transfer_id
         try:
-            expecting = await self._workers.retarget(job.decode_url, job.request_id, job.transfer_id)
+            expecting = await self._workers.retarget(job.decode_url, job.request_id, job.transfer_id,
+                                                     replaces=replaced)
         except WorkerUnreachable as exc:
             logger.warning("request %s: decode worker unreachable (%s); dropping the job", job.request_id, exc.cause)
             return None

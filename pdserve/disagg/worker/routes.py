@@ -68,8 +68,9 @@ def _add_attempt_routes(app: FastAPI, service: DecodeService) -> None:
 
     @app.post("/pd/retarget/{request_id}")
     async def retarget(request_id: str, body: Retarget) -> Response:
-        if not await service.retarget(request_id, body.transfer_id):
-            return error_response(f"request {request_id!r} is not waiting for KV", HTTPStatus.NOT_FOUND)
+        if not await service.retarget(request_id, body.transfer_id, body.replaces):
+            return error_response(f"request {request_id!r} is not waiting for KV"
+                                  + (f" from attempt {body.replaces!r}" if body.replaces else ""), HTTPStatus.NOT_FOUND)
         return JSONResponse({"expecting": body.transfer_id})
 
     @app.post("/pd/prefill_here/{request_id}")

@@ -45,6 +45,7 @@ class PrefillStats(Counts):
     handed_off: int = 0  # attempts whose KV decode acknowledged
     failed: int = 0  # attempts whose transfer failed (rejected, timed out, connection lost)
     aborted: int = 0  # attempts cut short (the router or the queue gave up on them)
+    duplicates: int = 0  # jobs of an attempt that ran or runs here, delivered again: not run twice
     in_flight: int = 0  # attempts taken and not yet handed off
 
 
