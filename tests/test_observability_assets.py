@@ -1,6 +1,6 @@
 """deploy/observability: the Grafana dashboards and the alert rules parse, and every metric their
 queries name is in a live scrape of a tiny PD cluster (router + prefill + decode); the
-PodMonitors select one role each, by the labels the README documents."""
+PodMonitors select one role each, by the labels docs/OBSERVABILITY.md documents."""
 
 from __future__ import annotations
 

@@ -592,11 +592,11 @@ def test_concurrent_requests(server: ServerHandle, offline: LLM, tok: Tokenizer)
         assert body["choices"][0]["text"] == greedy(offline, prompts[i], max_tokens[i]).outputs[0].text, i
 
 
-def test_the_readmes_tokenize_examples_work(server: ServerHandle) -> None:
-    """The README's curl lines for /tokenize and /detokenize, sent as curl sends them (`-d` alone
+def test_the_api_pages_tokenize_examples_work(server: ServerHandle) -> None:
+    """docs/API.md's curl lines for /tokenize and /detokenize, sent as curl sends them (`-d` alone
     is a form's content type: the lines must say JSON)."""
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    lines = [line for line in readme.splitlines() if line.startswith("curl -s localhost:8000/") and "tokenize" in line]
+    page = (Path(__file__).parents[1] / "docs" / "API.md").read_text()
+    lines = [line for line in page.splitlines() if line.startswith("curl -s localhost:8000/") and "tokenize" in line]
     replies = {}
     for line in lines:
         argv = shlex.split(line, comments=True)
