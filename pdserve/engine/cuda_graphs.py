@@ -98,6 +98,12 @@ class DecodeGraphs:
             input_ids, positions, meta = self.buffers.prepare(pad_decode_plan(StepPlan(), bucket))
             self.model(input_ids, positions, self.layer_caches, meta)  # warm-up: compiles the kernels
             torch.cuda.synchronize(device)
+            if not self.model.capture_safe():  # NOTE: after the warm-up, where a grouped GEMM may refuse
+                logger.warning("the model's forward syncs with the host here (MoE experts without a grouped "
+                               "GEMM on %s): decode steps run eagerly", device)
+                self.graphs.clear()
+                self.outputs.clear()
+                return
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[bucket] = self.model(input_ids, positions, self.layer_caches, meta)

@@ -7,11 +7,17 @@ are one contiguous run of rows and the expert is one matmul pair over that run (
 over tokens), then the rows are weighted and added back to their tokens:
 
     expert_ids [T, k] --flatten, stable argsort--> order [T*k]     token of row r = order[r] // k
-    rows = x[order // k]          | e0 e0 e0 | e1 | e3 e3 | ...     counts = bincount(expert_ids)
+    rows = x[order // k]          | e0 e0 e0 | e1 | e3 e3 | ...     counts = zeros[E].scatter_add_(ids, 1)
     out[run of e] = down_e(silu(gate_e(rows)) * up_e(rows)) * weight
-    y = zeros[T, H].index_add_(0, order // k, out)
+    y = out[argsort(order)].view(T, k, H).sum(1)     (pair (t, j) back at [t, j], then summed over j)
 
-The sum over a token's experts runs in ascending expert order, as transformers' loop adds them.
+Capture-safe and batch-invariant: nothing on the grouped path reads a device value back to the host
+(counting with scatter_add_, not bincount, which syncs to size its output; no .tolist()), so a CUDA
+graph captures it and torch.compile(fullgraph=True) traces it. A token's k expert outputs are summed
+over its own [k, H] slice in top-k slot order, as transformers' grouped_mm experts do, never with
+index_add_ (atomics on CUDA: an order, and bf16 roundings, that change with the batch). The
+per-expert loop (CUDA float16/float32, where no grouped GEMM runs) needs each expert's row count on
+the host, one sync per layer: it runs eagerly only (`capture_safe`; engine/cuda_graphs.py).
 With tensor parallelism every rank holds every expert's slice of the intermediate dimension (as
 the dense MLP is split) and the block's partial sums are added by one all-reduce.
 """
@@ -42,6 +48,12 @@ def _has_grouped_mm(x: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(x.device) >= (8, 0))
 
 
+def capture_safe(x: torch.Tensor) -> bool:
+    """Whether the experts run on `x`'s device and dtype without a host sync (the grouped GEMM), so a
+    CUDA graph can capture them; the per-expert loop cannot be captured."""
+    return _has_grouped_mm(x)
+
+
 class Router(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
         super().__init__()
@@ -70,11 +82,12 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        top_k = expert_ids.shape[1]
-        order = torch.argsort(expert_ids.flatten(), stable=True)
-        token_of_row = order // top_k
-        counts = torch.bincount(expert_ids.flatten(), minlength=self.num_experts)
-        rows = x[token_of_row]
+        tokens, top_k = expert_ids.shape
+        flat = expert_ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
+        rows = x[order // top_k]
         out = None
         if _has_grouped_mm(x):
             try:
@@ -85,7 +98,8 @@ class GroupedExperts(nn.Module):
         if out is None:
             out = self._expert_loop(rows, counts)
         out *= weights.flatten()[order, None]
-        return torch.zeros_like(x).index_add_(0, token_of_row, out)
+        # row r of `out` is pair order[r]: gathered back into pair order, each token's k rows summed
+        return out[torch.argsort(order)].view(tokens, top_k, -1).sum(dim=1)
 
     def _grouped_mm(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """One grouped GEMM per projection over every expert's run: no host sync, no Python loop."""

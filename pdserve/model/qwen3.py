@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model.attention_backend import StepMetadata, attend
-from pdserve.model.moe import SparseMoeBlock
+from pdserve.model.moe import SparseMoeBlock, capture_safe
 from pdserve.model.parallel import ParallelGroup
 from pdserve.model.qwen3_config import Qwen3ModelConfig
 
@@ -139,6 +139,11 @@ class Qwen3ForCausalLM(nn.Module):
             if layer_done is not None:
                 layer_done(index)
         return self.norm(x)
+
+    def capture_safe(self) -> bool:
+        """Whether a CUDA graph can capture the forward: no host sync in it (the MoE experts' per-expert
+        loop, CUDA float16/float32, has one per layer)."""
+        return self.cfg.moe is None or capture_safe(self.embed_tokens.weight)
 
     def _embed_parallel(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Each token's row lives on one rank; the others contribute zeros to the all-reduce."""
