@@ -253,7 +253,7 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
                     help="torch threads per prefill worker (default: CPUs // workers when it starts)")
     up.add_argument("--decode-threads", type=int, default=None,
                     help="torch threads per decode worker (default: CPUs // workers when it starts)")
-    for role in ("prefill", "decode"):  # the KV hand-off converts between them (README, "KV cache dtype")
+    for role in ("prefill", "decode"):  # the KV hand-off converts between them (docs/MODELS.md, "KV cache dtype")
         up.add_argument(f"--{role}-kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
                         help=f"--kv-cache-dtype of the {role} workers only (default: --kv-cache-dtype's)")
     add_config_args(up, RouterConfig, title="router", exclude=UP_SETS_ROUTER)

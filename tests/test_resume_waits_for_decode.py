@@ -17,7 +17,7 @@ from pdserve.disagg.router.request_run import RequestRun, RouterParts
 from pdserve.engine.sampling_params import SamplingParams
 
 
-def _parts(ready: list[Any], deadline_s: float) -> RouterParts:
+def _parts(ready: list[Any], deadline_s: float, expected_back: bool = False) -> RouterParts:
     def reject(reason: str, message: str) -> None:
         raise RouterError(reason, message)
 
@@ -27,8 +27,9 @@ def _parts(ready: list[Any], deadline_s: float) -> RouterParts:
     async def reserve(url: str, request: Any) -> str:
         return f"reserved on {url}"
 
-    return RouterParts(RouterConfig(reserve_deadline_s=deadline_s), None, 64, 100,  # type: ignore[arg-type]
-                       SimpleNamespace(ready=lambda role: list(ready)), SimpleNamespace(order=order), None,
+    pool = SimpleNamespace(ready=lambda role: list(ready), expected_back=lambda role: expected_back and not ready)
+    return RouterParts(RouterConfig(reserve_deadline_s=deadline_s, restart_window_s=2.0), None, 64,  # type: ignore[arg-type]
+                       100, pool, SimpleNamespace(order=order), None,
                        SimpleNamespace(reserve=reserve), SimpleNamespace(reject=reject), None, None)
 
 
@@ -60,3 +61,26 @@ def test_a_resume_gives_up_at_the_deadline() -> None:
 
     with pytest.raises(RouterError, match="no decode worker is ready"):
         asyncio.run(main())
+
+
+def test_a_new_run_waits_for_a_decode_worker_expected_back_within_the_restart_window() -> None:
+    async def main() -> tuple[Any, Any]:
+        ready: list[Any] = []
+        run = RequestRun(_parts(ready, 5.0, expected_back=True), "r", [1, 2, 3], SamplingParams(max_tokens=4))
+        worker = SimpleNamespace(url="http://decode", info=None, in_flight=0)
+        asyncio.get_running_loop().call_later(0.3, ready.append, worker)
+        return worker, await asyncio.wait_for(run._reserve(set()), 3.0)
+
+    worker, (got, _) = asyncio.run(main())
+    assert got is worker
+
+
+def test_a_new_run_gives_up_at_the_end_of_the_restart_window() -> None:
+    async def main() -> float:
+        run = RequestRun(_parts([], 30.0, expected_back=True), "r", [1, 2, 3], SamplingParams(max_tokens=4))
+        start = asyncio.get_running_loop().time()
+        with pytest.raises(RouterError, match="no decode worker is ready"):
+            await asyncio.wait_for(run._reserve(set()), 5.0)
+        return asyncio.get_running_loop().time() - start
+
+    assert 1.9 < asyncio.run(main()) < 4.0  # the 2 s window, not the 30 s reserve deadline

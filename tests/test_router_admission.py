@@ -193,3 +193,34 @@ def test_short_uncached_rest_is_prefilled_on_decode(model_dirs: dict[str, Path],
         cluster.wait_until_idle()
     finally:
         stop_cluster(cluster)
+
+
+@pytest.mark.parametrize("window_s", [3.0, 0.0], ids=["window", "no-window"])
+def test_a_request_sent_while_the_only_decode_worker_restarts_waits_for_it(model_dirs: dict[str, Path],
+                                                                           colocated: LLM, window_s: float) -> None:
+    """The only decode worker goes away (draining, as before a restart) and comes back 0.8 s later:
+    a request sent meanwhile waits for it (the restart window) and gets its answer; without the
+    window it gets a 503 with Retry-After at once."""
+    cluster = start_cluster(model_dirs["tiny"], "tcp", 1, 1, restart_window_s=window_s)
+    decode = cluster.service(DecodeService)
+    prompt = random_prompt(24, seed=77)
+    try:
+        with httpx.Client(base_url=cluster.router.url, timeout=30) as http:
+            decode.draining = True
+            _until(lambda: http.get("/ready").status_code == 503)  # the router's pool saw it go
+            threading_timer = __import__("threading").Timer(0.8, lambda: setattr(decode, "draining", False))
+            threading_timer.start()
+            start = time.monotonic()
+            reply = http.post("/v1/completions", json=GREEDY | {"prompt": prompt})
+            elapsed = time.monotonic() - start
+            threading_timer.join()
+            if window_s:
+                assert reply.status_code == 200, reply.text
+                assert reply.json()["choices"][0]["text"] == greedy_text(colocated, prompt)
+                assert elapsed >= 0.5
+            else:
+                assert reply.status_code == 503 and reply.headers["retry-after"] == "1", reply.text
+                assert elapsed < 0.5
+        cluster.wait_until_idle()
+    finally:
+        stop_cluster(cluster)

@@ -11,5 +11,5 @@
     attempt_states.py, request_ids.py           the states of a request's run, reservation and attempt; its ids
 Imports point one way: router/ and worker/ use the modules here, transport/ and queue/; those never
 import router/ or worker/, and router/ and worker/ never import each other.
-See docs/architecture.md ("One request's lifecycle (disaggregated)").
+See docs/ARCHITECTURE.md ("One request's lifecycle (disaggregated)").
 """

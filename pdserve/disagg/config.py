@@ -59,6 +59,10 @@ class RouterConfig:
     max_queued_requests: int = knob(512, "requests admitted and waiting for their first token; beyond: 429")
     max_queued_tokens: int = knob(1 << 20, "their prompt tokens; beyond: 429")
     reserve_deadline_s: float = knob(30.0, "how long a request waits for KV room on a decode worker before a 503")
+    restart_window_s: float = knob(5.0, "a new request finding no ready prefill or decode worker while one that "
+                                        "was ready is expected back (restarting: still listed, or a Redis queue "
+                                        "that had consumers) waits this long for it before a 503 with Retry-After "
+                                        "(0: the 503 at once)")
     max_resumes: int = knob(2, "times a request moves to another decode worker after losing its own")
     early_first_token: bool = knob(True, "send a request's first token to its client as soon as the prefill worker "
                                          "sampled it, before decode has the KV (memory queue; one sequence, no "
@@ -84,6 +88,7 @@ class RouterConfig:
             (self.max_queued_requests >= 1, "max_queued_requests must be >= 1"),
             (self.max_queued_tokens >= 1, "max_queued_tokens must be >= 1"),
             (self.reserve_deadline_s >= 0, "reserve_deadline_s must be >= 0 (0: try each decode worker once)"),
+            (self.restart_window_s >= 0, "restart_window_s must be >= 0 (0: no window)"),
             (self.max_resumes >= 0, "max_resumes must be >= 0"),
             (self.first_token_timeout_s >= 0, "first_token_timeout_s must be >= 0 (0: no deadline)"),
         ]

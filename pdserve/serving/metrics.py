@@ -13,8 +13,8 @@ several servers in one process) and labels every series with `model_name` and `r
     queue: disagg/worker/metrics.py, disagg/router/metrics.py): nothing to keep in sync, and a
     scrape never touches the engine thread.
 
-Names and units follow vLLM (`vllm:*`); disaggregation-specific series use `pdserve:*`. The README's
-"Metrics" section lists them all; `deploy/observability/` queries them.
+Names and units follow vLLM (`vllm:*`); disaggregation-specific series use `pdserve:*`.
+docs/OBSERVABILITY.md lists them all; `deploy/observability/` queries them.
 """
 
 from __future__ import annotations

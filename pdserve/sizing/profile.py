@@ -98,7 +98,7 @@ class PDPathCosts:
     and KV arrival are serial work of the same loops and of the decode worker's engine process, so
     a wave's first hand-offs wait behind the rest of it).
 
-    What the first token's cost counts was found on served runs (docs/BENCHMARKS.md, issue 29):
+    What the first token's cost counts was found on served runs (the git history of docs/BENCHMARKS.md):
     per request waiting for its first token (profile version 2) it was ~0 once arrivals spread out
     and a steady load's TTFT came out 62 % short; per request in flight (version 3) a wave's first
     tokens paid for the seven others waiting with them, and the loop's 48-prompt TTFT median came

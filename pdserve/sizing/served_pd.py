@@ -2,7 +2,7 @@
 
 Timed alone (`calibrate.measure_steps`), an engine step leaves out what serving adds to it, and the
 simulator's PD path had none of the router's and the workers' HTTP hops: the default calibrate ->
-simulate -> bench loop missed the real PD TTFT median by 89 % (docs/BENCHMARKS.md, issue 29). So
+simulate -> bench loop missed the real PD TTFT median by 89 % (the git history of docs/BENCHMARKS.md). So
 calibrate also starts a small real cluster the way `pdserve up` runs one (1 prefill + 1 decode
 worker, the calibrated engine flags and threads, `PDSERVE_STEP_LOG` on) and drives it with
 `pdserve bench`'s client:
@@ -126,7 +126,7 @@ def fit_served(timed: StepModel, steps: list[Step]) -> tuple[StepModel, float, f
     steps that run while the rest of a wave is prefilled and handed off (1.2-1.7x their timed step
     on a 2-vCPU host, where the router, both API processes and the prefill engine want the same
     cores) set the scale of the full-batch steps (1.06x): the loop's 48-prompt TPOT median came out
-    +18 % (docs/BENCHMARKS.md, issue 29)."""
+    +18 % (the git history of docs/BENCHMARKS.md)."""
     y = np.array([s.seconds for s in steps])
     x = np.array([[s.predicted_s, 1.0] for s in steps])
     w = np.array([s.weight for s in steps])

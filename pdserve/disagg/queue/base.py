@@ -136,6 +136,11 @@ class PrefillQueue(abc.ABC):
         """Some prefill worker can take jobs now (as of the last `refresh`)."""
 
     @property
+    def expected_back(self) -> bool:
+        """No prefill worker can take jobs now, but one could before and is expected back."""
+        return False
+
+    @property
     @abc.abstractmethod
     def error(self) -> str:
         """Why the queue is unreachable; "" when it is fine."""

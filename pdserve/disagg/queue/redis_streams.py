@@ -81,10 +81,16 @@ class RedisPrefillQueue(PrefillQueue):
         self._num_live_consumers = 0
         self._num_backlog = 0
         self._error = ""
+        self._had_consumers = False  # some consumer was live since this router started
 
     @property
     def ready(self) -> bool:
         return not self._error and self._num_live_consumers > 0
+
+    @property
+    def expected_back(self) -> bool:
+        """No live consumer now (a restarting prefill worker's key expired) but there were some."""
+        return not self._error and self._num_live_consumers == 0 and self._had_consumers
 
     @property
     def error(self) -> str:
@@ -118,6 +124,7 @@ class RedisPrefillQueue(PrefillQueue):
         try:
             keys = self._redis.scan_iter(match=self.keys.alive_prefix + "*", count=100)
             self._num_live_consumers = len([key async for key in keys])
+            self._had_consumers = self._had_consumers or self._num_live_consumers > 0
             self._num_backlog = await self._backlog()
             self._error = ""
         except (RedisError, OSError) as exc:

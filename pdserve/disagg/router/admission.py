@@ -2,7 +2,9 @@
 
 - a request that can never run (prompt too long, token ids out of the vocabulary): 400;
 - the queue's store unreachable, no ready prefill worker (or live consumer), no ready decode
-  worker: 503;
+  worker: 503 with Retry-After; but while a worker of the role that was ready is expected back
+  (restarting: still listed in the pool, or a Redis queue that had consumers), a new request
+  waits up to `restart_window_s` for it first;
 - more than `max_queued_requests` requests (or `max_queued_tokens` prompt tokens) admitted and
   still waiting for their first token: 429 with Retry-After.
 Later refusals of an admitted request (no KV room before the deadline, the queue lost, no first
@@ -11,6 +13,7 @@ token before the first-token deadline) are counted here too (`reject`), so every
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from typing import Literal, NoReturn
 
@@ -21,6 +24,8 @@ from pdserve.disagg.router.pool import WorkerPool
 from pdserve.disagg.router.stats import Rejections
 from pdserve.engine.llm_engine import check_request
 from pdserve.engine.sampling_params import SamplingParams
+
+_WINDOW_POLL_S = 0.05  # how often a request in the restart window looks at the pool again
 
 RejectReason = Literal["invalid", "queue_full", "no_prefill_worker", "no_decode_worker", "no_kv_room",
                        "queue_unavailable", "first_token_timeout"]
@@ -38,7 +43,9 @@ class Admission:
         self._queue = queue
         self._max_model_len = max_model_len
         self._vocab_size = vocab_size
+        self._restart_window_s = config.restart_window_s
         self._rejected: Counter[str] = Counter()  # by RejectReason: the fields of Rejections
+        self.num_waiting_for_workers = 0  # new requests in the restart window (not admitted yet)
         self.num_queued = 0
         self.num_queued_tokens = 0
 
@@ -50,8 +57,29 @@ class Admission:
             self._rejected["invalid"] += 1
             raise
 
-    def admit(self, num_tokens: int) -> None:
-        """Into the queue, or a RouterError (the client's 503, 429). Pair with one `release`."""
+    async def admit(self, num_tokens: int) -> None:
+        """Into the queue, or a RouterError (the client's 503, 429). Pair with one `release`. A
+        role with no ready worker while one is expected back (restarting) is waited for, up to
+        `restart_window_s`."""
+        await self._restart_window()
+        self._admit_now(num_tokens)
+
+    async def _restart_window(self) -> None:
+        if self._restart_window_s <= 0 or not self._expected_back():
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._restart_window_s
+        self.num_waiting_for_workers += 1
+        try:
+            while self._expected_back() and loop.time() < deadline:
+                await asyncio.sleep(_WINDOW_POLL_S)
+        finally:
+            self.num_waiting_for_workers -= 1
+
+    def _expected_back(self) -> bool:
+        return (not self._queue.ready and self._queue.expected_back) or self._pool.expected_back("decode")
+
+    def _admit_now(self, num_tokens: int) -> None:
         if self._queue.error:
             self.reject("queue_unavailable", self._queue.error)
         if not self._queue.ready:

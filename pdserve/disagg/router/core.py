@@ -178,7 +178,7 @@ class PDRouter:
     async def _generate(self, request_id: str, prompt_token_ids: list[int],
                         params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
         self.validate_request(prompt_token_ids, params)
-        self.admission.admit(len(prompt_token_ids))
+        await self.admission.admit(len(prompt_token_ids))
         outputs = self._run(request_id, prompt_token_ids, params)
         try:
             try:

@@ -33,6 +33,8 @@ _STATUS: dict[str, HTTPStatus] = {
     "decode_broke": HTTPStatus.BAD_GATEWAY,
 }
 _RETRY_AFTER_S = 1
+# 503s a client should retry shortly (a worker may be back by then): with Retry-After too
+_RETRY_LATER = frozenset({"no_prefill_worker", "no_decode_worker", "no_kv_room", "queue_unavailable"})
 
 
 class RouterError(Exception):
@@ -46,7 +48,8 @@ class RouterError(Exception):
 
     def client_error(self) -> OpenAIError:
         """What the client gets: the status for the reason (a prefill refusal: the worker's status),
-        Retry-After on a 429."""
+        Retry-After on a 429 and on a 503 for want of a worker or KV room."""
         status = HTTPStatus(self.worker_status) if self.worker_status is not None else _STATUS[self.reason]
-        retry = {"Retry-After": str(_RETRY_AFTER_S)} if status == HTTPStatus.TOO_MANY_REQUESTS else None
+        retry = {"Retry-After": str(_RETRY_AFTER_S)} if status == HTTPStatus.TOO_MANY_REQUESTS \
+            or self.reason in _RETRY_LATER else None
         return OpenAIError(self.message, status, headers=retry)

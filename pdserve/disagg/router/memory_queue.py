@@ -88,6 +88,10 @@ class MemoryPrefillQueue(PrefillQueue):
         return self._pool.any_ready("prefill")
 
     @property
+    def expected_back(self) -> bool:
+        return self._pool.expected_back("prefill")
+
+    @property
     def error(self) -> str:
         return ""
 

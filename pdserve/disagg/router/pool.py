@@ -33,6 +33,7 @@ class Worker:
     in_flight: int = 0
     in_flight_tokens: int = 0  # prefill: prompt tokens of the jobs pushed to it and not yet handed off
     member: bool = True  # False once no membership source lists it: it finishes this router's work, gets no more
+    was_ready: bool = False  # it has been ready since it joined: while listed, it is expected back
 
     @property
     def ready(self) -> bool:
@@ -99,6 +100,11 @@ class WorkerPool:
     def any_ready(self, role: WorkerRole) -> bool:
         return any(w.ready for w in self._members[role])
 
+    def expected_back(self, role: WorkerRole) -> bool:
+        """No worker of `role` is ready, but one that was is still listed (restarting, draining
+        before a restart, or gone and not yet out of its membership source)."""
+        return not self.any_ready(role) and any(w.member and w.was_ready for w in self._members[role])
+
     def find(self, role: WorkerRole, url: str) -> Worker | None:
         return next((w for w in self._members[role] if w.url == url), None)
 
@@ -123,6 +129,7 @@ class WorkerPool:
             info = info.model_copy(update={"ready": False})
         if worker.info is not None and info.instance_id != worker.info.instance_id:
             logger.info("%s worker %s restarted (instance %s)", worker.role, worker.url, info.instance_id)
+        worker.was_ready = worker.was_ready or info.ready
         if info.ready and not worker.ready:
             logger.info("%s worker %s is in the pool", worker.role, worker.url)
         elif worker.ready and not info.ready:

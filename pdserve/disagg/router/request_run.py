@@ -185,11 +185,15 @@ class RequestRun:
                                  prompt_token_ids=self.prompt, params=WireSamplingParams.of(self.params))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + parts.config.reserve_deadline_s
+        window = loop.time() + parts.config.restart_window_s
         while True:
             candidates = [w for w in parts.pool.ready("decode") if instance(w) not in exclude]
             # NOTE: a resume waits whatever ended the run before: after a failed attempt `exclude` can
-            # be empty while the decode worker that failed it is down (CI once got this 503 mid-stream)
-            if not candidates and (not self.recovering or loop.time() > deadline):
+            # be empty while the decode worker that failed it is down (CI once got this 503 mid-stream);
+            # a new run waits only while a decode worker is expected back, within the restart window
+            waits = loop.time() <= deadline if self.recovering else \
+                loop.time() <= window and parts.pool.expected_back("decode")
+            if not candidates and not waits:
                 parts.admission.reject("no_decode_worker", "no decode worker is ready")
             for worker in await parts.policy.order(candidates, self.prompt):
                 try:

@@ -57,7 +57,7 @@ def workload_lengths(ns: argparse.Namespace) -> tuple[str, list[tuple[int, int]]
 
 # NOTE: a request's way from the client to the router over loopback HTTP, and the gap between two
 # sends of one client: a few ms on the 2-vCPU VM (`pdserve serve` adds ~6 ms to the offline engine's
-# TTFT of a 4-token prompt, docs/BENCHMARKS.md, issue 19)
+# TTFT of a 4-token prompt, git history of docs/BENCHMARKS.md)
 DISPATCH_S = 0.002
 
 
