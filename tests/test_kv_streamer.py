@@ -38,12 +38,12 @@ def test_a_small_step_sends_every_layer_after_the_last_one_in_order() -> None:
     assert seen == [1, 2, 3 + LAYERS]
     small = [s for s in sent if s[0] == "small"]
     assert [s[1] for s in small] == list(range(LAYERS))
-    assert all(s[2:] == ([100, 101], [7, 8]) for s in small)
+    assert all(s[2:4] == ([100, 101], [7, 8]) for s in small)
     assert [s[1] for s in sent if s[0] == "big"] == list(range(LAYERS))
     # the next chunk re-sends the half-full block, completed, and is held again
     sent.clear()
     assert _step(streamer, [_chunk("small", 5, 2, 2)], sent) == [0, 0, LAYERS]
-    assert all(s[2:] == ([101], [8]) for s in sent)
+    assert all(s[2:4] == ([101], [8]) for s in sent)
 
 
 def test_layer_by_layer_without_small_blocks_and_nothing_held_across_steps() -> None:

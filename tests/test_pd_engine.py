@@ -26,7 +26,7 @@ def pd_generate(prefill: LLM, decode: LLM, prompts: list[list[int]],
     p, d = prefill.engine, decode.engine
     layers = p.config.model.num_hidden_layers
 
-    def send_layer(request_id: str, layer: int, src: list[int], dst: list[int]) -> None:
+    def send_layer(request_id: str, layer: int, src: list[int], dst: list[int], ready: object) -> None:
         d.runner.kv_cache[layer, :, dst] = p.runner.kv_cache[layer, :, src]
 
     streamer = KVStreamer(p.config.cache.block_size, layers, send_layer)
@@ -121,7 +121,7 @@ def test_failed_hand_off_is_recomputed_on_decode(llm_factory: Callable[..., LLM]
     reservation = d.reserve_remote("f", PROMPTS[5], params)
     assert reservation is not None
 
-    def send_first_layer_only(request_id: str, layer: int, src: list[int], dst: list[int]) -> None:
+    def send_first_layer_only(request_id: str, layer: int, src: list[int], dst: list[int], ready: object) -> None:
         if layer == 0:
             d.runner.kv_cache[layer, :, dst] = p.runner.kv_cache[layer, :, src]
 

@@ -19,6 +19,7 @@ import torch
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.transport.base import KVReceiver
 from pdserve.disagg.transport.messages import Ack, DoneHeader, Hello, LayerHeader, Reject, Welcome
+from pdserve.disagg.transport.ready import NO_WAIT, LayerReady
 from pdserve.disagg.transport.sender_base import KVSender
 
 _receivers: weakref.WeakValueDictionary[str, FakeKVReceiver] = weakref.WeakValueDictionary()
@@ -78,8 +79,9 @@ class FakeKVSender(KVSender):
         self._check_welcome(peer.accept_hello(Hello(self.layout, b"")))
         self._peer = peer
 
-    def send_layer(self, request_id: str, layer: int, src_block_ids: list[int], dst_block_ids: list[int], *,
-                   token: str = "") -> None:
+    def send_layer(self, request_id: str, layer: int, src_block_ids: list[int], dst_block_ids: list[int],
+                   ready: LayerReady = NO_WAIT, *, token: str = "") -> None:
+        """`ready` unused: the copy is queued on the engine's thread, so on its stream after the layer."""
         peer = self._connected()
         self._check_sources(layer, src_block_ids)
         self._acks.sent_layer(request_id)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from pdserve.disagg.kv_layout import KVLayout
+from pdserve.disagg.transport.ready import NO_WAIT, LayerReady
 from pdserve.disagg.transport.sender_base import KVSender
 from pdserve.model.parallel import kv_head_range
 
@@ -81,10 +82,10 @@ class RankedKVSender(KVSender):
             self.close()
             raise
 
-    def send_layer(self, request_id: str, layer: int, src_block_ids: list[int], dst_block_ids: list[int], *,
-                   token: str = "") -> None:
+    def send_layer(self, request_id: str, layer: int, src_block_ids: list[int], dst_block_ids: list[int],
+                   ready: LayerReady = NO_WAIT, *, token: str = "") -> None:
         for _, sender in self.links:
-            sender.send_layer(request_id, layer, src_block_ids, dst_block_ids, token=token)
+            sender.send_layer(request_id, layer, src_block_ids, dst_block_ids, ready, token=token)
 
     def send_done(self, request_id: str, record: bytes, *, token: str = "") -> None:
         rank0 = self._rank0()

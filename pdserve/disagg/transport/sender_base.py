@@ -15,6 +15,7 @@ from pdserve.disagg.transport.base import check_pool
 from pdserve.disagg.transport.errors import KVTransferError
 from pdserve.disagg.transport.messages import Ack, LayerHeader, Reject, Welcome
 from pdserve.disagg.transport.progress import AckTracker
+from pdserve.disagg.transport.ready import NO_WAIT, LayerReady
 
 _MAX_ABANDONED_KEPT = 4096
 _RELEASE_TIMEOUT_S = 30.0
@@ -28,9 +29,11 @@ class KVSender(abc.ABC):
     - One sender talks to one receiver: `connect(address)` (blocking, any thread except the
       sender's own I/O thread) performs the handshake; both sides compare KVLayout and a mismatch
       raises KVLayoutMismatch naming the field, here and on the receiver (`receiver.refusals`).
-    - `send_layer(request_id, layer, src_block_ids, dst_block_ids)` is called by the prefill
-      engine's thread right after `layer` was computed; it returns at once and the bytes move on
-      the transport's I/O thread while later layers compute. Calls for one request come in layer
+    - `send_layer(request_id, layer, src_block_ids, dst_block_ids, ready)` is called by the prefill
+      engine's thread right after `layer` was launched; it returns at once and the bytes move on
+      the transport's I/O thread while later layers compute. `ready` (ready.py) marks the end of
+      the layer on the compute stream: a sender that reads the device pool from another thread or
+      stream waits on it before it posts the read (never on the engine's thread). Calls for one request come in layer
       order, then one `send_done(request_id, record)`: `record` is the encoded hand-off record
       (disagg/handoff.py: first token, generator state, ...), which the transport carries as
       opaque bytes, never reading it, and the receiver delivers as `KVDone.record`. Both calls
@@ -76,8 +79,8 @@ class KVSender(abc.ABC):
     def connect(self, address: str) -> None: ...
 
     @abc.abstractmethod
-    def send_layer(self, request_id: str, layer: int, src_block_ids: list[int], dst_block_ids: list[int], *,
-                   token: str = "") -> None: ...
+    def send_layer(self, request_id: str, layer: int, src_block_ids: list[int], dst_block_ids: list[int],
+                   ready: LayerReady = NO_WAIT, *, token: str = "") -> None: ...
 
     @abc.abstractmethod
     def send_done(self, request_id: str, record: bytes, *, token: str = "") -> None: ...

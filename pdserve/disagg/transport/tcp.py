@@ -53,6 +53,7 @@ from pdserve.disagg.transport.frames import Frame, ProtocolError
 from pdserve.disagg.transport.handshake import KVPeerGate, KVPeerPolicy, say_hello
 from pdserve.disagg.transport.io_thread import IoThread
 from pdserve.disagg.transport.messages import Ack, DoneHeader, Hello, LayerHeader, Reject
+from pdserve.disagg.transport.ready import NO_WAIT, LayerReady
 from pdserve.disagg.transport.reservations import PayloadRejected
 from pdserve.disagg.transport.sender_base import KVSender
 
@@ -190,6 +191,7 @@ class _Staging:
 class _LayerJob:
     header: LayerHeader
     src_block_ids: tuple[int, ...]
+    ready: LayerReady = NO_WAIT  # the layer's end on the compute stream (ready.py)
 
 
 class TcpKVSender(KVSender):
@@ -218,12 +220,12 @@ class TcpKVSender(KVSender):
     def broken(self) -> str:
         return self._broken
 
-    def send_layer(self, request_id: str, layer: int, src_block_ids: list[int], dst_block_ids: list[int], *,
-                   token: str = "") -> None:
+    def send_layer(self, request_id: str, layer: int, src_block_ids: list[int], dst_block_ids: list[int],
+                   ready: LayerReady = NO_WAIT, *, token: str = "") -> None:
         self._check_sources(layer, src_block_ids)
         header = self._layer_header(request_id, layer, len(src_block_ids), dst_block_ids, token)
         self._acks.sent_layer(request_id)
-        self._enqueue(request_id, _LayerJob(header, tuple(src_block_ids)))
+        self._enqueue(request_id, _LayerJob(header, tuple(src_block_ids), ready))
 
     def send_done(self, request_id: str, record: bytes, *, token: str = "") -> None:
         num_layers = self._announced_layers(request_id)
@@ -281,7 +283,8 @@ class TcpKVSender(KVSender):
 
     def _payload(self, job: _LayerJob) -> list[memoryview]:
         """The source blocks' regions of the pool itself, or a host copy (an accelerator pool, or
-        some heads of a pool)."""
+        some heads of a pool), once the layer's kernels wrote them (transport/ready.py)."""
+        job.ready.synchronize()  # NOTE: this thread's stream need not be the one that wrote the layer
         if self._flat is not None:
             return regions.payload_views(self.layout, self.kv_cache, self._flat, job.header.layer, job.src_block_ids)
         src = torch.tensor(job.src_block_ids, dtype=torch.long, device=self.kv_cache.device)

@@ -37,6 +37,7 @@ from pdserve.disagg.transport.errors import KVTransferError
 from pdserve.disagg.transport.handshake import KVPeerPolicy
 from pdserve.disagg.transport.messages import KVEvent
 from pdserve.disagg.transport.ranked import HeadRange
+from pdserve.disagg.transport.ready import layer_ready
 from pdserve.disagg.transport.sender_base import KVSender
 from pdserve.disagg.worker.kv_streamer import KVDestination, KVStreamer, small_step_blocks
 from pdserve.disagg.worker.rank_receiving import link_ranks
@@ -216,13 +217,15 @@ class OnePool:
     """Every KV head of the engine in one pool: one process, or tensor-parallel ranks sharing one (CPU)."""
 
     layout: KVLayout
+    device: torch.device = torch.device("cpu")  # the pool's: where its layers' ready events are recorded
     sending_heads: None = None
 
     def link(self, receiver: KVReceiver, peers: KVPeerPolicy) -> None:
         return None  # NOTE: the receiver writes every head itself
 
     def streamer(self, small_blocks: int) -> KVStreamer:
-        return KVStreamer(self.layout.block_size, self.layout.num_layers, small_blocks=small_blocks)
+        return KVStreamer(self.layout.block_size, self.layout.num_layers, small_blocks=small_blocks,
+                          ready=layer_ready(self.device))
 
 
 class PoolPerRank:
@@ -233,7 +236,7 @@ class PoolPerRank:
         if spec.transport == "fake":
             raise ValueError("the fake KV transport moves KV within one process: a worker with "
                              "--tensor-parallel-size > 1 and a KV pool per rank (CUDA) needs tcp or nixl")
-        self.ranks, self.spec = ranks, spec
+        self.ranks, self.spec, self.device = ranks, spec, pool.device
         self.layout = rank_layout(spec.model_name, pool, config, 0)
         self.sending_heads = sending_heads(config)
 
@@ -241,7 +244,8 @@ class PoolPerRank:
         link_ranks(self.ranks, receiver, self.spec, peers)  # every rank receives its heads
 
     def streamer(self, small_blocks: int) -> KVStreamer:
-        streamer = MirroredKVStreamer(self.ranks, self.layout.block_size, self.layout.num_layers, small_blocks)
+        streamer = MirroredKVStreamer(self.ranks, self.layout.block_size, self.layout.num_layers, small_blocks,
+                                      layer_ready(self.device))
         self.ranks.install_rank_hook(RankStreamingSpec(self.spec.transport, self.spec.model_name, small_blocks,
                                                        self.spec.cluster_secret_file), streamer.step_message)
         return streamer
@@ -253,7 +257,7 @@ def kv_pools(runner: ModelRunner, config: EngineConfig, spec: KVSideSpec) -> KVP
     if ranks is not None:
         return PoolPerRank(ranks, runner.kv_cache, config, spec)
     return OnePool(KVLayout.from_pool(spec.model_name, runner.kv_cache, tp_size=config.tensor_parallel_size,
-                                      scales=config.kv_scales))
+                                      scales=config.kv_scales), runner.kv_cache.device)
 
 
 def build_kv_side(runner: ModelRunner, config: EngineConfig, spec: KVSideSpec,

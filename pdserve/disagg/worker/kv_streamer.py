@@ -15,6 +15,10 @@ has no destination yet: its layers are not sent as they are computed, and `place
 thread, between steps) sends every layer computed so far once the reservation is known; later
 steps stream as usual.
 
+Every send carries the layer's `ready` event (transport/ready.py), recorded on the compute stream
+right after the layer: the layer callback runs once its kernels are launched, not done, so a
+sender that reads the device pool from its own thread (a NIXL WRITE from VRAM) waits on it first.
+
 A small step holds its layers instead (`small_blocks`): a request whose step sends at most that
 many blocks a layer sends every layer at the end of the last one, in one burst while the
 vocabulary projection runs. Layer by layer, each send woke the transport's thread mid-forward,
@@ -27,13 +31,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from pdserve.disagg.transport.ready import NO_WAIT, LayerReady
 from pdserve.disagg.transport.sender_base import KVSender
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledChunk
 
-# (request id, layer, source block ids in this pool, destination block ids in the decode pool)
-SendLayer = Callable[[str, int, list[int], list[int]], None]
-_Send = tuple[SendLayer, str, int, list[int], list[int]]  # a `send_layer` call and its arguments
+# (request id, layer, source block ids in this pool, destination block ids in the decode pool, the
+# layer's end on the compute stream: what a sender waits for before it reads those blocks there)
+SendLayer = Callable[[str, int, list[int], list[int], LayerReady], None]
+_Send = tuple[SendLayer, str, int, list[int], list[int], LayerReady]  # a `send_layer` call and its arguments
 # A step's KV below this (all layers) goes in one burst after its last layer (module docstring)
 SMALL_STEP_KV_BYTES = 1 << 21
 
@@ -53,8 +59,9 @@ class KVDestination:
     address: str
     token: str
 
-    def __call__(self, request_id: str, layer: int, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
-        self.sender.send_layer(request_id, layer, src_block_ids, dst_block_ids, token=self.token)
+    def __call__(self, request_id: str, layer: int, src_block_ids: list[int], dst_block_ids: list[int],
+                 ready: LayerReady = NO_WAIT) -> None:
+        self.sender.send_layer(request_id, layer, src_block_ids, dst_block_ids, ready, token=self.token)
 
 
 @dataclass(slots=True)
@@ -69,10 +76,13 @@ class KVStreamer:
     are called there too (between steps), so a request's target never changes mid-step."""
 
     def __init__(self, block_size: int, num_layers: int, send_layer: SendLayer | None = None,
-                 small_blocks: int = 0) -> None:
+                 small_blocks: int = 0, ready: Callable[[], LayerReady] | None = None) -> None:
         """`send_layer`: where requests go unless `expect` names their own (one decode peer);
         `small_blocks`: a request's step that sends at most this many blocks a layer sends them all
-        after its last layer (0: every step layer by layer)."""
+        after its last layer (0: every step layer by layer); `ready`: records the end of the work
+        launched so far on the compute stream (`transport.ready.layer_ready(device)`; default:
+        nothing to wait for, CPU)."""
+        self.ready = ready or (lambda: NO_WAIT)
         self.block_size = block_size
         self.last_layer = num_layers - 1
         self.send_layer = send_layer
@@ -104,8 +114,10 @@ class KVStreamer:
         if request is not None and request.num_computed_tokens > target.sent_tokens:
             computed = request.num_computed_tokens
             first, last = target.sent_tokens // self.block_size, (computed - 1) // self.block_size
+            ready = self.ready()  # NOTE: a step that sampled nothing may still be running
             for layer in range(self.last_layer + 1):
-                send(request_id, layer, request.block_ids[first:last + 1], list(target.dst_block_ids[first:last + 1]))
+                send(request_id, layer, request.block_ids[first:last + 1], list(target.dst_block_ids[first:last + 1]),
+                     ready)
             target.sent_tokens = computed
         return True
 
@@ -126,6 +138,7 @@ class KVStreamer:
         return request_id in self._targets
 
     def __call__(self, layer: int, chunks: list[ScheduledChunk]) -> None:
+        ready: LayerReady | None = None  # recorded at the first send of this layer
         for chunk in chunks:
             request = chunk.request
             target = self._targets.get(request.request_id)
@@ -135,8 +148,9 @@ class KVStreamer:
             first = target.sent_tokens // self.block_size
             last = (computed_end - 1) // self.block_size
             if last >= first:
+                ready = ready or self.ready()
                 send: _Send = (target.send_layer, request.request_id, layer, request.block_ids[first:last + 1],
-                               list(target.dst_block_ids[first:last + 1]))
+                               list(target.dst_block_ids[first:last + 1]), ready)
                 if last - first < self.small_blocks and layer < self.last_layer:
                     self._held.append(send)
                 else:

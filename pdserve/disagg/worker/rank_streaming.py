@@ -36,6 +36,7 @@ from pdserve.config import EngineConfig
 from pdserve.disagg.auth import load_cluster_secret
 from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.transport.ranked import HeadRange
+from pdserve.disagg.transport.ready import LayerReady, layer_ready
 from pdserve.disagg.transport.sender_base import KVSender
 from pdserve.disagg.worker.kv_streamer import KVDestination, KVStreamer, SendLayer
 from pdserve.disagg.worker.sender_pool import PoolSettings, SenderPool
@@ -90,7 +91,8 @@ class RankStreaming:
         self.rank = rank
         self.sends = rank in sending_ranks(config)
         layout = rank_layout(spec.model_name, kv_cache, config, rank)
-        self.streamer = KVStreamer(layout.block_size, layout.num_layers, small_blocks=spec.small_blocks)
+        self.streamer = KVStreamer(layout.block_size, layout.num_layers, small_blocks=spec.small_blocks,
+                                   ready=layer_ready(kv_cache.device))
         self.senders = SenderPool(spec.transport, layout, kv_cache, None,
                                   load_cluster_secret(spec.cluster_secret_file),
                                   PoolSettings(sending_heads=sending_heads(config),
@@ -158,8 +160,9 @@ class MirroredKVStreamer(KVStreamer):
     """Rank 0's streamer: streams rank 0's heads and tells the other ranks to do the same with
     theirs (`rank_command` between steps, each step's chunks with its plan)."""
 
-    def __init__(self, ranks: RankPools, block_size: int, num_layers: int, small_blocks: int) -> None:
-        super().__init__(block_size, num_layers, small_blocks=small_blocks)
+    def __init__(self, ranks: RankPools, block_size: int, num_layers: int, small_blocks: int,
+                 ready: Callable[[], LayerReady] | None = None) -> None:
+        super().__init__(block_size, num_layers, small_blocks=small_blocks, ready=ready)
         self.ranks = ranks
 
     def expect(self, request_id: str, dst_block_ids: Sequence[int] | None, num_cached_on_decode: int = 0,

@@ -42,6 +42,7 @@ from pdserve.disagg.transport.nixl.agent import (
     poll_notifs,
     region_addrs,
 )
+from pdserve.disagg.transport.ready import NO_WAIT, LayerReady
 from pdserve.disagg.transport.sender_base import KVSender
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class _PendingClaim:
     header: LayerHeader
     src_block_ids: tuple[int, ...]
     claimed_at_s: float = 0.0  # time.monotonic() when the claim went out
+    ready: LayerReady = NO_WAIT  # the layer's end on the compute stream (ready.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +117,8 @@ class NixlKVSender(KVSender):
         host, port = frames.parse_address(address, "nixl")
         self._io.run(self._connect(host, port), timeout_s=_CONNECT_TIMEOUT_S)
 
-    def send_layer(self, request_id: str, layer: int, src_block_ids: list[int], dst_block_ids: list[int], *,
-                   token: str = "") -> None:
+    def send_layer(self, request_id: str, layer: int, src_block_ids: list[int], dst_block_ids: list[int],
+                   ready: LayerReady = NO_WAIT, *, token: str = "") -> None:
         self._check_sources(layer, src_block_ids)
         if not self._peer:
             raise RuntimeError("connect() first")
@@ -125,7 +127,7 @@ class NixlKVSender(KVSender):
         if self._broken:
             self._acks.failed(request_id, self._broken)
             return
-        self._io.call_soon(self._claim, _PendingClaim(header, tuple(src_block_ids)))
+        self._io.call_soon(self._claim, _PendingClaim(header, tuple(src_block_ids), ready=ready))
 
     def send_done(self, request_id: str, record: bytes, *, token: str = "") -> None:
         if not self._peer:
@@ -258,6 +260,7 @@ class NixlKVSender(KVSender):
             src, dst = regions.coalesce_pairs(local, remote, self.layout.region_bytes)
         if not self._load_grant(grant):
             return
+        pending.ready.synchronize()  # NOTE: the WRITE reads VRAM: only once the layer's kernels wrote it
         try:
             handle = self._agent.initialize_xfer("WRITE", self._descs(src, self._device_id),
                                                  self._descs(dst, grant.dst_device_id), self._peer,
