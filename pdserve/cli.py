@@ -136,7 +136,7 @@ def up_plan(ns: argparse.Namespace, engine_flags: list[str]) -> tuple[UpOptions,
                          "--access-log", "all" if ns.up_access_log else "quiet"), config_from_args(ApiConfig, ns),
                         ns.colocated or 0, ns.cpus_per_worker,
                         tuple((role, dtype) for role in ("prefill", "decode")
-                              if (dtype := getattr(ns, f"{role}_kv_cache_dtype")) is not None))
+                              if (dtype := getattr(ns, f"{role}_kv_cache_dtype")) is not None), ns.host)
     # NOTE: the router's config has no worker URLs: `up`'s workers register with it
     router = config_from_args(RouterConfig, ns, accept_registrations=True)
     worker = config_from_args(WorkerConfig, ns, register=(options.router_url,))
@@ -241,6 +241,8 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
                          "said in the log, when workers x K exceeds the cores); its torch threads default to K")
     up.add_argument("--autoscale", action="store_true",
                     help="grow and shrink each role within its MIN:MAX (starting at MIN) by the autoscaling rules")
+    up.add_argument("--host", default=_HOST, help="where the router, the workers and the supervisor's metrics "
+                    "listen (0.0.0.0: every interface, e.g. in a container; up reaches them on 127.0.0.1)")
     up.add_argument("--port", type=int, default=_PORT, help="the router's port")
     up.add_argument("--access-log", action="store_true", dest="up_access_log",
                     help="every process's every access line: the supervisor's polls, the workers' heartbeats and "

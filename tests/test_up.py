@@ -117,7 +117,11 @@ class Up:
                       lambda: (len(self.ready("prefill")), len(self.ready("decode"))) == (prefill, decode), timeout_s)
 
     def stop(self) -> None:
-        """Ctrl-C, then an impatient second one: exits 0, and no process it started is left."""
+        """Ctrl-C, then an impatient second one: exits 0, and no process it started is left (a test
+        that stopped it already: that it exited 0)."""
+        if self.popen.poll() is not None:
+            assert self.popen.returncode == 0, self.text()[-3000:]
+            return
         children = subprocess.run(["pgrep", "-P", str(self.popen.pid)], capture_output=True, text=True).stdout.split()
         os.killpg(self.popen.pid, signal.SIGINT)
         time.sleep(0.05)
@@ -208,8 +212,9 @@ def test_up_serves_then_stops_everything_on_ctrl_c(model_dirs: dict[str, Path], 
 _QUIET_START = [re.compile(p) for p in (
     r"^\S+ \S+ INFO pdserve \[-\]: (prefill|decode) worker serving \S+ on http://",
     r"^\S+ \S+ INFO pdserve\.model\.loader \[-\]: weights of \S+: [\d.]+ M parameters, ",
-    r"^\S+ \S+ INFO pdserve\.disagg\.registrar \[-\]: registered with router http://\S+ as (prefill|decode) worker",
-    r"^\S+ \S+ INFO pdserve\.disagg\.pool \[-\]: (prefill|decode) worker http://\S+ is in the pool$",
+    r"^\S+ \S+ INFO pdserve\.disagg\.worker\.registrar \[-\]: registered with router http://\S+ "
+    r"as (prefill|decode) worker",
+    r"^\S+ \S+ INFO pdserve\.disagg\.router\.pool \[-\]: (prefill|decode) worker http://\S+ is in the pool$",
     r"^$", r"^pdserve is up: ", r"^  (workers|supervisor|try): +curl ", r"^Ctrl-C stops everything\.$")]
 _ACCESS_LINE = re.compile(r'"(GET|POST|PUT|DELETE) /\S* HTTP/[\d.]+" \d{3}')
 
@@ -492,3 +497,23 @@ def test_colocated_replicas_pinned_to_their_own_cores_behind_a_balancer(
         assert up.metric("pdserve:supervisor_restarts_total", role="replica") == 1
         reply = httpx.post(f"{up.url}/v1/completions", json={"prompt": "x", "max_tokens": -1}, timeout=30)
         assert reply.status_code == 400 and reply.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_up_listens_where_host_says_and_stops_quietly(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """`up --host 0.0.0.0` (a container): the router answers on every interface (here 127.0.0.2,
+    which a server on 127.0.0.1 alone does not answer), the workers register the loopback address
+    up reaches them at; one Ctrl-C stops everything with exit 0 and not one traceback, warning,
+    error or triton leak line on the way out (a CPU run never loads triton)."""
+    with pdserve_up(model_dirs["tiny"], tmp_path, "--host", "0.0.0.0") as up:
+        reply = httpx.post(f"http://127.0.0.2:{up.port}/v1/completions", json={"prompt": "Hi", "max_tokens": 3},
+                           timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert all(w["url"].startswith("http://127.0.0.1:") for w in up.workers()), up.workers()
+        assert "behind http://127.0.0.1:" in up.text()
+        before = len(up.text().splitlines())
+        os.killpg(up.popen.pid, signal.SIGINT)
+        assert up.popen.wait(timeout=60) == 0, up.text()[-3000:]
+        shutdown = up.text().splitlines()[before:]
+        noisy = [line for line in shutdown if any(word in line for word in ("Traceback", "WARNING", "ERROR",
+                                                                            "nanobind", "Error"))]
+        assert not noisy, "\n".join(shutdown)

@@ -10,9 +10,11 @@ of the stacked `experts.gate_up_proj` / `experts.down_proj`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -111,6 +113,40 @@ def _target(cfg: Qwen3ModelConfig, name: str) -> tuple[str, View | None]:
     return f"layers.{layer}.{module}.{kind}", None
 
 
+_INITS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+          "trunc_normal_", "zeros_", "ones_", "constant_")
+
+
+_no_init_lock = threading.Lock()
+_no_init_depth = 0  # loaders inside `_no_init` now (engines of one process may load at once)
+_saved_inits: dict[str, Callable[..., torch.Tensor]] = {}
+
+
+@contextlib.contextmanager
+def _no_init() -> Iterator[None]:
+    """Modules built without initialising their parameters: the checkpoint's weights replace them.
+    Reentrant across threads: the first in patches torch.nn.init, the last out restores it."""
+    global _no_init_depth
+    with _no_init_lock:
+        if _no_init_depth == 0:
+            _saved_inits.update({name: getattr(torch.nn.init, name) for name in _INITS})
+            for name in _INITS:
+                setattr(torch.nn.init, name, _keep)
+        _no_init_depth += 1
+    try:
+        yield
+    finally:
+        with _no_init_lock:
+            _no_init_depth -= 1
+            if _no_init_depth == 0:
+                for name, init in _saved_inits.items():
+                    setattr(torch.nn.init, name, init)
+
+
+def _keep(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    return tensor
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int,
                batch_size_hint: int = 64, group: ParallelGroup | None = None) -> Qwen3ForCausalLM:
     """`batch_size_hint`: typical rows per matmul (decode batch), for CPU weight prepacking.
@@ -123,11 +159,12 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device("meta"):
+        # NOTE: built where it runs, uninitialised (the checkpoint fills it), not on "meta": every op
+        # on meta tensors (init, the RoPE tables) runs torch's reference ops, which import triton
+        with torch.device(device), _no_init():
             model = Qwen3ForCausalLM(cfg, 1, group, shard.vocab_start(full_cfg))
     finally:
         torch.set_default_dtype(previous)
-    model.to_empty(device=device)
     model.rope = RotaryEmbedding(cfg, max_positions).to(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

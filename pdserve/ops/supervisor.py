@@ -35,6 +35,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pdserve import envs
+from pdserve.addresses import http_url
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,13 @@ SlotRole = Literal["router", "prefill", "decode", "replica"]  # replica: a coloc
 SlotState = Literal["starting", "ready", "draining", "failed"]
 ROLES: tuple[SlotRole, ...] = ("router", "prefill", "decode", "replica")
 STATES: tuple[SlotState, ...] = ("starting", "ready", "draining", "failed")
-HOST = "127.0.0.1"  # every process of `pdserve up` listens here
+HOST = "127.0.0.1"  # where `pdserve up`'s processes listen by default (up --host)
+
+
+def reach_host(listen_host: str) -> str:
+    """The address this machine reaches a server listening on `listen_host` at: itself, or for a
+    wildcard (every interface) the loopback address."""
+    return {"": HOST, "0.0.0.0": HOST, "::": "::1"}.get(listen_host, listen_host)
 
 # (role, port, number of workers the pool will have) -> the command line of one process
 CommandLine = Callable[[SlotRole, int, int], list[str]]
@@ -83,9 +90,9 @@ class ChildProcess:
         return self.popen.wait()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
+def free_port(host: str = HOST) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
 
@@ -132,10 +139,11 @@ class Slot:
     ready: bool = False  # listed ready by the router (the router itself: it answers)
     served: bool = False  # its process was listed ready at least once
     work: int | None = None  # from the router's GET /workers; None when unknown
+    host: str = HOST  # where it is reached (reach_host of where it listens)
 
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        return http_url(self.host, self.port)
 
     @property
     def live(self) -> bool:
@@ -165,8 +173,11 @@ class Supervisor:
     """The processes of one `pdserve up`, kept running (see the module docstring)."""
 
     def __init__(self, command: CommandLine, *, registry: CollectorRegistry, policy: RestartPolicy = RestartPolicy(),
-                 host: ProcessHost | None = None, reserved_ports: Collection[int] = ()) -> None:
+                 host: ProcessHost | None = None, reserved_ports: Collection[int] = (),
+                 reach: str = HOST) -> None:
+        """`reach`: the address its processes are reached at (they listen where up --host says)."""
         host = host or ProcessHost()
+        self._reach = reach
         self.policy = policy
         self._command = command
         self._clock = host.clock
@@ -191,7 +202,7 @@ class Supervisor:
             index = self._num_created[role]
             self._num_created[role] += 1
             name = role if role == "router" and index == 0 else f"{role}-{index}"
-            slot = Slot(name, role, port or self._unused_port(), seq=sum(self._num_created.values()))
+            slot = Slot(name, role, port or self._unused_port(), seq=sum(self._num_created.values()), host=self._reach)
             self._slots.append(slot)
             return slot
 

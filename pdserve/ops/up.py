@@ -24,10 +24,11 @@ from wsgiref.simple_server import WSGIServer
 import httpx
 from prometheus_client import CollectorRegistry, start_http_server
 
+from pdserve.addresses import http_url
 from pdserve.config_flags import to_argv
 from pdserve.disagg.config import RouterConfig, WorkerConfig
 from pdserve.logs import UP_PROBE_QUERY
-from pdserve.ops.supervisor import HOST, PoolEntry, SlotRole, Supervisor
+from pdserve.ops.supervisor import HOST, PoolEntry, ProcessHost, SlotRole, Supervisor, free_port, reach_host
 from pdserve.ops.threads import CorePlan, CoreShare, format_cpu_list, num_cpus, threads_per_worker
 from pdserve.serving.config import ApiConfig
 
@@ -82,10 +83,16 @@ class UpOptions:
     colocated: int = 0  # > 0: that many colocated replicas behind a balancer, no prefill or decode workers
     cpus_per_worker: int | None = None  # each worker pinned to its own cores (None: not pinned)
     kv_cache_dtypes: tuple[tuple[str, str], ...] = ()  # (role, --kv-cache-dtype): over the engine flags'
+    host: str = HOST  # where the router, the workers and the supervisor's metrics listen (0.0.0.0: everywhere)
+
+    @property
+    def reach(self) -> str:
+        """Where this machine reaches them (the loopback address for a wildcard --host)."""
+        return reach_host(self.host)
 
     @property
     def router_url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        return http_url(self.reach, self.port)
 
     @property
     def router_headers(self) -> dict[str, str]:
@@ -130,24 +137,30 @@ class CommandLines:
 
     def __call__(self, role: SlotRole, port: int, num_workers: int) -> list[str]:
         head = [sys.executable, "-m", "pdserve.cli", *self.options.log_flags]
+        listen = ["--host", self.options.host]
         api = to_argv(self.options.api, exclude=("api_key",))
         if role == "router" and self.options.colocated:
-            return [*head, "balancer", "--port", str(port), *(f"--replica={url}" for url in self.replica_urls), *api]
+            return [*head, "balancer", *listen, "--port", str(port), *(f"--replica={url}" for url in self.replica_urls),
+                    *api]
         if role == "router":
             model = ["--model", self.options.model] if self.options.model else []
-            return [*head, "router", "--port", str(port), *to_argv(self.router), *api, *model]
+            return [*head, "router", *listen, "--port", str(port), *to_argv(self.router), *api, *model]
         explicit = {"prefill": self.options.prefill_threads, "decode": self.options.decode_threads}.get(role)
         # NOTE: --num-threads is per tensor-parallel rank: a worker's share of the cores is split over its ranks
         share = self.options.cpus_per_worker or threads_per_worker(num_workers, self.cpus)
         threads = explicit or max(1, share // _tensor_parallel_size(self.engine_flags))
         pin = [] if self.cores is None else ["--cpu-affinity", format_cpu_list(self.cores.for_worker(port))]
         if role == "replica":  # a colocated server: the client API is its own
-            return [*head, "serve", "--num-threads", str(threads), *pin, *api, *self.engine_flags, "--port", str(port)]
+            return [*head, "serve", "--num-threads", str(threads), *pin, *api, *self.engine_flags, *listen, "--port",
+                    str(port)]
         # NOTE: later flags win: the engine flags over --num-threads and over the worker config; the
         # role and port over anything in the engine flags
         kv_dtype = [f"--kv-cache-dtype={dtype}" for of, dtype in self.options.kv_cache_dtypes if of == role]
+        # NOTE: a worker listening everywhere registers the address up reaches it at, not the pod's IP
+        advertise = ["--advertise-url", http_url(self.options.reach, port)] if self.options.reach != self.options.host \
+            else []
         return [*head, "serve", "--num-threads", str(threads), *pin, *to_argv(self.worker, exclude=("role",)),
-                *self.engine_flags, *kv_dtype, "--role", role, "--port", str(port)]
+                *self.engine_flags, *kv_dtype, *listen, *advertise, "--role", role, "--port", str(port)]
 
 
 def _tensor_parallel_size(engine_flags: tuple[str, ...]) -> int:
@@ -291,7 +304,9 @@ def start_pool(options: UpOptions, router: RouterConfig, worker: WorkerConfig, e
     cpus = num_cpus()
     cores = None if options.cpus_per_worker is None else CorePlan(options.cpus_per_worker)
     commands = CommandLines(options, router, worker, tuple(engine_flags), cpus, cores=cores)
-    supervisor = Supervisor(commands, registry=registry, reserved_ports=(options.supervisor_port,))
+    host = ProcessHost(new_port=lambda: free_port(options.host or "0.0.0.0"))
+    supervisor = Supervisor(commands, registry=registry, reserved_ports=(options.supervisor_port,), host=host,
+                            reach=options.reach)
     supervisor.add("router", options.port)
     if options.colocated:  # NOTE: the balancer's command line is made at its first start, after these
         commands.replica_urls.extend(supervisor.add("replica").url for _ in range(options.colocated))
@@ -325,10 +340,10 @@ def run(options: UpOptions, router: RouterConfig, worker: WorkerConfig, engine_f
     # NOTE: no process runs before the monitor starts, inside the try: the cleanup reaches every one
     interrupts = _Interrupts()
     try:
-        metrics = _serve_metrics(registry, options.supervisor_port)
+        metrics = _serve_metrics(registry, options.supervisor_port, options.host)
         monitor.start()
         wait_ready(supervisor, options.router_url, headers=options.router_headers)
-        _banner(options, f"http://{HOST}:{options.supervisor_port}/metrics" if metrics else None)
+        _banner(options, http_url(options.reach, options.supervisor_port) + "/metrics" if metrics else None)
         _serve_until_interrupted(supervisor)
         return 0
     except RuntimeError as exc:
@@ -355,12 +370,12 @@ def _serve_until_interrupted(supervisor: Supervisor) -> None:
         time.sleep(0.5)
 
 
-def _serve_metrics(registry: CollectorRegistry, port: int) -> WSGIServer | None:
-    """The supervisor's metrics on http://127.0.0.1:PORT/metrics (port 0: not served)."""
+def _serve_metrics(registry: CollectorRegistry, port: int, host: str) -> WSGIServer | None:
+    """The supervisor's metrics on http://HOST:PORT/metrics (port 0: not served)."""
     if not port:
         return None
     try:
-        return start_http_server(port, addr=HOST, registry=registry)[0]
+        return start_http_server(port, addr=host, registry=registry)[0]
     except OSError as exc:
         raise RuntimeError(f"cannot serve the supervisor's metrics on port {port} ({exc}); "
                            "choose another with --supervisor-port, or 0 for none") from exc
