@@ -58,6 +58,9 @@ def test_a_hand_off_that_times_out_on_the_prefill_side_is_retried_at_once_not_at
         assert (stats.retried, stats.recomputed, stats.lease_expired) == (1, 1, 0), stats
         cluster.wait_until_idle()
         assert decode.num_in_flight == 0
+        # counted where it was seen (and logged): both attempts timed out on the prefill side
+        prefill = cluster.service(PrefillService).stats()
+        assert (prefill.timed_out, prefill.failed) == (2, 2), prefill
     finally:
         stop_cluster(cluster)
 

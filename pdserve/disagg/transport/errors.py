@@ -10,7 +10,12 @@ class KVTransferError(RuntimeError):
 
 class KVTransferTimeout(KVTransferError):
     """No progress on a request for the given time. The message starts with the stable text
-    `KV cache transfer timed out` (operators grep logs for it)."""
+    `KV cache transfer timed out` (operators grep logs for it). `limit_s`: the time it waited
+    (the configured timeout, or longer for a peer that has been slow lately: cadence.py)."""
+
+    def __init__(self, message: str, limit_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.limit_s = limit_s
 
 
 class KVAuthError(KVTransferError):

@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.disagg.transport.cadence import Cadence
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.disagg.transport.messages import KVDone, KVEvent, KVRejected
 
@@ -53,6 +54,8 @@ class EventBox:
         self._queues: dict[str, deque[KVEvent]] = {}
         self._waiters: dict[str, concurrent.futures.Future[KVEvent]] = {}
         self._touched: dict[str, float] = {}  # request id -> when the sender last said it is alive
+        self._last: dict[str, float] = {}  # request id -> its last event or keepalive (none before the first)
+        self.cadence = Cadence()  # how long the senders go between those: the timeouts' scale (cadence.py)
 
     def open(self, request_id: str) -> None:
         with self._lock:
@@ -65,12 +68,14 @@ class EventBox:
         it counts its timeout from now. No-op for a request with no open box."""
         with self._lock:
             if request_id in self._queues:
-                self._touched[request_id] = time.monotonic()
+                self._touched[request_id] = now = time.monotonic()
+                self._saw(request_id, now)
 
     def close(self, request_id: str, reason: str) -> None:
         with self._lock:
             self._queues.pop(request_id, None)
             self._touched.pop(request_id, None)
+            self._last.pop(request_id, None)
             waiter = self._waiters.pop(request_id, None)
         if waiter is not None:
             waiter.set_exception(KVTransferError(f"request {request_id}: {reason}"))
@@ -80,6 +85,7 @@ class EventBox:
         with self._lock:
             if rid not in self._queues:
                 return
+            self._saw(rid, time.monotonic())
             waiter = self._waiters.pop(rid, None)
             if waiter is None:
                 self._queues[rid].append(event)
@@ -87,7 +93,16 @@ class EventBox:
             if isinstance(event, KVDone | KVRejected):
                 del self._queues[rid]
                 self._touched.pop(rid, None)
+                self._last.pop(rid, None)
         waiter.set_result(event)
+
+    def _saw(self, request_id: str, now: float) -> None:
+        """A sign of progress of the request: the gap since its previous one feeds the cadence
+        (not the wait for its first: that is the prefill's queueing, which the lease bounds)."""
+        last = self._last.get(request_id)
+        if last is not None:
+            self.cadence.saw(now - last)
+        self._last[request_id] = now
 
     async def get(self, request_id: str, timeout_s: float) -> KVEvent:
         with self._lock:
@@ -103,17 +118,20 @@ class EventBox:
         started_s = time.monotonic()
         while True:
             with self._lock:
-                remaining_s = max(started_s, self._touched.get(request_id, 0.0)) + timeout_s - time.monotonic()
+                limit_s = self.cadence.timeout_s(timeout_s)
+                remaining_s = max(started_s, self._touched.get(request_id, 0.0)) + limit_s - time.monotonic()
             if remaining_s > 0 and await _await_future(waiter, remaining_s):
                 return waiter.result()
             with self._lock:
-                remaining_s = max(started_s, self._touched.get(request_id, 0.0)) + timeout_s - time.monotonic()
+                limit_s = self.cadence.timeout_s(timeout_s)
+                remaining_s = max(started_s, self._touched.get(request_id, 0.0)) + limit_s - time.monotonic()
                 if remaining_s > 0 and not waiter.done():
                     continue  # touched meanwhile: wait on
                 if self._waiters.get(request_id) is waiter:
                     del self._waiters[request_id]
             if not waiter.done():
-                raise KVTransferTimeout(f"{TIMEOUT_MESSAGE}: no event for request {request_id} in {timeout_s:g} s")
+                raise KVTransferTimeout(f"{TIMEOUT_MESSAGE}: no event for request {request_id} in {limit_s:g} s",
+                                        limit_s)
             return waiter.result()
 
     def request_ids(self) -> frozenset[str]:
@@ -125,6 +143,7 @@ class EventBox:
         if isinstance(event, KVDone | KVRejected):
             del self._queues[request_id]
             self._touched.pop(request_id, None)
+            self._last.pop(request_id, None)
         return event
 
 
@@ -146,6 +165,13 @@ class _Outstanding:
             self.caught_up = concurrent.futures.Future()
 
 
+def _waiting_from_now(entry: _Outstanding) -> None:
+    """Something is sent to an entry with nothing outstanding: the wait for its acknowledgement
+    (and the gap the cadence measures) starts now, not at the last acknowledgement."""
+    if entry.num_acked >= entry.num_sent:
+        entry.last_progress_s = time.monotonic()
+
+
 class AckTracker:
     """What a sender still waits to hear about, per request. An entry lives from the first send of
     a request until `flush` returned or raised after its final message."""
@@ -153,10 +179,12 @@ class AckTracker:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._requests: dict[str, _Outstanding] = {}
+        self.cadence = Cadence()  # how long the receiver takes to acknowledge: the flush timeout's scale
 
     def sent_layer(self, request_id: str) -> None:
         with self._lock:
             entry = self._requests.setdefault(request_id, _Outstanding())
+            _waiting_from_now(entry)
             entry.num_sent += 1
             entry.num_layers_sent += 1
 
@@ -164,6 +192,7 @@ class AckTracker:
         """Record the final message; returns how many layer payloads preceded it."""
         with self._lock:
             entry = self._requests.setdefault(request_id, _Outstanding())
+            _waiting_from_now(entry)
             entry.num_sent += 1
             entry.done_sent = True
             return entry.num_layers_sent
@@ -173,7 +202,9 @@ class AckTracker:
             entry = self._requests.get(request_id)
             if entry is not None:  # NOTE: late acks after a timeout or failure are ignored
                 entry.num_acked += 1
-                entry.last_progress_s = time.monotonic()
+                now = time.monotonic()
+                self.cadence.saw(now - entry.last_progress_s)
+                entry.last_progress_s = now
                 entry.settle_if_caught_up()
 
     def failed(self, request_id: str, reason: str) -> None:
@@ -199,7 +230,8 @@ class AckTracker:
             return frozenset(self._requests)
 
     async def flush(self, request_id: str, timeout_s: float) -> None:
-        """See KVSender.flush. The timeout counts from the later of the call and the last ack."""
+        """See KVSender.flush. The timeout counts from the later of the call and the last ack; it is
+        `timeout_s` at least, more when the receiver has been slow to acknowledge lately (cadence.py)."""
         started_s = time.monotonic()
         while True:
             with self._lock:
@@ -214,9 +246,10 @@ class AckTracker:
                         del self._requests[request_id]
                     return
                 caught_up = entry.caught_up
-                remaining_s = max(started_s, entry.last_progress_s) + timeout_s - time.monotonic()
+                limit_s = self.cadence.timeout_s(timeout_s)
+                remaining_s = max(started_s, entry.last_progress_s) + limit_s - time.monotonic()
                 if remaining_s <= 0:
                     del self._requests[request_id]
                     raise KVTransferTimeout(f"{TIMEOUT_MESSAGE}: no progress on request {request_id} for "
-                                            f"{timeout_s:g} s")
+                                            f"{limit_s:g} s", limit_s)
             await _await_future(caught_up, remaining_s)

@@ -292,8 +292,8 @@ class DecodeService:
                 # prefill worker: only the (much longer) lease runs, and keepalives extend it.
                 event = await self.receiver.wait(tid, self.transfer_timeout_s if started else
                                                  self.lease_s or _LIVENESS_POLL_S)
-            except KVTransferTimeout:
-                if await self._keeps_watching_after_timeout(rid, tid, started):
+            except KVTransferTimeout as exc:
+                if await self._keeps_watching_after_timeout(rid, tid, started, exc.limit_s):
                     continue
                 return
             except KVTransferError:
@@ -318,7 +318,7 @@ class DecodeService:
                 await self._apply_failure_policy(rid, f"KV transfer rejected: {event.reason}")
                 return
 
-    async def _keeps_watching_after_timeout(self, rid: str, tid: str, started: bool) -> bool:
+    async def _keeps_watching_after_timeout(self, rid: str, tid: str, started: bool, waited_s: float = 0.0) -> bool:
         """`_watch`'s wait timed out: whether it waits again (before the first payload with no lease,
         or a retried attempt), else the lease expired or the transfer failed."""
         if not self._expects(rid, tid):
@@ -328,7 +328,7 @@ class DecodeService:
                 self._expire_lease(rid, tid)
                 return False
             return True
-        if self._retry_once(rid, tid):
+        if self._retry_once(rid, tid, f"no progress for {1000 * (waited_s or self.transfer_timeout_s):.0f} ms"):
             return True
         await self._apply_failure_policy(rid, "KV cache transfer timed out")
         return False

@@ -31,6 +31,8 @@ class ServiceCollector(Collector):
             failures.add_metric([*labels.values(), "lease_expired"], stats.lease_expired)
         else:
             yield counter("pdserve:kv_transfers_completed", "Hand-offs acknowledged by decode", stats.handed_off)
+            yield counter("pdserve:kv_transfer_timeouts", "Hand-offs decode did not acknowledge in time (`KV "
+                          "cache transfer timed out` lines on this prefill worker)", stats.timed_out)
             yield counter("pdserve:prefill_duplicate_deliveries", "Jobs of an attempt that ran or runs here, "
                           "delivered again (re-delivered or duplicated): not run twice", stats.duplicates)
             failures.add_metric([*labels.values(), "send"], stats.failed)

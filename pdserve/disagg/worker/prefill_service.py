@@ -90,6 +90,7 @@ class _Counts:
     failed: int = 0
     aborted: int = 0
     duplicates: int = 0
+    timed_out: int = 0
 
 
 _ENDED_KEPT = 4096  # ended attempts remembered, so a late copy of one is recognised (not run again)
@@ -364,6 +365,7 @@ class PrefillService:
 
     def _failed(self, tid: str, status: Literal["failed", "timed_out"], exc: Exception) -> HandOff:
         self._counts.failed += 1
+        self._counts.timed_out += status == "timed_out"
         logger.warning("request %s: %s", tid, exc)
         return HandOff(transfer_id=tid, status=status, reason=str(exc) or repr(exc))
 

@@ -46,6 +46,7 @@ class PrefillStats(Counts):
     failed: int = 0  # attempts whose transfer failed (rejected, timed out, connection lost)
     aborted: int = 0  # attempts cut short (the router or the queue gave up on them)
     duplicates: int = 0  # jobs of an attempt that ran or runs here, delivered again: not run twice
+    timed_out: int = 0  # of the failed: decode did not acknowledge in time (`KV cache transfer timed out`)
     in_flight: int = 0  # attempts taken and not yet handed off
 
 
