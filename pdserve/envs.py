@@ -71,7 +71,7 @@ ENGINE_IN_PROCESS = "PDSERVE_ENGINE_IN_PROCESS"
 
 def engine_in_process() -> bool:
     """PDSERVE_ENGINE_IN_PROCESS=1: a colocated `pdserve serve` (and the tests' servers) runs its
-    engine on a thread of the API process, as before issue 29 (default: in its own process); the
+    engine on a thread of the API process, as it once always ran (default: in its own process); the
     same as `--engine-in-process`."""
     return os.environ.get(ENGINE_IN_PROCESS, "0") == "1"
 

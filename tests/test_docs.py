@@ -87,3 +87,22 @@ def test_the_site_builds_strictly_with_no_warning(tmp_path: Path) -> None:
     assert result.returncode == 0, output
     warnings = [line for line in output.splitlines() if "warn" in line.lower()]
     assert not warnings, output
+
+
+def test_no_issue_numbers_in_the_cli_help() -> None:
+    """The commands' help (descriptions come from module docstrings) is user-facing text too."""
+    import argparse
+    import re
+
+    from pdserve.cli import build_parser
+
+    def walk(parser: argparse.ArgumentParser) -> list[str]:
+        texts = [parser.format_help()]
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    texts += walk(sub)
+        return texts
+
+    found = [text for text in walk(build_parser()) if re.search(r"\b(issue|DIGEST item)s? \d+", text, re.I)]
+    assert not found, found[0][:2000]

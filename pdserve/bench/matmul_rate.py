@@ -1,4 +1,4 @@
-"""How close an offline run comes to this machine's matmul rate (issue 17, item 5).
+"""How close an offline run comes to this machine's matmul rate.
 
 The useful work of a generation, counted as FLOPs the way a roofline counts them:
 - prefill of P tokens after C cached: 2 x layer matmul parameters x P, attention over

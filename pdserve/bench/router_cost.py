@@ -1,4 +1,4 @@
-"""The PD router's own cost per streamed chunk (issue 34): the real router (`pdserve router`, its
+"""The PD router's own cost per streamed chunk: the real router (`pdserve router`, its
 own process) in front of model-less prefill and decode stand-ins (router_standins.py, one process
 each, the workers' `/pd/*` protocol), so no engine limits how fast tokens come.
 

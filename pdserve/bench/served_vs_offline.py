@@ -1,6 +1,6 @@
 """Served against offline: the same requests through `LLM.generate` and through a `pdserve serve`
 subprocess (concurrent streams over HTTP), with the engine on a thread of the API process
-(`--engine-in-process`, before issue 29) and in its own process (the default), in one run.
+(`--engine-in-process`, as it once always ran) and in its own process (the default), in one run.
 
     python -m pdserve.bench.served_vs_offline [--preset small | --model DIR] [--num-requests 64]
         [--concurrency 64] [--input-len 64] [--output-len 64] [--num-threads 1] [--device cuda --dtype bfloat16]

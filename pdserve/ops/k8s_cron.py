@@ -2,7 +2,7 @@
 as cron schedules that start `LEAD_MINUTES` before the interval and end when it ends.
 
 Locally the minimum rises at HH:MM sharp; on Kubernetes a new pod needs time to be scheduled, pull
-and load, so the raise comes two minutes early (DIGEST item 22: "pre-warm 2 minutes before known
+and load, so the raise comes two minutes early (the seed's field guide: "pre-warm 2 minutes before known
 peaks"). Two forms, one per controller:
 
     KEDA `cron` trigger       one per rule and role: start "58 7 * * *", end "0 10 * * *" (5 fields,

@@ -1,4 +1,4 @@
-"""Engine steps against the GPU's floors, decode from CUDA graphs and eagerly (issue 30).
+"""Engine steps against the GPU's floors, decode from CUDA graphs and eagerly.
 
     python -m pdserve.sizing.gpu_floor --model CK [--model CK2 ...] [--device cuda] [--dtype bfloat16]
         [--compare-device H200] [--batches 1,16,64,256] [--context 256] [--prefill-tokens 8192]
@@ -14,7 +14,7 @@ For each model, one engine with decode CUDA graphs (the default on CUDA), then o
   the FLOPs floor: 2 x matmul parameters per token plus attention's pairs, over peak FLOP/s.
 One table: measured ms, floor ms, measured / floor, and measured / the simulator's roofline
 profile of the step (sizing/profile.py: the floors at 90 % bandwidth and 50 % FLOPs plus 2 ms a
-step; issue 30's targets, "decode at batch 64 within 1.5x", are against it). `--greedy-check`:
+step; the targets "decode at batch 64 within 1.5x" are against it). `--greedy-check`:
 the first model in float32, graphs on, greedy against transformers on the same device (three
 prompts, 32 tokens).
 `scripts/device_check.sh` (stage `floor`) runs it on the qwen3-0.6b and qwen3-8b shapes.

@@ -1,4 +1,4 @@
-"""`pdserve plan`: memory arithmetic for one worker (DIGEST items 13 and 16).
+"""`pdserve plan`: memory arithmetic for one worker.
 
     KV budget      = device memory x gpu-memory-utilization - reserved (weights + overhead)
     KV per request = blocks(prompt + output) x block bytes

@@ -11,7 +11,7 @@ and mixed steps, as one engine step runs them all in one forward):
            + decode_context_s * decode context tokens the KV every decoding sequence reads
 
 Transfer model per transport: seconds = latency_s + bytes / bytes_per_s. With layer-wise streaming
-(DIGEST item 10) layer l's KV leaves as soon as prefill computed it, so after the prefill step ends
+layer l's KV leaves as soon as prefill computed it, so after the prefill step ends
 only max(one layer's share, whole transfer - prefill time x (L-1)/L) is still in flight.
 
 A profile is measured on this machine (`pdserve calibrate`) or derived from a GPU's datasheet

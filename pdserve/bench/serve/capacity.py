@@ -1,5 +1,5 @@
 """`pdserve bench capacity`: what the load client itself sustains, so a result can show the client
-was not the bottleneck (DIGEST item 17: "client never the bottleneck").
+was not the bottleneck ("the client is never the bottleneck").
 
 The stub server (`stub.py`) runs in its own process and answers every request at once with
 `--output-len` one-token chunks; whatever rate the client reaches against it is the most it could

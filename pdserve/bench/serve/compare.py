@@ -1,4 +1,4 @@
-"""`pdserve bench compare`: colocated vs PD on the same machine, cores, workload and seed (DIGEST item 19).
+"""`pdserve bench compare`: colocated vs PD on the same machine, cores, workload and seed.
 
 The systems, started one after another by this command, each stopped before the next starts:
 

@@ -1,4 +1,4 @@
-"""`pdserve bench sweep`: the seed's staged load test (DIGEST item 18).
+"""`pdserve bench sweep`: the seed's staged load test.
 
 - Concurrency ladder against a running server (`--url`): the same workload at each concurrency
   (seed: 30 -> 100 -> 150; the default ladder is that times --scale, at least 1).

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-# NOTE: the seed's mix (DIGEST item 17): 500/2000/5000-token prompts at 6:3:1; 500 output tokens
+# NOTE: the seed's mix: 500/2000/5000-token prompts at 6:3:1; 500 output tokens
 # (the seed's headline run is 2.3K in / 500 out).
 SEED_MIX_INPUT_LENS = (500, 2000, 5000)
 SEED_MIX_WEIGHTS = (6, 3, 1)

@@ -28,7 +28,7 @@ async def _await_future(fut: concurrent.futures.Future[Any], timeout_s: float) -
     at the same moment is not lost; a cancel of the awaiting task always raises CancelledError.
     NOTE: not `asyncio.wait_for`: before Python 3.12 it returns the result instead when the cancel
     comes just after `fut` completed. A decode watcher cancelled for a superseded attempt then went
-    on with that attempt's KVDone while the new attempt still wrote into the blocks (issue 16)."""
+    on with that attempt's KVDone while the new attempt still wrote into the blocks."""
     wrapped = asyncio.wrap_future(fut)
     try:
         await asyncio.wait((wrapped,), timeout=timeout_s)

@@ -301,7 +301,7 @@ class DecodeService:
             if not self._expects(rid, tid):
                 # NOTE: superseded (retargeted) or ended meanwhile, though this task may not have seen
                 # its cancel: acting on the old attempt's KVDone would start decoding in blocks the
-                # new attempt still writes into (issue 16)
+                # new attempt still writes into
                 logger.info("request %s: ignoring %s of attempt %s, which it no longer expects", rid,
                             type(event).__name__, tid)
                 return
