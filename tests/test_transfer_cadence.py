@@ -113,3 +113,21 @@ def test_a_receiver_that_never_acknowledges_still_times_the_flush_out() -> None:
         return time.monotonic() - start
 
     assert asyncio.run(scenario()) < 1.0
+
+
+def test_a_timed_out_wait_and_its_late_acknowledgement_lengthen_the_next_deadline() -> None:
+    """The first wait gives up at the floor; the acknowledgement that comes 300 ms later shows the
+    peer was slow, not gone: the next flush waits for a 300 ms acknowledgement."""
+    async def scenario() -> None:
+        acks = AckTracker()
+        acks.sent_layer("a")
+        with pytest.raises(KVTransferTimeout):
+            await acks.flush("a", FLOOR_S)
+        await asyncio.sleep(0.2)
+        acks.acked("a")  # late: after its flush gave up
+        assert acks.cadence.longest_gap_s() >= 0.3
+        acks.sent_layer("b")
+        threading.Timer(0.3, acks.acked, ("b",)).start()
+        await acks.flush("b", FLOOR_S)
+
+    asyncio.run(scenario())

@@ -5,10 +5,12 @@ on a busy machine: on 2 shared cores healthy hand-offs timed out and were retrie
 them under a mixed 100-1,000-token load). `Cadence` watches how long the peers of one receiver
 (or one sender) actually go between signs of progress (KV payloads, keepalives, acknowledgements)
 and a wait gives up only after `FACTOR` times the longest recent gap: the configured timeout
-(`--kv-transfer-timeout-ms`) is only the floor. The longest gap decays (half-life `HALF_LIFE_S`),
-so a load that passed stops stretching the deadline; `CAP_S` bounds how long a dead peer can keep
-a request waiting whatever the history. A peer that stops altogether (killed, hung) sends nothing
-more, so it still times out, just after a deadline that matches how it behaved when alive.
+(`--kv-transfer-timeout-ms`) is only the floor. A wait that timed out counts as a gap of its
+length, and an acknowledgement that comes after its wait gave up as the gap it really was. The
+longest gap decays (half-life `HALF_LIFE_S`), so a load that passed stops stretching the
+deadline; `CAP_S` bounds how long a dead peer can keep a request waiting whatever the history. A
+peer that stops altogether (killed, hung) sends nothing more, so it still times out, just after a
+deadline that matches how it behaved when alive.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 from collections.abc import Callable
 
 FACTOR = 4.0  # a wait gives up after this many times the longest recent gap between signs of progress
-HALF_LIFE_S = 20.0  # the longest gap seen halves in this long
+HALF_LIFE_S = 60.0  # the longest gap seen halves in this long
 CAP_S = 10.0  # never wait longer than this for a sign of progress (unless the floor says so)
 
 
@@ -38,6 +40,12 @@ class Cadence:
         with self._lock:
             self._gap_s = max(gap_s, self._decayed(now))
             self._at = now
+
+    def timed_out(self, waited_s: float) -> None:
+        """A wait gave up after `waited_s`: the peer went at least that long without progress. If
+        it was only slow, the next wait is longer (FACTOR times); if it is gone, its connection or
+        the lease ends what is left, and the longer deadline decays away."""
+        self.saw(waited_s)
 
     def longest_gap_s(self) -> float:
         with self._lock:

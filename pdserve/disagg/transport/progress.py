@@ -12,7 +12,7 @@ import asyncio
 import concurrent.futures
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +21,7 @@ from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.disagg.transport.messages import KVDone, KVEvent, KVRejected
 
 TIMEOUT_MESSAGE = "KV cache transfer timed out"
+_LATE_KEPT = 256  # timed-out requests whose late acknowledgement still teaches the cadence
 
 
 async def _await_future(fut: concurrent.futures.Future[Any], timeout_s: float) -> bool:
@@ -130,6 +131,7 @@ class EventBox:
                 if self._waiters.get(request_id) is waiter:
                     del self._waiters[request_id]
             if not waiter.done():
+                self.cadence.timed_out(limit_s)
                 raise KVTransferTimeout(f"{TIMEOUT_MESSAGE}: no event for request {request_id} in {limit_s:g} s",
                                         limit_s)
             return waiter.result()
@@ -180,6 +182,7 @@ class AckTracker:
         self._lock = threading.Lock()
         self._requests: dict[str, _Outstanding] = {}
         self.cadence = Cadence()  # how long the receiver takes to acknowledge: the flush timeout's scale
+        self._late: OrderedDict[str, float] = OrderedDict()  # timed-out requests -> their last progress
 
     def sent_layer(self, request_id: str) -> None:
         with self._lock:
@@ -200,6 +203,8 @@ class AckTracker:
     def acked(self, request_id: str) -> None:
         with self._lock:
             entry = self._requests.get(request_id)
+            if entry is None and (last_s := self._late.pop(request_id, None)) is not None:
+                self.cadence.saw(time.monotonic() - last_s)  # NOTE: it was slow, not gone: learn how slow
             if entry is not None:  # NOTE: late acks after a timeout or failure are ignored
                 entry.num_acked += 1
                 now = time.monotonic()
@@ -250,6 +255,10 @@ class AckTracker:
                 remaining_s = max(started_s, entry.last_progress_s) + limit_s - time.monotonic()
                 if remaining_s <= 0:
                     del self._requests[request_id]
+                    self.cadence.timed_out(limit_s)
+                    self._late[request_id] = entry.last_progress_s
+                    while len(self._late) > _LATE_KEPT:
+                        self._late.popitem(last=False)
                     raise KVTransferTimeout(f"{TIMEOUT_MESSAGE}: no progress on request {request_id} for "
                                             f"{limit_s:g} s", limit_s)
             await _await_future(caught_up, remaining_s)
