@@ -84,7 +84,7 @@ class StubWorkers(WorkerClient):
         await self.decode_has_kv.wait()
         return HandOff(transfer_id=job.transfer_id, status="handed_off")
 
-    async def retarget(self, url: str, request_id: str, transfer_id: str) -> bool:
+    async def retarget(self, url: str, request_id: str, transfer_id: str, replaces: str = "") -> bool:
         return True
 
     async def abort(self, url: str, request_id: str) -> None:

@@ -54,7 +54,7 @@ class StubWorkers(StubPrefillClient):
             await asyncio.sleep(10)  # superseded by a retry (cancelled) before it ends
         return HandOff(transfer_id=job.transfer_id, status="handed_off", prefill_cached_tokens=self.CACHED[url])
 
-    async def retarget(self, url: str, request_id: str, transfer_id: str) -> bool:
+    async def retarget(self, url: str, request_id: str, transfer_id: str, replaces: str = "") -> bool:
         return True
 
     async def abort(self, url: str, request_id: str) -> None:

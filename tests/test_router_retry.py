@@ -42,7 +42,7 @@ class StubWorkers(StubPrefillClient):
         await self.release.wait()
         return HandOff(transfer_id=job.transfer_id, status="aborted")
 
-    async def retarget(self, url: str, request_id: str, transfer_id: str) -> bool:
+    async def retarget(self, url: str, request_id: str, transfer_id: str, replaces: str = "") -> bool:
         self.retargeted.append(transfer_id)
         return True
 

@@ -42,6 +42,7 @@ from pdserve.disagg.control import FirstToken, HandOff, Placement, PrefillJob
 from pdserve.disagg.handoff import HandOffDone
 from pdserve.disagg.phases import PrefillPhases
 from pdserve.disagg.prompt_logprobs_wire import pack
+from pdserve.disagg.transport.cadence import Cadence
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.disagg.worker.kv_side import SenderHandles
 from pdserve.disagg.worker.stats import PrefillStats
@@ -107,6 +108,7 @@ class PrefillService:
         self.kv = kv
         self.transfer_timeout_s = transfer_timeout_s
         self.placement_timeout_s = max(placement_timeout_s, transfer_timeout_s)  # NOTE: never less than that
+        self.placements = Cadence()  # how long unplaced jobs wait for their placement lately
         self.draining = False
         self._attempts: dict[str, _Attempt] = {}  # transfer id -> its record
         self._aborts_kept: OrderedDict[str, None] = OrderedDict()  # aborted transfer ids with no record, oldest first
@@ -377,8 +379,13 @@ class PrefillService:
         if attempt is None:
             raise KVTransferError(f"request {tid}: ended before it was placed")
         placed = attempt.placed
+        limit_s = self.placements.timeout_s(self.placement_timeout_s)
         if not placed.done():
-            await asyncio.wait((placed,), timeout=self.placement_timeout_s)
+            waited = time.monotonic()
+            await asyncio.wait((placed,), timeout=limit_s)
+            # NOTE: how long placements take lately (a busy decode worker reserves slowly) sets the
+            # next wait, the configured timeout only its floor (transport/cadence.py)
+            self.placements.saw(time.monotonic() - waited)
         if not placed.done() and (connecting := attempt.connecting) is not None:
             # NOTE: the reservation was named in time, and its sender still connects: the first
             # placement to a decode worker (at start-up) does the KV handshake, which took the
@@ -387,8 +394,7 @@ class PrefillService:
             await asyncio.wait((connecting,), timeout=_CONNECT_WAIT_S)
             await asyncio.wait((placed,), timeout=self.transfer_timeout_s)
         if not placed.done() or placed.cancelled():
-            raise KVTransferTimeout(f"request {tid}: no decode reservation named within "
-                                    f"{self.placement_timeout_s:g} s")
+            raise KVTransferTimeout(f"request {tid}: no decode reservation named within {limit_s:g} s", limit_s)
         return placed.result()
 
     async def _hand_off(self, tid: str, sender: int, final: RequestOutput, state: bytes | None) -> None:
