@@ -88,11 +88,14 @@ class KVCacheManager:
         if not self.pool.enable_caching:
             return
         num_full = request.num_computed_tokens // self.block_size
+        if num_full <= request.num_indexed_blocks:
+            return  # NOTE: every step of every running request comes here: O(new full blocks), not O(context)
         self.update_block_hashes(request, num_full * self.block_size)
-        for index in range(num_full):
+        for index in range(request.num_indexed_blocks, num_full):
             block, digest = request.block_ids[index], request.block_hashes[index]
             if self.pool.cache_block(block, digest) and self.newly_cached is not None:
                 self.newly_cached.append((block, digest))
+        request.num_indexed_blocks = num_full
 
     def take_newly_cached(self) -> list[tuple[int, bytes]]:
         if self.newly_cached is None:
@@ -103,6 +106,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         self.pool.free(request.block_ids[::-1])
         request.block_ids = []
+        request.num_indexed_blocks = 0
 
     def free_after(self, request: Request, delay_s: float) -> None:
         """Free `request`'s blocks, but keep them from reuse (still counted as used) for `delay_s`:
@@ -114,6 +118,7 @@ class KVCacheManager:
             return
         self._quarantine.append((self._clock() + delay_s, request.block_ids[::-1]))
         request.block_ids = []
+        request.num_indexed_blocks = 0
 
     @property
     def num_quarantined_blocks(self) -> int:
@@ -147,6 +152,7 @@ class KVCacheManager:
         self.swap.free(request.swapped_block_ids)
         request.swapped_block_ids = []
         request.block_ids = device_blocks
+        request.num_indexed_blocks = 0  # NOTE: new device blocks: offered to the cache again
         return mapping
 
     def drop_swapped(self, request: Request) -> None:

@@ -50,7 +50,8 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "all_token_ids", "params", "eos_token_ids", "max_total_tokens",
                  "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes", "swapped_block_ids",
                  "status", "stop_reason", "generator", "pending_draws", "arrival_time", "first_scheduled_time",
-                 "num_preemptions", "hold_blocks", "disk_checked", "prompt_logprobs", "matcher")
+                 "num_preemptions", "hold_blocks", "disk_checked", "prompt_logprobs", "matcher",
+                 "num_indexed_blocks")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  model: ModelContext, arrival_time: float | None = None,
@@ -69,6 +70,7 @@ class Request:
         self.prompt_logprobs: list[PromptLogprobs | None] | None = None if params.prompt_logprobs is None else [None]
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # hashes of the leading full blocks, chained
+        self.num_indexed_blocks = 0  # leading blocks of block_ids already offered to the prefix cache
         self.swapped_block_ids: list[int] = []  # CPU swap blocks while SWAPPED
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

@@ -240,6 +240,7 @@ class Scheduler:
         keep = request.num_computed_tokens // self.kv.block_size + num_loaded
         self.kv.pool.free(request.block_ids[keep:][::-1])
         del request.block_ids[keep:]
+        request.num_indexed_blocks = min(request.num_indexed_blocks, keep)
         request.num_computed_tokens = keep * self.kv.block_size
         self.kv.cache_computed_blocks(request)
         if request.num_preemptions == 0 and request.num_cached_tokens == 0:

@@ -121,7 +121,10 @@ class WorkerPool:
             info = await self._client.info(worker.url)
         except WorkerUnreachable as exc:
             if worker.info is not None:
-                logger.warning("%s worker %s left the pool: %s", worker.role, worker.url, exc.reason)
+                # NOTE: one that deregistered or was draining is gone on purpose (a scale-in, a stop)
+                expected = not worker.member or worker.info.draining
+                (logger.info if expected else logger.warning)("%s worker %s left the pool: %s", worker.role,
+                                                              worker.url, exc.reason)
             worker.info = None
             return
         if info.role != worker.role:

@@ -302,7 +302,11 @@ class TcpKVSender(KVSender):
             self._lost(e)
 
     def _lost(self, error: Exception) -> None:
-        logger.warning("KV connection to decode lost: %s", error)
+        # NOTE: with nothing in flight on it, a lost connection costs nothing (a decode worker that
+        # stopped, a restart: the next hand-off connects again); what it fails says so itself
+        in_flight = self._acks.request_ids()
+        (logger.warning if in_flight else logger.info)("KV connection to decode lost: %s%s", error,
+                                                        f" ({len(in_flight)} hand-offs in flight)" if in_flight else "")
         self._broken = f"connection to decode lost ({error})"
         self._acks.fail_all(self._broken)
         if self._sock is not None:
