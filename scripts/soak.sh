@@ -5,6 +5,8 @@
 # Needs redis-server on PATH. Exit status 1 if a check fails.
 #   bash scripts/soak.sh                    the full 10 minutes
 #   bash scripts/soak.sh --duration 120     the short version CI runs
+#   bash scripts/soak.sh --chaos            a SIGKILL every 15-30 s of a random worker's API or engine
+#                                           process, 16 clients (CI: --chaos --duration 120)
 # Any other arguments go to `python -m pdserve.bench.soak` (--help lists them).
 set -euo pipefail
 cd "$(dirname "$0")/.."

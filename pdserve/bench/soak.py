@@ -10,7 +10,9 @@ The run:
   number of chunks, a plain request given up after a random time). A 503 or 429 is retried after
   half a second (as the OpenAI SDK does), at most 40 times;
 - at 25 % of the duration a prefill worker is SIGKILLed, at 50 % a decode worker, at 75 % Redis
-  is restarted (SIGTERM, then started again on its port and directory).
+  is restarted (SIGTERM, then started again on its port and directory);
+- or, with `--chaos`, a SIGKILL every 15-30 s (seeded) of a random target: a prefill or a decode
+  worker's API process or its engine process, at 16 clients by default.
 
 The checks at the end (exit status 1 if any fails):
 - every request that was not cancelled got an answer, and that answer is the colocated engine's
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import tempfile
 from dataclasses import asdict
@@ -38,13 +41,16 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.bench import soak_cluster
 
     ns = _parser().parse_args(argv)
+    if ns.concurrency is None:
+        ns.concurrency = 16 if ns.chaos else 6
     workdir = Path(tempfile.mkdtemp(prefix="pdserve-soak-"))
     print(f"hardware: {hardware_line()}\nsoak: {ns.duration:g} s, {ns.concurrency} clients, {ns.prefill} prefill + "
-          f"{ns.decode} decode, {ns.cancel_fraction:.0%} cancelled; logs in {workdir}", flush=True)
+          f"{ns.decode} decode, {ns.cancel_fraction:.0%} cancelled{', chaos' if ns.chaos else ''}; logs in {workdir}",
+          flush=True)
     with soak_cluster.Cluster.start(ns, workdir) as cluster:
         load = Load(cluster.url, ns.concurrency, ns.cancel_fraction, ns.seed)
         threads = load.run()
-        events = cluster.run_schedule(ns.duration, ns.warmup)
+        events = cluster.run_schedule(ns.duration, ns.warmup, random.Random(ns.seed) if ns.chaos else None)
         load.stop(threads)
         report = soak_cluster.check(cluster, load.outcomes, ns, events)
     print_table(["check", "result", "ok"], [[r.name, r.value, "yes" if r.ok else "NO"] for r in report])
@@ -58,7 +64,9 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration", type=float, default=600.0, help="seconds of load (the schedule scales with it)")
     p.add_argument("--warmup", type=float, default=None, help="seconds before the memory baseline (default 10 %%)")
-    p.add_argument("--concurrency", type=int, default=6)
+    p.add_argument("--concurrency", type=int, default=None, help="client threads (default 6; 16 with --chaos)")
+    p.add_argument("--chaos", action="store_true", help="SIGKILL a random target every 15-30 s instead of the "
+                   "fixed schedule")
     p.add_argument("--cancel-fraction", type=float, default=0.2)
     p.add_argument("--prefill", type=int, default=2)
     p.add_argument("--decode", type=int, default=2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import shutil
 import signal
 import subprocess
@@ -24,6 +25,7 @@ from pdserve.ops.supervisor import free_port
 
 _READY_TIMEOUT_S = 300.0
 _IDLE_TIMEOUT_S = 60.0
+CHAOS_INTERVAL_S = (15.0, 30.0)  # --chaos: a SIGKILL every this many seconds (uniform)
 FLAGS = ["--kv-transport", "tcp", "--dtype", "float32", "--num-kv-blocks", "1024", "--max-num-batched-tokens", "256"]
 
 
@@ -68,6 +70,7 @@ class Cluster:
     model: str | None
     rss_before: dict[int, int] = field(default_factory=dict)
     original: set[int] = field(default_factory=set)  # the processes there when the load started
+    chaos: random.Random = field(default_factory=random.Random)  # --chaos: draws the kills' times and targets
 
     @classmethod
     @contextmanager
@@ -135,14 +138,23 @@ class Cluster:
             found += frontier
         return found
 
-    def run_schedule(self, duration_s: float, warmup_s: float | None) -> list[str]:
-        """Sleeps through the load, injecting the faults; returns what was done, in order."""
+    def run_schedule(self, duration_s: float, warmup_s: float | None, chaos: random.Random | None = None) -> list[str]:
+        """Sleeps through the load, injecting the faults; returns what was done, in order. With
+        `chaos`, the faults are SIGKILLs every 15-30 s (drawn from it) of a random target instead."""
         start, events = time.monotonic(), []
         self.original = set(self.processes())  # NOTE: a worker restarted later has not warmed up: not measured
-        plan = [(warmup_s if warmup_s is not None else 0.1 * duration_s, "memory baseline"),
-                (0.25 * duration_s, "SIGKILL a prefill worker"), (0.5 * duration_s, "SIGKILL a decode worker"),
-                (0.75 * duration_s, "restart Redis"), (duration_s, "end of load")]
+        baseline_s = warmup_s if warmup_s is not None else 0.1 * duration_s
+        plan = [(baseline_s, "memory baseline"), (duration_s, "end of load")]
         plan += [(f * duration_s, "memory sample") for f in (0.2, 0.4, 0.6, 0.8, 0.9)]
+        if chaos is None:
+            plan += [(0.25 * duration_s, "SIGKILL a prefill worker"), (0.5 * duration_s, "SIGKILL a decode worker"),
+                     (0.75 * duration_s, "restart Redis")]
+        else:
+            self.chaos = chaos
+            at_s = chaos.uniform(*CHAOS_INTERVAL_S)
+            while at_s < duration_s - CHAOS_INTERVAL_S[0] / 2:  # NOTE: the last kill has time to heal
+                plan.append((at_s, "SIGKILL a random target"))
+                at_s += chaos.uniform(*CHAOS_INTERVAL_S)
         for at_s, what in sorted(plan):
             time.sleep(max(0.0, start + at_s - time.monotonic()))
             events.append(f"{time.monotonic() - start:5.0f} s (t={time.monotonic():.1f}): {what}{self._do(what)}")
@@ -157,6 +169,8 @@ class Cluster:
         if what == "memory sample":  # NOTE: to tell a leak (steady growth) from a warm-up (a plateau)
             return ": " + ", ".join(f"{pid} {rss / 2**20:.0f} MiB" for pid in self.rss_before
                                     if (rss := rss_bytes(pid)) is not None)
+        if what == "SIGKILL a random target":
+            return self._kill_random()
         if what.startswith("SIGKILL"):
             role = "prefill" if "prefill" in what else "decode"
             ready = [w["url"] for w in self.workers() if w["role"] == role and w["ready"]]
@@ -169,6 +183,32 @@ class Cluster:
             self.redis.stop()
             self.redis.start()
         return ""
+
+
+    def _kill_random(self) -> str:
+        """A prefill or decode worker's API process or its engine process, drawn at random among
+        the ready workers (waiting up to 15 s for one: the previous kill may still be healing)."""
+        role, part = self.chaos.choice(("prefill", "decode")), self.chaos.choice(("api", "engine"))
+        deadline = time.monotonic() + 15.0
+        while not (ready := sorted(w["url"] for w in self.workers() if w["role"] == role and w["ready"])):
+            if time.monotonic() > deadline:
+                return f" ({role}: none ready: skipped)"
+            time.sleep(0.5)
+        url = self.chaos.choice(ready)
+        pid = self.pid(url)
+        if pid is not None and part == "engine":
+            pid = next((child for child in children(pid) if "pdserve.disagg.worker.core" in _argv(child)), None)
+        if pid is None:
+            return f" ({role} {part} of {url}: not found: skipped)"
+        kill(pid)
+        return f" ({role} {part} process of {url}, pid {pid})"
+
+
+def _argv(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +229,7 @@ def check(cluster: Cluster, outcomes: list[Outcome], ns: argparse.Namespace, eve
     growth = _rss_growth(cluster)
     worst = max(growth.values(), default=0.0)
     faults = [e for e in events if "SIGKILL" in e or "Redis" in e]
+    expected = (lambda n: n >= 1) if ns.chaos else (lambda n: n == 3)
     return [
         Check("requests sent", str(len(outcomes)), len(outcomes) > 0),
         Check("answered (not cancelled)", str(len(done)), len(done) > 0),
@@ -196,7 +237,7 @@ def check(cluster: Cluster, outcomes: list[Outcome], ns: argparse.Namespace, eve
         Check("retried after 503/429", str(sum(o.retries for o in outcomes)), True),
         Check("failed", str(len(failed)), not failed),
         Check("answers unlike colocated", f"{wrong} of {len(done)}", wrong == 0),
-        Check("faults injected", str(len(faults)), all("skipped" not in e for e in faults) and len(faults) == 3),
+        Check("faults injected", str(len(faults)), all("skipped" not in e for e in faults) and expected(len(faults))),
         Check("KV blocks held at the end", str(held), not any(held.values())),
         Check("queue entries pending at the end", str(pending), pending == 0),
         Check(f"RSS growth (< {ns.max_rss_growth:.0%})", f"{worst:.1%} worst of {len(growth)} processes",
@@ -258,9 +299,8 @@ def _rss_growth(cluster: Cluster) -> dict[int, float]:
 
 
 def _describe(pid: int) -> str:
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
+    argv = _argv(pid)
+    if not argv:
         return str(pid)
     if any(a in ("pdserve.disagg.worker.core", "pdserve.engine.core_proc") for a in argv):
         return f"pid {pid} (engine process)"
