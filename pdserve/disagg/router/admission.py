@@ -45,7 +45,6 @@ class Admission:
         self._vocab_size = vocab_size
         self._restart_window_s = config.restart_window_s
         self._rejected: Counter[str] = Counter()  # by RejectReason: the fields of Rejections
-        self.num_waiting_for_workers = 0  # new requests in the restart window (not admitted yet)
         self.num_queued = 0
         self.num_queued_tokens = 0
 
@@ -67,14 +66,11 @@ class Admission:
     async def _restart_window(self) -> None:
         if self._restart_window_s <= 0 or not self._expected_back():
             return
+        # NOTE: a request waiting here counts as waiting in the router (vllm:num_requests_waiting)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._restart_window_s
-        self.num_waiting_for_workers += 1
-        try:
-            while self._expected_back() and loop.time() < deadline:
-                await asyncio.sleep(_WINDOW_POLL_S)
-        finally:
-            self.num_waiting_for_workers -= 1
+        while self._expected_back() and loop.time() < deadline:
+            await asyncio.sleep(_WINDOW_POLL_S)
 
     def _expected_back(self) -> bool:
         return (not self._queue.ready and self._queue.expected_back) or self._pool.expected_back("decode")
