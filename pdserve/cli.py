@@ -50,7 +50,7 @@ def _router(ns: argparse.Namespace) -> int:
         print(f"pdserve: {exc}", file=sys.stderr)
         return 2
     name = ns.served_model_name or (ns.model or DEMO_MODEL_NAME)
-    run_server(create_router_app(client, name, api), ns)
+    run_server(create_router_app(client, name, api), ns, on_exit=lambda: setattr(client.pool, "stopping", True))
     return 0
 
 

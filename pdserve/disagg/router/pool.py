@@ -71,6 +71,7 @@ class WorkerPool:
     def __init__(self, client: WorkerClient, prefill: Iterable[str] = (), decode: Iterable[str] = ()) -> None:
         self._client = client
         self._members: dict[WorkerRole, list[Worker]] = {"prefill": [], "decode": []}
+        self.stopping = False  # the router is shutting down: its workers going away is expected
         self.set_members("prefill", prefill)
         self.set_members("decode", decode)
 
@@ -121,8 +122,9 @@ class WorkerPool:
             info = await self._client.info(worker.url)
         except WorkerUnreachable as exc:
             if worker.info is not None:
-                # NOTE: one that deregistered or was draining is gone on purpose (a scale-in, a stop)
-                expected = not worker.member or worker.info.draining
+                # NOTE: one that deregistered or was draining is gone on purpose (a scale-in, a stop), and
+                # so is every worker once this router stops (`up`'s Ctrl-C stops them all at once)
+                expected = self.stopping or not worker.member or worker.info.draining
                 (logger.info if expected else logger.warning)("%s worker %s left the pool: %s", worker.role,
                                                               worker.url, exc.reason)
             worker.info = None
