@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import torch
 
+from pdserve.engine.kv_events import KVEventsConfig
 from pdserve.model.kv_scales import KVScales, fp8_kv_scales, is_fp8
 from pdserve.model.parallel import check_tp_size
 from pdserve.model.qwen3_config import Qwen3ModelConfig
@@ -127,6 +128,18 @@ class EngineArgs:
                                          "(e.g. /kvcache; shareable by workers of one node) and loaded on prefix hits")
     kv_disk_size: str | int = knob("20GiB", "most bytes the disk tier keeps (least recently used files go first)")
     enforce_eager: bool = knob(False, "CUDA: run every step eagerly (no decode CUDA graphs, no capture at start-up)")
+    kv_events_config: str | None = knob(None, "publish KV-cache events as vLLM does (ZMQ, msgpack): vLLM's JSON, "
+                                              "e.g. '{\"enable_kv_cache_events\": true, "
+                                              "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", "
+                                              "\"topic\": \"kv@pod@model\"}' "
+                                              "(port 0: any free port); prefix scorers must use this --block-size")
+    enable_lora: bool = knob(False, "serve LoRA adapters (PEFT format) over the base model; a request picks one by "
+                                    "its `model`")
+    lora_modules: tuple[str, ...] = knob((), "adapters to load at start-up, as name=path (PEFT directory)")
+    max_loras: int = knob(1, "LoRA adapters one step may mix (device slots, preallocated)")
+    max_lora_rank: int = knob(16, "largest LoRA rank served (slots are sized for it)")
+    max_cpu_loras: int | None = knob(None, "LoRA adapters kept in host memory (default: --max-loras); more are "
+                                           "read again from disk when used")
 
     def validate(self) -> None:
         checks = [
@@ -145,10 +158,40 @@ class EngineArgs:
             (self.kv_cache_dtype in KV_CACHE_DTYPES,
              f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"),
             (self.kv_disk_dir is None or parse_size_bytes(self.kv_disk_size) > 0, "kv_disk_size must be > 0"),
+            (self.max_loras >= 1 and self.max_lora_rank >= 1, "max_loras and max_lora_rank must be >= 1"),
+            (self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras must be >= max_loras"),
+            (self.enable_lora or not self.lora_modules, "lora_modules needs enable_lora"),
+            (not self.enable_lora or self.tensor_parallel_size == 1,
+             "LoRA adapters are not served with tensor parallelism yet (enable_lora needs tensor_parallel_size 1)"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    """LoRA serving (engine/lora_manager.py): device slots, host cache, start-up adapters."""
+
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+    modules: tuple[tuple[str, str], ...]  # (name, path) loaded at start-up
+
+    @classmethod
+    def of(cls, args: EngineArgs) -> LoRAConfig | None:
+        if not args.enable_lora:
+            return None
+        modules = []
+        for spec in args.lora_modules:
+            name, sep, path = spec.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ValueError(f"lora_modules takes name=path, got {spec!r}")
+            modules.append((name.strip(), path.strip()))
+        names = [name for name, _ in modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules names an adapter twice: {', '.join(names)}")
+        return cls(args.max_loras, args.max_lora_rank, args.max_cpu_loras or args.max_loras, tuple(modules))
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +209,8 @@ class EngineConfig:
     kv_cache_dtype: torch.dtype | None = None  # the pool's element type; None: `dtype`
     enforce_eager: bool = False  # CUDA: no decode CUDA graphs (engine/cuda_graphs.py)
     kv_scales: KVScales | None = None  # an FP8 pool's per-layer K/V scales (model/kv_scales.py); else None
+    kv_events: KVEventsConfig | None = None  # --kv-events-config (engine/kv_events.py); None: no events
+    lora: LoRAConfig | None = None  # None: no LoRA adapters (--enable-lora off)
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -277,6 +322,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         kv_cache_dtype=kv_dtype,
         enforce_eager=args.enforce_eager,
         kv_scales=_kv_scales(model_path, model, kv_dtype),
+        kv_events=None if args.kv_events_config is None else KVEventsConfig.parse(args.kv_events_config),
+        lora=LoRAConfig.of(args),
     )
 
 

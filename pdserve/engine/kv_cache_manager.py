@@ -43,7 +43,7 @@ class KVCacheManager:
         """Extend `request.block_hashes` to cover every full block within its first `num_tokens`."""
         bs = self.block_size
         for index in range(len(request.block_hashes), num_tokens // bs):
-            parent = request.block_hashes[-1] if request.block_hashes else b""
+            parent = request.block_hashes[-1] if request.block_hashes else request.hash_root
             request.block_hashes.append(hash_block(parent, request.all_token_ids[index * bs:(index + 1) * bs]))
 
     def find_cached_prefix(self, request: Request) -> list[int]:
@@ -91,10 +91,17 @@ class KVCacheManager:
         if num_full <= request.num_indexed_blocks:
             return  # NOTE: every step of every running request comes here: O(new full blocks), not O(context)
         self.update_block_hashes(request, num_full * self.block_size)
+        events = self.pool.events
+        indexed: list[int] = []  # with events on: the blocks this call indexed
         for index in range(request.num_indexed_blocks, num_full):
             block, digest = request.block_ids[index], request.block_hashes[index]
-            if self.pool.cache_block(block, digest) and self.newly_cached is not None:
-                self.newly_cached.append((block, digest))
+            if self.pool.cache_block(block, digest):
+                if self.newly_cached is not None:
+                    self.newly_cached.append((block, digest))
+                if events is not None:
+                    indexed.append(index)
+        if indexed and events is not None:
+            events.stored(request.block_hashes, request.all_token_ids, indexed)
         request.num_indexed_blocks = num_full
 
     def take_newly_cached(self) -> list[tuple[int, bytes]]:

@@ -7,12 +7,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from pdserve.config import EngineArgs
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.lora_manager import LoRARequest
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer
@@ -38,10 +40,12 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run all prompts to completion with continuous batching; outputs in prompt order."""
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Run all prompts to completion with continuous batching; outputs in prompt order.
+        `lora_request`: one adapter for all prompts or one per prompt (None: the base model)."""
         prompt_list: list[Prompt] = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        params_list = _broadcast(sampling_params, len(prompt_list))
+        params_list = self._with_loras(_broadcast(sampling_params, len(prompt_list)), lora_request)
         request_ids: list[str] = []
         finished: dict[str, RequestOutput] = {}
         try:
@@ -63,6 +67,22 @@ class LLM:
                 if request_id not in finished:
                     self.engine.abort_request(request_id)
         return [finished[request_id] for request_id in request_ids]
+
+    def _with_loras(self, params_list: list[SamplingParams],
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None) -> list[SamplingParams]:
+        """Each prompt's params naming its adapter; an adapter not loaded yet is loaded from its path."""
+        if lora_request is None:
+            return params_list
+        loras = [lora_request] * len(params_list) if isinstance(lora_request, LoRARequest) else list(lora_request)
+        if len(loras) != len(params_list):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(params_list)} prompts")
+        known = {info.name for info in self.engine.list_loras()}
+        for lora in loras:
+            if lora is not None and lora.lora_name not in known and lora.lora_path:
+                self.engine.add_lora(lora.lora_name, lora.lora_path)
+                known.add(lora.lora_name)
+        return [params if lora is None else dataclasses.replace(params, lora_name=lora.lora_name)
+                for params, lora in zip(params_list, loras, strict=True)]
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

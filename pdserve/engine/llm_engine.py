@@ -14,8 +14,11 @@ from pdserve.engine.disk_offload import DiskOffload
 from pdserve.engine.engine_types import EngineStats, RemoteReservation, check_request
 from pdserve.engine.host_memory import keep_large_allocations_on_heap
 from pdserve.engine.kv_cache_manager import hash_block
+from pdserve.engine.kv_event_publisher import KVEventPublisher, make_publisher
+from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.kv_transfer import KVTransferSetup, LayerObserver, StreamTargets, TransferExpectations
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprobs
+from pdserve.engine.lora_manager import LoRAInfo, LoRAManager, hash_root, lora_name_of
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.output import OutputSettings, RequestFailure, RequestOutput, RequestState
 from pdserve.engine.request import ModelContext, Request, RequestStatus
@@ -24,6 +27,7 @@ from pdserve.engine.scheduler import ScheduledChunk, Scheduler
 from pdserve.engine.step_log import StepLog, StepWork
 from pdserve.engine.structured import GrammarCache
 from pdserve.model.loader import load_model
+from pdserve.model.lora import LoRAError
 from pdserve.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -54,6 +58,9 @@ class LLMEngine:
             keep_large_allocations_on_heap()
         self.runner = _make_runner(config)
         self.scheduler = Scheduler(config.scheduler, config.cache)
+        self.lora = self.runner.lora  # with --enable-lora (engine/lora_manager.py)
+        if self.lora is not None:
+            self.scheduler.max_loras = self.lora.config.max_loras
         self.offload = None if config.kv_disk is None else DiskOffload(config, self.scheduler, self.runner)
         self._states: dict[str, RequestState] = {}
         self._children: dict[str, tuple[RequestState, int]] = {}
@@ -73,6 +80,12 @@ class LLMEngine:
         # its API process detokenizes and applies stop strings (`stop_sequence`). Set before requests.
         self.detokenize = True
         self.grammars = GrammarCache(tokenizer, config.model.vocab_size)  # structured outputs
+        # --kv-events-config: the pool records into the log, each step's records go to the publisher
+        self.kv_events: KVEventLog | None = None
+        self.kv_event_publisher: KVEventPublisher | None = None
+        if config.kv_events is not None and config.kv_events.enabled:
+            self.kv_events = self.scheduler.kv.pool.events = KVEventLog(config.cache.block_size)
+            self.kv_event_publisher = make_publisher(config.kv_events)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -92,6 +105,37 @@ class LLMEngine:
         """Raises ValueError for a request that can never run; the server answers it with a 400.
         Pure reads of frozen config: safe to call from any thread."""
         check_request(prompt_token_ids, params, self.config.scheduler.max_model_len, self.config.model.vocab_size)
+        self._lora_root(params)
+
+    def _lora_root(self, params: SamplingParams) -> bytes:
+        """The prefix-cache root of a request's adapter (engine/lora_manager.py); raises ValueError
+        for an adapter this engine does not serve."""
+        if params.lora_name is None:
+            return b""
+        if self.lora is None:
+            raise LoRAError(f"LoRA adapter {params.lora_name!r} requested, but LoRA is not enabled (--enable-lora)")
+        return hash_root(self.lora.info(params.lora_name))
+
+    def add_lora(self, name: str, path: str) -> LoRAInfo:
+        """Load and register an adapter (all or nothing); raises LoRAError (a ValueError) naming it."""
+        return self._lora_manager().add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unregister an adapter no unfinished request runs under; raises LoRAError otherwise."""
+        manager = self._lora_manager()
+        manager.info(name)
+        users = [r.request_id for r in self.scheduler.requests.values() if lora_name_of(r) == name]
+        if users:
+            raise LoRAError(f"LoRA adapter {name!r} is in use by {len(users)} request(s); unload it once they end")
+        manager.remove(name)
+
+    def list_loras(self) -> list[LoRAInfo]:
+        return [] if self.lora is None else list(self.lora.registered.values())
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.lora is None:
+            raise LoRAError("LoRA is not enabled on this engine (--enable-lora)")
+        return self.lora
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, prefill_only: bool = False) -> None:
@@ -122,6 +166,7 @@ class LLMEngine:
         """The `n` engine sequences of one user request; with n > 1 each has its own id and seed."""
         children = []
         model = ModelContext(self.tokenizer.eos_token_ids, self.config.scheduler.max_model_len, self.config.device)
+        root = self._lora_root(params)
         for index in range(params.n):
             matcher = None
             if params.structured is not None:
@@ -134,7 +179,9 @@ class LLMEngine:
             if index > 0 and params.prompt_logprobs is not None:  # the prompt's are computed once, by child 0
                 child_params = dataclasses.replace(child_params, prompt_logprobs=None)
             child_id = _child_id(request_id, index)  # a reservation is child 0
-            children.append(Request(child_id, token_ids, child_params, model, arrival, matcher))
+            child = Request(child_id, token_ids, child_params, model, arrival, matcher)
+            child.hash_root = root
+            children.append(child)
         return children
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -175,13 +222,16 @@ class LLMEngine:
             self._forks[request_id] = children[1:]
         return RemoteReservation(tuple(request.block_ids), request.num_cached_tokens)
 
-    def num_cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
-        """How many leading tokens of this prompt the prefix cache holds now, in the pool and then on
-        the disk tier (read-only; what a prefix-affinity router compares across workers)."""
+    def num_cached_prefix_tokens(self, prompt_token_ids: list[int], lora_name: str | None = None) -> int:
+        """How many leading tokens of this prompt (under LoRA adapter `lora_name`) the prefix cache
+        holds now, in the pool and then on the disk tier (read-only; what a prefix-affinity router
+        compares across workers)."""
         kv, disk = self.scheduler.kv, self.scheduler.disk
         if not kv.pool.enable_caching:
             return 0
-        bs, parent, digests = kv.block_size, b"", []
+        if lora_name is not None and (self.lora is None or lora_name not in self.lora.registered):
+            return 0
+        bs, parent, digests = kv.block_size, self._lora_root(SamplingParams(lora_name=lora_name)), []
         for start in range(0, (len(prompt_token_ids) - 1) // bs * bs, bs):
             parent = hash_block(parent, prompt_token_ids[start:start + bs])
             digests.append(parent)
@@ -251,6 +301,8 @@ class LLMEngine:
             self.offload.tier.close()
         if self.step_log is not None:
             self.step_log.close()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.close()
         self.runner.close()
 
     def has_unfinished_requests(self) -> bool:
@@ -266,6 +318,7 @@ class LLMEngine:
         """One scheduling step + one model forward. Returns a cumulative snapshot for every
         request that produced a token (or finished) during the step."""
         start = time.perf_counter()
+        self.publish_kv_events()  # what commands changed since the last step (a reservation's evictions)
         if self.offload is not None:
             self.offload.apply_finished_loads()
         out = self.scheduler.schedule()
@@ -285,6 +338,7 @@ class LLMEngine:
             self.offload.observe_step(self._last_prefill_batch[1], executed - scheduled)
             self.offload.save_new_blocks()
         outputs = self._emit([(request, sampled[request.request_id][1]) for request in updated])
+        self.publish_kv_events()
         done = time.perf_counter()
         self._num_steps += 1
         self._schedule_time_s += (scheduled - start) + (done - executed)
@@ -292,6 +346,11 @@ class LLMEngine:
         if work is not None and self.step_log is not None:
             self.step_log.record(work, done - start, start, self.has_runnable_requests())
         return outputs
+
+    def publish_kv_events(self) -> None:
+        """Hand the KV-cache events recorded since the last call to the publisher (it never waits)."""
+        if self.kv_events is not None and len(self.kv_events) and self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(self.kv_events.take())
 
     def _count_prefill(self, chunks: list[ScheduledChunk]) -> None:
         # NOTE: a chunk below the prompt's end is prefill; so is recomputation after preemption,

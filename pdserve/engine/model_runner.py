@@ -15,6 +15,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs, bucket_for, decode_buckets
 from pdserve.engine.host_memory import zeroed_pages
 from pdserve.engine.logprobs import TokenLogprobs
+from pdserve.engine.lora_manager import LoRAManager
 from pdserve.engine.sampler import Sampler, prompt_logprobs
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.step_buffers import StepBuffers
@@ -44,6 +45,8 @@ class ModelRunner:
     own heads only (`local_kv_heads`, a view: same block ids, same slots); elsewhere both are one
     tensor of this model's (this rank's) heads."""
 
+    lora: LoRAManager | None = None  # with --enable-lora: the adapters and their slots
+
     def __init__(self, config: EngineConfig, model: Qwen3ForCausalLM, shared_pool: torch.Tensor | None = None,
                  local_kv_heads: tuple[int, int] = (0, 0)) -> None:
         self.config = config
@@ -70,6 +73,11 @@ class ModelRunner:
         self.in_place_decode = can_attend_in_place(self.device, config.dtype, config.kv_dtype)
         self.sampler = Sampler(config.seed, self.device)
         self.vocab_size = config.model.vocab_size  # the logits' width
+        # LoRA adapters: the projections are wrapped before a CUDA graph captures the forward
+        if config.lora is not None:
+            sched = config.scheduler
+            self.lora = LoRAManager(config.lora, model, max(sched.max_num_batched_tokens, sched.max_num_seqs),
+                                    self.device, config.dtype)
         # the Triton backend (CUDA): persistent step buffers, decode from CUDA graphs (model/attention_backend.py)
         self.step_buffers: StepBuffers | None = None
         self.decode_graphs: DecodeGraphs | None = None
@@ -122,6 +130,8 @@ class ModelRunner:
         when there are none). Every tensor-parallel rank runs this with the same plan (the
         collectives are inside the model)."""
         self._swap(plan)
+        if self.lora is not None:
+            self.lora.prepare(lora_rows(plan))
         hidden = None if self.decode_graphs is None else self.decode_graphs.run(plan, layer_done)
         if hidden is None:
             input_ids, positions, meta = self._prepare(plan)
@@ -221,6 +231,14 @@ class ModelRunner:
 
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+
+def lora_rows(plan: StepPlan) -> list[str | None]:
+    """Each row's LoRA adapter (None: the base model)."""
+    names: list[str | None] = [None] * len(plan.token_ids)
+    for start, end, name in plan.lora_spans:
+        names[start:end] = [name] * (end - start)
+    return names
 
 
 def longest_run(block_ids: list[int]) -> tuple[int, int]:

@@ -51,7 +51,7 @@ class Request:
                  "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes", "swapped_block_ids",
                  "status", "stop_reason", "generator", "pending_draws", "arrival_time", "first_scheduled_time",
                  "num_preemptions", "hold_blocks", "disk_checked", "prompt_logprobs", "matcher",
-                 "num_indexed_blocks")
+                 "num_indexed_blocks", "hash_root")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  model: ModelContext, arrival_time: float | None = None,
@@ -70,6 +70,7 @@ class Request:
         self.prompt_logprobs: list[PromptLogprobs | None] | None = None if params.prompt_logprobs is None else [None]
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # hashes of the leading full blocks, chained
+        self.hash_root = b""  # the first block's parent: its LoRA adapter's (engine/lora_manager.py hash_root)
         self.num_indexed_blocks = 0  # leading blocks of block_ids already offered to the prefix cache
         self.swapped_block_ids: list[int] = []  # CPU swap blocks while SWAPPED
         self.status = RequestStatus.WAITING

@@ -30,6 +30,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None  # what the output must match (engine/structured.py)
+    # the LoRA adapter the request runs under (None: the base model); set from the API's `model` or
+    # LLM.generate's `lora_request` (engine/lora_manager.py)
+    lora_name: str | None = None
     # NOTE: not user knobs: what the output's text starts with when the router resumes a request on
     # another decode worker: text its earlier tokens made that the client was not sent yet (held
     # back as a possible start of a stop string), and the bytes of an unfinished UTF-8 character

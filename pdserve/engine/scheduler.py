@@ -81,6 +81,16 @@ class Scheduler:
         self.num_no_available_block = 0  # events logged as "No available block" (alert rules match it)
         self.num_cannot_allocate = 0  # requests refused as "Cannot allocate for request" (never fit)
         self._no_block_logged_at = float("-inf")
+        self.max_loras = 0  # LoRA adapters one step may mix (the runner's slots); 0: no LoRA served
+
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether `request` may join the running ones without their steps mixing more LoRA adapters
+        than the runner has slots (every running request is in every step)."""
+        name = request.params.lora_name
+        if name is None or not self.max_loras:
+            return True
+        running = {r.params.lora_name for r in self.running if r.params.lora_name is not None}
+        return name in running or len(running) < self.max_loras
 
     def _check_fits(self, request: Request) -> None:
         needed = -(-request.max_total_tokens // self.kv.block_size)
@@ -166,6 +176,8 @@ class Scheduler:
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.swapped[0]
+            if not self._lora_fits(request):
+                break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             # Room for the swapped blocks plus the tokens this step adds.
             extra = self.kv.num_blocks_needed(request, num_new, len(request.swapped_block_ids))
@@ -184,6 +196,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if not self._lora_fits(request):
+                break
             hits = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
             if request.num_computed_tokens == 0 and self._start_disk_load(request, hits):
                 continue

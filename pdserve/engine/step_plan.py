@@ -40,6 +40,7 @@ class StepPlan:
     prefills: list[PlannedPrefill] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)  # rows whose logits are sampled
     prompt_rows: list[int] = field(default_factory=list)  # rows whose logits give prompt logprobs
+    lora_spans: list[tuple[int, int, str]] = field(default_factory=list)  # rows [start, end) under a LoRA adapter
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
     # tensor parallelism: what the ranks' hooks do with this step (a prefill worker's ranks: which
@@ -62,6 +63,8 @@ def plan_step(out: SchedulerOutput, block_size: int) -> tuple[StepPlan, list[Req
         plan.positions.extend(range(start, end))
         blocks = request.block_ids
         plan.slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+        if request.params.lora_name is not None:
+            plan.lora_spans.append((row, row + num_new, request.params.lora_name))
         if num_new == 1:
             plan.decode_rows.append(row)
             plan.decode_tables.append(blocks[: -(-end // bs)])
