@@ -1,17 +1,23 @@
 """Qwen3 decoder, dense or mixture-of-experts (moe.py): `forward` returns hidden states,
 `compute_logits` is separate so the runner asks for logits only at the rows that sample. Math
 mirrors Hugging Face's Qwen3 / Qwen3-MoE (same op order, fp32 RMSNorm, router and RoPE tables) so
-greedy outputs match it token for token."""
+greedy outputs match it token for token. The residual add, the norms, RoPE and SiLU-mul go through
+`layer_ops` (model/layer_ops.py): torch's ops on CPU, fused Triton kernels on the CUDA backend. The
+residual stream is carried beside the hidden states, vLLM-style, so each add fuses into the next norm:
+
+    h, residual = add_rms_norm(x, residual)      x: the previous layer's MLP output (none at layer 0)
+    h, residual = add_rms_norm(attn(h), residual)
+    x = mlp(h)                                   ... the final norm adds the last layer's x"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model.attention_backend import StepMetadata, attend
+from pdserve.model.layer_ops import TORCH_OPS, LayerOps, RopeRows, layer_ops, rms_norm
 from pdserve.model.moe import SparseMoeBlock, capture_safe
 from pdserve.model.parallel import ParallelGroup
 from pdserve.model.qwen3_config import Qwen3ModelConfig
@@ -24,10 +30,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -40,16 +43,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def rows(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeRows:
+        """The step's rows, once a step for every layer (a gather and a cast each of cos and sin)."""
+        return RopeRows(self.cos[positions].to(dtype), self.sin[positions].to(dtype))
 
 
 class Qwen3Attention(nn.Module):
@@ -69,13 +65,13 @@ class Qwen3Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, layer_cache: torch.Tensor,
-                meta: StepMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeRows, layer_cache: torch.Tensor, meta: StepMetadata,
+                ops: LayerOps) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
+        q, k = ops.qk_norm_rope(q.reshape(-1, self.num_heads, self.head_dim),
+                                k.reshape(-1, self.num_kv_heads, self.head_dim), self.q_norm.weight,
+                                self.k_norm.weight, self.q_norm.eps, rope)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
         out = attend(q, k, v, layer_cache, meta, self.scale)
         out = self.o_proj(out.reshape(-1, self.q_size))
         return out if self.group is None else self.group.all_reduce(out)
@@ -89,9 +85,8 @@ class Qwen3MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: LayerOps = TORCH_OPS) -> torch.Tensor:
+        out = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
         return out if self.group is None else self.group.all_reduce(out)
 
 
@@ -104,10 +99,15 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, layer_cache: torch.Tensor,
-                meta: StepMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, layer_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeRows, layer_cache: torch.Tensor,
+                meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the add is left to the next norm."""
+        ops = layer_ops(meta)
+        h, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        h = self.self_attn(h, rope, layer_cache, meta, ops)
+        h, residual = ops.add_rms_norm(h, residual, self.post_attention_layernorm.weight,
+                                       self.post_attention_layernorm.eps)
+        return (self.mlp(h, ops) if isinstance(self.mlp, Qwen3MLP) else self.mlp(h)), residual
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -134,11 +134,13 @@ class Qwen3ForCausalLM(nn.Module):
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size].
         `layer_done(l)` runs once layer l's K/V for this step are in the cache (KV streaming)."""
         x = self.embed_tokens(input_ids) if self.group is None else self._embed_parallel(input_ids)
+        rope = self.rope.rows(positions, x.dtype)
+        residual: torch.Tensor | None = None
         for index, (layer, layer_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x = layer(x, positions, self.rope, layer_cache, meta)
+            x, residual = layer(x, residual, rope, layer_cache, meta)
             if layer_done is not None:
                 layer_done(index)
-        return self.norm(x)
+        return layer_ops(meta).add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def capture_safe(self) -> bool:
         """Whether a CUDA graph can capture the forward: no host sync in it (the MoE experts' per-expert

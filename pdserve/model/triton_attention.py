@@ -16,6 +16,13 @@ block_size + pos % block_size``. The kernels read the block table themselves (no
                         q_len new tokens sits at position context_len - q_len + i and sees the
                         keys up to it (the new tokens' K/V are in the pool by then).
 
+An FP8 pool (float8_e4m3fn or float8_e5m2, model/kv_scales.py) is read and written by the same
+kernels: `store_kv` divides by the layer's K or V scale and rounds to the format in the kernel
+(integer bit arithmetic, bit-identical to torch's cast in `kv_scales.quantize`: the same bytes as
+the CPU path and a PD hand-off's receiver); attention loads the FP8 elements, and folds the K scale
+into the softmax scale and the V scale into the output: no dequantized copy of the context, the
+kernels read 1 byte per element. A float pool runs them with scales 1.0.
+
 Every load is cast to float32 at once and the math is float32 (bfloat16 arithmetic is wrong in
 Triton's interpreter, `TRITON_INTERPRET=1`, which runs these kernels on CPU tensors in the tests);
 only the output is cast back. Fixed launch configurations, no autotuning (a CUDA graph captures
@@ -29,6 +36,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from pdserve.model.kv_scales import is_fp8
 
 DECODE_BLOCK_N = 64  # context tokens per tile
 PREFIX_BLOCK_M = 32  # queries per program
@@ -44,10 +53,42 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+KVScale = tuple[float, float]  # (k_scale, v_scale) of one layer: what its FP8 elements are multiplied by
+UNSCALED: KVScale = (1.0, 1.0)
+
+
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_kv,
-                     stride_slot, stride_head, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _fp8_bits(x, scale, MANT: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr, SUB_SCALE: tl.constexpr,
+              MIN_NORMAL: tl.constexpr):
+    """float32 values -> the bytes of float8(clamp(x / scale, +-MAX)), rounded to nearest even as
+    torch's cast (MANT mantissa bits, exponent BIAS: e4m3fn 3 and 7, e5m2 2 and 15). Integer
+    arithmetic on float32's bits: NOTE Triton's interpreter rounds float8 casts wrongly (it drops
+    the carry into the exponent), and this is the same code compiled for the GPU."""
+    y = tl.div_rn(x, scale)  # NOTE: IEEE division, as torch's (Triton's `/` may approximate on CUDA)
+    y = tl.minimum(tl.maximum(y, -MAX), MAX)
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    magnitude = mag.to(tl.float32, bitcast=True)
+    # a normal float8: round float32's mantissa to MANT bits (a carry moves into the exponent), re-bias
+    normal = ((mag + ((1 << (22 - MANT)) - 1) + ((mag >> (23 - MANT)) & 1)) >> (23 - MANT)) - ((127 - BIAS) << MANT)
+    # a subnormal one: the value in units of the smallest subnormal, rounded to an integer by adding 2**23
+    subnormal = (magnitude * SUB_SCALE + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+    return (tl.where(magnitude < MIN_NORMAL, subnormal, normal) | sign).to(tl.uint8)
+
+
+def _fp8_format(dtype: torch.dtype) -> dict[str, float | int]:
+    """`_fp8_bits`' constants for a pool's float8 type."""
+    mant, bias = {torch.float8_e4m3fn: (3, 7), torch.float8_e5m2: (2, 15)}[dtype]
+    return {"MANT": mant, "BIAS": bias, "MAX": torch.finfo(dtype).max, "SUB_SCALE": 2.0 ** (bias + mant - 1),
+            "MIN_NORMAL": 2.0 ** (1 - bias)}
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, k_scale, v_scale, stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_kv, stride_slot, stride_head, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, MANT: tl.constexpr,
+                     BIAS: tl.constexpr, MAX: tl.constexpr, SUB_SCALE: tl.constexpr, MIN_NORMAL: tl.constexpr):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]
@@ -57,23 +98,33 @@ def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_kt, stride_kh, st
     safe_slot = tl.maximum(slots, 0)
     dst = cache_ptr + safe_slot * stride_slot + heads * stride_head + dims
     k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dst + stride_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+    if FP8:  # the pool as bytes
+        tl.store(dst, _fp8_bits(k, k_scale, MANT, BIAS, MAX, SUB_SCALE, MIN_NORMAL), mask=mask)
+        tl.store(dst + stride_kv, _fp8_bits(v, v_scale, MANT, BIAS, MAX, SUB_SCALE, MIN_NORMAL), mask=mask)
+    else:
+        tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + stride_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kv(k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             kv_scale: KVScale = UNSCALED) -> None:
     """k, v: [num_tokens, num_kv_heads, head_dim] (any row and head strides); slot_mapping:
-    [num_tokens], -1 for a row that writes nothing (a CUDA graph's padding)."""
+    [num_tokens], -1 for a row that writes nothing (a CUDA graph's padding). An FP8 pool stores
+    k / k_scale and v / v_scale (`kv_scale`), as kv_scales.quantize does."""
     num_tokens, num_kv_heads, head_dim = k.shape
     _check_pool(layer_cache)
     assert k.stride(2) == 1 and v.stride(2) == 1
     if num_tokens == 0:
         return
+    fp8 = is_fp8(layer_cache.dtype)
+    fmt = _fp8_format(layer_cache.dtype) if fp8 else _fp8_format(torch.float8_e4m3fn)  # unused without FP8
+    pool = layer_cache.view(torch.uint8) if fp8 else layer_cache
     _store_kv_kernel[(num_tokens,)](
-        k, v, layer_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1), layer_cache.stride(0),
-        layer_cache.stride(2), layer_cache.stride(3), NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))
+        k, v, pool, slot_mapping, kv_scale[0], kv_scale[1], k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        layer_cache.stride(0), layer_cache.stride(2), layer_cache.stride(3), NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8=fp8, **fmt)
 
 
 def _shapes(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor
@@ -93,8 +144,9 @@ def _check_pool(layer_cache: torch.Tensor) -> None:
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, rows_ptr, part_out_ptr, part_lse_ptr, scale,
-                         stride_qt, stride_qh, stride_kv, stride_slot, stride_head, stride_table,
+def _decode_split_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, rows_ptr, part_out_ptr, part_lse_ptr, out_ptr, scale,
+                         v_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_kv, stride_slot, stride_head,
+                         stride_table,
                          BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
@@ -137,12 +189,16 @@ def _decode_split_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, rows_ptr, part_
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-    # partials: out [seq, head, split, dim], lse [seq, head, split]
-    part = (seq.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
-    tl.store(part_out_ptr + part[:, None] * BLOCK_D + dims[None, :], out, mask=(groups < GROUP)[:, None])
-    tl.store(part_lse_ptr + part, lse, mask=groups < GROUP)
+    out = acc * v_scale / tl.where(empty, 1.0, l_i)[:, None]
+    if NUM_SPLITS == 1:  # the whole context: the output itself, no merge
+        tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+        # partials: out [seq, head, split, dim], lse [seq, head, split]
+        part = (seq.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + part[:, None] * BLOCK_D + dims[None, :], out, mask=(groups < GROUP)[:, None])
+        tl.store(part_lse_ptr + part, lse, mask=groups < GROUP)
 
 
 @triton.jit
@@ -164,10 +220,11 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, rows_ptr, out_ptr, stride_o
 
 def decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, *, scale: float,
-                     num_splits: int) -> None:
+                     num_splits: int, kv_scale: KVScale = UNSCALED) -> None:
     """For each sequence s: out[rows[s]] = attention of q[rows[s]] over its context_lens[s] tokens
     read through block_tables[s]. q, out: [num_tokens, num_heads, head_dim]; block_tables
-    [num_seqs, width] (any width covering the contexts); num_splits a power of two."""
+    [num_seqs, width] (any width covering the contexts); num_splits a power of two (1: one kernel,
+    no merge). An FP8 pool's elements are worth `kv_scale` times themselves."""
     num_seqs = rows.shape[0]
     if num_seqs == 0:
         return
@@ -175,20 +232,24 @@ def decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: t
     assert num_splits >= 1 and num_splits & (num_splits - 1) == 0
     group = num_heads // num_kv_heads
     block_d = _dim(head_dim)
-    part_out = torch.empty((num_seqs, num_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    parts = (num_seqs, num_heads, num_splits) if num_splits > 1 else (0, 0, 0)  # 1 split writes `out`
+    part_out = torch.empty((*parts, block_d), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(parts, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, layer_cache, block_tables, context_lens, rows, part_out, part_lse, scale, q.stride(0), q.stride(1),
-        layer_cache.stride(0), layer_cache.stride(2), layer_cache.stride(3), block_tables.stride(0),
-        BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=_dim(group), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype), num_warps=4)
+        q, layer_cache, block_tables, context_lens, rows, part_out, part_lse, out, scale * kv_scale[0], kv_scale[1],
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), layer_cache.stride(0), layer_cache.stride(2),
+        layer_cache.stride(3), block_tables.stride(0), BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=_dim(group),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=num_splits,
+        PRECISION=_precision(q.dtype), num_warps=4)
+    if num_splits == 1:
+        return
     _merge_splits_kernel[(num_seqs, num_heads)](
         part_out, part_lse, rows, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d,
         NUM_SPLITS=num_splits, num_warps=4)
 
 
 @triton.jit
-def _prefix_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, starts_ptr, ends_ptr, out_ptr, scale,
+def _prefix_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, starts_ptr, ends_ptr, out_ptr, scale, v_scale,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_kv, stride_slot, stride_head, stride_table,
                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
@@ -233,14 +294,14 @@ def _prefix_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, starts_ptr, ends_ptr,
         acc = acc * alpha[:, None] + tl.dot(p, values, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + (q_start + offsets)[:, None] * stride_ot + head * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & d_mask[None, :])
 
 
 def prefix_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, out: torch.Tensor, *,
-                     max_query_len: int, scale: float) -> None:
+                     max_query_len: int, scale: float, kv_scale: KVScale = UNSCALED) -> None:
     """Sequence s's queries are rows [starts[s], ends[s]) of q (its newest tokens, their K/V
     already in the pool); they attend causally to its context_lens[s] tokens through
     block_tables[s]. Writes those rows of out. max_query_len: the longest span (the grid)."""
@@ -250,8 +311,8 @@ def prefix_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: t
     num_heads, head_dim, num_kv_heads, block_size = _shapes(q, layer_cache, block_tables, out)
     grid = (triton.cdiv(max_query_len, PREFIX_BLOCK_M), num_seqs, num_heads)
     _prefix_kernel[grid](
-        q, layer_cache, block_tables, context_lens, starts, ends, out, scale, q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1), layer_cache.stride(0), layer_cache.stride(2), layer_cache.stride(3),
+        q, layer_cache, block_tables, context_lens, starts, ends, out, scale * kv_scale[0], kv_scale[1], q.stride(0),
+        q.stride(1), out.stride(0), out.stride(1), layer_cache.stride(0), layer_cache.stride(2), layer_cache.stride(3),
         block_tables.stride(0), BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=_dim(head_dim), BLOCK_M=PREFIX_BLOCK_M, BLOCK_N=PREFIX_BLOCK_N, PRECISION=_precision(q.dtype),
         num_warps=4)
