@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from conftest import REFERENCE_DEVICE
 
+from pdserve.model.demo_checkpoint import PRESETS, write_checkpoint
+
 
 def write_adapter(model_dir: Path, out: Path, targets: list[str], rank: int, *, alpha: float = 16.0,
                   rslora: bool = False, seed: int = 0, scale: float = 0.3) -> Path:
@@ -26,6 +28,23 @@ def write_adapter(model_dir: Path, out: Path, targets: list[str], rank: int, *, 
             if "lora_" in name:
                 param.copy_(torch.randn(param.shape, generator=gen) * scale * param.shape[-1] ** -0.5)
     model.save_pretrained(str(out))
+    return out
+
+
+# name -> (targets, rank, rslora): every target on dense Qwen3, attention targets only on MoE
+DENSE_ADAPTERS = {"sql": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 8, False),
+                  "chat": (["q_proj", "v_proj", "o_proj", "down_proj"], 16, True)}
+MOE_ADAPTERS = {"sql": (["q_proj", "k_proj", "v_proj", "o_proj"], 8, False), "chat": (["q_proj", "o_proj"], 4, True)}
+
+
+def write_lora_models(root: Path) -> dict[str, tuple[Path, dict[str, Path]]]:
+    """kind ("dense": tiny, "moe": tiny-moe) -> (checkpoint, adapter name -> directory)."""
+    out = {}
+    for kind, preset, specs in (("dense", "tiny", DENSE_ADAPTERS), ("moe", "tiny-moe", MOE_ADAPTERS)):
+        model_dir = write_checkpoint(root / kind, PRESETS[preset], seed=21)
+        adapters = {name: write_adapter(model_dir, root / f"{kind}-{name}", targets, rank, rslora=rslora, seed=seed)
+                    for seed, (name, (targets, rank, rslora)) in enumerate(specs.items())}
+        out[kind] = (model_dir, adapters)
     return out
 
 

@@ -15,11 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import assert_no_leak, greedy, random_prompt, token_prompts
-from lora_helpers import PeftReference, write_adapter
+from lora_helpers import PeftReference, write_lora_models
 from safetensors.torch import load_file, save_file
 
 from pdserve import LLM, LoRARequest
-from pdserve.model.demo_checkpoint import PRESETS, write_checkpoint
 from pdserve.model.lora import LoRAError, load_adapter
 from pdserve.model.qwen3_config import Qwen3ModelConfig
 
@@ -27,23 +26,10 @@ MAX_TOKENS = 8
 PROMPTS = [random_prompt(n, seed=4700 + n) for n in (5, 19, 45)]  # 45: two chunks of 32
 ENGINE = {"dtype": "float32", "num_kv_blocks": 96, "max_num_batched_tokens": 32, "enable_lora": True,
           "max_lora_rank": 16}
-# name -> (targets, rank, rslora)
-DENSE_ADAPTERS = {"sql": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 8, False),
-                  "chat": (["q_proj", "v_proj", "o_proj", "down_proj"], 16, True)}
-MOE_ADAPTERS = {"sql": (["q_proj", "k_proj", "v_proj", "o_proj"], 8, False), "chat": (["q_proj", "o_proj"], 4, True)}
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict[str, Path]]]:
     """kind -> (checkpoint, adapter name -> directory)."""
-    root = tmp_path_factory.mktemp("lora")
-    out = {}
-    for kind, preset, specs in (("dense", "tiny", DENSE_ADAPTERS), ("moe", "tiny-moe", MOE_ADAPTERS)):
-        model_dir = write_checkpoint(root / kind, PRESETS[preset], seed=21)
-        adapters = {name: write_adapter(model_dir, root / f"{kind}-{name}", targets, rank, rslora=rslora, seed=seed)
-                    for seed, (name, (targets, rank, rslora)) in enumerate(specs.items())}
-        out[kind] = (model_dir, adapters)
-    return out
+    return write_lora_models(tmp_path_factory.mktemp("lora"))
 
 
 @pytest.fixture(scope="module")

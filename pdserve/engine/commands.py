@@ -17,6 +17,7 @@ engine (engine/kv_transfer.py), on the side where the engine runs.
 from __future__ import annotations
 
 import abc
+import dataclasses
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -223,3 +224,33 @@ class StopSequence(Command[None]):
 
     def apply(self, engine: LLMEngine) -> None:
         engine.stop_sequence(self.request_id, self.index, self.stop)
+
+
+@dataclass(frozen=True, slots=True)
+class AddLoRA(Command[dict[str, object]]):
+    """Load and register LoRA adapter `name` from `path` (all or nothing; a bad adapter raises a
+    ValueError naming it). The result is its `LoRAInfo` as a dict (it crosses the engine-core link)."""
+
+    name: str
+    path: str
+
+    def apply(self, engine: LLMEngine) -> dict[str, object]:
+        return dataclasses.asdict(engine.add_lora(self.name, self.path))
+
+
+@dataclass(frozen=True, slots=True)
+class RemoveLoRA(Command[None]):
+    """Unregister LoRA adapter `name` (ValueError: not loaded, or in use by a request)."""
+
+    name: str
+
+    def apply(self, engine: LLMEngine) -> None:
+        engine.remove_lora(self.name)
+
+
+@dataclass(frozen=True, slots=True)
+class ListLoRAs(Command[list[dict[str, object]]]):
+    """The registered LoRA adapters, each its `LoRAInfo` as a dict."""
+
+    def apply(self, engine: LLMEngine) -> list[dict[str, object]]:
+        return [dataclasses.asdict(info) for info in engine.list_loras()]

@@ -47,11 +47,13 @@ from pdserve.engine.async_llm import (
 )
 from pdserve.engine.commands import (
     Abort,
+    AddLoRA,
     AddPrefillOnly,
     AddRequest,
     CachedPrefixTokens,
     Command,
     GeneratorState,
+    ListLoRAs,
     PlaceKV,
     ReserveRemote,
     StopSequence,
@@ -437,6 +439,8 @@ def _result_of(command: Command[Any], value: Any) -> Any:
         return bool(value)
     if isinstance(command, GeneratorState):
         return None if value is None else bytes(value)
+    if isinstance(command, AddLoRA | ListLoRAs):  # LoRAInfo records as dicts
+        return value
     return None
 
 

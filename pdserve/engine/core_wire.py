@@ -35,15 +35,18 @@ import msgpack
 
 from pdserve.engine.commands import (
     Abort,
+    AddLoRA,
     AddPrefillOnly,
     AddRequest,
     CachedPrefixTokens,
     Command,
     CompleteRemote,
     GeneratorState,
+    ListLoRAs,
     PlaceKV,
     PrefillLocally,
     ReleaseKV,
+    RemoveLoRA,
     ReserveRemote,
     StopSequence,
 )
@@ -63,7 +66,7 @@ _KINDS = frozenset(get_args(ToCoreKind))
 # every command that crosses, by its class name
 COMMANDS: dict[str, type[Command[Any]]] = {cls.__name__: cls for cls in (
     AddRequest, AddPrefillOnly, ReserveRemote, CompleteRemote, PrefillLocally, PlaceKV, ReleaseKV, Abort,
-    CachedPrefixTokens, GeneratorState, StopSequence)}
+    CachedPrefixTokens, GeneratorState, StopSequence, AddLoRA, RemoveLoRA, ListLoRAs)}
 
 
 class CoreWireError(ValueError):
@@ -328,6 +331,9 @@ def _decode_stats(value: dict[str, Any]) -> EngineStats:
         if tier is not None:
             disk = dict(tier["disk"], load_latency_counts=tuple(tier["disk"]["load_latency_counts"]))
             value = dict(value, kv_tier=TierStats(KVTierStats(**disk), tier["num_pool_hit_blocks"]))
+        for name in ("running_lora_adapters", "waiting_lora_adapters"):  # NOTE: msgpack makes tuples lists
+            if name in value:
+                value = dict(value, **{name: tuple(value[name])})
         return EngineStats(**value)
     except (TypeError, KeyError) as exc:
         raise CoreWireError(f"FromCore.stats: {exc}") from exc

@@ -38,6 +38,10 @@ class EngineStats:
     num_engine_requests: int = 0  # user requests the engine tracks (their output state included)
     num_scheduler_requests: int = 0  # sequences the scheduler tracks (waiting, running, swapped, remote, held)
     block_size: int = 0  # tokens per KV block (vllm:cache_config_info)
+    # LoRA (vllm:lora_requests_info): slots, and the adapters of running / waiting requests
+    max_lora: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
 
 def check_request(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int) -> None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
+from collections.abc import Iterable
 
 import torch
 
@@ -451,6 +453,7 @@ class LLMEngine:
         kv = self.scheduler.kv
         # NOTE: "current batch" means now: an idle engine has none, whatever its last step was.
         batch = self._last_prefill_batch if self.has_runnable_requests() else (0, 0)
+        lora_running, lora_waiting = self._lora_stats()
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -476,4 +479,19 @@ class LLMEngine:
             num_engine_requests=len(self._states),
             num_scheduler_requests=self.scheduler.num_unfinished,
             block_size=kv.block_size,
+            max_lora=0 if self.lora is None else self.lora.config.max_loras,
+            running_lora_adapters=lora_running,
+            waiting_lora_adapters=lora_waiting,
         )
+
+    def _lora_stats(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """vllm:lora_requests_info's labels: the adapters of running and of waiting requests."""
+        if self.lora is None:
+            return (), ()
+        sched = self.scheduler
+
+        def names(requests: Iterable[Request]) -> tuple[str, ...]:
+            return tuple(sorted({name for r in requests if (name := lora_name_of(r)) is not None}))
+
+        waiting = itertools.chain(sched.waiting, sched.remote.values(), sched.loading.values())
+        return names(sched.running), names(waiting)

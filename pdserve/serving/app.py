@@ -4,6 +4,7 @@ handlers."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from pdserve.serving.engine_client import EngineClient
 from pdserve.serving.errors import EXCEPTION_HANDLERS, OpenAIError, documented_errors
 from pdserve.serving.event_stream import EventStreamResponse
 from pdserve.serving.limits import check_limits
+from pdserve.serving.lora_routes import LoRAAdmin, add_lora_routes, engine_lora_admin
 from pdserve.serving.metrics import LocalEngine, instrument_engine_app
 from pdserve.serving.middleware import ApiKeyAuth, BodyLimit, CatchAll
 from pdserve.serving.openapi import install_openapi
@@ -59,14 +61,17 @@ class AppExtras:
     # (one that feeds those metrics: `client` wrapped)
     instrument: Callable[[FastAPI, EngineClient], EngineClient]
     refusals: tuple[HTTPStatus, ...] = ()  # what else the client refuses requests with (documented)
+    lora: LoRAAdmin | None = None  # who serves LoRA adapters (the router: every worker's)
 
 
 def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None = None,
                probes: Probes | None = None, api: ApiConfig | None = None,
                extras: AppExtras | None = None) -> FastAPI:
     """`probes`: default `Probes.of_engine(client)`. `api`: client keys and input caps (default
-    `ApiConfig()`: no keys). `extras`: the metrics and refusals of a client that is not a local engine."""
+    `ApiConfig()`: no keys). `extras`: the metrics and refusals of a client that is not a local engine.
+    LoRA adapters: `extras.lora`'s, else a local engine's with --enable-lora (serving/lora_routes.py)."""
     api = api or ApiConfig()
+    lora = extras.lora if extras is not None else engine_lora_admin(client)
     app = FastAPI(title="pdserve", exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
     install_middleware(app, api)
     install_openapi(app, api, client.vocab_size, client.tokenizer.vocab_size)
@@ -75,17 +80,26 @@ def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None 
     elif isinstance(client, LocalEngine):
         install_dashboard(app, instrument_engine_app(app, client, model_name, "colocated"), None)
 
-    def check_model(requested: str | None) -> None:
-        if requested is not None and requested != model_name:
+    def check_model(requested: str | None) -> str | None:
+        """The LoRA adapter `requested` names (None: the base model); 404 for a model not served."""
+        if requested is None or requested == model_name:
+            return None
+        if lora is None or requested not in lora.names():
             raise OpenAIError(f"The model `{requested}` does not exist. This server serves `{model_name}`.",
                               HTTPStatus.NOT_FOUND, "model")
+        return requested
 
     _add_generation_routes(app, client, model_name, api, check_model, extras.refusals if extras else ())
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, root=client.model_path,
-                                         max_model_len=client.max_model_len)])
+        adapters = [] if lora is None else await lora.list()
+        return ModelList(data=[ModelCard(id=model_name, root=client.model_path, max_model_len=client.max_model_len),
+                               *(ModelCard(id=info.name, root=info.path, parent=model_name,
+                                           max_model_len=client.max_model_len) for info in adapters)])
+
+    if lora is not None:
+        add_lora_routes(app, lora)
 
     add_utility_routes(app, client, check_model)
     _add_probe_routes(app, probes or Probes.of_engine(client))
@@ -93,15 +107,19 @@ def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None 
 
 
 def _add_generation_routes(app: FastAPI, client: EngineClient, model_name: str, api: ApiConfig,
-                           check_model: Callable[[str | None], None], refusals: tuple[HTTPStatus, ...]) -> None:
-    """POST /v1/completions and /v1/chat/completions; `refusals`: what else `client` refuses with."""
+                           check_model: Callable[[str | None], str | None], refusals: tuple[HTTPStatus, ...]) -> None:
+    """POST /v1/completions and /v1/chat/completions; `refusals`: what else `client` refuses with;
+    a `model` that names a LoRA adapter (`check_model`'s answer) runs under it."""
     completions = CompletionHandler(client, model_name, api.max_tokens_limit)
     chat = ChatHandler(client, model_name, api)
 
     async def respond(handler: CompletionHandler | ChatHandler, body: Any, raw: Request) -> Any:
-        check_model(body.model)
+        lora_name = check_model(body.model)
         check_limits(body, api)
         request_id, jobs = await handler.prepare(body)
+        if lora_name is not None:
+            jobs = [dataclasses.replace(job, params=dataclasses.replace(job.params, lora_name=lora_name))
+                    for job in jobs]
         if body.stream:
             # NOTE: the first chunk is awaited before the response starts, so an error until then
             # (queue full, no worker, no KV room) still gets its own HTTP status, not a 200.

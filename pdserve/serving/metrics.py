@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -276,6 +276,9 @@ class _EngineCollector(Collector):
         stats = self.stats()
         yield from _engine_series(stats, series.gauge, series.counter)
         yield from cache_series(self.metrics.labels, stats.kv_cache_usage, stats.block_size, stats.num_kv_blocks)
+        if stats.max_lora:
+            yield lora_series(self.metrics.labels, stats.max_lora, stats.running_lora_adapters,
+                              stats.waiting_lora_adapters)
         if stats.kv_tier is not None:
             yield from kv_tier_series(stats.kv_tier, self.metrics.labels)
 
@@ -291,6 +294,17 @@ def cache_series(labels: dict[str, str], usage: float, block_size: int,
                              labels=[*labels, "block_size", "num_gpu_blocks"])
     info.add_metric([*labels.values(), str(block_size), str(num_blocks)], 1)
     yield info
+
+
+def lora_series(labels: dict[str, str], max_lora: int, running: Iterable[str],
+                waiting: Iterable[str]) -> GaugeMetricFamily:
+    """vLLM's `vllm:lora_requests_info`, which LoRA-affinity pickers (the Inference Extension's)
+    read: the adapters of running and of waiting requests as comma-joined labels; its value is the
+    time of the scrape (vLLM's: the time of its last update)."""
+    info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests",
+                             labels=[*labels, "max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+    info.add_metric([*labels.values(), str(max_lora), ",".join(running), ",".join(waiting)], time.time())
+    return info
 
 
 def _engine_series(s: EngineStats, gauge: Callable[..., GaugeMetricFamily],

@@ -54,7 +54,7 @@ class DetokenizeRequest(BaseModel):
     tokens: list[TokenId]
 
 
-def add_utility_routes(app: FastAPI, client: EngineClient, check_model: Callable[[str | None], None]) -> None:
+def add_utility_routes(app: FastAPI, client: EngineClient, check_model: Callable[[str | None], object]) -> None:
     tokenizer = client.tokenizer
 
     def token_ids(body: TokenizeRequest) -> list[int]:

@@ -67,6 +67,7 @@ from pdserve.engine.async_llm import AsyncLLM
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.serving.app import Lifespan
 from pdserve.serving.errors import EXCEPTION_HANDLERS
+from pdserve.serving.lora_routes import add_lora_routes, engine_lora_admin
 from pdserve.serving.metrics import LocalEngine, ServerMetrics, install_engine_metrics
 from pdserve.serving.middleware import CatchAll
 
@@ -147,6 +148,9 @@ def assemble_worker(client: LocalEngine, receiver: ReceiverView | None, senders:
     install_engine_metrics(app, client, metrics, ServiceCollector(metrics.labels, service.stats))  # GET /metrics
     worker = Worker(app, client, service, consumer, registrar)
     _add_common_routes(worker, shape)
+    lora = engine_lora_admin(client)  # with --enable-lora: /v1/load_lora_adapter, /v1/unload_lora_adapter
+    if lora is not None:
+        add_lora_routes(app, lora)
     if isinstance(service, DecodeService):
         add_decode_routes(app, service)
     else:
