@@ -27,7 +27,7 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
-from pdserve.disagg.control import FirstToken, FrameDecoder, OutputFrame, WirePromptLogprobs
+from pdserve.disagg.control import FirstToken, OutputFrame
 from pdserve.engine.logprobs import PromptLogprobs
 from pdserve.engine.output import CompletionOutput, RequestOutput, RequestState
 from pdserve.engine.sampling_params import SamplingParams
@@ -165,14 +165,6 @@ def after_sent(request_id: str, prompt: list[int], sent: CompletionOutput, outpu
                                     logprobs=logprobs)]
     return RequestOutput(request_id, None, prompt, seqs, output.finished, output.num_cached_tokens,
                          prompt_logprobs=prompt_logprobs)
-
-
-def request_output(request_id: str, prompt: list[int], frame: OutputFrame, frames: FrameDecoder) -> RequestOutput:
-    """The cumulative output after `frame` (a delta, already `frames.check`ed) of the stream `frames`
-    rebuilds; FrameGap if it does not continue the frames before it."""
-    seqs = frames.sequences(frame)
-    return RequestOutput(request_id, None, prompt, seqs, all(s.finished for s in seqs), frame.num_cached_tokens,
-                         prompt_logprobs=WirePromptLogprobs.build_list(frame.prompt_logprobs))
 
 
 async def next_within(outputs: AsyncGenerator[RequestOutput, None], timeout_s: float | None) -> RequestOutput:

@@ -20,7 +20,6 @@ from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from http import HTTPStatus
 
 from pdserve.disagg.attempt_states import RUN, Run, State
-from pdserve.disagg.auth import sign_job
 from pdserve.disagg.client import UnknownRequest, WorkerClient, WorkerRefused, WorkerUnreachable
 from pdserve.disagg.config import RouterConfig
 from pdserve.disagg.control import (
@@ -28,7 +27,6 @@ from pdserve.disagg.control import (
     FrameDecoder,
     FrameGap,
     OutputFrame,
-    Placement,
     PrefillJob,
     ReserveReply,
     ReserveRequest,
@@ -44,10 +42,10 @@ from pdserve.disagg.router.outputs import (
     EarlyFirstToken,
     early_first_token_wanted,
     merged,
-    request_output,
 )
 from pdserve.disagg.router.policy import DecodePolicy
 from pdserve.disagg.router.pool import Worker, WorkerPool, reach
+from pdserve.disagg.run_parts import placement, prefill_job, request_output
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.serving.trace import current_trace
@@ -335,15 +333,12 @@ class RequestRun:
         await asyncio.sleep(0)
 
     def _job(self, reservation: tuple[Worker, ReserveReply] | None) -> PrefillJob:
-        """This run's prefill job (attempt 0), naming the decode reservation if there is one.
-        NOTE: prefill computes the prompt's KV once for all n sequences; with n > 1 or logprobs,
-        decode samples the first tokens itself (LLMEngine.complete_remote)."""
-        job = PrefillJob(request_id=self.rid, transfer_id=transfer_id(self.rid, 0), prompt_token_ids=self.prompt,
-                         params=WireSamplingParams.of(dataclasses.replace(self.params, n=1, logprobs=None)))
+        """This run's prefill job (attempt 0, run_parts.py), naming the decode reservation if there is one."""
+        where = None
         if reservation is not None:
             decode, reply = reservation
-            job = job.with_placement(_placement(job.transfer_id, decode, reply))
-        return sign_job(self.parts.client.secret, job)  # prefill acts only on jobs a cluster member signed
+            where = placement(transfer_id(self.rid, 0), decode.url, reply)
+        return prefill_job(self.parts.client.secret, self.rid, self.prompt, self.params, where)
 
     async def _place(self) -> Exception | None:
         """Place the job sent unplaced. None once placed; else what stops it: a refusal, as the
@@ -353,7 +348,7 @@ class RequestRun:
             raise RuntimeError(f"run {self.rid} has no job to place")
         decode, reply = self._reservation()
         try:
-            if await placing.place(ticket, _placement(ticket.job.transfer_id, decode, reply)):
+            if await placing.place(ticket, placement(ticket.job.transfer_id, decode.url, reply)):
                 self.placed = True
                 return None
         except WorkerRefused as exc:
@@ -423,8 +418,3 @@ class RequestRun:
         if self.ticket is not None:
             await self.parts.queue.cancel(self.ticket)
         await reach(decode, self.parts.client.abort(decode.url, self.rid))
-
-
-def _placement(tid: str, decode: Worker, reply: ReserveReply) -> Placement:
-    return Placement(transfer_id=tid, decode_url=decode.url, kv_address=reply.kv_address, block_ids=reply.block_ids,
-                     num_cached_tokens=reply.num_cached_tokens, token=reply.token)
