@@ -2,8 +2,9 @@
 records on a GPU (the model's forward on a padded bucket's persistent step buffers, Triton backend)
 traces with torch.compile(fullgraph=True) for a dense and a MoE model, so it holds no graph break
 (no host sync, no Python branch on a device value), and one eager run of it calls no op that reads
-a device value back to the host. The three Triton launches are opaque custom ops here: Triton's
-interpreter (CPU) is Python that Dynamo would trace, where on a GPU they are plain launches."""
+a device value back to the host. The three attention launches are opaque custom ops here: Triton's
+interpreter (CPU) is Python that Dynamo would trace, where on a GPU they are plain launches. The
+fused layer kernels (model/triton_fused.py) are custom ops of their own under torch.compile."""
 
 from __future__ import annotations
 
@@ -28,21 +29,24 @@ ORIGINAL = {name: getattr(kernels, name) for name in ("store_kv", "decode_attent
 
 
 @torch.library.custom_op("pdserve_test::store_kv", mutates_args=("layer_cache",))
-def _store_kv(k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    ORIGINAL["store_kv"](k, v, layer_cache, slot_mapping)
+def _store_kv(k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor, slot_mapping: torch.Tensor,
+              kv_scale: list[float]) -> None:
+    ORIGINAL["store_kv"](k, v, layer_cache, slot_mapping, kv_scale=tuple(kv_scale))
 
 
 @torch.library.custom_op("pdserve_test::decode_attention", mutates_args=("out",))
 def _decode(q: torch.Tensor, layer_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-            rows: torch.Tensor, out: torch.Tensor, scale: float, num_splits: int) -> None:
-    ORIGINAL["decode_attention"](q, layer_cache, tables, lens, rows, out, scale=scale, num_splits=num_splits)
+            rows: torch.Tensor, out: torch.Tensor, scale: float, num_splits: int, kv_scale: list[float]) -> None:
+    ORIGINAL["decode_attention"](q, layer_cache, tables, lens, rows, out, scale=scale, num_splits=num_splits,
+                                 kv_scale=tuple(kv_scale))
 
 
 @torch.library.custom_op("pdserve_test::prefix_attention", mutates_args=("out",))
 def _prefix(q: torch.Tensor, layer_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-            starts: torch.Tensor, ends: torch.Tensor, out: torch.Tensor, max_query_len: int, scale: float) -> None:
+            starts: torch.Tensor, ends: torch.Tensor, out: torch.Tensor, max_query_len: int, scale: float,
+            kv_scale: list[float]) -> None:
     ORIGINAL["prefix_attention"](q, layer_cache, tables, lens, starts, ends, out, max_query_len=max_query_len,
-                                 scale=scale)
+                                 scale=scale, kv_scale=tuple(kv_scale))
 
 
 for _op in (_store_kv, _decode, _prefix):
@@ -51,10 +55,11 @@ for _op in (_store_kv, _decode, _prefix):
 
 @pytest.fixture
 def opaque_kernels(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(kernels, "store_kv", _store_kv)
-    monkeypatch.setattr(kernels, "decode_attention", lambda *a, scale, num_splits: _decode(*a, scale, num_splits))
+    monkeypatch.setattr(kernels, "store_kv", lambda *a, kv_scale: _store_kv(*a, list(kv_scale)))
+    monkeypatch.setattr(kernels, "decode_attention",
+                        lambda *a, scale, num_splits, kv_scale: _decode(*a, scale, num_splits, list(kv_scale)))
     monkeypatch.setattr(kernels, "prefix_attention",
-                        lambda *a, max_query_len, scale: _prefix(*a, max_query_len, scale))
+                        lambda *a, max_query_len, scale, kv_scale: _prefix(*a, max_query_len, scale, list(kv_scale)))
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()

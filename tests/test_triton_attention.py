@@ -6,7 +6,9 @@ bfloat16 arithmetic is wrong in the interpreter. With one (scripts/device_check.
 
 Cases: block tables of many shapes (adjacent, scattered, reversed, one block), block sizes 1 to
 16, GQA ratios 1/2/4/8, contexts ending mid-block, split-KV with 1 and several splits (more
-splits than a short context has tiles too), prefill over a cached prefix with and without one."""
+splits than a short context has tiles too), prefill over a cached prefix with and without one;
+head dims 32 and 128 (Qwen3's); FP8 pools (float8_e4m3fn and float8_e5m2, per-layer scales) read
+and written by the kernels against torch's quantize/dequantize (model/kv_scales.py)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ if not CUDA:
 
 triton = pytest.importorskip("triton")
 from pdserve.model import triton_attention as ta  # noqa: E402
+from pdserve.model.kv_scales import dequantize, quantize  # noqa: E402
 
 HEAD_DIM = 32
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -45,17 +48,25 @@ def _ints(values: list[int] | list[list[int]]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32, device=DEVICE)
 
 
-def _pool(num_blocks: int, block_size: int, num_kv_heads: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+KV_SCALE = (0.5, 3.0)  # an FP8 pool's (k_scale, v_scale): neither 1.0, and not the same
+
+
+def _pool(num_blocks: int, block_size: int, num_kv_heads: int, dtype: torch.dtype, seed: int = 0,
+          head_dim: int = HEAD_DIM, kv_scale: ta.KVScale = ta.UNSCALED) -> torch.Tensor:
+    """Random K/V; an FP8 pool holds them quantized with `kv_scale`, as the engine's writes do."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn((2, num_blocks, block_size, num_kv_heads, HEAD_DIM), generator=gen).to(DEVICE, dtype)
+    values = torch.randn((2, num_blocks, block_size, num_kv_heads, head_dim), generator=gen).to(DEVICE)
+    return torch.stack([quantize(values[i], dtype, kv_scale[i]) for i in (0, 1)])
 
 
-def _context(pool: torch.Tensor, table: list[int], context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """keys, values [kv_heads, context_len, dim] in float32, read through the table."""
-    num_kv_heads = pool.shape[3]
+def _context(pool: torch.Tensor, table: list[int], context_len: int, kv_scale: ta.KVScale = ta.UNSCALED
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys, values [kv_heads, context_len, dim] in float32, read through the table (and dequantized)."""
+    num_kv_heads, head_dim = pool.shape[3:]
     ids = torch.tensor(table, device=DEVICE)
-    keys = pool[0][ids].reshape(-1, num_kv_heads, HEAD_DIM)[:context_len].float()
-    values = pool[1][ids].reshape(-1, num_kv_heads, HEAD_DIM)[:context_len].float()
+    keys = dequantize(pool[0][ids], torch.float32, kv_scale[0]).reshape(-1, num_kv_heads, head_dim)[:context_len]
+    values = dequantize(pool[1][ids], torch.float32, kv_scale[1]).reshape(-1, num_kv_heads, head_dim)[:context_len]
     return keys.transpose(0, 1), values.transpose(0, 1)
 
 
@@ -101,8 +112,34 @@ DECODE_CASES = [
 @pytest.mark.parametrize(("block_size", "num_kv_heads", "group", "lens", "shapes", "splits"), DECODE_CASES)
 def test_decode_matches_reference(dtype: torch.dtype, block_size: int, num_kv_heads: int, group: int,
                                   lens: list[int], shapes: str, splits: int) -> None:
+    _check_decode(dtype, block_size, num_kv_heads, group, lens, shapes, splits)
+
+
+# at Qwen3's head dim: a 4K context at 16 splits (Qwen3-8B's batch-1 split count), GQA 4, one split
+DECODE_CASES_128 = [(16, 1, 4, [4000], "scattered", 16), (16, 2, 4, [1, 77, 130], "adjacent", 1)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("block_size", "num_kv_heads", "group", "lens", "shapes", "splits"), DECODE_CASES_128)
+def test_decode_at_head_dim_128(dtype: torch.dtype, block_size: int, num_kv_heads: int, group: int,
+                                lens: list[int], shapes: str, splits: int) -> None:
+    _check_decode(dtype, block_size, num_kv_heads, group, lens, shapes, splits, head_dim=128)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize(("head_dim", "dtype", "splits"), [(32, torch.float32, 1), (32, torch.float16, 4),
+                                                           (128, torch.float32, 2)])
+def test_decode_reads_an_fp8_pool_with_its_layer_scales(fp8: torch.dtype, head_dim: int, dtype: torch.dtype,
+                                                        splits: int) -> None:
+    _check_decode(dtype, 16, 2, 2, [5, 33, 130], "scattered", splits, head_dim=head_dim, pool_dtype=fp8,
+                  kv_scale=KV_SCALE)
+
+
+def _check_decode(dtype: torch.dtype, block_size: int, num_kv_heads: int, group: int, lens: list[int], shapes: str,
+                  splits: int, head_dim: int = HEAD_DIM, pool_dtype: torch.dtype | None = None,
+                  kv_scale: ta.KVScale = ta.UNSCALED) -> None:
     num_blocks = sum(-(-n // block_size) for n in lens) + 3
-    pool = _pool(num_blocks, block_size, num_kv_heads, dtype)
+    pool = _pool(num_blocks, block_size, num_kv_heads, pool_dtype or dtype, head_dim=head_dim, kv_scale=kv_scale)
     tables = _tables(block_size, lens, shapes, num_blocks)
     width = max(len(t) for t in tables) + 2  # wider than any table: the kernel reads only what the length covers
     padded = torch.tensor([t + [num_blocks + 99] * (width - len(t)) for t in tables], dtype=torch.int32,
@@ -110,12 +147,12 @@ def test_decode_matches_reference(dtype: torch.dtype, block_size: int, num_kv_he
     num_heads, num_rows = num_kv_heads * group, 2 * len(lens) + 1
     rows = torch.tensor([2 * i + 1 for i in range(len(lens))], dtype=torch.int32, device=DEVICE)  # rows in between
     gen = torch.Generator().manual_seed(1)
-    q = torch.randn((num_rows, num_heads, HEAD_DIM), generator=gen).to(DEVICE, dtype)
+    q = torch.randn((num_rows, num_heads, head_dim), generator=gen).to(DEVICE, dtype)
     out = torch.full_like(q, 7.0)
-    scale = HEAD_DIM**-0.5
-    ta.decode_attention(q, pool, padded, _ints(lens), rows, out, scale=scale, num_splits=splits)
+    scale = head_dim**-0.5
+    ta.decode_attention(q, pool, padded, _ints(lens), rows, out, scale=scale, num_splits=splits, kv_scale=kv_scale)
     for i, (table, n) in enumerate(zip(tables, lens, strict=True)):
-        keys, values = _context(pool, table, n)
+        keys, values = _context(pool, table, n, kv_scale)
         row = int(rows[i])
         expected = _reference(q[row:row + 1], keys, values, torch.tensor([n - 1]), scale)
         torch.testing.assert_close(out[row:row + 1].float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
@@ -148,9 +185,29 @@ PREFIX_CASES = [
 @pytest.mark.parametrize(("block_size", "num_kv_heads", "group", "spans", "shapes"), PREFIX_CASES)
 def test_prefix_prefill_matches_reference(dtype: torch.dtype, block_size: int, num_kv_heads: int, group: int,
                                           spans: list[tuple[int, int]], shapes: str) -> None:
+    _check_prefix(dtype, block_size, num_kv_heads, group, spans, shapes)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefix_prefill_at_head_dim_128(dtype: torch.dtype) -> None:
+    _check_prefix(dtype, 16, 2, 4, [(70, 40), (0, 9)], "scattered", head_dim=128)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize(("head_dim", "dtype"), [(32, torch.float32), (32, torch.float16), (128, torch.float32)])
+def test_prefix_prefill_reads_an_fp8_pool_with_its_layer_scales(fp8: torch.dtype, head_dim: int,
+                                                                dtype: torch.dtype) -> None:
+    _check_prefix(dtype, 4, 1, 4, [(7, 13), (30, 36)], "reversed", head_dim=head_dim, pool_dtype=fp8,
+                  kv_scale=KV_SCALE)
+
+
+def _check_prefix(dtype: torch.dtype, block_size: int, num_kv_heads: int, group: int, spans: list[tuple[int, int]],
+                  shapes: str, head_dim: int = HEAD_DIM, pool_dtype: torch.dtype | None = None,
+                  kv_scale: ta.KVScale = ta.UNSCALED) -> None:
     lens = [cached + new for cached, new in spans]
     num_blocks = sum(-(-n // block_size) for n in lens) + 2
-    pool = _pool(num_blocks, block_size, num_kv_heads, dtype, seed=2)
+    pool = _pool(num_blocks, block_size, num_kv_heads, pool_dtype or dtype, seed=2, head_dim=head_dim,
+                 kv_scale=kv_scale)
     tables = _tables(block_size, lens, shapes, num_blocks)
     width = max(len(t) for t in tables)
     padded = _ints([t + [0] * (width - len(t)) for t in tables])
@@ -160,13 +217,13 @@ def test_prefix_prefill_matches_reference(dtype: torch.dtype, block_size: int, n
         ends.append(at + new)
         at += new
     num_heads = num_kv_heads * group
-    q = torch.randn((at + 1, num_heads, HEAD_DIM), generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+    q = torch.randn((at + 1, num_heads, head_dim), generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
     out = torch.full_like(q, 7.0)
     scale = 0.3
     ta.prefix_attention(q, pool, padded, _ints(lens), _ints(starts), _ints(ends), out,
-                        max_query_len=max(new for _, new in spans), scale=scale)
+                        max_query_len=max(new for _, new in spans), scale=scale, kv_scale=kv_scale)
     for table, n, (cached, new), start in zip(tables, lens, spans, starts, strict=True):
-        keys, values = _context(pool, table, n)
+        keys, values = _context(pool, table, n, kv_scale)
         expected = _reference(q[start:start + new], keys, values, torch.arange(cached, n), scale)
         torch.testing.assert_close(out[start:start + new].float(), expected, atol=TOLERANCE[dtype],
                                    rtol=TOLERANCE[dtype])
@@ -190,6 +247,27 @@ def test_store_kv_writes_real_slots_only(dtype: torch.dtype) -> None:
     assert (flat[:, others] == 0).all()
 
 
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("head_dim", [32, 128])
+def test_store_kv_quantizes_into_an_fp8_pool_as_torch_does(fp8: torch.dtype, head_dim: int) -> None:
+    """The bytes torch's quantize (the CPU path, a hand-off's receiver) stores: every rounding case,
+    subnormals, values past the format's range (clamped), zeros of both signs."""
+    pool = torch.zeros((2, 6, 4, 2, head_dim), dtype=fp8, device=DEVICE)
+    gen = torch.Generator().manual_seed(5)
+    magnitudes = 10.0 ** torch.randint(-7, 6, (5, 3, 2, head_dim), generator=gen).float()
+    fused = (torch.randn((5, 3, 2, head_dim), generator=gen) * magnitudes).to(DEVICE)
+    fused[0, 1, 0, :4] = torch.tensor([0.0, -0.0, 1e9, -1e9])
+    k, v = fused[:, 1], fused[:, 2]
+    slots = _ints([9, -1, 0, 23, -1])
+    ta.store_kv(k, v, pool, slots, kv_scale=KV_SCALE)
+    flat = pool.view(2, -1, 2, head_dim).view(torch.uint8)
+    for row, slot in ((0, 9), (2, 0), (3, 23)):
+        assert torch.equal(flat[0, slot], quantize(k[row], fp8, KV_SCALE[0]).view(torch.uint8))
+        assert torch.equal(flat[1, slot], quantize(v[row], fp8, KV_SCALE[1]).view(torch.uint8))
+    others = [s for s in range(24) if s not in (0, 9, 23)]
+    assert (flat[:, others] == 0).all()
+
+
 @pytest.mark.skipif(CUDA, reason="with a GPU the tests above compile the kernels for it")
 def test_kernels_compile_for_hopper(tmp_path: Path) -> None:
     """The interpreter checks no types or layouts: compile each kernel for sm_90 (no GPU needed)."""
@@ -198,4 +276,4 @@ def test_kernels_compile_for_hopper(tmp_path: Path) -> None:
     script = Path(__file__).with_name("triton_hopper_compile.py")
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("shared") == 6, done.stdout
+    assert done.stdout.count("shared") == 12, done.stdout

@@ -1,4 +1,4 @@
-"""Compiles the Triton kernels (model/triton_attention.py) for Hopper (sm_90) without a GPU, in
+"""Compiles the Triton kernels (model/triton_attention.py, model/triton_fused.py) for Hopper (sm_90) without a GPU, in
 bfloat16 and float32, at the engine's launch configurations: what Triton's interpreter does not
 check (types, layouts, shared memory). Run by tests/test_triton_attention.py in a process without
 TRITON_INTERPRET; prints one line per kernel."""
@@ -10,11 +10,13 @@ from typing import Any
 
 assert os.environ.get("TRITON_INTERPRET") != "1", "compiles real kernels: run without TRITON_INTERPRET"
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from pdserve.model import triton_attention as ta  # noqa: E402
+from pdserve.model import triton_fused as tf  # noqa: E402
 
 
 def compile_for_hopper(fn: Any, signature: dict[str, str], constants: dict[str, Any]) -> None:
@@ -27,25 +29,43 @@ def compile_for_hopper(fn: Any, signature: dict[str, str], constants: dict[str, 
 
 def main() -> None:
     qwen3_8b = {"BLOCK_SIZE": 16, "GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128}
-    ints = dict.fromkeys(("stride_qt", "stride_qh", "stride_slot", "stride_head", "stride_table"), "i32")
-    for dtype, precision in (("bf16", "tf32"), ("fp32", "ieee")):
+    ints = dict.fromkeys(("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_slot", "stride_head",
+                          "stride_table"), "i32")
+    # (model dtype, pool dtype, precision, decode splits): a float pool, an FP8 one at 1 split (no merge)
+    for dtype, pool, precision, splits in (("bf16", "bf16", "tf32", 4), ("fp32", "fp32", "ieee", 4),
+                                           ("bf16", "fp8e4nv", "tf32", 1)):
         compile_for_hopper(ta._decode_split_kernel, {
-            "q_ptr": f"*{dtype}", "cache_ptr": f"*{dtype}", "tables_ptr": "*i32", "lens_ptr": "*i32",
-            "rows_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "scale": "fp32", "stride_kv": "i64",
-            **ints},
-            {**qwen3_8b, "BLOCK_G": 16, "BLOCK_N": ta.DECODE_BLOCK_N, "NUM_SPLITS": 4, "PRECISION": precision})
+            "q_ptr": f"*{dtype}", "cache_ptr": f"*{pool}", "tables_ptr": "*i32", "lens_ptr": "*i32",
+            "rows_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": f"*{dtype}",
+            "scale": "fp32", "v_scale": "fp32", "stride_kv": "i64", **ints},
+            {**qwen3_8b, "BLOCK_G": 16, "BLOCK_N": ta.DECODE_BLOCK_N, "NUM_SPLITS": splits, "PRECISION": precision})
         compile_for_hopper(ta._prefix_kernel, {
-            "q_ptr": f"*{dtype}", "cache_ptr": f"*{dtype}", "tables_ptr": "*i32", "lens_ptr": "*i32",
-            "starts_ptr": "*i32", "ends_ptr": "*i32", "out_ptr": f"*{dtype}", "scale": "fp32", "stride_ot": "i32",
-            "stride_oh": "i32", "stride_kv": "i64", **ints},
+            "q_ptr": f"*{dtype}", "cache_ptr": f"*{pool}", "tables_ptr": "*i32", "lens_ptr": "*i32",
+            "starts_ptr": "*i32", "ends_ptr": "*i32", "out_ptr": f"*{dtype}", "scale": "fp32", "v_scale": "fp32",
+            "stride_kv": "i64", **ints},
             {**qwen3_8b, "BLOCK_M": ta.PREFIX_BLOCK_M, "BLOCK_N": ta.PREFIX_BLOCK_N, "PRECISION": precision})
     compile_for_hopper(ta._merge_splits_kernel, {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "rows_ptr": "*i32",
                                                  "out_ptr": "*bf16", "stride_ot": "i32", "stride_oh": "i32"},
-                       {"HEAD_DIM": 128, "BLOCK_D": 128, "NUM_SPLITS": 1})
-    compile_for_hopper(ta._store_kv_kernel, {
-        "k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": "*bf16", "slot_ptr": "*i32", "stride_kt": "i32",
-        "stride_kh": "i32", "stride_vt": "i32", "stride_vh": "i32", "stride_kv": "i64", "stride_slot": "i32",
-        "stride_head": "i32"}, {"NUM_KV_HEADS": 8, "HEAD_DIM": 128, "BLOCK_H": 8, "BLOCK_D": 128})
+                       {"HEAD_DIM": 128, "BLOCK_D": 128, "NUM_SPLITS": 4})
+    for pool, fp8 in (("bf16", False), ("u8", True)):  # an FP8 pool is written as bytes
+        compile_for_hopper(ta._store_kv_kernel, {
+            "k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": f"*{pool}", "slot_ptr": "*i32", "k_scale": "fp32",
+            "v_scale": "fp32", "stride_kt": "i32", "stride_kh": "i32", "stride_vt": "i32", "stride_vh": "i32",
+            "stride_kv": "i64", "stride_slot": "i32", "stride_head": "i32"},
+            {"NUM_KV_HEADS": 8, "HEAD_DIM": 128, "BLOCK_H": 8, "BLOCK_D": 128, "FP8": fp8,
+             **ta._fp8_format(torch.float8_e4m3fn)})
+    # the fused layer kernels at Qwen3-8B's shapes
+    compile_for_hopper(tf._add_rms_norm_kernel, {
+        "x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16", "sum_ptr": "*bf16",
+        "eps": "fp32", "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_s": "i32"},
+        {"HIDDEN": 4096, "BLOCK": 4096, "HAS_RESIDUAL": True})
+    compile_for_hopper(tf._qk_norm_rope_kernel, {
+        "q_ptr": "*bf16", "k_ptr": "*bf16", "q_weight_ptr": "*bf16", "k_weight_ptr": "*bf16", "cos_ptr": "*bf16",
+        "sin_ptr": "*bf16", "q_out_ptr": "*bf16", "k_out_ptr": "*bf16", "eps": "fp32", "stride_qt": "i32",
+        "stride_qh": "i32", "stride_kt": "i32", "stride_kh": "i32", "stride_cos": "i32"},
+        {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "BLOCK_H": 32, "BLOCK_KV": 8, "HALF": 64, "BLOCK_HALF": 64})
+    compile_for_hopper(tf._silu_and_mul_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "stride_x": "i32",
+                                                 "stride_o": "i32"}, {"SIZE": 12288, "BLOCK": tf.SILU_BLOCK})
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ class ModelRunner:
         # the Triton backend (CUDA): persistent step buffers, decode from CUDA graphs (model/attention_backend.py)
         self.step_buffers: StepBuffers | None = None
         self.decode_graphs: DecodeGraphs | None = None
-        if select_backend(self.device, config.kv_dtype).name == "triton":
+        if select_backend(self.device).name == "triton":
             graphs = not config.enforce_eager and config.tensor_parallel_size == 1
             self.use_paged_step(graphs)
             if self.decode_graphs is not None:
@@ -104,7 +104,8 @@ class ModelRunner:
             return decode_splits(size, m.num_key_value_heads, programs)
 
         self.step_buffers = StepBuffers(max(sched.max_num_batched_tokens, sched.max_num_seqs), sched.max_num_seqs,
-                                        -(-sched.max_model_len // self.block_size), self.device, splits)
+                                        -(-sched.max_model_len // self.block_size), self.device, splits,
+                                        self.kv_quant)
         self.decode_graphs = DecodeGraphs(self.model, self.layer_caches, self.step_buffers, buckets) if graphs else None
 
     @torch.inference_mode()

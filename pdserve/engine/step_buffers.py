@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.step_plan import StepPlan
+from pdserve.model.attention import KVQuant
 from pdserve.model.attention_backend import PagedMetadata
 
 PAD_SLOT = -1  # a row whose K/V is written nowhere (a CUDA graph's padding)
@@ -31,11 +32,13 @@ PAD_SLOT = -1  # a row whose K/V is written nowhere (a CUDA graph's padding)
 
 class StepBuffers:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device,
-                 splits: Callable[[int], int]) -> None:
-        """`splits(num_decodes)`: the split-KV parts of a decode batch (attention_backend.decode_splits)."""
+                 splits: Callable[[int], int], kv_quant: KVQuant | None = None) -> None:
+        """`splits(num_decodes)`: the split-KV parts of a decode batch (attention_backend.decode_splits);
+        `kv_quant`: an FP8 pool's scales, passed on to every step's metadata."""
         self.max_tokens, self.max_seqs, self.width = max_tokens, max_seqs, max_blocks_per_seq
         self.device = device
         self.splits = splits
+        self.kv_quant = kv_quant
         t, s = max_tokens, max_seqs
         self._offsets = {name: at for name, at in zip(
             ("ids", "positions", "slots", "rows", "starts", "ends", "lens", "tables"),
@@ -90,6 +93,7 @@ class StepBuffers:
             prefix_lens=self._region(buf, "lens", len(prefix), at=num_decodes),
             max_prefix_query_len=max((p.end - p.start for p in prefix), default=0),
             fresh_prefills=tuple((p.start, p.end) for p in plan.prefills if p.context_len == p.end - p.start),
+            kv_quant=self.kv_quant,
         )
         return self._region(buf, "ids", num_tokens), self._region(buf, "positions", num_tokens), meta
 

@@ -29,8 +29,14 @@ from typing import Protocol
 
 import torch
 
-from pdserve.model.attention import AttentionMetadata, PrefillSpan, _fresh_prefill_attention, paged_attention
-from pdserve.model.kv_scales import is_fp8
+from pdserve.model.attention import (
+    UNSCALED,
+    AttentionMetadata,
+    KVQuant,
+    PrefillSpan,
+    _fresh_prefill_attention,
+    paged_attention,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +56,7 @@ class PagedMetadata:
     prefix_lens: torch.Tensor  # [num_prefix]
     max_prefix_query_len: int
     fresh_prefills: tuple[tuple[int, int], ...] = ()  # (start, end) rows of prompts with no cached context
+    kv_quant: KVQuant | None = None  # an FP8 pool's per-layer scales, read by the kernels; None: a float pool
 
 
 StepMetadata = AttentionMetadata | PagedMetadata
@@ -82,15 +89,18 @@ class TritonAttention:
         from pdserve.model import triton_attention as kernels
 
         assert isinstance(meta, PagedMetadata)
-        kernels.store_kv(k, v, layer_cache, meta.slot_mapping)
+        # NOTE: a CUDA graph records the layer's scales as kernel arguments (they never change)
+        kv_scale = UNSCALED if meta.kv_quant is None else meta.kv_quant.of(layer_cache)
+        kernels.store_kv(k, v, layer_cache, meta.slot_mapping, kv_scale=kv_scale)
         out = torch.empty_like(q)
         kernels.decode_attention(q, layer_cache, meta.decode_tables, meta.decode_lens, meta.decode_rows, out,
-                                 scale=scale, num_splits=meta.num_splits)
+                                 scale=scale, num_splits=meta.num_splits, kv_scale=kv_scale)
         kernels.prefix_attention(q, layer_cache, meta.prefix_tables, meta.prefix_lens, meta.prefix_starts,
-                                 meta.prefix_ends, out, max_query_len=meta.max_prefix_query_len, scale=scale)
+                                 meta.prefix_ends, out, max_query_len=meta.max_prefix_query_len, scale=scale,
+                                 kv_scale=kv_scale)
         for start, end in meta.fresh_prefills:  # NOTE: the whole context is new: no pool read (flash on CUDA)
             out[start:end] = _fresh_prefill_attention(q, k, v, PrefillSpan(start, end, end - start, _NO_TABLE),
-                                                      scale)  # NOTE: a float pool: FP8 pools take torch's path
+                                                      scale)  # NOTE: unquantized K/V, as the torch backend's
         return out
 
 
@@ -111,12 +121,10 @@ def triton_available() -> bool:
     return find_spec("triton") is not None
 
 
-def select_backend(device: torch.device, kv_dtype: torch.dtype | None = None) -> AttentionBackend:
-    """Triton on CUDA when it is installed, for float pools; torch (model/attention.py) everywhere
-    else, and for an FP8 pool (its per-layer scales are applied by model/attention.py only: the
-    Triton kernels read a float pool)."""
-    fp8 = kv_dtype is not None and is_fp8(kv_dtype)
-    return TRITON if device.type == "cuda" and triton_available() and not fp8 else TORCH
+def select_backend(device: torch.device) -> AttentionBackend:
+    """Triton on CUDA when it is installed, for every pool type (an FP8 pool's per-layer scales are
+    applied inside the kernels); torch (model/attention.py) everywhere else."""
+    return TRITON if device.type == "cuda" and triton_available() else TORCH
 
 
 def decode_splits(num_decodes: int, num_kv_heads: int, num_sms: int) -> int:
