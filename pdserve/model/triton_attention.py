@@ -8,7 +8,7 @@ block_size + pos % block_size``. The kernels read the block table themselves (no
     decode_attention    one query token per sequence, split-KV: program (seq, kv_head, split)
                         attends its query heads (GQA: the group shares each K/V load) to one
                         contiguous part of the context; `_merge_splits` joins the parts by their
-                        log-sum-exp. The split count is a launch constant and each sequence's split
+                        log-sum-exp (at one split the decode kernel writes the output itself). The split count is a launch constant and each sequence's split
                         length comes from its context length (a tensor), so a CUDA graph captured
                         for a batch size replays for any context lengths.
     prefix_attention    varlen queries over a cached prefix: program (query tile, seq, head)
