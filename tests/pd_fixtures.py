@@ -44,8 +44,9 @@ class Served:
         self.thread.join(timeout=10)
 
 
-def serve(app: FastAPI) -> Served:
-    port = free_port()
+def serve(app: FastAPI, port: int | None = None) -> Served:
+    """`app` on uvicorn on a thread, on `port` (default: a free one)."""
+    port = port or free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

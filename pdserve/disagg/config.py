@@ -69,6 +69,9 @@ class RouterConfig:
                                          "logprobs; see disagg/router/outputs.py)")
     first_token_timeout_s: float = knob(300.0, "a request with no first token this long after it arrived gets a "
                                                "503 and is aborted on every worker (0: no deadline)")
+    enable_lora: bool = knob(False, "LoRA adapters: /v1/models lists the workers' adapters, a request's `model` "
+                                    "picks one, load/unload go to every worker of both roles (up: the workers get "
+                                    "--enable-lora and the LoRA flags too)")
 
     def validate(self) -> None:
         self.queue.validate()
@@ -128,6 +131,12 @@ class WorkerConfig:
     kv_max_connections: int = knob(64, "decode: most connections the KV port holds at once (when full, the "
                                        "oldest one not yet authenticated is dropped for a newcomer)")
     kv_handshake_timeout_s: float = knob(5.0, "decode: a KV connection that has not authenticated this long is closed")
+    gateway: bool = knob(True, "decode: also answer /v1/completions and /v1/chat/completions itself, as an endpoint "
+                               "picker's target (llm-d): the header x-prefiller-host-port names the prefill worker "
+                               "to send the job to; without it, the prompt is prefilled here")
+    gateway_prefill_timeout_s: float = knob(5.0, "decode gateway: a prefill worker named by x-prefiller-host-port "
+                                                 "that has not taken the job this long is given up on and the "
+                                                 "prompt prefilled here")
 
     def validate(self) -> None:
         self.queue.validate()
@@ -144,6 +153,7 @@ class WorkerConfig:
             (self.placement_timeout_s > 0, "placement_timeout_s must be > 0"),
             (self.kv_max_connections >= 1, "kv_max_connections must be >= 1"),
             (self.kv_handshake_timeout_s > 0, "kv_handshake_timeout_s must be > 0"),
+            (self.gateway_prefill_timeout_s > 0, "gateway_prefill_timeout_s must be > 0"),
             (all(is_http_url(u) for u in self.register), "--register takes router URLs like http://host:port"),
             (self.advertise_url is None or is_http_url(self.advertise_url),
              "--advertise-url must be a URL like http://host:port"),

@@ -88,7 +88,8 @@ def serve(ns: argparse.Namespace) -> int:
 def _serve_configs(ns: argparse.Namespace) -> _ServeConfigs:
     args = config_from_args(EngineArgs, ns)
     worker = None if ns.role == "colocated" else config_from_args(WorkerConfig, ns, role=ns.role)
-    if worker is not None and worker.register and worker.advertise_url is None:
+    # NOTE: a gateway's prefill workers send their keepalives there too
+    if worker is not None and (worker.register or _gateway_on(worker)) and worker.advertise_url is None:
         worker = replace(worker, advertise_url=_advertise_url(ns.host, ns.port))
     api = config_from_args(ApiConfig, ns)
     return _ServeConfigs(args, worker, api, ns.engine_in_process or envs.engine_in_process())
@@ -131,6 +132,7 @@ def _log_serving(ns: argparse.Namespace, name: str, started: _Started) -> None:
 
 def _served_app(started: _Started, configs: _ServeConfigs, name: str) -> _Served:
     if started.built is not None:
+        _maybe_gateway(started.built, configs, name)
         return started.built.app, started.built.drain, started.built.client
     if started.core is not None:
         from pdserve.serving.app import create_app
@@ -139,7 +141,7 @@ def _served_app(started: _Started, configs: _ServeConfigs, name: str) -> _Served
     assert started.engine is not None
     if configs.worker is None:
         return _colocated_app(started.engine, name, configs.api)
-    return _worker_app(started.engine, configs.worker, name)
+    return _worker_app(started.engine, configs, name)
 
 
 def _drain_after_engine_failure(exc: BaseException) -> None:
@@ -173,11 +175,28 @@ def _colocated_app(engine: LLMEngine, name: str, api: ApiConfig) -> _Served:
     return create_app(client, name, api=api), None, client
 
 
-def _worker_app(engine: LLMEngine, config: WorkerConfig, name: str) -> _Served:
+def _worker_app(engine: LLMEngine, configs: _ServeConfigs, name: str) -> _Served:
     from pdserve.disagg.worker.app import build_worker
 
-    worker = build_worker(engine, config, name)
+    assert configs.worker is not None
+    worker = build_worker(engine, configs.worker, name)
+    _maybe_gateway(worker, configs, name)
     return worker.app, worker.drain, worker.client
+
+
+def _gateway_on(config: WorkerConfig) -> bool:
+    return config.role == "decode" and config.gateway
+
+
+def _maybe_gateway(worker: Worker, configs: _ServeConfigs, name: str) -> None:
+    """A decode worker with --gateway (the default) answers the OpenAI API too (worker/gateway.py)."""
+    config = configs.worker
+    if config is None or not _gateway_on(config):
+        return
+    from pdserve.disagg.worker.gateway import GatewaySetup, install_gateway
+
+    assert config.advertise_url is not None  # NOTE: _serve_configs sets it
+    install_gateway(worker, config, GatewaySetup(configs.api, name, config.advertise_url))
 
 
 def run_server(app: ASGIApp, ns: argparse.Namespace, access_log: bool = True,

@@ -84,6 +84,7 @@ class Worker:
     service: PrefillService | DecodeService
     consumer: RedisJobConsumer | None = None  # prefill with a Redis queue: what feeds `service`
     registrar: Registrar | None = None  # with --register: announces the worker to its routers
+    metrics: ServerMetrics | None = None  # what GET /metrics renders (a gateway adds its series: worker/gateway.py)
 
     def drain(self) -> None:
         """Stop taking work (SIGTERM): routers see `draining` and stop sending; new reservations
@@ -146,7 +147,7 @@ def assemble_worker(client: LocalEngine, receiver: ReceiverView | None, senders:
         app.add_middleware(PeerAuth, secret=secret)  # inside CatchAll: signed /pd/* calls only
     app.add_middleware(CatchAll)  # no /pd/* route answers a plain-text 500
     install_engine_metrics(app, client, metrics, ServiceCollector(metrics.labels, service.stats))  # GET /metrics
-    worker = Worker(app, client, service, consumer, registrar)
+    worker = Worker(app, client, service, consumer, registrar, metrics)
     _add_common_routes(worker, shape)
     lora = engine_lora_admin(client)  # with --enable-lora: /v1/load_lora_adapter, /v1/unload_lora_adapter
     if lora is not None:
