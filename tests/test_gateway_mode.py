@@ -7,6 +7,7 @@ keeps a block."""
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import threading
 import time
@@ -19,6 +20,7 @@ import pytest
 from helpers import random_prompt
 from metrics_helpers import scrape
 from pd_fixtures import Served, serve
+from process_cluster import spawn_worker, wait_healthy
 from server_fixtures import free_port, parse_sse
 
 from pdserve import LLM, SamplingParams
@@ -254,3 +256,28 @@ def test_the_header_parser_refuses_what_is_no_host_port() -> None:
             prefill_url((value,))
         assert raised.value.status == 400
 
+
+
+def test_pdserve_serve_decode_is_a_gateway_with_a_cluster_secret(model_dirs: dict[str, Path], reference: list[str],
+                                                                  tmp_path: Path) -> None:
+    """`pdserve serve --role decode` (an engine process, the cluster secret set): the header's job is
+    signed and taken."""
+    secret = {"PDSERVE_CLUSTER_SECRET": "gateway-test-secret-0123456789abcdef"}
+    prefill = spawn_worker("prefill", model_dirs["tiny"], tmp_path, [], env=secret)
+    decode = spawn_worker("decode", model_dirs["tiny"], tmp_path, [], env=secret)
+    try:
+        wait_healthy([prefill, decode])
+        headers = {"x-prefiller-host-port": prefill.url.removeprefix("http://")}
+        with httpx.Client(base_url=decode.url, timeout=60) as http:
+            before = _prompt_tokens(prefill.url)
+            assert _completion(http, PROMPTS[2], headers) == reference[2]
+            assert _completion(http, PROMPTS[2], headers, stream=True) == reference[2]
+            assert _prompt_tokens(prefill.url) - before == 2 * len(PROMPTS[2])
+            assert _completion(http, PROMPTS[0], {}) == reference[0]
+            assert _prompt_tokens(prefill.url) - before == 2 * len(PROMPTS[2])
+            assert scrape(decode.url).value("pdserve:gateway_prefill_fallbacks_total") == 0
+    finally:
+        for worker in (prefill, decode):
+            worker.kill(signal.SIGTERM)
+        for worker in (prefill, decode):
+            worker.popen.wait(timeout=30)
