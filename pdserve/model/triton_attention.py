@@ -8,7 +8,8 @@ block_size + pos % block_size``. The kernels read the block table themselves (no
     decode_attention    one query token per sequence, split-KV: program (seq, kv_head, split)
                         attends its query heads (GQA: the group shares each K/V load) to one
                         contiguous part of the context; `_merge_splits` joins the parts by their
-                        log-sum-exp (at one split the decode kernel writes the output itself). The split count is a launch constant and each sequence's split
+                        log-sum-exp (at one split the decode kernel writes the output itself).
+                        The split count is a launch constant and each sequence's split
                         length comes from its context length (a tensor), so a CUDA graph captured
                         for a batch size replays for any context lengths.
     prefix_attention    varlen queries over a cached prefix: program (query tile, seq, head)
@@ -146,8 +147,7 @@ def _check_pool(layer_cache: torch.Tensor) -> None:
 @triton.jit
 def _decode_split_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, rows_ptr, part_out_ptr, part_lse_ptr, out_ptr, scale,
                          v_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_kv, stride_slot, stride_head,
-                         stride_table,
-                         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                         stride_table, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
     seq = tl.program_id(0)
@@ -188,17 +188,24 @@ def _decode_split_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, rows_ptr, part_
         acc = acc * alpha[:, None] + tl.dot(p, values, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
-    empty = l_i == 0.0
-    out = acc * v_scale / tl.where(empty, 1.0, l_i)[:, None]
     if NUM_SPLITS == 1:  # the whole context: the output itself, no merge
+        out = acc * v_scale / l_i[:, None]
         tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
-        lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-        # partials: out [seq, head, split, dim], lse [seq, head, split]
         part = (seq.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
-        tl.store(part_out_ptr + part[:, None] * BLOCK_D + dims[None, :], out, mask=(groups < GROUP)[:, None])
-        tl.store(part_lse_ptr + part, lse, mask=groups < GROUP)
+        _store_partial(part_out_ptr, part_lse_ptr, part, acc * v_scale, m_i, l_i, groups < GROUP, BLOCK_D)
+
+
+@triton.jit
+def _store_partial(part_out_ptr, part_lse_ptr, part, acc, m_i, l_i, valid, BLOCK_D: tl.constexpr):
+    """One split's normalised output and log-sum-exp: out [seq, head, split, dim], lse [seq, head,
+    split]; an empty split (no tokens) has lse -inf and weighs nothing in the merge."""
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    tl.store(part_out_ptr + part[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :], out, mask=valid[:, None])
+    tl.store(part_lse_ptr + part, lse, mask=valid)
 
 
 @triton.jit

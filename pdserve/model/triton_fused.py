@@ -2,9 +2,9 @@
 CUDA backend; the CPU keeps torch's ops, model/qwen3.py's reference math):
 
     add_rms_norm    residual + x, then RMSNorm of the sum (vLLM's fused_add_rms_norm): returns both,
-                    the sum being the next residual. Without x, RMSNorm alone (the first layer).
+                    the sum being the next residual. Without a residual (the first layer), x's RMSNorm.
     qk_norm_rope    Qwen3's per-head RMSNorm of q and of k, then the rotary embedding of both, from
-                    the step's cos/sin rows (gathered once a step, model/qwen3.py `RopeRows`)
+                    the step's cos/sin rows (gathered once a step: model/layer_ops.py `RopeRows`)
     silu_and_mul    silu(gate) * up of the fused gate|up projection
 
 Each kernel replaces 6-16 torch kernels (RMSNorm alone is 8: cast, pow, mean, add, rsqrt, mul, cast,
