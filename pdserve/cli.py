@@ -140,7 +140,8 @@ def up_plan(ns: argparse.Namespace, engine_flags: list[str]) -> tuple[UpOptions,
     # NOTE: the router's config has no worker URLs: `up`'s workers register with it
     router = config_from_args(RouterConfig, ns, accept_registrations=True)
     worker = config_from_args(WorkerConfig, ns, register=(options.router_url,))
-    return options, router, worker, [*engine_flags, *(["--model", ns.model] if ns.model else [])]
+    lora = ["--enable-lora"] if router.enable_lora else []  # NOTE: the router's flag; the workers serve them
+    return options, router, worker, [*engine_flags, *lora, *(["--model", ns.model] if ns.model else [])]
 
 
 def _make_model(ns: argparse.Namespace) -> int:

@@ -104,7 +104,8 @@ def test_adapters_by_model_name_equal_offline_and_load_at_run_time(
     assert response.status_code == 200 and response.text == "Success: LoRA adapter 'chat' removed successfully."
     response = http.post("/v1/unload_lora_adapter", json={"lora_name": "chat"})
     assert response.status_code == 404 and "cannot be found" in response.json()["error"]["message"]
-    response = http.post("/v1/chat/completions", json={"model": "chat", "messages": [{"role": "user", "content": "hi"}]})
+    chat = {"model": "chat", "messages": [{"role": "user", "content": "hi"}]}
+    response = http.post("/v1/chat/completions", json=chat)
     assert response.status_code == 404
     server.wait_until_idle()
 

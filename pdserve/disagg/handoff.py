@@ -25,7 +25,8 @@ from pdserve.disagg.phases import PrefillPhases
 from pdserve.disagg.prompt_logprobs_wire import MAX_TOP, packed_bytes
 
 # 1: first token, generator state, prefill phases (queue and compute seconds), cached tokens, prompt logprobs
-HANDOFF_VERSION = 1
+# 2: the LoRA adapter the KV was computed under, and its weights' digest
+HANDOFF_VERSION = 2
 
 _FIXED_BYTES_BOUND = 64 << 10  # everything but the prompt logprobs (a CPU generator state is ~5 KB)
 
@@ -40,13 +41,17 @@ class HandOffDone:
     unseeded; decode samples on from it), how long the prompt waited for and took to compute on
     prefill (None: not measured; decode reports them in the TTFT phases), how many leading prompt
     tokens prefill found in its own prefix cache and, for a request that asked for them, the
-    prompt's logprobs (packed: disagg/prompt_logprobs_wire.py)."""
+    prompt's logprobs (packed: disagg/prompt_logprobs_wire.py), and the LoRA adapter the KV was
+    computed under (None: the base model) with its weights' digest on prefill: decode refuses KV
+    of another adapter, or of another version of it (engine/lora_manager.py)."""
 
     first_token_id: int
     generator_state: bytes | None = None
     prefill_phases: PrefillPhases | None = None
     prefill_cached_tokens: int = 0
     prompt_logprobs: bytes | None = None
+    lora_name: str | None = None
+    lora_digest: str = ""
     version: int = field(default=HANDOFF_VERSION, kw_only=True)
 
     def encode(self) -> bytes:

@@ -126,10 +126,13 @@ class CompleteRemote(Command[RequestOutput | None]):
     generator_state: bytes | None = None
     prefill_cached_tokens: int = 0  # prompt tokens prefill found in its own prefix cache
     prompt_logprobs: list[PromptLogprobs | None] | None = None  # computed by prefill, when asked for
+    lora_name: str | None = None  # the LoRA adapter prefill computed the KV under ...
+    lora_digest: str = ""  # ... and its weights' digest there (engine/lora_manager.py)
 
     def apply(self, engine: LLMEngine) -> RequestOutput | None:
         return engine.complete_remote(self.request_id, self.first_token_id, self.generator_state,
-                                      self.prefill_cached_tokens, self.prompt_logprobs)
+                                      self.prefill_cached_tokens, self.prompt_logprobs,
+                                      (self.lora_name, self.lora_digest))
 
     def emitted(self, result: RequestOutput | None) -> RequestOutput | None:
         return result

@@ -131,6 +131,20 @@ class LLMEngine:
             raise LoRAError(f"LoRA adapter {name!r} is in use by {len(users)} request(s); unload it once they end")
         manager.remove(name)
 
+    def _check_handoff_lora(self, request: Request, name: str | None, digest: str) -> None:
+        """Raises ValueError, naming the adapter, when KV computed under adapter `name` (weights
+        `digest`) is not what this request's adapter here would have computed."""
+        expected = lora_name_of(request)
+        if name != expected:
+            raise LoRAError(f"the prompt's KV was computed under LoRA adapter {name!r}, the request runs under "
+                            f"{expected!r}")
+        if expected is not None and self.lora is not None:
+            here = self.lora.info(expected).digest
+            if digest != here:
+                raise LoRAError(f"LoRA adapter {expected!r} differs between the prefill worker (weights digest "
+                                f"{digest or 'unknown'}) and this decode worker ({here}): load the same adapter "
+                                "on both")
+
     def list_loras(self) -> list[LoRAInfo]:
         return [] if self.lora is None else list(self.lora.registered.values())
 
@@ -245,13 +259,16 @@ class LLMEngine:
 
     def complete_remote(self, request_id: str, first_token_id: int, generator_state: bytes | None = None,
                         prefill_cached_tokens: int = 0,
-                        prompt_logprobs: list[PromptLogprobs | None] | None = None) -> RequestOutput | None:
+                        prompt_logprobs: list[PromptLogprobs | None] | None = None,
+                        lora: tuple[str | None, str] = (None, "")) -> RequestOutput | None:
         """Decode role: the prompt's KV is in the reserved blocks; `first_token_id` was sampled by
         prefill, whose seeded generator state continues here. Returns the output carrying the
         first token, to be emitted at once (None: the first tokens are sampled here, see below).
         `prefill_cached_tokens`: the prompt's leading tokens prefill found in its prefix cache;
-        `prompt_logprobs`: what prefill computed, for a request that asked for them."""
+        `prompt_logprobs`: what prefill computed, for a request that asked for them; `lora`: the
+        LoRA adapter (name, digest) prefill computed the KV under, which must be this request's here."""
         request = self.scheduler.remote[request_id]
+        self._check_handoff_lora(request, *lora)
         # NOTE: checked before anything changes: a peer's bad value must not reach the sampler
         if not 0 <= first_token_id < self.config.model.vocab_size:
             raise ValueError(f"first token id {first_token_id} is outside the vocabulary "

@@ -47,6 +47,14 @@ class LoRAInfo:
     rank: int
 
 
+def lora_info(value: dict[str, object]) -> LoRAInfo:
+    """A `LoRAInfo` from a LoRA command's result (engine/commands.py: a dict, to cross the link)."""
+    name, path, digest, rank = value["name"], value["path"], value["digest"], value["rank"]
+    if not (isinstance(name, str) and isinstance(path, str) and isinstance(digest, str) and isinstance(rank, int)):
+        raise ValueError(f"not a LoRA adapter record: {value!r}")
+    return LoRAInfo(name, path, digest, rank)
+
+
 @dataclass(frozen=True, slots=True)
 class LoRARequest:
     """The offline API's adapter choice, as vLLM spells it: `LLM.generate(..., lora_request=

@@ -93,7 +93,7 @@ def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None 
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        adapters = [] if lora is None else await lora.list()
+        adapters = [] if lora is None else await lora.adapters()
         return ModelList(data=[ModelCard(id=model_name, root=client.model_path, max_model_len=client.max_model_len),
                                *(ModelCard(id=info.name, root=info.path, parent=model_name,
                                            max_model_len=client.max_model_len) for info in adapters)])

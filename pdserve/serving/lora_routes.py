@@ -6,6 +6,7 @@
     POST /v1/unload_lora_adapter  {"lora_name"}
         200 text "Success: LoRA adapter 'x' removed successfully."
         404 no adapter of that name; 400 requests still run under it
+    GET /v1/lora_adapters  pdserve's: {"data": [{"name", "path", "digest", "rank"}]}
     GET /v1/models lists each adapter beside the base model, `parent` = the base model's id; a
     request's `model` naming an adapter runs under it (engine/lora_manager.py).
 
@@ -17,8 +18,8 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import dataclasses
 from http import HTTPStatus
-from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
@@ -26,7 +27,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pdserve.engine.async_llm import EngineClient as CommandClient
 from pdserve.engine.commands import AddLoRA, ListLoRAs, RemoveLoRA
-from pdserve.engine.lora_manager import LoRAInfo
+from pdserve.engine.lora_manager import LoRAInfo, lora_info
 from pdserve.serving.errors import OpenAIError, documented_errors
 
 
@@ -53,18 +54,13 @@ class LoRAAdmin(abc.ABC):
     def names(self) -> frozenset[str]: ...
 
     @abc.abstractmethod
-    async def list(self) -> list[LoRAInfo]: ...
+    async def adapters(self) -> list[LoRAInfo]: ...
 
     @abc.abstractmethod
     async def load(self, name: str, path: str) -> LoRAInfo: ...
 
     @abc.abstractmethod
     async def unload(self, name: str) -> None: ...
-
-
-def lora_info(value: Any) -> LoRAInfo:
-    """A `LoRAInfo` from a command's reply (a dict once it crossed the engine-core link)."""
-    return value if isinstance(value, LoRAInfo) else LoRAInfo(**value)
 
 
 class EngineLoRAAdmin(LoRAAdmin):
@@ -78,7 +74,7 @@ class EngineLoRAAdmin(LoRAAdmin):
     def names(self) -> frozenset[str]:
         return self._names
 
-    async def list(self) -> list[LoRAInfo]:
+    async def adapters(self) -> list[LoRAInfo]:
         return [lora_info(v) for v in await self._client.send(ListLoRAs())]
 
     async def load(self, name: str, path: str) -> LoRAInfo:
@@ -107,6 +103,12 @@ def engine_lora_admin(client: object) -> EngineLoRAAdmin | None:
 
 def add_lora_routes(app: FastAPI, admin: LoRAAdmin) -> None:
     errors = documented_errors(HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND)
+
+    @app.get("/v1/lora_adapters")
+    async def lora_adapters() -> dict[str, list[dict[str, object]]]:
+        """pdserve's: every adapter served, with its path, weights digest and rank (what a PD router
+        compares across its workers)."""
+        return {"data": [dataclasses.asdict(info) for info in await admin.adapters()]}
 
     @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=errors)
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> str:

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.disagg.auth import PeerAuth
 from pdserve.disagg.control import Registration
 from pdserve.disagg.router.core import PDRouter
+from pdserve.disagg.router.lora import RouterLoRAAdmin
 from pdserve.disagg.router.metrics import instrument_router_app
 from pdserve.disagg.router.stats import RouterStats
 from pdserve.serving.app import AppExtras, Probes, create_app
@@ -48,7 +49,8 @@ def create_router_app(router: PDRouter, model_name: str, api: ApiConfig | None =
                     unready_reason=lambda: router.unready_reason)
     # NOTE: besides serving's own refusals: a full queue (429), a worker that broke off (502)
     extras = AppExtras(lambda served, client: instrument_router_app(served, client, router, model_name),
-                       refusals=(HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.BAD_GATEWAY))
+                       refusals=(HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.BAD_GATEWAY),
+                       lora=RouterLoRAAdmin(router.workers) if router.config.enable_lora else None)
     app = create_app(router, model_name, lifespan, probes, api, extras)
 
     @app.get("/workers")

@@ -373,7 +373,8 @@ class DecodeService:
             self._meter.on_done(rid, handoff.prefill_phases)
             prompt_logprobs = None if handoff.prompt_logprobs is None else unpack(handoff.prompt_logprobs)
             await self.client.send(CompleteRemote(rid, handoff.first_token_id, handoff.generator_state,
-                                                   handoff.prefill_cached_tokens, prompt_logprobs))
+                                                   handoff.prefill_cached_tokens, prompt_logprobs,
+                                                   handoff.lora_name, handoff.lora_digest))
         except ValueError as exc:  # the hand-off record is one this engine cannot take
             logger.warning("request %s: invalid hand-off: %s", rid, exc)
             await self._apply_failure_policy(rid, f"invalid hand-off: {exc}")

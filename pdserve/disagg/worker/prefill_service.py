@@ -47,8 +47,9 @@ from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.disagg.worker.kv_side import SenderHandles
 from pdserve.disagg.worker.stats import PrefillStats
 from pdserve.engine.async_llm import EngineClient, EngineDeadError, OutputStream, RequestFailedError
-from pdserve.engine.commands import AddPrefillOnly, CachedPrefixTokens, GeneratorState, PlaceKV, ReleaseKV
+from pdserve.engine.commands import AddPrefillOnly, CachedPrefixTokens, GeneratorState, ListLoRAs, PlaceKV, ReleaseKV
 from pdserve.engine.kv_transfer import KVTarget
+from pdserve.engine.lora_manager import lora_info
 from pdserve.engine.output import RequestOutput
 from pdserve.logs import bind_request_id
 
@@ -78,6 +79,7 @@ class _Attempt:
     # a placement that came, while its sender connects to the decode worker (the first placement
     # there, a handshake): `_placement` waits for that beside the transfer timeout
     connecting: asyncio.Future[int] | None = None
+    lora_name: str | None = None  # the LoRA adapter it runs under (the hand-off names it)
     # its first token once sampled, before the hand-off (None: it ended without one)
     first_token: asyncio.Future[FirstToken | None] = dataclasses.field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -161,7 +163,8 @@ class PrefillService:
         task = asyncio.create_task(self._finish(tid, stream))
         attempt = self._attempts[tid] = _Attempt(task, job.decode_url,
                                                  len(job.prompt_token_ids) - job.num_cached_tokens, job.token,
-                                                 State(ATTEMPT, tid), seeded=params.seed is not None)
+                                                 State(ATTEMPT, tid), seeded=params.seed is not None,
+                                                 lora_name=params.lora_name)
         if tid in self._aborts_kept:  # NOTE: its abort came first (while the engine took it, or before)
             del self._aborts_kept[tid]
             attempt.aborted = True
@@ -402,11 +405,20 @@ class PrefillService:
         attempt = self._attempts.get(tid)
         if attempt is not None:
             attempt.num_uncomputed_tokens = 0
+        lora_name = None if attempt is None else attempt.lora_name
         record = HandOffDone(final.outputs[0].token_ids[0], state, PrefillPhases.of(final.metrics),
                              prefill_cached_tokens=final.num_cached_tokens,
-                             prompt_logprobs=None if final.prompt_logprobs is None else pack(final.prompt_logprobs))
+                             prompt_logprobs=None if final.prompt_logprobs is None else pack(final.prompt_logprobs),
+                             lora_name=lora_name, lora_digest=await self._lora_digest(lora_name))
         self.kv.send_done(sender, tid, record.encode(), token="" if attempt is None else attempt.token)
         await self.kv.flush(sender, tid, self.transfer_timeout_s)
+
+    async def _lora_digest(self, name: str | None) -> str:
+        """The weights' digest of LoRA adapter `name` in this engine ("" for the base model)."""
+        if name is None:
+            return ""
+        infos = [lora_info(value) for value in await self.client.send(ListLoRAs())]
+        return next((info.digest for info in infos if info.name == name), "")
 
     async def _release(self, tid: str, sender: int | None) -> None:
         """Free the attempt's blocks, but only once the transport no longer reads them: after a
