@@ -7,7 +7,8 @@ bfloat16 arithmetic is wrong in the interpreter. With one (scripts/device_check.
 Cases: block tables of many shapes (adjacent, scattered, reversed, one block), block sizes 1 to
 16, GQA ratios 1/2/4/8, contexts ending mid-block, split-KV with 1 and several splits (more
 splits than a short context has tiles too), prefill over a cached prefix with and without one;
-head dims 32 and 128 (Qwen3's); FP8 pools (float8_e4m3fn and float8_e5m2, per-layer scales) read
+head dims 32 and 128 (Qwen3's), a 32K context at 16 splits, a pool of more than 2**31 elements
+(GPU only: 4.3 GB); FP8 pools (float8_e4m3fn and float8_e5m2, per-layer scales) read
 and written by the kernels against torch's quantize/dequantize (model/kv_scales.py)."""
 
 from __future__ import annotations
@@ -124,6 +125,35 @@ DECODE_CASES_128 = [(16, 1, 4, [4000], "scattered", 16), (16, 2, 4, [1, 77, 130]
 def test_decode_at_head_dim_128(dtype: torch.dtype, block_size: int, num_kv_heads: int, group: int,
                                 lens: list[int], shapes: str, splits: int) -> None:
     _check_decode(dtype, block_size, num_kv_heads, group, lens, shapes, splits, head_dim=128)
+
+
+def test_decode_of_a_32k_context_at_16_splits() -> None:
+    """Qwen3-8B's batch-1 decode at 32K: 16 splits of 2K tokens, each many tiles."""
+    _check_decode(torch.float16, 16, 1, 4, [32760], "scattered", 16, head_dim=128)
+
+
+@pytest.mark.skipif(not CUDA, reason="a 4.3 GB pool")
+def test_decode_and_prefix_read_blocks_past_2_to_the_31_elements_of_the_pool() -> None:
+    """One layer's pool of more than 2**31 elements, the context in its last blocks: every slot
+    offset is computed in 64 bits."""
+    block_size, num_kv_heads, head_dim = 16, 8, 128
+    num_blocks = 2**31 // (2 * block_size * num_kv_heads * head_dim) + 8
+    pool = torch.empty((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=torch.bfloat16, device=DEVICE)
+    assert pool.numel() > 2**31
+    table = list(range(num_blocks - 6, num_blocks))
+    pool[:, table] = torch.randn((2, 6, block_size, num_kv_heads, head_dim), device=DEVICE).to(torch.bfloat16)
+    context_len, num_new = 90, 10
+    q = torch.randn((num_new, num_kv_heads * 4, head_dim), device=DEVICE).to(torch.bfloat16)
+    keys, values = _context(pool, table, context_len)
+    lens = _ints([context_len])
+    decode_out, prefix_out = torch.empty_like(q), torch.empty_like(q)
+    ta.decode_attention(q, pool, _ints([table]), lens, _ints([num_new - 1]), decode_out, scale=0.1, num_splits=4)
+    ta.prefix_attention(q, pool, _ints([table]), lens, _ints([0]), _ints([num_new]), prefix_out,
+                        max_query_len=num_new, scale=0.1)
+    expected = _reference(q, keys, values, torch.arange(context_len - num_new, context_len), 0.1)
+    tol = TOLERANCE[torch.bfloat16]
+    torch.testing.assert_close(prefix_out.float(), expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(decode_out[-1:].float(), expected[-1:], atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("fp8", FP8)
