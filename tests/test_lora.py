@@ -81,14 +81,18 @@ def test_mixed_batch_equals_transformers_peft(kind: str, models: dict[str, tuple
 
 
 @pytest.mark.slow
-def test_triton_kernel_through_the_model(models: dict[str, tuple[Path, dict[str, Path]]],
-                                         references: dict[str, PeftReference]) -> None:
-    """The CUDA path's kernel (here in Triton's interpreter) in place of the torch path: the same
-    tokens and logprobs, read from the persistent per-token slot index."""
+@pytest.mark.parametrize("path", ["triton", "gather"])
+def test_other_lora_paths_through_the_model(path: str, models: dict[str, tuple[Path, dict[str, Path]]],
+                                            references: dict[str, PeftReference]) -> None:
+    """The CUDA path's kernel (here in Triton's interpreter: it reads the persistent per-token slot
+    index) and the torch path's gather variant, in place of the segments: the same tokens and logprobs."""
     model_dir, adapters = models["dense"]
     llm = _llm(model_dir, adapters)
     assert llm.engine.lora is not None
-    llm.engine.lora.batch.use_kernel = True
+    if path == "triton":
+        llm.engine.lora.batch.use_kernel = True
+    else:
+        llm.engine.lora.batch.torch_path = "gather"
     batch: list[tuple[list[int], str | None]] = [(PROMPTS[1], None), (PROMPTS[1], "sql"), (PROMPTS[0], "chat")]
     _check_against_peft(llm, references["dense"], adapters, batch)
     assert_no_leak(llm)
@@ -210,3 +214,15 @@ def test_triton_kernel_equals_torch_math() -> None:
             expected[t] += (lora_a[s] @ x[t]) @ lora_bt[s]
     add_lora(x, out, lora_a, lora_bt, token_slots)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_the_cost_benchmark_prints_its_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    from pdserve.bench import lora
+
+    assert lora.main(["--preset", "tiny", "--num-seqs", "6", "--prompt-len", "8", "--output-len", "4"]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+    assert [row[0].strip() for row in rows] == [
+        "base model, no LoRA", "LoRA engine, every request on the base", "mixed: 2 adapters + base, segments",
+        "mixed: 2 adapters + base, gather"]
+    assert all(float(row[1]) > 0 for row in rows) and float(rows[0][2]) == 1.0

@@ -189,7 +189,12 @@ class LoRABatch:
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self.max_loras = max_loras
         self.use_kernel = use_kernel
+        # the torch path: "segments" (one matmul pair per adapter over its rows) or "gather" (each
+        # row's A and B gathered, one batched matmul pair); bench/lora.py measures both
+        self.torch_path = "segments"
         self.segments: list[tuple[int, slice | torch.Tensor]] = []
+        self._lora_rows = torch.zeros(0, dtype=torch.long)  # "gather": the rows under an adapter ...
+        self._row_slots = torch.zeros(0, dtype=torch.long)  # ... and their slots
 
     def set_rows(self, slot_of_row: list[int]) -> None:
         """`slot_of_row[r]`: row r's slot, -1 for the base model."""
@@ -199,6 +204,9 @@ class LoRABatch:
         host[:len(slot_of_row)] = torch.tensor(slot_of_row, dtype=torch.int32)
         self.token_slots.copy_(host, non_blocking=True)
         self.segments = _segments(slot_of_row)
+        rows = [row for row, slot in enumerate(slot_of_row) if slot >= 0]
+        self._lora_rows = torch.tensor(rows, dtype=torch.long)
+        self._row_slots = torch.tensor([slot_of_row[row] for row in rows], dtype=torch.long)
 
     def apply(self, x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lora_bt: torch.Tensor) -> torch.Tensor:
         """out += each row's delta, in place; returns out."""
@@ -206,6 +214,12 @@ class LoRABatch:
             from pdserve.model.triton_lora import add_lora
 
             add_lora(x, out, lora_a, lora_bt, self.token_slots[:x.shape[0]])
+            return out
+        if self.torch_path == "gather":
+            if self._lora_rows.numel():
+                xs = x.index_select(0, self._lora_rows)[:, None, :]  # [n, 1, K]
+                y = torch.bmm(xs, lora_a.index_select(0, self._row_slots).transpose(1, 2))  # [n, 1, R]
+                out.index_add_(0, self._lora_rows, torch.bmm(y, lora_bt.index_select(0, self._row_slots))[:, 0])
             return out
         for slot, rows in self.segments:
             a, bt = lora_a[slot], lora_bt[slot]
