@@ -65,24 +65,29 @@ def opaque_kernels(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     torch._dynamo.reset()
 
 
-def _bucket_forward(model_dir: Path, dtype: str) -> tuple[torch.nn.Module, tuple[object, ...]]:
+def _bucket_forward(model_dir: Path, dtype: str, kv_cache_dtype: str = "auto"
+                    ) -> tuple[torch.nn.Module, tuple[object, ...]]:
     """The model and the inputs a 4-sequence bucket's graph is captured with (3 decodes, 1 padded)."""
     llm = LLM(model=str(model_dir), device="cpu", dtype=dtype, num_kv_blocks=64, block_size=4, max_num_seqs=8,
-              max_model_len=128)
+              max_model_len=128, kv_cache_dtype=kv_cache_dtype)
     runner = llm.engine.runner
     runner.use_paged_step(graphs=True)
     assert runner.step_buffers is not None
     torch.manual_seed(0)
-    runner.kv_cache.normal_()
+    runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape))  # NOTE: an FP8 pool has no normal_
     input_ids, positions, meta = runner.step_buffers.prepare(pad_decode_plan(decode_plan(DECODES, 4), 4))
     return runner.model, (input_ids, positions, runner.layer_caches, meta)
 
 
 # NOTE: MoE in bfloat16: the grouped GEMM's meta kernel, which tracing runs, takes bfloat16 only (as on CUDA)
-@pytest.mark.parametrize(("preset", "dtype"), [("tiny", "float32"), ("tiny-moe", "bfloat16")])
+# (an FP8 pool: its per-layer scales are looked up by the cache tensor's address, a constant to the trace)
+@pytest.mark.parametrize(("preset", "dtype", "kv_cache_dtype"), [("tiny", "float32", "auto"),
+                                                                 ("tiny-moe", "bfloat16", "auto"),
+                                                                 ("tiny", "float32", "fp8")])
 def test_the_captured_decode_forward_has_no_graph_break_nor_host_sync(
-        preset: str, dtype: str, opaque_kernels: None, tmp_path: Path) -> None:
-    model, inputs = _bucket_forward(write_checkpoint(tmp_path / preset, PRESETS[preset], seed=3), dtype)
+        preset: str, dtype: str, kv_cache_dtype: str, opaque_kernels: None, tmp_path: Path) -> None:
+    model, inputs = _bucket_forward(write_checkpoint(tmp_path / preset, PRESETS[preset], seed=3), dtype,
+                                    kv_cache_dtype)
     with torch.inference_mode(), _OpNames() as ops:
         want = model(*inputs)
     assert not ops.names & FORBIDDEN, f"host syncs on the decode forward: {ops.names & FORBIDDEN}"

@@ -90,7 +90,7 @@ class TritonAttention:
 
         assert isinstance(meta, PagedMetadata)
         # NOTE: a CUDA graph records the layer's scales as kernel arguments (they never change)
-        kv_scale = UNSCALED if meta.kv_quant is None else meta.kv_quant.of(layer_cache)
+        kv_scale = UNSCALED if meta.kv_quant is None else kernels.layer_scale(meta.kv_quant, layer_cache)
         kernels.store_kv(k, v, layer_cache, meta.slot_mapping, kv_scale=kv_scale)
         out = torch.empty_like(q)
         kernels.decode_attention(q, layer_cache, meta.decode_tables, meta.decode_lens, meta.decode_rows, out,

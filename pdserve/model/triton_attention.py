@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.model.attention import UNSCALED, KVQuant, KVScale
 from pdserve.model.kv_scales import is_fp8
 
 DECODE_BLOCK_N = 64  # context tokens per tile
@@ -54,8 +55,12 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-KVScale = tuple[float, float]  # (k_scale, v_scale) of one layer: what its FP8 elements are multiplied by
-UNSCALED: KVScale = (1.0, 1.0)
+@torch.compiler.assume_constant_result
+def layer_scale(kv_quant: KVQuant, layer_cache: torch.Tensor) -> KVScale:
+    """The layer's FP8 scales (`KVQuant.of`). torch.compile calls it while tracing and keeps the
+    result as a constant: it reads the cache tensor's address, which Dynamo cannot trace, and a
+    layer's scales never change (a CUDA graph records them as kernel arguments likewise)."""
+    return kv_quant.of(layer_cache)
 
 
 @triton.jit
