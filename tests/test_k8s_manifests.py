@@ -35,14 +35,20 @@ OVERLAYS = overlay_names()
 ACK = [name for name in OVERLAYS if name.startswith(("ack", "rbg"))]  # rbg: the ack overlay's pods in a RoleBasedGroup
 ROLES = ("router", "prefill", "decode")
 WORKERS = ("prefill", "decode")
+# overlays without a pdserve router: an endpoint picker routes, decode pods serve the API (gateway mode)
+ROUTERLESS = {"gie-pd"}
 ERDMA_ANNOTATION = "networking.alibabacloud.com/erdma"
 ERDMA_NODE_LABEL = "aliyun.accelerator/erdma"
+
+
+def roles_of(overlay: str) -> tuple[str, ...]:
+    return WORKERS if overlay in ROUTERLESS else ROLES
 
 
 def by_role(overlay: str) -> dict[str, PdserveContainer]:
     found = pdserve_containers(render(overlay))
     roles = [c.role for c in found]
-    assert sorted(roles) == sorted(ROLES), f"{overlay}: pdserve containers {roles}, want one per role"
+    assert sorted(roles) == sorted(roles_of(overlay)), f"{overlay}: pdserve containers {roles}, want one per role"
     return {c.role: c for c in found}
 
 
@@ -51,7 +57,7 @@ def of_kind(overlay: str, kind: str) -> list[Obj]:
 
 
 def test_overlays_exist() -> None:
-    assert {"cpu", "ack", "ack-cgpu", "rbg", "ack-gateway", "ack-gateway-v1alpha2"} <= set(OVERLAYS)
+    assert {"cpu", "ack", "ack-cgpu", "rbg", "ack-gateway", "ack-gateway-v1alpha2", "gie-pd"} <= set(OVERLAYS)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -108,9 +114,12 @@ def test_prefill_and_decode_never_share_a_deployment(overlay: str) -> None:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_roles_agree_on_shared_settings_and_the_router_finds_the_workers(overlay: str) -> None:
     roles = by_role(overlay)
-    prefill, decode, router = roles["prefill"].ns, roles["decode"].ns, roles["router"].ns
+    prefill, decode = roles["prefill"].ns, roles["decode"].ns
     for field in ("model", "dtype", "block_size", "max_model_len", "kv_transport", "served_model_name"):
         assert getattr(prefill, field) == getattr(decode, field), field  # a KV layout mismatch is a 409
+    if "router" not in roles:
+        return  # the endpoint picker finds the workers (the InferencePool: test_k8s_gie_pd.py)
+    router = roles["router"].ns
     for field in ("model", "max_model_len", "served_model_name"):
         assert getattr(router, field) == getattr(prefill, field), field
     assert router.queue == prefill.queue
@@ -188,15 +197,21 @@ def test_network_policies_guard_kv_and_control_ports(overlay: str) -> None:
             peers = admitted_peers(overlay, pod, "kv", port["containerPort"])
             assert peers, f"{pod.name}: no NetworkPolicy covers its kv port"
             assert all(map(only_pods_of(overlay, ("prefill",)), peers)), f"{pod.name} kv admits {peers}"
-    for role in WORKERS:
+    # who calls a worker's control port: with a router, the router (and prefill's keepalives to
+    # decode); without one, decode's port is the public one and prefill's takes decode's jobs and
+    # the endpoint picker's scrapes
+    callers = {"prefill": ("router",), "decode": ("router", "prefill")} if "router" in roles else \
+        {"prefill": ("decode", "epp")}
+    for role, allowed in callers.items():
         pod = roles[role].pod
         peers = admitted_peers(overlay, pod, "http", roles[role].ns.port)
         assert peers, f"{pod.name}: no NetworkPolicy covers its control port"
         in_namespace = [p for p in peers if "podSelector" in p and "namespaceSelector" not in p]
-        assert all(map(only_pods_of(overlay, ("router", "prefill")), in_namespace)), f"{pod.name} http admits {peers}"
+        assert all(map(only_pods_of(overlay, allowed), in_namespace)), f"{pod.name} http admits {peers}"
         # what is left is Prometheus, admitted by namespace (components/monitoring)
         assert all(set(p) == {"namespaceSelector"} and p["namespaceSelector"] for p in peers if p not in in_namespace)
-    assert {} in (admitted_peers(overlay, roles["router"].pod, "http", roles["router"].ns.port) or [{}])
+    public = roles["router"] if "router" in roles else roles["decode"]
+    assert {} in (admitted_peers(overlay, public.pod, "http", public.ns.port) or [{}])
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -256,7 +271,7 @@ def test_selectors_match_pods(overlay: str) -> None:
         assert wanted <= port_names(chosen), f"{name_of(obj)}: ports {wanted - port_names(chosen)} missing"
     monitored = {m["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"]
                  for m in of_kind(overlay, "PodMonitor")}
-    assert monitored in (set(), set(ROLES)), f"{overlay}: PodMonitors for {monitored}"
+    assert monitored in (set(), set(roles_of(overlay))), f"{overlay}: PodMonitors for {monitored}"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
