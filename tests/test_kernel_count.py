@@ -26,8 +26,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-if not torch.cuda.is_available():
+CUDA = torch.cuda.is_available()
+if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # NOTE: before triton is imported (conftest does it too)
+DEVICE = "cuda" if CUDA else "cpu"  # with a GPU, the kernels are compiled for it and count the same
 
 triton = pytest.importorskip("triton")
 
@@ -130,8 +132,8 @@ def decode_plan(decodes: list[tuple[list[int], int]], block_size: int) -> StepPl
 
 def count_decode_layer(model_dir: Path, dtype: str = "float32", layer: int = 1) -> KernelCounter:
     """The kernels of decoder layer `layer` in one padded decode step on the Triton path."""
-    llm = LLM(model=str(model_dir), device="cpu", dtype=dtype, num_kv_blocks=64, block_size=BLOCK_SIZE,
-              max_num_seqs=8, max_model_len=128)
+    llm = LLM(model=str(model_dir), device=DEVICE, dtype=dtype, enforce_eager=True, num_kv_blocks=64,
+              block_size=BLOCK_SIZE, max_num_seqs=8, max_model_len=128)
     runner = llm.engine.runner
     runner.use_paged_step(graphs=True)
     assert runner.step_buffers is not None
@@ -172,9 +174,10 @@ def test_a_decode_layer_launches_at_most_15_kernels(dtype: str, tmp_path: Path) 
 def test_one_split_launches_no_merge(tmp_path: Path) -> None:
     """Control for the counter: a decode at 1 split is one kernel; at 2 splits, split + merge."""
     counter = KernelCounter()
-    pool = torch.randn((2, 4, 4, 1, 32))
-    q, tables = torch.randn((1, 2, 32)), torch.tensor([[0, 1, 2]], dtype=torch.int32)
-    lens, rows = torch.tensor([9], dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
+    pool = torch.randn((2, 4, 4, 1, 32), device=DEVICE)
+    q, tables = torch.randn((1, 2, 32), device=DEVICE), torch.tensor([[0, 1, 2]], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([9], dtype=torch.int32, device=DEVICE)
+    rows = torch.tensor([0], dtype=torch.int32, device=DEVICE)
     counter.active = True
     with counting_triton(counter), counter:
         for splits in (1, 2):
