@@ -170,6 +170,18 @@ def test_chat_with_and_without_the_header(pair: GatewayPair, colocated: LLM) -> 
     pair.wait_until_idle()
 
 
+def test_a_client_that_leaves_early_frees_everything(pair: GatewayPair) -> None:
+    """A streamed request whose client goes after its first chunk is aborted here and on the
+    prefill worker: no block, no request left on either."""
+    body = {"prompt": PROMPTS[2], "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=pair.decode.url, timeout=60) as http:
+        for headers in ({"x-prefiller-host-port": pair.prefill_host_port}, {}):
+            with http.stream("POST", "/v1/completions", json=body, headers=headers) as reply:
+                assert reply.status_code == 200
+                next(reply.iter_lines())
+    pair.wait_until_idle()
+
+
 class _SilentPeer:
     """A TCP port that accepts connections and never answers (a hung prefill worker)."""
 

@@ -154,16 +154,17 @@ class DirectedPrefill:
             self.setup.peers.fell_back(self.url, reason, detail)
         self._abort_there()
 
-    async def close(self) -> None:
-        """The request ended (finished, failed, client gone): stop waiting on the prefill worker; an
-        attempt still running there is aborted."""
+    async def close(self, abort: bool) -> None:
+        """The request ended: stop waiting on the prefill worker; with `abort` (it ended early: client
+        gone, an error), an attempt still running there is aborted."""
         task, running = self.task, self.task is not None and not self.task.done()
         self.ended = True
         if task is not None and running:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            self._abort_there()
+            if abort:
+                self._abort_there()
 
     def _abort_there(self) -> None:
         client, url, tid = self.setup.client, self.url, self.job.transfer_id

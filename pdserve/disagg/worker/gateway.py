@@ -126,21 +126,27 @@ class Gateway:
         run = run_id(request_id, 0)
         reply = await self._reserve(run, prompt_token_ids, params)
         directed = None
-        if url is None:
-            self.setup.peers.local += 1
-            await self.service.prefill_here(run)
-        else:
-            where = placement(transfer_id(run, 0), self.self_url, reply)
-            directed = DirectedPrefill(self.setup, url, prefill_job(self.setup.client.secret, run, prompt_token_ids,
-                                                                    params, where))
-            directed.start()
+        finished = False
         try:
+            if url is None:
+                self.setup.peers.local += 1
+                await self.service.prefill_here(run)
+            else:
+                where = placement(transfer_id(run, 0), self.self_url, reply)
+                directed = DirectedPrefill(self.setup, url, prefill_job(self.setup.client.secret, run,
+                                                                        prompt_token_ids, params, where))
+                directed.start()
             async with contextlib.aclosing(self._outputs(request_id, run, prompt_token_ids, directed)) as outputs:
                 async for output in outputs:
+                    finished = output.finished
                     yield output
         finally:
             if directed is not None:
-                await asyncio.shield(directed.close())
+                await asyncio.shield(directed.close(abort=not finished))
+            if not finished:
+                # NOTE: ended early (client gone, an error) wherever it was: before its stream was
+                # read too, when only this would free the reservation (a no-op once the stream did)
+                await self.service.abort(run)
 
     async def _reserve(self, run: str, prompt: list[int], params: SamplingParams) -> ReserveReply:
         """Blocks for the prompt here; waits a while for room (503 with Retry-After past it)."""
