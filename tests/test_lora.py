@@ -220,7 +220,8 @@ def test_triton_kernel_equals_torch_math() -> None:
 def test_the_cost_benchmark_prints_its_rows(capsys: pytest.CaptureFixture[str]) -> None:
     from pdserve.bench import lora
 
-    assert lora.main(["--preset", "tiny", "--num-seqs", "6", "--prompt-len", "8", "--output-len", "4"]) == 0
+    argv = ["--preset", "tiny", "--num-seqs", "6", "--prompt-len", "8", "--output-len", "4", "--rounds", "1"]
+    assert lora.main(argv) == 0
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
     assert [row[0].strip() for row in rows] == [
         "base model, no LoRA", "LoRA engine, every request on the base", "mixed: 2 adapters + base, segments",

@@ -133,5 +133,5 @@ def test_bad_adapters_are_refused_by_name_and_the_server_keeps_serving(
     response = http.post("/v1/unload_lora_adapter", json={"lora_name": "big"})
     assert response.status_code == 404
     answer = http.post("/v1/completions", json={"model": "sql", "prompt": PROMPTS[0], "max_tokens": 2})
-    assert answer.status_code == 200 and len(answer.json()["choices"][0]["text"]) > 0
+    assert answer.status_code == 200 and answer.json()["model"] == "sql"  # the model asked for, as vLLM
     server.wait_until_idle()

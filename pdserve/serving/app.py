@@ -110,12 +110,25 @@ def _add_generation_routes(app: FastAPI, client: EngineClient, model_name: str, 
                            check_model: Callable[[str | None], str | None], refusals: tuple[HTTPStatus, ...]) -> None:
     """POST /v1/completions and /v1/chat/completions; `refusals`: what else `client` refuses with;
     a `model` that names a LoRA adapter (`check_model`'s answer) runs under it."""
-    completions = CompletionHandler(client, model_name, api.max_tokens_limit)
-    chat = ChatHandler(client, model_name, api)
+    # the handlers of each model served, the base model's and each LoRA adapter's (vLLM's answers
+    # name the model the request asked for)
+    completions = {model_name: CompletionHandler(client, model_name, api.max_tokens_limit)}
+    chats = {model_name: ChatHandler(client, model_name, api)}
 
-    async def respond(handler: CompletionHandler | ChatHandler, body: Any, raw: Request) -> Any:
+    def handler_of(body: Any, lora_name: str | None) -> CompletionHandler | ChatHandler:
+        name = lora_name or model_name
+        if isinstance(body, CompletionRequest):
+            if name not in completions:
+                completions[name] = CompletionHandler(client, name, api.max_tokens_limit)
+            return completions[name]
+        if name not in chats:
+            chats[name] = ChatHandler(client, name, api)
+        return chats[name]
+
+    async def respond(body: Any, raw: Request) -> Any:
         lora_name = check_model(body.model)
         check_limits(body, api)
+        handler = handler_of(body, lora_name)
         request_id, jobs = await handler.prepare(body)
         if lora_name is not None:
             jobs = [dataclasses.replace(job, params=dataclasses.replace(job.params, lora_name=lora_name))
@@ -132,11 +145,11 @@ def _add_generation_routes(app: FastAPI, client: EngineClient, model_name: str, 
 
     @app.post("/v1/completions", responses=generation)
     async def create_completion(body: CompletionRequest, raw: Request) -> Any:
-        return await respond(completions, body, raw)
+        return await respond(body, raw)
 
     @app.post("/v1/chat/completions", responses=generation)
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Any:
-        return await respond(chat, body, raw)
+        return await respond(body, raw)
 
 
 def install_middleware(app: FastAPI, api: ApiConfig) -> None:
