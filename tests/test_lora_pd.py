@@ -1,4 +1,5 @@
-"""LoRA adapters through the PD path (router, prefill and decode workers, tcp and nixl): a batch of
+"""LoRA adapters through the PD path (router, prefill and decode workers in process over tcp and
+nixl, and `pdserve up` as processes): a batch of
 concurrent requests mixing two adapters and the base model answers what the offline engine does
 (itself equal to transformers + PEFT: tests/test_lora.py), dense and MoE (attention targets);
 adapters loaded and unloaded through the router land on every worker of both roles; a worker
@@ -8,6 +9,7 @@ another version of an adapter, by name."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ import pytest
 from helpers import greedy, random_prompt, token_prompts
 from lora_helpers import write_lora_models
 from pd_fixtures import MODEL, Cluster, start_cluster, stop_cluster
+from test_up import pdserve_up
 
 from pdserve import LLM, LoRARequest
 from pdserve.disagg.transport import nixl_available
@@ -130,3 +133,25 @@ def test_a_worker_missing_an_adapter_gets_it_and_decode_refuses_another_version(
     assert response.status_code >= 500, response.text
     assert "LoRA adapter 'mix' differs between the prefill worker" in response.json()["error"]["message"]
     cluster.wait_until_idle()
+
+
+def test_through_pdserve_up(models: dict[str, tuple[Path, dict[str, Path]]], tmp_path: Path) -> None:
+    """`pdserve up --enable-lora --lora-modules ...`: the router and every worker as processes, the
+    LoRA flags passed on to the workers; mixed adapters equal the offline engine; load and unload
+    through the router."""
+    model_dir, adapters = models["dense"]
+    flags = ["--enable-lora", "--lora-modules", f"sql={adapters['sql']}", "--max-loras", "2", "--max-lora-rank", "16"]
+    with pdserve_up(model_dir, tmp_path, *flags) as up, httpx.Client(base_url=up.url, timeout=120) as http:
+        deadline = time.monotonic() + 30
+        while "sql" not in {card["id"] for card in http.get("/v1/models").json()["data"]}:
+            assert time.monotonic() < deadline, "the router never listed the workers' adapter"
+            time.sleep(0.2)
+        response = http.post("/v1/load_lora_adapter", json={"lora_name": "chat", "lora_path": str(adapters["chat"])})
+        assert response.status_code == 200, response.text
+        base = next(card["id"] for card in http.get("/v1/models").json()["data"] if card["parent"] is None)
+        batch = [(PROMPTS[2], base), (PROMPTS[2], "sql"), (PROMPTS[2], "chat"), (PROMPTS[0], "chat")]
+        expected = _offline(model_dir, adapters, [(p, MODEL if m == base else m) for p, m in batch])
+        responses = _served(up.url, batch)
+        assert [r.json()["choices"][0]["text"] for r in responses] == expected
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "chat"}).status_code == 200
+        assert http.post("/v1/completions", json={"model": "chat", "prompt": PROMPTS[0]}).status_code == 404
