@@ -79,7 +79,9 @@ class _Attempt:
     # a placement that came, while its sender connects to the decode worker (the first placement
     # there, a handshake): `_placement` waits for that beside the transfer timeout
     connecting: asyncio.Future[int] | None = None
-    lora_name: str | None = None  # the LoRA adapter it runs under (the hand-off names it)
+    # the LoRA adapter it runs under and its weights' digest here (the hand-off names both); asked
+    # of the engine beside the job, so the hand-off never waits for it
+    lora: asyncio.Future[tuple[str | None, str]] | None = None
     # its first token once sampled, before the hand-off (None: it ended without one)
     first_token: asyncio.Future[FirstToken | None] = dataclasses.field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -159,12 +161,14 @@ class PrefillService:
         # computes of it is streamed, and never after it is forgotten.
         target = None if sender is None else KVTarget(tuple(job.block_ids), job.num_cached_tokens, sender,
                                                       job.kv_address, job.token)
+        lora = None if params.lora_name is None else asyncio.ensure_future(self._lora_of(params.lora_name))
+        if lora is not None:  # NOTE: a job the engine refuses leaves it to end on its own, quietly
+            lora.add_done_callback(lambda done: done.cancelled() or done.exception())
         await self.client.send(AddPrefillOnly(tid, job.prompt_token_ids, params, target), stream)
         task = asyncio.create_task(self._finish(tid, stream))
         attempt = self._attempts[tid] = _Attempt(task, job.decode_url,
                                                  len(job.prompt_token_ids) - job.num_cached_tokens, job.token,
-                                                 State(ATTEMPT, tid), seeded=params.seed is not None,
-                                                 lora_name=params.lora_name)
+                                                 State(ATTEMPT, tid), seeded=params.seed is not None, lora=lora)
         if tid in self._aborts_kept:  # NOTE: its abort came first (while the engine took it, or before)
             del self._aborts_kept[tid]
             attempt.aborted = True
@@ -405,20 +409,18 @@ class PrefillService:
         attempt = self._attempts.get(tid)
         if attempt is not None:
             attempt.num_uncomputed_tokens = 0
-        lora_name = None if attempt is None else attempt.lora_name
+        lora_name, lora_digest = (None, "") if attempt is None or attempt.lora is None else await attempt.lora
         record = HandOffDone(final.outputs[0].token_ids[0], state, PrefillPhases.of(final.metrics),
                              prefill_cached_tokens=final.num_cached_tokens,
                              prompt_logprobs=None if final.prompt_logprobs is None else pack(final.prompt_logprobs),
-                             lora_name=lora_name, lora_digest=await self._lora_digest(lora_name))
+                             lora_name=lora_name, lora_digest=lora_digest)
         self.kv.send_done(sender, tid, record.encode(), token="" if attempt is None else attempt.token)
         await self.kv.flush(sender, tid, self.transfer_timeout_s)
 
-    async def _lora_digest(self, name: str | None) -> str:
-        """The weights' digest of LoRA adapter `name` in this engine ("" for the base model)."""
-        if name is None:
-            return ""
+    async def _lora_of(self, name: str) -> tuple[str | None, str]:
+        """LoRA adapter `name` and its weights' digest in this engine."""
         infos = [lora_info(value) for value in await self.client.send(ListLoRAs())]
-        return next((info.digest for info in infos if info.name == name), "")
+        return name, next((info.digest for info in infos if info.name == name), "")
 
     async def _release(self, tid: str, sender: int | None) -> None:
         """Free the attempt's blocks, but only once the transport no longer reads them: after a
