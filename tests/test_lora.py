@@ -14,7 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_no_leak, greedy, random_prompt, token_prompts
+from helpers import (
+    assert_no_leak,
+    assert_scheduler_clean,
+    greedy,
+    make_request,
+    make_scheduler,
+    random_prompt,
+    run_to_completion,
+    token_prompts,
+)
 from lora_helpers import PeftReference, write_lora_models
 from safetensors.torch import load_file, save_file
 
@@ -227,3 +236,20 @@ def test_the_cost_benchmark_prints_its_rows(capsys: pytest.CaptureFixture[str]) 
         "base model, no LoRA", "LoRA engine, every request on the base", "mixed: 2 adapters + base, segments",
         "mixed: 2 adapters + base, gather"]
     assert all(float(row[1]) > 0 for row in rows) and float(rows[0][2]) == 1.0
+
+
+# -- the scheduler ---------------------------------------------------------------------------------
+
+def test_no_step_mixes_more_adapters_than_slots() -> None:
+    """Scheduler only: requests of 4 adapters and of the base model, 2 slots; every step's adapters
+    fit the slots, every request finishes, and nothing is left behind."""
+    scheduler = make_scheduler(num_blocks=64, max_num_seqs=8)
+    scheduler.max_loras = 2
+    names = [None, "a", "b", "c", "d", "a", None, "c", "b", "d"]
+    for index, name in enumerate(names):
+        scheduler.add_request(make_request(f"r{index}", 6, max_tokens=3, lora_name=name))
+    steps = run_to_completion(scheduler)
+    mixed = [{c.request.params.lora_name for c in out.chunks} - {None} for out in steps]
+    assert max(len(adapters) for adapters in mixed) == 2 and all(len(adapters) <= 2 for adapters in mixed)
+    assert len(mixed) > 3  # held back, not dropped: the adapters took turns
+    assert_scheduler_clean(scheduler)
