@@ -1,10 +1,12 @@
-"""Addresses as pdserve's flags and messages write them: a server's root URL, HOST[:PORT], and a pool
-member (a worker URL, or `dns:NAME:PORT`). Validated where they are parsed, so a typo is a usage
-error, not a connection error later."""
+"""Addresses as pdserve's flags and messages write them: a server's root URL, HOST[:PORT], a pool
+member (a worker URL, or `dns:NAME:PORT`), an allowlist of hosts (addresses, CIDRs, `dns:NAME`).
+Validated where they are parsed, so a typo is a usage error, not a connection error later."""
 
 from __future__ import annotations
 
+import ipaddress
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 HTTP_URL_PATTERN = r"^https?://[^/\s]+/?$"  # a server's root: scheme, host[:port], nothing after
@@ -50,3 +52,22 @@ def parse_member(text: str) -> str | DnsMember:
     if not is_http_url(text):
         raise ValueError(f"a worker is a URL like http://host:port or dns:NAME:PORT, got {text!r}")
     return text.rstrip("/")
+
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def parse_allow(entries: Sequence[str]) -> tuple[tuple[IPNetwork, ...], tuple[str, ...]]:
+    """An allowlist of hosts as flags write it: IP addresses and CIDRs (as networks), `dns:NAME`
+    (as names); ValueError for an entry that is neither."""
+    networks: list[IPNetwork] = []
+    names: list[str] = []
+    for entry in entries:
+        if re.fullmatch(r"dns:[A-Za-z0-9_.-]+", entry):
+            names.append(entry.removeprefix("dns:"))
+            continue
+        try:
+            networks.append(ipaddress.ip_network(entry, strict=False))
+        except ValueError as exc:
+            raise ValueError(f"expected an IP address, a CIDR (10.0.0.0/8) or dns:NAME, got {entry!r}") from exc
+    return tuple(networks), tuple(names)

@@ -28,7 +28,8 @@ from pdserve.config import EngineArgs
 from pdserve.disagg.config import WorkerConfig
 from pdserve.disagg.transport import nixl_available
 from pdserve.disagg.worker.app import Worker, build_worker
-from pdserve.disagg.worker.gateway import GatewaySetup, install_gateway, prefill_url
+from pdserve.disagg.worker.gateway import Gateway, GatewaySetup, install_gateway, prefill_target
+from pdserve.disagg.worker.prefill_allow import PrefillAllowlist
 from pdserve.engine.async_llm import AsyncLLM
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.serving.config import ApiConfig
@@ -50,6 +51,7 @@ class GatewayPair:
     prefill: Served
     decode: Served
     workers: list[Worker]
+    gateway: Gateway
 
     @property
     def prefill_host_port(self) -> str:
@@ -89,9 +91,9 @@ def pair(request: pytest.FixtureRequest, model_dirs: dict[str, Path]) -> Iterato
     decode = _worker(model_dirs["tiny"], "decode", transport)
     port = free_port()
     assert decode.metrics is not None
-    install_gateway(decode, WorkerConfig(role="decode", gateway_prefill_timeout_s=1.0),
-                    GatewaySetup(ApiConfig(), MODEL, f"http://127.0.0.1:{port}"))
-    served = GatewayPair(serve(prefill.app), serve(decode.app, port), [prefill, decode])
+    gateway = install_gateway(decode, WorkerConfig(role="decode", gateway_prefill_timeout_s=1.0),
+                              GatewaySetup(ApiConfig(), MODEL, f"http://127.0.0.1:{port}"))
+    served = GatewayPair(serve(prefill.app), serve(decode.app, port), [prefill, decode], gateway)
     try:
         yield served
     finally:
@@ -182,6 +184,23 @@ def test_a_client_that_leaves_early_frees_everything(pair: GatewayPair) -> None:
     pair.wait_until_idle()
 
 
+def test_a_prefill_worker_outside_the_allowlist_is_not_contacted(pair: GatewayPair, reference: list[str]) -> None:
+    headers = {"x-prefiller-host-port": pair.prefill_host_port}
+    try:
+        with httpx.Client(base_url=pair.decode.url, timeout=60) as http:
+            pair.gateway.allow = PrefillAllowlist.of(["10.0.0.0/8", "dns:example.invalid"])
+            before, tokens = _fallbacks(pair.decode.url, "not_allowed"), _prompt_tokens(pair.prefill.url)
+            assert _completion(http, PROMPTS[1], headers) == reference[1]
+            assert _fallbacks(pair.decode.url, "not_allowed") - before == 1
+            assert _prompt_tokens(pair.prefill.url) == tokens  # never contacted
+            pair.gateway.allow = PrefillAllowlist.of(["dns:localhost"])  # what the header names resolves there
+            assert _completion(http, PROMPTS[1], headers, stream=True) == reference[1]
+            assert _prompt_tokens(pair.prefill.url) - tokens == len(PROMPTS[1])
+    finally:
+        pair.gateway.allow = None
+    pair.wait_until_idle()
+
+
 class _SilentPeer:
     """A TCP port that accepts connections and never answers (a hung prefill worker)."""
 
@@ -259,13 +278,14 @@ def test_a_malformed_header_is_a_400(pair: GatewayPair, value: str) -> None:
                                                                  "http://10.0.0.8:8000"),
 ])
 def test_the_header_names_a_prefill_worker(values: tuple[str, ...], want: str | None) -> None:
-    assert prefill_url(values) == want
+    target = prefill_target(values)
+    assert (target and target.url) == want
 
 
 def test_the_header_parser_refuses_what_is_no_host_port() -> None:
     for value in ("", ",", "10.0.0.7", "10.0.0.7:0", "10.0.0.7:65536", "http://10.0.0.7:8000", "a b:1"):
         with pytest.raises(OpenAIError) as raised:
-            prefill_url((value,))
+            prefill_target((value,))
         assert raised.value.status == 400
 
 
@@ -293,3 +313,24 @@ def test_pdserve_serve_decode_is_a_gateway_with_a_cluster_secret(model_dirs: dic
             worker.kill(signal.SIGTERM)
         for worker in (prefill, decode):
             worker.popen.wait(timeout=30)
+
+
+def test_the_allowlist_takes_addresses_networks_and_names() -> None:
+    import asyncio
+
+    async def permits(entries: list[str], host: str) -> bool:
+        allow = PrefillAllowlist.of(entries)
+        assert allow is not None
+        return await allow.permits(host)
+
+    assert asyncio.run(permits(["10.0.0.0/8"], "10.1.2.3"))
+    assert not asyncio.run(permits(["10.0.0.0/8"], "11.1.2.3"))
+    assert asyncio.run(permits(["fd00::/8", "192.168.0.7"], "fd00::7"))
+    assert asyncio.run(permits(["dns:localhost"], "127.0.0.1"))
+    assert asyncio.run(permits(["127.0.0.0/8"], "localhost"))  # a name in the header: its addresses
+    assert not asyncio.run(permits(["127.0.0.0/8"], "no-such-host.invalid"))
+    assert PrefillAllowlist.of([]) is None
+    with pytest.raises(ValueError, match="gateway-prefill-allow"):
+        WorkerConfig(gateway_prefill_allow=("10.0.0.0/33",)).validate()
+    with pytest.raises(ValueError, match="gateway-prefill-allow"):
+        WorkerConfig(gateway_prefill_allow=("dns:",)).validate()

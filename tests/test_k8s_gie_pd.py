@@ -87,6 +87,14 @@ def test_no_router_decode_serves_the_api_in_gateway_mode() -> None:
     assert decode.ns.gateway is True
     # prefill pods send their keepalives for decode's reservations there: the pod's own address
     assert decode.ns.advertise_url == f"http://{decode.ns.kv_host}:{decode.port('http')}"  # kv_host: the pod IP
+    # a header may name only the prefill pods: the ready pods of a headless Service that selects them
+    (allowed,) = decode.ns.gateway_prefill_allow
+    assert allowed.startswith("dns:")
+    service = only("Service", allowed.removeprefix("dns:"))
+    assert service["spec"]["clusterIP"] == "None" and not service["spec"].get("publishNotReadyAddresses", False)
+    chosen = [t for t in pod_templates(render(OVERLAY)) if selects({"matchLabels": service["spec"]["selector"]},
+                                                                   t.labels)]
+    assert [t.name for t in chosen] == [containers["prefill"].pod.name]
     # the job is signed: both roles read the same cluster secret
     assert decode.ns.cluster_secret_file == containers["prefill"].ns.cluster_secret_file is not None
 

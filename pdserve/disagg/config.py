@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pdserve.addresses import is_http_url, parse_host_port, parse_member
+from pdserve.addresses import is_http_url, parse_allow, parse_host_port, parse_member
 from pdserve.config import knob
 
 DecodePolicyName = Literal["least-loaded", "round-robin", "prefix-affinity"]
@@ -137,6 +137,10 @@ class WorkerConfig:
     gateway_prefill_timeout_s: float = knob(5.0, "decode gateway: a prefill worker named by x-prefiller-host-port "
                                                  "that has not taken the job this long is given up on and the "
                                                  "prompt prefilled here")
+    gateway_prefill_allow: tuple[str, ...] = knob((), "decode gateway: the prefill workers x-prefiller-host-port "
+                                                      "may name: IP addresses, CIDRs (10.0.0.0/8), dns:NAME (what "
+                                                      "NAME resolves to, again every 5 s); another is not contacted, "
+                                                      "the prompt is prefilled here (none: any)")
 
     def validate(self) -> None:
         self.queue.validate()
@@ -161,6 +165,10 @@ class WorkerConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        try:
+            parse_allow(self.gateway_prefill_allow)
+        except ValueError as exc:
+            raise ValueError(f"--gateway-prefill-allow: {exc}") from exc
 
     @property
     def transfer_timeout_s(self) -> float:

@@ -33,8 +33,8 @@ from pdserve.serving.metrics import OneSample
 
 logger = logging.getLogger(__name__)
 
-FallbackReason = Literal["unreachable", "refused", "timeout", "failed"]
-FALLBACK_REASONS: tuple[FallbackReason, ...] = ("unreachable", "refused", "timeout", "failed")
+FallbackReason = Literal["unreachable", "refused", "timeout", "failed", "not_allowed"]
+FALLBACK_REASONS: tuple[FallbackReason, ...] = ("unreachable", "refused", "timeout", "failed", "not_allowed")
 _ABORT_TIMEOUT_S = 2.0
 
 

@@ -14,7 +14,8 @@ One request, the router's single-request path run against this worker's own engi
 
 A header that is not HOST:PORT (a bad port, empty) is a 400 in the error envelope; as llm-d's
 sidecar does, a comma-separated list (or the header repeated) names candidates, of which the first
-is taken. `x-gateway-*`, `x-slo-*` and `Prefer` headers are tolerated and ignored.
+is taken. With `--gateway-prefill-allow`, a worker outside the list is not contacted
+(worker/prefill_allow.py). `x-gateway-*`, `x-slo-*` and `Prefer` headers are tolerated and ignored.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from pdserve.disagg.run_parts import placement, prefill_job, request_output
 from pdserve.disagg.worker.app import Worker
 from pdserve.disagg.worker.decode_service import DecodeService
 from pdserve.disagg.worker.directed_prefill import DirectedPrefill, DirectedSetup, PeersCollector, PrefillPeers
+from pdserve.disagg.worker.prefill_allow import PrefillAllowlist
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.serving.app import AppExtras, create_app
@@ -78,9 +80,21 @@ class PrefillerHeader:
             _prefiller.reset(token)
 
 
-def prefill_url(values: Sequence[str]) -> str | None:
-    """The prefill worker's URL the header values name (None: no header); OpenAIError 400 for one
-    that is not HOST:PORT. Candidates, comma-separated or repeated: the first (llm-d's sidecar)."""
+@dataclass(frozen=True, slots=True)
+class PrefillTarget:
+    """The prefill worker a request's header names: its serving port."""
+
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return http_url(self.host, self.port)
+
+
+def prefill_target(values: Sequence[str]) -> PrefillTarget | None:
+    """The prefill worker the header values name (None: no header); OpenAIError 400 for one that
+    is not HOST:PORT. Candidates, comma-separated or repeated: the first (llm-d's sidecar)."""
     if not values:
         return None
     candidates = [part.strip() for value in values for part in value.split(",")]
@@ -92,16 +106,17 @@ def prefill_url(values: Sequence[str]) -> str | None:
         if not host or f":{port}" not in text:
             raise OpenAIError(f"header {PREFILLER_HEADER}: expected HOST:PORT (e.g. 10.0.0.7:8000), got {text!r}",
                               HTTPStatus.BAD_REQUEST, PREFILLER_HEADER)
-    host, port = parse_host_port(candidates[0], 0)
-    return http_url(host, port)
+    return PrefillTarget(*parse_host_port(candidates[0], 0))
 
 
 class Gateway:
     """EngineClient (serving/engine_client.py) of a decode worker in gateway mode (module docstring).
     Used from the worker's event loop."""
 
-    def __init__(self, service: DecodeService, engine: LocalEngine, setup: DirectedSetup, self_url: str) -> None:
+    def __init__(self, service: DecodeService, engine: LocalEngine, setup: DirectedSetup, self_url: str,
+                 allow: PrefillAllowlist | None = None) -> None:
         self.service = service
+        self.allow = allow  # the prefill workers a header may name (None: any)
         self.engine = engine
         self.setup = setup
         self.self_url = self_url  # where the prefill worker sends keepalives for the reservation
@@ -122,18 +137,20 @@ class Gateway:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        url = prefill_url(_prefiller.get())
+        named = prefill_target(_prefiller.get())
+        target = named if named is None or await self._allowed(named) else None
         run = run_id(request_id, 0)
         reply = await self._reserve(run, prompt_token_ids, params)
         directed = None
         finished = False
         try:
-            if url is None:
-                self.setup.peers.local += 1
+            if target is None:
+                if named is None:
+                    self.setup.peers.local += 1
                 await self.service.prefill_here(run)
             else:
                 where = placement(transfer_id(run, 0), self.self_url, reply)
-                directed = DirectedPrefill(self.setup, url, prefill_job(self.setup.client.secret, run,
+                directed = DirectedPrefill(self.setup, target.url, prefill_job(self.setup.client.secret, run,
                                                                         prompt_token_ids, params, where))
                 directed.start()
             async with contextlib.aclosing(self._outputs(request_id, run, prompt_token_ids, directed)) as outputs:
@@ -147,6 +164,13 @@ class Gateway:
                 # NOTE: ended early (client gone, an error) wherever it was: before its stream was
                 # read too, when only this would free the reservation (a no-op once the stream did)
                 await self.service.abort(run)
+
+    async def _allowed(self, target: PrefillTarget) -> bool:
+        """Whether the header's prefill worker may get the job (else: counted, prefilled here)."""
+        if self.allow is None or await self.allow.permits(target.host):
+            return True
+        self.setup.peers.fell_back(target.url, "not_allowed", "not in --gateway-prefill-allow")
+        return False
 
     async def _reserve(self, run: str, prompt: list[int], params: SamplingParams) -> ReserveReply:
         """Blocks for the prompt here; waits a while for room (503 with Retry-After past it)."""
@@ -221,7 +245,7 @@ def install_gateway(worker: Worker, config: WorkerConfig, setup: GatewaySetup) -
                           secret=load_cluster_secret(config.cluster_secret_file))
     peers = PrefillPeers()
     gateway = Gateway(service, worker.client, DirectedSetup(service, client, peers, config.gateway_prefill_timeout_s),
-                      setup.self_url)
+                      setup.self_url, PrefillAllowlist.of(config.gateway_prefill_allow))
     extras = AppExtras(lambda _app, served: served, refusals=(HTTPStatus.BAD_GATEWAY,),
                        lora=engine_lora_admin(worker.client))
     api_app = create_app(gateway, setup.model_name, api=setup.api, extras=extras)
