@@ -29,15 +29,18 @@ from pdserve.config import EngineArgs
 from pdserve.engine.async_llm import EngineDeadError
 from pdserve.engine.commands import (
     Abort,
+    AddLoRA,
     AddPrefillOnly,
     AddRequest,
     CachedPrefixTokens,
     Command,
     CompleteRemote,
     GeneratorState,
+    ListLoRAs,
     PlaceKV,
     PrefillLocally,
     ReleaseKV,
+    RemoveLoRA,
     ReserveRemote,
     StopSequence,
 )
@@ -86,7 +89,9 @@ def test_every_command_and_both_records_round_trip_and_a_bad_frame_is_refused() 
         ReserveRemote("d1", [1, 2, 3], params, "d1@1", "tok"), PlaceKV("p2", target), ReleaseKV("p1"),
         CompleteRemote("d1", 7, b"\x00state", 16, [None, PromptLogprobs(2, -2.0, 3, ((9, -0.1),))]),
         CompleteRemote("d2", 7), PrefillLocally("d1"), Abort("r1"), CachedPrefixTokens([1, 2, 3]),
-        GeneratorState("p1"), StopSequence("r1", 1, "stop")]
+        GeneratorState("p1"), StopSequence("r1", 1, "stop"),
+        CompleteRemote("d3", 7, lora_name="sql", lora_digest="ab"), AddLoRA("sql", "/adapters/sql"),
+        RemoveLoRA("sql"), ListLoRAs()]
     assert set(COMMANDS) == {type(c).__name__ for c in commands}, "a command that crosses the link is untested"
     for call_id, command in enumerate(commands):
         message = ToCore("command", call_id, command)
@@ -102,7 +107,8 @@ def test_every_command_and_both_records_round_trip_and_a_bad_frame_is_refused() 
     assert decode_from_core(_body(encode_from_core(message))) == message
     disk = KVTierStats(True, 1 << 30, 4096, 2, 3, 1, 0, 0, 8192, 4096, (1, 2, 0), 0.25)
     stats = EngineStats(**{f.name: 1 for f in dataclasses.fields(EngineStats)} | {  # type: ignore[arg-type]
-        "kv_cache_usage": 0.5, "step_time_s": 1.5, "kv_tier": TierStats(disk, 6)})
+        "kv_cache_usage": 0.5, "step_time_s": 1.5, "kv_tier": TierStats(disk, 6),
+        "running_lora_adapters": ("sql",), "waiting_lora_adapters": ("chat", "sql")})
     assert decode_from_core(_body(encode_from_core(FromCore(stats=stats, ready=True)))).stats == stats
     with pytest.raises(CoreWireError, match="wire version"):
         decode_to_core(msgpack.packb([WIRE_VERSION + 1, "command", 0, ["Abort", "r"], None, None, None, "INFO",
