@@ -1,10 +1,9 @@
 """LoRA adapters through the PD path (router, prefill and decode workers in process over tcp and
-nixl, and `pdserve up` as processes): a batch of
-concurrent requests mixing two adapters and the base model answers what the offline engine does
-(itself equal to transformers + PEFT: tests/test_lora.py), dense and MoE (attention targets);
-adapters loaded and unloaded through the router land on every worker of both roles; a worker
-that lacks an adapter gets it on the router's next refresh; decode refuses KV computed under
-another version of an adapter, by name."""
+nixl, and `pdserve up` as processes): a batch of concurrent requests mixing two adapters and the
+base model answers what the offline engine does (itself equal to transformers + PEFT:
+tests/test_lora.py), dense and MoE (attention targets); adapters loaded and unloaded through the
+router land on every worker of both roles; a worker that lacks an adapter gets it on the router's
+next refresh; decode refuses KV computed under another version of an adapter, by name."""
 
 from __future__ import annotations
 
