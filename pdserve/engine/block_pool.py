@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
+from pdserve.engine.kv_events import KVEventLog
+
 # kv_cache[layer, k|v, block, slot, kv_head, head_dim]: the model runner's pool, and what the KV
 # layout descriptors (the transports' and the disk tier's) name, so a pool laid out otherwise can
 # never read these bytes
@@ -27,6 +29,7 @@ class BlockPool:
         self._uncached_free: deque[int] = deque(range(num_blocks))
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # LRU first
         self.num_evictions = 0
+        self.events: KVEventLog | None = None  # --kv-events-config: what the index gains and loses (kv_events.py)
 
     @property
     def num_free_blocks(self) -> int:
@@ -63,6 +66,8 @@ class BlockPool:
             if self.hash_to_block.get(digest) == block:
                 del self.hash_to_block[digest]
             self.num_evictions += 1
+            if self.events is not None:
+                self.events.removed(digest)
 
     def lookup(self, digest: bytes) -> int | None:
         return self.hash_to_block.get(digest) if self.enable_caching else None
@@ -98,7 +103,11 @@ class BlockPool:
         return True
 
     def reset_prefix_cache(self) -> None:
+        """Forget every free cached block (blocks in use stay indexed). Events: each block that left,
+        then `AllBlocksCleared` when the index is empty."""
         for block in list(self._cached_free):
             self._evict(block)
             self._uncached_free.append(block)
         self._cached_free.clear()
+        if self.events is not None and not self.hash_to_block:
+            self.events.cleared()

@@ -52,6 +52,7 @@ from pdserve.engine.core_wire import (
     recv_frames,
     reply_value,
 )
+from pdserve.engine.kv_event_publisher import endpoints_info
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.output import RequestOutput
 from pdserve.logs import configure_logging
@@ -280,7 +281,7 @@ def serve_engine_core(fd: int, side_factory: SideFactory | None = None) -> int:
     gc.collect()
     gc.freeze()
     envs.serving_switch_interval()
-    core.send(FromCore(stats=engine.stats(), ready=True, info=None if core.side is None else core.side.info()))
+    core.send(FromCore(stats=engine.stats(), ready=True, info=_start_info(core)))
     try:
         core.run()
     except (BrokenPipeError, ConnectionResetError):
@@ -293,6 +294,16 @@ def serve_engine_core(fd: int, side_factory: SideFactory | None = None) -> int:
         return 1
     _close(core)
     return 0
+
+
+def _start_info(core: EngineCore) -> dict[str, Any] | None:
+    """The first message's `info`: the KV side's, and where the engine publishes KV-cache events
+    (`kv_events`: kv_event_publisher.py `endpoints_info`; the API process advertises it)."""
+    info = {} if core.side is None else dict(core.side.info())
+    events = endpoints_info(core.engine.kv_event_publisher)
+    if events is not None:
+        info["kv_events"] = events
+    return info or None
 
 
 def _close(core: EngineCore) -> None:
