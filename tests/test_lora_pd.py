@@ -95,8 +95,9 @@ def test_mixed_adapters_through_pd_equal_offline_and_load_through_the_router(
     assert [r.status_code for r in responses] == [200] * len(batch), [r.text for r in responses]
     assert [r.json()["choices"][0]["text"] for r in responses] == expected
     cluster.wait_until_idle()
-    for served, _ in cluster.workers:  # every role exports it
-        assert 'vllm:lora_requests_info{' in httpx.get(served.url + "/metrics").text
+    for url in (cluster.router.url, *(served.url for served, _ in cluster.workers)):  # every role exports it
+        [line] = [x for x in httpx.get(url + "/metrics").text.splitlines() if x.startswith("vllm:lora_requests_info{")]
+        assert 'max_lora="2"' in line, line
     # unloaded through the router: from every worker; a second time is a 404
     response = http.post("/v1/unload_lora_adapter", json={"lora_name": "chat"})
     assert response.status_code == 200, response.text

@@ -186,6 +186,10 @@ class WorkerInfo(BaseModel):
     max_num_batched_tokens: int = 0
     draining: bool = False
     instance_id: str = ""  # new at each start: a worker back at the same URL is another instance
+    # LoRA (vllm:lora_requests_info): slots (0: no LoRA), the adapters of running and waiting requests
+    max_lora: int = 0
+    running_lora_adapters: list[str] = Field(default_factory=list)
+    waiting_lora_adapters: list[str] = Field(default_factory=list)
 
 
 class Registration(BaseModel):

@@ -19,7 +19,14 @@ from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.serving.dashboard import PoolMember, install_dashboard
 from pdserve.serving.engine_client import EngineClient
-from pdserve.serving.metrics import OneSample, RequestObserver, ServerMetrics, cache_series, install_metrics
+from pdserve.serving.metrics import (
+    OneSample,
+    RequestObserver,
+    ServerMetrics,
+    cache_series,
+    install_metrics,
+    lora_series,
+)
 from pdserve.serving.trace import start_trace
 from pdserve.tokenizer import Tokenizer
 
@@ -74,6 +81,7 @@ class RouterCollector(Collector):
                     "its own FIFO) + in the shared queue + waiting in ready prefill workers",
                     router_waiting(in_flight - sent_on, stats, workers))
         yield from _decode_cache_series(labels, workers)
+        yield from _lora_series(labels, workers)
         ready = GaugeMetricFamily("pdserve:workers_ready", "Workers in the router's pool that answer and are ready",
                                   labels=[*labels, "worker_role"])
         for role in ("prefill", "decode"):
@@ -110,6 +118,16 @@ def _decode_cache_series(labels: dict[str, str], workers: list[WorkerView]) -> I
     yield OneSample(labels).gauge("vllm:kv_cache_usage_perc", "Router: KV cache usage of its ready decode workers "
                                   "taken as one pool (used blocks / blocks; 1 = full)", usage)
     yield from cache_series(labels, usage, max((load.block_size for load in loads), default=0), total)
+
+
+def _lora_series(labels: dict[str, str], workers: list[WorkerView]) -> Iterator[GaugeMetricFamily]:
+    """The router's `vllm:lora_requests_info` (with LoRA workers): its ready workers' adapters taken
+    together, those of running requests and those of waiting ones (each worker's own, as it says)."""
+    loads = [w.load for w in workers if w.ready and w.load is not None and w.load.max_lora]
+    if loads:
+        running = sorted({name for load in loads for name in load.running_lora_adapters})
+        waiting = sorted({name for load in loads for name in load.waiting_lora_adapters})
+        yield lora_series(labels, max(load.max_lora for load in loads), running, waiting)
 
 
 def _autoscaling_series(stats: RouterStats, workers: list[WorkerView],

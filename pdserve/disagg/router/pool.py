@@ -51,7 +51,9 @@ class Worker:
     def view(self) -> WorkerView:
         info = self.info
         load = None if info is None else WorkerLoad(info.num_running, info.num_waiting, info.num_free_kv_blocks,
-                                                     info.num_kv_blocks, int(info.kv_layout.get("block_size", 0)))
+                                                     info.num_kv_blocks, int(info.kv_layout.get("block_size", 0)),
+                                                     info.max_lora, tuple(info.running_lora_adapters),
+                                                     tuple(info.waiting_lora_adapters))
         return WorkerView(self.role, self.url, self.ready, self.in_flight, bool(info and info.draining), load)
 
 

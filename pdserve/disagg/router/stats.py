@@ -22,6 +22,9 @@ class WorkerLoad:
     num_free_kv_blocks: int
     num_kv_blocks: int
     block_size: int = 0  # tokens per KV block (its KV layout)
+    max_lora: int = 0  # LoRA slots (0: no LoRA), and the adapters of its running and waiting requests
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

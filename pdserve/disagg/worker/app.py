@@ -223,7 +223,9 @@ def _add_common_routes(worker: Worker, shape: WorkerShape) -> None:
                           num_running=stats.num_running, num_waiting=stats.num_waiting,
                           num_free_kv_blocks=stats.num_free_kv_blocks, num_kv_blocks=stats.num_kv_blocks,
                           max_num_batched_tokens=client.config.scheduler.max_num_batched_tokens,
-                          draining=service.draining, instance_id=instance_id)
+                          draining=service.draining, instance_id=instance_id, max_lora=stats.max_lora,
+                          running_lora_adapters=list(stats.running_lora_adapters),
+                          waiting_lora_adapters=list(stats.waiting_lora_adapters))
 
     @app.get("/pd/stats")
     async def stats() -> JSONResponse:
