@@ -2,15 +2,17 @@
 for an endpoint picker that chooses the decode pod first and a prefill pod for it (llm-d's EPP
 behind the Gateway API Inference Extension: deploy/k8s/overlays/gie-pd, docs/DEPLOY.md).
 
-One request, the router's single-request path run against this worker's own engine:
+One request with the header `x-prefiller-host-port: HOST:PORT` (the picker's choice), the router's
+single-request path run against this worker's own engine:
   1. reserve the prompt's blocks here (`DecodeService.reserve`, what POST /pd/reserve does for a router)
-  2. header `x-prefiller-host-port: HOST:PORT` (the picker's choice): the run's prefill job
-     (run_parts.py: the router's job, placed on this reservation, signed with the cluster secret)
-     goes to that worker's POST /pd/prefill, on its serving port, without router or queue; its KV
-     comes over the configured transport (tcp, nixl). When it does not do it, the prompt is
-     prefilled here (worker/directed_prefill.py). No header: prefilled here at once (the
-     `prefill_here` path a router takes for a short uncached prompt).
+  2. the run's prefill job (run_parts.py: the router's job, placed on this reservation, signed with
+     the cluster secret) goes to that worker's POST /pd/prefill, on its serving port, without
+     router or queue; its KV comes over the configured transport (tcp, nixl). When that worker
+     does not do it, the prompt is prefilled here, in the reservation (worker/directed_prefill.py:
+     `prefill_here`, the path a router takes for a short uncached prompt)
   3. the reservation's frames (`DecodeService.stream`) become the client's outputs (run_parts.py).
+Without the header the engine runs the request whole, as a colocated server's does: a reservation
+would only wait for KV that never comes (and a cancelled nixl one keeps its blocks for seconds).
 
 A header that is not HOST:PORT (a bad port, empty) is a 400 in the error envelope; as llm-d's
 sidecar does, a comma-separated list (or the header repeated) names candidates, of which the first
@@ -138,28 +140,47 @@ class Gateway:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         named = prefill_target(_prefiller.get())
-        target = named if named is None or await self._allowed(named) else None
+        if named is None or not await self._allowed(named):
+            if named is None:
+                self.setup.peers.local += 1
+            outputs = self._prefilled_here(request_id, prompt_token_ids, params)
+        else:
+            outputs = self._prefilled_there(named, request_id, prompt_token_ids, params)
+        async with contextlib.aclosing(outputs) as items:
+            async for output in items:
+                yield output
+
+    async def _prefilled_here(self, request_id: str, prompt: list[int],
+                              params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
+        """The request as a colocated engine runs it: no reservation, so no KV receiver expects it
+        (a cancelled nixl reservation keeps its blocks from reuse for seconds: none here). Closing
+        early aborts it (the engine client's contract)."""
+        if self.service.draining:
+            raise OpenAIError("this decode worker is draining", HTTPStatus.SERVICE_UNAVAILABLE,
+                              headers={"Retry-After": "1"})
+        async with contextlib.aclosing(cast(AsyncGenerator[RequestOutput, None],
+                                            self.engine.generate(request_id, prompt, params))) as outputs:
+            async for output in outputs:
+                yield output
+
+    async def _prefilled_there(self, target: PrefillTarget, request_id: str, prompt: list[int],
+                               params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
+        """The router's path: a reservation here, the job placed on it there, the reservation's
+        frames as outputs (prefilled here after all if the prefill worker does not do it)."""
         run = run_id(request_id, 0)
-        reply = await self._reserve(run, prompt_token_ids, params)
-        directed = None
+        reply = await self._reserve(run, prompt, params)
+        where = placement(transfer_id(run, 0), self.self_url, reply)
+        directed = DirectedPrefill(self.setup, target.url, prefill_job(self.setup.client.secret, run, prompt,
+                                                                       params, where))
         finished = False
         try:
-            if target is None:
-                if named is None:
-                    self.setup.peers.local += 1
-                await self.service.prefill_here(run)
-            else:
-                where = placement(transfer_id(run, 0), self.self_url, reply)
-                directed = DirectedPrefill(self.setup, target.url, prefill_job(self.setup.client.secret, run,
-                                                                        prompt_token_ids, params, where))
-                directed.start()
-            async with contextlib.aclosing(self._outputs(request_id, run, prompt_token_ids, directed)) as outputs:
+            directed.start()
+            async with contextlib.aclosing(self._outputs(request_id, run, prompt, directed)) as outputs:
                 async for output in outputs:
                     finished = output.finished
                     yield output
         finally:
-            if directed is not None:
-                await asyncio.shield(directed.close(abort=not finished))
+            await asyncio.shield(directed.close(abort=not finished))
             if not finished:
                 # NOTE: ended early (client gone, an error) wherever it was: before its stream was
                 # read too, when only this would free the reservation (a no-op once the stream did)
@@ -192,7 +213,7 @@ class Gateway:
             await asyncio.sleep(_RESERVE_RETRY_S)
 
     async def _outputs(self, request_id: str, run: str, prompt: list[int],
-                       directed: DirectedPrefill | None) -> AsyncGenerator[RequestOutput, None]:
+                       directed: DirectedPrefill) -> AsyncGenerator[RequestOutput, None]:
         """The reservation's frames as the client's outputs; closing early aborts the request here."""
         frames_in = FrameDecoder()
         finished = False
@@ -202,8 +223,7 @@ class Gateway:
             async with contextlib.aclosing(stream) as frames:
                 async for frame in frames:
                     if frame.kv_retry:  # decode's transfer deadline: the named worker stalled
-                        if directed is not None:
-                            await directed.fall_back("timeout", "the KV transfer stalled")
+                        await directed.fall_back("timeout", "the KV transfer stalled")
                         continue
                     output = self._output(request_id, prompt, frame, frames_in)
                     finished = output.finished
