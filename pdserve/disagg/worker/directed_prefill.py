@@ -9,9 +9,10 @@ happens when that worker does not do it.
       frame): `fall_back` prefills here instead (DecodeService.prefill_here), the attempt is aborted
       there, best effort
 
-Every fallback is counted by reason (`PrefillPeers`, pdserve:gateway_prefill_fallbacks_total) and
-logged once per peer until that peer takes a job again, so a dead prefill worker the picker keeps
-naming does not log a line per request.
+Every fallback is counted by reason (`PrefillPeers`, pdserve:gateway_prefill_fallbacks_total; the
+gateway adds `not_allowed`, a worker outside --gateway-prefill-allow, never contacted) and logged
+once per peer until that peer takes a job again, so a dead prefill worker the picker keeps naming
+does not log a line per request.
 """
 
 from __future__ import annotations
