@@ -2,8 +2,8 @@
 nixl, and `pdserve up` as processes): a batch of concurrent requests mixing two adapters and the
 base model answers what the offline engine does (itself equal to transformers + PEFT:
 tests/test_lora.py), dense and MoE (attention targets); adapters loaded and unloaded through the
-router land on every worker of both roles; a worker that lacks an adapter gets it on the router's
-next refresh; decode refuses KV computed under another version of an adapter, by name."""
+router land on every worker of both roles; a worker that lacks an adapter gets it before a request
+under it runs; decode refuses KV computed under another version of an adapter, by name."""
 
 from __future__ import annotations
 
@@ -117,17 +117,18 @@ def test_a_worker_missing_an_adapter_gets_it_and_decode_refuses_another_version(
     cluster = _cluster(model_dir, "tcp", (), policy="fail")
     cleanup.append(cluster)
     decode_url, prefill_url = (served.url for served, _ in cluster.workers)
-    # only decode has "sql": the router's refresh (GET /v1/models) loads it on prefill too
+    # only decode has "sql": the first request for it has the router ask its workers, and load it on
+    # prefill before the request runs there
     assert httpx.post(decode_url + "/v1/load_lora_adapter",
                       json={"lora_name": "sql", "lora_path": str(adapters["sql"])}).status_code == 200
-    models_list = httpx.get(cluster.router.url + "/v1/models").json()["data"]
-    assert "sql" in {card["id"] for card in models_list}
+    [response] = _served(cluster.router.url, [(PROMPTS[0], "sql")])
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == _offline(model_dir, adapters, [(PROMPTS[0], "sql")])[0]
     assert _worker_adapters(cluster) == [{"sql"}] * 2
     # "mix" is one adapter on prefill and another on decode: decode refuses prefill's KV by name
     for url, name in ((prefill_url, "sql"), (decode_url, "chat")):
         assert httpx.post(url + "/v1/load_lora_adapter",
                           json={"lora_name": "mix", "lora_path": str(adapters[name])}).status_code == 200
-    assert "mix" in {card["id"] for card in httpx.get(cluster.router.url + "/v1/models").json()["data"]}
     response = httpx.post(cluster.router.url + "/v1/completions", timeout=60, json={
         "model": "mix", "prompt": PROMPTS[1], "max_tokens": 3, "temperature": 0, "ignore_eos": True})
     assert response.status_code >= 500, response.text

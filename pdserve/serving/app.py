@@ -80,16 +80,8 @@ def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None 
     elif isinstance(client, LocalEngine):
         install_dashboard(app, instrument_engine_app(app, client, model_name, "colocated"), None)
 
-    def check_model(requested: str | None) -> str | None:
-        """The LoRA adapter `requested` names (None: the base model); 404 for a model not served."""
-        if requested is None or requested == model_name:
-            return None
-        if lora is None or requested not in lora.names():
-            raise OpenAIError(f"The model `{requested}` does not exist. This server serves `{model_name}`.",
-                              HTTPStatus.NOT_FOUND, "model")
-        return requested
-
-    _add_generation_routes(app, client, model_name, api, check_model, extras.refusals if extras else ())
+    models = ServedModels(model_name, lora)
+    _add_generation_routes(app, client, models, api, extras.refusals if extras else ())
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
@@ -101,15 +93,44 @@ def create_app(client: EngineClient, model_name: str, lifespan: Lifespan | None 
     if lora is not None:
         add_lora_routes(app, lora)
 
-    add_utility_routes(app, client, check_model)
+    add_utility_routes(app, client, models.check)
     _add_probe_routes(app, probes or Probes.of_engine(client))
     return app
 
 
-def _add_generation_routes(app: FastAPI, client: EngineClient, model_name: str, api: ApiConfig,
-                           check_model: Callable[[str | None], str | None], refusals: tuple[HTTPStatus, ...]) -> None:
+@dataclass(frozen=True, slots=True)
+class ServedModels:
+    """What a request's `model` may name: the served model, or one of `lora`'s adapters."""
+
+    name: str
+    lora: LoRAAdmin | None
+
+    def check(self, requested: str | None) -> str | None:
+        """The LoRA adapter `requested` names (None: the base model); 404 for a model not served."""
+        if requested is None or requested == self.name:
+            return None
+        if self.lora is None or requested not in self.lora.names():
+            raise OpenAIError(f"The model `{requested}` does not exist. This server serves `{self.name}`.",
+                              HTTPStatus.NOT_FOUND, "model")
+        return requested
+
+    async def resolve(self, requested: str | None) -> str | None:
+        """`check`, after asking `lora` about a name it does not know yet (a router learns its
+        workers' adapters by asking them), and with the adapter ready wherever the request may run."""
+        if self.lora is not None and requested is not None and requested != self.name:
+            await self.lora.lookup(requested)
+        lora_name = self.check(requested)
+        if lora_name is not None:
+            assert self.lora is not None  # NOTE: `check` names its adapters only
+            await self.lora.prepare(lora_name)
+        return lora_name
+
+
+def _add_generation_routes(app: FastAPI, client: EngineClient, models: ServedModels, api: ApiConfig,
+                           refusals: tuple[HTTPStatus, ...]) -> None:
     """POST /v1/completions and /v1/chat/completions; `refusals`: what else `client` refuses with;
-    a `model` that names a LoRA adapter (`check_model`'s answer) runs under it."""
+    a `model` that names a LoRA adapter runs under it."""
+    model_name = models.name
     # the handlers of each model served, the base model's and each LoRA adapter's (vLLM's answers
     # name the model the request asked for)
     completions = {model_name: CompletionHandler(client, model_name, api.max_tokens_limit)}
@@ -126,7 +147,7 @@ def _add_generation_routes(app: FastAPI, client: EngineClient, model_name: str, 
         return chats[name]
 
     async def respond(body: Any, raw: Request) -> Any:
-        lora_name = check_model(body.model)
+        lora_name = await models.resolve(body.model)
         check_limits(body, api)
         handler = handler_of(body, lora_name)
         request_id, jobs = await handler.prepare(body)

@@ -62,6 +62,14 @@ class LoRAAdmin(abc.ABC):
     @abc.abstractmethod
     async def unload(self, name: str) -> None: ...
 
+    async def lookup(self, name: str) -> None:  # noqa: B027 - a hook with nothing to do by default
+        """A request names `name`, which may not be in `names` yet: learn of it if it exists (a PD
+        router asks its workers). One engine: `names` is always current."""
+
+    async def prepare(self, name: str) -> None:  # noqa: B027 - a hook with nothing to do by default
+        """Before a request under adapter `name` runs (it is in `names`): make sure wherever it
+        may run holds it (a PD router: a worker that joined since). One engine: nothing to do."""
+
 
 class EngineLoRAAdmin(LoRAAdmin):
     """The adapters of one engine (colocated serving, a PD worker)."""

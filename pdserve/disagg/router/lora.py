@@ -7,12 +7,15 @@ decode refuses a mismatch). So the router keeps the workers alike:
     load / unload     sent to every worker of both roles at once; the same result on each, or none:
                       a load that fails on some worker is undone on the others, and the reply
                       names the workers and their reasons
-    refresh           (every `REFRESH_S` while requests come, and for GET /v1/models) asks each
-                      worker's GET /v1/lora_adapters; an adapter some worker lacks (one that
-                      joined later, or restarted) is loaded there from the path the others have it
-                      at: a request for an adapter finds it on whichever workers it is routed to
-    names             the adapters served: those on every ready worker after the last refresh, or
-                      loaded through this router since
+    refresh           (every `REFRESH_S` while requests come, for GET /v1/models, and for a
+                      request naming a model not known yet) asks each worker's GET
+                      /v1/lora_adapters; an adapter some worker lacks (one that joined later, or
+                      restarted) is loaded there from the path the others have it at
+    prepare           before a request under an adapter runs: the workers that lack it as far as
+                      the router knows (joined since the last refresh) get it first, so the
+                      request finds it on whichever workers it is routed to
+    names             the adapters served: those the workers held at the last refresh, or loaded
+                      through this router since
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pdserve.serving.lora_routes import LoRAAdmin
 logger = logging.getLogger(__name__)
 REFRESH_S = 2.0
 _TIMEOUT_S = 60.0
+_LOOKUP_S = 0.5
 
 
 class RouterLoRAAdmin(LoRAAdmin):
@@ -39,6 +43,7 @@ class RouterLoRAAdmin(LoRAAdmin):
     def __init__(self, workers: Callable[[], list[WorkerView]]) -> None:
         self._workers = workers
         self._infos: dict[str, LoRAInfo] = {}
+        self._held: dict[str, frozenset[str]] = {}  # worker URL -> the adapters it holds, as last seen
         self._refreshed_at = float("-inf")
         self._refreshing: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()  # NOTE: one change (or refresh) at a time: workers see them in one order
@@ -63,13 +68,36 @@ class RouterLoRAAdmin(LoRAAdmin):
                 for infos in held:
                     for info in infos:
                         known.setdefault(info.name, info)
-                for url, infos in zip(urls, held, strict=True):
-                    for name in known.keys() - {info.name for info in infos}:
-                        status, text = await _post(http, url, "/v1/load_lora_adapter",
-                                                   {"lora_name": name, "lora_path": known[name].path})
-                        if status != 200:
-                            logger.warning("LoRA adapter %r could not be loaded on %s: %s", name, url, text)
-            self._infos = known
+                self._held = {url: frozenset(i.name for i in infos) for url, infos in zip(urls, held, strict=True)}
+                self._infos = known
+                for url in urls:
+                    for name in known.keys() - self._held[url]:
+                        await self._load_on(http, url, name)
+
+    async def lookup(self, name: str) -> None:
+        """An unknown name: ask the workers again, at most every `_LOOKUP_S` (a client naming models
+        that do not exist makes no more calls than that)."""
+        if name not in self._infos and time.monotonic() - self._refreshed_at > _LOOKUP_S:
+            await self.refresh()
+
+    async def prepare(self, name: str) -> None:
+        """Load adapter `name` now on the workers that lack it (one that joined since the last
+        refresh): a request under it may be routed to any of them. No call when all hold it."""
+        if all(name in self._held.get(url, ()) for url in self._urls()):
+            return
+        async with self._lock, httpx.AsyncClient(timeout=_TIMEOUT_S) as http:
+            for url in self._urls():
+                if name not in self._held.get(url, ()) and name in self._infos:
+                    await self._load_on(http, url, name)
+
+    async def _load_on(self, http: httpx.AsyncClient, url: str, name: str) -> None:
+        """Load a known adapter on the worker at `url` from the path the others have it at."""
+        status, text = await _post(http, url, "/v1/load_lora_adapter",
+                                   {"lora_name": name, "lora_path": self._infos[name].path})
+        if status == 200 or "has already been loaded" in text:
+            self._held[url] = self._held.get(url, frozenset()) | {name}
+        else:
+            logger.warning("LoRA adapter %r could not be loaded on %s: %s", name, url, text)
 
     async def load(self, name: str, path: str) -> LoRAInfo:
         async with self._lock:
@@ -87,6 +115,8 @@ class RouterLoRAAdmin(LoRAAdmin):
                     raise ValueError(_refusal(name, failed, len(urls)))
                 [info] = [i for i in await _adapters(http, urls[0]) if i.name == name] or [LoRAInfo(name, path, "", 0)]
             self._infos[name] = info
+            for url in urls:
+                self._held[url] = self._held.get(url, frozenset()) | {name}
             return info
 
     async def unload(self, name: str) -> None:
@@ -101,6 +131,8 @@ class RouterLoRAAdmin(LoRAAdmin):
             failed = [(url, text) for url, (status, text) in zip(urls, results, strict=True)
                       if status not in (200, 404)]
             self._infos.pop(name, None)
+            for url in urls:
+                self._held[url] = self._held.get(url, frozenset()) - {name}
             if failed:
                 raise ValueError(_refusal(name, failed, len(urls)))
 
