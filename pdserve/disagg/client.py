@@ -153,12 +153,13 @@ class WorkerClient:
         return reply.status == HTTPStatus.OK
 
     async def alive(self, url: str, transfer_ids: list[str], ended: list[str] | None = None,
-                    timeout_s: float | None = None) -> None:
+                    timeout_s: float | None = None, step_s: float | None = None) -> None:
         """Decode: these attempts are still being computed (prefill keepalive); `ended` ones will
-        never hand off (see Keepalive). `timeout_s`: instead of the client's."""
+        never hand off; `step_s`: the prefill engine's recent step time (see Keepalive).
+        `timeout_s`: instead of the client's."""
         timeout = None if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
-        await self._call("POST", url, "/pd/alive", Keepalive(transfer_ids=transfer_ids, ended=ended or []),
-                         timeout=timeout)
+        await self._call("POST", url, "/pd/alive",
+                         Keepalive(transfer_ids=transfer_ids, ended=ended or [], step_s=step_s), timeout=timeout)
 
     async def abort(self, url: str, request_id: str) -> None:
         """Decode (request id) or prefill (transfer id): stop it and free its blocks, if still there."""

@@ -134,6 +134,10 @@ class Keepalive(BaseModel):
 
     transfer_ids: list[str]
     ended: list[str] = []
+    # the prefill engine's longest step of the last few seconds, the running one included (at its age
+    # so far): decode's deadline for these attempts is a multiple of it (transport/cadence.py). None:
+    # not said (an older prefill worker); decode then judges by the gaps it saw alone.
+    step_s: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
 
 
 class HandOff(BaseModel):

@@ -193,10 +193,11 @@ class KVReceiver(abc.ABC):
     async def wait(self, request_id: str, timeout_s: float) -> KVEvent:
         return await self._events.get(request_id, timeout_s)
 
-    def touch(self, request_id: str) -> None:
+    def touch(self, request_id: str, step_s: float | None = None) -> None:
         """A keepalive for the request (its prefill worker is still computing it, outside this
-        transport): a `wait` on it counts its timeout from now."""
-        self._events.touch(request_id)
+        transport): a `wait` on it counts its timeout from now, scaled to the sender's announced
+        step time `step_s` when there is one (transport/cadence.py)."""
+        self._events.touch(request_id, step_s)
 
     async def settled(self) -> None:
         """Once every `expect` and `cancel` made so far is in effect: at once here (they are

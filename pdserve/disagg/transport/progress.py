@@ -56,6 +56,9 @@ class EventBox:
         self._waiters: dict[str, concurrent.futures.Future[KVEvent]] = {}
         self._touched: dict[str, float] = {}  # request id -> when the sender last said it is alive
         self._last: dict[str, float] = {}  # request id -> its last event or keepalive (none before the first)
+        # request id -> the step time its sender's last keepalive announced (Keepalive.step_s): the
+        # deadline's scale from the first keepalive on, before any slow gap was seen (cadence.py)
+        self._announced: dict[str, float] = {}
         self.cadence = Cadence()  # how long the senders go between those: the timeouts' scale (cadence.py)
 
     def open(self, request_id: str) -> None:
@@ -64,19 +67,28 @@ class EventBox:
                 raise ValueError(f"request {request_id} already has a transfer with undelivered events")
             self._queues[request_id] = deque()
 
-    def touch(self, request_id: str) -> None:
+    def touch(self, request_id: str, step_s: float | None = None) -> None:
         """The sender says the request is still being worked on (a keepalive): a `get` waiting on
-        it counts its timeout from now. No-op for a request with no open box."""
+        it counts its timeout from now, and scales it to the sender's step time `step_s` when the
+        keepalive announced one (None: an older sender). No-op for a request with no open box."""
         with self._lock:
             if request_id in self._queues:
                 self._touched[request_id] = now = time.monotonic()
                 self._saw(request_id, now)
+                if step_s is not None:
+                    self._announced[request_id] = step_s
+
+    def timeout_s(self, request_id: str, floor_s: float) -> float:
+        """How long a wait for the request's next sign of progress may take now (cadence.py)."""
+        with self._lock:
+            return self.cadence.timeout_s(floor_s, self._announced.get(request_id, 0.0))
 
     def close(self, request_id: str, reason: str) -> None:
         with self._lock:
             self._queues.pop(request_id, None)
             self._touched.pop(request_id, None)
             self._last.pop(request_id, None)
+            self._announced.pop(request_id, None)
             waiter = self._waiters.pop(request_id, None)
         if waiter is not None:
             waiter.set_exception(KVTransferError(f"request {request_id}: {reason}"))
@@ -95,6 +107,7 @@ class EventBox:
                 del self._queues[rid]
                 self._touched.pop(rid, None)
                 self._last.pop(rid, None)
+                self._announced.pop(rid, None)
         waiter.set_result(event)
 
     def _saw(self, request_id: str, now: float) -> None:
@@ -119,12 +132,12 @@ class EventBox:
         started_s = time.monotonic()
         while True:
             with self._lock:
-                limit_s = self.cadence.timeout_s(timeout_s)
+                limit_s = self.cadence.timeout_s(timeout_s, self._announced.get(request_id, 0.0))
                 remaining_s = max(started_s, self._touched.get(request_id, 0.0)) + limit_s - time.monotonic()
             if remaining_s > 0 and await _await_future(waiter, remaining_s):
                 return waiter.result()
             with self._lock:
-                limit_s = self.cadence.timeout_s(timeout_s)
+                limit_s = self.cadence.timeout_s(timeout_s, self._announced.get(request_id, 0.0))
                 remaining_s = max(started_s, self._touched.get(request_id, 0.0)) + limit_s - time.monotonic()
                 if remaining_s > 0 and not waiter.done():
                     continue  # touched meanwhile: wait on
@@ -146,6 +159,7 @@ class EventBox:
             del self._queues[request_id]
             self._touched.pop(request_id, None)
             self._last.pop(request_id, None)
+            self._announced.pop(request_id, None)
         return event
 
 

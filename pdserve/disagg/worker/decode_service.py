@@ -176,11 +176,12 @@ class DecodeService:
         await self.receiver.settled()
         return True
 
-    def touch(self, transfer_ids: list[str]) -> None:
-        """Keepalives from prefill workers: these attempts are still being computed. The receiver
-        ignores ids it does not expect (finished, cancelled or superseded attempts)."""
+    def touch(self, transfer_ids: list[str], step_s: float | None = None) -> None:
+        """Keepalives from prefill workers: these attempts are still being computed, by an engine
+        whose recent step time is `step_s` (None: not said), which scales their deadlines. The
+        receiver ignores ids it does not expect (finished, cancelled or superseded attempts)."""
         for tid in transfer_ids:
-            self.receiver.touch(tid)
+            self.receiver.touch(tid, step_s)
 
     async def attempts_ended(self, transfer_ids: list[str]) -> None:
         """Attempts their prefill worker gave up on (its hand-off timed out): a request still

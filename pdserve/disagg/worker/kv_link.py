@@ -128,8 +128,8 @@ class RemoteReceiver:
             self._box.close(request_id, "cancelled")
         self.client.tell_kv(["cancel", request_id])
 
-    def touch(self, request_id: str) -> None:
-        self._box.touch(request_id)
+    def touch(self, request_id: str, step_s: float | None = None) -> None:
+        self._box.touch(request_id, step_s)
 
     async def settled(self) -> None:
         """The engine side runs `expect` and `cancel` in the order they were sent, each at once on

@@ -4,8 +4,12 @@ state) with the final message, then release the blocks once decode acknowledged 
 
 While it holds a job, the service tells the job's decode worker every `transfer_timeout_s / 2`
 that the attempt is still being worked on (POST /pd/alive): a KV transfer's time without progress
-counts compute gaps out, which on a CPU can exceed the timeout between two layers of a chunk. It
-stops saying so if the engine thread has not finished a step for `_ENGINE_STUCK_S`.
+counts compute gaps out, which on a CPU can exceed the timeout between two layers of a chunk. Each
+keepalive says how long the engine's steps take lately, the running one included (`Keepalive.step_s`,
+transport/cadence.py's `StepClock`): decode's deadline is a multiple of it, so a long chunk on a busy
+machine is not taken for a dead peer, from the first request on. It stops saying so once a step has
+run for `StepClock.stuck_s` (a hung engine); an engine that died ends its attempts, and with them
+the keepalives.
 
 Each job is one attempt (`job.transfer_id`): the id the engine, the streamer and the transport use
 here, so a retried request never collides with its earlier attempt. One `_Attempt` record per
@@ -42,8 +46,9 @@ from pdserve.disagg.control import FirstToken, HandOff, Placement, PrefillJob
 from pdserve.disagg.handoff import HandOffDone
 from pdserve.disagg.phases import PrefillPhases
 from pdserve.disagg.prompt_logprobs_wire import pack
-from pdserve.disagg.transport.cadence import Cadence
+from pdserve.disagg.transport.cadence import Cadence, StepClock
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
+from pdserve.disagg.transport.progress import TIMEOUT_MESSAGE
 from pdserve.disagg.worker.kv_side import SenderHandles
 from pdserve.disagg.worker.stats import PrefillStats
 from pdserve.engine.async_llm import EngineClient, EngineDeadError, OutputStream, RequestFailedError
@@ -54,7 +59,6 @@ from pdserve.engine.output import RequestOutput
 from pdserve.logs import bind_request_id
 
 logger = logging.getLogger(__name__)
-_ENGINE_STUCK_S = 30.0
 _REPORT_TIMEOUT_S = 10.0  # telling decode an attempt ended (`_report_ended`)
 _CONNECT_WAIT_S = 10.0  # a named placement whose sender connects to its decode worker (`_placement`)
 _MAX_ABORTS_KEPT = 1024  # aborts of attempts not running here, kept for one that is still coming (`abort`)
@@ -113,6 +117,7 @@ class PrefillService:
         self.transfer_timeout_s = transfer_timeout_s
         self.placement_timeout_s = max(placement_timeout_s, transfer_timeout_s)  # NOTE: never less than that
         self.placements = Cadence()  # how long unplaced jobs wait for their placement lately
+        self.steps = StepClock()  # the engine's recent step time, which keepalives announce
         self.draining = False
         self._attempts: dict[str, _Attempt] = {}  # transfer id -> its record
         self._aborts_kept: OrderedDict[str, None] = OrderedDict()  # aborted transfer ids with no record, oldest first
@@ -164,6 +169,8 @@ class PrefillService:
         lora = None if params.lora_name is None else asyncio.ensure_future(self._lora_of(params.lora_name))
         if lora is not None:  # NOTE: a job the engine refuses leaves it to end on its own, quietly
             lora.add_done_callback(lambda done: done.cancelled() or done.exception())
+        if not self._computing():
+            self.steps.busy()  # NOTE: its first step runs from now, not from the last one's end (idle since)
         await self.client.send(AddPrefillOnly(tid, job.prompt_token_ids, params, target), stream)
         task = asyncio.create_task(self._finish(tid, stream))
         attempt = self._attempts[tid] = _Attempt(task, job.decode_url,
@@ -227,13 +234,21 @@ class PrefillService:
         attempt.num_uncomputed_tokens = max(0, attempt.num_uncomputed_tokens - placement.num_cached_tokens)
         attempt.placed.set_result(sender)
 
+    def _computing(self) -> bool:
+        """Some attempt here is still being computed (its first token not out yet): a step runs."""
+        return any(not attempt.first_token.done() for attempt in self._attempts.values())
+
     async def _keep_alive(self) -> None:
-        """While jobs are in flight: POST /pd/alive {transfer ids} to their decode workers."""
+        """While jobs are in flight: POST /pd/alive {transfer ids, the engine's step time} to their
+        decode workers. NOTE: on this event loop, not the engine's (a thread or a process of its own):
+        they go on while the engine computes a long chunk."""
         period_s = self.transfer_timeout_s / 2
         while self._attempts:
             await asyncio.sleep(period_s)
-            if time.monotonic() - self.client.last_step_s > _ENGINE_STUCK_S:
+            self.steps.sample(self.client.last_step_s, self._computing())
+            if self.steps.stuck:
                 continue  # a stuck engine must not keep decode waiting forever
+            step_s = self.steps.step_s()
             by_decode: dict[str, list[str]] = {}
             for tid, attempt in list(self._attempts.items()):
                 if attempt.decode_url:
@@ -241,7 +256,7 @@ class PrefillService:
             for url, tids in by_decode.items():
                 # NOTE: best effort: a decode worker that does not hear it times the transfer out
                 with contextlib.suppress(WorkerError):
-                    await self._decode_workers.alive(url, tids)
+                    await self._decode_workers.alive(url, tids, step_s=step_s)
 
     def first_token(self, transfer_id: str) -> asyncio.Future[FirstToken | None]:
         """The attempt's first token, as soon as it is sampled (None: it ended without one: see its
@@ -401,7 +416,9 @@ class PrefillService:
             await asyncio.wait((connecting,), timeout=_CONNECT_WAIT_S)
             await asyncio.wait((placed,), timeout=self.transfer_timeout_s)
         if not placed.done() or placed.cancelled():
-            raise KVTransferTimeout(f"request {tid}: no decode reservation named within {limit_s:g} s", limit_s)
+            # NOTE: the stable message, as every timeout this worker counts (`pdserve:kv_transfer_timeouts`)
+            raise KVTransferTimeout(f"{TIMEOUT_MESSAGE}: no decode reservation named for request {tid} "
+                                    f"within {limit_s:g} s", limit_s)
         return placed.result()
 
     async def _hand_off(self, tid: str, sender: int, final: RequestOutput, state: bytes | None) -> None:

@@ -62,7 +62,7 @@ def _add_attempt_routes(app: FastAPI, service: DecodeService) -> None:
 
     @app.post("/pd/alive")
     async def alive(body: Keepalive) -> JSONResponse:
-        service.touch(body.transfer_ids)
+        service.touch(body.transfer_ids, body.step_s)
         await service.attempts_ended(body.ended)
         return JSONResponse({})
 
