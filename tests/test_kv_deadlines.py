@@ -9,18 +9,21 @@ import asyncio
 import math
 import time
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
+from pdserve.disagg.attempt_states import Reservation
 from pdserve.disagg.client import WorkerClient
-from pdserve.disagg.control import Keepalive, PrefillJob, WireSamplingParams
+from pdserve.disagg.control import Keepalive, KeepaliveReply, PrefillJob, WireSamplingParams
 from pdserve.disagg.transport import cadence
 from pdserve.disagg.transport.cadence import Cadence, StepClock, deadline_s
 from pdserve.disagg.transport.errors import KVTransferTimeout
 from pdserve.disagg.transport.messages import KVDone, KVProgress
 from pdserve.disagg.transport.progress import EventBox
+from pdserve.disagg.worker.decode_service import DecodeService
 from pdserve.disagg.worker.prefill_service import PrefillService
 from pdserve.engine.async_llm import EngineDeadError
 from pdserve.engine.sampling_params import SamplingParams
@@ -138,15 +141,16 @@ class _DecodeOverTheWire(WorkerClient):
         self.step_s: list[float | None] = []
 
     async def alive(self, url: str, transfer_ids: list[str], ended: list[str] | None = None,
-                    timeout_s: float | None = None, step_s: float | None = None) -> None:
+                    timeout_s: float | None = None, step_s: float | None = None) -> KeepaliveReply:
         since_s = time.monotonic() - self.started
         if self.starved[0] <= since_s < self.starved[1]:
-            return
+            return KeepaliveReply()
         body = Keepalive.model_validate_json(Keepalive(transfer_ids=transfer_ids, ended=ended or [],
                                                        step_s=step_s).model_dump_json())
         self.step_s.append(body.step_s)
         for tid in body.transfer_ids:
             self.box.touch(tid, body.step_s)
+        return KeepaliveReply()  # an older decode worker's `{}`
 
 
 def _job(tid: str) -> PrefillJob:
@@ -212,3 +216,73 @@ def test_a_hung_or_dead_prefill_engine_is_still_timed_out_within_a_bound(how: st
 
     waited_s = asyncio.run(scenario())
     assert 0.4 < waited_s < 0.4 + cadence.FACTOR * 0.6 + 1.0  # silent after ~0.4 s, then FACTOR x its step
+
+
+class _DecodeEngine:
+    """A decode engine client, idle since long before the first request."""
+
+    def __init__(self) -> None:
+        self.last_step_s = time.monotonic() - 100.0
+
+
+def test_decode_answers_keepalives_with_its_own_step_time() -> None:
+    """A decode worker's steps take 0.4 s (a batch on a busy core): its answer to a keepalive says
+    so, counted from when its first request ran, not from when it last stepped (100 s ago)."""
+    async def scenario() -> list[float | None]:
+        engine = _DecodeEngine()
+        service = DecodeService(engine, SimpleNamespace(layout=None), "fail",  # type: ignore[arg-type]
+                                transfer_timeout_s=FLOOR_S)
+        answers = [service.keepalive_reply().step_s]  # nothing running: no step
+        service._busy()  # a request starts decoding
+        service._requests["r"] = SimpleNamespace(state=SimpleNamespace(  # type: ignore[assignment]
+            is_in=lambda *states: Reservation.DECODING in states))
+        await asyncio.sleep(0.4)
+        answers.append(service.keepalive_reply().step_s)
+        engine.last_step_s = time.monotonic()  # that step ended
+        answers.append(service.keepalive_reply().step_s)  # the longest recent one is still said
+        return answers
+
+    idle, running, after = asyncio.run(scenario())
+    assert idle == 0.0
+    assert running is not None and 0.35 < running < 2.0
+    assert after is not None and after == pytest.approx(running, rel=0.2)
+
+
+class _AnsweringDecode(_DecodeOverTheWire):
+    """A decode worker whose answers to keepalives say its steps take `step_s` (None: an older one, `{}`)."""
+
+    def __init__(self, box: EventBox, step_s: float | None) -> None:
+        super().__init__(box)
+        self.answer_s = step_s
+
+    async def alive(self, url: str, transfer_ids: list[str], ended: list[str] | None = None,
+                    timeout_s: float | None = None, step_s: float | None = None) -> KeepaliveReply:
+        await super().alive(url, transfer_ids, ended, timeout_s, step_s)
+        body = "{}" if self.answer_s is None else KeepaliveReply(step_s=self.answer_s).model_dump_json()
+        return KeepaliveReply.model_validate_json(body)
+
+
+@pytest.mark.parametrize("decode_step_s", [0.5, None])
+def test_prefill_waits_on_a_decode_worker_as_long_as_its_announced_step_time_says(
+        decode_step_s: float | None) -> None:
+    """The acknowledgement and placement waits' floors become FACTOR times the step time the decode
+    worker's keepalive answers announce (capped); an older decode worker's `{}` leaves them as configured."""
+    async def scenario() -> tuple[float, float]:
+        box = EventBox()
+        box.open("r@1")
+        engine = _StalledEngine(0.3)
+        service = PrefillService(engine, _NoKV(), transfer_timeout_s=FLOOR_S)  # type: ignore[arg-type]
+        service._decode_workers = _AnsweringDecode(box, decode_step_s)
+        task = await service.submit(_job("r@1"))
+        await asyncio.sleep(0.2)  # a few keepalives, answered
+        floors = service._decode_floor_s(FLOOR_S, "http://decode"), service._decode_floor_s(1.0)
+        await task
+        service.close()
+        return floors
+
+    ack_floor_s, placement_floor_s = asyncio.run(scenario())
+    if decode_step_s is None:
+        assert (ack_floor_s, placement_floor_s) == (FLOOR_S, 1.0)
+    else:
+        assert ack_floor_s == pytest.approx(cadence.FACTOR * decode_step_s, rel=0.05)
+        assert placement_floor_s == pytest.approx(max(1.0, cadence.FACTOR * decode_step_s), rel=0.05)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 
 import aiohttp
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from yarl import URL
 
 from pdserve.disagg.auth import ClusterSecret, signature_headers
@@ -28,6 +28,7 @@ from pdserve.disagg.control import (
     FirstToken,
     HandOff,
     Keepalive,
+    KeepaliveReply,
     OutputFrame,
     Placement,
     PrefillEvent,
@@ -153,13 +154,19 @@ class WorkerClient:
         return reply.status == HTTPStatus.OK
 
     async def alive(self, url: str, transfer_ids: list[str], ended: list[str] | None = None,
-                    timeout_s: float | None = None, step_s: float | None = None) -> None:
+                    timeout_s: float | None = None, step_s: float | None = None) -> KeepaliveReply:
         """Decode: these attempts are still being computed (prefill keepalive); `ended` ones will
-        never hand off; `step_s`: the prefill engine's recent step time (see Keepalive).
+        never hand off; `step_s`: the prefill engine's recent step time (see Keepalive). Answers
+        decode's own step time (KeepaliveReply; an unreadable answer: none said).
         `timeout_s`: instead of the client's."""
         timeout = None if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
-        await self._call("POST", url, "/pd/alive",
-                         Keepalive(transfer_ids=transfer_ids, ended=ended or [], step_s=step_s), timeout=timeout)
+        reply = await self._call("POST", url, "/pd/alive",
+                                 Keepalive(transfer_ids=transfer_ids, ended=ended or [], step_s=step_s),
+                                 timeout=timeout)
+        try:
+            return KeepaliveReply.model_validate_json(reply.body)
+        except ValidationError:  # NOTE: best effort, as the keepalive itself: an error answer says nothing
+            return KeepaliveReply()
 
     async def abort(self, url: str, request_id: str) -> None:
         """Decode (request id) or prefill (transfer id): stop it and free its blocks, if still there."""

@@ -140,6 +140,15 @@ class Keepalive(BaseModel):
     step_s: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
 
 
+class KeepaliveReply(BaseModel):
+    """decode -> prefill, the answer to a keepalive: decode's own recent step time, as Keepalive.step_s
+    (None: not said, an older decode worker answers {}). Prefill's waits on this decode worker (its
+    acknowledgements, a placement) are a multiple of it (transport/cadence.py): a decode worker busy
+    with long steps acknowledges late and is not gone."""
+
+    step_s: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
+
+
 class HandOff(BaseModel):
     """prefill -> router: how one prefill job ended (the reply to POST /pd/prefill). `failed`: the
     prefill side gave up (compute error, no first token, the KV connection lost): whoever ran the

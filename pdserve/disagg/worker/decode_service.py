@@ -36,11 +36,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pdserve.disagg.attempt_states import RESERVATION, WAITING_FOR_KV, Reservation, State
-from pdserve.disagg.control import FrameEncoder, OutputFrame, ReserveReply, ReserveRequest
+from pdserve.disagg.control import FrameEncoder, KeepaliveReply, OutputFrame, ReserveReply, ReserveRequest
 from pdserve.disagg.handoff import HandOffDone
 from pdserve.disagg.phases import TransferMeter
 from pdserve.disagg.prompt_logprobs_wire import unpack
 from pdserve.disagg.request_ids import request_id_of
+from pdserve.disagg.transport.cadence import StepClock
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.disagg.transport.messages import KVDone, KVRejected
 from pdserve.disagg.worker.kv_side import ReceiverView
@@ -107,6 +108,7 @@ class DecodeService:
         self._requests: dict[str, _Reserved] = {}  # request id -> its record
         self._counts = _Counts()
         self._meter = TransferMeter(receiver.layout, on_transfer)  # per-transfer duration/bytes, TTFT phases
+        self.steps = StepClock()  # this engine's recent step time, which keepalive answers announce
 
     @property
     def num_in_flight(self) -> int:
@@ -176,6 +178,24 @@ class DecodeService:
         await self.receiver.settled()
         return True
 
+    def keepalive_reply(self) -> KeepaliveReply:
+        """The answer to a prefill worker's keepalive: this engine's recent step time. Its acks come
+        from the KV receiver beside this engine, late when the engine's steps are long: the prefill
+        side's waits on this worker scale with it (transport/cadence.py)."""
+        self.steps.sample(self.client.last_step_s, self._computing())
+        return KeepaliveReply(step_s=self.steps.step_s())
+
+    def _computing(self) -> bool:
+        """Some request here is decoding or being prefilled here: the engine steps."""
+        return any(record.state.is_in(Reservation.DECODING, Reservation.PREFILLING_HERE)
+                   for record in self._requests.values())
+
+    def _busy(self) -> None:
+        """A request is about to run in the engine: if none did, its first step runs from now, not
+        from the end of the last one (idle since)."""
+        if not self._computing():
+            self.steps.busy()
+
     def touch(self, transfer_ids: list[str], step_s: float | None = None) -> None:
         """Keepalives from prefill workers: these attempts are still being computed, by an engine
         whose recent step time is `step_s` (None: not said), which scales their deadlines. The
@@ -213,6 +233,7 @@ class DecodeService:
         """Conditional disaggregation: this worker computes the (short) uncached rest itself."""
         if (record := self._waiting_for_kv(request_id)) is None:
             return False
+        self._busy()
         record.state.move(Reservation.PREFILLING_HERE)
         self._stop_receiving(request_id)
         self._counts.prefilled_locally += 1
@@ -365,6 +386,7 @@ class DecodeService:
     async def _complete(self, rid: str, done: KVDone) -> None:
         self._counts.completed += 1
         record = self._requests.get(rid)
+        self._busy()
         if record is not None:
             record.state.move(Reservation.DECODING)
             record.transfer_id = None  # received: nothing to cancel any more
@@ -383,6 +405,7 @@ class DecodeService:
     async def _apply_failure_policy(self, rid: str, reason: str) -> None:
         self._stop_receiving(rid)
         if self.failure_policy == "recompute":
+            self._busy()
             if (record := self._requests.get(rid)) is not None:
                 record.state.move(Reservation.PREFILLING_HERE)
             self._counts.recomputed += 1

@@ -46,7 +46,7 @@ from pdserve.disagg.control import FirstToken, HandOff, Placement, PrefillJob
 from pdserve.disagg.handoff import HandOffDone
 from pdserve.disagg.phases import PrefillPhases
 from pdserve.disagg.prompt_logprobs_wire import pack
-from pdserve.disagg.transport.cadence import Cadence, StepClock
+from pdserve.disagg.transport.cadence import STEP_HALF_LIFE_S, Cadence, StepClock, deadline_s
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.disagg.transport.progress import TIMEOUT_MESSAGE
 from pdserve.disagg.worker.kv_side import SenderHandles
@@ -118,6 +118,9 @@ class PrefillService:
         self.placement_timeout_s = max(placement_timeout_s, transfer_timeout_s)  # NOTE: never less than that
         self.placements = Cadence()  # how long unplaced jobs wait for their placement lately
         self.steps = StepClock()  # the engine's recent step time, which keepalives announce
+        # decode URL -> the step time its answers to keepalives announce (KeepaliveReply), decaying:
+        # the floor of the waits on it (its acknowledgements, a placement), see `_decode_floor_s`
+        self._decode_steps: dict[str, Cadence] = {}
         self.draining = False
         self._attempts: dict[str, _Attempt] = {}  # transfer id -> its record
         self._aborts_kept: OrderedDict[str, None] = OrderedDict()  # aborted transfer ids with no record, oldest first
@@ -256,7 +259,19 @@ class PrefillService:
             for url, tids in by_decode.items():
                 # NOTE: best effort: a decode worker that does not hear it times the transfer out
                 with contextlib.suppress(WorkerError):
-                    await self._decode_workers.alive(url, tids, step_s=step_s)
+                    reply = await self._decode_workers.alive(url, tids, step_s=step_s)
+                    if reply.step_s is not None:
+                        self._decode_steps.setdefault(url, Cadence(half_life_s=STEP_HALF_LIFE_S)).saw(reply.step_s)
+
+    def _decode_floor_s(self, floor_s: float, decode_url: str | None = None) -> float:
+        """The floor of a wait on decode worker `decode_url` (None: whichever places the job, the
+        slowest heard of): `floor_s`, or FACTOR times the step time it announced lately, capped."""
+        if decode_url is None:
+            announced_s = max((steps.longest_gap_s() for steps in self._decode_steps.values()), default=0.0)
+        else:
+            steps = self._decode_steps.get(decode_url)
+            announced_s = 0.0 if steps is None else steps.longest_gap_s()
+        return deadline_s(floor_s, announced_s)
 
     def first_token(self, transfer_id: str) -> asyncio.Future[FirstToken | None]:
         """The attempt's first token, as soon as it is sampled (None: it ended without one: see its
@@ -401,7 +416,8 @@ class PrefillService:
         if attempt is None:
             raise KVTransferError(f"request {tid}: ended before it was placed")
         placed = attempt.placed
-        limit_s = self.placements.timeout_s(self.placement_timeout_s)
+        # NOTE: a reservation waits for a step boundary of the decode engine: its step time counts
+        limit_s = self.placements.timeout_s(self._decode_floor_s(self.placement_timeout_s))
         if not placed.done():
             waited = time.monotonic()
             await asyncio.wait((placed,), timeout=limit_s)
@@ -432,7 +448,10 @@ class PrefillService:
                              prompt_logprobs=None if final.prompt_logprobs is None else pack(final.prompt_logprobs),
                              lora_name=lora_name, lora_digest=lora_digest)
         self.kv.send_done(sender, tid, record.encode(), token="" if attempt is None else attempt.token)
-        await self.kv.flush(sender, tid, self.transfer_timeout_s)
+        # NOTE: decode acknowledges from beside its engine: late when its steps are long (a floor of
+        # FACTOR times the step time it announced), not gone
+        decode_url = "" if attempt is None else attempt.decode_url
+        await self.kv.flush(sender, tid, self._decode_floor_s(self.transfer_timeout_s, decode_url))
 
     async def _lora_of(self, name: str) -> tuple[str | None, str]:
         """LoRA adapter `name` and its weights' digest in this engine."""

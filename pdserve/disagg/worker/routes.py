@@ -64,7 +64,7 @@ def _add_attempt_routes(app: FastAPI, service: DecodeService) -> None:
     async def alive(body: Keepalive) -> JSONResponse:
         service.touch(body.transfer_ids, body.step_s)
         await service.attempts_ended(body.ended)
-        return JSONResponse({})
+        return JSONResponse(service.keepalive_reply().model_dump())
 
     @app.post("/pd/retarget/{request_id}")
     async def retarget(request_id: str, body: Retarget) -> Response:
