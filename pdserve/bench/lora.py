@@ -68,7 +68,7 @@ def median_step_s(llm: LLM, prompts: list[list[int]], params: SamplingParams,
     return statistics.median(times)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small", choices=sorted(p for p, s in PRESETS.items() if not s.is_moe))
     parser.add_argument("--num-seqs", type=int, default=24)
@@ -77,7 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 150_000, (args.prompt_len,), generator=gen).tolist() for _ in range(args.num_seqs)]
