@@ -10,8 +10,8 @@ from typing import Literal
 from pdserve.addresses import is_http_url, parse_allow, parse_host_port, parse_member
 from pdserve.config import knob
 
-DecodePolicyName = Literal["least-loaded", "round-robin", "prefix-affinity"]
-DECODE_POLICIES: tuple[DecodePolicyName, ...] = ("least-loaded", "round-robin", "prefix-affinity")
+DecodePolicyName = Literal["least-loaded", "round-robin", "prefix-affinity", "kv-events"]
+DECODE_POLICIES: tuple[DecodePolicyName, ...] = ("least-loaded", "round-robin", "prefix-affinity", "kv-events")
 PrefillPolicyName = Literal["least-loaded", "prefix-affinity"]
 PREFILL_POLICIES: tuple[PrefillPolicyName, ...] = ("least-loaded", "prefix-affinity")
 
@@ -49,7 +49,9 @@ class RouterConfig:
     dns_interval_s: float = knob(2.0, "how often dns: members are resolved again")
     cluster_secret_file: str | None = knob(None, CLUSTER_SECRET_HELP)
     queue: QueueArgs = field(default_factory=QueueArgs)
-    decode_policy: DecodePolicyName = knob("least-loaded", "which decode worker gets a request")
+    decode_policy: DecodePolicyName = knob("least-loaded", "which decode worker gets a request: least-loaded, "
+                                           "round-robin, prefix-affinity (asks each worker what it caches), or "
+                                           "kv-events (the workers' KV-cache events say: their --kv-events-config)")
     prefill_policy: PrefillPolicyName = knob("least-loaded", "which prefill worker gets a first attempt's job "
                                              "(memory queue): least-loaded, or prefix-affinity (the one caching the "
                                              "longest prefix, pool or disk tier); a resume after a decode loss "

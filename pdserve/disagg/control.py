@@ -203,6 +203,11 @@ class WorkerInfo(BaseModel):
     max_lora: int = 0
     running_lora_adapters: list[str] = Field(default_factory=list)
     waiting_lora_adapters: list[str] = Field(default_factory=list)
+    # KV-cache events (--kv-events-config): its ZMQ PUB and replay addresses (a wildcard host stands
+    # for the host the worker is reached at) and topic; None: it publishes none a router can subscribe to
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
 
 
 class Registration(BaseModel):

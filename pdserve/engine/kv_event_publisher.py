@@ -200,3 +200,8 @@ def endpoints_info(publisher: KVEventPublisher | None) -> dict[str, Any] | None:
         return None
     e = publisher.endpoints
     return {"publish": e.publish, "replay": e.replay, "topic": e.topic}
+
+
+def endpoints_of(info: dict[str, Any] | None) -> KVEventEndpoints | None:
+    """`endpoints_info`'s inverse (the API process's side)."""
+    return None if info is None else KVEventEndpoints(info["publish"], info["replay"], info["topic"])

@@ -144,6 +144,7 @@ class PDRouter:
         look at it."""
         await self.membership.refresh()
         await self.pool.refresh()
+        self.policy.observe(self.pool.members("decode"))
         await self.queue.refresh()
 
     async def watch(self, interval_s: float = 0.5) -> None:
@@ -158,6 +159,7 @@ class PDRouter:
             await asyncio.sleep(interval_s)
 
     async def close(self) -> None:
+        await self.policy.close()
         await self.queue.close()
         await self.client.close()
 

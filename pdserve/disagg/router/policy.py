@@ -7,11 +7,21 @@ from __future__ import annotations
 import abc
 import asyncio
 import itertools
+import logging
 from collections.abc import Callable
 
 from pdserve.disagg.client import WorkerClient
 from pdserve.disagg.config import DecodePolicyName
+from pdserve.disagg.router.kv_index import (
+    EventSource,
+    KVBlockIndex,
+    KVEventSubscription,
+    prompt_block_hashes,
+    source_of,
+)
 from pdserve.disagg.router.pool import Worker, reach
+
+logger = logging.getLogger(__name__)
 
 
 class DecodePolicy(abc.ABC):
@@ -27,6 +37,15 @@ class DecodePolicy(abc.ABC):
 
     @abc.abstractmethod
     async def order(self, candidates: list[Worker], prompt_token_ids: list[int]) -> list[Worker]: ...
+
+    def observe(self, workers: list[Worker]) -> None:
+        """The decode workers after each poll of the pool (`PDRouter.refresh`), ready or not, for a
+        policy that follows them (kv-events: whom to subscribe to). Must not block."""
+        return
+
+    async def close(self) -> None:
+        """The router stops: end what the policy runs."""
+        return
 
 
 def _load(worker: Worker) -> tuple[int, int]:
@@ -71,10 +90,80 @@ class PrefixAffinity(DecodePolicy):
         return -1 if cached is None else cached
 
 
+class KVEventsPolicy(DecodePolicy):
+    """The worker whose prefix cache holds the most leading blocks of the prompt, as its KV-cache
+    events say (router/kv_index.py: a subscription per worker advertising an endpoint, kept by
+    `observe`); ties, and workers that publish none (they count 0 blocks), go to the least loaded.
+    No call to any worker on the request's path. The prompt is hashed with each worker's block
+    size (its KV layout's)."""
+
+    def __init__(self) -> None:
+        import zmq.asyncio  # NOTE: only a router with this policy loads pyzmq
+
+        self._context = zmq.asyncio.Context()
+        self._subscriptions: dict[str, tuple[tuple[str, EventSource], KVEventSubscription]] = {}
+        self._closing: set[asyncio.Task[None]] = set()  # subscriptions of workers gone, closing
+
+    def observe(self, workers: list[Worker]) -> None:
+        listed = {w.url for w in workers}
+        for url in [u for u in self._subscriptions if u not in listed]:
+            self._drop(url)
+        for worker in workers:
+            if worker.info is None:
+                continue  # NOTE: unreachable now: its subscription stays (ZMQ reconnects), a restart shows in its info
+            source = source_of(worker.info, worker.url)
+            key = None if source is None else (worker.info.instance_id, source)
+            held = self._subscriptions.get(worker.url)
+            if held is not None and held[0] == key:
+                continue
+            if held is not None:
+                logger.info("KV events: %s changed (restarted, or a new endpoint); its index starts over", worker.url)
+                self._drop(worker.url)
+            if source is not None and key is not None:
+                self._subscriptions[worker.url] = (key, KVEventSubscription(self._context, source, worker.url))
+                logger.info("KV events: following %s at %s", worker.url, source.publish)
+
+    def _drop(self, url: str) -> None:
+        _, subscription = self._subscriptions.pop(url)
+        task = asyncio.get_running_loop().create_task(subscription.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    def index(self, url: str) -> KVBlockIndex | None:
+        held = self._subscriptions.get(url)
+        return None if held is None else held[1].index
+
+    def num_prefix_blocks(self, worker: Worker, prompt_token_ids: list[int],
+                          hashes_by_size: dict[int, list[int]]) -> int:
+        index = self.index(worker.url)
+        if index is None or worker.info is None:
+            return 0
+        block_size = int(worker.info.kv_layout.get("block_size", 0)) or index.block_size
+        if not block_size:
+            return 0
+        if block_size not in hashes_by_size:
+            hashes_by_size[block_size] = prompt_block_hashes(prompt_token_ids, block_size)
+        return index.num_prefix_blocks(hashes_by_size[block_size])
+
+    async def order(self, candidates: list[Worker], prompt_token_ids: list[int]) -> list[Worker]:
+        if len(candidates) == 1:
+            return list(candidates)
+        hashes: dict[int, list[int]] = {}
+        cached = {w.url: self.num_prefix_blocks(w, prompt_token_ids, hashes) for w in candidates}
+        return sorted(candidates, key=lambda w: (-cached[w.url], _load(w)))
+
+    async def close(self) -> None:
+        for url in list(self._subscriptions):
+            _, subscription = self._subscriptions.pop(url)
+            await subscription.close()
+        self._context.destroy(linger=0)
+
+
 _POLICIES: dict[DecodePolicyName, Callable[[WorkerClient], DecodePolicy]] = {
     "least-loaded": lambda _: LeastLoaded(),
     "round-robin": lambda _: RoundRobin(),
     "prefix-affinity": PrefixAffinity,
+    "kv-events": lambda _: KVEventsPolicy(),
 }
 
 

@@ -64,6 +64,7 @@ from pdserve.disagg.worker.prefill_service import PrefillService
 from pdserve.disagg.worker.registrar import Registrar
 from pdserve.disagg.worker.routes import add_decode_routes, add_prefill_routes
 from pdserve.engine.async_llm import AsyncLLM
+from pdserve.engine.kv_event_publisher import KVEventEndpoints
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.serving.app import Lifespan
 from pdserve.serving.errors import EXCEPTION_HANDLERS
@@ -101,8 +102,9 @@ def build_worker(engine: LLMEngine, config: WorkerConfig, model_name: str, *,
     KV sender (tests: the fake transport's `stall_after_layers`)."""
     kv = attach_kv_side(engine, KVSideSpec.of(config, model_name), sender_options)
     client = AsyncLLM(engine)  # NOTE: starts the engine thread, after the KV side's hooks were set
+    events = None if engine.kv_event_publisher is None else engine.kv_event_publisher.endpoints
     return assemble_worker(client, kv.receiver, kv.prefill, WorkerShape(config, model_name, kv.layout,
-                                                                        kv.spec.transport))
+                                                                        kv.spec.transport, events))
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +115,7 @@ class WorkerShape:
     model_name: str
     layout: KVLayout
     transport: str
+    kv_events: KVEventEndpoints | None = None  # where its engine publishes KV-cache events (None: nowhere)
 
 
 def assemble_worker(client: LocalEngine, receiver: ReceiverView | None, senders: SenderHandles | None,
@@ -197,6 +200,7 @@ def _add_common_routes(worker: Worker, shape: WorkerShape) -> None:
     role, model_name, layout, transport = shape.config.role, shape.model_name, shape.layout, shape.transport
     instance_id = uuid.uuid4().hex[:12]
     kv_address = service.receiver.kv_address if isinstance(service, DecodeService) else None
+    events = shape.kv_events or KVEventEndpoints(None, None, "")
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -225,7 +229,9 @@ def _add_common_routes(worker: Worker, shape: WorkerShape) -> None:
                           max_num_batched_tokens=client.config.scheduler.max_num_batched_tokens,
                           draining=service.draining, instance_id=instance_id, max_lora=stats.max_lora,
                           running_lora_adapters=list(stats.running_lora_adapters),
-                          waiting_lora_adapters=list(stats.waiting_lora_adapters))
+                          waiting_lora_adapters=list(stats.waiting_lora_adapters),
+                          kv_events_endpoint=events.publish, kv_events_replay_endpoint=events.replay,
+                          kv_events_topic=events.topic)
 
     @app.get("/pd/stats")
     async def stats() -> JSONResponse:

@@ -33,6 +33,7 @@ from pdserve.disagg.worker.kv_side import KVSide, KVSideSpec, attach_kv_side
 from pdserve.engine.core_client import EngineCoreClient
 from pdserve.engine.core_proc import serve_engine_core
 from pdserve.engine.core_wire import CoreReply, FromCore
+from pdserve.engine.kv_event_publisher import endpoints_of
 from pdserve.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,9 @@ def start_worker(args: EngineArgs, config: WorkerConfig, model_name: str) -> Wor
         layout = KVLayout.from_json(client.info["layout"])
         receiver = RemoteReceiver(client, layout, client.info["kv_address"]) if spec.role == "decode" else None
         senders = RemoteSenders(client) if spec.role == "prefill" else None
-        return assemble_worker(client, receiver, senders, WorkerShape(config, model_name, layout, spec.transport))
+        events = endpoints_of(client.info.get("kv_events"))
+        return assemble_worker(client, receiver, senders, WorkerShape(config, model_name, layout, spec.transport,
+                                                                      events))
     except BaseException:
         client.shutdown()
         raise
