@@ -97,7 +97,17 @@ def test_an_announced_step_time_stretches_a_wait_from_the_first_keepalive() -> N
         assert isinstance(await box.get("r", FLOOR_S), KVProgress)
         box.close("r", "done")
 
+    async def just_placed() -> None:
+        box = EventBox()
+        box.open("x")
+        box.touch("x", step_s=0.5)  # another request's sender
+        box.open("s")  # just placed: no keepalive of its own yet; what senders announced lately counts
+        assert box.timeout_s("s", FLOOR_S) == pytest.approx(cadence.FACTOR * 0.5, rel=0.05)
+        box.touch("s", step_s=0.05)  # its own sender's word, once it came
+        assert box.timeout_s("s", FLOOR_S) == pytest.approx(cadence.FACTOR * 0.05)
+
     asyncio.run(scenario())
+    asyncio.run(just_placed())
 
 
 class _StalledEngine:

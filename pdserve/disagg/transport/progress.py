@@ -16,7 +16,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.disagg.transport.cadence import Cadence
+from pdserve.disagg.transport.cadence import STEP_HALF_LIFE_S, Cadence
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.disagg.transport.messages import KVDone, KVEvent, KVRejected
 
@@ -59,6 +59,9 @@ class EventBox:
         # request id -> the step time its sender's last keepalive announced (Keepalive.step_s): the
         # deadline's scale from the first keepalive on, before any slow gap was seen (cadence.py)
         self._announced: dict[str, float] = {}
+        # the step times announced lately by any sender: a request none of whose keepalives came yet
+        # (just placed, its sender's API process not scheduled since) is judged by them meanwhile
+        self.announced = Cadence(half_life_s=STEP_HALF_LIFE_S)
         self.cadence = Cadence()  # how long the senders go between those: the timeouts' scale (cadence.py)
 
     def open(self, request_id: str) -> None:
@@ -77,11 +80,12 @@ class EventBox:
                 self._saw(request_id, now)
                 if step_s is not None:
                     self._announced[request_id] = step_s
+                    self.announced.saw(step_s)
 
     def timeout_s(self, request_id: str, floor_s: float) -> float:
         """How long a wait for the request's next sign of progress may take now (cadence.py)."""
         with self._lock:
-            return self.cadence.timeout_s(floor_s, self._announced.get(request_id, 0.0))
+            return self.cadence.timeout_s(floor_s, self._announced_s(request_id))
 
     def close(self, request_id: str, reason: str) -> None:
         with self._lock:
@@ -110,6 +114,11 @@ class EventBox:
                 self._announced.pop(rid, None)
         waiter.set_result(event)
 
+    def _announced_s(self, request_id: str) -> float:
+        """The step time its sender announced (under the lock), else what senders announced lately."""
+        step_s = self._announced.get(request_id)
+        return self.announced.longest_gap_s() if step_s is None else step_s
+
     def _saw(self, request_id: str, now: float) -> None:
         """A sign of progress of the request: the gap since its previous one feeds the cadence
         (not the wait for its first: that is the prefill's queueing, which the lease bounds)."""
@@ -132,12 +141,12 @@ class EventBox:
         started_s = time.monotonic()
         while True:
             with self._lock:
-                limit_s = self.cadence.timeout_s(timeout_s, self._announced.get(request_id, 0.0))
+                limit_s = self.cadence.timeout_s(timeout_s, self._announced_s(request_id))
                 remaining_s = max(started_s, self._touched.get(request_id, 0.0)) + limit_s - time.monotonic()
             if remaining_s > 0 and await _await_future(waiter, remaining_s):
                 return waiter.result()
             with self._lock:
-                limit_s = self.cadence.timeout_s(timeout_s, self._announced.get(request_id, 0.0))
+                limit_s = self.cadence.timeout_s(timeout_s, self._announced_s(request_id))
                 remaining_s = max(started_s, self._touched.get(request_id, 0.0)) + limit_s - time.monotonic()
                 if remaining_s > 0 and not waiter.done():
                     continue  # touched meanwhile: wait on

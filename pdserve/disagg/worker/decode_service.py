@@ -237,6 +237,8 @@ class DecodeService:
         record.state.move(Reservation.PREFILLING_HERE)
         self._stop_receiving(request_id)
         self._counts.prefilled_locally += 1
+        logger.info("request %s: prefilling its uncached rest on this decode worker (conditional disaggregation)",
+                    request_id)  # NOTE: as counted (`pdserve:decode_local_prefills`)
         await self.receiver.settled()  # NOTE: no late payload of the attempt lands where this computes
         await self.client.send(PrefillLocally(request_id))
         return True
