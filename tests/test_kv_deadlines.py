@@ -26,6 +26,7 @@ from pdserve.disagg.transport.progress import EventBox
 from pdserve.disagg.worker.decode_service import DecodeService
 from pdserve.disagg.worker.prefill_service import PrefillService
 from pdserve.engine.async_llm import EngineDeadError
+from pdserve.engine.commands import AddPrefillOnly
 from pdserve.engine.sampling_params import SamplingParams
 
 FLOOR_S = 0.1  # the default --kv-transfer-timeout-ms
@@ -113,22 +114,31 @@ def test_an_announced_step_time_stretches_a_wait_from_the_first_keepalive() -> N
 class _StalledEngine:
     """A prefill engine client idle since start-up (its last step ended 100 s ago) whose first
     request's step takes `step_s`, then ends without a first token; `hang`: never ends; `die`: its
-    engine dies after `step_s`."""
+    engine dies after `step_s`. `answers_after_step`: as an engine process, the command that adds
+    the job is answered after the step that follows it (the whole of a one-chunk prompt)."""
 
-    def __init__(self, step_s: float, *, hang: bool = False, die: bool = False) -> None:
+    def __init__(self, step_s: float, *, hang: bool = False, die: bool = False,
+                 answers_after_step: bool = False) -> None:
         self.step_s = step_s
         self.hang = hang
         self.die = die
+        self.answers_after_step = answers_after_step
         self.last_step_s = time.monotonic() - 100.0
 
     async def send(self, command: Any, stream: Any = None) -> Any:
+        if isinstance(command, AddPrefillOnly) and self.answers_after_step:
+            await self._step()
         return True
 
-    async def consume(self, request_id: str, stream: Any) -> AsyncIterator[Any]:
+    async def _step(self) -> None:
         await asyncio.sleep(math.inf if self.hang else self.step_s)
+        self.last_step_s = time.monotonic()
+
+    async def consume(self, request_id: str, stream: Any) -> AsyncIterator[Any]:
+        if not self.answers_after_step:
+            await self._step()
         if self.die:
             raise EngineDeadError("the engine process is gone")
-        self.last_step_s = time.monotonic()
         for _ in ():
             yield _
 
@@ -177,23 +187,28 @@ async def _decode_waits(box: EventBox, tid: str) -> str:
             return "done"
 
 
-def test_a_prefill_engine_stalled_on_a_long_first_step_is_not_timed_out_by_decode() -> None:
+@pytest.mark.parametrize("answers_after_step", [False, True], ids=["engine_thread", "engine_process"])
+def test_a_prefill_engine_stalled_on_a_long_first_step_is_not_timed_out_by_decode(answers_after_step: bool) -> None:
     """The first request after start-up; its step takes 1.2 s (12 times the floor) and the prefill
     API process is starved for 0.4 s in the middle of it. The first payload came at once (layer 0):
-    decode waits for the final message, and the keepalives' step time keeps it waiting."""
+    decode waits for the final message, and the keepalives' step time keeps it waiting. With an
+    engine process the job's first step runs before the command adding it is answered: the
+    keepalives go during it too."""
     async def scenario() -> list[float | None]:
         box = EventBox()
         tid = "r@1"
         box.open(tid)
-        engine = _StalledEngine(1.2)
+        engine = _StalledEngine(1.2, answers_after_step=answers_after_step)
         service = PrefillService(engine, _NoKV(), transfer_timeout_s=FLOOR_S)  # type: ignore[arg-type]
         decode = _DecodeOverTheWire(box, starved=(0.35, 0.75))
         service._decode_workers = decode
-        task = await service.submit(_job(tid))
+        submitted = asyncio.ensure_future(service.submit(_job(tid)))
+        await asyncio.sleep(0)
         box.put(KVProgress(tid, 0, (0,)))  # layer 0 of the chunk
-        task.add_done_callback(lambda _: box.put(KVDone(tid, b"")))  # the final message, after the step
+        submitted.add_done_callback(  # the final message, after the step
+            lambda done: done.result().add_done_callback(lambda _: box.put(KVDone(tid, b""))))
         assert await asyncio.wait_for(_decode_waits(box, tid), 5.0) == "done"
-        await task
+        await (await submitted)
         service.close()
         return decode.step_s
 

@@ -123,6 +123,7 @@ class PrefillService:
         self._decode_steps: dict[str, Cadence] = {}
         self.draining = False
         self._attempts: dict[str, _Attempt] = {}  # transfer id -> its record
+        self._submitting: dict[str, str] = {}  # transfer id -> its decode URL, while the engine takes the job
         self._aborts_kept: OrderedDict[str, None] = OrderedDict()  # aborted transfer ids with no record, oldest first
         self._ended: OrderedDict[str, HandOff] = OrderedDict()  # how recent attempts ended, oldest first
         self._counts = _Counts()
@@ -174,7 +175,15 @@ class PrefillService:
             lora.add_done_callback(lambda done: done.cancelled() or done.exception())
         if not self._computing():
             self.steps.busy()  # NOTE: its first step runs from now, not from the last one's end (idle since)
-        await self.client.send(AddPrefillOnly(tid, job.prompt_token_ids, params, target), stream)
+        # NOTE: an engine process answers a command after the step that follows it (core_proc.py): the
+        # job's first chunk (a short prompt: all of it) is computed while this awaits, and the
+        # keepalives, with the running step's age, must flow meanwhile
+        self._submitting[tid] = job.decode_url
+        self._start_keepalives()
+        try:
+            await self.client.send(AddPrefillOnly(tid, job.prompt_token_ids, params, target), stream)
+        finally:
+            del self._submitting[tid]
         task = asyncio.create_task(self._finish(tid, stream))
         attempt = self._attempts[tid] = _Attempt(task, job.decode_url,
                                                  len(job.prompt_token_ids) - job.num_cached_tokens, job.token,
@@ -184,9 +193,12 @@ class PrefillService:
             attempt.aborted = True
         if sender is not None:
             attempt.placed.set_result(sender)
+        self._start_keepalives()
+        return task
+
+    def _start_keepalives(self) -> None:
         if self._keepalive is None or self._keepalive.done():
             self._keepalive = asyncio.create_task(self._keep_alive())
-        return task
 
     def holds(self, transfer_id: str) -> bool:
         """Whether this attempt runs here or ended here lately: another delivery of it is a copy."""
@@ -238,15 +250,16 @@ class PrefillService:
         attempt.placed.set_result(sender)
 
     def _computing(self) -> bool:
-        """Some attempt here is still being computed (its first token not out yet): a step runs."""
-        return any(not attempt.first_token.done() for attempt in self._attempts.values())
+        """Some attempt here is still being computed (its first token not out yet, or the engine not
+        done taking it): a step runs."""
+        return bool(self._submitting) or any(not attempt.first_token.done() for attempt in self._attempts.values())
 
     async def _keep_alive(self) -> None:
         """While jobs are in flight: POST /pd/alive {transfer ids, the engine's step time} to their
         decode workers. NOTE: on this event loop, not the engine's (a thread or a process of its own):
         they go on while the engine computes a long chunk."""
         period_s = self.transfer_timeout_s / 2
-        while self._attempts:
+        while self._attempts or self._submitting:
             await asyncio.sleep(period_s)
             self.steps.sample(self.client.last_step_s, self._computing())
             if self.steps.stuck:
@@ -256,6 +269,9 @@ class PrefillService:
             for tid, attempt in list(self._attempts.items()):
                 if attempt.decode_url:
                     by_decode.setdefault(attempt.decode_url, []).append(tid)
+            for tid, decode_url in list(self._submitting.items()):
+                if decode_url:
+                    by_decode.setdefault(decode_url, []).append(tid)
             for url, tids in by_decode.items():
                 # NOTE: best effort: a decode worker that does not hear it times the transfer out
                 with contextlib.suppress(WorkerError):
