@@ -162,6 +162,9 @@ def test_policy_prefers_the_worker_holding_the_prefix_then_load() -> None:
             prompt = random_prompt(33, seed=5)  # 8 blocks of 4 can hit
             hashes = prompt_block_hashes(prompt, 4)
             assert await policy.order([a, b, c], prompt) == [a, c, b]  # nothing cached anywhere: by load
+            a.in_flight = 2  # ties: the fewest requests in flight from this router first (live, not polled)
+            assert await policy.order([a, b, c], prompt) == [c, b, a]
+            a.in_flight = 0
             await asyncio.sleep(0.3)
             pubs[1].publish([stored(hashes[:6])])
             pubs[0].publish([stored(hashes[:2])])

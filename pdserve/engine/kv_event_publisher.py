@@ -97,7 +97,7 @@ class ZmqPublisher(KVEventPublisher):
         self._thread = threading.Thread(target=self._run, name="pdserve-kv-events", daemon=True)
         self._thread.start()
         if not self._started.wait(_START_TIMEOUT_S) or self._start_error is not None:
-            self._context.term()
+            self._context.destroy(linger=0)  # NOTE: closes a socket made before the bind failed (term would wait)
             raise OSError(f"KV events: cannot open {config.endpoint}: {self._start_error!r}")
 
     def publish(self, events: list[KVCacheEvent]) -> None:

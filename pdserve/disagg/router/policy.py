@@ -93,7 +93,8 @@ class PrefixAffinity(DecodePolicy):
 class KVEventsPolicy(DecodePolicy):
     """The worker whose prefix cache holds the most leading blocks of the prompt, as its KV-cache
     events say (router/kv_index.py: a subscription per worker advertising an endpoint, kept by
-    `observe`); ties, and workers that publish none (they count 0 blocks), go to the least loaded.
+    `observe`); ties, and workers that publish none (they count 0 blocks), go to the one with the
+    fewest requests in flight from this router, then the fewest blocks cached, then the least loaded.
     No call to any worker on the request's path. The prompt is hashed with each worker's block
     size (its KV layout's)."""
 
@@ -150,7 +151,15 @@ class KVEventsPolicy(DecodePolicy):
             return list(candidates)
         hashes: dict[int, list[int]] = {}
         cached = {w.url: self.num_prefix_blocks(w, prompt_token_ids, hashes) for w in candidates}
-        return sorted(candidates, key=lambda w: (-cached[w.url], _load(w)))
+        # NOTE: ties (a prefix no worker holds yet) by this router's live in-flight count, then by the
+        # fewest blocks cached (live, from events): new prefixes spread over the workers' caches instead
+        # of piling onto one (free blocks are as of the last poll, 0.5 s ago: every new prefix in that
+        # window would go to one worker, whose cache then holds more prefixes than fit and thrashes)
+        return sorted(candidates, key=lambda w: (-cached[w.url], w.in_flight, self._num_cached(w), _load(w)))
+
+    def _num_cached(self, worker: Worker) -> int:
+        index = self.index(worker.url)
+        return 0 if index is None else len(index.hashes)
 
     async def close(self) -> None:
         for url in list(self._subscriptions):
