@@ -12,7 +12,7 @@ rest itself (no prefill trip, no KV transfer), so where a request lands decides 
 Prefix hit rate: the decode workers' `vllm:prefix_cache_hits` / `vllm:prefix_cache_queries` over the
 measured requests (tokens). TTFT: as the client saw it (streamed), mean and p90.
 
-    python -m pdserve.bench.kv_events_routing [--groups 8] [--requests 64] [--concurrency 4]
+    python -m pdserve.bench.kv_events_routing [--groups 8] [--requests 64] [--concurrency 2] [--policies least-loaded,kv-events,prefix-affinity]
 """
 
 from __future__ import annotations
@@ -93,11 +93,11 @@ async def _measure(router: str, prompts: list[list[int]], concurrency: int) -> t
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=8)
-    parser.add_argument("--groups-per-pool", type=float, default=5.0)
-    parser.add_argument("--prefix-tokens", type=int, default=512)
+    parser.add_argument("--groups-per-pool", type=float, default=7.0)
+    parser.add_argument("--prefix-tokens", type=int, default=256)
     parser.add_argument("--suffix-tokens", type=int, default=16)
     parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--pd-threshold", type=int, default=64)
     parser.add_argument("--policies", default="least-loaded,kv-events,prefix-affinity")
     parser.add_argument("--seed", type=int, default=0)
