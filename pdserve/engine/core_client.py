@@ -47,14 +47,9 @@ from pdserve.engine.async_llm import (
 )
 from pdserve.engine.commands import (
     Abort,
-    AddLoRA,
     AddPrefillOnly,
     AddRequest,
-    CachedPrefixTokens,
     Command,
-    GeneratorState,
-    ListLoRAs,
-    PlaceKV,
     ReserveRemote,
     StopSequence,
 )
@@ -69,8 +64,9 @@ from pdserve.engine.core_wire import (
     encode_to_core,
     link_buffers,
     recv_frames,
+    result_of,
 )
-from pdserve.engine.engine_types import EngineStats, RemoteReservation, check_request
+from pdserve.engine.engine_types import EngineStats, check_request
 from pdserve.engine.link_writer import LinkWriter
 from pdserve.engine.output import OutputSettings, RequestOutput, RequestState
 from pdserve.engine.request import RequestStatus
@@ -198,7 +194,7 @@ class EngineCoreClient:
             if opens is not None:
                 self._untrack(opens[0])
             raise
-        result = _result_of(command, value)
+        result = result_of(command, value)
         if opens is not None and command.stream_of(result) is None:  # e.g. a reservation with no room
             self._untrack(opens[0])
         closed = command.closes()
@@ -423,24 +419,6 @@ def _opens_stream(command: Command[Any]) -> tuple[str, list[int], SamplingParams
     """The request whose outputs a command may start streaming (`Command.stream_of`)."""
     if isinstance(command, AddRequest | AddPrefillOnly | ReserveRemote):
         return command.request_id, command.prompt_token_ids, command.params
-    return None
-
-
-def _result_of(command: Command[Any], value: Any) -> Any:
-    """A command's result from its reply's value (`core_wire.reply_value`)."""
-    if isinstance(command, ReserveRemote):
-        if value is None:
-            return None
-        block_ids, num_cached = value
-        return RemoteReservation(tuple(block_ids), int(num_cached))
-    if isinstance(command, CachedPrefixTokens):
-        return int(value)
-    if isinstance(command, PlaceKV):
-        return bool(value)
-    if isinstance(command, GeneratorState):
-        return None if value is None else bytes(value)
-    if isinstance(command, AddLoRA | ListLoRAs):  # LoRAInfo records as dicts
-        return value
     return None
 
 

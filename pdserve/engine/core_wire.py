@@ -173,6 +173,24 @@ def reply_value(result: object) -> Any:
     return result
 
 
+def result_of(command: Command[Any], value: Any) -> Any:
+    """A command's result from its reply's value: `reply_value`'s inverse (the API process's side)."""
+    if isinstance(command, ReserveRemote):
+        if value is None:
+            return None
+        block_ids, num_cached = value
+        return RemoteReservation(tuple(block_ids), int(num_cached))
+    if isinstance(command, CachedPrefixTokens):
+        return int(value)
+    if isinstance(command, PlaceKV):
+        return bool(value)
+    if isinstance(command, GeneratorState):
+        return None if value is None else bytes(value)
+    if isinstance(command, AddLoRA | ListLoRAs):  # LoRAInfo records as dicts
+        return value
+    return None
+
+
 def _token_logprobs(lp: TokenLogprobs) -> list[Any]:
     return [lp.token_id, lp.logprob, [list(t) for t in lp.top]]
 

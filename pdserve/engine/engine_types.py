@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.engine.disk_offload import TierStats
+from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured import check_structured
 
@@ -70,3 +71,18 @@ class RemoteReservation:
 
     block_ids: tuple[int, ...]  # the request's whole block table, in token order
     num_cached_tokens: int  # leading prompt tokens already in this pool: not to be sent
+
+
+def check_handoff(request: Request, first_token_id: int, generator_state: bytes | None, prefill_cached_tokens: int,
+                  vocab_size: int) -> None:
+    """Raises ValueError for a KV hand-off's values that do not fit the reserved request (decode
+    role, `LLMEngine.complete_remote`): a peer's bad value must never reach the sampler."""
+    if not 0 <= first_token_id < vocab_size:
+        raise ValueError(f"first token id {first_token_id} is outside the vocabulary (0..{vocab_size - 1})")
+    if not 0 <= prefill_cached_tokens <= request.num_prompt_tokens:
+        raise ValueError(f"prefill_cached_tokens {prefill_cached_tokens} is outside 0..{request.num_prompt_tokens}")
+    expected = request.generator.get_state().numel() if request.generator is not None else None
+    if generator_state is not None and expected is not None and len(generator_state) != expected:
+        raise ValueError(f"generator state of {len(generator_state)} bytes, expected {expected}")
+    if request.matcher is not None and request.matcher.validate_tokens([first_token_id]) != 1:
+        raise ValueError(f"first token id {first_token_id} does not follow the request's structured output")

@@ -18,6 +18,17 @@ def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
     return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
 
 
+def prompt_prefix_digests(root: bytes, token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """The chained digests of a prompt's blocks a prefix cache could serve: every full block but
+    one holding the prompt's last token (always computed: `find_cached_prefix`), from `root` (b"":
+    the base model; a LoRA adapter's: lora_manager.py `hash_root`)."""
+    parent, digests = root, []
+    for start in range(0, (len(token_ids) - 1) // block_size * block_size, block_size):
+        parent = hash_block(parent, list(token_ids[start:start + block_size]))
+        digests.append(parent)
+    return digests
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -21,8 +21,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.kv_event_wire import END_SEQ, encode_batch
-from pdserve.engine.kv_events import KVCacheEvent, KVEventBatch, KVEventsConfig
+from pdserve.engine.kv_events import KVCacheEvent, KVEventBatch, KVEventLog, KVEventsConfig
 
 if TYPE_CHECKING:
     import zmq
@@ -192,6 +193,16 @@ class ZmqPublisher(KVEventPublisher):
 def make_publisher(config: KVEventsConfig) -> KVEventPublisher:
     """The publisher `config` names (events must be enabled)."""
     return ZmqPublisher(config) if config.publisher_name == "zmq" else NullPublisher()
+
+
+def start_kv_events(config: KVEventsConfig | None, pool: BlockPool,
+                    block_size: int) -> tuple[KVEventLog | None, KVEventPublisher | None]:
+    """An engine's event log, hooked into its block pool, and its publisher; (None, None) when
+    events are off (--kv-events-config absent or not enabled)."""
+    if config is None or not config.enabled:
+        return None, None
+    log = pool.events = KVEventLog(block_size)
+    return log, make_publisher(config)
 
 
 def endpoints_info(publisher: KVEventPublisher | None) -> dict[str, Any] | None:

@@ -3,24 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import time
-from collections.abc import Iterable
 
 import torch
 
 from pdserve import envs
 from pdserve.config import EngineArgs, EngineConfig, create_engine_config
 from pdserve.engine.disk_offload import DiskOffload
-from pdserve.engine.engine_types import EngineStats, RemoteReservation, check_request
+from pdserve.engine.engine_lora import EngineLoRA
+from pdserve.engine.engine_types import EngineStats, RemoteReservation, check_handoff, check_request
 from pdserve.engine.host_memory import keep_large_allocations_on_heap
-from pdserve.engine.kv_cache_manager import hash_block
-from pdserve.engine.kv_event_publisher import KVEventPublisher, make_publisher
-from pdserve.engine.kv_events import KVEventLog
+from pdserve.engine.kv_cache_manager import prompt_prefix_digests
+from pdserve.engine.kv_event_publisher import start_kv_events
 from pdserve.engine.kv_transfer import KVTransferSetup, LayerObserver, StreamTargets, TransferExpectations
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprobs
-from pdserve.engine.lora_manager import LoRAInfo, LoRAManager, hash_root, lora_name_of
+from pdserve.engine.lora_manager import LoRAInfo
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.output import OutputSettings, RequestFailure, RequestOutput, RequestState
 from pdserve.engine.request import ModelContext, Request, RequestStatus
@@ -29,7 +27,6 @@ from pdserve.engine.scheduler import ScheduledChunk, Scheduler
 from pdserve.engine.step_log import StepLog, StepWork
 from pdserve.engine.structured import GrammarCache
 from pdserve.model.loader import load_model
-from pdserve.model.lora import LoRAError
 from pdserve.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -61,8 +58,7 @@ class LLMEngine:
         self.runner = _make_runner(config)
         self.scheduler = Scheduler(config.scheduler, config.cache)
         self.lora = self.runner.lora  # with --enable-lora (engine/lora_manager.py)
-        if self.lora is not None:
-            self.scheduler.max_loras = self.lora.config.max_loras
+        self.loras = EngineLoRA(self.lora, self.scheduler)
         self.offload = None if config.kv_disk is None else DiskOffload(config, self.scheduler, self.runner)
         self._states: dict[str, RequestState] = {}
         self._children: dict[str, tuple[RequestState, int]] = {}
@@ -82,12 +78,8 @@ class LLMEngine:
         # its API process detokenizes and applies stop strings (`stop_sequence`). Set before requests.
         self.detokenize = True
         self.grammars = GrammarCache(tokenizer, config.model.vocab_size)  # structured outputs
-        # --kv-events-config: the pool records into the log, each step's records go to the publisher
-        self.kv_events: KVEventLog | None = None
-        self.kv_event_publisher: KVEventPublisher | None = None
-        if config.kv_events is not None and config.kv_events.enabled:
-            self.kv_events = self.scheduler.kv.pool.events = KVEventLog(config.cache.block_size)
-            self.kv_event_publisher = make_publisher(config.kv_events)
+        self.kv_events, self.kv_event_publisher = start_kv_events(  # --kv-events-config; each step publishes
+            config.kv_events, self.scheduler.kv.pool, config.cache.block_size)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -107,51 +99,18 @@ class LLMEngine:
         """Raises ValueError for a request that can never run; the server answers it with a 400.
         Pure reads of frozen config: safe to call from any thread."""
         check_request(prompt_token_ids, params, self.config.scheduler.max_model_len, self.config.model.vocab_size)
-        self._lora_root(params)
-
-    def _lora_root(self, params: SamplingParams) -> bytes:
-        """The prefix-cache root of a request's adapter (engine/lora_manager.py); raises ValueError
-        for an adapter this engine does not serve."""
-        if params.lora_name is None:
-            return b""
-        if self.lora is None:
-            raise LoRAError(f"LoRA adapter {params.lora_name!r} requested, but LoRA is not enabled (--enable-lora)")
-        return hash_root(self.lora.info(params.lora_name))
+        self.loras.root(params)
 
     def add_lora(self, name: str, path: str) -> LoRAInfo:
         """Load and register an adapter (all or nothing); raises LoRAError (a ValueError) naming it."""
-        return self._lora_manager().add(name, path)
+        return self.loras.add(name, path)
 
     def remove_lora(self, name: str) -> None:
         """Unregister an adapter no unfinished request runs under; raises LoRAError otherwise."""
-        manager = self._lora_manager()
-        manager.info(name)
-        users = [r.request_id for r in self.scheduler.requests.values() if lora_name_of(r) == name]
-        if users:
-            raise LoRAError(f"LoRA adapter {name!r} is in use by {len(users)} request(s); unload it once they end")
-        manager.remove(name)
-
-    def _check_handoff_lora(self, request: Request, name: str | None, digest: str) -> None:
-        """Raises ValueError, naming the adapter, when KV computed under adapter `name` (weights
-        `digest`) is not what this request's adapter here would have computed."""
-        expected = lora_name_of(request)
-        if name != expected:
-            raise LoRAError(f"the prompt's KV was computed under LoRA adapter {name!r}, the request runs under "
-                            f"{expected!r}")
-        if expected is not None and self.lora is not None:
-            here = self.lora.info(expected).digest
-            if digest != here:
-                raise LoRAError(f"LoRA adapter {expected!r} differs between the prefill worker (weights digest "
-                                f"{digest or 'unknown'}) and this decode worker ({here}): load the same adapter "
-                                "on both")
+        self.loras.remove(name)
 
     def list_loras(self) -> list[LoRAInfo]:
-        return [] if self.lora is None else list(self.lora.registered.values())
-
-    def _lora_manager(self) -> LoRAManager:
-        if self.lora is None:
-            raise LoRAError("LoRA is not enabled on this engine (--enable-lora)")
-        return self.lora
+        return self.loras.list()
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, prefill_only: bool = False) -> None:
@@ -182,7 +141,7 @@ class LLMEngine:
         """The `n` engine sequences of one user request; with n > 1 each has its own id and seed."""
         children = []
         model = ModelContext(self.tokenizer.eos_token_ids, self.config.scheduler.max_model_len, self.config.device)
-        root = self._lora_root(params)
+        root = self.loras.root(params)
         for index in range(params.n):
             matcher = None
             if params.structured is not None:
@@ -245,17 +204,15 @@ class LLMEngine:
         kv, disk = self.scheduler.kv, self.scheduler.disk
         if not kv.pool.enable_caching:
             return 0
-        if lora_name is not None and (self.lora is None or lora_name not in self.lora.registered):
+        if not self.loras.serves(lora_name):
             return 0
-        bs, parent, digests = kv.block_size, self._lora_root(SamplingParams(lora_name=lora_name)), []
-        for start in range(0, (len(prompt_token_ids) - 1) // bs * bs, bs):
-            parent = hash_block(parent, prompt_token_ids[start:start + bs])
-            digests.append(parent)
+        root = self.loras.root(SamplingParams(lora_name=lora_name))
+        digests = prompt_prefix_digests(root, prompt_token_ids, kv.block_size)
         num_in_pool = next((i for i, d in enumerate(digests) if kv.pool.lookup(d) is None), len(digests))
         # NOTE: the prefix may continue on the disk tier past the pool's hits (what a prefill job
         # would load instead of computing: a decode loss recovered from prefill's cache)
         num_on_disk = 0 if disk is None else disk.num_on_disk(digests[num_in_pool:], count_miss=False)
-        return (num_in_pool + num_on_disk) * bs
+        return (num_in_pool + num_on_disk) * kv.block_size
 
     def complete_remote(self, request_id: str, first_token_id: int, generator_state: bytes | None = None,
                         prefill_cached_tokens: int = 0,
@@ -268,18 +225,9 @@ class LLMEngine:
         `prompt_logprobs`: what prefill computed, for a request that asked for them; `lora`: the
         LoRA adapter (name, digest) prefill computed the KV under, which must be this request's here."""
         request = self.scheduler.remote[request_id]
-        self._check_handoff_lora(request, *lora)
+        self.loras.check_handoff(request, *lora)
         # NOTE: checked before anything changes: a peer's bad value must not reach the sampler
-        if not 0 <= first_token_id < self.config.model.vocab_size:
-            raise ValueError(f"first token id {first_token_id} is outside the vocabulary "
-                             f"(0..{self.config.model.vocab_size - 1})")
-        if not 0 <= prefill_cached_tokens <= request.num_prompt_tokens:
-            raise ValueError(f"prefill_cached_tokens {prefill_cached_tokens} is outside 0..{request.num_prompt_tokens}")
-        expected = request.generator.get_state().numel() if request.generator is not None else None
-        if generator_state is not None and expected is not None and len(generator_state) != expected:
-            raise ValueError(f"generator state of {len(generator_state)} bytes, expected {expected}")
-        if request.matcher is not None and request.matcher.validate_tokens([first_token_id]) != 1:
-            raise ValueError(f"first token id {first_token_id} does not follow the request's structured output")
+        check_handoff(request, first_token_id, generator_state, prefill_cached_tokens, self.config.model.vocab_size)
         request.take_prompt_logprobs(prompt_logprobs, self.config.model.vocab_size)  # the last check: it sets them
         # Both hits are leading prefixes of the same prompt: their union is the longer one (a block
         # held by both workers counts once). Decode's hit was not sent, prefill's not recomputed.
@@ -470,7 +418,7 @@ class LLMEngine:
         kv = self.scheduler.kv
         # NOTE: "current batch" means now: an idle engine has none, whatever its last step was.
         batch = self._last_prefill_batch if self.has_runnable_requests() else (0, 0)
-        lora_running, lora_waiting = self._lora_stats()
+        lora_running, lora_waiting = self.loras.requests_info()
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -496,19 +444,7 @@ class LLMEngine:
             num_engine_requests=len(self._states),
             num_scheduler_requests=self.scheduler.num_unfinished,
             block_size=kv.block_size,
-            max_lora=0 if self.lora is None else self.lora.config.max_loras,
+            max_lora=self.loras.max_loras,
             running_lora_adapters=lora_running,
             waiting_lora_adapters=lora_waiting,
         )
-
-    def _lora_stats(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """vllm:lora_requests_info's labels: the adapters of running and of waiting requests."""
-        if self.lora is None:
-            return (), ()
-        sched = self.scheduler
-
-        def names(requests: Iterable[Request]) -> tuple[str, ...]:
-            return tuple(sorted({name for r in requests if (name := lora_name_of(r)) is not None}))
-
-        waiting = itertools.chain(sched.waiting, sched.remote.values(), sched.loading.values())
-        return names(sched.running), names(waiting)

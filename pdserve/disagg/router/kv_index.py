@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from pdserve.disagg.control import WorkerInfo
-from pdserve.engine.kv_cache_manager import hash_block
+from pdserve.engine.kv_cache_manager import prompt_prefix_digests
 from pdserve.engine.kv_event_wire import KVEventWireError, decode_batch
 from pdserve.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, external_block_hash
 
@@ -41,11 +41,7 @@ def prompt_block_hashes(prompt_token_ids: Sequence[int], block_size: int) -> lis
     """The event hashes of the prompt's blocks a worker could serve from its cache: every full block
     but one holding the prompt's last token (the engine always computes that one; kv_cache_manager.py
     `find_cached_prefix`), chained as the engine chains them (base model: no adapter root)."""
-    parent, hashes = b"", []
-    for start in range(0, (len(prompt_token_ids) - 1) // block_size * block_size, block_size):
-        parent = hash_block(parent, list(prompt_token_ids[start:start + block_size]))
-        hashes.append(external_block_hash(parent))
-    return hashes
+    return [external_block_hash(digest) for digest in prompt_prefix_digests(b"", prompt_token_ids, block_size)]
 
 
 def reachable_endpoint(endpoint: str, worker_url: str) -> str:
