@@ -201,7 +201,7 @@ def test_a_prefill_engine_stalled_on_a_long_first_step_is_not_timed_out_by_decod
         engine = _StalledEngine(1.2, answers_after_step=answers_after_step)
         service = PrefillService(engine, _NoKV(), transfer_timeout_s=FLOOR_S)  # type: ignore[arg-type]
         decode = _DecodeOverTheWire(box, starved=(0.35, 0.75))
-        service._decode_workers = decode
+        service.keepalives.workers = decode
         submitted = asyncio.ensure_future(service.submit(_job(tid)))
         await asyncio.sleep(0)
         box.put(KVProgress(tid, 0, (0,)))  # layer 0 of the chunk
@@ -227,8 +227,8 @@ def test_a_hung_or_dead_prefill_engine_is_still_timed_out_within_a_bound(how: st
         box.open(tid)
         engine = _StalledEngine(0.4, hang=how == "hung", die=how == "dead")
         service = PrefillService(engine, _NoKV(), transfer_timeout_s=FLOOR_S)  # type: ignore[arg-type]
-        service.steps.stuck_s = 0.4
-        service._decode_workers = _DecodeOverTheWire(box)
+        service.keepalives.steps.stuck_s = 0.4
+        service.keepalives.workers = _DecodeOverTheWire(box)
         await service.submit(_job(tid))
         box.put(KVProgress(tid, 0, (0,)))
         start = time.monotonic()
@@ -297,10 +297,10 @@ def test_prefill_waits_on_a_decode_worker_as_long_as_its_announced_step_time_say
         box.open("r@1")
         engine = _StalledEngine(0.3)
         service = PrefillService(engine, _NoKV(), transfer_timeout_s=FLOOR_S)  # type: ignore[arg-type]
-        service._decode_workers = _AnsweringDecode(box, decode_step_s)
+        service.keepalives.workers = _AnsweringDecode(box, decode_step_s)
         task = await service.submit(_job("r@1"))
         await asyncio.sleep(0.2)  # a few keepalives, answered
-        floors = service._decode_floor_s(FLOOR_S, "http://decode"), service._decode_floor_s(1.0)
+        floors = service.keepalives.floor_s(FLOOR_S, "http://decode"), service.keepalives.floor_s(1.0)
         await task
         service.close()
         return floors

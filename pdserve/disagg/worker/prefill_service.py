@@ -3,13 +3,9 @@ worker's reservation as soon as it is computed, send the first token (and the se
 state) with the final message, then release the blocks once decode acknowledged everything.
 
 While it holds a job, the service tells the job's decode worker every `transfer_timeout_s / 2`
-that the attempt is still being worked on (POST /pd/alive): a KV transfer's time without progress
-counts compute gaps out, which on a CPU can exceed the timeout between two layers of a chunk. Each
-keepalive says how long the engine's steps take lately, the running one included (`Keepalive.step_s`,
-transport/cadence.py's `StepClock`): decode's deadline is a multiple of it, so a long chunk on a busy
-machine is not taken for a dead peer, from the first request on. It stops saying so once a step has
-run for `StepClock.stuck_s` (a hung engine); an engine that died ends its attempts, and with them
-the keepalives.
+that the attempt is still being worked on, and how long the engine's steps take lately (POST
+/pd/alive: worker/prefill_keepalives.py), so a long chunk on a busy machine is not taken for a
+dead peer.
 
 Each job is one attempt (`job.transfer_id`): the id the engine, the streamer and the transport use
 here, so a retried request never collides with its earlier attempt. One `_Attempt` record per
@@ -31,7 +27,6 @@ this process or in an engine process of its own.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
@@ -41,15 +36,15 @@ from typing import Literal
 
 from pdserve.disagg.attempt_states import ATTEMPT, Attempt, State
 from pdserve.disagg.auth import ClusterSecret, verify_job, verify_placement
-from pdserve.disagg.client import WorkerClient, WorkerError
 from pdserve.disagg.control import FirstToken, HandOff, Placement, PrefillJob
 from pdserve.disagg.handoff import HandOffDone
 from pdserve.disagg.phases import PrefillPhases
 from pdserve.disagg.prompt_logprobs_wire import pack
-from pdserve.disagg.transport.cadence import STEP_HALF_LIFE_S, Cadence, StepClock, deadline_s
+from pdserve.disagg.transport.cadence import Cadence
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.disagg.transport.progress import TIMEOUT_MESSAGE
 from pdserve.disagg.worker.kv_side import SenderHandles
+from pdserve.disagg.worker.prefill_keepalives import DecodeKeepalives
 from pdserve.disagg.worker.stats import PrefillStats
 from pdserve.engine.async_llm import EngineClient, EngineDeadError, OutputStream, RequestFailedError
 from pdserve.engine.commands import AddPrefillOnly, CachedPrefixTokens, GeneratorState, ListLoRAs, PlaceKV, ReleaseKV
@@ -59,7 +54,6 @@ from pdserve.engine.output import RequestOutput
 from pdserve.logs import bind_request_id
 
 logger = logging.getLogger(__name__)
-_REPORT_TIMEOUT_S = 10.0  # telling decode an attempt ended (`_report_ended`)
 _CONNECT_WAIT_S = 10.0  # a named placement whose sender connects to its decode worker (`_placement`)
 _MAX_ABORTS_KEPT = 1024  # aborts of attempts not running here, kept for one that is still coming (`abort`)
 
@@ -117,22 +111,17 @@ class PrefillService:
         self.transfer_timeout_s = transfer_timeout_s
         self.placement_timeout_s = max(placement_timeout_s, transfer_timeout_s)  # NOTE: never less than that
         self.placements = Cadence()  # how long unplaced jobs wait for their placement lately
-        self.steps = StepClock()  # the engine's recent step time, which keepalives announce
-        # decode URL -> the step time its answers to keepalives announce (KeepaliveReply), decaying:
-        # the floor of the waits on it (its acknowledgements, a placement), see `_decode_floor_s`
-        self._decode_steps: dict[str, Cadence] = {}
         self.draining = False
         self._attempts: dict[str, _Attempt] = {}  # transfer id -> its record
         self._submitting: dict[str, str] = {}  # transfer id -> its decode URL, while the engine takes the job
         self._aborts_kept: OrderedDict[str, None] = OrderedDict()  # aborted transfer ids with no record, oldest first
         self._ended: OrderedDict[str, HandOff] = OrderedDict()  # how recent attempts ended, oldest first
         self._counts = _Counts()
-        self._keepalive: asyncio.Task[None] | None = None
-        self._reports: set[asyncio.Task[None]] = set()  # attempts' ends being told to decode
-        # NOTE: one client for the worker's life, made here: building an httpx client (its TLS
-        # context) blocks the event loop for 50-200 ms, which a client per keepalive task cost the
-        # first request after every idle spell (its hand-off, hence its TTFT, waited behind it).
-        self._decode_workers = WorkerClient(timeout_s=transfer_timeout_s, secret=secret)
+        # the keepalives, and the step times decode workers answer them with: the floor of the waits
+        # on each (its acknowledgements, a placement)
+        self.keepalives = DecodeKeepalives(client, transfer_timeout_s, secret,
+                                           (lambda: bool(self._attempts or self._submitting),
+                                            self._keepalive_targets, self._computing))
 
     @property
     def num_in_flight(self) -> int:
@@ -174,12 +163,12 @@ class PrefillService:
         if lora is not None:  # NOTE: a job the engine refuses leaves it to end on its own, quietly
             lora.add_done_callback(lambda done: done.cancelled() or done.exception())
         if not self._computing():
-            self.steps.busy()  # NOTE: its first step runs from now, not from the last one's end (idle since)
+            self.keepalives.steps.busy()  # NOTE: its first step runs from now, not from the last one's end (idle since)
         # NOTE: an engine process answers a command after the step that follows it (core_proc.py): the
         # job's first chunk (a short prompt: all of it) is computed while this awaits, and the
         # keepalives, with the running step's age, must flow meanwhile
         self._submitting[tid] = job.decode_url
-        self._start_keepalives()
+        self.keepalives.start()
         try:
             await self.client.send(AddPrefillOnly(tid, job.prompt_token_ids, params, target), stream)
         finally:
@@ -193,12 +182,8 @@ class PrefillService:
             attempt.aborted = True
         if sender is not None:
             attempt.placed.set_result(sender)
-        self._start_keepalives()
+        self.keepalives.start()
         return task
-
-    def _start_keepalives(self) -> None:
-        if self._keepalive is None or self._keepalive.done():
-            self._keepalive = asyncio.create_task(self._keep_alive())
 
     def holds(self, transfer_id: str) -> bool:
         """Whether this attempt runs here or ended here lately: another delivery of it is a copy."""
@@ -254,40 +239,16 @@ class PrefillService:
         done taking it): a step runs."""
         return bool(self._submitting) or any(not attempt.first_token.done() for attempt in self._attempts.values())
 
-    async def _keep_alive(self) -> None:
-        """While jobs are in flight: POST /pd/alive {transfer ids, the engine's step time} to their
-        decode workers. NOTE: on this event loop, not the engine's (a thread or a process of its own):
-        they go on while the engine computes a long chunk."""
-        period_s = self.transfer_timeout_s / 2
-        while self._attempts or self._submitting:
-            await asyncio.sleep(period_s)
-            self.steps.sample(self.client.last_step_s, self._computing())
-            if self.steps.stuck:
-                continue  # a stuck engine must not keep decode waiting forever
-            step_s = self.steps.step_s()
-            by_decode: dict[str, list[str]] = {}
-            for tid, attempt in list(self._attempts.items()):
-                if attempt.decode_url:
-                    by_decode.setdefault(attempt.decode_url, []).append(tid)
-            for tid, decode_url in list(self._submitting.items()):
-                if decode_url:
-                    by_decode.setdefault(decode_url, []).append(tid)
-            for url, tids in by_decode.items():
-                # NOTE: best effort: a decode worker that does not hear it times the transfer out
-                with contextlib.suppress(WorkerError):
-                    reply = await self._decode_workers.alive(url, tids, step_s=step_s)
-                    if reply.step_s is not None:
-                        self._decode_steps.setdefault(url, Cadence(half_life_s=STEP_HALF_LIFE_S)).saw(reply.step_s)
-
-    def _decode_floor_s(self, floor_s: float, decode_url: str | None = None) -> float:
-        """The floor of a wait on decode worker `decode_url` (None: whichever places the job, the
-        slowest heard of): `floor_s`, or FACTOR times the step time it announced lately, capped."""
-        if decode_url is None:
-            announced_s = max((steps.longest_gap_s() for steps in self._decode_steps.values()), default=0.0)
-        else:
-            steps = self._decode_steps.get(decode_url)
-            announced_s = 0.0 if steps is None else steps.longest_gap_s()
-        return deadline_s(floor_s, announced_s)
+    def _keepalive_targets(self) -> dict[str, list[str]]:
+        """The attempts to keep alive, by their decode worker's URL (taking the job, or taken)."""
+        by_decode: dict[str, list[str]] = {}
+        for tid, attempt in self._attempts.items():
+            if attempt.decode_url:
+                by_decode.setdefault(attempt.decode_url, []).append(tid)
+        for tid, decode_url in self._submitting.items():
+            if decode_url:
+                by_decode.setdefault(decode_url, []).append(tid)
+        return by_decode
 
     def first_token(self, transfer_id: str) -> asyncio.Future[FirstToken | None]:
         """The attempt's first token, as soon as it is sampled (None: it ended without one: see its
@@ -392,20 +353,10 @@ class PrefillService:
 
     def _report_ended(self, tid: str) -> None:
         """The attempt will not hand off (its blocks go now, and with them what was not sent): its
-        decode worker stops waiting for it (Keepalive.ended), told beside the release. Best effort:
-        else its clocks decide. NOTE: not within the transfer timeout (the keepalives' client's,
-        100 ms by default): a busy decode worker is what timed the hand-off out."""
+        decode worker stops waiting for it, told beside the release."""
         attempt = self._attempts.get(tid)
-        if attempt is None or not attempt.decode_url:
-            return
-
-        async def report(url: str) -> None:
-            with contextlib.suppress(WorkerError):
-                await self._decode_workers.alive(url, [], ended=[tid], timeout_s=_REPORT_TIMEOUT_S)
-
-        task = asyncio.create_task(report(attempt.decode_url))
-        self._reports.add(task)  # NOTE: the loop keeps only a weak reference to a task
-        task.add_done_callback(self._reports.discard)
+        if attempt is not None and attempt.decode_url:
+            self.keepalives.report_ended(attempt.decode_url, tid)
 
     def _first_token_out(self, tid: str, final: RequestOutput) -> None:
         """Whoever follows the attempt (POST /pd/prefill's streamed answer) learns its first token now."""
@@ -433,7 +384,7 @@ class PrefillService:
             raise KVTransferError(f"request {tid}: ended before it was placed")
         placed = attempt.placed
         # NOTE: a reservation waits for a step boundary of the decode engine: its step time counts
-        limit_s = self.placements.timeout_s(self._decode_floor_s(self.placement_timeout_s))
+        limit_s = self.placements.timeout_s(self.keepalives.floor_s(self.placement_timeout_s))
         if not placed.done():
             waited = time.monotonic()
             await asyncio.wait((placed,), timeout=limit_s)
@@ -467,7 +418,7 @@ class PrefillService:
         # NOTE: decode acknowledges from beside its engine: late when its steps are long (a floor of
         # FACTOR times the step time it announced), not gone
         decode_url = "" if attempt is None else attempt.decode_url
-        await self.kv.flush(sender, tid, self._decode_floor_s(self.transfer_timeout_s, decode_url))
+        await self.kv.flush(sender, tid, self.keepalives.floor_s(self.transfer_timeout_s, decode_url))
 
     async def _lora_of(self, name: str) -> tuple[str | None, str]:
         """LoRA adapter `name` and its weights' digest in this engine."""
@@ -490,6 +441,5 @@ class PrefillService:
             logger.info("request %s: engine dead, its KV blocks stay with it", tid)
 
     def close(self) -> None:
-        if self._keepalive is not None:
-            self._keepalive.cancel()
+        self.keepalives.close()
         self.kv.close()
