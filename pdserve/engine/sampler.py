@@ -19,18 +19,21 @@ from pdserve.engine.structured import MaskFiller, chunk_maxima, row_argmax
 
 def prompt_logprobs(logits: torch.Tensor, targets: list[tuple[Request, int]]) -> None:
     """Append to each target's request the logprobs of its prompt token at that position; the
-    logits rows are in `targets` order (like `logprobs`, the model's raw distribution)."""
+    logits rows are in `targets` order (like `logprobs`, the model's raw distribution).
+    NOTE: every value comes to the host in one `.tolist()` per tensor, not a sync per token."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    token_ids = torch.tensor([r.prompt_token_ids[p] for r, p in targets], device=logits.device)
+    token_list = [r.prompt_token_ids[p] for r, p in targets]
+    token_ids = torch.tensor(token_list, device=logits.device)
     picked = logprobs.gather(1, token_ids[:, None])[:, 0]
     ranks = (logprobs > picked[:, None]).sum(dim=-1) + 1
     num_top = max(r.params.prompt_logprobs or 0 for r, _ in targets)
     values, ids = logprobs.topk(num_top, dim=-1) if num_top else (logprobs[:, :0], logprobs[:, :0].long())
+    picked_list, rank_list, value_rows, id_rows = picked.tolist(), ranks.tolist(), values.tolist(), ids.tolist()
     for row, (request, position) in enumerate(targets):
         assert request.prompt_logprobs is not None and len(request.prompt_logprobs) == position
         k = request.params.prompt_logprobs or 0
-        top = tuple(zip(ids[row, :k].tolist(), values[row, :k].tolist(), strict=True))
-        request.prompt_logprobs.append(PromptLogprobs(int(token_ids[row]), float(picked[row]), int(ranks[row]), top))
+        top = tuple(zip(id_rows[row][:k], value_rows[row][:k], strict=True))
+        request.prompt_logprobs.append(PromptLogprobs(token_list[row], picked_list[row], rank_list[row], top))
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,16 +108,21 @@ class Sampler:
     @staticmethod
     def _pick_logprobs(logprobs: torch.Tensor, tokens: list[int],
                        requests: list[Request]) -> list[TokenLogprobs | None]:
-        picked: list[TokenLogprobs | None] = []
-        for row, (request, token) in enumerate(zip(requests, tokens, strict=True)):
-            num_top = request.params.logprobs
-            if num_top is None:
-                picked.append(None)
-                continue
-            values, ids = logprobs[row].topk(num_top) if num_top else (torch.empty(0), torch.empty(0))
-            top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
-            picked.append(TokenLogprobs(token, float(logprobs[row, token]), top))
-        return picked
+        """One batched topk and gather, one copy each to the host (was a topk and syncs per row)."""
+        rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        num_top = max((requests[i].params.logprobs or 0 for i in rows), default=0)
+        index = torch.tensor(rows, device=logprobs.device)
+        chosen = logprobs[index]
+        token_ids = torch.tensor([tokens[i] for i in rows], device=logprobs.device)
+        picked = chosen.gather(1, token_ids[:, None])[:, 0].tolist()
+        values, ids = chosen.topk(num_top, dim=-1) if num_top else (chosen[:, :0], chosen[:, :0].long())
+        value_rows, id_rows = values.tolist(), ids.tolist()
+        result: list[TokenLogprobs | None] = [None] * len(requests)
+        for j, row in enumerate(rows):
+            k = requests[row].params.logprobs or 0
+            top = tuple(zip(id_rows[j][:k], value_rows[j][:k], strict=True))
+            result[row] = TokenLogprobs(tokens[row], picked[j], top)
+        return result
 
     @staticmethod
     def _apply_penalties_and_masks(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -127,13 +135,18 @@ class Sampler:
             request = requests[row]
             params = request.params
             if params.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(request.all_token_ids)), device=logits.device)
-                values = logits[row, seen]
-                logits[row, seen] = torch.where(values > 0, values / params.repetition_penalty,
-                                                values * params.repetition_penalty)
+                # NOTE: a mask built on the device (no host-side set/sort of the whole history)
+                seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+                seen[torch.tensor(request.all_token_ids, dtype=torch.long, device=logits.device)] = True
+                values = logits[row]
+                penalized = torch.where(values > 0, values / params.repetition_penalty,
+                                        values * params.repetition_penalty)
+                logits[row] = torch.where(seen, penalized, values)
             if params.presence_penalty or params.frequency_penalty:
                 output = torch.tensor(request.output_token_ids, dtype=torch.long, device=logits.device)
-                counts = torch.bincount(output, minlength=logits.shape[-1]).to(logits.dtype)
+                # NOTE: scatter_add_, not bincount: bincount reads its input's max back to the host
+                counts = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
+                counts.scatter_add_(0, output, torch.ones_like(output, dtype=logits.dtype))
                 logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
             if request.num_output_tokens < params.min_tokens:
                 banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(request.eos_token_ids))
