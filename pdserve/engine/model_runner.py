@@ -52,6 +52,7 @@ class ModelRunner:
         self.config = config
         self.model = model
         self.device = config.device
+        bind_device(self.device)
         self.block_size = config.cache.block_size
         m = model.cfg  # NOTE: under tensor parallelism, this rank's share: its KV heads only
         if shared_pool is None:
@@ -232,6 +233,15 @@ class ModelRunner:
 
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+
+def bind_device(device: torch.device) -> None:
+    """Make `device` the current CUDA device (`--device cuda:N`). NOTE: Triton launches, graph
+    capture and CUDA events use the *current* device's stream, not the tensors' device: without
+    this they would run on cuda:0 against tensors on cuda:N. Under tensor parallelism each rank's
+    process binds its own (tensor_parallel.py)."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
 
 
 def lora_rows(plan: StepPlan) -> list[str | None]:
