@@ -21,7 +21,7 @@ def _parts(ready: list[Any], deadline_s: float, expected_back: bool = False) -> 
     def reject(reason: str, message: str) -> None:
         raise RouterError(reason, message)
 
-    async def order(candidates: list[Any], prompt: list[int]) -> list[Any]:
+    async def order(candidates: list[Any], prompt: list[int], root: bytes = b"") -> list[Any]:
         return candidates
 
     async def reserve(url: str, request: Any) -> str:

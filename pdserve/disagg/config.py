@@ -12,8 +12,8 @@ from pdserve.config import knob
 
 DecodePolicyName = Literal["least-loaded", "round-robin", "prefix-affinity", "kv-events"]
 DECODE_POLICIES: tuple[DecodePolicyName, ...] = ("least-loaded", "round-robin", "prefix-affinity", "kv-events")
-PrefillPolicyName = Literal["least-loaded", "prefix-affinity"]
-PREFILL_POLICIES: tuple[PrefillPolicyName, ...] = ("least-loaded", "prefix-affinity")
+PrefillPolicyName = Literal["least-loaded", "prefix-affinity", "kv-events"]
+PREFILL_POLICIES: tuple[PrefillPolicyName, ...] = ("least-loaded", "prefix-affinity", "kv-events")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,9 +53,10 @@ class RouterConfig:
                                            "round-robin, prefix-affinity (asks each worker what it caches), or "
                                            "kv-events (the workers' KV-cache events say: their --kv-events-config)")
     prefill_policy: PrefillPolicyName = knob("least-loaded", "which prefill worker gets a first attempt's job "
-                                             "(memory queue): least-loaded, or prefix-affinity (the one caching the "
-                                             "longest prefix, pool or disk tier); a resume after a decode loss "
-                                             "always uses prefix-affinity")
+                                             "(memory queue): least-loaded, prefix-affinity (the one caching the "
+                                             "longest prefix, pool or disk tier, asked per job), or kv-events (the "
+                                             "same from the prefill workers' KV-cache events); a resume after a "
+                                             "decode loss always uses prefix-affinity")
     pd_threshold: int = knob(0, "prompts whose part not cached on the chosen decode worker is shorter than this "
                                 "many tokens are prefilled there (0: always disaggregate)")
     max_queued_requests: int = knob(512, "requests admitted and waiting for their first token; beyond: 429")

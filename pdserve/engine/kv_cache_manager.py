@@ -9,6 +9,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.kv_events import lora_int_id
+from pdserve.engine.lora_manager import lora_name_of
 from pdserve.engine.request import Request
 
 
@@ -112,7 +114,8 @@ class KVCacheManager:
                 if events is not None:
                     indexed.append(index)
         if indexed and events is not None:
-            events.stored(request.block_hashes, request.all_token_ids, indexed)
+            events.stored(request.block_hashes, request.all_token_ids, indexed, lora_name_of(request),
+                          lora_int_id(request.hash_root))
         request.num_indexed_blocks = num_full
 
     def take_newly_cached(self) -> list[tuple[int, bytes]]:

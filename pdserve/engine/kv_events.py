@@ -34,6 +34,17 @@ def external_block_hash(digest: bytes) -> int:
     return int.from_bytes(digest[-8:], "big")
 
 
+def lora_int_id(hash_root: bytes) -> int | None:
+    """An event's `lora_id` for a request chained from `hash_root` (None: the base model's, b"").
+    vLLM sends its LoRARequest's `lora_int_id`; pdserve names adapters only, so the id is derived
+    from the adapter's root (name and weights' digest, lora_manager.py `hash_root`): its first 4
+    bytes, big-endian, shifted to a positive 31-bit int. The same adapter gets the same id on every
+    worker and across restarts; a reloaded adapter with other weights gets another."""
+    if not hash_root:
+        return None
+    return int.from_bytes(hash_root[:4], "big") >> 1 or 1
+
+
 @dataclass(frozen=True, slots=True)
 class KVEventsConfig:
     """vLLM's KVEventsConfig, field for field, from the JSON `--kv-events-config` takes."""
@@ -104,7 +115,7 @@ class BlockStored:
     parent_block_hash: int | None
     token_ids: tuple[int, ...]
     block_size: int
-    lora_id: int | None = None  # vLLM's deprecated adapter id; kept for its consumers
+    lora_id: int | None = None  # vLLM's adapter int id (deprecated there); here `lora_int_id`
     medium: str | None = MEDIUM_GPU
     lora_name: str | None = None  # the adapter whose prompt this is (None: the base model)
 
@@ -145,10 +156,11 @@ class KVEventLog:
         self._events: list[KVCacheEvent] = []
 
     def stored(self, block_hashes: Sequence[bytes], token_ids: Sequence[int], indices: Sequence[int],
-               lora_name: str | None = None) -> None:
+               lora_name: str | None = None, lora_id: int | None = None) -> None:
         """Blocks `indices` (ascending) of a sequence whose chained digests are `block_hashes` were
-        indexed now. One event per run of consecutive indices: a block left out (its content was
-        indexed already, by another block) breaks the chain an event describes."""
+        indexed now, under adapter `lora_name` (None: the base model; `lora_id`: `lora_int_id`). One
+        event per run of consecutive indices: a block left out (its content was indexed already, by
+        another block) breaks the chain an event describes."""
         bs = self.block_size
         start = 0
         for at in range(1, len(indices) + 1):
@@ -158,7 +170,7 @@ class KVEventLog:
             parent = None if first == 0 else external_block_hash(block_hashes[first - 1])
             hashes = tuple(external_block_hash(block_hashes[i]) for i in range(first, last + 1))
             self._events.append(BlockStored(hashes, parent, tuple(token_ids[first * bs:(last + 1) * bs]), bs,
-                                            lora_name=lora_name))
+                                            lora_id=lora_id, lora_name=lora_name))
             start = at
 
     def removed(self, digest: bytes) -> None:

@@ -17,6 +17,7 @@ without compute.
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -109,10 +110,13 @@ class PrefillQueue(abc.ABC):
 
     @abc.abstractmethod
     async def put(self, job: PrefillJob, *, prefix_affinity: bool = False,
+                  cached_tokens: Mapping[str, int] | None = None,
                   listener: AttemptListener | None = None) -> PrefillTicket:
         """Queue one attempt; raises QueueUnavailable. `prefix_affinity`: prefer the prefill worker
         whose prefix cache (pool, disk tier) holds the longest part of the prompt (memory queue; a
-        shared queue's workers pull jobs, so it does not apply there). `listener`: hears what this
+        shared queue's workers pull jobs, so it does not apply there). `cached_tokens`: what the
+        router already knows each prefill worker caches of the prompt (URL -> tokens, from their KV
+        events): the memory queue picks by it as by `prefix_affinity`, without asking. `listener`: hears what this
         queue learns of the attempt, if it learns anything (AttemptListener)."""
 
     def places_later(self) -> PlacesLater | None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Mapping
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
@@ -100,6 +101,7 @@ class RedisPrefillQueue(PrefillQueue):
         return QueueStats("redis", 0, self._num_backlog, self._num_live_consumers, 0, self._error)
 
     async def put(self, job: PrefillJob, *, prefix_affinity: bool = False,
+                  cached_tokens: Mapping[str, int] | None = None,
                   listener: AttemptListener | None = None) -> PrefillTicket:
         # NOTE: neither applies: the consumers pull jobs as their budget allows, and report to the stream
         ticket = PrefillTicket(job)

@@ -48,9 +48,11 @@ def create_router_app(router: PDRouter, model_name: str, api: ApiConfig | None =
     probes = Probes(live=lambda: watcher is not None and not watcher.done(),
                     unready_reason=lambda: router.unready_reason)
     # NOTE: besides serving's own refusals: a full queue (429), a worker that broke off (502)
+    lora = RouterLoRAAdmin(router.workers) if router.config.enable_lora else None
+    if lora is not None:
+        router.lora_infos = lora.info  # NOTE: a prompt under an adapter is hashed from its root (kv-events)
     extras = AppExtras(lambda served, client: instrument_router_app(served, client, router, model_name),
-                       refusals=(HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.BAD_GATEWAY),
-                       lora=RouterLoRAAdmin(router.workers) if router.config.enable_lora else None)
+                       refusals=(HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.BAD_GATEWAY), lora=lora)
     app = create_app(router, model_name, lifespan, probes, api, extras)
 
     @app.get("/workers")

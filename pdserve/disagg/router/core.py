@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 
 from pdserve.disagg.auth import load_cluster_secret
@@ -44,6 +44,7 @@ from pdserve.disagg.config import RouterConfig
 from pdserve.disagg.queue import PrefillQueue
 from pdserve.disagg.router.admission import Admission
 from pdserve.disagg.router.errors import RouterError
+from pdserve.disagg.router.kv_index import KVEventsView, lora_root
 from pdserve.disagg.router.membership import Membership, Registry
 from pdserve.disagg.router.memory_queue import make_queue
 from pdserve.disagg.router.outputs import AttemptFailed, DecodeLost, after_sent, continuation, next_within
@@ -51,6 +52,7 @@ from pdserve.disagg.router.policy import DecodePolicy, make_decode_policy
 from pdserve.disagg.router.pool import WorkerPool
 from pdserve.disagg.router.request_run import Instance, RequestRun, RouterParts, RunEvents, instance
 from pdserve.disagg.router.stats import Recoveries, RouterEvents, RouterStats, WorkerView
+from pdserve.engine.lora_manager import LoRAInfo
 from pdserve.engine.output import CompletionOutput, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.qwen3_config import Qwen3ModelConfig
@@ -89,9 +91,15 @@ class PDRouter:
         self.vocab_size = model_config.vocab_size
         self.admission = Admission(config, pool, queue, max_model_len, model_config.vocab_size)
         self.policy: DecodePolicy = make_decode_policy(config.decode_policy, client)
+        # --prefill-policy kv-events: the prefill workers' caches from their events (memory queue)
+        self.prefill_view = KVEventsView() if config.prefill_policy == "kv-events" else None
+        # the adapters' records (name, digest) the router knows (app.py: its RouterLoRAAdmin's), for
+        # the hash root of a prompt under one
+        self.lora_infos: Callable[[str], LoRAInfo | None] = lambda _: None
         self._events = RunEvents()
         self.parts = RouterParts(config, tokenizer, max_model_len, self.vocab_size, pool, self.policy, queue, client,
-                                 self.admission, self._events, queue.places_later())
+                                 self.admission, self._events, queue.places_later(), self.lora_root,
+                                 self.prefill_view)
 
     @classmethod
     def from_config(cls, config: RouterConfig, tokenizer: Tokenizer, model_config: Qwen3ModelConfig,
@@ -145,7 +153,13 @@ class PDRouter:
         await self.membership.refresh()
         await self.pool.refresh()
         self.policy.observe(self.pool.members("decode"))
+        if self.prefill_view is not None:
+            self.prefill_view.observe(self.pool.members("prefill"))
         await self.queue.refresh()
+
+    def lora_root(self, lora_name: str | None) -> bytes:
+        """The hash root a prompt under `lora_name` chains its blocks from on the workers."""
+        return lora_root(lora_name, None if lora_name is None else self.lora_infos(lora_name))
 
     async def watch(self, interval_s: float = 0.5) -> None:
         """Keep the view of the pool fresh (readiness and load) until cancelled. A round that fails
@@ -160,6 +174,8 @@ class PDRouter:
 
     async def close(self) -> None:
         await self.policy.close()
+        if self.prefill_view is not None:
+            await self.prefill_view.close()
         await self.queue.close()
         await self.client.close()
 

@@ -53,6 +53,11 @@ class RouterLoRAAdmin(LoRAAdmin):
             self._refreshing = asyncio.get_running_loop().create_task(self.refresh())
         return frozenset(self._infos)
 
+    def info(self, name: str) -> LoRAInfo | None:
+        """Adapter `name`'s record (its digest: the KV-event policies hash its prompts from it), as
+        last seen; None when not known."""
+        return self._infos.get(name)
+
     async def adapters(self) -> list[LoRAInfo]:
         await self.refresh()
         return list(self._infos.values())

@@ -8,12 +8,14 @@ or every job with `--prefill-policy prefix-affinity`) goes to the worker, among 
 prefix cache (pool or disk tier) holds the longest part of its prompt (POST /pd/prefix, asked once
 when the job is put, only when more than one prefill worker is ready, each answer bounded by
 `_PREFIX_QUERY_TIMEOUT_S`; no answer counts as nothing cached); ties, and jobs without it, go to the
-least loaded. A job's listener hears its first token as soon as the worker sampled it (the POST's
-answer then streams it, before the hand-off's end), and its hand-off or refusal. A worker lost (or
-draining) with a job: the job is queued again at the front as a new attempt, the decode worker told
-first; a worker whose answer was cut short (it may still run the attempt, holding its blocks until
-its placement or transfer timeout) is told to abort it, best effort. A worker that refuses a job for
-good: the listener hears the refusal (for the client), then the decode worker ends the request.
+least loaded. A job put with `cached_tokens` (--prefill-policy kv-events: what the prefill workers'
+events say they cache) is placed the same way from those, with no call. A job's listener hears its
+first token as soon as the worker sampled it (the POST's answer then streams it, before the
+hand-off's end), and its hand-off or refusal. A worker lost (or draining) with a job: the job is
+queued again at the front as a new attempt, the decode worker told first; a worker whose answer was cut
+short (it may still run the attempt, holding its blocks until its placement or transfer timeout) is
+told to abort it, best effort. A worker that refuses a job for good: the listener hears the refusal
+(for the client), then the decode worker ends the request.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import contextlib
 import contextvars
 import logging
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
@@ -102,13 +104,16 @@ class MemoryPrefillQueue(PrefillQueue):
         return self
 
     async def put(self, job: PrefillJob, *, prefix_affinity: bool = False,
+                  cached_tokens: Mapping[str, int] | None = None,
                   listener: AttemptListener | None = None) -> PrefillTicket:
         if self._task is None:
             # NOTE: in a fresh context: a task copies its creator's, and this one serves every
             # request (its log lines must not carry the first request's id)
             self._task = contextvars.Context().run(asyncio.create_task, self._loop())
         item = _Dispatch(job, listener=listener)
-        if prefix_affinity:
+        if cached_tokens is not None:
+            item.cached_tokens = dict(cached_tokens)
+        elif prefix_affinity:
             item.cached_tokens = await self._cached_tokens(job.prompt_token_ids)
         self._pending.append(item)
         self._place()  # NOTE: at once: the job leaves in this turn of the loop, not the loop task's next one

@@ -12,13 +12,7 @@ from collections.abc import Callable
 
 from pdserve.disagg.client import WorkerClient
 from pdserve.disagg.config import DecodePolicyName
-from pdserve.disagg.router.kv_index import (
-    EventSource,
-    KVBlockIndex,
-    KVEventSubscription,
-    prompt_block_hashes,
-    source_of,
-)
+from pdserve.disagg.router.kv_index import KVBlockIndex, KVEventsView
 from pdserve.disagg.router.pool import Worker, reach
 
 logger = logging.getLogger(__name__)
@@ -36,7 +30,9 @@ class DecodePolicy(abc.ABC):
     does not answer: it ranks last, and leaves the pool until its next poll (`pool.reach`)."""
 
     @abc.abstractmethod
-    async def order(self, candidates: list[Worker], prompt_token_ids: list[int]) -> list[Worker]: ...
+    async def order(self, candidates: list[Worker], prompt_token_ids: list[int], root: bytes = b"") -> list[Worker]:
+        """`root`: the hash root the prompt's blocks chain from (kv_index.py `lora_root`: b"" for the
+        base model, its LoRA adapter's otherwise), for a policy that matches cached blocks."""
 
     def observe(self, workers: list[Worker]) -> None:
         """The decode workers after each poll of the pool (`PDRouter.refresh`), ready or not, for a
@@ -56,7 +52,7 @@ def _load(worker: Worker) -> tuple[int, int]:
 class LeastLoaded(DecodePolicy):
     """The worker with the most free KV blocks (ties: fewest requests in flight from this router)."""
 
-    async def order(self, candidates: list[Worker], prompt_token_ids: list[int]) -> list[Worker]:
+    async def order(self, candidates: list[Worker], prompt_token_ids: list[int], root: bytes = b"") -> list[Worker]:
         return sorted(candidates, key=_load)
 
 
@@ -66,7 +62,7 @@ class RoundRobin(DecodePolicy):
     def __init__(self) -> None:
         self._next = itertools.count()
 
-    async def order(self, candidates: list[Worker], prompt_token_ids: list[int]) -> list[Worker]:
+    async def order(self, candidates: list[Worker], prompt_token_ids: list[int], root: bytes = b"") -> list[Worker]:
         start = next(self._next) % len(candidates)
         return candidates[start:] + candidates[:start]
 
@@ -78,7 +74,9 @@ class PrefixAffinity(DecodePolicy):
     def __init__(self, client: WorkerClient) -> None:
         self._client = client
 
-    async def order(self, candidates: list[Worker], prompt_token_ids: list[int]) -> list[Worker]:
+    async def order(self, candidates: list[Worker], prompt_token_ids: list[int], root: bytes = b"") -> list[Worker]:
+        # NOTE: the worker's /pd/prefix hashes from the base model's root: an adapter's prompt may
+        # be ranked by blocks it cannot use (a routing cost only)
         if len(candidates) == 1:
             return list(candidates)
         cached = await asyncio.gather(*(self._cached_tokens(w, prompt_token_ids) for w in candidates))
@@ -99,73 +97,27 @@ class KVEventsPolicy(DecodePolicy):
     size (its KV layout's)."""
 
     def __init__(self) -> None:
-        import zmq.asyncio  # NOTE: only a router with this policy loads pyzmq
-
-        self._context = zmq.asyncio.Context()
-        self._subscriptions: dict[str, tuple[tuple[str, EventSource], KVEventSubscription]] = {}
-        self._closing: set[asyncio.Task[None]] = set()  # subscriptions of workers gone, closing
+        self.view = KVEventsView()
 
     def observe(self, workers: list[Worker]) -> None:
-        listed = {w.url for w in workers}
-        for url in [u for u in self._subscriptions if u not in listed]:
-            self._drop(url)
-        for worker in workers:
-            if worker.info is None:
-                continue  # NOTE: unreachable now: its subscription stays (ZMQ reconnects), a restart shows in its info
-            source = source_of(worker.info, worker.url)
-            key = None if source is None else (worker.info.instance_id, source)
-            held = self._subscriptions.get(worker.url)
-            if held is not None and held[0] == key:
-                continue
-            if held is not None:
-                logger.info("KV events: %s changed (restarted, or a new endpoint); its index starts over", worker.url)
-                self._drop(worker.url)
-            if source is not None and key is not None:
-                self._subscriptions[worker.url] = (key, KVEventSubscription(self._context, source, worker.url))
-                logger.info("KV events: following %s at %s", worker.url, source.publish)
-
-    def _drop(self, url: str) -> None:
-        _, subscription = self._subscriptions.pop(url)
-        task = asyncio.get_running_loop().create_task(subscription.close())
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        self.view.observe(workers)
 
     def index(self, url: str) -> KVBlockIndex | None:
-        held = self._subscriptions.get(url)
-        return None if held is None else held[1].index
+        return self.view.index(url)
 
-    def num_prefix_blocks(self, worker: Worker, prompt_token_ids: list[int],
-                          hashes_by_size: dict[int, list[int]]) -> int:
-        index = self.index(worker.url)
-        if index is None or worker.info is None:
-            return 0
-        block_size = int(worker.info.kv_layout.get("block_size", 0)) or index.block_size
-        if not block_size:
-            return 0
-        if block_size not in hashes_by_size:
-            hashes_by_size[block_size] = prompt_block_hashes(prompt_token_ids, block_size)
-        return index.num_prefix_blocks(hashes_by_size[block_size])
-
-    async def order(self, candidates: list[Worker], prompt_token_ids: list[int]) -> list[Worker]:
+    async def order(self, candidates: list[Worker], prompt_token_ids: list[int], root: bytes = b"") -> list[Worker]:
         if len(candidates) == 1:
             return list(candidates)
         hashes: dict[int, list[int]] = {}
-        cached = {w.url: self.num_prefix_blocks(w, prompt_token_ids, hashes) for w in candidates}
+        cached = {w.url: self.view.num_prefix_blocks(w, prompt_token_ids, root, hashes) for w in candidates}
         # NOTE: ties (a prefix no worker holds yet) by this router's live in-flight count, then by the
         # fewest blocks cached (live, from events): new prefixes spread over the workers' caches instead
         # of piling onto one (free blocks are as of the last poll, 0.5 s ago: every new prefix in that
         # window would go to one worker, whose cache then holds more prefixes than fit and thrashes)
-        return sorted(candidates, key=lambda w: (-cached[w.url], w.in_flight, self._num_cached(w), _load(w)))
-
-    def _num_cached(self, worker: Worker) -> int:
-        index = self.index(worker.url)
-        return 0 if index is None else len(index.hashes)
+        return sorted(candidates, key=lambda w: (-cached[w.url], w.in_flight, self.view.num_cached(w), _load(w)))
 
     async def close(self) -> None:
-        for url in list(self._subscriptions):
-            _, subscription = self._subscriptions.pop(url)
-            await subscription.close()
-        self._context.destroy(linger=0)
+        await self.view.close()
 
 
 _POLICIES: dict[DecodePolicyName, Callable[[WorkerClient], DecodePolicy]] = {

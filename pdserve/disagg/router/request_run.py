@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from http import HTTPStatus
 
 from pdserve.disagg.attempt_states import RUN, Run, State
@@ -36,6 +36,7 @@ from pdserve.disagg.queue import PlacesLater, PrefillQueue, PrefillTicket, Queue
 from pdserve.disagg.request_ids import run_id, transfer_id
 from pdserve.disagg.router.admission import Admission
 from pdserve.disagg.router.errors import RouterError
+from pdserve.disagg.router.kv_index import KVEventsView, base_root
 from pdserve.disagg.router.outputs import (
     AttemptFailed,
     DecodeLost,
@@ -88,6 +89,9 @@ class RouterParts:
     admission: Admission
     events: RunEvents
     placing: PlacesLater | None  # the queue's, asked once: None when every job goes placed
+    # a prompt's hash root under its LoRA adapter (kv_index.py `lora_root`), for policies matching blocks
+    lora_root: Callable[[str | None], bytes] = base_root
+    prefill_view: KVEventsView | None = None  # --prefill-policy kv-events: the prefill workers' caches
 
 
 def instance(worker: Worker) -> Instance:
@@ -193,7 +197,8 @@ class RequestRun:
                 loop.time() <= window and parts.pool.expected_back("decode")
             if not candidates and not waits:
                 parts.admission.reject("no_decode_worker", "no decode worker is ready")
-            for worker in await parts.policy.order(candidates, self.prompt):
+            root = parts.lora_root(self.params.lora_name)
+            for worker in await parts.policy.order(candidates, self.prompt, root=root):
                 try:
                     reply = await reach(worker, parts.client.reserve(worker.url, request))
                 except WorkerRefused as exc:
@@ -375,10 +380,16 @@ class RequestRun:
     async def dispatch(self, job: PrefillJob) -> PrefillTicket:
         """Queue a prefill attempt of this run (it becomes the current one). A resumed run's job
         goes where the prompt's KV is cached, if any prefill worker has it (re-sent instead of
-        recomputed)."""
-        affinity = self.recovering or self.parts.config.prefill_policy == "prefix-affinity"
+        recomputed). With --prefill-policy kv-events, a first attempt goes where the prefill workers'
+        events say most of the prompt is cached."""
+        parts = self.parts
+        affinity = self.recovering or parts.config.prefill_policy == "prefix-affinity"
+        cached = None
+        if parts.prefill_view is not None and not self.recovering:
+            cached = parts.prefill_view.num_cached_tokens(parts.pool.ready("prefill"), job.prompt_token_ids,
+                                                          parts.lora_root(self.params.lora_name))
         try:
-            self.ticket = await self.parts.queue.put(job, prefix_affinity=affinity, listener=self)
+            self.ticket = await parts.queue.put(job, prefix_affinity=affinity, cached_tokens=cached, listener=self)
         except QueueUnavailable as exc:
             self.parts.admission.reject("queue_unavailable", str(exc))
         return self.ticket
