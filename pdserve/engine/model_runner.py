@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.engine.block_tables import BlockTables
 from pdserve.engine.cuda_graphs import DecodeGraphs, bucket_for, decode_buckets
 from pdserve.engine.host_memory import zeroed_pages
 from pdserve.engine.logprobs import TokenLogprobs
@@ -82,6 +83,7 @@ class ModelRunner:
         # the Triton backend (CUDA): persistent step buffers, decode from CUDA graphs (model/attention_backend.py)
         self.step_buffers: StepBuffers | None = None
         self.decode_graphs: DecodeGraphs | None = None
+        self.block_tables: BlockTables | None = None  # with step buffers: the decodes' persistent tables
         if select_backend(self.device).name == "triton":
             graphs = not config.enforce_eager and config.tensor_parallel_size == 1
             self.use_paged_step(graphs)
@@ -108,12 +110,13 @@ class ModelRunner:
                                         -(-sched.max_model_len // self.block_size), self.device, splits,
                                         self.kv_quant)
         self.decode_graphs = DecodeGraphs(self.model, self.layer_caches, self.step_buffers, buckets) if graphs else None
+        self.block_tables = BlockTables()
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, layer_done: Callable[[int], None] | None = None
                 ) -> dict[str, tuple[int, TokenLogprobs | None]]:
         """Run one step; returns request id -> (sampled token, its logprobs) for the chunks that sample."""
-        plan, samplers, targets = plan_step(out, self.block_size)
+        plan, samplers, targets = plan_step(out, self.block_size, self.block_tables)
         self.sampler.start_masks(samplers, self.vocab_size)  # structured outputs: beside the forward
         logits = self.run(plan, layer_done)
         if logits is None:
@@ -182,7 +185,8 @@ class ModelRunner:
         prefills = tuple(PrefillSpan(p.start, p.end, p.context_len,
                                      torch.tensor(p.block_ids, dtype=torch.long, device=self.device))
                          for p in plan.prefills)
-        decodes, runs = self._decode_layout(plan.decode_rows, plan.decode_tables, plan.decode_lens)
+        tables = [t if isinstance(t, list) else t.tolist() for t in plan.decode_tables]  # NOTE: lists here already
+        decodes, runs = self._decode_layout(plan.decode_rows, tables, plan.decode_lens)
         meta = AttentionMetadata(slot_mapping=self._tensor(plan.slots), decodes=decodes, prefills=prefills,
                                  decode_runs=runs, kv_quant=self.kv_quant)
         return self._tensor(plan.token_ids), self._tensor(plan.positions), meta

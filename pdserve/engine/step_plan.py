@@ -17,6 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from pdserve.engine.block_tables import BlockTables
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import SchedulerOutput
 
@@ -35,7 +38,8 @@ class StepPlan:
     positions: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)  # where each row's K/V is written
     decode_rows: list[int] = field(default_factory=list)  # rows of single-token chunks ...
-    decode_tables: list[list[int]] = field(default_factory=list)  # ... their block tables ...
+    # ... their block tables (int32 views of `BlockTables` rows where the runner keeps them) ...
+    decode_tables: list[list[int] | np.ndarray] = field(default_factory=list)
     decode_lens: list[int] = field(default_factory=list)  # ... and context lengths
     prefills: list[PlannedPrefill] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)  # rows whose logits are sampled
@@ -48,9 +52,11 @@ class StepPlan:
     rank_message: object = None
 
 
-def plan_step(out: SchedulerOutput, block_size: int) -> tuple[StepPlan, list[Request], list[tuple[Request, int]]]:
+def plan_step(out: SchedulerOutput, block_size: int, tables: BlockTables | None = None
+              ) -> tuple[StepPlan, list[Request], list[tuple[Request, int]]]:
     """The plan, the requests that sample, in `sample_rows` order, and for each of `prompt_rows`
-    the request and the position of the prompt token whose logprob its logits give."""
+    the request and the position of the prompt token whose logprob its logits give. With `tables`
+    a decode's block table is a view of its persistent row (O(new blocks)), not a list copy."""
     bs = block_size
     plan = StepPlan(blocks_to_swap_out=out.blocks_to_swap_out, blocks_to_swap_in=out.blocks_to_swap_in)
     samplers: list[Request] = []
@@ -67,7 +73,8 @@ def plan_step(out: SchedulerOutput, block_size: int) -> tuple[StepPlan, list[Req
             plan.lora_spans.append((row, row + num_new, request.params.lora_name))
         if num_new == 1:
             plan.decode_rows.append(row)
-            plan.decode_tables.append(blocks[: -(-end // bs)])
+            num_blocks = -(-end // bs)
+            plan.decode_tables.append(blocks[:num_blocks] if tables is None else tables.table(request)[:num_blocks])
             plan.decode_lens.append(end)
         else:
             plan.prefills.append(PlannedPrefill(row, row + num_new, end, blocks[: -(-end // bs)]))
@@ -79,4 +86,6 @@ def plan_step(out: SchedulerOutput, block_size: int) -> tuple[StepPlan, list[Req
             for p in range(max(start, len(request.prompt_logprobs) - 1), min(end, request.num_prompt_tokens - 1)):
                 plan.prompt_rows.append(row + p - start)
                 targets.append((request, p + 1))
+    if tables is not None:
+        tables.retain({chunk.request.request_id for chunk in out.chunks})
     return plan, samplers, targets
