@@ -18,6 +18,7 @@ from pdserve.disagg.router.core import PDRouter, ServedModel
 from pdserve.disagg.router.kv_index import lora_root, prompt_block_hashes
 from pdserve.disagg.router.memory_queue import MemoryPrefillQueue
 from pdserve.disagg.router.policy import KVEventsPolicy
+from pdserve.disagg.router.stats import IndexResets
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.kv_events import BlockStored, KVEventLog, lora_int_id
 from pdserve.engine.lora_manager import LoRAInfo, hash_root
@@ -127,6 +128,7 @@ def test_prefill_policy_kv_events_places_a_first_attempt_where_events_say_its_pr
             await until(lambda: len(workers.prefilled) == 2, "the second job")
             assert workers.prefilled == [WARM, COLD]
             assert workers.asked == []  # NOTE: from events: no worker asked per job
+            assert router.stats().index_resets == {"prefill": IndexResets()}  # the decode policy follows none
         finally:
             await router.close()
             for pub in pubs:

@@ -43,6 +43,7 @@ class EngineStats:
     max_lora: int = 0
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
+    num_kv_events_dropped_batches: int = 0  # --kv-events-config: batches the publisher's full queue dropped
 
 
 def check_request(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int) -> None:

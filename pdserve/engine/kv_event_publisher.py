@@ -205,6 +205,11 @@ def start_kv_events(config: KVEventsConfig | None, pool: BlockPool,
     return log, make_publisher(config)
 
 
+def dropped_batches(publisher: KVEventPublisher | None) -> int:
+    """Batches `publisher` dropped so far (its queue full); 0 without one (events off)."""
+    return 0 if publisher is None else publisher.num_dropped_batches
+
+
 def endpoints_info(publisher: KVEventPublisher | None) -> dict[str, Any] | None:
     """Its endpoints as plain JSON (what an engine process tells its API process)."""
     if publisher is None or publisher.endpoints is None:

@@ -15,7 +15,7 @@ from pdserve.engine.engine_lora import EngineLoRA
 from pdserve.engine.engine_types import EngineStats, RemoteReservation, check_handoff, check_request
 from pdserve.engine.host_memory import keep_large_allocations_on_heap
 from pdserve.engine.kv_cache_manager import prompt_prefix_digests
-from pdserve.engine.kv_event_publisher import start_kv_events
+from pdserve.engine.kv_event_publisher import dropped_batches, start_kv_events
 from pdserve.engine.kv_transfer import KVTransferSetup, LayerObserver, StreamTargets, TransferExpectations
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprobs
 from pdserve.engine.lora_manager import LoRAInfo
@@ -445,6 +445,6 @@ class LLMEngine:
             num_scheduler_requests=self.scheduler.num_unfinished,
             block_size=kv.block_size,
             max_lora=self.loras.max_loras,
-            running_lora_adapters=lora_running,
-            waiting_lora_adapters=lora_waiting,
+            running_lora_adapters=lora_running, waiting_lora_adapters=lora_waiting,
+            num_kv_events_dropped_batches=dropped_batches(self.kv_event_publisher),
         )

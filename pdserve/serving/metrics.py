@@ -333,6 +333,8 @@ def _engine_series(s: EngineStats, gauge: Callable[..., GaugeMetricFamily],
                   "reservation)", s.num_no_available_block)
     yield counter("pdserve:cannot_allocate", "Requests refused as `Cannot allocate for request` (larger than the "
                   "pool)", s.num_cannot_allocate)
+    yield counter("pdserve:kv_events_dropped_batches", "KV-cache event batches dropped because the publisher's "
+                  "queue was full (--kv-events-config max_queue_size)", s.num_kv_events_dropped_batches)
 
 
 _REASONS = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 409: "kv_layout_mismatch",

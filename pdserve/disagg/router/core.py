@@ -48,10 +48,10 @@ from pdserve.disagg.router.kv_index import KVEventsView, lora_root
 from pdserve.disagg.router.membership import Membership, Registry
 from pdserve.disagg.router.memory_queue import make_queue
 from pdserve.disagg.router.outputs import AttemptFailed, DecodeLost, after_sent, continuation, next_within
-from pdserve.disagg.router.policy import DecodePolicy, make_decode_policy
+from pdserve.disagg.router.policy import DecodePolicy, KVEventsPolicy, make_decode_policy
 from pdserve.disagg.router.pool import WorkerPool
 from pdserve.disagg.router.request_run import Instance, RequestRun, RouterParts, RunEvents, instance
-from pdserve.disagg.router.stats import Recoveries, RouterEvents, RouterStats, WorkerView
+from pdserve.disagg.router.stats import IndexResets, Recoveries, RouterEvents, RouterStats, WorkerRole, WorkerView
 from pdserve.engine.lora_manager import LoRAInfo
 from pdserve.engine.output import CompletionOutput, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
@@ -145,7 +145,13 @@ class PDRouter:
                            live_queue_consumers=queue.num_live_consumers, queue_error=queue.error,
                            rejections=self.admission.rejections(), events=events,
                            recoveries=Recoveries(self._events.recovered_from_prefill_cache,
-                                                 self._events.recovered_by_recompute))
+                                                 self._events.recovered_by_recompute),
+                           index_resets=self._index_resets())
+
+    def _index_resets(self) -> dict[WorkerRole, IndexResets]:
+        decode_view = self.policy.view if isinstance(self.policy, KVEventsPolicy) else None
+        views: dict[WorkerRole, KVEventsView | None] = {"decode": decode_view, "prefill": self.prefill_view}
+        return {role: IndexResets(**view.stats.resets) for role, view in views.items() if view is not None}
 
     async def refresh(self) -> None:
         """Update the membership, poll the pool (the heartbeat), then let the queue take another

@@ -161,6 +161,14 @@ def _counter_series(stats: RouterStats, labels: dict[str, str]) -> Iterator[Coun
     for source, count in dataclasses.asdict(stats.recoveries).items():
         recoveries.add_metric([*labels.values(), source], count)
     yield recoveries
+    resets = CounterMetricFamily("pdserve:kv_events_index_resets", "Router: a worker's KV-event index dropped (it "
+                                 "fills again from new events), by the role followed and reason: gap (batches missed "
+                                 "and not replayed), restart, bad_batch, worker_changed",
+                                 labels=[*labels, "worker_role", "reason"])
+    for role, by_reason in stats.index_resets.items():
+        for reason, count in dataclasses.asdict(by_reason).items():
+            resets.add_metric([*labels.values(), role, reason], count)
+    yield resets
 
 
 def instrument_router_app(app: FastAPI, client: EngineClient, router: RouterState,

@@ -72,6 +72,17 @@ class Recoveries:
 
 
 @dataclass(frozen=True, slots=True)
+class IndexResets:
+    """Times the router dropped a worker's KV-event index, by reason (router/kv_index.py
+    RESET_REASONS; `pdserve:kv_events_index_resets_total{worker_role, reason}`)."""
+
+    gap: int = 0  # batches missed and not replayed
+    restart: int = 0  # the worker's sequence started again at 0
+    bad_batch: int = 0  # a batch that does not decode
+    worker_changed: int = 0  # a new instance id or event endpoint at the worker's URL
+
+
+@dataclass(frozen=True, slots=True)
 class RouterStats:
     """The router's admission queue, prefill queue and counters (GET /router/stats)."""
 
@@ -85,6 +96,8 @@ class RouterStats:
     rejections: Rejections
     events: RouterEvents
     recoveries: Recoveries = field(default_factory=Recoveries)
+    # the roles whose KV-cache events the router follows (--decode-policy / --prefill-policy kv-events)
+    index_resets: dict[WorkerRole, IndexResets] = field(default_factory=dict)
 
 
 class RouterState(Protocol):
