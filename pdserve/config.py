@@ -277,7 +277,10 @@ def _cuda_kv_budget(args: EngineArgs, model: Qwen3ModelConfig, dtype: torch.dtyp
     embeddings = v * h * (1 if model.tie_word_embeddings else 2)
     # NOTE: float weights, also for FP8 checkpoints (dequantized at load); every expert of a MoE
     weights = (model.num_hidden_layers * (4 * h * h + qkv * h) + model.num_mlp_params + embeddings) * element
-    activations = max_batched_tokens * (4 * h + 2 * i + qkv) * element * 2 + args.max_num_seqs * v * 4 * 3
+    # NOTE: logits are float32 [rows, vocab], each with a float copy and a log-softmax beside it: the
+    # sampled rows (max_num_seqs), and a step of prompt logprobs has one row per prompt token in it
+    logits = (args.max_num_seqs + max_batched_tokens) * v * 4 * 3
+    activations = max_batched_tokens * (4 * h + 2 * i + qkv) * element * 2 + logits
     free, total = torch.cuda.mem_get_info(device)
     return int(min(total * args.gpu_memory_utilization, free) - weights - activations)
 

@@ -244,3 +244,19 @@ def test_calibrate_ends_with_a_served_pd_run_whose_fits_reach_the_profile(tmp_pa
     assert profile.pd_path is not None and profile.pd_path.num_loads == 3
     assert profile.pd_path.num_requests > 0 and profile.pd_path.transport in ("nixl", "tcp")
     assert re.search(r"served PD run over \w+: prefill [\d.]+ x timed .* decode [\d.]+ x timed", profile.notes)
+
+
+def test_gpu_kv_budget_counts_prompt_logprob_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step of prompt logprobs holds float32 [prompt tokens, vocab] logits, a float copy and their
+    log-softmax: each more batched token takes that much more from the KV pool than its activations."""
+    import torch
+
+    from pdserve.config import _cuda_kv_budget
+    from pdserve.model.demo_checkpoint import PRESETS, ModelVariant
+
+    model = PRESETS["tiny"].config(ModelVariant(dtype=torch.float32))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (80 * 2**30, 80 * 2**30))
+    args = EngineArgs(gpu_memory_utilization=0.9)
+    small = _cuda_kv_budget(args, model, torch.float32, torch.device("cuda"), 256)
+    large = _cuda_kv_budget(args, model, torch.float32, torch.device("cuda"), 8192)
+    assert small - large >= (8192 - 256) * model.vocab_size * 4 * 3
