@@ -9,20 +9,27 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
 from helpers import make_request, mark_ready, random_prompt, until
+from lora_helpers import DENSE_ADAPTERS, write_adapter
+from test_kv_events import Recording
 from test_kv_index import decode_worker, publisher, run
 from test_prefill_affinity import COLD, DECODE, WARM, StubWorkers, _job, _pool
 
+from pdserve import LLM, LoRARequest
 from pdserve.disagg.config import RouterConfig
 from pdserve.disagg.router.core import PDRouter, ServedModel
-from pdserve.disagg.router.kv_index import lora_root, prompt_block_hashes
+from pdserve.disagg.router.kv_index import KVBlockIndex, KVEventsView, lora_root, prompt_block_hashes
 from pdserve.disagg.router.memory_queue import MemoryPrefillQueue
 from pdserve.disagg.router.policy import KVEventsPolicy
+from pdserve.disagg.router.pool import Worker
 from pdserve.disagg.router.stats import IndexResets
 from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.kv_events import BlockStored, KVEventLog, lora_int_id
+from pdserve.engine.kv_events import BlockStored, KVEventBatch, KVEventLog, lora_int_id
+from pdserve.engine.llm import TokensPrompt
 from pdserve.engine.lora_manager import LoRAInfo, hash_root
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.model.demo_checkpoint import PRESETS, write_checkpoint
 from pdserve.model.qwen3_config import Qwen3ModelConfig
 from pdserve.tokenizer import load_tokenizer
 
@@ -140,9 +147,6 @@ def test_prefill_policy_kv_events_places_a_first_attempt_where_events_say_its_pr
 def test_a_worker_without_events_counts_nothing_cached() -> None:
     """mark_ready's workers carry no event endpoint: the view follows nobody and counts 0 cached."""
     async def scenario() -> None:
-        from pdserve.disagg.router.kv_index import KVEventsView
-        from pdserve.disagg.router.pool import Worker
-
         view = KVEventsView()
         worker = Worker("http://x", "prefill")
         mark_ready(worker)
@@ -152,3 +156,32 @@ def test_a_worker_without_events_counts_nothing_cached() -> None:
         await view.close()
 
     run(scenario)
+
+
+@pytest.mark.slow
+def test_an_engines_real_events_under_an_adapter_route_its_prompt(tmp_path: Path) -> None:
+    """The offline engine under a real adapter: its BlockStored names the adapter, and the router,
+    hashing from the adapter's record as the engine lists it (GET /v1/lora_adapters' digest), finds
+    the prompt's blocks in an index fed those events; hashed as the base model's, it finds none."""
+    model_dir = write_checkpoint(tmp_path / "model", PRESETS["tiny"], seed=21)
+    targets, rank, _ = DENSE_ADAPTERS["sql"]
+    adapter = write_adapter(model_dir, tmp_path / "sql", targets, rank, seed=0)
+    llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=32, block_size=16, enable_lora=True,
+              max_lora_rank=16, lora_modules=(f"sql={adapter}",),
+              kv_events_config='{"enable_kv_cache_events": true, "publisher": "null"}')
+    try:
+        recording = Recording()
+        llm.engine.kv_event_publisher = recording
+        prompt = random_prompt(70, seed=11)  # 4 full blocks
+        llm.generate([TokensPrompt(prompt_token_ids=prompt)], SamplingParams(max_tokens=2, temperature=0.0),
+                     lora_request=LoRARequest("sql"))
+        llm.engine.publish_kv_events()
+        events = [e for e in recording.events() if isinstance(e, BlockStored)]
+        (info,) = llm.engine.loras.list()
+        assert events and all(e.lora_name == "sql" and e.lora_id == lora_int_id(hash_root(info)) for e in events)
+        index = KVBlockIndex()
+        index.apply(KVEventBatch(0.0, tuple(events)))
+        assert index.num_prefix_blocks(prompt_block_hashes(prompt, 16, lora_root("sql", info))) == 4
+        assert index.num_prefix_blocks(prompt_block_hashes(prompt, 16)) == 0
+    finally:
+        llm.engine.close()
