@@ -15,7 +15,13 @@
 #      served engines logged (PDSERVE_STEP_LOG, `calibrate --from-step-log`);
 #   5. served against offline (issue 29): qwen3-0.6b in bfloat16 at 1, 16 and 64 streams, the engine on a
 #      thread of the API server and in its own process (`python -m pdserve.bench.served_vs_offline`).
-# STAGES picks them (default "correct floor timings validate served"); TIMINGS=0 is STAGES=correct. Every stage has its own time limit; logs and profiles go to $OUT (default ./device-out).
+#   0. review (first, ~3 min): the Triton kernel tests on CUDA (tests/test_triton_*.py: attention, FP8 KV,
+#      fused norm/RoPE/SiLU kernels, whichever exist), then the attention kernels alone
+#      (`python -m pdserve.bench.gpu_kernels`: split-KV decode in GB/s at head_dim 128, batch 1 and 64 x 4K
+#      and 32K, an FP8 pool too; the prefix kernel on a 2,048-token chunk over 16K against SDPA, TFLOPS).
+#      Not in it yet: capture of the 8B and MoE shapes with kernel counts under the profiler, step minus
+#      replay at long context, a mixed step against pure decode.
+# STAGES picks them (default "review correct floor timings validate served"); TIMINGS=0 is STAGES=correct. Every stage has its own time limit; logs and profiles go to $OUT (default ./device-out).
 # Python packages the machine lacks travel as wheels in ./.whl (docs/BENCHMARKS.md says which).
 set -u
 out=${OUT:-device-out}
@@ -32,6 +38,7 @@ stage() {  # stage NAME LIMIT_S COMMAND...: its output to $out/NAME.log, its tai
   shift 2
   timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
   rc=$?
+  echo "| $name | $rc | $((SECONDS - start)) | $limit |" >>"$out/summary.md"
   echo "=== $name: status $rc after $((SECONDS - start)) s (limit $limit s)"
   tail -n "${TAIL:-25}" "$out/$name.log"
 }
@@ -39,9 +46,17 @@ stage() {  # stage NAME LIMIT_S COMMAND...: its output to $out/NAME.log, its tai
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 python3 -m pdserve.cli make-model "$ck/qwen3-0.6b" --preset qwen3-0.6b --device cuda >/dev/null || exit 1
-stages=${STAGES:-correct floor timings validate served}
+stages=${STAGES:-review correct floor timings validate served}
 [ "${TIMINGS:-1}" = 1 ] || stages=correct
 has() { [[ " $stages " == *" $1 "* ]]; }
+printf '| stage | status | s | limit s |\n|---|---|---|---|\n' >"$out/summary.md"
+
+# NOTE: before the 8B checkpoint is written in the background: the GPU is this stage's alone
+if has review; then
+TAIL=30 stage triton-kernels-cuda 150 python3 -m pytest -q -p no:cacheprovider -rfs tests/test_triton_*.py
+TAIL=20 stage gpu-kernels 150 python3 -m pdserve.bench.gpu_kernels --save "$out/gpu_kernels.json"
+fi
+
 maker=
 if has timings || has floor; then
   python3 -m pdserve.cli make-model "$ck/qwen3-8b" --preset qwen3-8b --device cuda >"$out/make-8b.log" 2>&1 &
@@ -111,3 +126,5 @@ for streams in 1 16 64; do
 done
 fi
 nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
+echo "=== stages (summary.md)"
+cat "$out/summary.md"
