@@ -12,7 +12,8 @@ rest itself (no prefill trip, no KV transfer), so where a request lands decides 
 Prefix hit rate: the decode workers' `vllm:prefix_cache_hits` / `vllm:prefix_cache_queries` over the
 measured requests (tokens). TTFT: as the client saw it (streamed), mean and p90.
 
-    python -m pdserve.bench.kv_events_routing [--groups 8] [--requests 64] [--concurrency 2] [--policies least-loaded,kv-events,prefix-affinity]
+    python -m pdserve.bench.kv_events_routing [--groups 8] [--requests 64] [--concurrency 2] \
+        [--policies least-loaded,kv-events,prefix-affinity]
 """
 
 from __future__ import annotations
