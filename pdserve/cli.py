@@ -141,7 +141,19 @@ def up_plan(ns: argparse.Namespace, engine_flags: list[str]) -> tuple[UpOptions,
     router = config_from_args(RouterConfig, ns, accept_registrations=True)
     worker = config_from_args(WorkerConfig, ns, register=(options.router_url,))
     lora = ["--enable-lora"] if router.enable_lora else []  # NOTE: the router's flag; the workers serve them
-    return options, router, worker, [*engine_flags, *lora, *(["--model", ns.model] if ns.model else [])]
+    return options, router, worker, [*engine_flags, *lora, *_kv_events_flags(router, engine_flags, options.host),
+                                     *(["--model", ns.model] if ns.model else [])]
+
+
+def _kv_events_flags(router: RouterConfig, engine_flags: list[str], host: str | None) -> list[str]:
+    """A router that routes by KV-cache events needs workers that publish them: unless the events
+    were configured, every worker publishes on free ports of the address it serves on."""
+    if "kv-events" not in (router.decode_policy, router.prefill_policy) or any(
+            flag.split("=", 1)[0] == "--kv-events-config" for flag in engine_flags):
+        return []
+    bind = "127.0.0.1" if host is None else "*" if host in ("0.0.0.0", "::") else host
+    return ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                              "endpoint": f"tcp://{bind}:0", "replay_endpoint": f"tcp://{bind}:0"})]
 
 
 def _make_model(ns: argparse.Namespace) -> int:

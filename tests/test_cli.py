@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import signal
 import subprocess
 import sys
@@ -148,6 +149,26 @@ def test_up_hands_every_process_the_configs_it_was_given() -> None:
     assert router.prefill == router.decode == () and router.accept_registrations
     assert router.queue.queue == "redis://r:6379/0" and worker.register == ("http://127.0.0.1:8100",)
     assert options.supervisor_port == 8101 and options.prefill == up.Replicas(2, 2)
+
+
+@pytest.mark.parametrize(("extra", "bind"), [([], "127.0.0.1"), (["--host", "0.0.0.0"], "*"),
+                                            (["--prefill-policy", "kv-events", "--decode-policy", "least-loaded"],
+                                             "127.0.0.1")])
+def test_up_routing_by_kv_events_has_its_workers_publish_them(extra: list[str], bind: str) -> None:
+    """`--decode-policy kv-events` (or the prefill one) with no --kv-events-config: every worker
+    publishes on free ports of the address it serves on; a given config is left as it is."""
+    argv = ["up", "--decode-policy", "kv-events", *extra]
+    ns, engine_flags = build_parser().parse_known_args(argv)
+    options, router, worker, worker_flags = up_plan(ns, engine_flags)
+    child = build_parser().parse_args(up.CommandLines(options, router, worker, tuple(worker_flags), cpus=4)(
+        "decode", 9001, 1)[3:])
+    assert json.loads(child.kv_events_config) == {"enable_kv_cache_events": True, "publisher": "zmq",
+                                                  "endpoint": f"tcp://{bind}:0", "replay_endpoint": f"tcp://{bind}:0"}
+    given = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}'
+    ns, engine_flags = build_parser().parse_known_args([*argv, "--kv-events-config", given])
+    assert up_plan(ns, engine_flags)[3].count("--kv-events-config") == 1
+    ns, engine_flags = build_parser().parse_known_args(["up"])
+    assert "--kv-events-config" not in up_plan(ns, engine_flags)[3]
 
 
 def test_up_refuses_bad_flags_before_starting_anything(capsys: pytest.CaptureFixture[str]) -> None:
