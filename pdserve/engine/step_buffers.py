@@ -7,8 +7,9 @@ views keep their addresses from step to step (what a CUDA graph replays reads th
     ids[T] | positions[T] | slots[T] | decode rows[S] | prefix starts[S] | prefix ends[S] |
     lens[S] | tables[S, W]                       T = max tokens, S = max sequences, W = max blocks a sequence
 
-Sequences 0..d-1 of `lens`/`tables` are the step's decodes, then its prompt chunks over a cached
-prefix. A step fills the host buffer from its `StepPlan` (numpy, no torch op per request) and
+Sequences 0..d-1 of `lens`/`tables` are the step's decodes, then, from the next multiple of 4,
+its prompt chunks over a cached prefix (every region and table row 16-byte aligned: see __init__).
+A step fills the host buffer from its `StepPlan` (numpy, no torch op per request) and
 copies the regions' used part to the device at once: up to the last table row used, so a step
 that uses fewer sequences copies fewer rows. The attention metadata is then views, built once a
 step, not per request per layer. NOTE: the copy is asynchronous from pinned memory; before the
@@ -28,6 +29,11 @@ from pdserve.model.attention import KVQuant
 from pdserve.model.attention_backend import PagedMetadata
 
 PAD_SLOT = -1  # a row whose K/V is written nowhere (a CUDA graph's padding)
+_ALIGN = 4  # int32s in 16 bytes
+
+
+def _aligned(count: int) -> int:
+    return -(-count // _ALIGN) * _ALIGN
 
 
 class StepBuffers:
@@ -35,15 +41,19 @@ class StepBuffers:
                  splits: Callable[[int], int], kv_quant: KVQuant | None = None) -> None:
         """`splits(num_decodes)`: the split-KV parts of a decode batch (attention_backend.decode_splits);
         `kv_quant`: an FP8 pool's scales, passed on to every step's metadata."""
-        self.max_tokens, self.max_seqs, self.width = max_tokens, max_seqs, max_blocks_per_seq
+        self.max_tokens, self.max_seqs, self.max_blocks_per_seq = max_tokens, max_seqs, max_blocks_per_seq
         self.device = device
         self.splits = splits
         self.kv_quant = kv_quant
-        t, s = max_tokens, max_seqs
+        # NOTE: every region, every table row and the first prefix sequence start 16 bytes apart (4
+        # int32s): Triton specializes pointer arguments on 16-byte alignment, so an alignment that
+        # changed with the number of decodes compiled a new kernel variant in the middle of serving
+        self.width = _aligned(max_blocks_per_seq)
+        t, s = _aligned(max_tokens), _aligned(max_seqs) + _ALIGN
         self._offsets = {name: at for name, at in zip(
             ("ids", "positions", "slots", "rows", "starts", "ends", "lens", "tables"),
             np.cumsum([0, t, t, t, s, s, s, s]).tolist(), strict=True)}
-        size = self._offsets["tables"] + s * max_blocks_per_seq
+        size = self._offsets["tables"] + s * self.width
         on_gpu = device.type == "cuda"
         self.host = torch.zeros(size, dtype=torch.int32, pin_memory=on_gpu)
         self.device_buf = torch.zeros(size, dtype=torch.int32, device=device) if on_gpu else self.host
@@ -58,22 +68,26 @@ class StepBuffers:
         """The step's input ids, positions and metadata: views of the device buffer."""
         num_tokens, num_decodes = len(plan.token_ids), len(plan.decode_rows)
         prefix = [p for p in plan.prefills if p.context_len > p.end - p.start]
-        num_seqs = num_decodes + len(prefix)
-        if num_tokens > self.max_tokens or num_seqs > self.max_seqs:
+        first_prefix = _aligned(num_decodes) if prefix else num_decodes  # rows between: unused
+        num_seqs = first_prefix + len(prefix)
+        if num_tokens > self.max_tokens or num_decodes + len(prefix) > self.max_seqs:
             raise ValueError(f"a step of {num_tokens} tokens, {num_seqs} sequences exceeds the step buffers "
                              f"({self.max_tokens}, {self.max_seqs})")
         if self._copied is not None:
             self._copied.synchronize()  # NOTE: the previous step's copy has read the host buffer
         fill = self._np
-        for name, values in (("ids", plan.token_ids), ("positions", plan.positions), ("slots", plan.slots),
-                             ("rows", plan.decode_rows), ("lens", plan.decode_lens + [p.context_len for p in prefix]),
-                             ("starts", [p.start for p in prefix]), ("ends", [p.end for p in prefix])):
-            start = self._offsets[name]
+        for name, at, values in (("ids", 0, plan.token_ids), ("positions", 0, plan.positions),
+                                 ("slots", 0, plan.slots), ("rows", 0, plan.decode_rows),
+                                 ("lens", 0, plan.decode_lens), ("lens", first_prefix, [p.context_len for p in prefix]),
+                                 ("starts", 0, [p.start for p in prefix]), ("ends", 0, [p.end for p in prefix])):
+            start = self._offsets[name] + at
             fill[start:start + len(values)] = values
         tables = fill[self._offsets["tables"]:self._offsets["tables"] + num_seqs * self.width].reshape(-1, self.width)
-        for row, table in enumerate(plan.decode_tables + [p.block_ids for p in prefix]):
-            if len(table) > self.width:
-                raise ValueError(f"a block table of {len(table)} blocks exceeds the step buffers' {self.width}")
+        rows = [*range(num_decodes), *range(first_prefix, num_seqs)]
+        for row, table in zip(rows, plan.decode_tables + [p.block_ids for p in prefix], strict=True):
+            if len(table) > self.max_blocks_per_seq:
+                raise ValueError(f"a block table of {len(table)} blocks exceeds the step buffers' "
+                                 f"{self.max_blocks_per_seq}")
             tables[row, :len(table)] = table
         used = self._offsets["tables"] + num_seqs * self.width
         if self._copied is not None:
@@ -89,8 +103,8 @@ class StepBuffers:
             num_splits=self.splits(num_decodes),
             prefix_starts=self._region(buf, "starts", len(prefix)),
             prefix_ends=self._region(buf, "ends", len(prefix)),
-            prefix_tables=all_tables[num_decodes:],
-            prefix_lens=self._region(buf, "lens", len(prefix), at=num_decodes),
+            prefix_tables=all_tables[first_prefix:],
+            prefix_lens=self._region(buf, "lens", len(prefix), at=first_prefix),
             max_prefix_query_len=max((p.end - p.start for p in prefix), default=0),
             fresh_prefills=tuple((p.start, p.end) for p in plan.prefills if p.context_len == p.end - p.start),
             kv_quant=self.kv_quant,

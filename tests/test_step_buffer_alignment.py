@@ -1,0 +1,43 @@
+"""Triton specializes pointer arguments on 16-byte alignment: every int32 view the step buffers
+hand the kernels starts 16 bytes apart whatever the step (so the set of compiled variants stays
+bounded: no new variant in the middle of serving when the number of decodes changes)."""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.step_buffers import StepBuffers
+from pdserve.engine.step_plan import PlannedPrefill, StepPlan
+
+
+def _plan(num_decodes: int, num_prefix: int) -> StepPlan:
+    plan = StepPlan()
+    for i in range(num_decodes):
+        plan.token_ids.append(1)
+        plan.positions.append(5)
+        plan.slots.append(100 + i)
+        plan.decode_rows.append(i)
+        plan.decode_tables.append([i + 1, i + 2])
+        plan.decode_lens.append(6)
+    for i in range(num_prefix):
+        start = len(plan.token_ids)
+        plan.token_ids += [1, 2, 3]
+        plan.positions += [4, 5, 6]
+        plan.slots += [200 + 3 * i, 201 + 3 * i, 202 + 3 * i]
+        plan.prefills.append(PlannedPrefill(start, start + 3, 7, [40 + i, 50 + i]))
+    return plan
+
+
+def test_every_view_is_16_byte_aligned_whatever_the_step() -> None:
+    buffers = StepBuffers(max_tokens=37, max_seqs=9, max_blocks_per_seq=5, device=torch.device("cpu"),
+                          splits=lambda n: 1)
+    for num_decodes in range(0, 8):
+        for num_prefix in (1, 2):
+            ids, positions, meta = buffers.prepare(_plan(num_decodes, num_prefix))
+            views = (ids, positions, meta.slot_mapping, meta.decode_rows, meta.decode_tables, meta.decode_lens,
+                     meta.prefix_starts, meta.prefix_ends, meta.prefix_tables, meta.prefix_lens)
+            assert {v.data_ptr() % 16 for v in views} == {0}, (num_decodes, num_prefix)
+            assert meta.prefix_lens.tolist() == [7] * num_prefix
+            assert meta.prefix_tables[:, :2].tolist() == [[40 + i, 50 + i] for i in range(num_prefix)]
+            assert meta.decode_tables[:, :2].tolist() == [[i + 1, i + 2] for i in range(num_decodes)]
+            assert meta.decode_tables.stride(0) % 4 == 0
