@@ -4,8 +4,13 @@ bounded: no new variant in the middle of serving when the number of decodes chan
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+import pytest
 import torch
 
+from pdserve import LLM
 from pdserve.engine.step_buffers import StepBuffers
 from pdserve.engine.step_plan import PlannedPrefill, StepPlan
 
@@ -41,3 +46,19 @@ def test_every_view_is_16_byte_aligned_whatever_the_step() -> None:
             assert meta.prefix_tables[:, :2].tolist() == [[40 + i, 50 + i] for i in range(num_prefix)]
             assert meta.decode_tables[:, :2].tolist() == [[i + 1, i + 2] for i in range(num_decodes)]
             assert meta.decode_tables.stride(0) % 4 == 0
+
+
+def test_prefill_warm_up_writes_no_kv(model_dirs: dict[str, Path]) -> None:
+    """The start-up warm-up of the prefill kernels (CUDA: before serving) runs a mixed step on the
+    Triton path that leaves the pool as it was."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton kernels on CPU need the interpreter")
+    llm = LLM(model=str(model_dirs["tiny"]), device="cpu", dtype="float32", num_kv_blocks=16, block_size=4,
+              max_num_seqs=4, max_model_len=64)
+    runner = llm.engine.runner
+    runner.use_paged_step(graphs=True)
+    runner.kv_cache.normal_()
+    before = runner.kv_cache.clone()
+    runner.warm_up_prefill()
+    assert torch.equal(runner.kv_cache, before)

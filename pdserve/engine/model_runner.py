@@ -19,8 +19,8 @@ from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.lora_manager import LoRAManager
 from pdserve.engine.sampler import Sampler, prompt_logprobs
 from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.engine.step_buffers import StepBuffers
-from pdserve.engine.step_plan import StepPlan, plan_step
+from pdserve.engine.step_buffers import PAD_SLOT, StepBuffers
+from pdserve.engine.step_plan import PlannedPrefill, StepPlan, plan_step
 from pdserve.model.attention import (
     AttentionMetadata,
     DecodeBatch,
@@ -90,6 +90,8 @@ class ModelRunner:
             if self.decode_graphs is not None:
                 with torch.inference_mode():
                     self.decode_graphs.capture()
+            if config.tensor_parallel_size == 1:  # NOTE: TP ranks would each run collectives alone here
+                self.warm_up_prefill()
 
     def use_paged_step(self, graphs: bool) -> None:
         """Steps through the Triton backend: persistent step buffers, and with `graphs` decode steps
@@ -111,6 +113,17 @@ class ModelRunner:
                                         self.kv_quant)
         self.decode_graphs = DecodeGraphs(self.model, self.layer_caches, self.step_buffers, buckets) if graphs else None
         self.block_tables = BlockTables()
+
+    @torch.inference_mode()
+    def warm_up_prefill(self) -> None:
+        """One eager mixed step before serving (a decode, a chunk over a cached prefix, a fresh
+        prompt), so the first such step served does not stall on the Triton JIT (the prefix kernel
+        and the eager decode path compile here, as the decode buckets do at capture). It writes no
+        KV (every slot is PAD_SLOT) and reads block 0 only."""
+        plan = StepPlan(token_ids=[0] * 5, positions=[0, 1, 2, 0, 1], slots=[PAD_SLOT] * 5, decode_rows=[0],
+                        decode_tables=[[0]], decode_lens=[1],
+                        prefills=[PlannedPrefill(1, 3, 3, [0]), PlannedPrefill(3, 5, 2, [0])])
+        ModelRunner.run(self, plan)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, layer_done: Callable[[int], None] | None = None
