@@ -33,9 +33,10 @@ DEVICE = "cuda" if CUDA else "cpu"  # with a GPU, the kernels are compiled for i
 
 triton = pytest.importorskip("triton")
 
+from test_decode_attention import decode_plan  # noqa: E402
+
 from pdserve import LLM  # noqa: E402
 from pdserve.engine.cuda_graphs import pad_decode_plan  # noqa: E402
-from pdserve.engine.step_plan import StepPlan  # noqa: E402
 from pdserve.model import triton_attention  # noqa: E402
 from pdserve.model.demo_checkpoint import PRESETS, ModelShape, write_checkpoint  # noqa: E402
 
@@ -114,20 +115,6 @@ def counting_triton(counter: KernelCounter) -> Iterator[None]:
         yield
     finally:
         kernel_type.run = original  # type: ignore[method-assign]
-
-
-def decode_plan(decodes: list[tuple[list[int], int]], block_size: int) -> StepPlan:
-    plan = StepPlan()
-    for row, (table, context_len) in enumerate(decodes):
-        position = context_len - 1
-        plan.token_ids.append(100 + row)
-        plan.positions.append(position)
-        plan.slots.append(table[position // block_size] * block_size + position % block_size)
-        plan.decode_rows.append(row)
-        plan.decode_tables.append(table)
-        plan.decode_lens.append(context_len)
-        plan.sample_rows.append(row)
-    return plan
 
 
 def count_decode_layer(model_dir: Path, dtype: str = "float32", layer: int = 1) -> KernelCounter:
