@@ -55,6 +55,9 @@ def test_experts_sum_each_token_in_top_k_order_as_transformers_grouped_mm() -> N
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
+    # NOTE: one intra-op thread (conftest's), whatever an earlier test left: float32 GEMMs split
+    # their sums by thread count, differently in the two grouped kernels
+    torch.set_num_threads(1)
     experts, x, ids, weights = _experts()
     config = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=WIDTH, num_experts=E, num_experts_per_tok=K)
     config._experts_implementation = "grouped_mm"
