@@ -25,7 +25,7 @@ from pdserve.disagg.control import HandOff, OutputFrame, PrefillJob, ReserveRepl
 from pdserve.disagg.router.core import PDRouter, ServedModel
 from pdserve.disagg.router.memory_queue import MemoryPrefillQueue
 from pdserve.disagg.router.pool import WorkerPool
-from pdserve.disagg.worker import prefill_service
+from pdserve.disagg.worker import prefill_keepalives
 from pdserve.disagg.worker.prefill_service import PrefillService
 from pdserve.engine.async_llm import AsyncLLM
 from pdserve.engine.llm import LLM
@@ -55,7 +55,7 @@ def test_sequential_requests_take_no_avoidable_detour(model_dirs: dict[str, Path
     client for the keepalives, nor does each dashboard poll; prefill asks its engine thread for a
     generator's state only for a seeded request; outputs stay the colocated engine's."""
     keepalive_clients = _Counted(WorkerClient)
-    monkeypatch.setattr(prefill_service, "WorkerClient", keepalive_clients)
+    monkeypatch.setattr(prefill_keepalives, "WorkerClient", keepalive_clients)
     # NOTE: keepalives every 25 ms, so the keepalive task ends during each 100 ms pause below
     cluster = start_cluster(model_dirs["tiny"], "fake", 1, 1, timeout_s=0.05)
     try:
