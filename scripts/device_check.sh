@@ -19,9 +19,13 @@
 #      fused norm/RoPE/SiLU kernels, whichever exist), then the attention kernels alone
 #      (`python -m pdserve.bench.gpu_kernels`: split-KV decode in GB/s at head_dim 128, batch 1 and 64 x 4K
 #      and 32K, an FP8 pool too; the prefix kernel on a 2,048-token chunk over 16K against SDPA, TFLOPS).
-#      Not in it yet: capture of the 8B and MoE shapes with kernel counts under the profiler, step minus
-#      replay at long context, a mixed step against pure decode.
-# STAGES picks them (default "review correct floor timings validate served"); TIMINGS=0 is STAGES=correct. Every stage has its own time limit; logs and profiles go to $OUT (default ./device-out).
+#   0b. steps (after review, ~2-3 min; `python -m pdserve.sizing.gpu_steps STAGE`, random weights built on the
+#      GPU): capture of the qwen3-8b and small-moe shapes (graphs, seconds, pool MiB, replay against eager);
+#      one replayed decode step at batch 1 and 64 under torch.profiler (kernels per step and per layer, GEMM
+#      and other ms, idle gaps, against the HBM floor); long context (1x16K, 64x4K, 16x32K: whole step minus
+#      replay = host ms); one mixed step (64 decodes + a 2,048-token chunk) against those decodes alone.
+#      One table of them in gpu_steps.md. STAGES=plan is review and steps: the first GPU check (~6 min).
+# STAGES picks them (default "review steps correct floor timings validate served"); TIMINGS=0 is STAGES=correct. Every stage has its own time limit; logs and profiles go to $OUT (default ./device-out).
 # Python packages the machine lacks travel as wheels in ./.whl (docs/BENCHMARKS.md says which).
 set -u
 out=${OUT:-device-out}
@@ -46,8 +50,9 @@ stage() {  # stage NAME LIMIT_S COMMAND...: its output to $out/NAME.log, its tai
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 python3 -m pdserve.cli make-model "$ck/qwen3-0.6b" --preset qwen3-0.6b --device cuda >/dev/null || exit 1
-stages=${STAGES:-review correct floor timings validate served}
+stages=${STAGES:-review steps correct floor timings validate served}
 [ "${TIMINGS:-1}" = 1 ] || stages=correct
+stages=${stages/plan/review steps}
 has() { [[ " $stages " == *" $1 "* ]]; }
 printf '| stage | status | s | limit s |\n|---|---|---|---|\n' >"$out/summary.md"
 
@@ -55,6 +60,15 @@ printf '| stage | status | s | limit s |\n|---|---|---|---|\n' >"$out/summary.md
 if has review; then
 TAIL=30 stage triton-kernels-cuda 150 python3 -m pytest -q -p no:cacheprovider -rfs tests/test_triton_*.py
 TAIL=20 stage gpu-kernels 150 python3 -m pdserve.bench.gpu_kernels --save "$out/gpu_kernels.json"
+fi
+
+# NOTE: each step stage builds its model on the GPU in its own process (no checkpoint), under its own limit
+if has steps; then
+TAIL=8 stage steps-capture 75 python3 -m pdserve.sizing.gpu_steps capture --save "$out/steps-capture.json"
+TAIL=8 stage steps-profile 75 python3 -m pdserve.sizing.gpu_steps profile --save "$out/steps-profile.json"
+TAIL=8 stage steps-long 105 python3 -m pdserve.sizing.gpu_steps long --save "$out/steps-long.json"
+TAIL=8 stage steps-mixed 75 python3 -m pdserve.sizing.gpu_steps mixed --save "$out/steps-mixed.json"
+python3 -m pdserve.sizing.gpu_steps summary "$out"/steps-{capture,profile,long,mixed}.json >"$out/gpu_steps.md" 2>&1
 fi
 
 maker=
@@ -126,5 +140,6 @@ for streams in 1 16 64; do
 done
 fi
 nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
+if [ -s "$out/gpu_steps.md" ]; then echo "=== steps (gpu_steps.md)"; cat "$out/gpu_steps.md"; fi
 echo "=== stages (summary.md)"
 cat "$out/summary.md"

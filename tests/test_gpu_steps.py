@@ -1,0 +1,82 @@
+"""The GPU check's step stages (pdserve/sizing/gpu_steps.py, run by scripts/device_check.sh) run
+here at tiny shapes on CPU: the same runner, plans, eager buckets and profiler code as on a GPU
+(no graph captured, CPU ops profiled), so they cannot rot before a GPU runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # conftest.py: set when there is no GPU
+on_cpu = pytest.mark.skipif(not INTERPRETED, reason="the paged step's kernels on CPU need Triton's interpreter")
+
+
+def _run(stage: str, tmp_path: Path) -> list[dict]:
+    from pdserve.sizing.gpu_steps import main
+
+    assert main([stage, "--smoke", "--save", str(tmp_path / f"{stage}.json")]) == 0
+    return json.loads((tmp_path / f"{stage}.json").read_text())["results"]
+
+
+@pytest.mark.slow
+@on_cpu
+def test_capture_builds_both_presets_and_replays_as_eager(tmp_path: Path) -> None:
+    results = _run("capture", tmp_path)
+    assert [r["model"] for r in results] == ["tiny", "tiny-moe"]
+    assert all(r["values"]["graphs"] == r["values"]["expected"] == 0 for r in results)  # CPU: none captured
+    assert all(r["values"]["replay_vs_eager"] == 0.0 for r in results)
+
+
+@pytest.mark.slow
+@on_cpu
+def test_profile_counts_ops_per_step_against_the_floor(tmp_path: Path) -> None:
+    results = _run("profile", tmp_path)
+    assert [r["step"] for r in results] == ["decode 1 x 20", "decode 4 x 20"]
+    for r in results:
+        v = r["values"]
+        assert v["kernels"] > 2 * 10  # two layers of several ops each
+        assert v["per_layer"] == v["kernels"] / 2
+        assert 0 < v["gemm_ms"] <= v["busy_ms"] and v["other_ms"] == pytest.approx(v["busy_ms"] - v["gemm_ms"])
+        assert v["floor_ms"] > 0 and v["x_floor"] == pytest.approx(v["busy_ms"] / v["floor_ms"])
+    assert results[1]["values"]["floor_ms"] > results[0]["values"]["floor_ms"]  # more KV read
+
+
+@pytest.mark.slow
+@on_cpu
+def test_long_and_mixed_split_the_step(tmp_path: Path) -> None:
+    (long,) = _run("long", tmp_path)
+    v = long["values"]
+    assert v["step_ms"] > 0 and v["replay_ms"] > 0 and v["host_ms"] == pytest.approx(v["step_ms"] - v["replay_ms"])
+    (mixed,) = _run("mixed", tmp_path)
+    assert mixed["step"] == "4 x 20 decodes + 8 prompt"
+    m = mixed["values"]
+    assert min(m["mixed_ms"], m["decode_ms"], m["prompt_ms"]) > 0
+    assert m["mixed_minus_decode_ms"] == pytest.approx(m["mixed_ms"] - m["decode_ms"])
+
+
+def test_summary_tables_every_saved_stage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pdserve.sizing.gpu_steps import main
+
+    saved = {"hardware": "x", "results": [{"stage": "long", "model": "m", "step": "decode 1 x 8",
+                                           "values": {"step_ms": 2.5, "graphs": 7.0}}]}
+    (tmp_path / "long.json").write_text(json.dumps(saved))
+    assert main(["summary", str(tmp_path / "long.json"), str(tmp_path / "missing.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| long  | m     | decode 1 x 8 | step_ms 2.5, graphs 7 |" in out
+
+
+def test_device_check_runs_every_stage() -> None:
+    """scripts/device_check.sh runs each stage under its own limit, then the summary of their files."""
+    import re
+
+    from pdserve.sizing.gpu_steps import STAGES
+
+    script = (Path(__file__).resolve().parents[1] / "scripts" / "device_check.sh").read_text()
+    run = re.findall(r"python3 -m pdserve\.sizing\.gpu_steps (\w+)", script)
+    assert run == [*STAGES, "summary"], run
+    assert all(f'"$out/steps-{stage}.json"' in script for stage in STAGES)
