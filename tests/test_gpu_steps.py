@@ -80,3 +80,17 @@ def test_device_check_runs_every_stage() -> None:
     run = re.findall(r"python3 -m pdserve\.sizing\.gpu_steps (\w+)", script)
     assert run == [*STAGES, "summary"], run
     assert all(f'"$out/steps-{stage}.json"' in script for stage in STAGES)
+
+
+def test_a_model_that_captures_fewer_graphs_than_buckets_fails_the_stage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MoE preset must capture every bucket now: a short count is the stage's failure, not a row."""
+    from pdserve.sizing import gpu_steps
+
+    def short(ns: object, setup: object) -> list[gpu_steps.Result]:
+        return [gpu_steps.Result("capture", "small-moe", "buckets 1,2", {"graphs": 0.0, "expected": 2.0}),
+                gpu_steps.Result("capture", "qwen3-8b", "buckets 1,2", {"graphs": 2.0, "expected": 2.0})]
+
+    monkeypatch.setitem(gpu_steps.STAGES, "capture", short)
+    assert gpu_steps.main(["capture", "--smoke"]) == 1
+    monkeypatch.setitem(gpu_steps.STAGES, "capture", lambda ns, setup: short(ns, setup)[1:])
+    assert gpu_steps.main(["capture", "--smoke"]) == 0
