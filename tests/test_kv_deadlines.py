@@ -22,7 +22,7 @@ from pdserve.disagg.transport import cadence
 from pdserve.disagg.transport.cadence import Cadence, StepClock, deadline_s
 from pdserve.disagg.transport.errors import KVTransferTimeout
 from pdserve.disagg.transport.messages import KVDone, KVProgress
-from pdserve.disagg.transport.progress import EventBox
+from pdserve.disagg.transport.progress import AckTracker, EventBox
 from pdserve.disagg.worker.decode_service import DecodeService
 from pdserve.disagg.worker.prefill_service import PrefillService
 from pdserve.engine.async_llm import EngineDeadError
@@ -51,6 +51,51 @@ def test_the_deadline_is_a_multiple_of_the_announced_step_time_or_of_the_gaps_se
     assert seen.timeout_s(30.0, announced_s=60.0) == 30.0  # a floor above the cap wins
     for insane in (-1.0, math.inf, math.nan):  # what a peer says is not trusted blindly
         assert deadline_s(FLOOR_S, insane) == FLOOR_S
+
+
+def test_a_peer_not_heard_from_yet_gets_the_first_contact_allowance_until_its_first_gap() -> None:
+    clock = _Clock()
+    fresh = Cadence(clock, first_contact_s=cadence.FIRST_CONTACT_S)
+    assert fresh.timeout_s(FLOOR_S) == pytest.approx(cadence.FACTOR * cadence.FIRST_CONTACT_S)
+    clock.now += 600.0  # NOTE: not decayed: it holds until the peer is heard from, however late
+    assert fresh.timeout_s(FLOOR_S) == pytest.approx(cadence.FACTOR * cadence.FIRST_CONTACT_S)
+    fresh.timed_out(cadence.FACTOR * cadence.FIRST_CONTACT_S)  # silence from the start teaches no pace
+    assert fresh.timeout_s(FLOOR_S) == pytest.approx(cadence.FACTOR * cadence.FIRST_CONTACT_S)
+    fresh.saw(0.01)  # from the first sign of progress on, only what the peer did counts
+    assert fresh.timeout_s(FLOOR_S) == FLOOR_S
+
+
+def test_the_first_acknowledgements_of_a_new_decode_peer_may_come_slower_than_the_floor() -> None:
+    """A sender's first hand-off to a decode worker that has decoded nothing yet: its first
+    acknowledgement comes 3 floors late (its engine starting its first steps on a busy machine).
+    That is no timeout; a peer that never acknowledges still times out, after FACTOR x
+    FIRST_CONTACT_S; and once heard from, the floor is back."""
+    async def scenario() -> tuple[float, float]:
+        acks = AckTracker()
+        acks.sent_layer("first")
+        loop = asyncio.get_running_loop()
+        loop.call_later(3 * FLOOR_S, acks.acked, "first")
+        started = time.monotonic()
+        await acks.flush("first", FLOOR_S)
+        slow_first_s = time.monotonic() - started
+        acks.sent_done("first")
+        acks.acked("first")
+        await acks.flush("first", FLOOR_S)
+        return slow_first_s, acks.cadence.timeout_s(FLOOR_S)
+
+    slow_first_s, learned_s = asyncio.run(scenario())
+    assert slow_first_s >= 3 * FLOOR_S
+    assert learned_s == pytest.approx(cadence.FACTOR * 3 * FLOOR_S, rel=0.5)  # what it did, not the allowance
+
+    async def silent() -> float:
+        acks = AckTracker()
+        acks.sent_layer("never")
+        started = time.monotonic()
+        with pytest.raises(KVTransferTimeout):
+            await acks.flush("never", FLOOR_S)
+        return time.monotonic() - started
+
+    assert cadence.FACTOR * cadence.FIRST_CONTACT_S <= asyncio.run(silent()) < cadence.CAP_S
 
 
 def test_the_step_clock_counts_the_running_step_from_when_work_reached_an_idle_engine() -> None:

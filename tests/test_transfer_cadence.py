@@ -103,9 +103,17 @@ def test_a_receiver_slow_to_acknowledge_lately_does_not_time_the_flush_out() -> 
     asyncio.run(scenario())
 
 
+def _heard_from() -> AckTracker:
+    """A tracker whose receiver acknowledged once at once: past its first-contact allowance."""
+    acks = AckTracker()
+    acks.sent_layer("hello")
+    acks.acked("hello")
+    return acks
+
+
 def test_a_receiver_that_never_acknowledges_still_times_the_flush_out() -> None:
     async def scenario() -> float:
-        acks = AckTracker()
+        acks = _heard_from()
         acks.sent_layer("r")
         start = time.monotonic()
         with pytest.raises(KVTransferTimeout):
@@ -116,10 +124,11 @@ def test_a_receiver_that_never_acknowledges_still_times_the_flush_out() -> None:
 
 
 def test_a_timed_out_wait_and_its_late_acknowledgement_lengthen_the_next_deadline() -> None:
-    """The first wait gives up at the floor; the acknowledgement that comes 300 ms later shows the
-    peer was slow, not gone: the next flush waits for a 300 ms acknowledgement."""
+    """The first wait (on a receiver heard from, quick so far) gives up at the floor; the
+    acknowledgement that comes 300 ms later shows the peer was slow, not gone: the next flush waits
+    for a 300 ms acknowledgement."""
     async def scenario() -> None:
-        acks = AckTracker()
+        acks = _heard_from()
         acks.sent_layer("a")
         with pytest.raises(KVTransferTimeout):
             await acks.flush("a", FLOOR_S)

@@ -20,6 +20,12 @@ the longest gap seen (`Cadence.timeout_s`'s `announced_s`). A chunk that takes s
 machine stretches the deadline while it runs, from the first request on. A hung engine stops the
 keepalives (its step runs past `StepClock.stuck`), a dead one ends its attempts: the peer goes
 silent, and the last deadline it announced, capped, ends the wait.
+
+A peer never heard from has neither history nor an announcement: the first hand-off to a decode
+worker that has decoded nothing yet (its first acknowledgements come while its engine starts its
+first steps) timed out at the bare floor on a busy machine. So a cadence made with `first_contact_s`
+takes that as its longest gap until it sees the first real one: the first waits on a new peer get
+`FACTOR` times it (2 s), and from the first sign of progress on only what the peer did counts.
 """
 
 from __future__ import annotations
@@ -34,17 +40,20 @@ HALF_LIFE_S = 60.0  # the longest gap seen halves in this long
 CAP_S = 10.0  # never wait longer than this for a sign of progress (unless the floor says so)
 STEP_HALF_LIFE_S = 5.0  # an engine's longest recent step halves in this long (what keepalives announce)
 ENGINE_STUCK_S = 30.0  # an engine step running this long is a hung engine: no keepalive vouches for it
+FIRST_CONTACT_S = 0.5  # the gap assumed of a peer not heard from yet (its first waits: FACTOR times it)
 
 
 class Cadence:
     """A decaying maximum of the gaps between signs of progress; thread-safe."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, half_life_s: float = HALF_LIFE_S) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, half_life_s: float = HALF_LIFE_S,
+                 first_contact_s: float = 0.0) -> None:
         self._clock = clock
         self._half_life_s = half_life_s
         self._lock = threading.Lock()
         self._gap_s = 0.0
         self._at = self._clock()
+        self._unheard_s = first_contact_s  # until the first sign of progress: the gap assumed (then 0)
 
     def saw(self, gap_s: float) -> None:
         """A sign of progress came `gap_s` after the previous one (of the same transfer)."""
@@ -52,16 +61,21 @@ class Cadence:
         with self._lock:
             self._gap_s = max(gap_s, self._decayed(now))
             self._at = now
+            self._unheard_s = 0.0
 
     def timed_out(self, waited_s: float) -> None:
         """A wait gave up after `waited_s`: the peer went at least that long without progress. If
         it was only slow, the next wait is longer (FACTOR times); if it is gone, its connection or
-        the lease ends what is left, and the longer deadline decays away."""
+        the lease ends what is left, and the longer deadline decays away. A peer never heard from
+        teaches nothing by its silence: its next wait gets the first-contact allowance again."""
+        with self._lock:
+            if self._unheard_s > 0:
+                return
         self.saw(waited_s)
 
     def longest_gap_s(self) -> float:
         with self._lock:
-            return self._decayed(self._clock())
+            return max(self._decayed(self._clock()), self._unheard_s)
 
     def timeout_s(self, floor_s: float, announced_s: float = 0.0) -> float:
         """How long a wait for the next sign of progress may take: `floor_s` at least, `FACTOR`

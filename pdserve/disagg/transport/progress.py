@@ -16,7 +16,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.disagg.transport.cadence import STEP_HALF_LIFE_S, Cadence
+from pdserve.disagg.transport.cadence import FIRST_CONTACT_S, STEP_HALF_LIFE_S, Cadence
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.disagg.transport.messages import KVDone, KVEvent, KVRejected
 
@@ -204,7 +204,8 @@ class AckTracker:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._requests: dict[str, _Outstanding] = {}
-        self.cadence = Cadence()  # how long the receiver takes to acknowledge: the flush timeout's scale
+        # how long the receiver takes to acknowledge: the flush timeout's scale (a new one: FIRST_CONTACT_S)
+        self.cadence = Cadence(first_contact_s=FIRST_CONTACT_S)
         self._late: OrderedDict[str, float] = OrderedDict()  # timed-out requests -> their last progress
 
     def sent_layer(self, request_id: str) -> None:

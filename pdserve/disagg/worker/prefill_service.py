@@ -40,7 +40,7 @@ from pdserve.disagg.control import FirstToken, HandOff, Placement, PrefillJob
 from pdserve.disagg.handoff import HandOffDone
 from pdserve.disagg.phases import PrefillPhases
 from pdserve.disagg.prompt_logprobs_wire import pack
-from pdserve.disagg.transport.cadence import Cadence
+from pdserve.disagg.transport.cadence import FIRST_CONTACT_S, Cadence
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.disagg.transport.progress import TIMEOUT_MESSAGE
 from pdserve.disagg.worker.kv_side import SenderHandles
@@ -110,7 +110,8 @@ class PrefillService:
         self.kv = kv
         self.transfer_timeout_s = transfer_timeout_s
         self.placement_timeout_s = max(placement_timeout_s, transfer_timeout_s)  # NOTE: never less than that
-        self.placements = Cadence()  # how long unplaced jobs wait for their placement lately
+        # how long unplaced jobs wait for their placement lately (before the first: FIRST_CONTACT_S)
+        self.placements = Cadence(first_contact_s=FIRST_CONTACT_S)
         self.draining = False
         self._attempts: dict[str, _Attempt] = {}  # transfer id -> its record
         self._submitting: dict[str, str] = {}  # transfer id -> its decode URL, while the engine takes the job
