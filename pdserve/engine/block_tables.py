@@ -12,7 +12,7 @@ NOTE: a request's block list only grows while it keeps running; everything that 
 (preemption, swap in, a disk load's truncation) either replaces the list object or happens while
 the request is out of the step. So a row is reused only for the very same list object, at most as
 long as it is, whose last copied id is still there, and only for requests in consecutive steps
-(`retain` drops the others); anything else rebuilds the row from the list (once, O(context)).
+(`end_step` drops the others); anything else rebuilds the row from the list (once, O(context)).
 """
 
 from __future__ import annotations
@@ -31,35 +31,58 @@ class _Row:
     source: list[int]  # the request's block list this row copies (identity, not value)
     array: np.ndarray  # int32 [capacity]
     count: int  # ids copied so far
+    last: int  # the last id copied (-1: none), compared without reading the array back
+    step: int  # the last step (`end_step` count) that asked for this row
 
 
 class BlockTables:
     def __init__(self) -> None:
         self._rows: dict[str, _Row] = {}
+        self._step = 0
+        self._num_used = 0  # rows asked for in this step
 
     def __len__(self) -> int:
         return len(self._rows)
 
-    def table(self, request: Request) -> np.ndarray:
-        """The request's block ids (int32, a view valid until the next call for this request)."""
+    def table(self, request: Request, num_blocks: int | None = None) -> np.ndarray:
+        """The request's block ids, or the first `num_blocks` of them (int32, a view valid until the
+        next call for this request)."""
         blocks = request.block_ids
-        num_blocks = len(blocks)
+        held = len(blocks)
         row = self._rows.get(request.request_id)
-        if (row is None or row.source is not blocks or row.count > num_blocks
-                or (row.count and row.array[row.count - 1] != blocks[row.count - 1])):  # NOTE: rewritten in place
-            array = np.empty(max(_MIN_CAPACITY, 2 * num_blocks), dtype=np.int32)
-            array[:num_blocks] = blocks
-            row = self._rows[request.request_id] = _Row(blocks, array, num_blocks)
-        elif num_blocks > row.count:
-            if num_blocks > len(row.array):
-                grown = np.empty(2 * num_blocks, dtype=np.int32)
+        if (row is None or row.source is not blocks or row.count > held
+                or (row.count and row.last != blocks[row.count - 1])):  # NOTE: rewritten in place
+            array = np.empty(max(_MIN_CAPACITY, 2 * held), dtype=np.int32)
+            array[:held] = blocks
+            row = self._rows[request.request_id] = _Row(blocks, array, held, blocks[-1] if held else -1, -1)
+        elif held > row.count:
+            if held > len(row.array):
+                grown = np.empty(2 * held, dtype=np.int32)
                 grown[:row.count] = row.array[:row.count]
                 row.array = grown
-            row.array[row.count:num_blocks] = blocks[row.count:]
-            row.count = num_blocks
-        return row.array[:num_blocks]
+            if held == row.count + 1:  # NOTE: the usual case, a decode's new block: no list slice
+                row.array[row.count] = blocks[row.count]
+            else:
+                row.array[row.count:held] = blocks[row.count:]
+            row.count, row.last = held, blocks[-1]
+        if row.step != self._step:
+            row.step = self._step
+            self._num_used += 1
+        return row.array[:held if num_blocks is None else num_blocks]
+
+    def end_step(self) -> None:
+        """Drop the rows no `table` call of this step asked for (finished and paused requests);
+        O(1) when every row was asked for, as in a steady decode."""
+        if self._num_used != len(self._rows):
+            step = self._step
+            for request_id in [r for r, row in self._rows.items() if row.step != step]:
+                del self._rows[request_id]
+        self._step += 1
+        self._num_used = 0
 
     def retain(self, request_ids: set[str]) -> None:
-        """Keep the rows of these requests only (this step's), dropping finished and paused ones."""
+        """Keep the rows of these requests only, dropping the others."""
         for request_id in [r for r in self._rows if r not in request_ids]:
-            del self._rows[request_id]
+            row = self._rows.pop(request_id)
+            if row.step == self._step:
+                self._num_used -= 1

@@ -107,6 +107,7 @@ class RequestState:
     metrics: RequestMetrics = field(init=False)
     num_cached_tokens: int = field(init=False, default=0)
     prompt_logprobs: list[PromptLogprobs | None] | None = field(init=False, default=None)
+    num_unfinished: int = field(init=False)  # sequences without a finish reason (`finished`: O(1) a step)
 
     def __post_init__(self) -> None:
         # NOTE: a resumed request's text starts where its client's text stopped (SamplingParams.text_prefix)
@@ -117,6 +118,7 @@ class RequestState:
         if not self.detokenize:
             self.stop = ()
         self.metrics = RequestMetrics(self.arrival_time)
+        self.num_unfinished = self.n
 
     @classmethod
     def of_request(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
@@ -127,20 +129,23 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.sequences)
+        return not self.num_unfinished
 
     def add_token(self, index: int, token_id: int, logprobs: TokenLogprobs | None) -> str | None:
         """Record a sampled token; returns the stop string if the text now contains one."""
         seq = self.sequences[index]
-        if self.metrics.first_token_time is None:
-            self.metrics.first_token_time = time.monotonic()
+        metrics = self.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = time.monotonic()
         seq.token_ids.append(token_id)
-        if seq.logprobs is not None and logprobs is not None:
+        if logprobs is not None and seq.logprobs is not None:
             seq.logprobs.append(logprobs)
         if not self.detokenize:
             return None
         new_text = seq.detokenizer.push(token_id)
-        if not new_text or not self.stop or len(seq.token_ids) < self.min_tokens:
+        if not new_text:
+            return None
+        if not self.stop or len(seq.token_ids) < self.min_tokens:
             seq.text += new_text
             return None
         search_from = max(0, len(seq.text) - self.holdback)
@@ -160,16 +165,19 @@ class RequestState:
             seq.text += seq.detokenizer.flush()
         seq.finish_reason = reason.value
         seq.stop_reason = stop_reason
+        self.num_unfinished -= 1
         if self.finished:
             self.metrics.finished_time = time.monotonic()
 
     def snapshot(self) -> RequestOutput:
+        holdback = self.holdback
         outputs = []
         for index, seq in enumerate(self.sequences):
             text = seq.text
-            if seq.finish_reason is None and self.holdback:
-                text = text[: max(0, len(text) - self.holdback)]
-            outputs.append(CompletionOutput(index, text, list(seq.token_ids), seq.finish_reason, seq.stop_reason,
-                                            list(seq.logprobs) if seq.logprobs is not None else None))
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
+            if holdback and seq.finish_reason is None:
+                text = text[: max(0, len(text) - holdback)]
+            logprobs = seq.logprobs
+            outputs.append(CompletionOutput(index, text, seq.token_ids[:], seq.finish_reason, seq.stop_reason,
+                                            None if logprobs is None else logprobs[:]))
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, not self.num_unfinished,
                              self.num_cached_tokens, self.metrics, self.prompt_logprobs)

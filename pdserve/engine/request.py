@@ -131,15 +131,17 @@ class Request:
     def check_stop(self) -> RequestStatus | None:
         """Token-level stop conditions after a token was appended (stop strings live in the
         output processor, which sees text)."""
-        last = self.all_token_ids[-1]
+        token_ids, params = self.all_token_ids, self.params
+        last = token_ids[-1]
         if self.matcher is not None and (self.matcher.is_stopped() or self.matcher.is_error()):
             return RequestStatus.FINISHED_STOPPED  # the grammar ended (or, above, could not go on)
-        if self.num_output_tokens >= self.params.min_tokens:
-            if not self.params.ignore_eos and last in self.eos_token_ids:
+        num_tokens = len(token_ids)
+        if num_tokens - len(self.prompt_token_ids) >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-            if last in self.params.stop_token_ids:
+            if params.stop_token_ids and last in params.stop_token_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
-        if self.num_tokens >= self.max_total_tokens:
+        if num_tokens >= self.max_total_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -82,6 +82,7 @@ class Scheduler:
         self.num_cannot_allocate = 0  # requests refused as "Cannot allocate for request" (never fit)
         self._no_block_logged_at = float("-inf")
         self.max_loras = 0  # LoRA adapters one step may mix (the runner's slots); 0: no LoRA served
+        self._decode_chunks: dict[str, ScheduledChunk] = {}  # see _decode_chunk; dropped by `finish`
 
     def _lora_fits(self, request: Request) -> bool:
         """Whether `request` may join the running ones without their steps mixing more LoRA adapters
@@ -128,9 +129,18 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        running, chunks, block_size = self.running, out.chunks, self.kv.block_size
+        while index < len(running) and budget > 0:
+            request = running[index]
+            computed = request.num_computed_tokens
+            num_new = min(len(request.all_token_ids) - computed, budget)
+            if num_new == 1 and computed < len(request.block_ids) * block_size:
+                # NOTE: the steady decode: its token fits the blocks it holds, so `allocate` would
+                # change nothing (the exact test it makes); per request per step, kept to a minimum
+                chunks.append(self._decode_chunk(request))
+                budget -= 1
+                index += 1
+                continue
             while not self.kv.allocate(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim, out)
@@ -141,6 +151,14 @@ class Scheduler:
                 budget -= num_new
                 index += 1
         return budget
+
+    def _decode_chunk(self, request: Request) -> ScheduledChunk:
+        """`ScheduledChunk(request, 1)`, made once per request (it is immutable): a decode step
+        reuses last step's instead of building one per request per step."""
+        chunk = self._decode_chunks.get(request.request_id)
+        if chunk is None or chunk.request is not request:
+            chunk = self._decode_chunks[request.request_id] = ScheduledChunk(request, 1)
+        return chunk
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.num_preemptions += 1
@@ -268,10 +286,13 @@ class Scheduler:
         """Advance computed counts, append sampled tokens, finish what stopped. Returns the
         requests that got a new token this step (finished ones included)."""
         updated = []
+        kv = self.kv
+        caching, block_size = kv.pool.enable_caching, kv.block_size
         for chunk in out.chunks:
             request = chunk.request
-            request.num_computed_tokens += chunk.num_new_tokens
-            self.kv.cache_computed_blocks(request)
+            computed = request.num_computed_tokens = request.num_computed_tokens + chunk.num_new_tokens
+            if caching and computed // block_size > request.num_indexed_blocks:  # NOTE: what the call tests first
+                kv.cache_computed_blocks(request)
             token = sampled.get(request.request_id)
             if token is None:
                 continue
@@ -306,6 +327,7 @@ class Scheduler:
             self.kv.free(request)
         request.status = status
         del self.requests[request.request_id]
+        self._decode_chunks.pop(request.request_id, None)
 
     def release(self, request_id: str) -> None:
         """Prefill role: the KV hand-off of a finished request is over; free its blocks."""

@@ -56,36 +56,49 @@ def plan_step(out: SchedulerOutput, block_size: int, tables: BlockTables | None 
               ) -> tuple[StepPlan, list[Request], list[tuple[Request, int]]]:
     """The plan, the requests that sample, in `sample_rows` order, and for each of `prompt_rows`
     the request and the position of the prompt token whose logprob its logits give. With `tables`
-    a decode's block table is a view of its persistent row (O(new blocks)), not a list copy."""
+    a decode's block table is a view of its persistent row (O(new blocks)), not a list copy.
+    NOTE: runs once per request per step: a decode takes the shortest path (no slices, no ranges)."""
     bs = block_size
     plan = StepPlan(blocks_to_swap_out=out.blocks_to_swap_out, blocks_to_swap_in=out.blocks_to_swap_in)
     samplers: list[Request] = []
     targets: list[tuple[Request, int]] = []
+    token_ids, positions, slots, sample_rows = plan.token_ids, plan.positions, plan.slots, plan.sample_rows
+    decode_rows, decode_tables, decode_lens = plan.decode_rows, plan.decode_tables, plan.decode_lens
+    table = None if tables is None else tables.table
     for chunk in out.chunks:
-        request, start, num_new = chunk.request, chunk.request.num_computed_tokens, chunk.num_new_tokens
-        row = len(plan.token_ids)
-        end = start + num_new
-        plan.token_ids.extend(request.all_token_ids[start:end])
-        plan.positions.extend(range(start, end))
-        blocks = request.block_ids
-        plan.slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+        request, num_new = chunk.request, chunk.num_new_tokens
+        start = request.num_computed_tokens
+        row, end, blocks, all_ids = len(token_ids), start + num_new, request.block_ids, request.all_token_ids
+        if num_new == 1:
+            token_ids.append(all_ids[start])
+            positions.append(start)
+            slots.append(blocks[start // bs] * bs + start % bs)
+            decode_rows.append(row)
+            num_blocks = start // bs + 1
+            decode_tables.append(blocks[:num_blocks] if table is None else table(request, num_blocks))
+            decode_lens.append(end)
+        else:
+            token_ids.extend(all_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            plan.prefills.append(PlannedPrefill(row, row + num_new, end, blocks[: -(-end // bs)]))
         if request.params.lora_name is not None:
             plan.lora_spans.append((row, row + num_new, request.params.lora_name))
-        if num_new == 1:
-            plan.decode_rows.append(row)
-            num_blocks = -(-end // bs)
-            plan.decode_tables.append(blocks[:num_blocks] if tables is None else tables.table(request)[:num_blocks])
-            plan.decode_lens.append(end)
-        else:
-            plan.prefills.append(PlannedPrefill(row, row + num_new, end, blocks[: -(-end // bs)]))
-        if chunk.samples:
-            plan.sample_rows.append(row + num_new - 1)
+        if end == len(all_ids):  # the chunk samples (`ScheduledChunk.samples`)
+            sample_rows.append(row + num_new - 1)
             samplers.append(request)
         if request.prompt_logprobs is not None:
-            # row of position p predicts token p + 1; those already collected (before a preemption) are skipped
-            for p in range(max(start, len(request.prompt_logprobs) - 1), min(end, request.num_prompt_tokens - 1)):
-                plan.prompt_rows.append(row + p - start)
-                targets.append((request, p + 1))
+            _plan_prompt_rows(plan, targets, request, row, start, end)
     if tables is not None:
-        tables.retain({chunk.request.request_id for chunk in out.chunks})
+        tables.end_step()
     return plan, samplers, targets
+
+
+def _plan_prompt_rows(plan: StepPlan, targets: list[tuple[Request, int]], request: Request, row: int, start: int,
+                      end: int) -> None:
+    """The rows of this chunk whose logits give prompt logprobs: the row of position p predicts
+    token p + 1; those already collected (before a preemption) are skipped."""
+    assert request.prompt_logprobs is not None
+    for p in range(max(start, len(request.prompt_logprobs) - 1), min(end, request.num_prompt_tokens - 1)):
+        plan.prompt_rows.append(row + p - start)
+        targets.append((request, p + 1))
