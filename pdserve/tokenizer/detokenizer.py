@@ -20,9 +20,15 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._text = self._decoder.decode(prefix)
+        self._pieces = [self._decoder.decode(prefix)]  # NOTE: joined on reading `text`: a push is O(1)
 
     def push(self, token_id: int) -> str:
+        if not self._decoder.buffer:  # NOTE: nothing pending: a token of whole characters is its cached text
+            text = self._tokenizer.token_text(token_id, self._skip_special_tokens)
+            if text is not None:
+                if text:
+                    self._pieces.append(text)
+                return text
         return self._emit(self._decoder.decode(self._tokenizer.token_bytes(token_id, self._skip_special_tokens)))
 
     def flush(self) -> str:
@@ -31,10 +37,11 @@ class IncrementalDetokenizer:
 
     @property
     def text(self) -> str:
-        return self._text
+        return "".join(self._pieces)
 
     def _emit(self, piece: str) -> str:
-        self._text += piece
+        if piece:
+            self._pieces.append(piece)
         return piece
 
 

@@ -96,6 +96,9 @@ class Tokenizer:
         self._backend = backend
         self.eos_token_ids = eos_token_ids
         self.chat_template = chat_template
+        # token id -> its text, when its bytes are whole UTF-8 characters ("": none), else None; one
+        # dict per skip_special_tokens value. Filled as tokens are decoded, bounded by the vocabulary.
+        self._texts: tuple[dict[int, str | None], dict[int, str | None]] = ({}, {})
 
     @property
     def vocab_size(self) -> int:
@@ -112,6 +115,22 @@ class Tokenizer:
         if skip_special_tokens and self.is_special(token_id):
             return b""
         return self._backend.raw_bytes(token_id)
+
+    def token_text(self, token_id: int, skip_special_tokens: bool = True) -> str | None:
+        """The text of one token when its bytes (`token_bytes`) are whole UTF-8 characters, else
+        None (a partial character: an incremental decoder must buffer it). Cached: an incremental
+        detokenizer asks once per generated token."""
+        texts = self._texts[skip_special_tokens]
+        try:
+            return texts[token_id]
+        except KeyError:
+            pass
+        try:
+            text: str | None = self.token_bytes(token_id, skip_special_tokens).decode("utf-8")
+        except UnicodeDecodeError:
+            text = None
+        texts[token_id] = text
+        return text
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._backend.special_ids
