@@ -128,19 +128,23 @@ def count_decode_layer(model_dir: Path, dtype: str = "float32", layer: int = 1) 
     counter = KernelCounter()
     target = runner.model.layers[layer]
 
-    def start(*_: Any) -> None:
+    pre_attention, post_attention = target.pre_attention, target.post_attention
+
+    def start(*args: Any) -> Any:  # the layer runs from its pre-attention piece to its post-attention one
         counter.active = True
+        return pre_attention(*args)
 
-    def stop(*_: Any) -> None:
+    def stop(*args: Any) -> Any:
+        out = post_attention(*args)
         counter.active = False
+        return out
 
-    hooks = [target.register_forward_pre_hook(start), target.register_forward_hook(stop)]
+    target.pre_attention, target.post_attention = start, stop
     try:
         with torch.inference_mode(), counting_triton(counter), counter:
             runner.model(input_ids, positions, runner.layer_caches, meta)
     finally:
-        for hook in hooks:
-            hook.remove()
+        del target.pre_attention, target.post_attention
     return counter
 
 

@@ -17,6 +17,7 @@ from pdserve.engine.cuda_graphs import DecodeGraphs, bucket_for, decode_buckets
 from pdserve.engine.host_memory import zeroed_pages
 from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.lora_manager import LoRAManager
+from pdserve.engine.piecewise_graphs import PiecewiseGraphs, token_buckets
 from pdserve.engine.sampler import Sampler, prompt_logprobs
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.step_buffers import PAD_SLOT, StepBuffers
@@ -83,20 +84,23 @@ class ModelRunner:
         # the Triton backend (CUDA): persistent step buffers, decode from CUDA graphs (model/attention_backend.py)
         self.step_buffers: StepBuffers | None = None
         self.decode_graphs: DecodeGraphs | None = None
+        self.piecewise_graphs: PiecewiseGraphs | None = None  # other steps: attention eager between graphs
         self.block_tables: BlockTables | None = None  # with step buffers: the decodes' persistent tables
         if select_backend(self.device).name == "triton":
             graphs = not config.enforce_eager and config.tensor_parallel_size == 1
             self.use_paged_step(graphs)
-            if self.decode_graphs is not None:
-                with torch.inference_mode():
-                    self.decode_graphs.capture()
+            with torch.inference_mode():
+                for step_graphs in (self.decode_graphs, self.piecewise_graphs):
+                    if step_graphs is not None:
+                        step_graphs.capture()
             if config.tensor_parallel_size == 1:  # NOTE: TP ranks would each run collectives alone here
                 self.warm_up_prefill()
 
     def use_paged_step(self, graphs: bool) -> None:
         """Steps through the Triton backend: persistent step buffers, and with `graphs` decode steps
-        padded to their bucket (engine/cuda_graphs.py: replayed once captured, eager until then,
-        as on CPU where the tests take this path)."""
+        padded to their bucket (engine/cuda_graphs.py), other steps to their token bucket
+        (engine/piecewise_graphs.py): replayed once captured, eager until then, as on CPU where the
+        tests take this path."""
         sched, m = self.config.scheduler, self.model.cfg
         if self.device.type == "cuda":
             programs = torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -112,6 +116,8 @@ class ModelRunner:
                                         -(-sched.max_model_len // self.block_size), self.device, splits,
                                         self.kv_quant)
         self.decode_graphs = DecodeGraphs(self.model, self.layer_caches, self.step_buffers, buckets) if graphs else None
+        self.piecewise_graphs = PiecewiseGraphs(self.model, self.layer_caches, self.step_buffers,
+                                                token_buckets(sched.max_num_batched_tokens)) if graphs else None
         self.block_tables = BlockTables()
 
     @torch.inference_mode()
@@ -151,6 +157,8 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.prepare(lora_rows(plan))
         hidden = None if self.decode_graphs is None else self.decode_graphs.run(plan, layer_done)
+        if hidden is None and self.piecewise_graphs is not None:  # mixed, prefill, KV-streaming steps
+            hidden = self.piecewise_graphs.run(plan, layer_done)
         if hidden is None:
             input_ids, positions, meta = self._prepare(plan)
             hidden = self.model(input_ids, positions, self.layer_caches, meta, layer_done)

@@ -7,11 +7,21 @@ residual stream is carried beside the hidden states, vLLM-style, so each add fus
 
     h, residual = add_rms_norm(x, residual)      x: the previous layer's MLP output (none at layer 0)
     h, residual = add_rms_norm(attn(h), residual)
-    x = mlp(h)                                   ... the final norm adds the last layer's x"""
+    x = mlp(h)                                   ... the final norm adds the last layer's x
+
+The forward is cut at each attention into pieces, which piecewise CUDA graphs capture
+(engine/piecewise_graphs.py); the attentions, which read the step's metadata, run between them:
+
+    first_piece      embed, RoPE rows, layer 0: add_rms_norm, qkv_proj, qk_norm_rope
+    attention(0)     store K/V, decode / prefix / fresh-prompt attention          (eager)
+    middle_piece(0)  layer 0: o_proj, add_rms_norm, MLP; layer 1: add_rms_norm, qkv_proj, qk_norm_rope
+    ...              attention(L-1)
+    last_piece       layer L-1: o_proj, add_rms_norm, MLP; the final norm -> hidden states"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple, cast
 
 import torch
 from torch import nn
@@ -48,6 +58,17 @@ class RotaryEmbedding(nn.Module):
         return RopeRows(self.cos[positions].to(dtype), self.sin[positions].to(dtype))
 
 
+class LayerInputs(NamedTuple):
+    """What a layer's attention takes (q, k, v), the residual stream the layer adds to after it, and
+    the step's RoPE rows (gathered once, in the first piece)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    residual: torch.Tensor
+    rope: RopeRows
+
+
 class Qwen3Attention(nn.Module):
     """With a `group`, `cfg` is this rank's share (parallel.py): its heads, a row-parallel o_proj."""
 
@@ -65,15 +86,18 @@ class Qwen3Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, rope: RopeRows, layer_cache: torch.Tensor, meta: StepMetadata,
-                ops: LayerOps) -> torch.Tensor:
+    def project(self, x: torch.Tensor, rope: RopeRows, ops: LayerOps
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Attention's inputs: q [tokens, heads, head_dim], k and v [tokens, kv_heads, head_dim]."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = ops.qk_norm_rope(q.reshape(-1, self.num_heads, self.head_dim),
                                 k.reshape(-1, self.num_kv_heads, self.head_dim), self.q_norm.weight,
                                 self.k_norm.weight, self.q_norm.eps, rope)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        out = attend(q, k, v, layer_cache, meta, self.scale)
-        out = self.o_proj(out.reshape(-1, self.q_size))
+        return q, k, v.reshape(-1, self.num_kv_heads, self.head_dim)
+
+    def output(self, attn_out: torch.Tensor) -> torch.Tensor:
+        """[tokens, heads, head_dim] -> [tokens, hidden] (summed over the ranks)."""
+        out = self.o_proj(attn_out.reshape(-1, self.q_size))
         return out if self.group is None else self.group.all_reduce(out)
 
 
@@ -99,14 +123,18 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeRows, layer_cache: torch.Tensor,
-                meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's MLP output, the residual stream before it): the add is left to the next norm."""
-        ops = layer_ops(meta)
+    def pre_attention(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeRows, ops: LayerOps
+                      ) -> LayerInputs:
+        """The previous layer's output (added to the residual stream) up to this layer's attention."""
         h, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
-        h = self.self_attn(h, rope, layer_cache, meta, ops)
-        h, residual = ops.add_rms_norm(h, residual, self.post_attention_layernorm.weight,
-                                       self.post_attention_layernorm.eps)
+        q, k, v = self.self_attn.project(h, rope, ops)
+        return LayerInputs(q, k, v, residual, rope)
+
+    def post_attention(self, attn_out: torch.Tensor, inputs: LayerInputs, ops: LayerOps
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the add is left to the next norm."""
+        h, residual = ops.add_rms_norm(self.self_attn.output(attn_out), inputs.residual,
+                                       self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
         return (self.mlp(h, ops) if isinstance(self.mlp, Qwen3MLP) else self.mlp(h)), residual
 
 
@@ -132,15 +160,44 @@ class Qwen3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: StepMetadata, layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size].
-        `layer_done(l)` runs once layer l's K/V for this step are in the cache (KV streaming)."""
-        x = self.embed_tokens(input_ids) if self.group is None else self._embed_parallel(input_ids)
-        rope = self.rope.rows(positions, x.dtype)
-        residual: torch.Tensor | None = None
-        for index, (layer, layer_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x, residual = layer(x, residual, rope, layer_cache, meta)
+        `layer_done(l)` runs once layer l's K/V for this step are in the cache (KV streaming).
+        The pieces between the attentions are what piecewise CUDA graphs capture
+        (engine/piecewise_graphs.py): one implementation, eager or replayed."""
+        ops = layer_ops(meta)
+        inputs = self.first_piece(input_ids, positions, ops)
+        last = len(self.layers) - 1
+        for index, layer_cache in enumerate(kv_caches):
+            attn_out = self.attention(index, inputs, layer_cache, meta)
             if layer_done is not None:
                 layer_done(index)
-        return layer_ops(meta).add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
+            if index < last:
+                inputs = self.middle_piece(index, attn_out, inputs, ops)
+        return self.last_piece(attn_out, inputs, ops)
+
+    def first_piece(self, input_ids: torch.Tensor, positions: torch.Tensor, ops: LayerOps) -> LayerInputs:
+        """The embedding, the step's RoPE rows, layer 0 up to its attention."""
+        x = self.embed_tokens(input_ids) if self.group is None else self._embed_parallel(input_ids)
+        return self._layer(0).pre_attention(x, None, self.rope.rows(positions, x.dtype), ops)
+
+    def attention(self, index: int, inputs: LayerInputs, layer_cache: torch.Tensor, meta: StepMetadata
+                  ) -> torch.Tensor:
+        """Layer `index`'s attention (writes the step's K/V into `layer_cache`): the part that
+        reads the step's metadata, outside any piece."""
+        attn = self._layer(index).self_attn
+        return attend(inputs.q, inputs.k, inputs.v, layer_cache, meta, attn.scale)
+
+    def middle_piece(self, index: int, attn_out: torch.Tensor, inputs: LayerInputs, ops: LayerOps) -> LayerInputs:
+        """Layer `index` after its attention, then layer `index + 1` up to its attention."""
+        x, residual = self._layer(index).post_attention(attn_out, inputs, ops)
+        return self._layer(index + 1).pre_attention(x, residual, inputs.rope, ops)
+
+    def last_piece(self, attn_out: torch.Tensor, inputs: LayerInputs, ops: LayerOps) -> torch.Tensor:
+        """The last layer after its attention and the final norm: the hidden states."""
+        x, residual = self._layer(-1).post_attention(attn_out, inputs, ops)
+        return ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
+
+    def _layer(self, index: int) -> Qwen3DecoderLayer:
+        return cast(Qwen3DecoderLayer, self.layers[index])
 
     def capture_safe(self) -> bool:
         """Whether a CUDA graph can capture the forward: no host sync in it (the MoE experts' per-expert
