@@ -20,10 +20,12 @@
 #      (`python -m pdserve.bench.gpu_kernels`: split-KV decode in GB/s at head_dim 128, batch 1 and 64 x 4K
 #      and 32K, an FP8 pool too; the prefix kernel on a 2,048-token chunk over 16K against SDPA, TFLOPS).
 #   0b. steps (after review, ~2-3 min; `python -m pdserve.sizing.gpu_steps STAGE`, random weights built on the
-#      GPU): capture of the qwen3-8b and small-moe shapes (graphs, seconds, pool MiB, replay against eager);
+#      GPU): capture of the qwen3-8b and small-moe shapes (decode graphs and piecewise graphs per token
+#      bucket: counts, seconds, pool MiB, replay against eager);
 #      one replayed decode step at batch 1 and 64 under torch.profiler (kernels per step and per layer, GEMM
 #      and other ms, idle gaps, against the HBM floor); long context (1x16K, 64x4K, 16x32K: whole step minus
-#      replay = host ms); one mixed step (64 decodes + a 2,048-token chunk) against those decodes alone.
+#      replay = host ms); one mixed step (64 decodes + a 2,048-token chunk) against those decodes alone, and
+#      64 decodes + a 448-token chunk from piecewise graphs against the same step eager.
 #      One table of them in gpu_steps.md. STAGES=plan is review and steps: the first GPU check (~6 min).
 # STAGES picks them (default "review steps correct floor timings validate served"); TIMINGS=0 is STAGES=correct. Every stage has its own time limit; logs and profiles go to $OUT (default ./device-out).
 # Python packages the machine lacks travel as wheels in ./.whl (docs/BENCHMARKS.md says which).
@@ -64,10 +66,10 @@ fi
 
 # NOTE: each step stage builds its model on the GPU in its own process (no checkpoint), under its own limit
 if has steps; then
-TAIL=8 stage steps-capture 75 python3 -m pdserve.sizing.gpu_steps capture --save "$out/steps-capture.json"
+TAIL=8 stage steps-capture 90 python3 -m pdserve.sizing.gpu_steps capture --save "$out/steps-capture.json"
 TAIL=8 stage steps-profile 75 python3 -m pdserve.sizing.gpu_steps profile --save "$out/steps-profile.json"
 TAIL=8 stage steps-long 105 python3 -m pdserve.sizing.gpu_steps long --save "$out/steps-long.json"
-TAIL=8 stage steps-mixed 75 python3 -m pdserve.sizing.gpu_steps mixed --save "$out/steps-mixed.json"
+TAIL=8 stage steps-mixed 90 python3 -m pdserve.sizing.gpu_steps mixed --save "$out/steps-mixed.json"
 python3 -m pdserve.sizing.gpu_steps summary "$out"/steps-{capture,profile,long,mixed}.json >"$out/gpu_steps.md" 2>&1
 fi
 

@@ -29,6 +29,7 @@ def test_capture_builds_both_presets_and_replays_as_eager(tmp_path: Path) -> Non
     results = _run("capture", tmp_path)
     assert [r["model"] for r in results] == ["tiny", "tiny-moe"]
     assert all(r["values"]["graphs"] == r["values"]["expected"] == 0 for r in results)  # CPU: none captured
+    assert all(r["values"]["piecewise"] == r["values"]["piecewise_expected"] == 0 for r in results)
     assert all(r["values"]["replay_vs_eager"] == 0.0 for r in results)
 
 
@@ -52,11 +53,15 @@ def test_long_and_mixed_split_the_step(tmp_path: Path) -> None:
     (long,) = _run("long", tmp_path)
     v = long["values"]
     assert v["step_ms"] > 0 and v["replay_ms"] > 0 and v["host_ms"] == pytest.approx(v["step_ms"] - v["replay_ms"])
-    (mixed,) = _run("mixed", tmp_path)
+    mixed, piecewise = _run("mixed", tmp_path)
     assert mixed["step"] == "4 x 20 decodes + 8 prompt"
     m = mixed["values"]
     assert min(m["mixed_ms"], m["decode_ms"], m["prompt_ms"]) > 0
     assert m["mixed_minus_decode_ms"] == pytest.approx(m["mixed_ms"] - m["decode_ms"])
+    assert piecewise["step"] == "3 x 20 decodes + 6 prompt, piecewise"
+    p = piecewise["values"]
+    assert min(p["piecewise_ms"], p["eager_ms"]) > 0
+    assert p["x_eager"] == pytest.approx(p["piecewise_ms"] / p["eager_ms"])
 
 
 def test_summary_tables_every_saved_stage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -94,3 +99,7 @@ def test_a_model_that_captures_fewer_graphs_than_buckets_fails_the_stage(monkeyp
     assert gpu_steps.main(["capture", "--smoke"]) == 1
     monkeypatch.setitem(gpu_steps.STAGES, "capture", lambda ns, setup: short(ns, setup)[1:])
     assert gpu_steps.main(["capture", "--smoke"]) == 0
+    pieces_short = gpu_steps.Result("capture", "qwen3-8b", "tokens 8,16", {"graphs": 2.0, "expected": 2.0,
+                                                                          "piecewise": 1.0, "piecewise_expected": 2.0})
+    monkeypatch.setitem(gpu_steps.STAGES, "capture", lambda ns, setup: [pieces_short])
+    assert gpu_steps.main(["capture", "--smoke"]) == 1

@@ -4,15 +4,18 @@ process with random weights (no checkpoint written), a `ModelRunner` on it, and 
 `ModelRunner.run` on hand-made `StepPlan`s (no scheduler, no sampling):
 
     capture  the dense shape (qwen3-8b) and a MoE preset (small-moe): decode CUDA graphs captured
-             (one per bucket up to --max-batch), the capture's seconds and graph-pool MiB
+             (one per bucket up to --max-batch) and piecewise graphs (each token bucket's pieces,
+             engine/piecewise_graphs.py), the capture's seconds and graph-pool MiB
     profile  one replayed decode step at batch 1 and 64 x --context under torch.profiler: kernels
              per step and per layer, GPU busy ms (GEMM and the rest), idle gaps in the step's GPU
              span, against the HBM floor (every matmul weight and the KV read once at 4.8 TB/s:
              sizing/gpu_floor.py)
     long     decode at long context (--long 1x16384,64x4096,16x32768): the whole step (wall,
              synchronized) and the graph replay alone (CUDA events); the difference is host time
-    mixed    64 decodes plus one fresh 2,048-token prompt chunk in one (eager) step, against the
-             same 64 decodes replayed, and the chunk alone
+    mixed    64 decodes plus one fresh 2,048-token prompt chunk in one (eager: above the largest
+             token bucket) step, against the same 64 decodes replayed, and the chunk alone; then
+             64 decodes plus a 448-token chunk (--piecewise, 512 tokens: the largest bucket) from
+             piecewise graphs against the same step fully eager
 
     python -m pdserve.sizing.gpu_steps STAGE [--preset qwen3-8b] [--save FILE]
     python -m pdserve.sizing.gpu_steps summary FILE...     # one table of the stages' JSON files
@@ -103,15 +106,17 @@ def make_runner(preset: str, setup: Setup, num_blocks: int, max_tokens: int, max
 
 
 def capture(runner: ModelRunner) -> tuple[float, float]:
-    """(seconds, MiB of GPU memory) to capture every bucket's graph; (0, 0) on CPU (none)."""
-    graphs = runner.decode_graphs
-    assert graphs is not None
+    """(seconds, MiB of GPU memory) to capture every bucket's graphs, decode and piecewise; (0, 0)
+    on CPU (none)."""
+    graphs, pieces = runner.decode_graphs, runner.piecewise_graphs
+    assert graphs is not None and pieces is not None
     if runner.device.type != "cuda":
         return 0.0, 0.0
     free = torch.cuda.mem_get_info(runner.device)[0]
     start = time.perf_counter()
     with torch.inference_mode():
         graphs.capture()
+        pieces.capture()
     return time.perf_counter() - start, (free - torch.cuda.mem_get_info(runner.device)[0]) / 2**20
 
 
@@ -258,9 +263,10 @@ def _blocks(batch: int, context: int) -> int:
 
 def _release(runner: ModelRunner) -> None:
     """Graphs and their pool freed before the next model is built."""
-    if runner.decode_graphs is not None:
-        runner.decode_graphs.graphs.clear()
-        runner.decode_graphs.outputs.clear()
+    for graphs in (runner.decode_graphs, runner.piecewise_graphs):
+        if graphs is not None:
+            graphs.graphs.clear()
+            graphs.outputs.clear()
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
         torch.cuda.empty_cache()
@@ -274,15 +280,19 @@ def stage_capture(ns: argparse.Namespace, setup: Setup) -> list[Result]:
                              ns.context + 2 * _BLOCK)
         built = time.perf_counter() - start
         seconds, mib = capture(runner)
-        graphs = runner.decode_graphs
-        assert graphs is not None
-        expected = len(graphs.buckets) if setup.device.type == "cuda" else 0
+        graphs, pieces = runner.decode_graphs, runner.piecewise_graphs
+        assert graphs is not None and pieces is not None
+        on_gpu = setup.device.type == "cuda"
         error = replay_error(runner, decode_plan(min(3, setup.max_batch), ns.context))
-        results.append(Result("capture", preset, f"buckets {','.join(map(str, graphs.buckets))}",
-                              {"build_s": built, "graphs": float(len(graphs.graphs)), "expected": float(expected),
+        results.append(Result("capture", preset, f"buckets {','.join(map(str, graphs.buckets))}; tokens "
+                              f"{','.join(map(str, pieces.buckets))}",
+                              {"build_s": built, "graphs": float(len(graphs.graphs)),
+                               "expected": float(len(graphs.buckets) if on_gpu else 0),
+                               "piecewise": float(len(pieces.graphs)),
+                               "piecewise_expected": float(len(pieces.buckets) if on_gpu else 0),
                                "capture_s": seconds, "pool_mib": mib, "replay_vs_eager": error}))
         _release(runner)
-        del runner, graphs
+        del runner, graphs, pieces
     return results
 
 
@@ -326,17 +336,26 @@ def stage_long(ns: argparse.Namespace, setup: Setup) -> list[Result]:
 
 def stage_mixed(ns: argparse.Namespace, setup: Setup) -> list[Result]:
     (batch, chunk), = _pairs(ns.mixed)
-    decode_blocks = _blocks(batch, ns.context)
-    runner = make_runner(ns.preset, setup, decode_blocks + -(-chunk // _BLOCK) + 1, batch + chunk,
-                         max(ns.context, chunk) + 2 * _BLOCK)
+    (small_batch, small_chunk), = _pairs(ns.piecewise)
+    decode_blocks = _blocks(max(batch, small_batch), ns.context)
+    runner = make_runner(ns.preset, setup, decode_blocks + -(-max(chunk, small_chunk) // _BLOCK) + 1,
+                         max(batch + chunk, small_batch + small_chunk), max(ns.context, chunk) + 2 * _BLOCK)
     capture(runner)
     mixed = step_ms(runner, add_prompt(decode_plan(batch, ns.context), chunk, decode_blocks + 1), setup.repeats)
     decode = step_ms(runner, decode_plan(batch, ns.context), setup.repeats)
     prompt = step_ms(runner, add_prompt(StepPlan(), chunk, decode_blocks + 1), setup.repeats)
+    small = add_prompt(decode_plan(small_batch, ns.context), small_chunk, decode_blocks + 1)
+    pieces, runner.piecewise_graphs = runner.piecewise_graphs, None
+    eager = step_ms(runner, small, setup.repeats)
+    runner.piecewise_graphs = pieces
+    assert pieces is not None and pieces.run(small) is not None, "--piecewise: a step within the largest bucket"
+    piecewise = step_ms(runner, small, setup.repeats)
     _release(runner)
     return [Result("mixed", ns.preset, f"{batch} x {ns.context} decodes + {chunk} prompt",
                    {"mixed_ms": mixed, "decode_ms": decode, "prompt_ms": prompt,
-                    "mixed_minus_decode_ms": mixed - decode, "x_separate": mixed / (decode + prompt)})]
+                    "mixed_minus_decode_ms": mixed - decode, "x_separate": mixed / (decode + prompt)}),
+            Result("mixed", ns.preset, f"{small_batch} x {ns.context} decodes + {small_chunk} prompt, piecewise",
+                   {"piecewise_ms": piecewise, "eager_ms": eager, "x_eager": piecewise / eager})]
 
 
 STAGES: dict[str, Callable[[argparse.Namespace, Setup], list[Result]]] = {
@@ -371,6 +390,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batches", default="1,64", help="profile: decode batch sizes")
     parser.add_argument("--long", default="1x16384,64x4096,16x32768", help="long: batch x context, comma-separated")
     parser.add_argument("--mixed", default="64x2048", help="mixed: decodes x prompt chunk tokens")
+    parser.add_argument("--piecewise", default="64x448", help="mixed: decodes x chunk within the largest token "
+                        "bucket (512), from piecewise graphs and eagerly")
     parser.add_argument("--max-batch", type=int, default=64, help="max_num_seqs: the largest graph bucket")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--compare-device", default="H200", help="the HBM floor's datasheet (sizing/devices.py)")
@@ -386,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if ns.smoke:
         ns.preset, ns.moe_preset, ns.context, ns.batches = "tiny", "tiny-moe", 20, "1,4"
-        ns.long, ns.mixed = "2x40", "4x8"
+        ns.long, ns.mixed, ns.piecewise = "2x40", "4x8", "3x6"
         setup = Setup(torch.device("cpu"), torch.float32, 2, 4)
     else:
         setup = Setup(torch.device("cuda"), torch.bfloat16, ns.repeats, ns.max_batch)
@@ -398,9 +419,13 @@ def main(argv: list[str] | None = None) -> int:
     if ns.save:
         ns.save.write_text(json.dumps({"hardware": hardware_line(), "results": [asdict(r) for r in results]},
                                       indent=1) + "\n")
-    failed = [r for r in results if r.stage == "capture" and r.values["graphs"] != r.values["expected"]]
+    failed = [r for r in results if r.stage == "capture" and (r.values["graphs"] != r.values["expected"] or
+                                                               r.values.get("piecewise", 0.0)
+                                                               != r.values.get("piecewise_expected", 0.0))]
     for r in failed:
-        print(f"{r.model}: {r.values['graphs']:.0f} decode graphs captured, {r.values['expected']:.0f} expected")
+        print(f"{r.model}: {r.values['graphs']:.0f} decode graphs captured, {r.values['expected']:.0f} expected; "
+              f"piecewise graphs for {r.values.get('piecewise', 0.0):.0f} token buckets, "
+              f"{r.values.get('piecewise_expected', 0.0):.0f} expected")
     return 1 if failed else 0
 
 
