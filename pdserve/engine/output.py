@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from sys import getrefcount
 
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprobs
 from pdserve.engine.request import RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+# getrefcount of a sequence's list in `add_token` when only the sequence holds it (its field, the
+# local name, the call's argument): more means a snapshot handed out still holds it
+_UNSHARED = 3
 
 
 @dataclass(slots=True)
@@ -137,9 +142,15 @@ class RequestState:
         metrics = self.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = time.monotonic()
-        seq.token_ids.append(token_id)
+        token_ids = seq.token_ids
+        if getrefcount(token_ids) > _UNSHARED:  # copy on write: a snapshot still out there holds it
+            token_ids = seq.token_ids = token_ids[:]
+        token_ids.append(token_id)
         if logprobs is not None and seq.logprobs is not None:
-            seq.logprobs.append(logprobs)
+            entries = seq.logprobs
+            if getrefcount(entries) > _UNSHARED:
+                entries = seq.logprobs = entries[:]
+            entries.append(logprobs)
         if not self.detokenize:
             return None
         new_text = seq.detokenizer.push(token_id)
@@ -177,7 +188,8 @@ class RequestState:
             if holdback and seq.finish_reason is None:
                 text = text[: max(0, len(text) - holdback)]
             logprobs = seq.logprobs
-            outputs.append(CompletionOutput(index, text, seq.token_ids[:], seq.finish_reason, seq.stop_reason,
-                                            None if logprobs is None else logprobs[:]))
+            # NOTE: the lists themselves, not copies: `add_token` copies one before appending while a
+            # snapshot holds it, so a snapshot never changes, and a step is O(new tokens) once it is dropped
+            outputs.append(CompletionOutput(index, text, seq.token_ids, seq.finish_reason, seq.stop_reason, logprobs))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, not self.num_unfinished,
                              self.num_cached_tokens, self.metrics, self.prompt_logprobs)

@@ -8,7 +8,7 @@ Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) picks token i 
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,6 +42,33 @@ class SampleResult:
     logprobs: list[TokenLogprobs | None]
 
 
+@dataclass(slots=True)
+class _Rows:
+    """Which rows of a batch need what, found in one pass over its requests (it runs per request
+    per step: one loop, not one per question)."""
+
+    logprobs: bool = False  # some row wants logprobs
+    adjusted: list[int] = field(default_factory=list)  # penalties, or min_tokens not reached yet
+    constrained: list[int] = field(default_factory=list)  # structured outputs: a grammar's mask
+    random: list[int] = field(default_factory=list)  # not greedy
+
+    @classmethod
+    def of(cls, requests: list[Request]) -> _Rows:
+        rows = cls()
+        adjusted, constrained, random = rows.adjusted, rows.constrained, rows.random
+        for i, request in enumerate(requests):
+            params = request.params
+            if params.logprobs is not None:
+                rows.logprobs = True
+            if params.needs_penalties or (params.min_tokens and request.num_output_tokens < params.min_tokens):
+                adjusted.append(i)
+            if request.matcher is not None:
+                constrained.append(i)
+            if not params.greedy:
+                random.append(i)
+        return rows
+
+
 class Sampler:
     def __init__(self, seed: int, device: torch.device) -> None:
         self.generator = torch.Generator(device=device).manual_seed(seed)
@@ -57,17 +84,18 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         """logits: [len(requests), vocab] float32, one row per request, in order."""
-        logprobs = self._logprobs(logits, requests)
-        logits = self._apply_penalties_and_masks(logits, requests)
+        rows = _Rows.of(requests)
+        logprobs = torch.log_softmax(logits, dim=-1) if rows.logprobs else None  # NOTE: like vLLM, the raw model's
+        logits = self._apply_penalties_and_masks(logits, requests, rows.adjusted)
         pending, self._pending = self._pending, None
-        constrained = [i for i, r in enumerate(requests) if r.matcher is not None]
+        constrained = rows.constrained
         if constrained and logits.device.type != "cpu":
             # NOTE: a GPU masks every constrained row in one op, and without the sync of the check below
             logits = self.masks.apply(logits, constrained, self._bitmask(pending, requests, logits.shape[-1]))
             constrained = []
         maxima = chunk_maxima(logits)  # NOTE: None off CPU; also what `MaskFiller.argmax` gathers by
         tokens = row_argmax(logits, maxima)
-        random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        random_rows = rows.random
         if constrained:
             bitmask = self._bitmask(pending, requests, logits.shape[-1])  # a row per constrained request
             # NOTE: greedy rows are not masked: the argmax is checked against the mask (`argmax`)
@@ -99,13 +127,6 @@ class Sampler:
         return pending[1].result()
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor | None:
-        # NOTE: like vLLM, logprobs are those of the model's raw distribution.
-        if all(r.params.logprobs is None for r in requests):
-            return None
-        return torch.log_softmax(logits, dim=-1)
-
-    @staticmethod
     def _pick_logprobs(logprobs: torch.Tensor, tokens: list[int],
                        requests: list[Request]) -> list[TokenLogprobs | None]:
         """One batched topk and gather, one copy each to the host (was a topk and syncs per row)."""
@@ -125,9 +146,11 @@ class Sampler:
         return result
 
     @staticmethod
-    def _apply_penalties_and_masks(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        rows = [i for i, r in enumerate(requests)
-                if r.params.needs_penalties or r.num_output_tokens < r.params.min_tokens]
+    def _apply_penalties_and_masks(logits: torch.Tensor, requests: list[Request],
+                                   rows: list[int] | None = None) -> torch.Tensor:
+        """`rows`: those with penalties or min_tokens not reached (`_Rows.adjusted`; None: found here)."""
+        if rows is None:
+            rows = _Rows.of(requests).adjusted
         if not rows:
             return logits
         logits = logits.clone()

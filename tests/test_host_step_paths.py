@@ -1,0 +1,101 @@
+"""The short paths a steady decode step takes on the host (scheduler, block tables, output state):
+each must give what the general path gives, and leave nothing behind."""
+
+from __future__ import annotations
+
+from typing import cast
+
+from helpers import assert_scheduler_clean, fake_step, make_request, make_scheduler
+
+from pdserve.engine.block_tables import BlockTables
+from pdserve.engine.logprobs import TokenLogprobs
+from pdserve.engine.output import OutputSettings, RequestState
+from pdserve.engine.request import RequestStatus
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import ScheduledChunk
+from pdserve.tokenizer import Tokenizer
+
+
+class _LetterTokenizer:
+    """Token t is the letter chr(97 + t % 26): whole characters, one per token."""
+
+    def token_text(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        return chr(97 + token_id % 26)
+
+    def token_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes:
+        return self.token_text(token_id).encode()
+
+
+def _state(**params: object) -> RequestState:
+    settings = OutputSettings(cast(Tokenizer, _LetterTokenizer()))
+    return RequestState.of_request("r", None, [1, 2], SamplingParams(**params), settings, 0.0)  # type: ignore[arg-type]
+
+
+def test_a_snapshot_never_changes_while_later_tokens_arrive() -> None:
+    state = _state(logprobs=1)
+    kept = []
+    for token_id in range(6):
+        state.add_token(0, token_id, TokenLogprobs(token_id, -1.0, ((token_id, -1.0),)))
+        kept.append(state.snapshot())
+    for count, output in enumerate(kept, start=1):
+        seq = output.outputs[0]
+        assert seq.token_ids == list(range(count))
+        assert seq.logprobs is not None and [lp.token_id for lp in seq.logprobs] == list(range(count))
+        assert seq.text == "abcdef"[:count]
+
+
+def test_a_dropped_snapshot_lets_the_next_token_append_in_place() -> None:
+    """The step is O(new tokens): a sequence's list is copied only while a snapshot holds it."""
+    state = _state()
+    state.add_token(0, 0, None)
+    state.snapshot()  # dropped at once, as the engine core's delta path does
+    list_id = id(state.sequences[0].token_ids)
+    state.add_token(0, 1, None)
+    assert id(state.sequences[0].token_ids) == list_id
+    held = state.snapshot()
+    state.add_token(0, 2, None)
+    assert held.outputs[0].token_ids == [0, 1]
+    assert state.snapshot().outputs[0].token_ids == [0, 1, 2]
+
+
+def test_finished_counts_each_sequence_once() -> None:
+    state = _state(n=2)
+    assert not state.finished
+    state.finish(0, RequestStatus.FINISHED_LENGTH, None)
+    state.finish(0, RequestStatus.FINISHED_ABORTED, None)  # already finished: no second count
+    assert not state.finished and not state.snapshot().finished
+    state.finish(1, RequestStatus.FINISHED_STOPPED, None)
+    assert state.finished and state.snapshot().finished
+
+
+def test_end_step_keeps_the_rows_asked_for_and_drops_the_others() -> None:
+    tables = BlockTables()
+    requests = [make_request(f"r{i}", 4) for i in range(3)]
+    for i, request in enumerate(requests):
+        request.block_ids = [i, 10 + i]
+        assert tables.table(request, 1).tolist() == [i]
+    tables.end_step()
+    assert len(tables) == 3
+    requests[1].block_ids.append(21)
+    assert tables.table(requests[1]).tolist() == [1, 11, 21]
+    assert tables.table(requests[1]).tolist() == [1, 11, 21]  # asked twice in a step: still one row
+    tables.end_step()
+    assert len(tables) == 1
+    tables.end_step()
+    assert len(tables) == 0
+
+
+def test_decode_chunks_are_made_once_and_forgotten_with_their_requests() -> None:
+    scheduler = make_scheduler(num_blocks=32, block_size=4)
+    for index in range(3):
+        scheduler.add_request(make_request(f"r{index}", 5, max_tokens=6 + index))
+    fake_step(scheduler)  # the prompts
+    first = fake_step(scheduler).chunks
+    assert all(c.num_new_tokens == 1 for c in first)
+    second = fake_step(scheduler).chunks
+    assert [c is d for c, d in zip(first, second, strict=True)] == [True] * 3
+    assert second[0] == ScheduledChunk(first[0].request, 1)
+    while scheduler.requests:
+        fake_step(scheduler)
+    assert not scheduler._decode_chunks
+    assert_scheduler_clean(scheduler)
