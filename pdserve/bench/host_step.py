@@ -69,6 +69,9 @@ def measure(model_dir: Path, num_streams: int, context_len: int, num_steps: int)
     engine = llm.engine
     runner = engine.runner
     runner.use_paged_step(graphs=True)  # what CUDA runs: step buffers, decode steps padded to their bucket
+    # NOTE: mixed and prefill steps (the prompts, untimed) run the stubbed forward eagerly: the
+    # piecewise path would call the model's pieces, which are not stubbed
+    runner.piecewise_graphs = None
     model = runner.model
     model.forward = _stub_forward(model.cfg.hidden_size, runner.config.dtype)  # type: ignore[method-assign]
     model.compute_logits = _stub_logits()  # type: ignore[method-assign, assignment]
