@@ -88,12 +88,13 @@ class DecodeGraphs:
             hidden = self.outputs[bucket]
         return hidden[:len(plan.token_ids)]
 
-    def capture(self) -> None:
-        """One graph per bucket, largest first, in one memory pool; logs the time and memory it took."""
+    def capture(self, pool: torch.cuda._POOL_HANDLE | None = None) -> None:
+        """One graph per bucket, largest first, in one memory pool (`pool`: one shared with other
+        graphs, replayed one at a time); logs the time and memory it took."""
         device = self.buffers.device
         free_before = torch.cuda.mem_get_info(device)[0]
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
+        pool = pool or torch.cuda.graph_pool_handle()
         for bucket in sorted(self.buckets, reverse=True):
             input_ids, positions, meta = self.buffers.prepare(pad_decode_plan(StepPlan(), bucket))
             self.model(input_ids, positions, self.layer_caches, meta)  # warm-up: compiles the kernels

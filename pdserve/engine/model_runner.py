@@ -89,10 +89,11 @@ class ModelRunner:
         if select_backend(self.device).name == "triton":
             graphs = not config.enforce_eager and config.tensor_parallel_size == 1
             self.use_paged_step(graphs)
-            with torch.inference_mode():
-                for step_graphs in (self.decode_graphs, self.piecewise_graphs):
-                    if step_graphs is not None:
-                        step_graphs.capture()
+            if self.decode_graphs is not None and self.piecewise_graphs is not None:
+                pool = torch.cuda.graph_pool_handle()  # NOTE: one pool for both: one graph replays at a time
+                with torch.inference_mode():
+                    self.decode_graphs.capture(pool)
+                    self.piecewise_graphs.capture(pool)
             if config.tensor_parallel_size == 1:  # NOTE: TP ranks would each run collectives alone here
                 self.warm_up_prefill()
 

@@ -130,12 +130,13 @@ class PiecewiseGraphs:
             return model.middle_piece(piece - 1, attn_out, inputs, ops)
         return model.last_piece(attn_out, inputs, ops)
 
-    def capture(self) -> None:
-        """Each bucket's pieces, largest bucket first, all in one memory pool; logs time and memory."""
+    def capture(self, pool: torch.cuda._POOL_HANDLE | None = None) -> None:
+        """Each bucket's pieces, largest bucket first, all in one memory pool (`pool`: the decode
+        graphs', engine/cuda_graphs.py); logs the time and memory it took."""
         device = self.buffers.device
         free_before = torch.cuda.mem_get_info(device)[0]
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
+        pool = pool or torch.cuda.graph_pool_handle()
         for bucket in sorted(self.buckets, reverse=True):
             input_ids, positions, meta = self.buffers.prepare(pad_step_plan(StepPlan(), bucket))
             self._forward(bucket, 0, input_ids, positions, meta, None)  # warm-up: compiles the kernels

@@ -114,9 +114,10 @@ def capture(runner: ModelRunner) -> tuple[float, float]:
         return 0.0, 0.0
     free = torch.cuda.mem_get_info(runner.device)[0]
     start = time.perf_counter()
+    pool = torch.cuda.graph_pool_handle()
     with torch.inference_mode():
-        graphs.capture()
-        pieces.capture()
+        graphs.capture(pool)
+        pieces.capture(pool)
     return time.perf_counter() - start, (free - torch.cuda.mem_get_info(runner.device)[0]) / 2**20
 
 
