@@ -10,8 +10,9 @@ no per-layer callback (KV streaming); it is then padded to its bucket:
                            slot    s0  s1  s2 | -1   (writes no KV)
                            context n0  n1  n2 | 1    (reads block 0's first slot: finite, unused)
 
-and the bucket's graph replays; the hidden states of the real rows are returned. Prefill and
-mixed steps, and batches above the largest bucket, run eagerly. Everything but the capture and the
+and the bucket's graph replays; the hidden states of the real rows are returned. Prefill, mixed
+and KV-streaming steps go to the piecewise graphs (piecewise_graphs.py: attention eager between
+graphs of the rest) up to its largest token bucket, and eagerly above. Everything but the capture and the
 replay (buckets, padding, which steps replay) runs eagerly on CPU too (`DecodeGraphs` without
 graphs), so the tests check it there; the engine takes this path only on CUDA.
 """
