@@ -3,6 +3,7 @@ each must give what the general path gives, and leave nothing behind."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import cast
 
 from helpers import assert_scheduler_clean, fake_step, make_request, make_scheduler
@@ -99,3 +100,14 @@ def test_decode_chunks_are_made_once_and_forgotten_with_their_requests() -> None
         fake_step(scheduler)
     assert not scheduler._decode_chunks
     assert_scheduler_clean(scheduler)
+
+
+def test_the_host_step_bench_runs_every_stream_through_its_decode_steps(tmp_path: Path) -> None:
+    """`python -m pdserve.bench.host_step` at a small shape: prompts over more than one step's
+    budget (8,192 tokens), so a step mixes decodes with a chunk, then decode steps with every
+    stream decoding (`measure` checks it): 32 prompts fill the first step, the 33rd's shares the
+    next with 32 decodes."""
+    from pdserve.bench.host_step import measure, tiny_long_context_model
+
+    model_dir = tiny_long_context_model(tmp_path / "tiny")
+    assert measure(model_dir, num_streams=33, context_len=256, num_steps=3) > 0

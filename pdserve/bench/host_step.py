@@ -4,8 +4,9 @@ processing, everything `LLMEngine.step` does except the math. The model's forwar
 the right shape, so what is timed is what a GPU would wait on between two replays.
 
 Each shape (streams x context) is prefilled first (untimed), then `--steps` decode steps are timed
-and the median step is printed. `--compare-with DIR` runs the same shapes from another checkout (a
-git worktree of an earlier commit) in a subprocess and prints both columns and their ratio.
+and the median step is printed. `--compare-with DIR` runs the same shapes, with this file's
+harness, against another checkout's sources (a git worktree of an earlier commit) in a subprocess
+and prints both columns and their ratio.
 
     python -m pdserve.bench.host_step [--shapes 64x256,64x4096,256x2048,64x16384] [--steps 30]
         [--compare-with /tmp/pdserve-before]
@@ -14,6 +15,7 @@ git worktree of an earlier commit) in a subprocess and prints both columns and t
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -82,6 +84,7 @@ def measure(model_dir: Path, num_streams: int, context_len: int, num_steps: int)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) \
             or engine.scheduler.waiting:
         engine.step()
+    gc.collect()  # NOTE: the earlier shapes' engines are garbage now; their collection is not this shape's work
     times = []
     for _ in range(num_steps):
         start_s = time.perf_counter()
@@ -97,15 +100,11 @@ def _parse_shapes(text: str) -> list[tuple[int, int]]:
 
 
 def _run_elsewhere(checkout: str, shapes: str, num_steps: int) -> dict[str, float]:
-    """This module's `--json` run from another checkout's sources (this file copied in if it lacks it)."""
+    """This file's `--json` run against another checkout's sources: the same harness times both
+    columns (run as a script, `pdserve` resolves to the checkout's)."""
     env = dict(os.environ, PYTHONPATH=checkout)
-    target = os.path.join(checkout, "pdserve", "bench", "host_step.py")
-    if not os.path.exists(target):
-        with open(__file__) as src, open(target, "w") as dst:
-            dst.write(src.read())
-    out = subprocess.run([sys.executable, "-m", "pdserve.bench.host_step", "--shapes", shapes, "--steps",
-                          str(num_steps), "--json"], env=env, cwd=checkout, check=True, capture_output=True,
-                         text=True)
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--shapes", shapes, "--steps", str(num_steps),
+                          "--json"], env=env, cwd=checkout, check=True, capture_output=True, text=True)
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
