@@ -182,6 +182,57 @@ def test_greedy_tokens_and_logprobs_equal_with_piecewise_steps(model: str, model
                                                                           abs=LOGPROB_ATOL, rel=0)
 
 
+ATTENTION_LAUNCHES = {"triton._store_kv_kernel", "triton._decode_split_kernel", "triton._merge_splits_kernel",
+                      "triton._prefix_kernel", "aten.scaled_dot_product_attention", "aten.copy_"}
+
+
+@on_cpu
+def test_between_the_replays_only_attention_launches(model_dirs: dict[str, Path]) -> None:
+    """What a piecewise mixed step launches from Python, each piece counted as one replay: L + 1
+    replays, one zeroing of the padded rows, and per layer the attention's kernels and copies only
+    (the fresh prompt's slice into the backend's output, the real rows into the pieces' buffer):
+    7 a layer here against 15 fully eager (tests/test_kernel_count.py's counter, bfloat16)."""
+    from test_kernel_count import KernelCounter, counting_triton
+
+    llm = LLM(model=str(model_dirs["tiny"]), device="cpu", dtype="bfloat16", num_kv_blocks=64,
+              block_size=BLOCK_SIZE, max_num_seqs=8, max_model_len=128)
+    runner = llm.engine.runner
+    runner.use_paged_step(graphs=True)
+    pieces, plan = runner.piecewise_graphs, _mixed_plan()
+    assert pieces is not None and runner.step_buffers is not None
+    counts = {}
+    for name in ("eager", "piecewise"):
+        counter = KernelCounter()
+        piece = pieces._piece
+
+        def replay(*args: Any, counter: KernelCounter = counter, piece: Any = piece) -> Any:
+            counter.active = False
+            try:
+                return piece(*args)
+            finally:
+                counter.active = True
+                counter.ops["graph replay"] += 1
+
+        pieces._piece = replay  # type: ignore[method-assign]
+        try:
+            with torch.inference_mode(), counting_triton(counter), counter:
+                counter.active = True
+                if name == "piecewise":
+                    pieces.run(plan)
+                else:
+                    ids, positions, meta = runner.step_buffers.prepare(plan)
+                    runner.model(ids, positions, runner.layer_caches, meta)
+        finally:
+            del pieces._piece
+        counts[name] = counter
+    layers = runner.model.cfg.num_hidden_layers
+    piecewise = counts["piecewise"].ops
+    assert piecewise.pop("graph replay") == layers + 1 and piecewise.pop("aten.zero_") == 1
+    assert set(piecewise) <= ATTENTION_LAUNCHES, piecewise
+    assert sum(piecewise.values()) == 6 * layers  # store, decode, prefix, SDPA, 2 copies
+    assert counts["eager"].total == 15 * layers + 2, dict(counts["eager"].ops)
+
+
 # NOTE: MoE in bfloat16: the grouped GEMM's meta kernel, which tracing runs, takes bfloat16 only (as on CUDA)
 @pytest.mark.parametrize(("preset", "dtype"), [("tiny", "float32"), ("tiny-moe", "bfloat16")])
 def test_every_piece_has_no_graph_break_nor_host_sync(preset: str, dtype: str, tmp_path: Path) -> None:
