@@ -2,7 +2,7 @@
 # What a session runs on a lent GPU machine (docs/BENCHMARKS.md, "On a GPU"), in one go:
 #   1. correctness: the engine's reference suite on CUDA (transformers on the same GPU), and PD
 #      against colocated through the HTTP API with both workers on one GPU (pd_parity), together;
-#   2. floor (issue 30): the Triton kernels on CUDA (bfloat16 too) and decode graphs against
+#   2. floor (issue 30): the Triton kernels on CUDA (bfloat16 too), decode and piecewise graphs against
 #      --enforce-eager and the CPU path (pytest), then `python -m pdserve.sizing.gpu_floor` on the
 #      qwen3-0.6b and qwen3-8b shapes in bfloat16: one table of decode steps at batch 1/16/64/256
 #      against the HBM floor, graphs on and --enforce-eager, prefill of 8,192 tokens against peak
@@ -91,8 +91,8 @@ fi
 wait $maker
 
 if has floor; then
-TAIL=40 stage kernels-cuda 150 python3 -m pytest -q -p no:cacheprovider -rfs tests/test_triton_attention.py \
-  tests/test_cuda_graphs.py
+TAIL=40 stage kernels-cuda 180 python3 -m pytest -q -p no:cacheprovider -rfs tests/test_triton_attention.py \
+  tests/test_cuda_graphs.py tests/test_piecewise_graphs.py
 TAIL=30 stage floor 420 python3 -m pdserve.sizing.gpu_floor --model "$ck/qwen3-0.6b" --model "$ck/qwen3-8b" \
   --device cuda --dtype bfloat16 --compare-device H200 --batches 1,16,64,256 --context 256 --prefill-tokens 8192 \
   --greedy-check --save "$out/floor.json"

@@ -234,6 +234,7 @@ def test_between_the_replays_only_attention_launches(model_dirs: dict[str, Path]
 
 
 # NOTE: MoE in bfloat16: the grouped GEMM's meta kernel, which tracing runs, takes bfloat16 only (as on CUDA)
+@on_cpu
 @pytest.mark.parametrize(("preset", "dtype"), [("tiny", "float32"), ("tiny-moe", "bfloat16")])
 def test_every_piece_has_no_graph_break_nor_host_sync(preset: str, dtype: str, tmp_path: Path) -> None:
     """What `PiecewiseGraphs.capture` records for a bucket: each piece on its padded inputs."""
