@@ -84,6 +84,16 @@ def test_end_step_keeps_the_rows_asked_for_and_drops_the_others() -> None:
     assert len(tables) == 1
     tables.end_step()
     assert len(tables) == 0
+    for request in requests[:2]:
+        tables.table(request)
+    tables.end_step()
+    assert len(tables) == 2
+    requests[0].block_ids = [5]
+    tables.table(requests[0])
+    requests[0].block_ids = [6]  # rebuilt twice within the step: still one row asked for ...
+    assert tables.table(requests[0]).tolist() == [6]
+    tables.end_step()  # ... so the other one, not asked for, is dropped
+    assert len(tables) == 1
 
 
 def test_decode_chunks_are_made_once_and_forgotten_with_their_requests() -> None:

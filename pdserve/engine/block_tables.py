@@ -54,7 +54,8 @@ class BlockTables:
                 or (row.count and row.last != blocks[row.count - 1])):  # NOTE: rewritten in place
             array = np.empty(max(_MIN_CAPACITY, 2 * held), dtype=np.int32)
             array[:held] = blocks
-            row = self._rows[request.request_id] = _Row(blocks, array, held, blocks[-1] if held else -1, -1)
+            step = -1 if row is None else row.step  # NOTE: a row rebuilt within a step is counted once
+            row = self._rows[request.request_id] = _Row(blocks, array, held, blocks[-1] if held else -1, step)
         elif held > row.count:
             if held > len(row.array):
                 grown = np.empty(2 * held, dtype=np.int32)
