@@ -156,11 +156,14 @@ class RequestState:
         new_text = seq.detokenizer.push(token_id)
         if not new_text:
             return None
+        # NOTE: the text is taken off the sequence first, so that unless a snapshot still holds it, the
+        # local name is its only reference and `+=` appends in place (an attribute's `+=` copies it all)
+        text, seq.text = seq.text, ""
+        search_from = max(0, len(text) - self.holdback)
+        text += new_text
+        seq.text = text
         if not self.stop or len(seq.token_ids) < self.min_tokens:
-            seq.text += new_text
             return None
-        search_from = max(0, len(seq.text) - self.holdback)
-        seq.text += new_text
         for stop in self.stop:
             at = seq.text.find(stop, search_from)
             if at != -1:
