@@ -12,9 +12,23 @@ from pdserve.engine.request import RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
-# getrefcount of a sequence's list in `add_token` when only the sequence holds it (its field, the
-# local name, the call's argument): more means a snapshot handed out still holds it
-_UNSHARED = 3
+
+def _refs_of_an_unshared_list() -> int:
+    """getrefcount of a list held only by an object's slot and a local name, as `add_token` sees a
+    sequence's list that no snapshot holds (3 on CPython 3.11: the slot, the name, the argument);
+    measured, not assumed, since how the interpreter counts its own references changes by version."""
+    holder = _Holder([])
+    held = holder.items
+    return getrefcount(held)
+
+
+@dataclass(slots=True)
+class _Holder:
+    items: list[int]
+
+
+# more than this means a snapshot handed out still holds the list (copy on write in `add_token`)
+_UNSHARED = _refs_of_an_unshared_list()
 
 
 @dataclass(slots=True)
