@@ -127,7 +127,8 @@ class EngineArgs:
     kv_disk_dir: str | None = knob(None, "disk tier under the prefix cache: full KV blocks are kept in this directory "
                                          "(e.g. /kvcache; shareable by workers of one node) and loaded on prefix hits")
     kv_disk_size: str | int = knob("20GiB", "most bytes the disk tier keeps (least recently used files go first)")
-    enforce_eager: bool = knob(False, "CUDA: run every step eagerly (no decode CUDA graphs, no capture at start-up)")
+    enforce_eager: bool = knob(False, "CUDA: run every step eagerly (no decode or piecewise CUDA graphs, no "
+                                      "capture at start-up)")
     kv_events_config: str | None = knob(None, "publish KV-cache events as vLLM does (ZMQ, msgpack): vLLM's JSON, "
                                               "e.g. '{\"enable_kv_cache_events\": true, "
                                               "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", "
@@ -207,7 +208,7 @@ class EngineConfig:
     kv_disk: KVDiskConfig | None = None
     tensor_parallel_size: int = 1
     kv_cache_dtype: torch.dtype | None = None  # the pool's element type; None: `dtype`
-    enforce_eager: bool = False  # CUDA: no decode CUDA graphs (engine/cuda_graphs.py)
+    enforce_eager: bool = False  # CUDA: no decode or piecewise CUDA graphs (engine/cuda_graphs.py, piecewise_graphs.py)
     kv_scales: KVScales | None = None  # an FP8 pool's per-layer K/V scales (model/kv_scales.py); else None
     kv_events: KVEventsConfig | None = None  # --kv-events-config (engine/kv_events.py); None: no events
     lora: LoRAConfig | None = None  # None: no LoRA adapters (--enable-lora off)

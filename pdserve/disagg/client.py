@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from http import HTTPStatus
 
@@ -42,6 +43,7 @@ from pdserve.disagg.control import (
 )
 
 _INFO_TIMEOUT_S = 2.0
+_MUX_IDLE_S = 1.0  # a frame stream with no request on it this long is closed (opened again when needed)
 NDJSON = "application/x-ndjson"  # streamed answers: one JSON document a line
 
 
@@ -86,9 +88,12 @@ class WorkerClient:
     the first call, on the loop that makes it, and made again should a later call come from another."""
 
     def __init__(self, timeout_s: float | None = None, connect_timeout_s: float | None = None,
-                 secret: ClusterSecret | None = None) -> None:
+                 secret: ClusterSecret | None = None, frame_mux: bool = False) -> None:
         connect = timeout_s if connect_timeout_s is None else connect_timeout_s
         self.secret = secret
+        self.frame_mux = frame_mux  # `stream` through one frame stream per worker (_FrameMux)
+        self._muxes: dict[str, _FrameMux] = {}
+        self._without_mux: set[str] = set()  # workers that answered no frame stream: one stream a request
         # NOTE: httpx's read timeout was per read, as sock_read is: a stream may last, a silence may not
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect, sock_read=timeout_s)
         self._session: aiohttp.ClientSession | None = None
@@ -100,12 +105,16 @@ class WorkerClient:
             self._session = aiohttp.ClientSession(timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0),
                                                   auto_decompress=False)
             self._loop = loop
+            self._muxes.clear()  # NOTE: each lived on the old session's loop
         return self._session
 
     async def close(self) -> None:
         if self._session is not None and self._loop is asyncio.get_running_loop():
+            for mux in self._muxes.values():
+                mux.close()
             await self._session.close()
         self._session = None
+        self._muxes.clear()
 
     async def info(self, url: str, timeout_s: float = _INFO_TIMEOUT_S) -> WorkerInfo:
         """GET /pd/info. A worker that answers an error or an unreadable body is unreachable too."""
@@ -210,7 +219,14 @@ class WorkerClient:
 
     async def stream(self, url: str, request_id: str) -> AsyncGenerator[OutputFrame, None]:
         """Decode: the request's output frames until it finishes (or the stream breaks: then
-        WorkerUnreachable). Raises UnknownRequest if the worker does not know it."""
+        WorkerUnreachable). Raises UnknownRequest if the worker does not know it. With `frame_mux`,
+        on the worker's frame stream (worker/frame_mux.py), else on a stream of its own."""
+        mux = await self._frame_mux(url)
+        if mux is not None:
+            async with aclosing(mux.frames(request_id)) as frames:
+                async for frame in frames:
+                    yield frame
+            return
         try:
             async with self._open("GET", url, f"/pd/stream/{request_id}") as response:
                 if response.status != HTTPStatus.OK:
@@ -220,6 +236,21 @@ class WorkerClient:
                         yield OutputFrame.model_validate_json(line)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise WorkerUnreachable(url, exc) from exc
+
+    async def _frame_mux(self, url: str) -> _FrameMux | None:
+        """The open frame stream to `url` (opened on first use, again once broken); None without one."""
+        if not self.frame_mux or url in self._without_mux:
+            return None
+        self._http()  # NOTE: a session (and its muxes) of this loop
+        mux = self._muxes.get(url)
+        if mux is None or mux.broken is not None:
+            mux = self._muxes[url] = _FrameMux(self, url)
+        try:
+            await asyncio.shield(mux.opened)
+        except _NoFrameStream:
+            self._without_mux.add(url)
+            return None
+        return mux
 
     async def _post(self, url: str, path: str, body: BaseModel | None = None) -> _Reply:
         return await self._call("POST", url, path, body)
@@ -247,6 +278,73 @@ class WorkerClient:
         async with self._http().request(method, target, data=data or None, headers=headers,
                                         timeout=timeout or self._timeout) as response:
             yield response
+
+
+class _NoFrameStream(Exception):
+    """The worker opened no frame stream (an older one, or a stand-in): one stream per request."""
+
+
+class _FrameMux:
+    """The router's end of one decode worker's frame stream (worker/frame_mux.py): one reader
+    task hands each request's frames to the queue of whoever streams it; the stream breaking
+    (or ending) ends every one of them with WorkerUnreachable, as their own streams breaking would."""
+
+    def __init__(self, client: WorkerClient, url: str) -> None:
+        self.client, self.url = client, url
+        self.mux_id = uuid.uuid4().hex
+        self.opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.broken: WorkerUnreachable | None = None
+        self._queues: dict[str, asyncio.Queue[bytes | WorkerUnreachable]] = {}
+        self._reader = asyncio.create_task(self._read())
+
+    async def frames(self, request_id: str) -> AsyncGenerator[OutputFrame, None]:
+        queue = self._queues[request_id] = asyncio.Queue()  # NOTE: before its frames can come
+        try:
+            reply = await self.client._post(self.url, f"/pd/stream/{request_id}/via/{self.mux_id}")
+            if reply.status == HTTPStatus.NOT_FOUND:
+                raise UnknownRequest(f"decode worker {self.url} lost request {request_id}")
+            if reply.status != HTTPStatus.OK:  # NOTE: 410: the frame stream closed meanwhile
+                raise WorkerUnreachable(self.url, ConnectionError(_error_message(reply)))
+            while item := await queue.get():
+                if isinstance(item, WorkerUnreachable):
+                    raise item
+                yield OutputFrame.model_validate_json(item)
+        finally:
+            self._queues.pop(request_id, None)
+            if not self._queues:  # NOTE: not held open while idle (a worker counts it as a request)
+                asyncio.get_running_loop().call_later(_MUX_IDLE_S, self._close_if_idle)
+
+    def _close_if_idle(self) -> None:
+        if not self._queues and self.broken is None:
+            self.close()
+
+    def close(self) -> None:
+        if self.broken is None:  # NOTE: at once: no new request may attach to a stream being closed
+            self.broken = WorkerUnreachable(self.url, EOFError("the frame stream was closed"))
+        self._reader.cancel()
+        if not self.opened.done():
+            self.opened.cancel()
+
+    async def _read(self) -> None:
+        cause: Exception = EOFError("the frame stream ended")
+        try:
+            async with self.client._open("GET", self.url, f"/pd/frames/{self.mux_id}", accept=NDJSON) as response:
+                if response.status != HTTPStatus.OK:
+                    cause = _NoFrameStream(response.status)
+                    return
+                self.opened.set_result(None)
+                async for line in _lines(response):
+                    request_id, _, payload = line.partition(b"\t")
+                    if (queue := self._queues.get(request_id.decode())) is not None:
+                        queue.put_nowait(payload)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            cause = exc
+        finally:
+            self.broken = self.broken or WorkerUnreachable(self.url, cause)
+            if not self.opened.done():
+                self.opened.set_exception(cause if isinstance(cause, _NoFrameStream) else self.broken)
+            for queue in self._queues.values():
+                queue.put_nowait(self.broken)
 
 
 @dataclass(frozen=True, slots=True)

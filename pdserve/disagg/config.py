@@ -70,6 +70,9 @@ class RouterConfig:
     early_first_token: bool = knob(True, "send a request's first token to its client as soon as the prefill worker "
                                          "sampled it, before decode has the KV (memory queue; one sequence, no "
                                          "logprobs; see disagg/router/outputs.py)")
+    frame_mux: bool = knob(True, "stream the frames of every request on a decode worker over one connection "
+                                 "(a step's frames in one write and one read; worker/frame_mux.py) rather than "
+                                 "one stream per request (a worker without it gets those)")
     first_token_timeout_s: float = knob(300.0, "a request with no first token this long after it arrived gets a "
                                                "503 and is aborted on every worker (0: no deadline)")
     enable_lora: bool = knob(False, "LoRA adapters: /v1/models lists the workers' adapters, a request's `model` "

@@ -109,7 +109,7 @@ class PDRouter:
         # NOTE: no read timeout: a prefill job's POST answers once its hand-off ended, a stream
         # lasts as long as its request; until its first output, the first-token deadline bounds it.
         client = WorkerClient(timeout_s=None, connect_timeout_s=_CONNECT_TIMEOUT_S,
-                              secret=load_cluster_secret(config.cluster_secret_file))
+                              secret=load_cluster_secret(config.cluster_secret_file), frame_mux=config.frame_mux)
         pool = WorkerPool(client)
         registry = Registry(config.registration_ttl_s) if config.accept_registrations else None
         membership = Membership(pool, config, registry=registry)

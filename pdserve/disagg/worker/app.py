@@ -8,6 +8,9 @@
     decode:  POST /pd/reserve  ReserveRequest -> ReserveReply | 503 (no room now, or draining) | 400
              POST /pd/prefix   {"prompt_token_ids": [...]} -> {"num_cached_tokens": n} (prefix affinity)
              GET  /pd/stream/{id}  NDJSON OutputFrames until the request finishes
+             GET  /pd/frames/{mux id}  one router's frame stream: `id TAB OutputFrame` lines of
+                               every request attached to it, `id TAB` when its frames end | 409
+             POST /pd/stream/{id}/via/{mux id}  stream the request's frames there | 404 | 410 (no such stream)
              POST /pd/alive    {"transfer_ids": [...], "ended": [...]}: keepalives from prefill workers
                                computing them; attempts they gave up on (their hand-off timed out)
              POST /pd/retarget/{id}  Retarget: expect a new prefill attempt | 404

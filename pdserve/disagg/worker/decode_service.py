@@ -3,7 +3,8 @@
     router --POST /pd/reserve-->  reserve_remote on the engine thread; receiver.expect(transfer id, blocks)
     prefill worker ==KV layers==>  receiver (validated, written into the reserved blocks)
     KVDone(hand-off record: first token, generator state, ...) -> complete_remote: the first token is emitted at once
-    router <--GET /pd/stream---   one NDJSON OutputFrame per engine output until finished (deltas)
+    router <--GET /pd/stream---   one NDJSON OutputFrame per engine output until finished (deltas);
+                                  or the same frames on the router's one frame stream (frame_mux.py)
 
 Before the first payload: the lease. The job is queued for or computing on a prefill worker
 (which the router and the queue watch: a lost prefill worker's job is prefilled again as a new
@@ -113,6 +114,10 @@ class DecodeService:
     @property
     def num_in_flight(self) -> int:
         return len(self._requests)
+
+    def knows(self, rid: str) -> bool:
+        """Whether request `rid` is reserved here (its frames can be streamed)."""
+        return rid in self._requests
 
     def stats(self) -> DecodeStats:
         return DecodeStats(**dataclasses.asdict(self._counts), in_flight=self.num_in_flight,

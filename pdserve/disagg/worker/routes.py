@@ -26,6 +26,7 @@ from pdserve.disagg.control import (
 from pdserve.disagg.kv_layout import KVLayoutMismatch
 from pdserve.disagg.transport.errors import KVTransferError
 from pdserve.disagg.worker.decode_service import DecodeService
+from pdserve.disagg.worker.frame_mux import FrameMuxes, UnknownMux
 from pdserve.disagg.worker.prefill_service import PrefillService
 from pdserve.serving.errors import error_response
 
@@ -34,6 +35,7 @@ def add_decode_routes(app: FastAPI, service: DecodeService) -> None:
     _add_reservation_routes(app, service)
     _add_attempt_routes(app, service)
     _add_stream_routes(app, service)
+    _add_frame_mux_routes(app, service)
 
 
 def _add_reservation_routes(app: FastAPI, service: DecodeService) -> None:
@@ -108,6 +110,29 @@ def _add_stream_routes(app: FastAPI, service: DecodeService) -> None:
     async def abort(request_id: str) -> JSONResponse:
         await service.abort(request_id)
         return JSONResponse({"aborted": request_id})
+
+
+def _add_frame_mux_routes(app: FastAPI, service: DecodeService) -> None:
+    """Many requests' frames on one stream per router (worker/frame_mux.py)."""
+    muxes = FrameMuxes(service)
+
+    @app.get("/pd/frames/{mux_id}")
+    async def frames(mux_id: str) -> Response:
+        try:
+            body = muxes.open(mux_id)
+        except ValueError as exc:
+            return error_response(str(exc), HTTPStatus.CONFLICT)
+        return StreamingResponse(body, media_type=NDJSON)
+
+    @app.post("/pd/stream/{request_id}/via/{mux_id}")
+    async def stream_via(request_id: str, mux_id: str) -> Response:
+        try:
+            muxes.attach(mux_id, request_id)
+        except UnknownMux:
+            return error_response(f"no frame stream {mux_id!r} here", HTTPStatus.GONE)
+        except KeyError:
+            return error_response(f"unknown request {request_id!r}", HTTPStatus.NOT_FOUND)
+        return JSONResponse({"streaming": request_id})
 
 
 def add_prefill_routes(app: FastAPI, service: PrefillService) -> None:

@@ -1,0 +1,110 @@
+"""Decode's frames of many requests on one stream per router (worker/frame_mux.py, the router's
+end in client.py): the same answers as one stream per request, one connection whatever the
+concurrency, closed once idle, and a request whose frames end unfinished aborted on decode."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+from helpers import generate_texts, random_prompt
+from pd_fixtures import start_cluster, stop_cluster
+from server_fixtures import parse_sse
+
+from pdserve import LLM, SamplingParams
+from pdserve.disagg.control import OutputFrame
+from pdserve.disagg.worker.frame_mux import FrameMuxes, UnknownMux
+
+PROMPTS = [random_prompt(n, seed=7100 + n) for n in (5, 33, 70, 140, 9, 60)]
+MAX_TOKENS = 12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("frame_mux", [True, False], ids=["one_stream", "a_stream_per_request"])
+def test_concurrent_streams_through_the_frame_stream_equal_colocated(model_dirs: dict[str, Path], colocated: LLM,
+                                                                     frame_mux: bool) -> None:
+    cluster = start_cluster(model_dirs["tiny"], "tcp", 1, 1, frame_mux=frame_mux)
+    try:
+        want = generate_texts(colocated, PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+
+        async def one(http: httpx.AsyncClient, prompt: list[int], stream: bool) -> str:
+            body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": stream}
+            reply = await http.post("/v1/completions", json=body)
+            assert reply.status_code == 200, reply.text
+            if not stream:
+                return str(reply.json()["choices"][0]["text"])
+            return "".join(e["choices"][0]["text"] for e in parse_sse(reply.text) if isinstance(e, dict))
+
+        async def all_at_once() -> list[str]:
+            async with httpx.AsyncClient(base_url=cluster.router.url, timeout=60) as http:
+                return await asyncio.gather(*(one(http, p, i % 2 == 0) for i, p in enumerate(PROMPTS)))
+
+        assert asyncio.run(all_at_once()) == want
+        muxes = cluster.pd.parts.client._muxes
+        assert len(muxes) == (1 if frame_mux else 0)  # one frame stream for all six, or none
+        cluster.wait_until_idle()  # the frame stream too: closed once nothing streams on it
+    finally:
+        stop_cluster(cluster)
+
+
+class _Service:
+    """A decode service's `knows`/`stream`, each request three frames unless `hang`."""
+
+    def __init__(self, hang: bool = False) -> None:
+        self.hang = hang
+        self.aborted: list[str] = []
+
+    def knows(self, rid: str) -> bool:
+        return rid.startswith("r")
+
+    async def stream(self, rid: str) -> AsyncIterator[OutputFrame]:
+        finished = False
+        try:
+            for n in range(3):
+                await asyncio.sleep(0)
+                finished = n == 2 and not self.hang
+                yield OutputFrame(frame_no=n, token_ids=[n], finish_reason="length" if finished else None)
+            if self.hang:
+                await asyncio.Event().wait()
+        finally:
+            if not finished:
+                self.aborted.append(rid)
+
+
+def test_the_decode_side_interleaves_requests_and_ends_each_then_aborts_all_when_closed() -> None:
+    async def scenario() -> tuple[dict[str, list[int]], list[str], list[str]]:
+        service = _Service()
+        muxes = FrameMuxes(service)  # type: ignore[arg-type]
+        body = muxes.open("m")
+        with pytest.raises(ValueError):
+            muxes.open("m")  # one id, one stream
+        muxes.attach("m", "ra")
+        muxes.attach("m", "rb")
+        with pytest.raises(KeyError):
+            muxes.attach("m", "unknown")
+        with pytest.raises(UnknownMux):
+            muxes.attach("other", "ra")
+        frames: dict[str, list[int]] = {}
+        ended: list[str] = []
+        while len(ended) < 2:
+            for line in (await anext(body)).splitlines():
+                rid, _, payload = line.partition(b"\t")
+                if payload:
+                    frames.setdefault(rid.decode(), []).append(OutputFrame.model_validate_json(payload).frame_no)
+                else:
+                    ended.append(rid.decode())
+        hanging = _Service(hang=True)
+        muxes.service = hanging  # type: ignore[assignment]
+        muxes.attach("m", "rc")
+        await anext(body)
+        await body.aclose()  # the router went away: what still streams on it is aborted
+        await asyncio.sleep(0.01)
+        return frames, sorted(ended), hanging.aborted
+
+    frames, ended, aborted = asyncio.run(scenario())
+    assert frames == {"ra": [0, 1, 2], "rb": [0, 1, 2]}
+    assert ended == ["ra", "rb"]
+    assert aborted == ["rc"]
