@@ -71,6 +71,7 @@ class CacheConfig:
     num_kv_blocks: int
     num_swap_blocks: int
     enable_prefix_caching: bool
+    prefault: bool = False  # CPU: the pool's pages committed at start-up, not as blocks are first written
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +117,10 @@ class EngineArgs:
     enable_chunked_prefill: bool = knob(True, "split long prompts over several steps, next to running decodes")
     num_kv_blocks: int | None = knob(None, "override the KV pool size in blocks")
     kv_cache_memory: str | int | None = knob(None, "KV pool size, e.g. 2GiB (CPU default 2GiB)")
+    kv_cache_prefault: bool = knob(False, "CPU: commit the KV pool's pages at start-up (as a zero-filled pool "
+                                          "would) rather than as blocks are first written: slower start, the "
+                                          "pool resident from the start, and no step stalls on first-touch page "
+                                          "faults (slow on a fresh VM)")
     gpu_memory_utilization: float = knob(0.9, "share of the GPU's memory this engine may use (CUDA only)")
     swap_space: float = knob(0.0, "CPU swap space for preemption, GiB")
     preemption_mode: Literal["recompute", "swap"] | None = knob(
@@ -315,7 +320,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         model=model,
         dtype=dtype,
         device=device,
-        cache=CacheConfig(args.block_size, num_blocks, num_swap_blocks, args.enable_prefix_caching),
+        cache=CacheConfig(args.block_size, num_blocks, num_swap_blocks, args.enable_prefix_caching,
+                          args.kv_cache_prefault),
         scheduler=SchedulerConfig(args.max_num_seqs, max_batched, max_model_len, args.enable_chunked_prefill,
                                   "swap" if preemption == "swap" else "recompute"),
         seed=args.seed,

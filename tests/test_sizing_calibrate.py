@@ -109,6 +109,25 @@ def test_workload_flops_count_prefill_once_and_each_later_token() -> None:
     assert len(shapes) == 9 and (24, tiny.hidden_size, tiny.vocab_size) in shapes
 
 
+def test_gemm_ceiling_is_the_work_at_each_shapes_own_rate() -> None:
+    """With every shape at one rate the ceiling is the work over that rate; slowing the decode
+    batch's shapes slows only the later tokens' share (and the LM head's)."""
+    from pdserve.bench.matmul_rate import Rate, gemm_ceiling_s, gemm_shapes, workload_flops
+    from pdserve.model.facts import load_model_facts
+
+    tiny = load_model_facts("small")
+    prompts, outputs = [300, 40, 1000], [5, 1, 17]
+    uniform = [Rate("", 1e9, shape) for shape in gemm_shapes(tiny, 3, 512)]
+    assert gemm_ceiling_s(tiny, uniform, prompts, outputs, 3, 512) == pytest.approx(
+        workload_flops(tiny, prompts, outputs) / 1e9)
+    slow_decode = [Rate("", 1e9 if m == 512 else 0.5e9, (m, k, n)) for m, k, n in gemm_shapes(tiny, 3, 512)]
+    layer = 2.0 * tiny.layers_matmul_params
+    head = 2.0 * tiny.vocab_size * tiny.hidden_size
+    extra = (sum(outputs) - len(outputs)) * layer / 1e9 + sum(outputs) * head / 1e9
+    assert gemm_ceiling_s(tiny, slow_decode, prompts, outputs, 3, 512) == pytest.approx(
+        workload_flops(tiny, prompts, outputs) / 1e9 + extra)
+
+
 def test_served_steps_are_logged_and_fitted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     """PDSERVE_STEP_LOG: each step's work in the step model's columns (every prompt token counted

@@ -10,6 +10,12 @@ The rate torch itself reaches: fp32 `torch.mm` on the model's own GEMM shapes (Q
 down, LM head) with a decode-sized M (the batch) and a prefill-sized M (a chunk), in this process
 with its threads; the best of them is the ceiling. Both are measured in the same run, so the
 fraction is what the machine allowed at that moment, load included.
+
+A second, tighter ceiling (`gemm_ceiling_s`): the time torch.mm alone needs for the run's own
+matmuls at the M each ran at: prompt tokens at the chunk's rate, later tokens and every sampled
+row of the LM head at the decode batch's, attention pairs at the best rate. Where a small M runs
+far below the best rate (the decode batch), no engine reaches the first ceiling; the second says
+how much of the rest is the engine's.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ _REPS = 5
 class Rate:
     label: str  # "M x K x N"
     flops_per_s: float
+    shape: tuple[int, int, int] = (0, 0, 0)
 
 
 def workload_flops(model: ModelFacts, prompt_lens: Sequence[int], output_lens: Sequence[int],
@@ -65,5 +72,24 @@ def matmul_rates(model: ModelFacts, batch: int = 24, chunk: int = 256) -> list[R
             start = time.perf_counter()
             torch.mm(a, b, out=out)
             best = min(best, time.perf_counter() - start)
-        rates.append(Rate(f"{m} x {k} x {n}", 2.0 * m * k * n / best))
+        rates.append(Rate(f"{m} x {k} x {n}", 2.0 * m * k * n / best, (m, k, n)))
     return rates
+
+
+def gemm_ceiling_s(model: ModelFacts, rates: Sequence[Rate], prompt_lens: Sequence[int], output_lens: Sequence[int],
+                   batch: int, chunk: int) -> float:
+    """Seconds torch.mm alone takes for a run's matmuls at the M they ran at (`rates` from
+    `matmul_rates(model, batch, chunk)`): the lower bound on the run's time on this machine."""
+    by_shape = {r.shape: r.flops_per_s for r in rates}
+    per_token: dict[int, float] = {}
+    for m in (batch, chunk):  # NOTE: a MoE's active experts counted as its dense MLP would be
+        layer = gemm_shapes(model, m, m)[:4]
+        per_token[m] = model.num_layers * sum(2.0 * k * n / by_shape[(m, k, n)] for _, k, n in layer)
+    head = 2.0 * model.vocab_size * model.hidden_size / by_shape[(batch, model.hidden_size, model.vocab_size)]
+    prompt_tokens, sampled = sum(prompt_lens), sum(output_lens)
+    later = sum(max(0, n - 1) for n in output_lens)
+    pairs = sum(p * (p + 1) / 2 + sum(p + s for s in range(1, n)) for p, n in zip(prompt_lens, output_lens,
+                                                                                     strict=True))
+    best = max(r.flops_per_s for r in rates)
+    return (prompt_tokens * per_token[chunk] + later * per_token[batch] + sampled * head
+            + pairs * model.attention_flops_per_pair() / best)

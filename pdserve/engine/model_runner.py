@@ -60,7 +60,7 @@ class ModelRunner:
         if shared_pool is None:
             shape = (m.num_hidden_layers, 2, config.cache.num_kv_blocks, self.block_size, m.num_key_value_heads,
                      m.head_dim)
-            self.kv_cache = _zeroed_pool(shape, config.kv_dtype, self.device)
+            self.kv_cache = _zeroed_pool(shape, config.kv_dtype, self.device, config.cache.prefault)
             self.local_cache = self.kv_cache
         else:
             self.kv_cache = shared_pool
@@ -290,14 +290,15 @@ def longest_run(block_ids: list[int]) -> tuple[int, int]:
     return best_first, best_end
 
 
-def _zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, prefault: bool) -> torch.Tensor:
     """The KV pool starts zeroed. NOTE: decode attention reads whole blocks (and pads tables with
     block 0); masking gives the slots past a sequence's end weight 0, but 0 * NaN is NaN, so no slot
     may ever hold stale NaN/Inf bytes from reused memory. Slots only ever receive model K/V or
     copies of other slots, so starting from zeros keeps every slot finite.
     On CPU the zeros come from an anonymous mapping on huge pages (`host_memory.zeroed_pages`):
-    pages read as zero and are committed by the OS only as blocks are first written."""
+    pages read as zero and are committed by the OS only as blocks are first written, or all at
+    start-up with `prefault` (`--kv-cache-prefault`)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return zeroed_pages(num_bytes).view(dtype).view(shape)
+    return zeroed_pages(num_bytes, commit=prefault).view(dtype).view(shape)
