@@ -6,6 +6,7 @@ must leave nothing behind on the prefill worker."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -84,17 +85,20 @@ def test_a_job_placed_after_prefill_computed_it_hands_off_the_same_kv(model_dirs
         stop_cluster(cluster)
 
 
-def test_a_reservation_slower_than_the_transfer_timeout_is_waited_for_not_retried(
-        model_dirs: dict[str, Path], colocated: LLM) -> None:
+@pytest.mark.parametrize("delay_s", [0.4, 2.5])
+def test_a_slow_reservation_is_waited_for_not_retried(model_dirs: dict[str, Path], colocated: LLM,
+                                                      delay_s: float) -> None:
     """The placement has a deadline of its own (`placement_timeout_s`, 1 s), not the 100-ms transfer
-    timeout: a decode reservation that takes 0.4 s under load is waited for, and the request's
-    first attempt hands off (before, it timed out on prefill and was retried)."""
+    timeout: a decode reservation that takes 0.4 s under load is waited for. One that takes longer
+    than the placement timeout too (2.5 s; the first placement has no history to scale it by) is
+    waited for while the router that pushed the job still holds its stream open. Either way the
+    first attempt hands off (before: a timeout on prefill, counted, and the prompt computed again)."""
     cluster = start_cluster(model_dirs["tiny"], "tcp", 1, 1, timeout_s=0.1)
     try:
         [decode] = [s for s in cluster.services if isinstance(s, DecodeService)]
         [prefill] = [s for s in cluster.services if isinstance(s, PrefillService)]
         assert prefill.placement_timeout_s == 1.0
-        _delay_reservations(decode, 0.4)
+        _delay_reservations(decode, delay_s)
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         [want] = generate_texts(colocated, [PROMPTS[1]], params)
         with httpx.Client(base_url=cluster.router.url, timeout=60) as http:
@@ -103,8 +107,34 @@ def test_a_reservation_slower_than_the_transfer_timeout_is_waited_for_not_retrie
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["text"] == want
         stats = prefill.stats()
-        assert (stats.handed_off, stats.failed) == (1, 0), stats
+        assert (stats.handed_off, stats.failed, stats.timed_out) == (1, 0, 0), stats
         cluster.wait_until_idle()
+    finally:
+        stop_cluster(cluster)
+
+
+def test_an_unplaced_job_whose_router_left_times_out_at_the_placement_timeout(model_dirs: dict[str, Path]) -> None:
+    """The router's stream of an unplaced job closes (the router is gone) and no placement comes:
+    prefill does not wait the held-open bound for it, it ends the attempt at the placement timeout."""
+    from pdserve.disagg.run_parts import prefill_job
+
+    cluster = start_cluster(model_dirs["tiny"], "tcp", 1, 1, timeout_s=0.1)
+    try:
+        [prefill] = [s for s in cluster.services if isinstance(s, PrefillService)]
+        [(served, _)] = [(w, e) for (w, e), s in zip(cluster.workers, cluster.services, strict=True)
+                         if isinstance(s, PrefillService)]
+        job = prefill_job(cluster.pd.client.secret, "gone-router", random_prompt(40, seed=5),
+                          SamplingParams(max_tokens=4), None)
+        headers = {"content-type": "application/json", "accept": "application/x-ndjson"}
+        with httpx.Client(base_url=served.url, timeout=10) as http, \
+                http.stream("POST", "/pd/prefill", content=job.model_dump_json(), headers=headers) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())  # the first token: prefill computed it; then the router "goes"
+        start = time.monotonic()
+        while prefill.num_in_flight and time.monotonic() - start < 10:
+            time.sleep(0.05)
+        assert prefill.num_in_flight == 0 and time.monotonic() - start < 5
+        assert prefill.stats().timed_out == 1
     finally:
         stop_cluster(cluster)
 

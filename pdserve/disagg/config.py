@@ -132,7 +132,8 @@ class WorkerConfig:
     queue_max_deliveries: int = knob(3, "prefill: dead-letter a job after this many deliveries")
     placement_timeout_s: float = knob(1.0, "prefill: a job sent before its decode reservation was made is dropped "
                                            "(its blocks freed) if the reservation is not named this long after "
-                                           "its prompt was computed (at least the KV transfer timeout)")
+                                           "its prompt was computed (at least the KV transfer timeout; longer, "
+                                           "up to 30 s, while the router that sent it still listens)")
     cluster_secret_file: str | None = knob(None, CLUSTER_SECRET_HELP)
     kv_max_connections: int = knob(64, "decode: most connections the KV port holds at once (when full, the "
                                        "oldest one not yet authenticated is dropped for a newcomer)")

@@ -8,7 +8,7 @@ that the attempt is still being worked on, and how long the engine's steps take 
 dead peer.
 
 Each job is one attempt (`job.transfer_id`): the id the engine, the streamer and the transport use
-here, so a retried request never collides with its earlier attempt. One `_Attempt` record per
+here, so a retried request never collides with its earlier attempt. One `PrefillAttempt` record per
 attempt (`_attempts`, keyed by transfer id), created when the engine took the job and removed when
 its hand-off ended; its `state` moves through attempt_states.ATTEMPT (computing, handing_off,
 then how it ended: handed_off, timed_out, failed, aborted). `run` returns how the hand-off ended
@@ -44,6 +44,7 @@ from pdserve.disagg.transport.cadence import FIRST_CONTACT_S, Cadence
 from pdserve.disagg.transport.errors import KVTransferError, KVTransferTimeout
 from pdserve.disagg.transport.progress import TIMEOUT_MESSAGE
 from pdserve.disagg.worker.kv_side import SenderHandles
+from pdserve.disagg.worker.prefill_attempt import PrefillAttempt
 from pdserve.disagg.worker.prefill_keepalives import DecodeKeepalives
 from pdserve.disagg.worker.stats import PrefillStats
 from pdserve.engine.async_llm import EngineClient, EngineDeadError, OutputStream, RequestFailedError
@@ -55,36 +56,8 @@ from pdserve.logs import bind_request_id
 
 logger = logging.getLogger(__name__)
 _CONNECT_WAIT_S = 10.0  # a named placement whose sender connects to its decode worker (`_placement`)
+HELD_PLACEMENT_S = 30.0  # an unplaced job whose router still listens (`held_open`): the router's reserve deadline
 _MAX_ABORTS_KEPT = 1024  # aborts of attempts not running here, kept for one that is still coming (`abort`)
-
-
-@dataclass(slots=True)
-class _Attempt:
-    """One prefill attempt, from the engine taking it until its hand-off ended. Event-loop only."""
-
-    task: asyncio.Task[HandOff]  # computes it, hands it off, releases its blocks
-    decode_url: str  # the decode worker expecting it, told it is alive ("": nobody to tell)
-    num_uncomputed_tokens: int  # prompt tokens still to compute (0 once the first token is out)
-    token: str  # the decode reservation's, which every KV message of the attempt presents
-    state: State  # where it is in its lifecycle (attempt_states.ATTEMPT)
-    seeded: bool = True  # has a seeded generator, whose state decode needs (Request.generator)
-    # the sender (handle) to its decode worker, once its reservation is known (at once for a placed job)
-    placed: asyncio.Future[int] = dataclasses.field(
-        default_factory=lambda: asyncio.get_running_loop().create_future())
-    # the sender a placement under way hands to the engine, before `placed` is set: the attempt's
-    # end releases through it too (a send it started must stop reading the blocks before they go)
-    placing: int | None = None
-    # a placement that came, while its sender connects to the decode worker (the first placement
-    # there, a handshake): `_placement` waits for that beside the transfer timeout
-    connecting: asyncio.Future[int] | None = None
-    # the LoRA adapter it runs under and its weights' digest here (the hand-off names both); asked
-    # of the engine beside the job, so the hand-off never waits for it
-    lora: asyncio.Future[tuple[str | None, str]] | None = None
-    # its first token once sampled, before the hand-off (None: it ended without one)
-    first_token: asyncio.Future[FirstToken | None] = dataclasses.field(
-        default_factory=lambda: asyncio.get_running_loop().create_future())
-    started: bool = False  # its task took its first step: from then on an abort cancels it
-    aborted: bool = False  # an abort came before that (or before the record): the task ends so at once
 
 
 @dataclass(slots=True)
@@ -113,7 +86,7 @@ class PrefillService:
         # how long unplaced jobs wait for their placement lately (before the first: FIRST_CONTACT_S)
         self.placements = Cadence(first_contact_s=FIRST_CONTACT_S)
         self.draining = False
-        self._attempts: dict[str, _Attempt] = {}  # transfer id -> its record
+        self._attempts: dict[str, PrefillAttempt] = {}  # transfer id -> its record
         self._submitting: dict[str, str] = {}  # transfer id -> its decode URL, while the engine takes the job
         self._aborts_kept: OrderedDict[str, None] = OrderedDict()  # aborted transfer ids with no record, oldest first
         self._ended: OrderedDict[str, HandOff] = OrderedDict()  # how recent attempts ended, oldest first
@@ -175,7 +148,7 @@ class PrefillService:
         finally:
             del self._submitting[tid]
         task = asyncio.create_task(self._finish(tid, stream))
-        attempt = self._attempts[tid] = _Attempt(task, job.decode_url,
+        attempt = self._attempts[tid] = PrefillAttempt(task, job.decode_url,
                                                  len(job.prompt_token_ids) - job.num_cached_tokens, job.token,
                                                  State(ATTEMPT, tid), seeded=params.seed is not None, lora=lora)
         if tid in self._aborts_kept:  # NOTE: its abort came first (while the engine took it, or before)
@@ -261,6 +234,15 @@ class PrefillService:
         none: asyncio.Future[FirstToken | None] = asyncio.get_running_loop().create_future()
         none.set_result(None)
         return none
+
+    def held_open(self, transfer_id: str) -> asyncio.Future[None]:
+        """A future to complete once the router's stream of the job closes. Until then an unplaced
+        attempt waits for its placement past the placement timeout, at most HELD_PLACEMENT_S: a router
+        that listens is still reserving (a busy decode worker answers late) and places or cancels."""
+        held = asyncio.get_running_loop().create_future()
+        if (attempt := self._attempts.get(transfer_id)) is not None:
+            attempt.held = held
+        return held
 
     async def cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
         """Leading tokens of this prompt the prefix cache (pool, disk tier) holds now (prefix-affinity
@@ -378,8 +360,8 @@ class PrefillService:
 
     async def _placement(self, tid: str) -> int:
         """The attempt's sender once it is placed (KVTransferTimeout: not named within the placement
-        timeout of the first token; a reservation that takes longer, its router waiting for room,
-        has the router send the job again, placed)."""
+        timeout of the first token, or while its router listens (`held_open`); a reservation that
+        takes longer, its router waiting for room, has the router send the job again, placed)."""
         attempt = self._attempts.get(tid)
         if attempt is None:
             raise KVTransferError(f"request {tid}: ended before it was placed")
@@ -389,6 +371,9 @@ class PrefillService:
         if not placed.done():
             waited = time.monotonic()
             await asyncio.wait((placed,), timeout=limit_s)
+            if not placed.done() and attempt.held is not None and not attempt.held.done():
+                await asyncio.wait((placed, attempt.held), timeout=HELD_PLACEMENT_S,
+                                   return_when=asyncio.FIRST_COMPLETED)
             # NOTE: how long placements take lately (a busy decode worker reserves slowly) sets the
             # next wait, the configured timeout only its floor (transport/cadence.py)
             self.placements.saw(time.monotonic() - waited)

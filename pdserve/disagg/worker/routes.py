@@ -146,8 +146,8 @@ def add_prefill_routes(app: FastAPI, service: PrefillService) -> None:
             return _refused(exc)
         if NDJSON not in request.headers.get("accept", ""):
             return JSONResponse((await asyncio.shield(task)).model_dump())
-        first_token = service.first_token(job.transfer_id)
-        return StreamingResponse(_prefill_events(first_token, task), media_type=NDJSON)
+        first_token, held = service.first_token(job.transfer_id), service.held_open(job.transfer_id)
+        return StreamingResponse(_prefill_events(first_token, task, held), media_type=NDJSON)
 
     @app.post("/pd/place/{transfer_id}")
     async def place(transfer_id: str, body: Placement) -> Response:
@@ -175,14 +175,18 @@ async def _place(service: PrefillService, transfer_id: str, body: Placement) -> 
     return JSONResponse({"placed": transfer_id})
 
 
-async def _prefill_events(first_token: asyncio.Future[FirstToken | None],
-                          task: asyncio.Task[HandOff]) -> AsyncIterator[str]:
+async def _prefill_events(first_token: asyncio.Future[FirstToken | None], task: asyncio.Task[HandOff],
+                          held: asyncio.Future[None]) -> AsyncIterator[str]:
     # NOTE: the first token goes out as soon as it is sampled, before the KV hand-off ends
     # (waited for beside the task: neither is cancelled when this stream is)
-    await asyncio.wait((first_token, task), return_when=asyncio.FIRST_COMPLETED)
-    if first_token.done() and not first_token.cancelled() and (token := first_token.result()) is not None:
-        yield PrefillEvent(first_token=token).model_dump_json() + "\n"
-    yield PrefillEvent(hand_off=await asyncio.shield(task)).model_dump_json() + "\n"
+    try:
+        await asyncio.wait((first_token, task), return_when=asyncio.FIRST_COMPLETED)
+        if first_token.done() and not first_token.cancelled() and (token := first_token.result()) is not None:
+            yield PrefillEvent(first_token=token).model_dump_json() + "\n"
+        yield PrefillEvent(hand_off=await asyncio.shield(task)).model_dump_json() + "\n"
+    finally:  # NOTE: the router left (or the stream ended): an unplaced attempt waits no longer for it
+        if not held.done():
+            held.set_result(None)
 
 
 def _refused(exc: Exception) -> Response:
