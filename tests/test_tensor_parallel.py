@@ -81,9 +81,11 @@ def test_up_splits_a_workers_cores_over_its_ranks() -> None:
 @pytest.fixture(scope="module", params=["tiny", "untied"])
 def tp_pair(request: pytest.FixtureRequest, model_dirs: dict[str, Path],
             llm_factory: Callable[..., LLM]) -> Iterator[tuple[LLM, LLM]]:
-    """(one process, two ranks) on the same model and settings."""
+    """(one process, two ranks) on the same model and settings; the untied model's ranks share a
+    pool committed at start-up (`kv_cache_prefault`)."""
     name = request.param
-    tp = LLM(model=str(model_dirs[name]), dtype="float32", tensor_parallel_size=2, num_threads=1, **ENGINE_ARGS)
+    tp = LLM(model=str(model_dirs[name]), dtype="float32", tensor_parallel_size=2, num_threads=1,
+             kv_cache_prefault=name == "untied", **ENGINE_ARGS)
     yield llm_factory(name, **ENGINE_ARGS), tp
     tp.engine.close()
 

@@ -151,6 +151,8 @@ def build_rank_runner(config: EngineConfig, group: TorchGroup, pool_path: str | 
     shape = (m.num_hidden_layers, 2, config.cache.num_kv_blocks, config.cache.block_size, m.num_key_value_heads,
              m.head_dim)
     pool = torch.from_file(pool_path, shared=True, size=math.prod(shape), dtype=config.kv_dtype).view(shape)
+    if config.cache.prefault and rank == 0:  # NOTE: the file reads as zeros; writing them commits its pages for all
+        pool.view(-1).view(torch.uint8).zero_()
     return runner_class(config, model, pool, TPShard(rank, size).kv_head_range(m))
 
 
