@@ -149,8 +149,8 @@ class PrefillService:
             del self._submitting[tid]
         task = asyncio.create_task(self._finish(tid, stream))
         attempt = self._attempts[tid] = PrefillAttempt(task, job.decode_url,
-                                                 len(job.prompt_token_ids) - job.num_cached_tokens, job.token,
-                                                 State(ATTEMPT, tid), seeded=params.seed is not None, lora=lora)
+                                                       len(job.prompt_token_ids) - job.num_cached_tokens, job.token,
+                                                       State(ATTEMPT, tid), seeded=params.seed is not None, lora=lora)
         if tid in self._aborts_kept:  # NOTE: its abort came first (while the engine took it, or before)
             del self._aborts_kept[tid]
             attempt.aborted = True
