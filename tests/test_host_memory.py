@@ -12,7 +12,7 @@ from pdserve.engine.host_memory import HUGE_PAGE_BYTES, zeroed_pages
 _THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-def _anon_huge_kib(address: int, field: str = "AnonHugePages") -> int:
+def _smaps_kib(address: int, field: str = "AnonHugePages") -> int:
     """`field` (AnonHugePages, Rss, ...) of the mapping of this process that contains `address`
     (/proc/self/smaps), in KiB."""
     inside = False
@@ -42,18 +42,18 @@ def test_zeroed_pages_get_huge_pages_once_written() -> None:
     pages = zeroed_pages(8 * HUGE_PAGE_BYTES)
     # NOTE: a difference, not "0 before": the kernel may merge the new mapping with a neighbouring
     # one of the same flags (an earlier test's pages), whose huge pages then count in the same entry
-    before = _anon_huge_kib(pages.data_ptr())
+    before = _smaps_kib(pages.data_ptr())
     pages.fill_(1)
-    assert _anon_huge_kib(pages.data_ptr()) - before >= 4 * HUGE_PAGE_BYTES // 1024
+    assert _smaps_kib(pages.data_ptr()) - before >= 4 * HUGE_PAGE_BYTES // 1024
 
 
 def test_committed_pages_are_resident_at_once_lazy_ones_only_when_written() -> None:
     size = 16 * HUGE_PAGE_BYTES
     lazy = zeroed_pages(size)
     # NOTE: measured before the next mapping, which the kernel may merge with this one
-    assert _anon_huge_kib(lazy.data_ptr(), "Rss") < size // 1024
+    assert _smaps_kib(lazy.data_ptr(), "Rss") < size // 1024
     committed = zeroed_pages(size, commit=True)
-    assert _anon_huge_kib(committed.data_ptr(), "Rss") >= size // 1024
+    assert _smaps_kib(committed.data_ptr(), "Rss") >= size // 1024
     assert int(committed.count_nonzero()) == 0
 
 
@@ -62,6 +62,6 @@ def test_engine_commits_its_pool_with_kv_cache_prefault(model_dirs: dict[str, Pa
 
     llm = LLM(str(model_dirs["tiny"]), dtype="float32", kv_cache_memory="64MiB", kv_cache_prefault=True)
     pool = llm.engine.runner.kv_cache
-    assert _anon_huge_kib(pool.data_ptr(), "Rss") >= pool.numel() * pool.element_size() // 1024
+    assert _smaps_kib(pool.data_ptr(), "Rss") >= pool.numel() * pool.element_size() // 1024
     out = llm.generate(["hello"], SamplingParams(max_tokens=4, temperature=0.0))
     assert len(out[0].outputs[0].token_ids) == 4
