@@ -121,6 +121,41 @@ def test_tp2_seeded_sampling_matches_one_process(tp_pair: tuple[LLM, LLM]) -> No
 
 
 @pytest.mark.slow
+def test_rank_0_reports_a_layer_of_the_shared_pool_once_every_rank_wrote_it(tp_pair: tuple[LLM, LLM],
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """KV streaming sends a layer's every head out of the shared pool as soon as rank 0 reports it, so
+    rank 0 reports layer l only past a collective each rank enters after writing l (its o_proj
+    all-reduce), never straight after its own attention l, when rank 1 may not have written yet."""
+    _, tp = tp_pair
+    runner = tp.engine.runner
+    assert isinstance(runner, TPModelRunner) and runner.rank_pools is None
+    model, events = runner.model, []
+    attention, all_reduce = model.attention, model.group.all_reduce
+
+    def record_attention(index: int, *args: Any) -> torch.Tensor:
+        out = attention(index, *args)
+        events.append(("attention", index))
+        return out
+
+    def record_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+        out = all_reduce(tensor)
+        events.append(("all_reduce", None))
+        return out
+
+    monkeypatch.setattr(model, "attention", record_attention)
+    monkeypatch.setattr(model.group, "all_reduce", record_all_reduce)
+    monkeypatch.setattr(tp.engine, "layer_observer", lambda layer, chunks: events.append(("reported", layer)))
+    generate_token_ids(tp, PROMPTS[1:2], greedy(2))
+    num_layers = model.cfg.num_hidden_layers
+    reported = [layer for kind, layer in events if kind == "reported"]
+    assert reported and reported == list(range(num_layers)) * (len(reported) // num_layers)
+    for at, (kind, layer) in enumerate(events):
+        if kind == "attention":
+            until = events.index(("reported", layer), at)
+            assert ("all_reduce", None) in events[at:until], f"layer {layer} reported before an all-reduce"
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_rank_killed_mid_step_ends_the_engine_without_hanging(model_dirs: dict[str, Path]) -> None:
     llm = LLM(model=str(model_dirs["tiny"]), dtype="float32", tensor_parallel_size=2, num_threads=1, **ENGINE_ARGS)

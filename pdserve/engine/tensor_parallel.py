@@ -11,7 +11,8 @@
 Rank 0 runs the scheduler and sends each step's plan (plain integers) to the other ranks; they
 only compute. On CPU every rank maps one shared KV pool file and writes only its heads into it, so
 rank 0's `kv_cache` holds every head: the KV transports and the disk tier use it as with one
-process (the KV hand-off across TP sizes needs nothing more). On CUDA each rank has its own pool
+process (the KV hand-off across TP sizes needs nothing more, but that rank 0 reports a layer to KV
+streaming once every rank wrote it: `_OnceEveryRankWrote`). On CUDA each rank has its own pool
 (`rank_pools`; on CPU too with PDSERVE_TP_RANK_POOLS=1): a prefill worker's ranks then each send
 their own heads, which a rank hook does on every rank (`install_rank_hook`, disagg/worker/rank_streaming.py):
 
@@ -310,11 +311,38 @@ class TPModelRunner(ModelRunner):
                 conn.send(plan)
         except OSError as exc:
             raise RankDiedError(f"a tensor-parallel rank is gone: {exc}") from exc
-        return super().run(plan, layer_done)
+        if layer_done is None or self.rank_pools is not None:
+            return super().run(plan, layer_done)
+        reports = _OnceEveryRankWrote(layer_done)
+        hidden = super().run(plan, reports)
+        reports.finish()
+        return hidden
 
     def close(self) -> None:
         """Stop the other ranks (they finish nothing: the engine is done)."""
         self._finalizer()
+
+
+class _OnceEveryRankWrote:
+    """`layer_done` for rank 0 of a shared pool: layer l is reported once every rank wrote its heads
+    of it, not when rank 0 wrote its own (the model reports a layer right after its attention, while
+    the other ranks may still be computing theirs). Rank 0 past layer l's o_proj all-reduce means
+    every rank entered it, each after its attention l: so layer l is reported when rank 0 reaches
+    attention l + 1, the last layer once the forward returns."""
+
+    def __init__(self, layer_done: Callable[[int], None]) -> None:
+        self.layer_done = layer_done
+        self.last: int | None = None
+
+    def __call__(self, layer: int) -> None:
+        if self.last is not None:
+            self.layer_done(self.last)
+        self.last = layer
+
+    def finish(self) -> None:
+        if self.last is not None:
+            self.layer_done(self.last)
+            self.last = None
 
 
 def _stop_ranks(processes: list[subprocess.Popen[bytes]], conns: list[Connection]) -> None:
