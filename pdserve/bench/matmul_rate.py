@@ -40,16 +40,21 @@ class Rate:
 
 def workload_flops(model: ModelFacts, prompt_lens: Sequence[int], output_lens: Sequence[int],
                    cached_lens: Sequence[int] | None = None) -> float:
-    layer = 2.0 * model.layers_matmul_params
-    head = 2.0 * model.vocab_size * model.hidden_size
-    pair = model.attention_flops_per_pair()
+    cached = cached_lens or [0] * len(prompt_lens)
+    computed = sum(p - c for p, c in zip(prompt_lens, cached, strict=True))
+    later = sum(max(0, n - 1) for n in output_lens)  # the first output token came from the prefill
+    return (2.0 * model.layers_matmul_params * (computed + later)
+            + 2.0 * model.vocab_size * model.hidden_size * (len(prompt_lens) + later)
+            + model.attention_flops_per_pair() * attention_pairs(prompt_lens, output_lens, cached))
+
+
+def attention_pairs(prompt_lens: Sequence[int], output_lens: Sequence[int], cached_lens: Sequence[int]) -> float:
+    """(query, key) pairs the run's attention computes: each computed prompt token over the cached
+    prefix and the prompt up to itself, each later token over everything before it."""
     total = 0.0
-    for index, (prompt, output) in enumerate(zip(prompt_lens, output_lens, strict=True)):
-        cached = cached_lens[index] if cached_lens else 0
+    for prompt, output, cached in zip(prompt_lens, output_lens, cached_lens, strict=True):
         new = prompt - cached
-        total += layer * new + pair * new * (cached + (new + 1) / 2) + head
-        for step in range(1, output):  # the first output token came from the prefill
-            total += layer + head + pair * (prompt + step)
+        total += new * (cached + (new + 1) / 2) + sum(prompt + step for step in range(1, output))
     return total
 
 
@@ -88,8 +93,7 @@ def gemm_ceiling_s(model: ModelFacts, rates: Sequence[Rate], prompt_lens: Sequen
     head = 2.0 * model.vocab_size * model.hidden_size / by_shape[(batch, model.hidden_size, model.vocab_size)]
     prompt_tokens, sampled = sum(prompt_lens), sum(output_lens)
     later = sum(max(0, n - 1) for n in output_lens)
-    pairs = sum(p * (p + 1) / 2 + sum(p + s for s in range(1, n)) for p, n in zip(prompt_lens, output_lens,
-                                                                                     strict=True))
+    pairs = attention_pairs(prompt_lens, output_lens, [0] * len(prompt_lens))
     best = max(r.flops_per_s for r in rates)
     return (prompt_tokens * per_token[chunk] + later * per_token[batch] + sampled * head
             + pairs * model.attention_flops_per_pair() / best)
