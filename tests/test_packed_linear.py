@@ -18,8 +18,8 @@ needs_packing = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float
 
 def test_bucket_rows_pads_little_and_to_few_sizes() -> None:
     buckets = [bucket_rows(rows) for rows in range(1, 8193)]
-    assert buckets[:16] == list(range(1, 17))  # decode batches run as they are
-    assert all(rows <= b <= rows * 9 // 8 for rows, b in enumerate(buckets, start=1))
+    assert buckets[:16] == [4, 4, 4, *range(4, 17)]  # decode batches run as they are, from 4 rows
+    assert all(rows <= b <= max(4, rows * 9 // 8) for rows, b in enumerate(buckets, start=1))
     assert buckets == sorted(buckets)
     assert len(set(buckets)) <= 16 + 8 * 9  # 16 exact sizes, then 8 per doubling up to 8192
 
@@ -54,3 +54,29 @@ def test_packed_matches_linear(rows: int) -> None:
         expected = linear(x)
     assert out.shape == (rows, 40)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_packing
+def test_decode_step_benchmark_runs_both_ways_and_restores_the_floor(model_dirs: dict[str, Any],
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """`python -m pdserve.bench.decode_step`, tiny: one row per batch with both columns, and the
+    kernel sees 4 rows for a batch of 1 only while the floor is on."""
+    from pdserve.bench import decode_step
+    from pdserve.model import packed_linear
+
+    kernel = torch.ops.mkldnn._linear_pointwise
+    seen: list[tuple[int, int]] = []  # (floor then, rows reaching the kernel)
+
+    def spy(x: torch.Tensor, *args: Any) -> torch.Tensor:
+        seen.append((packed_linear._MIN_ROWS, x.shape[0]))
+        return kernel(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    monkeypatch.setattr("sys.argv", ["decode_step", "--model", str(model_dirs["tiny"]), "--batches", "1,4",
+                                     "--tokens", "3", "--prompt-len", "5"])
+    decode_step.main()
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [row.split("|")[1].strip() for row in table[1:]] == ["1", "4"]
+    assert packed_linear._MIN_ROWS == 4
+    assert (1, 1) in seen and (4, 4) in seen and (4, 1) not in seen
