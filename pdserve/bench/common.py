@@ -1,4 +1,4 @@
-"""What every benchmark prints about where it ran."""
+"""What every benchmark prints about where it ran, and the steps several of them share."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import os
 import platform
 
 import torch
+
+from pdserve.engine.llm_engine import LLMEngine
 
 
 def hardware_line() -> str:
@@ -26,3 +28,10 @@ def print_table(headers: list[str], rows: list[list[str]]) -> None:
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for row in rows:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |")
+
+
+def step_until_prompts_are_in(engine: LLMEngine) -> None:
+    """Step `engine` until every request it holds has its whole prompt computed (what a benchmark
+    of decode steps does, untimed, before it times any)."""
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
+        engine.step()

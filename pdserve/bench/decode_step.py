@@ -18,7 +18,7 @@ import time
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.bench.common import hardware_line, print_table
+from pdserve.bench.common import hardware_line, print_table, step_until_prompts_are_in
 from pdserve.model import packed_linear
 
 
@@ -28,9 +28,7 @@ def median_decode_step_ms(llm: LLM, batch: int, tokens: int, prompt_len: int, ta
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"{tag}-{batch}-{i}", [100 + i + j for j in range(prompt_len)], params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) \
-            or engine.scheduler.waiting:
-        engine.step()
+    step_until_prompts_are_in(engine)
     times = []
     while engine.scheduler.requests:
         start = time.perf_counter()

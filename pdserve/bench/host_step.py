@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from pdserve import LLM
-from pdserve.bench.common import hardware_line, print_table
+from pdserve.bench.common import hardware_line, print_table, step_until_prompts_are_in
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.demo_checkpoint import PRESETS, write_checkpoint
 
@@ -81,9 +81,7 @@ def measure(model_dir: Path, num_streams: int, context_len: int, num_steps: int)
     for index in range(num_streams):  # distinct prompts: no prefix shared
         start = 1 + (index * 7919) % 100
         engine.add_request(f"r{index}", [(start + i) % 150 + 1 for i in range(context_len)], params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) \
-            or engine.scheduler.waiting:
-        engine.step()
+    step_until_prompts_are_in(engine)
     gc.collect()  # NOTE: the earlier shapes' engines are garbage now; their collection is not this shape's work
     times = []
     for _ in range(num_steps):

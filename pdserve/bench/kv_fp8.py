@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 from pdserve import LLM, SamplingParams
-from pdserve.bench.common import hardware_line, print_table
+from pdserve.bench.common import hardware_line, print_table, step_until_prompts_are_in
 from pdserve.engine.llm import TokensPrompt
 from pdserve.model.demo_checkpoint import PRESETS, write_checkpoint
 
@@ -59,8 +59,7 @@ def start_decodes(llm: LLM, token_prompts: list[list[int]], max_tokens: int) -> 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for index, prompt in enumerate(token_prompts):
         engine.add_request(f"step-{index}", prompt, params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
-        engine.step()
+    step_until_prompts_are_in(engine)
     engine.step()
 
 

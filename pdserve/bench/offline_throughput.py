@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.bench.common import hardware_line, print_table
+from pdserve.bench.common import hardware_line, print_table, step_until_prompts_are_in
 from pdserve.model.demo_checkpoint import default_model_dir
 
 _PAD_ID = 151643
@@ -101,8 +101,7 @@ def scheduler_share(llm: LLM, num_seqs: int, num_steps: int, seed: int) -> tuple
     params = SamplingParams(temperature=0.0, max_tokens=num_steps * 4, ignore_eos=True)
     for index, prompt in enumerate(work.prompts):
         engine.add_request(f"sched-{index}", prompt, params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
-        engine.step()
+    step_until_prompts_are_in(engine)
     before = engine.stats()
     for _ in range(num_steps):
         engine.step()
