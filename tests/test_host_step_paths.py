@@ -69,6 +69,69 @@ def test_finished_counts_each_sequence_once() -> None:
     assert state.finished and state.snapshot().finished
 
 
+def test_deltas_carry_each_token_logprob_and_finish_once() -> None:
+    """`RequestState.delta` (the engine core's output): new tokens only, a finish reason once, the
+    prompt's logprobs once; a sequence with nothing new is left out."""
+    state = _state(n=2, logprobs=1)
+    lp = TokenLogprobs(3, -0.5, ((3, -0.5),))
+    state.add_token(0, 3, lp)
+    first = state.delta()
+    assert [(s.index, s.token_ids, s.finish_reason) for s in first.sequences] == [(0, [3], None)]
+    assert first.sequences[0].logprobs == [lp]
+    state.add_token(0, 4, lp)
+    state.add_token(1, 5, lp)
+    state.finish(1, RequestStatus.FINISHED_LENGTH, None)
+    state.prompt_logprobs = [None]
+    second = state.delta()
+    assert [(s.index, s.token_ids, s.finish_reason) for s in second.sequences] == [(0, [4], None), (1, [5], "length")]
+    assert second.prompt_logprobs == [None]
+    third = state.delta()
+    assert third.sequences == [] and third.prompt_logprobs is None
+    state.finish(0, RequestStatus.FINISHED_STOPPED, 7)
+    assert [(s.index, s.token_ids, s.finish_reason, s.stop_reason) for s in state.delta().sequences] == [
+        (0, [], "stop", 7)]
+    assert state.delta().sequences == []
+
+
+def test_the_engine_core_deltas_add_up_to_the_snapshots(model_dirs: dict[str, Path]) -> None:
+    """`step_deltas` (the engine core process) and `step` (snapshots) over the same requests: the
+    deltas, concatenated, are the final snapshots' tokens, logprobs and finish reasons; `step(final_only)`
+    returns finished requests only."""
+    from helpers import random_prompt
+
+    from pdserve.config import EngineArgs
+    from pdserve.engine.llm_engine import LLMEngine
+
+    def run(mode: str) -> dict[str, list[tuple[list[int], list[int], str | None]]]:
+        engine = LLMEngine.from_engine_args(EngineArgs(model=str(model_dirs["tiny"]), dtype="float32",
+                                                       num_kv_blocks=64))
+        for index, max_tokens in enumerate((3, 9, 5)):
+            params = SamplingParams(n=2, max_tokens=max_tokens, temperature=0.8, seed=index, logprobs=1)
+            engine.add_request(f"r{index}", random_prompt(20 + index, seed=index), params)
+        got: dict[str, list[tuple[list[int], list[int], str | None]]] = {}
+        while engine.has_unfinished_requests():
+            if mode == "delta":
+                for delta in engine.step_deltas():
+                    seqs = got.setdefault(delta.request_id, [([], [], None), ([], [], None)])
+                    for seq in delta.sequences:
+                        tokens, logprobs, reason = seqs[seq.index]
+                        assert reason is None  # nothing after a sequence's finish
+                        assert seq.logprobs is not None and len(seq.logprobs) == len(seq.token_ids)
+                        seqs[seq.index] = (tokens + seq.token_ids, logprobs + [x.token_id for x in seq.logprobs],
+                                           seq.finish_reason)
+            else:
+                for output in engine.step(final_only=mode == "final"):
+                    assert output.finished or mode == "snapshot"
+                    got[output.request_id] = [(o.token_ids, [x.token_id for x in o.logprobs or []], o.finish_reason)
+                                              for o in output.outputs]
+        assert engine.scheduler.kv.pool.num_free_blocks == 64
+        return got
+
+    snapshots = run("snapshot")
+    assert all(reason == "length" for seqs in snapshots.values() for _, _, reason in seqs)
+    assert run("delta") == snapshots == run("final")
+
+
 def test_end_step_keeps_the_rows_asked_for_and_drops_the_others() -> None:
     tables = BlockTables()
     requests = [make_request(f"r{i}", 4) for i in range(3)]

@@ -44,7 +44,9 @@ def pd_generate(prefill: LLM, decode: LLM, prompts: list[list[int]],
             for out in p.step():
                 assert out.finished and len(out.outputs[0].token_ids) == 1
                 state = p.generator_state(out.request_id)
-                first = d.complete_remote(out.request_id, out.outputs[0].token_ids[0], state)
+                output_state = d.complete_remote(out.request_id, out.outputs[0].token_ids[0], state)
+                assert output_state is not None
+                first = output_state.snapshot()
                 p.release_kv(out.request_id)
                 streamer.forget(out.request_id)
                 if first.finished:
@@ -227,9 +229,9 @@ def test_engine_commands_reply_typed_and_route_outputs(model_dirs: dict) -> None
             assert reservation is not None and len(reservation.block_ids) == 3
             with pytest.raises(ValueError, match="already in use"):
                 await client.send(ReserveRemote("r", prompt, greedy(1)))
-            output = await client.send(CompleteRemote("r", 7))
+            assert await client.send(CompleteRemote("r", 7)) is None  # the output goes to the stream
+            output = await stream.get()
             assert output.finished and output.outputs[0].token_ids == [7]  # prefill's token was the last
-            assert await stream.get() is output
             assert await client.send(CachedPrefixTokens(prompt)) == 32  # its two full blocks stay cached
 
         asyncio.run(reserve_complete())

@@ -89,7 +89,7 @@ def test_decode_takes_the_prompts_logprobs_or_refuses_them_unchanged(llm_factory
             d.complete_remote("a", 0, None, 0, bad)
     d.prefill_locally("a")  # refused unchanged: the recompute policy still answers it whole
     first = d.complete_remote("b", expected.outputs[0].token_ids[0], None, 0, good)
-    assert first is not None and first.prompt_logprobs == good
+    assert first is not None and first.snapshot().prompt_logprobs == good
     finals = {}
     while d.has_unfinished_requests():
         finals |= {o.request_id: o for o in d.step() if o.finished}

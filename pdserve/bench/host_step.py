@@ -1,7 +1,8 @@
 """The host's work per decode step with the model stubbed out: scheduler, KV cache manager, the
 runner's input preparation (step plan, persistent step buffers, decode buckets) and output
-processing, everything `LLMEngine.step` does except the math. The model's forward returns zeros of
-the right shape, so what is timed is what a GPU would wait on between two replays.
+processing: everything the engine core process's step (`LLMEngine.step_deltas`) does except the
+math. The model's forward returns zeros of the right shape, so what is timed is what a GPU would
+wait on between two replays.
 
 Each shape (streams x context) is prefilled first (untimed), then `--steps` decode steps are timed
 and the median step is printed. `--compare-with DIR` runs the same shapes, with this file's
@@ -26,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -58,6 +60,18 @@ def tiny_long_context_model(out_dir: Path) -> Path:
     return write_checkpoint(out_dir, replace(PRESETS["tiny"], max_position_embeddings=40960))
 
 
+def engine_core_step(engine: object) -> Callable[[], list]:
+    """A step as the engine core process runs it (engine/core_proc.py): `step_deltas`, what each
+    request gained. A checkout from before it (`--compare-with`) made snapshots and turned them
+    into deltas with its `_DeltaTracker`: timed that way, so both columns time the same work."""
+    step_deltas = getattr(engine, "step_deltas", None)
+    if step_deltas is not None:
+        return cast(Callable[[], list], step_deltas)
+    from pdserve.engine.core_proc import _DeltaTracker  # type: ignore[attr-defined]
+    tracker = _DeltaTracker()
+    return lambda: [tracker.delta(output) for output in engine.step()]  # type: ignore[attr-defined]
+
+
 def measure(model_dir: Path, num_streams: int, context_len: int, num_steps: int) -> float:
     """Median host time of one decode step (ms) with `num_streams` requests at `context_len`."""
     batched_tokens = max(8192, num_streams)
@@ -84,9 +98,10 @@ def measure(model_dir: Path, num_streams: int, context_len: int, num_steps: int)
     step_until_prompts_are_in(engine)
     gc.collect()  # NOTE: the earlier shapes' engines are garbage now; their collection is not this shape's work
     times = []
+    step = engine_core_step(engine)
     for _ in range(num_steps):
         start_s = time.perf_counter()
-        engine.step()
+        step()
         times.append(time.perf_counter() - start_s)
     running = len(engine.scheduler.running)
     assert running == num_streams, f"{running} of {num_streams} streams decode (every one should, every step)"

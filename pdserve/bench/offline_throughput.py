@@ -148,6 +148,9 @@ def main() -> None:
     parser.add_argument("--kv-cache-prefault", action=argparse.BooleanOptionalAction, default=True,
                         help="commit the KV pool at start-up (default), so the timed run pays no first-touch "
                              "page faults for it")
+    parser.add_argument("--kv-cache-memory", default="4GiB",
+                        help="the KV pool's size: room for every running sequence's context means no preemption "
+                             "(recomputed tokens are not counted as useful work)")
     ns = parser.parse_args()
     model_dir = ns.model or str(default_model_dir("small"))
     work = make_workload(ns.num_requests, tuple(ns.input_len), tuple(ns.output_len), ns.seed)
@@ -155,7 +158,7 @@ def main() -> None:
     print(f"model: {model_dir}; workload: {ns.num_requests} requests, input {ns.input_len[0]}-{ns.input_len[1]} "
           f"tokens, output {ns.output_len[0]}-{ns.output_len[1]} tokens, greedy, float32, seed {ns.seed}")
 
-    llm = LLM(model_dir, dtype="float32", max_num_seqs=ns.max_num_seqs, kv_cache_memory="4GiB",
+    llm = LLM(model_dir, dtype="float32", max_num_seqs=ns.max_num_seqs, kv_cache_memory=ns.kv_cache_memory,
               kv_cache_prefault=ns.kv_cache_prefault)
     run_pdserve(llm, make_workload(4, (16, 64), (4, 8), ns.seed + 1))  # warm-up
     pd_s, pd_tokens = run_pdserve(llm, work)

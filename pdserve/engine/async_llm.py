@@ -27,7 +27,7 @@ from typing import Any, Protocol, TypeVar
 from pdserve.config import EngineConfig
 from pdserve.engine.commands import Abort, AddRequest, Command
 from pdserve.engine.llm_engine import EngineStats, KVTransferSetup, LLMEngine
-from pdserve.engine.output import RequestOutput
+from pdserve.engine.output import RequestOutput, RequestState
 from pdserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -254,7 +254,8 @@ class AsyncLLM:
         if output is not None:
             self._deliver(output)
         self._deliver_failures()
-        envelope.reply(result)
+        # NOTE: an output state's snapshot went to the stream; the reply carries none (as over the wire)
+        envelope.reply(None if isinstance(result, RequestState) else result)
 
     def _deliver(self, output: RequestOutput) -> None:
         if self.output_listener is not None:

@@ -24,7 +24,7 @@ from typing import Generic, TypeVar
 from pdserve.engine.kv_transfer import KVTarget
 from pdserve.engine.llm_engine import LLMEngine, RemoteReservation
 from pdserve.engine.logprobs import PromptLogprobs
-from pdserve.engine.output import RequestOutput
+from pdserve.engine.output import RequestOutput, RequestState
 from pdserve.engine.sampling_params import SamplingParams
 
 R = TypeVar("R")
@@ -117,7 +117,7 @@ class ReserveRemote(Command[RemoteReservation | None]):
 
 
 @dataclass(frozen=True, slots=True)
-class CompleteRemote(Command[RequestOutput | None]):
+class CompleteRemote(Command[RequestState | None]):
     """Decode role: the prompt's KV is in the reserved blocks; the output with prefill's first
     token goes out at once (none when the engine samples the first tokens itself: n > 1, logprobs)."""
 
@@ -129,13 +129,13 @@ class CompleteRemote(Command[RequestOutput | None]):
     lora_name: str | None = None  # the LoRA adapter prefill computed the KV under ...
     lora_digest: str = ""  # ... and its weights' digest there (engine/lora_manager.py)
 
-    def apply(self, engine: LLMEngine) -> RequestOutput | None:
+    def apply(self, engine: LLMEngine) -> RequestState | None:
         return engine.complete_remote(self.request_id, self.first_token_id, self.generator_state,
                                       self.prefill_cached_tokens, self.prompt_logprobs,
                                       (self.lora_name, self.lora_digest))
 
-    def emitted(self, result: RequestOutput | None) -> RequestOutput | None:
-        return result
+    def emitted(self, result: RequestState | None) -> RequestOutput | None:
+        return None if result is None else result.snapshot()
 
 
 @dataclass(frozen=True, slots=True)

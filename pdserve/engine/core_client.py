@@ -57,8 +57,6 @@ from pdserve.engine.core_wire import (
     CoreReply,
     FrameReader,
     FromCore,
-    RequestDelta,
-    SequenceDelta,
     ToCore,
     decode_from_core,
     encode_to_core,
@@ -68,7 +66,7 @@ from pdserve.engine.core_wire import (
 )
 from pdserve.engine.engine_types import EngineStats, check_request
 from pdserve.engine.link_writer import LinkWriter
-from pdserve.engine.output import OutputSettings, RequestOutput, RequestState
+from pdserve.engine.output import OutputSettings, RequestDelta, RequestOutput, RequestState, SequenceDelta
 from pdserve.engine.request import RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tensor_parallel import spawn_module

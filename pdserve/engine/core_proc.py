@@ -8,11 +8,11 @@ runs a busy loop that never waits on the API process:
     reader thread: frames from the link -> engine commands to the loop's inbox; `kv` calls straight
                    to the KV side (its own thread: they never wait for a step)
     loop:  commands that arrived (waiting for one only while nothing is runnable) -> apply each
-           step() (one forward) -> ONE `FromCore` with every request's new token ids, the failures,
+           step_deltas() (one forward) -> ONE `FromCore` with every request's new token ids, the failures,
            the commands' replies, and the stats when due (every STATS_EVERY_S, and on going idle)
 
 Token ids only: the API process detokenizes and applies stop strings, and sends `StopSequence` back
-on a hit. Outputs are deltas against what was sent before (`_DeltaTracker`).
+on a hit. Outputs are deltas against what was sent before (`RequestState.delta`, a cursor per sequence).
 
 Lifecycle. SIGINT/SIGTERM are ignored (`pdserve up` signals the whole process group; the API
 process decides when this one stops: `shutdown`, or EOF on the link when it is gone, then this
@@ -37,14 +37,11 @@ from typing import Any, Protocol
 
 from pdserve import envs
 from pdserve.config import EngineArgs
-from pdserve.engine.commands import Abort, StopSequence
 from pdserve.engine.core_wire import (
     CoreReply,
     CoreWireError,
     FrameReader,
     FromCore,
-    RequestDelta,
-    SequenceDelta,
     ToCore,
     decode_to_core,
     encode_from_core,
@@ -54,7 +51,7 @@ from pdserve.engine.core_wire import (
 )
 from pdserve.engine.kv_event_publisher import endpoints_info
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.output import RequestOutput
+from pdserve.engine.output import RequestDelta, RequestState
 from pdserve.logs import configure_logging
 
 logger = logging.getLogger(__name__)
@@ -76,40 +73,6 @@ def inject_model_step_failure(engine: LLMEngine) -> None:
         return execute(*args)
 
     setattr(engine.runner, "execute", failing)  # noqa: B010 - mypy refuses assigning a method
-
-
-class _DeltaTracker:
-    """Turns the engine's cumulative snapshots into what is new since the last message."""
-
-    def __init__(self) -> None:
-        self._sent: dict[str, list[tuple[int, bool]]] = {}  # request -> per sequence (tokens sent, finish sent)
-        self._prompt_logprobs_sent: set[str] = set()
-
-    def delta(self, output: RequestOutput) -> RequestDelta:
-        sent = self._sent.setdefault(output.request_id, [(0, False)] * len(output.outputs))
-        sequences = []
-        for seq in output.outputs:
-            num_sent, finish_sent = sent[seq.index]
-            new = seq.token_ids[num_sent:]
-            ending = seq.finish_reason is not None and not finish_sent
-            if not new and not ending:
-                continue
-            logprobs = None if seq.logprobs is None else seq.logprobs[num_sent:]
-            sequences.append(SequenceDelta(seq.index, new, logprobs, seq.finish_reason if ending else None,
-                                           seq.stop_reason if ending else None))
-            sent[seq.index] = (len(seq.token_ids), finish_sent or ending)
-        prompt_logprobs = None
-        if output.prompt_logprobs is not None and output.request_id not in self._prompt_logprobs_sent:
-            prompt_logprobs = output.prompt_logprobs
-            self._prompt_logprobs_sent.add(output.request_id)
-        scheduled = output.metrics.first_scheduled_time if output.metrics is not None else None
-        if output.finished:
-            self.forget(output.request_id)
-        return RequestDelta(output.request_id, sequences, output.num_cached_tokens, scheduled, prompt_logprobs)
-
-    def forget(self, request_id: str) -> None:
-        self._sent.pop(request_id, None)
-        self._prompt_logprobs_sent.discard(request_id)
 
 
 class CoreSide(Protocol):
@@ -137,7 +100,6 @@ class EngineCore:
         self.engine = engine
         self.sock = sock
         self.side: CoreSide | None = None
-        self.tracker = _DeltaTracker()
         self._stats_sent_s = 0.0
         self._send_lock = threading.Lock()  # the loop, and the KV side's thread
         self._inbox: queue.SimpleQueue[ToCore | None] = queue.SimpleQueue()  # None: the link ended
@@ -167,10 +129,8 @@ class EngineCore:
                     return
                 self._apply(command, replies, outputs)
             if engine.has_runnable_requests():
-                outputs.extend(self.tracker.delta(output) for output in engine.step())
+                outputs.extend(engine.step_deltas())
             failures = [(f.request_id, f.error) for f in engine.take_failures()]
-            for request_id, _ in failures:
-                self.tracker.forget(request_id)
             now = time.monotonic()
             idle = not engine.has_runnable_requests()
             stats_due = now - self._stats_sent_s >= STATS_EVERY_S or (idle and (commands or outputs or failures))
@@ -225,16 +185,8 @@ class EngineCore:
             else:
                 logger.warning("engine core: %s failed: %r", type(command).__name__, exc)
             return
-        closed = command.closes()
-        if closed is not None:
-            self.tracker.forget(closed)
-        emitted = command.emitted(result)
-        if isinstance(command, Abort):
-            self.tracker.forget(command.request_id)  # NOTE: its stream closed in the API process already
-        elif emitted is not None:
-            outputs.append(self.tracker.delta(emitted))
-        if isinstance(command, StopSequence) and not engine.has_request(command.request_id):
-            self.tracker.forget(command.request_id)
+        if isinstance(result, RequestState):  # NOTE: what a command emitted (CompleteRemote's first token)
+            outputs.append(result.delta())
         if message.call_id:
             replies.append(CoreReply(message.call_id, reply_value(result)))
 

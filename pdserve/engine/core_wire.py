@@ -55,7 +55,7 @@ from pdserve.engine.kv_disk_tier import KVTierStats
 from pdserve.engine.kv_transfer import KVTarget
 from pdserve.engine.llm_engine import EngineStats, RemoteReservation
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprobs
-from pdserve.engine.output import RequestOutput
+from pdserve.engine.output import RequestDelta, RequestOutput, RequestState, SequenceDelta
 from pdserve.engine.sampling_params import SamplingParams
 
 WIRE_VERSION = 2
@@ -85,26 +85,6 @@ class ToCore:
     worker: dict[str, Any] | None = None  # start: the KV side to build beside the engine (None: colocated)
     log_level: str = "INFO"  # start: the API process's logging
     log_format: str = "text"
-
-
-@dataclass(frozen=True, slots=True)
-class SequenceDelta:
-    """What one sequence of a request gained since the last `FromCore` that carried it."""
-
-    index: int
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs] | None  # one per new token, when the request asked for them
-    finish_reason: str | None  # set once, with the message that ends the sequence
-    stop_reason: int | str | None
-
-
-@dataclass(frozen=True, slots=True)
-class RequestDelta:
-    request_id: str
-    sequences: list[SequenceDelta]
-    num_cached_tokens: int
-    first_scheduled_time: float | None  # time.monotonic() in the engine process (the same clock)
-    prompt_logprobs: list[PromptLogprobs | None] | None  # once, complete
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +148,7 @@ def reply_value(result: object) -> Any:
     """A command's result as its reply carries it (an output it emitted travels as a delta)."""
     if isinstance(result, RemoteReservation):
         return [list(result.block_ids), result.num_cached_tokens]
-    if isinstance(result, RequestOutput):
+    if isinstance(result, RequestOutput | RequestState):  # NOTE: a CompleteRemote's state goes out as a delta
         return None
     return result
 

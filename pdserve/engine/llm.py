@@ -56,9 +56,8 @@ class LLM:
                 self.engine.add_request(request_id, _prompt_input(prompt), params)
                 request_ids.append(request_id)
             while len(finished) < len(request_ids):
-                for output in self.engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
+                for output in self.engine.step(final_only=True):
+                    finished[output.request_id] = output
                 failures = self.engine.take_failures()
                 if failures:  # that request ended with an error; the others are aborted below
                     raise RuntimeError(failures[0].error)

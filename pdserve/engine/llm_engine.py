@@ -20,7 +20,7 @@ from pdserve.engine.kv_transfer import KVTransferSetup, LayerObserver, StreamTar
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprobs
 from pdserve.engine.lora_manager import LoRAInfo
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.output import OutputSettings, RequestFailure, RequestOutput, RequestState
+from pdserve.engine.output import OutputSettings, RequestDelta, RequestFailure, RequestOutput, RequestState
 from pdserve.engine.request import ModelContext, Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler
@@ -217,10 +217,11 @@ class LLMEngine:
     def complete_remote(self, request_id: str, first_token_id: int, generator_state: bytes | None = None,
                         prefill_cached_tokens: int = 0,
                         prompt_logprobs: list[PromptLogprobs | None] | None = None,
-                        lora: tuple[str | None, str] = (None, "")) -> RequestOutput | None:
+                        lora: tuple[str | None, str] = (None, "")) -> RequestState | None:
         """Decode role: the prompt's KV is in the reserved blocks; `first_token_id` was sampled by
-        prefill, whose seeded generator state continues here. Returns the output carrying the
-        first token, to be emitted at once (None: the first tokens are sampled here, see below).
+        prefill, whose seeded generator state continues here. Returns the request's output state
+        with the first token, to be emitted at once as a snapshot or a delta (None: the first
+        tokens are sampled here, see below).
         `prefill_cached_tokens`: the prompt's leading tokens prefill found in its prefix cache;
         `prompt_logprobs`: what prefill computed, for a request that asked for them; `lora`: the
         LoRA adapter (name, digest) prefill computed the KV under, which must be this request's here."""
@@ -244,10 +245,10 @@ class LLMEngine:
             request.generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
             request.pending_draws = 0  # prefill's generator skipped them already
         self.scheduler.complete_remote(request_id, first_token_id)
-        outputs = self._emit([(request, None)])
-        if not outputs:  # its output processing raised: it is ended already (see take_failures)
+        states = self._emit([(request, None)])
+        if not states:  # its output processing raised: it is ended already (see take_failures)
             raise RuntimeError(f"request {request_id} failed in the engine")
-        return outputs[0]
+        return states[0]
 
     def prefill_locally(self, request_id: str) -> None:
         """Decode role, failure policy "recompute": the KV will not arrive; this engine computes
@@ -281,9 +282,18 @@ class LLMEngine:
         scheduler = self.scheduler
         return bool(scheduler.running or scheduler.waiting or scheduler.swapped or scheduler.loading)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
         """One scheduling step + one model forward. Returns a cumulative snapshot for every
-        request that produced a token (or finished) during the step."""
+        request that produced a token (or finished) during the step; `final_only`: for those that
+        finished only (what `LLM.generate` keeps)."""
+        return [state.snapshot() for state in self._step() if not final_only or state.finished]
+
+    def step_deltas(self) -> list[RequestDelta]:
+        """`step`, returning what each touched request gained since its last delta (the engine core
+        process's messages): no snapshot of whole outputs, O(new tokens) a step."""
+        return [state.delta() for state in self._step()]
+
+    def _step(self) -> list[RequestState]:
         start = time.perf_counter()
         self.publish_kv_events()  # what commands changed since the last step (a reservation's evictions)
         if self.offload is not None:
@@ -304,7 +314,7 @@ class LLMEngine:
         if self.offload is not None:
             self.offload.observe_step(self._last_prefill_batch[1], executed - scheduled)
             self.offload.save_new_blocks()
-        outputs = self._emit([(request, sampled[request.request_id][1]) for request in updated])
+        states = self._emit([(request, sampled[request.request_id][1]) for request in updated])
         self.publish_kv_events()
         done = time.perf_counter()
         self._num_steps += 1
@@ -312,7 +322,7 @@ class LLMEngine:
         self._step_time_s += done - start
         if work is not None and self.step_log is not None:
             self.step_log.record(work, done - start, start, self.has_runnable_requests())
-        return outputs
+        return states
 
     def publish_kv_events(self) -> None:
         """Hand the KV-cache events recorded since the last call to the publisher (it never waits)."""
@@ -331,9 +341,9 @@ class LLMEngine:
         return RequestState.of_request(request_id, prompt_text, token_ids, params,
                                        OutputSettings(self.tokenizer, self.detokenize), arrival_time)
 
-    def _emit(self, updated: list[tuple[Request, TokenLogprobs | None]]) -> list[RequestOutput]:
+    def _emit(self, updated: list[tuple[Request, TokenLogprobs | None]]) -> list[RequestState]:
         """Feed each request's newest token to its output state (detokenize, stop strings) and
-        return a snapshot per touched user request; finished ones are forgotten."""
+        return the touched user requests' states; finished ones are forgotten."""
         touched: dict[str, RequestState] = {}
         for request, logprobs in updated:
             if request.request_id not in self._children:
@@ -348,11 +358,10 @@ class LLMEngine:
                 self._failures.append(RequestFailure(state.request_id, f"request failed in the engine: {exc!r}"))
                 continue
             touched[state.request_id] = state
-        outputs = [state.snapshot() for state in touched.values()]
-        for output in outputs:
-            if output.finished:
-                del self._states[output.request_id]
-        return outputs
+        for state in touched.values():
+            if state.finished:
+                del self._states[state.request_id]
+        return list(touched.values())
 
     def _advance(self, state: RequestState, index: int, request: Request, logprobs: TokenLogprobs | None) -> None:
         """Feed one sequence's newest token to its request's output state."""
@@ -415,25 +424,11 @@ class LLMEngine:
         return None if generator is None else bytes(generator.get_state().cpu().numpy())
 
     def stats(self) -> EngineStats:
-        kv = self.scheduler.kv
         # NOTE: "current batch" means now: an idle engine has none, whatever its last step was.
         batch = self._last_prefill_batch if self.has_runnable_requests() else (0, 0)
         lora_running, lora_waiting = self.loras.requests_info()
         return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_swapped=len(self.scheduler.swapped),
-            num_kv_blocks=kv.pool.num_blocks,
-            num_free_kv_blocks=kv.pool.num_free_blocks,
-            num_quarantined_kv_blocks=kv.num_quarantined_blocks,
-            kv_cache_usage=kv.usage,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_prefix_query_tokens=kv.num_prefix_queries,
-            num_prefix_hit_tokens=kv.num_prefix_hits,
-            num_evictions=kv.pool.num_evictions,
-            num_no_available_block=self.scheduler.num_no_available_block,
-            num_cannot_allocate=self.scheduler.num_cannot_allocate,
-            num_remote_waiting=len(self.scheduler.remote),
+            **self.scheduler.stats_fields(),
             num_prefill_tokens=self._num_prefill_tokens,
             num_batch_prefill_requests=batch[0],
             num_batch_prefill_tokens=batch[1],
@@ -442,8 +437,6 @@ class LLMEngine:
             step_time_s=self._step_time_s,
             kv_tier=None if self.offload is None else self.offload.stats(),
             num_engine_requests=len(self._states),
-            num_scheduler_requests=self.scheduler.num_unfinished,
-            block_size=kv.block_size,
             max_lora=self.loras.max_loras,
             running_lora_adapters=lora_running, waiting_lora_adapters=lora_waiting,
             num_kv_events_dropped_batches=dropped_batches(self.kv_event_publisher),

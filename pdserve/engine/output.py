@@ -76,6 +76,29 @@ class RequestOutput:
     prompt_logprobs: list[PromptLogprobs | None] | None = None  # asked for: one per prompt token (first: None)
 
 
+@dataclass(slots=True)  # NOTE: not frozen: a frozen dataclass's __init__ costs 3x, twice per request a step
+class SequenceDelta:
+    """What one sequence of a request gained since the request's last `RequestDelta`."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None  # one per new token, when the request asked for them
+    finish_reason: str | None  # set once, with the delta that ends the sequence
+    stop_reason: int | str | None
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    """What a request gained since its last delta (`RequestState.delta`): what the engine core
+    process sends its API process, which rebuilds the cumulative outputs (engine/core_client.py)."""
+
+    request_id: str
+    sequences: list[SequenceDelta]
+    num_cached_tokens: int
+    first_scheduled_time: float | None  # time.monotonic() in the engine process (the same clock)
+    prompt_logprobs: list[PromptLogprobs | None] | None  # once, complete
+
+
 @dataclass(slots=True)
 class _Sequence:
     """Output state of one of a request's `n` sequences."""
@@ -86,6 +109,8 @@ class _Sequence:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_sent: int = 0  # tokens some `RequestDelta` carried already ...
+    finish_sent: bool = False  # ... and whether one carried the finish reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +152,7 @@ class RequestState:
     num_cached_tokens: int = field(init=False, default=0)
     prompt_logprobs: list[PromptLogprobs | None] | None = field(init=False, default=None)
     num_unfinished: int = field(init=False)  # sequences without a finish reason (`finished`: O(1) a step)
+    prompt_logprobs_sent: bool = field(init=False, default=False)  # a `RequestDelta` carried them
 
     def __post_init__(self) -> None:
         # NOTE: a resumed request's text starts where its client's text stopped (SamplingParams.text_prefix)
@@ -210,3 +236,24 @@ class RequestState:
             outputs.append(CompletionOutput(index, text, seq.token_ids, seq.finish_reason, seq.stop_reason, logprobs))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, not self.num_unfinished,
                              self.num_cached_tokens, self.metrics, self.prompt_logprobs)
+
+    def delta(self) -> RequestDelta:
+        """What is new since the last delta: new tokens (and their logprobs), finish reasons not
+        sent yet, the prompt's logprobs once complete. The engine core process's output: no
+        snapshot of the whole output is made, so a step's cost is O(new tokens)."""
+        sequences = []
+        for index, seq in enumerate(self.sequences):
+            num_sent, token_ids = seq.num_sent, seq.token_ids
+            ending = seq.finish_reason is not None and not seq.finish_sent
+            if len(token_ids) == num_sent and not ending:
+                continue
+            logprobs = None if seq.logprobs is None else seq.logprobs[num_sent:]
+            sequences.append(SequenceDelta(index, token_ids[num_sent:], logprobs, seq.finish_reason if ending else None,
+                                           seq.stop_reason if ending else None))
+            seq.num_sent = len(token_ids)
+            seq.finish_sent = seq.finish_sent or ending
+        prompt_logprobs = None
+        if self.prompt_logprobs is not None and not self.prompt_logprobs_sent:
+            prompt_logprobs, self.prompt_logprobs_sent = self.prompt_logprobs, True
+        return RequestDelta(self.request_id, sequences, self.num_cached_tokens, self.metrics.first_scheduled_time,
+                            prompt_logprobs)

@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdserve.config import CacheConfig, SchedulerConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
@@ -302,6 +302,18 @@ class Scheduler:
             if status is not None:
                 self.finish(request, status)
         return updated
+
+    def stats_fields(self) -> dict[str, Any]:
+        """The scheduler's and its KV cache's fields of `EngineStats` (llm_engine.py), by name."""
+        kv = self.kv
+        return {"num_running": len(self.running), "num_waiting": len(self.waiting), "num_swapped": len(self.swapped),
+                "num_kv_blocks": kv.pool.num_blocks, "num_free_kv_blocks": kv.pool.num_free_blocks,
+                "num_quarantined_kv_blocks": kv.num_quarantined_blocks, "kv_cache_usage": kv.usage,
+                "num_preemptions": self.num_preemptions, "num_prefix_query_tokens": kv.num_prefix_queries,
+                "num_prefix_hit_tokens": kv.num_prefix_hits, "num_evictions": kv.pool.num_evictions,
+                "num_no_available_block": self.num_no_available_block,
+                "num_cannot_allocate": self.num_cannot_allocate, "num_remote_waiting": len(self.remote),
+                "num_scheduler_requests": self.num_unfinished, "block_size": kv.block_size}
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Finish (or abort) a request in any state and release everything it holds (a prefill-role
