@@ -62,3 +62,35 @@ def test_prefill_warm_up_writes_no_kv(model_dirs: dict[str, Path]) -> None:
     before = runner.kv_cache.clone()
     runner.warm_up_prefill()
     assert torch.equal(runner.kv_cache, before)
+
+
+def test_decode_tables_are_written_where_they_grew_and_always_read_back_whole() -> None:
+    """Decode tables that are views of persistent rows (`BlockTables`) are copied in only past what
+    the same row held last step; whatever the step does (order changes, a row that grew into a new
+    array, prefix rows over a later decode's row, a step that raised), every decode reads its whole
+    table back."""
+    import numpy as np
+
+    buffers = StepBuffers(max_tokens=32, max_seqs=8, max_blocks_per_seq=12, device=torch.device("cpu"),
+                          splits=lambda n: 1)
+    rows = {name: np.arange(base, base + 16, dtype=np.int32) for name, base in (("a", 10), ("b", 40), ("c", 70))}
+
+    def step(tables: list[tuple[str, int]], num_prefix: int = 0) -> None:
+        plan = _plan(len(tables), num_prefix)
+        plan.decode_tables = [rows[name][:count] for name, count in tables]
+        _, _, meta = buffers.prepare(plan)
+        for i, (name, count) in enumerate(tables):
+            assert meta.decode_tables[i, :count].tolist() == rows[name][:count].tolist(), (tables, i)
+
+    step([("a", 3), ("b", 2)])
+    step([("a", 4), ("b", 2)])  # a grew by one block
+    step([("a", 4), ("b", 1)])  # a shorter view of b (its row still holds the ids after it)
+    step([("b", 3), ("c", 5)])  # another order
+    step([("b", 3)], num_prefix=2)  # prefix rows from row 4 on
+    step([("b", 3), ("c", 5), ("a", 6), ("a", 2), ("c", 7)])  # rows 1..4: one was a prefix row
+    rows["a"] = rows["a"].copy()  # a row grown into a new array (BlockTables doubles): all of it again
+    rows["a"][:] += 100
+    step([("b", 3), ("c", 5), ("a", 6)])
+    with pytest.raises(ValueError, match="exceeds the step buffers"):
+        step([("c", 5), ("b", 3), ("a", 13)])  # rows 0 and 1 are rewritten before the step raises
+    step([("b", 3), ("c", 5), ("a", 6)])

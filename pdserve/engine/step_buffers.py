@@ -59,6 +59,42 @@ class StepBuffers:
         self.device_buf = torch.zeros(size, dtype=torch.int32, device=device) if on_gpu else self.host
         self._np = self.host.numpy()
         self._copied = torch.cuda.Event() if on_gpu else None  # the last copy out of `host`
+        # decode i's table last step: the persistent row it viewed and how many ids row i holds of it
+        self._table_sources: list[object] = []
+        self._table_counts: list[int] = []
+
+    def _check_width(self, num_blocks: int) -> None:
+        if num_blocks > self.max_blocks_per_seq:
+            raise ValueError(f"a block table of {num_blocks} blocks exceeds the step buffers' "
+                             f"{self.max_blocks_per_seq}")
+
+    def _fill_decode_tables(self, tables: np.ndarray, decode_tables: list[list[int] | np.ndarray]) -> None:
+        """Decode i's table into row i, writing only what the row lacks: a table that is a view of
+        the same persistent row (`BlockTables`) as row i's last step holds the ids written then,
+        unchanged (its rows are append-only), so only ids past them are copied. A steady decode
+        step writes the new blocks' ids alone: host work that does not grow with context."""
+        last_sources, last_counts = self._table_sources, self._table_counts
+        self._table_sources, self._table_counts = [], []  # NOTE: a step that raises below leaves nothing trusted
+        num_last = len(last_sources)
+        sources: list[object] = []
+        counts: list[int] = []
+        for row, table in enumerate(decode_tables):
+            count = len(table)
+            source = table.base if isinstance(table, np.ndarray) else None
+            if source is not None and row < num_last and source is last_sources[row]:
+                have = last_counts[row]
+                if count > have:
+                    self._check_width(count)
+                    tables[row, have:count] = table[have:]
+                else:
+                    count = have  # NOTE: a shorter view of the same row: the ids past it stay written
+            else:
+                self._check_width(count)
+                tables[row, :count] = table
+            sources.append(source)
+            counts.append(count)
+        # NOTE: the rows held (strong references): an id() could be reused, an object held cannot
+        self._table_sources, self._table_counts = sources, counts
 
     def _region(self, buf: torch.Tensor, name: str, length: int, at: int = 0) -> torch.Tensor:
         start = self._offsets[name] + at
@@ -83,11 +119,9 @@ class StepBuffers:
             start = self._offsets[name] + at
             fill[start:start + len(values)] = values
         tables = fill[self._offsets["tables"]:self._offsets["tables"] + num_seqs * self.width].reshape(-1, self.width)
-        rows = [*range(num_decodes), *range(first_prefix, num_seqs)]
-        for row, table in zip(rows, plan.decode_tables + [p.block_ids for p in prefix], strict=True):
-            if len(table) > self.max_blocks_per_seq:
-                raise ValueError(f"a block table of {len(table)} blocks exceeds the step buffers' "
-                                 f"{self.max_blocks_per_seq}")
+        self._fill_decode_tables(tables, plan.decode_tables)
+        for row, table in zip(range(first_prefix, num_seqs), [p.block_ids for p in prefix], strict=True):
+            self._check_width(len(table))
             tables[row, :len(table)] = table
         used = self._offsets["tables"] + num_seqs * self.width
         if self._copied is not None:
