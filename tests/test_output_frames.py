@@ -65,6 +65,34 @@ def test_text_that_changes_earlier_characters_is_sent_from_where_it_changed() ->
     assert (frame.text_offset, frame.text) == (2, "XY")
 
 
+def test_rebuilt_outputs_held_by_the_caller_never_change_and_dropped_ones_cost_no_copy() -> None:
+    """The router's cumulative outputs share the decoder's lists, copied on write: an output still
+    held keeps its tokens, logprobs and text while later frames arrive; once the caller dropped it,
+    the next frame appends to the same lists (a frame is O(new tokens), not O(output so far))."""
+    outputs = _cumulative(40, n=2, logprobs=True)
+    encoder, decoder = FrameEncoder(), FrameDecoder()
+    held = []
+    for step, output in enumerate(outputs):
+        frame = _wire(encoder.frame(output))
+        decoder.check(frame)
+        rebuilt = decoder.sequences(frame)
+        if step % 3 == 0:
+            held.append((step, rebuilt))
+        del rebuilt
+    for step, seqs in held:
+        assert seqs == outputs[step].outputs, step
+    decoder, encoder = FrameDecoder(), FrameEncoder()
+    ids = []
+    for output in outputs:
+        frame = _wire(encoder.frame(output))
+        decoder.check(frame)
+        rebuilt = decoder.sequences(frame)
+        assert rebuilt == output.outputs
+        ids.append([(id(s.token_ids), id(s.logprobs)) for s in rebuilt])
+        del rebuilt
+    assert all(step_ids == ids[0] for step_ids in ids[1:])  # nothing held: the same lists, appended to
+
+
 def _frames(num_tokens: int) -> list[OutputFrame]:
     encoder = FrameEncoder()
     return [_wire(encoder.frame(o)) for o in _cumulative(num_tokens)]

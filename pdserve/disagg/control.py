@@ -4,13 +4,14 @@ by pydantic on arrival; never pickle)."""
 from __future__ import annotations
 
 import dataclasses
+from sys import getrefcount
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
 from pdserve.addresses import HTTP_URL_PATTERN
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprobs
-from pdserve.engine.output import CompletionOutput, RequestOutput
+from pdserve.engine.output import UNSHARED_REFS, CompletionOutput, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.serving.trace import TTFTPhases
 
@@ -375,7 +376,7 @@ class FrameEncoder:
 
 @dataclasses.dataclass(slots=True)
 class _Got:
-    """What the router rebuilt of one sequence so far."""
+    """What the router rebuilt of one sequence so far (lists handed out in outputs: copy on write)."""
 
     text: str = ""
     token_ids: list[int] = dataclasses.field(default_factory=list)
@@ -397,19 +398,32 @@ class FrameDecoder:
         self._frames += 1
 
     def _apply(self, index: int, delta: OutputFrame | SequenceFrame) -> CompletionOutput:
-        got = self._got.setdefault(index, _Got())
-        if delta.num_tokens_before != len(got.token_ids):
+        got = self._got.get(index) or self._got.setdefault(index, _Got())
+        token_ids = got.token_ids
+        if delta.num_tokens_before != len(token_ids):
             raise FrameGap(f"sequence {index}: a frame after token {delta.num_tokens_before} where "
-                           f"{len(got.token_ids)} were received")
+                           f"{len(token_ids)} were received")
         if delta.text_offset > len(got.text):
             raise FrameGap(f"sequence {index}: text from character {delta.text_offset} where "
                            f"{len(got.text)} were received")
-        got.token_ids = got.token_ids + delta.token_ids
-        got.text = (got.text if delta.text_offset == len(got.text) else got.text[:delta.text_offset]) + delta.text
+        # NOTE: outputs hold these lists themselves, copied on write as `RequestState.add_token` does:
+        # once the caller dropped the previous output a frame is O(new tokens), not O(output so far)
+        if getrefcount(token_ids) > UNSHARED_REFS:
+            token_ids = got.token_ids = token_ids[:]
+        token_ids.extend(delta.token_ids)
+        text, got.text = got.text, ""  # NOTE: off `got` first, so that `+=` can append in place
+        if delta.text_offset != len(text):
+            text = text[:delta.text_offset]
+        text += delta.text
+        got.text = text
         if delta.logprobs is not None:
-            got.logprobs = (got.logprobs or []) + (WireLogprobs.build_list(delta.logprobs) or [])
-        return CompletionOutput(index, got.text, got.token_ids, delta.finish_reason, delta.stop_reason,
-                                None if got.logprobs is None else list(got.logprobs))
+            entries = got.logprobs
+            if entries is None:
+                entries = got.logprobs = []
+            elif getrefcount(entries) > UNSHARED_REFS:
+                entries = got.logprobs = entries[:]
+            entries.extend(WireLogprobs.build_list(delta.logprobs) or [])
+        return CompletionOutput(index, text, token_ids, delta.finish_reason, delta.stop_reason, got.logprobs)
 
     def sequences(self, frame: OutputFrame) -> list[CompletionOutput]:
         """Every sequence after `frame` (already `check`ed), in index order."""

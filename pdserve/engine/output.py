@@ -27,8 +27,9 @@ class _Holder:
     items: list[int]
 
 
-# more than this means a snapshot handed out still holds the list (copy on write in `add_token`)
-_UNSHARED = _refs_of_an_unshared_list()
+# more than this means a snapshot handed out still holds the list (copy on write in `add_token`, and
+# in the router's FrameDecoder): what getrefcount reports for a list held by one object and one local name
+UNSHARED_REFS = _refs_of_an_unshared_list()
 
 
 @dataclass(slots=True)
@@ -183,12 +184,12 @@ class RequestState:
         if metrics.first_token_time is None:
             metrics.first_token_time = time.monotonic()
         token_ids = seq.token_ids
-        if getrefcount(token_ids) > _UNSHARED:  # copy on write: a snapshot still out there holds it
+        if getrefcount(token_ids) > UNSHARED_REFS:  # copy on write: a snapshot still out there holds it
             token_ids = seq.token_ids = token_ids[:]
         token_ids.append(token_id)
         if logprobs is not None and seq.logprobs is not None:
             entries = seq.logprobs
-            if getrefcount(entries) > _UNSHARED:
+            if getrefcount(entries) > UNSHARED_REFS:
                 entries = seq.logprobs = entries[:]
             entries.append(logprobs)
         if not self.detokenize:
