@@ -398,7 +398,7 @@ class FrameDecoder:
         self._frames += 1
 
     def _apply(self, index: int, delta: OutputFrame | SequenceFrame) -> CompletionOutput:
-        got = self._got.get(index) or self._got.setdefault(index, _Got())
+        got = self._got.setdefault(index, _Got())
         token_ids = got.token_ids
         if delta.num_tokens_before != len(token_ids):
             raise FrameGap(f"sequence {index}: a frame after token {delta.num_tokens_before} where "
