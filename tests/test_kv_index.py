@@ -91,6 +91,9 @@ def test_late_subscriber_replays_from_zero_and_fills_gaps() -> None:
         try:
             for n in range(3):  # before anyone listens
                 pub.publish([stored([n])])
+            # NOTE: sent by the publisher's thread, later on a loaded machine: a subscription made before
+            # it sent them would receive some live, not replayed
+            await until(lambda: len(pub._buffer) == 3, "the first three batches sent")
             sub = KVEventSubscription(context, source(pub), "w")
             await asyncio.sleep(0.3)  # NOTE: the subscription reaches the PUB socket
             pub.publish([stored([3])])
