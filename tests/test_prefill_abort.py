@@ -141,8 +141,10 @@ def _cut_the_first_answer(client: WorkerClient, point: str) -> list[str]:
 
         call = asyncio.ensure_future(prefill(url, job, first_token, accepted))
         await asyncio.wait((call, reached), return_when=asyncio.FIRST_COMPLETED)
-        if call.done():
+        if call.done() and not reached.done():
             return call.result()
+        # NOTE: on a loaded machine the whole answer can arrive in one read, so the call may be done
+        # too; the read is cut all the same (the worker already answered: it handed off or aborts)
         call.cancel()  # NOTE: closes the connection, as the worker sees a router that went away
         cut.append(job.transfer_id)
         raise WorkerUnreachable(url, ClientPayloadError("Response payload is not completed"))
