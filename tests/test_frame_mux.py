@@ -15,7 +15,8 @@ from pd_fixtures import start_cluster, stop_cluster
 from server_fixtures import parse_sse
 
 from pdserve import LLM, SamplingParams
-from pdserve.disagg.control import OutputFrame
+from pdserve.disagg.client import UnknownRequest, _FrameMux, _Reply
+from pdserve.disagg.control import FirstToken, OutputFrame
 from pdserve.disagg.worker.frame_mux import FrameMuxes, UnknownMux
 
 PROMPTS = [random_prompt(n, seed=7100 + n) for n in (5, 33, 70, 140, 9, 60)]
@@ -108,3 +109,50 @@ def test_the_decode_side_interleaves_requests_and_ends_each_then_aborts_all_when
     assert frames == {"ra": [0, 1, 2], "rb": [0, 1, 2]}
     assert ended == ["ra", "rb"]
     assert aborted == ["rc"]
+
+
+class _AttachingClient:
+    """The router's client as `_FrameMux` calls it to attach a request: answers `status` once released."""
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+        self.release = asyncio.Event()
+
+    async def _post(self, url: str, path: str) -> _Reply:
+        await self.release.wait()
+        return _Reply(self.status, b'{"error": {"message": "unknown request"}}' if self.status != 200 else b"{}")
+
+
+def _router_end(client: _AttachingClient) -> _FrameMux:
+    """The router's end of a frame stream, without its reader (the test puts what it would read)."""
+    mux = _FrameMux.__new__(_FrameMux)
+    mux.client, mux.url, mux.mux_id, mux.broken = client, "http://decode", "m", None  # type: ignore[assignment]
+    mux._queues = {}
+    return mux
+
+
+def test_the_router_end_merges_the_inbox_without_waiting_for_the_attach_and_frames_land_in_it() -> None:
+    async def scenario() -> None:
+        client = _AttachingClient(200)
+        mux = _router_end(client)
+        inbox: asyncio.Queue[object] = asyncio.Queue()
+        items = mux.frames("r1", inbox)
+        first = FirstToken(transfer_id="r1@0", token_id=5)
+        inbox.put_nowait(first)
+        assert await asyncio.wait_for(anext(items), 5) is first  # NOTE: the attach has not answered yet
+        assert mux._queues["r1"] is inbox  # decode's frames land in the inbox itself: no task between
+        client.release.set()
+        for n in range(2):
+            inbox.put_nowait(OutputFrame(frame_no=n, token_ids=[n]).model_dump_json().encode())
+        inbox.put_nowait(b"")  # its frames ended
+        assert [frame.frame_no for frame in [item async for item in items]] == [0, 1]
+        assert "r1" not in mux._queues
+
+        lost = _router_end(_AttachingClient(404))
+        items = lost.frames("r2", asyncio.Queue())
+        lost.client.release.set()  # type: ignore[attr-defined]
+        with pytest.raises(UnknownRequest):
+            await asyncio.wait_for(anext(items), 5)
+        assert "r2" not in lost._queues
+
+    asyncio.run(scenario())

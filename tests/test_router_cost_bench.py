@@ -35,10 +35,11 @@ def test_decode_standin_frames_are_what_a_decode_worker_streams() -> None:
 
 
 @pytest.mark.slow  # three processes
-def test_bench_counts_every_chunk(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("frame_mux", ["--frame-mux", "--no-frame-mux"])
+def test_bench_counts_every_chunk(tmp_path: Path, capsys: pytest.CaptureFixture[str], frame_mux: str) -> None:
     out = tmp_path / "result.json"
     code = router_cost.main(["--streams", "2", "--tokens", "8", "--stream", "both", "--min-chunks", "0",
-                             "--idle-s", "0.5", "--json", str(out)])
+                             "--idle-s", "0.5", "--json", str(out), frame_mux])
     assert code == 0
     result = json.loads(out.read_text())
     assert result["idle_router_cpu_ms_per_s"] >= 0
@@ -47,5 +48,7 @@ def test_bench_counts_every_chunk(tmp_path: Path, capsys: pytest.CaptureFixture[
     for row in rows:
         assert row["chunks"] == row["expected_chunks"] == 2 * 8 * row["waves"]
         assert row["router_cpu_s"] >= 0 and row["wall_s"] > 0 and row["tok_per_s"] > 0
+        assert row["user_us_per_chunk"] + row["sys_us_per_chunk"] == pytest.approx(row["us_per_chunk"])
+    assert result["frame_mux"] == (frame_mux == "--frame-mux")
     printed = capsys.readouterr().out
     assert "µs/chunk" in printed and "chunks/s/core" in printed

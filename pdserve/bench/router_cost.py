@@ -58,15 +58,17 @@ class Row:
     wall_s: float
     router_cpu_s: float
     us_per_chunk: float
+    user_us_per_chunk: float  # of which in user space (Python) ...
+    sys_us_per_chunk: float  # ... and in the kernel (syscalls; on loopback a send also delivers it to the reader)
     chunks_per_core_s: float
     tok_per_s: float
 
 
-def cpu_seconds(pid: int) -> float:
-    """user + sys CPU seconds of process `pid` (all its threads) so far."""
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """user and sys CPU seconds of process `pid` (all its threads) so far."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime, stime: fields 14, 15 of stat(5)
+    return int(fields[11]) / _CLK_TCK, int(fields[12]) / _CLK_TCK  # utime, stime: fields 14, 15 of stat(5)
 
 
 def run_seconds(pid: int) -> float:
@@ -88,8 +90,9 @@ def free_port() -> int:
 class Processes:
     """The stand-ins and the router, started and stopped here; their output goes to `log_dir`."""
 
-    def __init__(self, model_dir: str, log_dir: Path, step_ms: float) -> None:
+    def __init__(self, model_dir: str, log_dir: Path, step_ms: float, frame_mux: bool = True) -> None:
         self.model_dir = model_dir
+        self.frame_mux = frame_mux
         self.log_dir = log_dir
         self.step_ms = step_ms
         self._procs: list[subprocess.Popen[bytes]] = []
@@ -121,7 +124,8 @@ class Processes:
         proc = self._start("router", [*runner, "router", "--host", "127.0.0.1",
                                       "--port", str(port), "--model", self.model_dir, "--served-model-name",
                                       "standin", "--prefill", self.prefill_url, "--decode", self.decode_url,
-                                      "--max-queued-requests", "100000"])
+                                      "--max-queued-requests", "100000",
+                                      "--frame-mux" if self.frame_mux else "--no-frame-mux"])
         url = f"http://127.0.0.1:{port}"
         _wait_ready(url + "/ready", proc)
         return proc, url
@@ -208,14 +212,16 @@ def measure(router_pid: int, url: str, load: Load, min_chunks: int, profiled: bo
     if profiled:
         os.kill(router_pid, signal.SIGUSR1)
         time.sleep(1.0)  # NOTE: its handler runs once the loop wakes (a pool poll: every 0.5 s)
-    cpu0, t0 = cpu_seconds(router_pid), time.perf_counter()
+    (user0, sys0), t0 = cpu_seconds(router_pid), time.perf_counter()
     chunks = asyncio.run(_waves(url, streams, tokens, stream, waves))
-    cpu, wall = cpu_seconds(router_pid) - cpu0, time.perf_counter() - t0
+    (user1, sys1), wall = cpu_seconds(router_pid), time.perf_counter() - t0
     if profiled:
         os.kill(router_pid, signal.SIGUSR2)
-    us = cpu / chunks * 1e6 if chunks else math.nan
-    return Row(streams, stream, tokens, waves, chunks, streams * tokens * waves, wall, cpu, us,
-               1e6 / us if us > 0 else math.inf, chunks / wall)
+    user, kernel = user1 - user0, sys1 - sys0
+    per_chunk = 1e6 / chunks if chunks else math.nan
+    us = (user + kernel) * per_chunk
+    return Row(streams, stream, tokens, waves, chunks, streams * tokens * waves, wall, user + kernel, us,
+               user * per_chunk, kernel * per_chunk, 1e6 / us if us > 0 else math.inf, chunks / wall)
 
 
 def idle_cpu_ms_per_s(router_pid: int, seconds: float) -> float:
@@ -292,10 +298,11 @@ def run(ns: argparse.Namespace) -> dict:
     model_dir = ns.model or str(default_model_dir("tiny"))
     modes = {"on": [True], "off": [False], "both": [True, False]}[ns.stream]
     streams = [int(n) for n in ns.streams.split(",")]
-    result: dict = {"tokens": ns.tokens, "step_ms": ns.step_ms, "min_chunks": ns.min_chunks,
+    result: dict = {"tokens": ns.tokens, "step_ms": ns.step_ms, "frame_mux": ns.frame_mux,
+                    "min_chunks": ns.min_chunks,
                     "loadavg": Path("/proc/loadavg").read_text().strip(), "cpus": os.cpu_count()}
     with _log_dir(ns.log_dir) as logs:
-        procs = Processes(model_dir, logs, ns.step_ms)
+        procs = Processes(model_dir, logs, ns.step_ms, ns.frame_mux)
         try:
             procs.start_standins()
             router, url = procs.start_router()
@@ -319,11 +326,14 @@ def run(ns: argparse.Namespace) -> dict:
 
 def print_report(result: dict) -> None:
     print(f"router idle: {result['idle_router_cpu_ms_per_s']:.1f} ms CPU a second (pool polls); "
-          f"loadavg before: {result['loadavg']}; {result['cpus']} CPUs")
-    print_table(["streams", "mode", "T", "chunks", "router CPU s", "µs/chunk", "chunks/s/core", "wall tok/s"],
+          f"loadavg before: {result['loadavg']}; {result['cpus']} CPUs; "
+          f"{'one frame stream per decode worker' if result['frame_mux'] else 'a frame stream per request'}")
+    print_table(["streams", "mode", "T", "chunks", "router CPU s", "µs/chunk", "user / sys", "chunks/s/core",
+                 "wall tok/s"],
                 [[str(r["streams"]), "stream" if r["stream"] else "no-stream", str(r["tokens"]),
                   f"{r['chunks']}" + ("" if r["chunks"] == r["expected_chunks"] else f" (want {r['expected_chunks']})"),
-                  f"{r['router_cpu_s']:.2f}", f"{r['us_per_chunk']:.0f}", f"{r['chunks_per_core_s']:.0f}",
+                  f"{r['router_cpu_s']:.2f}", f"{r['us_per_chunk']:.0f}",
+                  f"{r['user_us_per_chunk']:.0f} / {r['sys_us_per_chunk']:.0f}", f"{r['chunks_per_core_s']:.0f}",
                   f"{r['tok_per_s']:.0f}"] for r in result["rows"]])
     if "profile" in result:
         row = result["profile"]["row"]
@@ -343,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--profile", action="store_true", help=f"profile the router at {PROFILE_STREAMS} streams")
     parser.add_argument("--profile-top", type=int, default=25)
+    parser.add_argument("--frame-mux", action=argparse.BooleanOptionalAction, default=True,
+                        help="the router's frame stream per decode worker (its default), or a stream per request")
     parser.add_argument("--log-dir", default=None, help="keep the processes' logs (and the profile) here")
     ns = parser.parse_args(argv)
     result = run(ns)

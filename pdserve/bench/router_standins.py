@@ -3,7 +3,8 @@ measuring what the router itself costs (bench/router_cost.py).
 
     python -m pdserve.bench.router_standins --role decode|prefill --port PORT [--model DIR] [--step-ms 0]
 
-Decode: `POST /pd/reserve` always has room; `GET /pd/stream/{id}` streams one NDJSON `OutputFrame`
+Decode: `POST /pd/reserve` always has room; `GET /pd/stream/{id}` (or the frame stream, as a real
+decode worker's: `GET /pd/frames/{mux_id}`, what a router uses by default) streams one NDJSON `OutputFrame`
 per token (a delta: the token and its text, as a real decode worker's frames are: `FrameEncoder` over
 RequestOutputs), `--step-ms` apart (0: as fast as the router reads them), the last one finished
 ("length") after the request's `max_tokens`. The tokens are a fixed cycle of ordinary vocabulary
@@ -163,8 +164,61 @@ def decode_app(book: FrameBook, model: str = "standin", step_s: float = 0.0) -> 
 
         return StreamingResponse(lines(), media_type=NDJSON)
 
+    _add_frame_stream_routes(app, book, reserved, step_s)
     _add_decode_control_routes(app, reserved)
     return app
+
+
+def _add_frame_stream_routes(app: FastAPI, book: FrameBook, reserved: dict[str, _Reservation], step_s: float) -> None:
+    """The frame stream (`GET /pd/frames/{mux_id}`, `POST /pd/stream/{id}/via/{mux_id}`) in the real
+    worker's format (worker/frame_mux.py): `id TAB frame NL`, `id TAB NL` at a request's end, the
+    lines ready together in one write. A router uses it unless started with `--no-frame-mux`."""
+    muxes: dict[str, asyncio.Queue[bytes]] = {}
+    pumps: set[asyncio.Task[None]] = set()
+
+    @app.get("/pd/frames/{mux_id}")
+    async def frames(mux_id: str) -> Response:
+        lines = muxes[mux_id] = asyncio.Queue()
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                while True:
+                    chunk = [await lines.get()]
+                    while not lines.empty():
+                        chunk.append(lines.get_nowait())
+                    yield b"".join(chunk)
+            finally:
+                muxes.pop(mux_id, None)
+
+        return StreamingResponse(body(), media_type=NDJSON)
+
+    @app.post("/pd/stream/{request_id}/via/{mux_id}")
+    async def via(request_id: str, mux_id: str) -> Response:
+        record, lines = reserved.get(request_id), muxes.get(mux_id)
+        if record is None:
+            return _not_found(request_id)
+        if lines is None:
+            return JSONResponse({"error": {"message": f"no frame stream {mux_id!r}", "type": "gone"}}, status_code=410)
+        task = asyncio.create_task(_pump(book, request_id, record, lines, step_s, reserved))
+        pumps.add(task)
+        task.add_done_callback(pumps.discard)
+        return JSONResponse({"streaming": request_id})
+
+
+
+async def _pump(book: FrameBook, request_id: str, record: _Reservation, lines: asyncio.Queue[bytes], step_s: float,
+                reserved: dict[str, _Reservation]) -> None:
+    """One request's lines on a frame stream, `step_s` apart; its end line last, however it ends."""
+    prefix = request_id.encode() + b"\t"
+    try:
+        for line in book.lines(record.max_tokens):
+            if record.aborted.is_set():
+                return
+            lines.put_nowait(prefix + line)
+            await asyncio.sleep(step_s)
+    finally:
+        lines.put_nowait(prefix + b"\n")
+        reserved.pop(request_id, None)
 
 
 def _add_decode_control_routes(app: FastAPI, reserved: dict[str, _Reservation]) -> None:

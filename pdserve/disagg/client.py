@@ -18,6 +18,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from http import HTTPStatus
+from typing import Any
 
 import aiohttp
 from pydantic import BaseModel, ValidationError
@@ -222,11 +223,24 @@ class WorkerClient:
         WorkerUnreachable). Raises UnknownRequest if the worker does not know it. With `frame_mux`,
         on the worker's frame stream (worker/frame_mux.py), else on a stream of its own."""
         mux = await self._frame_mux(url)
-        if mux is not None:
-            async with aclosing(mux.frames(request_id)) as frames:
-                async for frame in frames:
-                    yield frame
-            return
+        frames = self._own_stream(url, request_id) if mux is None else mux.frames(request_id)
+        async with aclosing(frames):
+            async for frame in frames:
+                yield frame
+
+    async def stream_merged(self, url: str, request_id: str, inbox: asyncio.Queue[Any]) -> AsyncGenerator[Any, None]:
+        """`stream`, merged with what others put in `inbox` (the router: prefill's early first token,
+        an error that ends the request), in the order they arrive; an exception there is raised.
+        On the frame stream the frames land in `inbox` directly (the reader's put wakes the reading
+        task: one wake a frame); on a stream of their own a task pumps them there."""
+        mux = await self._frame_mux(url)
+        items = merged(self.stream(url, request_id), inbox) if mux is None else mux.frames(request_id, inbox)
+        async with aclosing(items):
+            async for item in items:
+                yield item
+
+    async def _own_stream(self, url: str, request_id: str) -> AsyncGenerator[OutputFrame, None]:
+        """The request's frames on a stream of its own (GET /pd/stream/{request_id})."""
         try:
             async with self._open("GET", url, f"/pd/stream/{request_id}") as response:
                 if response.status != HTTPStatus.OK:
@@ -297,22 +311,42 @@ class _FrameMux:
         self._queues: dict[str, asyncio.Queue[bytes | WorkerUnreachable]] = {}
         self._reader = asyncio.create_task(self._read())
 
-    async def frames(self, request_id: str) -> AsyncGenerator[OutputFrame, None]:
-        queue = self._queues[request_id] = asyncio.Queue()  # NOTE: before its frames can come
+    async def frames(self, request_id: str, queue: asyncio.Queue[Any] | None = None) -> AsyncGenerator[Any, None]:
+        """The request's frames; with `queue` (`WorkerClient.stream`'s inbox) they land there,
+        and whatever else lands there is yielded as it is (an exception raised)."""
+        # NOTE: registered before its frames can come
+        queue = self._queues[request_id] = asyncio.Queue() if queue is None else queue
+        # NOTE: attached beside the reading: an item already in the queue (a first token) does not wait for it
+        attach = asyncio.create_task(self._attach(request_id, queue))
         try:
-            reply = await self.client._post(self.url, f"/pd/stream/{request_id}/via/{self.mux_id}")
-            if reply.status == HTTPStatus.NOT_FOUND:
-                raise UnknownRequest(f"decode worker {self.url} lost request {request_id}")
-            if reply.status != HTTPStatus.OK:  # NOTE: 410: the frame stream closed meanwhile
-                raise WorkerUnreachable(self.url, ConnectionError(_error_message(reply)))
-            while item := await queue.get():
-                if isinstance(item, WorkerUnreachable):
+            while True:
+                item = await queue.get()
+                if type(item) is bytes:
+                    if not item:
+                        return  # its frames ended
+                    yield OutputFrame.model_validate_json(item)
+                elif isinstance(item, BaseException):
                     raise item
-                yield OutputFrame.model_validate_json(item)
+                else:
+                    yield item
         finally:
+            if not attach.done():
+                attach.cancel()
             self._queues.pop(request_id, None)
             if not self._queues:  # NOTE: not held open while idle (a worker counts it as a request)
                 asyncio.get_running_loop().call_later(_MUX_IDLE_S, self._close_if_idle)
+
+    async def _attach(self, request_id: str, queue: asyncio.Queue[Any]) -> None:
+        """Ask decode to stream `request_id` here; what fails is raised where the queue is read."""
+        try:
+            reply = await self.client._post(self.url, f"/pd/stream/{request_id}/via/{self.mux_id}")
+        except WorkerUnreachable as exc:
+            queue.put_nowait(exc)
+            return
+        if reply.status == HTTPStatus.NOT_FOUND:
+            queue.put_nowait(UnknownRequest(f"decode worker {self.url} lost request {request_id}"))
+        elif reply.status != HTTPStatus.OK:  # NOTE: 410: the frame stream closed meanwhile
+            queue.put_nowait(WorkerUnreachable(self.url, ConnectionError(_error_message(reply))))
 
     def _close_if_idle(self) -> None:
         if not self._queues and self.broken is None:
@@ -382,3 +416,27 @@ def _error_message(reply: _Reply) -> str:
         return str(json.loads(reply.body)["error"]["message"])
     except (ValueError, KeyError, TypeError):
         return f"HTTP {reply.status}"
+
+
+async def merged(frames: AsyncIterator[Any], inbox: asyncio.Queue[Any]) -> AsyncGenerator[Any, None]:
+    """`frames`, and whatever else lands in `inbox` meanwhile, in the order they arrive (an
+    exception raised); what ends `frames` ends this."""
+
+    async def pump() -> None:
+        try:
+            async for frame in frames:
+                inbox.put_nowait(frame)
+        except Exception as exc:  # noqa: BLE001 - raised where the inbox is read
+            inbox.put_nowait(exc)
+        else:
+            inbox.put_nowait(None)
+
+    task = asyncio.create_task(pump())
+    try:
+        while (item := await inbox.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from pdserve.disagg.control import FirstToken, OutputFrame
@@ -36,7 +36,7 @@ from pdserve.tokenizer import Tokenizer
 from pdserve.tokenizer.detokenizer import detokenize
 
 logger = logging.getLogger(__name__)
-Inbox = asyncio.Queue[OutputFrame | FirstToken | BaseException | None]  # see `merged`
+Inbox = asyncio.Queue[OutputFrame | FirstToken | BaseException | None]  # see `WorkerClient.stream` (disagg/client.py)
 
 
 class DecodeLost(Exception):
@@ -89,7 +89,7 @@ class EarlyFirstToken:
     prompt: list[int]
     params: SamplingParams
     num_cached_tokens: int  # the decode reservation's (decode reports the longer of its and prefill's)
-    inbox: Inbox = field(default_factory=asyncio.Queue)  # where the first token lands (then `merged`)
+    inbox: Inbox = field(default_factory=asyncio.Queue)  # the first token lands here (then decode's frames)
     sent: RequestOutput | None = None  # the first token, once out
     too_late: bool = False  # decode's own first token came first, or prefill's would end the request
 
@@ -184,27 +184,3 @@ async def next_within(outputs: AsyncGenerator[RequestOutput, None], timeout_s: f
         await asyncio.gather(step, return_exceptions=True)
         raise TimeoutError
     return step.result()
-
-
-async def merged(frames: AsyncIterator[OutputFrame], inbox: Inbox) -> AsyncGenerator[OutputFrame | FirstToken, None]:
-    """Decode's `frames`, and whatever else lands in `inbox` meanwhile (a first token from prefill),
-    in the order they arrive; what ends `frames` ends this."""
-
-    async def pump() -> None:
-        try:
-            async for frame in frames:
-                inbox.put_nowait(frame)
-        except Exception as exc:  # noqa: BLE001 - raised where the inbox is read
-            inbox.put_nowait(exc)
-        else:
-            inbox.put_nowait(None)
-
-    task = asyncio.create_task(pump())
-    try:
-        while (item := await inbox.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)

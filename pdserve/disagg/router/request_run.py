@@ -41,8 +41,8 @@ from pdserve.disagg.router.outputs import (
     AttemptFailed,
     DecodeLost,
     EarlyFirstToken,
+    Inbox,
     early_first_token_wanted,
-    merged,
 )
 from pdserve.disagg.router.policy import DecodePolicy
 from pdserve.disagg.router.pool import Worker, WorkerPool, reach
@@ -265,8 +265,7 @@ class RequestRun:
         """Decode's frames, merged with prefill's first token where one can come before them."""
         if self.ticket is None:
             self.early = None  # prefilled on decode: the first token is decode's
-        frames = self._frames()
-        return frames if self.early is None else merged(frames, self.early.inbox)
+        return self._frames(None if self.early is None else self.early.inbox)
 
     async def _output_of(self, item: OutputFrame | FirstToken) -> RequestOutput | None:
         """What to send the client for one item of `_source` (None: nothing)."""
@@ -412,10 +411,14 @@ class RequestRun:
         self._count_recovery(0)
         await self.dispatch(retry)
 
-    async def _frames(self) -> AsyncGenerator[OutputFrame, None]:
+    async def _frames(self, inbox: Inbox | None = None) -> AsyncGenerator[OutputFrame | FirstToken, None]:
+        """Decode's frames (with `inbox`: merged with what lands there, prefill's first token)."""
         decode = self._decode()
         try:
-            async with contextlib.aclosing(self.parts.client.stream(decode.url, self.rid)) as frames:
+            client = self.parts.client
+            frames = client.stream(decode.url, self.rid) if inbox is None else \
+                client.stream_merged(decode.url, self.rid, inbox)
+            async with contextlib.aclosing(frames):
                 async for frame in frames:
                     yield frame
         except UnknownRequest as exc:
