@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 from pdserve.config import CacheConfig, SchedulerConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
@@ -40,6 +40,28 @@ class ScheduledChunk:
     def samples(self) -> bool:
         """True when this chunk reaches the end of the request's tokens: the step samples."""
         return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+class SchedulerStatsFields(TypedDict):
+    """The scheduler's and its KV cache's fields of `EngineStats` (engine_types.py): a TypedDict, so
+    mypy checks each name and type where `LLMEngine.stats` unpacks it into that dataclass."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    num_quarantined_kv_blocks: int
+    kv_cache_usage: float
+    num_preemptions: int
+    num_prefix_query_tokens: int
+    num_prefix_hit_tokens: int
+    num_evictions: int
+    num_no_available_block: int
+    num_cannot_allocate: int
+    num_remote_waiting: int
+    num_scheduler_requests: int
+    block_size: int
 
 
 @dataclass(slots=True)
@@ -303,7 +325,7 @@ class Scheduler:
                 self.finish(request, status)
         return updated
 
-    def stats_fields(self) -> dict[str, Any]:
+    def stats_fields(self) -> SchedulerStatsFields:
         """The scheduler's and its KV cache's fields of `EngineStats` (llm_engine.py), by name."""
         kv = self.kv
         return {"num_running": len(self.running), "num_waiting": len(self.waiting), "num_swapped": len(self.swapped),
