@@ -15,7 +15,7 @@ from pd_fixtures import start_cluster, stop_cluster
 from server_fixtures import parse_sse
 
 from pdserve import LLM, SamplingParams
-from pdserve.disagg.client import UnknownRequest, _FrameMux, _Reply
+from pdserve.disagg.client import UnknownRequest, WorkerClient, _FrameMux, _Reply
 from pdserve.disagg.control import FirstToken, OutputFrame
 from pdserve.disagg.worker.frame_mux import FrameMuxes, UnknownMux
 
@@ -117,9 +117,11 @@ class _AttachingClient:
     def __init__(self, status: int) -> None:
         self.status = status
         self.release = asyncio.Event()
+        self.answered = False
 
     async def _post(self, url: str, path: str) -> _Reply:
         await self.release.wait()
+        self.answered = True
         return _Reply(self.status, b'{"error": {"message": "unknown request"}}' if self.status != 200 else b"{}")
 
 
@@ -154,5 +156,51 @@ def test_the_router_end_merges_the_inbox_without_waiting_for_the_attach_and_fram
         with pytest.raises(UnknownRequest):
             await asyncio.wait_for(anext(items), 5)
         assert "r2" not in lost._queues
+
+    asyncio.run(scenario())
+
+
+def test_frames_that_end_before_the_attach_answered_wait_for_its_answer_not_cut_it() -> None:
+    """A short request's end can come before the attach's reply is read: the reply is still read
+    (cutting it mid-read would close a kept-alive connection to decode)."""
+
+    async def scenario() -> None:
+        client = _AttachingClient(200)
+        mux = _router_end(client)
+        queue: asyncio.Queue[object] = asyncio.Queue()
+        items = mux.frames("r1", queue)
+        queue.put_nowait(OutputFrame(frame_no=0, token_ids=[1], finish_reason="length").model_dump_json().encode())
+        queue.put_nowait(b"")
+        assert (await anext(items)).frame_no == 0
+        rest = asyncio.ensure_future(anext(items))
+        await asyncio.sleep(0.05)
+        assert not rest.done()  # waits for the attach's answer
+        client.release.set()
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.wait_for(rest, 5)
+        assert client.answered
+
+    asyncio.run(scenario())
+
+
+def test_a_first_token_does_not_wait_for_the_frame_stream_to_open() -> None:
+    """The first request to a decode worker opens the router's frame stream: prefill's first token,
+    already in the inbox, goes out while that is under way (here: a decode that never answers)."""
+
+    async def scenario() -> None:
+        silent = await asyncio.start_server(lambda reader, writer: None, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{silent.sockets[0].getsockname()[1]}"
+        client = WorkerClient(timeout_s=30, frame_mux=True)
+        try:
+            inbox: asyncio.Queue[object] = asyncio.Queue()
+            first = FirstToken(transfer_id="r1@0", token_id=5)
+            inbox.put_nowait(first)
+            items = client.stream_merged(url, "r1", inbox)
+            assert await asyncio.wait_for(anext(items), 5) is first
+            assert not client._muxes[url].opened.done()  # the frame stream is still opening
+            await items.aclose()
+        finally:
+            await client.close()
+            silent.close()
 
     asyncio.run(scenario())

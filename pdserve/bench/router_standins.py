@@ -169,41 +169,51 @@ def decode_app(book: FrameBook, model: str = "standin", step_s: float = 0.0) -> 
     return app
 
 
+@dataclass(eq=False, slots=True)
+class _StandinMux:
+    lines: asyncio.Queue[bytes] = field(default_factory=asyncio.Queue)
+    pumps: set[asyncio.Task[None]] = field(default_factory=set)
+
+
 def _add_frame_stream_routes(app: FastAPI, book: FrameBook, reserved: dict[str, _Reservation], step_s: float) -> None:
-    """The frame stream (`GET /pd/frames/{mux_id}`, `POST /pd/stream/{id}/via/{mux_id}`) in the real
-    worker's format (worker/frame_mux.py): `id TAB frame NL`, `id TAB NL` at a request's end, the
-    lines ready together in one write. A router uses it unless started with `--no-frame-mux`."""
-    muxes: dict[str, asyncio.Queue[bytes]] = {}
-    pumps: set[asyncio.Task[None]] = set()
+    """The frame stream (`GET /pd/frames/{mux_id}`, `POST /pd/stream/{id}/via/{mux_id}`) as the real
+    worker's (worker/frame_mux.py): `id TAB frame NL`, `id TAB NL` at a request's end, the lines
+    ready together in one write, the same answers (409 for an id open already; 410 for an unknown
+    stream, then 404 for an unknown request), and a stream closed ends what streams on it."""
+    muxes: dict[str, _StandinMux] = {}
 
     @app.get("/pd/frames/{mux_id}")
     async def frames(mux_id: str) -> Response:
-        lines = muxes[mux_id] = asyncio.Queue()
-
-        async def body() -> AsyncIterator[bytes]:
-            try:
-                while True:
-                    chunk = [await lines.get()]
-                    while not lines.empty():
-                        chunk.append(lines.get_nowait())
-                    yield b"".join(chunk)
-            finally:
-                muxes.pop(mux_id, None)
-
-        return StreamingResponse(body(), media_type=NDJSON)
+        if mux_id in muxes:
+            return JSONResponse({"error": {"message": f"frame stream {mux_id!r} is open already"}}, status_code=409)
+        mux = muxes[mux_id] = _StandinMux()
+        return StreamingResponse(_mux_body(mux_id, mux, muxes), media_type=NDJSON)
 
     @app.post("/pd/stream/{request_id}/via/{mux_id}")
     async def via(request_id: str, mux_id: str) -> Response:
-        record, lines = reserved.get(request_id), muxes.get(mux_id)
+        mux, record = muxes.get(mux_id), reserved.get(request_id)
+        if mux is None:
+            return JSONResponse({"error": {"message": f"no frame stream {mux_id!r}", "type": "gone"}}, status_code=410)
         if record is None:
             return _not_found(request_id)
-        if lines is None:
-            return JSONResponse({"error": {"message": f"no frame stream {mux_id!r}", "type": "gone"}}, status_code=410)
-        task = asyncio.create_task(_pump(book, request_id, record, lines, step_s, reserved))
-        pumps.add(task)
-        task.add_done_callback(pumps.discard)
+        task = asyncio.create_task(_pump(book, request_id, record, mux.lines, step_s, reserved))
+        mux.pumps.add(task)
+        task.add_done_callback(mux.pumps.discard)
         return JSONResponse({"streaming": request_id})
 
+
+async def _mux_body(mux_id: str, mux: _StandinMux, muxes: dict[str, _StandinMux]) -> AsyncIterator[bytes]:
+    try:
+        while True:
+            chunk = [await mux.lines.get()]
+            while not mux.lines.empty():
+                chunk.append(mux.lines.get_nowait())
+            yield b"".join(chunk)
+    finally:
+        if muxes.get(mux_id) is mux:
+            del muxes[mux_id]
+        for pump in list(mux.pumps):  # NOTE: as the real worker: what streams on it ends (its reservation gone)
+            pump.cancel()
 
 
 async def _pump(book: FrameBook, request_id: str, record: _Reservation, lines: asyncio.Queue[bytes], step_s: float,

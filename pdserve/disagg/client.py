@@ -229,12 +229,13 @@ class WorkerClient:
                 yield frame
 
     async def stream_merged(self, url: str, request_id: str, inbox: asyncio.Queue[Any]) -> AsyncGenerator[Any, None]:
-        """`stream`, merged with what others put in `inbox` (the router: prefill's early first token,
-        an error that ends the request), in the order they arrive; an exception there is raised.
-        On the frame stream the frames land in `inbox` directly (the reader's put wakes the reading
-        task: one wake a frame); on a stream of their own a task pumps them there."""
-        mux = await self._frame_mux(url)
-        items = merged(self.stream(url, request_id), inbox) if mux is None else mux.frames(request_id, inbox)
+        """`stream`, merged with what others put in `inbox` (prefill's early first token, an error),
+        in the order they arrive (an exception raised). On an open frame stream the frames land in
+        `inbox` directly (one task wake a frame); else a task pumps them there, so nothing in
+        `inbox` waits for a stream to open."""
+        mux = self._muxes.get(url) if self.frame_mux else None
+        items = mux.frames(request_id, inbox) if mux is not None and mux.is_open else \
+            merged(self.stream(url, request_id), inbox)
         async with aclosing(items):
             async for item in items:
                 yield item
@@ -322,8 +323,9 @@ class _FrameMux:
             while True:
                 item = await queue.get()
                 if type(item) is bytes:
-                    if not item:
-                        return  # its frames ended
+                    if not item:  # its frames ended: the attach has its answer too, read (the connection kept)
+                        await asyncio.gather(attach, return_exceptions=True)
+                        return
                     yield OutputFrame.model_validate_json(item)
                 elif isinstance(item, BaseException):
                     raise item
@@ -340,13 +342,19 @@ class _FrameMux:
         """Ask decode to stream `request_id` here; what fails is raised where the queue is read."""
         try:
             reply = await self.client._post(self.url, f"/pd/stream/{request_id}/via/{self.mux_id}")
-        except WorkerUnreachable as exc:
+        except Exception as exc:  # noqa: BLE001 - WorkerUnreachable, or whatever else: the reader's to raise
             queue.put_nowait(exc)
             return
         if reply.status == HTTPStatus.NOT_FOUND:
             queue.put_nowait(UnknownRequest(f"decode worker {self.url} lost request {request_id}"))
         elif reply.status != HTTPStatus.OK:  # NOTE: 410: the frame stream closed meanwhile
             queue.put_nowait(WorkerUnreachable(self.url, ConnectionError(_error_message(reply))))
+
+    @property
+    def is_open(self) -> bool:
+        """Open and not broken: a request attached now streams on it without waiting for it to open."""
+        opened = self.opened
+        return self.broken is None and opened.done() and not opened.cancelled() and opened.exception() is None
 
     def _close_if_idle(self) -> None:
         if not self._queues and self.broken is None:
