@@ -3,8 +3,8 @@ measuring what the router itself costs (bench/router_cost.py).
 
     python -m pdserve.bench.router_standins --role decode|prefill --port PORT [--model DIR] [--step-ms 0]
 
-Decode: `POST /pd/reserve` always has room; `GET /pd/stream/{id}` (or the frame stream, as a real
-decode worker's: `GET /pd/frames/{mux_id}`, what a router uses by default) streams one NDJSON `OutputFrame`
+Decode: `POST /pd/reserve` always has room; the frame stream (the real worker's own, worker/frame_mux.py:
+what a router uses by default) or `GET /pd/stream/{id}` (`--no-frame-mux`) streams one `OutputFrame`
 per token (a delta: the token and its text, as a real decode worker's frames are: `FrameEncoder` over
 RequestOutputs), `--step-ms` apart (0: as fast as the router reads them), the last one finished
 ("length") after the request's `max_tokens`. The tokens are a fixed cycle of ordinary vocabulary
@@ -36,6 +36,7 @@ from pdserve.disagg.control import (
     FrameEncoder,
     HandOff,
     Keepalive,
+    OutputFrame,
     Placement,
     PrefillEvent,
     PrefillJob,
@@ -46,6 +47,7 @@ from pdserve.disagg.control import (
     Retarget,
     WorkerInfo,
 )
+from pdserve.disagg.worker.routes import add_frame_mux_routes
 from pdserve.engine.output import RequestState
 from pdserve.tokenizer import Tokenizer
 
@@ -70,31 +72,39 @@ def token_cycle(tokenizer: Tokenizer, length: int = CYCLE_LENGTH) -> list[int]:
 
 
 class FrameBook:
-    """The NDJSON lines a request of `max_tokens` T streams: T delta frames, the last finished
-    ("length"); made once per T (a real worker builds each; here the stand-in's own cost stays small)."""
+    """The frames a request of `max_tokens` T streams: T delta frames, the last finished ("length");
+    made once per T, and their NDJSON lines once (a real worker builds each; here the stand-in's
+    own cost stays small: the frame stream encodes each frame, as the real worker's does)."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.cycle = token_cycle(tokenizer)
-        self._books: dict[int, list[bytes]] = {}
+        self._books: dict[int, list[OutputFrame]] = {}
+        self._lines: dict[int, list[bytes]] = {}
 
     def first_token(self) -> int:
         return self.cycle[0]
 
-    def lines(self, max_tokens: int) -> list[bytes]:
+    def frames(self, max_tokens: int) -> list[OutputFrame]:
         if max_tokens not in self._books:
             state = RequestState("", None, [], 1, self.tokenizer, True, False, (), False, 0, 0.0)
             ids = list(itertools.islice(itertools.cycle(self.cycle), max_tokens))
-            lines = []
-            frames = FrameEncoder()  # delta frames, as a real decode worker's (control.OutputFrame)
+            frames = []
+            encoder = FrameEncoder()  # delta frames, as a real decode worker's (control.OutputFrame)
             for index, token_id in enumerate(ids):
                 state.add_token(0, token_id, None)
                 output = state.snapshot()
                 if index == len(ids) - 1:
                     output.outputs[0] = dataclasses.replace(output.outputs[0], finish_reason="length")
-                lines.append(frames.frame(output).model_dump_json().encode() + b"\n")
-            self._books[max_tokens] = lines
+                frames.append(encoder.frame(output))
+            self._books[max_tokens] = frames
         return self._books[max_tokens]
+
+    def lines(self, max_tokens: int) -> list[bytes]:
+        """`frames` as NDJSON lines (a stream per request)."""
+        if max_tokens not in self._lines:
+            self._lines[max_tokens] = [frame.model_dump_json().encode() + b"\n" for frame in self.frames(max_tokens)]
+        return self._lines[max_tokens]
 
 
 def _info(role: str, model: str, num_running: int) -> WorkerInfo:
@@ -164,71 +174,32 @@ def decode_app(book: FrameBook, model: str = "standin", step_s: float = 0.0) -> 
 
         return StreamingResponse(lines(), media_type=NDJSON)
 
-    _add_frame_stream_routes(app, book, reserved, step_s)
+    add_frame_mux_routes(app, _FrameSource(book, reserved, step_s))  # what a router uses unless --no-frame-mux
     _add_decode_control_routes(app, reserved)
     return app
 
 
-@dataclass(eq=False, slots=True)
-class _StandinMux:
-    lines: asyncio.Queue[bytes] = field(default_factory=asyncio.Queue)
-    pumps: set[asyncio.Task[None]] = field(default_factory=set)
+class _FrameSource:
+    """The real frame stream (worker/frame_mux.py, its routes) over the stand-in's reservations."""
 
+    def __init__(self, book: FrameBook, reserved: dict[str, _Reservation], step_s: float) -> None:
+        self.book, self.reserved, self.step_s = book, reserved, step_s
 
-def _add_frame_stream_routes(app: FastAPI, book: FrameBook, reserved: dict[str, _Reservation], step_s: float) -> None:
-    """The frame stream (`GET /pd/frames/{mux_id}`, `POST /pd/stream/{id}/via/{mux_id}`) as the real
-    worker's (worker/frame_mux.py): `id TAB frame NL`, `id TAB NL` at a request's end, the lines
-    ready together in one write, the same answers (409 for an id open already; 410 for an unknown
-    stream, then 404 for an unknown request), and a stream closed ends what streams on it."""
-    muxes: dict[str, _StandinMux] = {}
+    def knows(self, rid: str) -> bool:
+        return rid in self.reserved
 
-    @app.get("/pd/frames/{mux_id}")
-    async def frames(mux_id: str) -> Response:
-        if mux_id in muxes:
-            return JSONResponse({"error": {"message": f"frame stream {mux_id!r} is open already"}}, status_code=409)
-        mux = muxes[mux_id] = _StandinMux()
-        return StreamingResponse(_mux_body(mux_id, mux, muxes), media_type=NDJSON)
-
-    @app.post("/pd/stream/{request_id}/via/{mux_id}")
-    async def via(request_id: str, mux_id: str) -> Response:
-        mux, record = muxes.get(mux_id), reserved.get(request_id)
-        if mux is None:
-            return JSONResponse({"error": {"message": f"no frame stream {mux_id!r}", "type": "gone"}}, status_code=410)
+    async def stream(self, rid: str) -> AsyncIterator[OutputFrame]:
+        record = self.reserved.get(rid)
         if record is None:
-            return _not_found(request_id)
-        task = asyncio.create_task(_pump(book, request_id, record, mux.lines, step_s, reserved))
-        mux.pumps.add(task)
-        task.add_done_callback(mux.pumps.discard)
-        return JSONResponse({"streaming": request_id})
-
-
-async def _mux_body(mux_id: str, mux: _StandinMux, muxes: dict[str, _StandinMux]) -> AsyncIterator[bytes]:
-    try:
-        while True:
-            chunk = [await mux.lines.get()]
-            while not mux.lines.empty():
-                chunk.append(mux.lines.get_nowait())
-            yield b"".join(chunk)
-    finally:
-        if muxes.get(mux_id) is mux:
-            del muxes[mux_id]
-        for pump in list(mux.pumps):  # NOTE: as the real worker: what streams on it ends (its reservation gone)
-            pump.cancel()
-
-
-async def _pump(book: FrameBook, request_id: str, record: _Reservation, lines: asyncio.Queue[bytes], step_s: float,
-                reserved: dict[str, _Reservation]) -> None:
-    """One request's lines on a frame stream, `step_s` apart; its end line last, however it ends."""
-    prefix = request_id.encode() + b"\t"
-    try:
-        for line in book.lines(record.max_tokens):
-            if record.aborted.is_set():
-                return
-            lines.put_nowait(prefix + line)
-            await asyncio.sleep(step_s)
-    finally:
-        lines.put_nowait(prefix + b"\n")
-        reserved.pop(request_id, None)
+            raise KeyError(rid)
+        try:
+            for frame in self.book.frames(record.max_tokens):
+                if record.aborted.is_set():
+                    return
+                yield frame
+                await asyncio.sleep(self.step_s)
+        finally:
+            self.reserved.pop(rid, None)
 
 
 def _add_decode_control_routes(app: FastAPI, reserved: dict[str, _Reservation]) -> None:

@@ -21,10 +21,21 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from pdserve.disagg.worker.decode_service import DecodeService
+from pdserve.disagg.control import OutputFrame
 
 SEPARATOR = b"\t"
+
+
+class FrameSource(Protocol):
+    """What a frame stream asks of the decode side (`DecodeService`; the router benchmark's stand-in)."""
+
+    def knows(self, rid: str) -> bool:
+        """Whether request `rid` is here (its frames can be streamed)."""
+
+    def stream(self, rid: str) -> AsyncIterator[OutputFrame]:
+        """Its frames until it ends; leaving early aborts it. KeyError: not here."""
 
 
 class UnknownMux(LookupError):
@@ -40,7 +51,7 @@ class _Mux:
 class FrameMuxes:
     """The frame streams routers have open on this decode worker. Event-loop only."""
 
-    def __init__(self, service: DecodeService) -> None:
+    def __init__(self, service: FrameSource) -> None:
         self.service = service
         self._muxes: dict[str, _Mux] = {}
 

@@ -26,7 +26,7 @@ from pdserve.disagg.control import (
 from pdserve.disagg.kv_layout import KVLayoutMismatch
 from pdserve.disagg.transport.errors import KVTransferError
 from pdserve.disagg.worker.decode_service import DecodeService
-from pdserve.disagg.worker.frame_mux import FrameMuxes, UnknownMux
+from pdserve.disagg.worker.frame_mux import FrameMuxes, FrameSource, UnknownMux
 from pdserve.disagg.worker.prefill_service import PrefillService
 from pdserve.serving.errors import error_response
 
@@ -35,7 +35,7 @@ def add_decode_routes(app: FastAPI, service: DecodeService) -> None:
     _add_reservation_routes(app, service)
     _add_attempt_routes(app, service)
     _add_stream_routes(app, service)
-    _add_frame_mux_routes(app, service)
+    add_frame_mux_routes(app, service)
 
 
 def _add_reservation_routes(app: FastAPI, service: DecodeService) -> None:
@@ -112,7 +112,7 @@ def _add_stream_routes(app: FastAPI, service: DecodeService) -> None:
         return JSONResponse({"aborted": request_id})
 
 
-def _add_frame_mux_routes(app: FastAPI, service: DecodeService) -> None:
+def add_frame_mux_routes(app: FastAPI, service: FrameSource) -> None:
     """Many requests' frames on one stream per router (worker/frame_mux.py)."""
     muxes = FrameMuxes(service)
 
