@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench import router_cost
+from pdserve.bench import frame_delivery, router_cost
 from pdserve.bench.router_standins import FrameBook, token_cycle
 from pdserve.disagg.control import FrameDecoder, OutputFrame
 from pdserve.model.demo_checkpoint import default_model_dir
@@ -52,3 +52,10 @@ def test_bench_counts_every_chunk(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert result["frame_mux"] == (frame_mux == "--frame-mux")
     printed = capsys.readouterr().out
     assert "µs/chunk" in printed and "chunks/s/core" in printed
+
+
+def test_frame_delivery_bench_times_both_paths(capsys: pytest.CaptureFixture[str]) -> None:
+    assert frame_delivery.main(["--streams", "4", "--steps", "5", "--rounds", "1"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in printed] == ["pump", "direct"]
+    assert all(float(line.split()[1]) > 0 for line in printed)
