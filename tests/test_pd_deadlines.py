@@ -188,7 +188,7 @@ def test_no_first_token_by_the_deadline_is_a_503_and_frees_everything(model_dirs
     timeout and decode's lease are long): only the router's first-token deadline ends the requests.
     The second one waits in the router's FIFO behind the first (the prefill worker has no room for
     it) until the first is aborted there."""
-    deadline_s = 1.0
+    deadline_s = 3.0
     # NOTE: the first token from decode only: prefill computes these prompts, and would send their
     # first tokens itself (test_pd_first_token.py)
     cluster = start_cluster(model_dirs["tiny"], "fake", 1, 1, timeout_s=60.0, prefill_options={"stall_after_layers": 0},
@@ -201,8 +201,12 @@ def test_no_first_token_by_the_deadline_is_a_503_and_frees_everything(model_dirs
             await asyncio.sleep(0.3)
             second = asyncio.create_task(
                 http.post("/v1/completions", json={"prompt": LONG_PROMPT, "max_tokens": 4, "stream": True}))
-            await asyncio.sleep(0.4)
-            waiting = (await http.get("/router/stats")).json()
+            waiting: dict = {}
+            for _ in range(30):  # NOTE: polled, well within the first one's deadline: a loaded router answers late
+                await asyncio.sleep(0.05)
+                waiting = (await http.get("/router/stats")).json()
+                if waiting["dispatch_pending"] == 1 and waiting["queued_requests"] == 2:
+                    break
             assert waiting["dispatch_pending"] == 1 and waiting["queued_requests"] == 2, waiting
             return [await first, await second]
 

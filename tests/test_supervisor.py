@@ -359,7 +359,9 @@ def test_a_child_outlives_no_supervisor_even_a_sigkilled_one() -> None:
     supervisor = subprocess.Popen([sys.executable, "-c", supervisor_code], stdout=subprocess.PIPE, text=True)
     assert supervisor.stdout is not None
     child = int(supervisor.stdout.readline())
-    time.sleep(1.0)  # the child imports pdserve and starts watching
+    # NOTE: the child (its stdout is the supervisor's) imports pdserve, then watches: on a loaded
+    # machine that can take longer than any fixed wait
+    assert supervisor.stdout.readline().strip() == "watching"
     os.kill(child, 0)  # alive while its supervisor is
     supervisor.kill()
     supervisor.wait(10)
