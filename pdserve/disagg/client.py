@@ -309,14 +309,13 @@ class _FrameMux:
         self.mux_id = uuid.uuid4().hex
         self.opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.broken: WorkerUnreachable | None = None
-        self._queues: dict[str, asyncio.Queue[bytes | WorkerUnreachable]] = {}
+        self._queues: dict[str, asyncio.Queue[Any]] = {}  # a request's frames (b"": its end), or its inbox
         self._reader = asyncio.create_task(self._read())
 
     async def frames(self, request_id: str, queue: asyncio.Queue[Any] | None = None) -> AsyncGenerator[Any, None]:
-        """The request's frames; with `queue` (`WorkerClient.stream`'s inbox) they land there,
+        """The request's frames; with `queue` (`WorkerClient.stream_merged`'s inbox) they land there,
         and whatever else lands there is yielded as it is (an exception raised)."""
-        # NOTE: registered before its frames can come
-        queue = self._queues[request_id] = asyncio.Queue() if queue is None else queue
+        queue = self._queues[request_id] = asyncio.Queue() if queue is None else queue  # before its frames come
         # NOTE: attached beside the reading: an item already in the queue (a first token) does not wait for it
         attach = asyncio.create_task(self._attach(request_id, queue))
         try:

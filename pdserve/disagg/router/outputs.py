@@ -36,7 +36,9 @@ from pdserve.tokenizer import Tokenizer
 from pdserve.tokenizer.detokenizer import detokenize
 
 logger = logging.getLogger(__name__)
-Inbox = asyncio.Queue[OutputFrame | FirstToken | BaseException | None]  # see `WorkerClient.stream` (disagg/client.py)
+# a run's first token, errors, and decode's frames (bytes as the frame stream read them, or OutputFrames, then
+# None at their end, on a stream of their own): `WorkerClient.stream_merged` (disagg/client.py)
+Inbox = asyncio.Queue[OutputFrame | FirstToken | bytes | BaseException | None]
 
 
 class DecodeLost(Exception):
