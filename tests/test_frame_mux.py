@@ -15,7 +15,8 @@ from pd_fixtures import start_cluster, stop_cluster
 from server_fixtures import parse_sse
 
 from pdserve import LLM, SamplingParams
-from pdserve.disagg.client import UnknownRequest, WorkerClient, _FrameMux, _Reply
+from pdserve.bench.frame_delivery import router_end
+from pdserve.disagg.client import UnknownRequest, WorkerClient, _Reply
 from pdserve.disagg.control import FirstToken, OutputFrame
 from pdserve.disagg.worker.frame_mux import FrameMuxes, UnknownMux
 
@@ -125,18 +126,10 @@ class _AttachingClient:
         return _Reply(self.status, b'{"error": {"message": "unknown request"}}' if self.status != 200 else b"{}")
 
 
-def _router_end(client: _AttachingClient) -> _FrameMux:
-    """The router's end of a frame stream, without its reader (the test puts what it would read)."""
-    mux = _FrameMux.__new__(_FrameMux)
-    mux.client, mux.url, mux.mux_id, mux.broken = client, "http://decode", "m", None  # type: ignore[assignment]
-    mux._queues = {}
-    return mux
-
-
 def test_the_router_end_merges_the_inbox_without_waiting_for_the_attach_and_frames_land_in_it() -> None:
     async def scenario() -> None:
         client = _AttachingClient(200)
-        mux = _router_end(client)
+        mux = router_end(client)
         inbox: asyncio.Queue[object] = asyncio.Queue()
         items = mux.frames("r1", inbox)
         first = FirstToken(transfer_id="r1@0", token_id=5)
@@ -150,7 +143,7 @@ def test_the_router_end_merges_the_inbox_without_waiting_for_the_attach_and_fram
         assert [frame.frame_no for frame in [item async for item in items]] == [0, 1]
         assert "r1" not in mux._queues
 
-        lost = _router_end(_AttachingClient(404))
+        lost = router_end(_AttachingClient(404))
         items = lost.frames("r2", asyncio.Queue())
         lost.client.release.set()  # type: ignore[attr-defined]
         with pytest.raises(UnknownRequest):
@@ -166,7 +159,7 @@ def test_frames_that_end_before_the_attach_answered_wait_for_its_answer_not_cut_
 
     async def scenario() -> None:
         client = _AttachingClient(200)
-        mux = _router_end(client)
+        mux = router_end(client)
         queue: asyncio.Queue[object] = asyncio.Queue()
         items = mux.frames("r1", queue)
         queue.put_nowait(OutputFrame(frame_no=0, token_ids=[1], finish_reason="length").model_dump_json().encode())

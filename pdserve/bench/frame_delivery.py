@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from typing import Any
 
 import uvloop
 
@@ -30,16 +31,18 @@ class _Attached:
         return _Reply(200, b"{}")
 
 
-def _router_end() -> _FrameMux:
-    mux = _FrameMux.__new__(_FrameMux)  # NOTE: without its reader task: `measure` puts what it would read
-    mux.client, mux.url, mux.mux_id, mux.broken = _Attached(), "http://decode", "bench", None  # type: ignore[assignment]
+def router_end(client: Any) -> _FrameMux:
+    """The router's end of a frame stream without its reader task (the caller puts in its request
+    queues what the reader would): `client` answers its attach POSTs (`_post`). Also the tests'."""
+    mux = _FrameMux.__new__(_FrameMux)
+    mux.client, mux.url, mux.mux_id, mux.broken = client, "http://decode", "bench", None
     mux._queues = {}
     return mux
 
 
 async def measure(path: str, streams: int, steps: int) -> float:
     """CPU µs a frame over `steps` steps of one frame for each of `streams` requests."""
-    mux = _router_end()
+    mux = router_end(_Attached())
     payload = OutputFrame(frame_no=1, token_ids=[5], text="x").model_dump_json().encode()
     received = 0
 
@@ -55,14 +58,11 @@ async def measure(path: str, streams: int, steps: int) -> float:
     while len(mux._queues) < streams:
         await asyncio.sleep(0)
     start = time.process_time()
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         for rid in rids:
             mux._queues[rid].put_nowait(payload)
-        while received % streams:  # NOTE: every request takes this step's frame before the next read
+        while received < step * streams:  # NOTE: every request takes this step's frame before the next read
             await asyncio.sleep(0)
-        await asyncio.sleep(0)
-    while received < streams * steps:
-        await asyncio.sleep(0)
     cpu = time.process_time() - start
     for rid in rids:
         mux._queues[rid].put_nowait(b"")  # their frames end

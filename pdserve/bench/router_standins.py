@@ -22,8 +22,9 @@ import asyncio
 import dataclasses
 import itertools
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -54,6 +55,7 @@ from pdserve.tokenizer import Tokenizer
 CYCLE_LENGTH = 256
 _FIRST_ID = 1000  # ordinary (non-special) ids of the Qwen vocabulary start well below this
 _PLACEMENT_WAIT_S = 60.0
+T = TypeVar("T")
 
 
 def token_cycle(tokenizer: Tokenizer, length: int = CYCLE_LENGTH) -> list[int]:
@@ -162,17 +164,8 @@ def decode_app(book: FrameBook, model: str = "standin", step_s: float = 0.0) -> 
         if record is None:
             return _not_found(request_id)
 
-        async def lines() -> AsyncIterator[bytes]:
-            try:
-                for line in book.lines(record.max_tokens):
-                    if record.aborted.is_set():
-                        return
-                    yield line
-                    await asyncio.sleep(step_s)
-            finally:
-                reserved.pop(request_id, None)
-
-        return StreamingResponse(lines(), media_type=NDJSON)
+        return StreamingResponse(_paced(book.lines(record.max_tokens), record, request_id, reserved, step_s),
+                                 media_type=NDJSON)
 
     add_frame_mux_routes(app, _FrameSource(book, reserved, step_s))  # what a router uses unless --no-frame-mux
     _add_decode_control_routes(app, reserved)
@@ -188,18 +181,25 @@ class _FrameSource:
     def knows(self, rid: str) -> bool:
         return rid in self.reserved
 
-    async def stream(self, rid: str) -> AsyncIterator[OutputFrame]:
+    def stream(self, rid: str) -> AsyncIterator[OutputFrame]:
         record = self.reserved.get(rid)
         if record is None:
             raise KeyError(rid)
-        try:
-            for frame in self.book.frames(record.max_tokens):
-                if record.aborted.is_set():
-                    return
-                yield frame
-                await asyncio.sleep(self.step_s)
-        finally:
-            self.reserved.pop(rid, None)
+        return _paced(self.book.frames(record.max_tokens), record, rid, self.reserved, self.step_s)
+
+
+async def _paced(items: Sequence[T], record: _Reservation, rid: str, reserved: dict[str, _Reservation],
+                 step_s: float) -> AsyncIterator[T]:
+    """A reserved request's frames (or their lines), `step_s` apart, until its abort; then it is
+    no longer reserved, however it ended."""
+    try:
+        for item in items:
+            if record.aborted.is_set():
+                return
+            yield item
+            await asyncio.sleep(step_s)
+    finally:
+        reserved.pop(rid, None)
 
 
 def _add_decode_control_routes(app: FastAPI, reserved: dict[str, _Reservation]) -> None:
