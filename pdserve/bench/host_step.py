@@ -83,6 +83,7 @@ def measure(model_dir: Path, num_streams: int, context_len: int, num_steps: int)
               num_kv_blocks=num_blocks, max_num_seqs=num_streams, max_model_len=max_len,
               max_num_batched_tokens=batched_tokens)
     engine = llm.engine
+    engine.detokenize = False  # as the engine core process runs (engine/core_proc.py): its API process detokenizes
     runner = engine.runner
     runner.use_paged_step(graphs=True)  # what CUDA runs: step buffers, decode steps padded to their bucket
     # NOTE: mixed and prefill steps (the prompts, untimed) run the stubbed forward eagerly: the

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Iterable
 
 import torch
 
@@ -310,11 +311,11 @@ class LLMEngine:
         layer_done = None if observer is None else (lambda layer: observer(layer, out.chunks))
         sampled = self.runner.execute(out, layer_done)
         executed = time.perf_counter()
-        updated = self.scheduler.update(out, {rid: token for rid, (token, _) in sampled.items()})
+        updated = self.scheduler.update(out, sampled.tokens)
         if self.offload is not None:
             self.offload.observe_step(self._last_prefill_batch[1], executed - scheduled)
             self.offload.save_new_blocks()
-        states = self._emit([(request, sampled[request.request_id][1]) for request in updated])
+        states = self._emit(zip(updated, sampled.logprobs, strict=True))
         self.publish_kv_events()
         done = time.perf_counter()
         self._num_steps += 1
@@ -341,7 +342,7 @@ class LLMEngine:
         return RequestState.of_request(request_id, prompt_text, token_ids, params,
                                        OutputSettings(self.tokenizer, self.detokenize), arrival_time)
 
-    def _emit(self, updated: list[tuple[Request, TokenLogprobs | None]]) -> list[RequestState]:
+    def _emit(self, updated: Iterable[tuple[Request, TokenLogprobs | None]]) -> list[RequestState]:
         """Feed each request's newest token to its output state (detokenize, stop strings) and
         return the touched user requests' states; finished ones are forgotten."""
         touched: dict[str, RequestState] = {}

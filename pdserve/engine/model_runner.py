@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,6 +41,16 @@ if TYPE_CHECKING:
 _MAX_DECODE_BUCKETS = 4
 _MIN_DECODE_BUCKET = 8
 _CPU_SPLIT_PROGRAMS = 4  # the Triton backend on CPU (tests, interpreter): split decodes as on a 4-SM GPU
+_request_id = attrgetter("request_id")
+
+
+@dataclass(frozen=True, slots=True)
+class StepSamples:
+    """What a step sampled: the token of each request that sampled, by id, and their logprobs in
+    the order of the step's chunks (the order `Scheduler.update` returns those requests in)."""
+
+    tokens: dict[str, int]
+    logprobs: list[TokenLogprobs | None]
 
 
 class ModelRunner:
@@ -133,21 +145,20 @@ class ModelRunner:
         ModelRunner.run(self, plan)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, layer_done: Callable[[int], None] | None = None
-                ) -> dict[str, tuple[int, TokenLogprobs | None]]:
-        """Run one step; returns request id -> (sampled token, its logprobs) for the chunks that sample."""
+    def execute(self, out: SchedulerOutput, layer_done: Callable[[int], None] | None = None) -> StepSamples:
+        """Run one step; returns what the chunks that sample sampled."""
         plan, samplers, targets = plan_step(out, self.block_size, self.block_tables)
         self.sampler.start_masks(samplers, self.vocab_size)  # structured outputs: beside the forward
         logits = self.run(plan, layer_done)
         if logits is None:
-            return {}
+            return StepSamples({}, [])
         if targets:  # the rows after the sampling ones (see run)
             prompt_logprobs(logits[len(samplers):], targets)
             logits = logits[:len(samplers)]
         if not samplers:
-            return {}
+            return StepSamples({}, [])
         result = self.sampler(logits, samplers)
-        return {r.request_id: (t, lp) for r, t, lp in zip(samplers, result.token_ids, result.logprobs, strict=True)}
+        return StepSamples(dict(zip(map(_request_id, samplers), result.token_ids, strict=True)), result.logprobs)
 
     @torch.inference_mode()
     def run(self, plan: StepPlan, layer_done: Callable[[int], None] | None = None) -> torch.Tensor | None:

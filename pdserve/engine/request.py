@@ -51,7 +51,7 @@ class Request:
                  "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes", "swapped_block_ids",
                  "status", "stop_reason", "generator", "pending_draws", "arrival_time", "first_scheduled_time",
                  "num_preemptions", "hold_blocks", "disk_checked", "prompt_logprobs", "matcher",
-                 "num_indexed_blocks", "hash_root")
+                 "num_indexed_blocks", "hash_root", "plain_greedy")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  model: ModelContext, arrival_time: float | None = None,
@@ -89,6 +89,10 @@ class Request:
         self.disk_checked = False
         # with params.structured: the grammar's state after the tokens so far (engine/structured.py)
         self.matcher = matcher
+        # greedy and nothing else the sampler asks its params about (logprobs, penalties, min_tokens):
+        # with no grammar either, its row is the argmax alone (engine/sampler.py, `_Rows.of`)
+        self.plain_greedy = (params.greedy and params.logprobs is None and not params.needs_penalties
+                             and not params.min_tokens)
 
     @property
     def num_tokens(self) -> int:

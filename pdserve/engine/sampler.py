@@ -57,6 +57,8 @@ class _Rows:
         rows = cls()
         adjusted, constrained, random = rows.adjusted, rows.constrained, rows.random
         for i, request in enumerate(requests):
+            if request.plain_greedy and request.matcher is None:
+                continue
             params = request.params
             if params.logprobs is not None:
                 rows.logprobs = True

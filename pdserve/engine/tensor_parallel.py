@@ -60,8 +60,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine import shared_memory_group
 from pdserve.engine.host_memory import keep_large_allocations_on_heap
 from pdserve.engine.kv_transfer import RankHook, RankHookSpec, RankPools
-from pdserve.engine.logprobs import TokenLogprobs
-from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.model_runner import ModelRunner, StepSamples
 from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 from pdserve.engine.shared_memory_group import SharedMemoryGroup
 from pdserve.engine.step_plan import StepPlan
@@ -285,8 +284,7 @@ class TPModelRunner(ModelRunner):
             raise RuntimeError("; ".join(errors))
         return replies
 
-    def execute(self, out: SchedulerOutput, layer_done: Callable[[int], None] | None = None
-                ) -> dict[str, tuple[int, TokenLogprobs | None]]:
+    def execute(self, out: SchedulerOutput, layer_done: Callable[[int], None] | None = None) -> StepSamples:
         self._chunks = out.chunks
         try:
             return super().execute(out, layer_done)
