@@ -65,7 +65,7 @@ from pdserve.engine.kv_transfer import KVTarget
 from pdserve.engine.link_writer import LinkWriter
 from pdserve.engine.llm_engine import EngineStats
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprobs
-from pdserve.engine.output import RequestDelta, SequenceDelta
+from pdserve.engine.output import RequestDelta, SequenceDelta, StepTokens
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured import StructuredOutput
 
@@ -102,7 +102,8 @@ def test_every_command_and_both_records_round_trip_and_a_bad_frame_is_refused() 
                          3, 12.5, [None, PromptLogprobs(2, -2.0, 3, ((9, -0.1),))])
     message = FromCore([delta], [("r2", "boom")], [CoreReply(7, None, "in use", "value"), CoreReply(8, 32),
                                                    CoreReply(9, None, "mismatch", "kv_layout", ["dtype", "a", "b"])],
-                       None, None, False, {"kv_address": "x"}, [["progress", "d1@1", 3, [4, 5]]], {"n": 2})
+                       None, None, False, {"kv_address": "x"}, [["progress", "d1@1", 3, [4, 5]]], {"n": 2},
+                       StepTokens(["r3", "r4"], [11, 0]))
     assert decode_from_core(_body(encode_from_core(message))) == message
     disk = KVTierStats(True, 1 << 30, 4096, 2, 3, 1, 0, 0, 8192, 4096, (1, 2, 0), 0.25)
     stats = EngineStats(**{f.name: 1 for f in dataclasses.fields(EngineStats)} | {  # type: ignore[arg-type]
@@ -124,7 +125,11 @@ def test_every_command_and_both_records_round_trip_and_a_bad_frame_is_refused() 
                                       None, "INFO", "text"]))
     with pytest.raises(CoreWireError, match="token_ids"):
         decode_from_core(msgpack.packb([WIRE_VERSION, [["r", [[0, ["1"], None, None, None]], 0, None, None]], [], [],
-                                        None, None, False, None, [], None]))
+                                        None, None, False, None, [], None, [[], []]]))
+    for alone, refusal in (([["r"], ["1"]], "alone token_ids"), ([["r"], []], "1 request ids for 0 tokens"),
+                           ([[7], [1]], "alone request id"), ([["r"]], "FromCore.alone")):
+        with pytest.raises(CoreWireError, match=refusal):
+            decode_from_core(msgpack.packb([WIRE_VERSION, [], [], [], None, None, False, None, [], None, alone]))
     with pytest.raises(CoreWireError, match="not msgpack"):
         decode_from_core(b"\xc1")
 

@@ -10,7 +10,7 @@ from helpers import assert_scheduler_clean, fake_step, make_request, make_schedu
 
 from pdserve.engine.block_tables import BlockTables
 from pdserve.engine.logprobs import TokenLogprobs
-from pdserve.engine.output import OutputSettings, RequestState
+from pdserve.engine.output import OutputSettings, RequestState, StepTokens
 from pdserve.engine.request import RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledChunk
@@ -130,6 +130,73 @@ def test_the_engine_core_deltas_add_up_to_the_snapshots(model_dirs: dict[str, Pa
     snapshots = run("snapshot")
     assert all(reason == "length" for seqs in snapshots.values() for _, _, reason in seqs)
     assert run("delta") == snapshots == run("final")
+
+
+def test_the_engine_cores_short_form_carries_what_the_deltas_would(model_dirs: dict[str, Path]) -> None:
+    """`step_deltas(alone)` as the engine core runs it (no detokenization): the one-token deltas of
+    plain decodes go to `StepTokens`; read back as deltas (what the API process does), every request's
+    tokens, logprobs, finish, cached count and prompt logprobs equal those of plain `step_deltas`. The
+    short form is used (most tokens) and never for a first token, a finish or a request with logprobs."""
+    from helpers import random_prompt
+
+    from pdserve.config import EngineArgs
+    from pdserve.engine.llm_engine import LLMEngine
+
+    requests = {"plain": SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True),
+                "seeded": SamplingParams(max_tokens=7, temperature=0.8, seed=3, ignore_eos=True),
+                "logprobs": SamplingParams(max_tokens=6, temperature=0.0, logprobs=1, ignore_eos=True),
+                "prompt": SamplingParams(max_tokens=5, temperature=0.0, prompt_logprobs=1, ignore_eos=True),
+                "two": SamplingParams(n=2, max_tokens=4, temperature=0.8, seed=5, ignore_eos=True),
+                "short": SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)}
+
+    def run(short: bool) -> tuple[dict[str, list[object]], StepTokens]:
+        engine = LLMEngine.from_engine_args(EngineArgs(model=str(model_dirs["tiny"]), dtype="float32",
+                                                       num_kv_blocks=64))
+        engine.detokenize = False  # NOTE: as the engine core process runs (engine/core_proc.py)
+        for index, (request_id, params) in enumerate(requests.items()):
+            engine.add_request(request_id, random_prompt(12 + index, seed=index), params)
+        got: dict[str, list[object]] = {}
+        every = StepTokens()
+        for _ in range(100):
+            if not engine.has_unfinished_requests():
+                break
+            alone = StepTokens() if short else None
+            deltas = engine.step_deltas(alone)
+            if alone is not None:
+                every.request_ids += alone.request_ids
+                every.token_ids += alone.token_ids
+                assert not {d.request_id for d in deltas} & set(alone.request_ids)
+                deltas += alone.deltas()
+            for delta in deltas:
+                got.setdefault(delta.request_id, []).append(
+                    (delta.num_cached_tokens or None, delta.first_scheduled_time and "scheduled", delta.prompt_logprobs,
+                     [(s.index, s.token_ids, s.logprobs, s.finish_reason, s.stop_reason) for s in delta.sequences]))
+        assert not engine.has_unfinished_requests()
+        assert engine.scheduler.kv.pool.num_free_blocks == 64
+        return got, every
+
+    def replayed(deltas: list[object]) -> list[object]:
+        """A request's deltas as the API process folds them in: per sequence, tokens, logprobs and
+        finish; the first cached count, scheduled time and prompt logprobs sent."""
+        folded: dict[object, list[object]] = {}
+        firsts: list[object] = [None, None, None]
+        for cached, scheduled, prompt, sequences in deltas:  # type: ignore[misc]
+            for k, value in enumerate((cached, scheduled, prompt)):
+                firsts[k] = firsts[k] if firsts[k] is not None else value
+            for index, tokens, logprobs, finish, stop in sequences:
+                seq = folded.setdefault(index, [[], [], None, None])
+                seq[0] += tokens
+                seq[1] += logprobs or []
+                seq[2], seq[3] = finish or seq[2], stop if finish else seq[3]
+        return [firsts, sorted(folded.items())]
+
+    (plain, none), (short, alone) = run(False), run(True)
+    assert not none.request_ids
+    assert {r: replayed(d) for r, d in short.items()} == {r: replayed(d) for r, d in plain.items()}
+    assert set(alone.request_ids) == {"plain", "seeded", "prompt"}
+    for request_id in alone.request_ids:  # the first token and the finish in deltas; every token between alone
+        max_tokens = requests[request_id].max_tokens
+        assert max_tokens is not None and alone.request_ids.count(request_id) == max_tokens - 2
 
 
 def test_end_step_keeps_the_rows_asked_for_and_drops_the_others() -> None:

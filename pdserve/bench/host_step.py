@@ -1,8 +1,9 @@
 """The host's work per decode step with the model stubbed out: scheduler, KV cache manager, the
-runner's input preparation (step plan, persistent step buffers, decode buckets) and output
-processing: everything the engine core process's step (`LLMEngine.step_deltas`) does except the
-math. The model's forward returns zeros of the right shape, so what is timed is what a GPU would
-wait on between two replays.
+runner's input preparation (step plan, persistent step buffers, decode buckets), output
+processing and the encoding of the step's message to the API process: everything the engine core
+process's step (`LLMEngine.step_deltas`, `encode_from_core`) does except the math. The model's
+forward returns zeros of the right shape, so what is timed is what a GPU would wait on between two
+replays.
 
 Each shape (streams x context) is prefilled first (untimed), then `--steps` decode steps are timed
 and the median step is printed. `--compare-with DIR` runs the same shapes, with this file's
@@ -27,7 +28,6 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import cast
 
 import torch
 
@@ -60,16 +60,26 @@ def tiny_long_context_model(out_dir: Path) -> Path:
     return write_checkpoint(out_dir, replace(PRESETS["tiny"], max_position_embeddings=40960))
 
 
-def engine_core_step(engine: object) -> Callable[[], list]:
-    """A step as the engine core process runs it (engine/core_proc.py): `step_deltas`, what each
-    request gained. A checkout from before it (`--compare-with`) made snapshots and turned them
-    into deltas with its `_DeltaTracker`: timed that way, so both columns time the same work."""
+def engine_core_step(engine: object) -> Callable[[], bytes]:
+    """A step as the engine core process runs it (engine/core_proc.py): `step_deltas`, then its
+    message to the API process encoded. For another checkout (`--compare-with`), the same work as
+    it did it: from before `StepTokens` every delta whole; from before `step_deltas` snapshots
+    turned into deltas by its `_DeltaTracker`."""
+    from pdserve.engine import output
+    from pdserve.engine.core_wire import FromCore, encode_from_core
+
     step_deltas = getattr(engine, "step_deltas", None)
+    short_form = getattr(output, "StepTokens", None)
+    if step_deltas is not None and short_form is not None:
+        def step() -> bytes:
+            alone = short_form()
+            return encode_from_core(FromCore(step_deltas(alone), alone=alone))
+        return step
     if step_deltas is not None:
-        return cast(Callable[[], list], step_deltas)
+        return lambda: encode_from_core(FromCore(step_deltas()))
     from pdserve.engine.core_proc import _DeltaTracker  # type: ignore[attr-defined]
     tracker = _DeltaTracker()
-    return lambda: [tracker.delta(output) for output in engine.step()]  # type: ignore[attr-defined]
+    return lambda: encode_from_core(FromCore([tracker.delta(o) for o in engine.step()]))  # type: ignore[attr-defined]
 
 
 def measure(model_dir: Path, num_streams: int, context_len: int, num_steps: int) -> float:

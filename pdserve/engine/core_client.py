@@ -308,12 +308,14 @@ class EngineCoreClient:
                 self.on_fatal(exc)
 
     def _on_message(self, message: FromCore) -> None:
-        if message.outputs or message.failures or message.stats is not None:  # NOTE: not the KV side's
-            self.last_step_s = time.monotonic()
+        if message.outputs or message.alone.request_ids or message.failures or message.stats is not None:
+            self.last_step_s = time.monotonic()  # NOTE: not the KV side's
         if message.stats is not None:
             self._stats = message.stats
         with self._lock:
             for delta in message.outputs:
+                self._process(delta)
+            for delta in message.alone.deltas():
                 self._process(delta)
             for request_id, error in message.failures:
                 tracked = self._requests.pop(request_id, None)

@@ -12,7 +12,9 @@ runs a busy loop that never waits on the API process:
            the commands' replies, and the stats when due (every STATS_EVERY_S, and on going idle)
 
 Token ids only: the API process detokenizes and applies stop strings, and sends `StopSequence` back
-on a hit. Outputs are deltas against what was sent before (`RequestState.delta`, a cursor per sequence).
+on a hit. Outputs are deltas against what was sent before (`RequestState.delta`, a cursor per sequence);
+a steady decode's delta, one token and nothing else, travels in a step-wide short form instead
+(`StepTokens`: two flat lists, no object per request), which the API process reads as those deltas.
 
 Lifecycle. SIGINT/SIGTERM are ignored (`pdserve up` signals the whole process group; the API
 process decides when this one stops: `shutdown`, or EOF on the link when it is gone, then this
@@ -51,7 +53,7 @@ from pdserve.engine.core_wire import (
 )
 from pdserve.engine.kv_event_publisher import endpoints_info
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.output import RequestDelta, RequestState
+from pdserve.engine.output import RequestDelta, RequestState, StepTokens
 from pdserve.logs import configure_logging
 
 logger = logging.getLogger(__name__)
@@ -124,22 +126,24 @@ class EngineCore:
                 return
             replies: list[CoreReply] = []
             outputs: list[RequestDelta] = []
+            alone = StepTokens()  # the step's one-token deltas, in their short form
             for command in commands:
                 if command.kind == "shutdown":
                     return
                 self._apply(command, replies, outputs)
             if engine.has_runnable_requests():
-                outputs.extend(engine.step_deltas())
+                outputs.extend(engine.step_deltas(alone))
             failures = [(f.request_id, f.error) for f in engine.take_failures()]
             now = time.monotonic()
             idle = not engine.has_runnable_requests()
-            stats_due = now - self._stats_sent_s >= STATS_EVERY_S or (idle and (commands or outputs or failures))
-            if outputs or replies or failures or stats_due:
+            produced = bool(outputs or alone.request_ids or failures)
+            stats_due = now - self._stats_sent_s >= STATS_EVERY_S or (idle and (commands or produced))
+            if produced or replies or stats_due:
                 stats = engine.stats() if stats_due else None
                 if stats is not None:
                     self._stats_sent_s = now
                 kv_stats = self.side.stats() if stats is not None and self.side is not None else None
-                self.send(FromCore(outputs, failures, replies, stats, kv_stats=kv_stats))
+                self.send(FromCore(outputs, failures, replies, stats, kv_stats=kv_stats, alone=alone))
 
     def _read(self) -> None:
         """The reader thread: engine commands to the inbox, `kv` calls to the KV side."""

@@ -55,10 +55,10 @@ from pdserve.engine.kv_disk_tier import KVTierStats
 from pdserve.engine.kv_transfer import KVTarget
 from pdserve.engine.llm_engine import EngineStats, RemoteReservation
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprobs
-from pdserve.engine.output import RequestDelta, RequestOutput, RequestState, SequenceDelta
+from pdserve.engine.output import RequestDelta, RequestOutput, RequestState, SequenceDelta, StepTokens
 from pdserve.engine.sampling_params import SamplingParams
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 _LENGTH = struct.Struct("<I")
 MAX_FRAME_BYTES = 1 << 30
 ToCoreKind = Literal["start", "command", "kv", "shutdown"]
@@ -110,6 +110,7 @@ class FromCore:
     info: dict[str, Any] | None = None  # the first message: what the KV side tells its API process
     kv_events: list[list[Any]] = field(default_factory=list)  # the KV side's, in order
     kv_stats: dict[str, int] | None = None  # the KV side's counters, with `stats`
+    alone: StepTokens = field(default_factory=StepTokens)  # the step's one-token deltas, short (after `outputs`)
 
 
 # -- encoding ----------------------------------------------------------------------------------
@@ -191,7 +192,8 @@ def encode_from_core(message: FromCore) -> bytes:
     stats = None if message.stats is None else dataclasses.asdict(message.stats)
     return _frame([WIRE_VERSION, [_delta(d) for d in message.outputs], [list(f) for f in message.failures],
                    [[r.call_id, r.value, r.error, r.error_kind, r.error_detail] for r in message.replies], stats,
-                   message.fatal, message.ready, message.info, message.kv_events, message.kv_stats])
+                   message.fatal, message.ready, message.info, message.kv_events, message.kv_stats,
+                   [message.alone.request_ids, message.alone.token_ids]])
 
 
 def _frame(fields: list[Any]) -> bytes:
@@ -338,7 +340,7 @@ def _decode_stats(value: dict[str, Any]) -> EngineStats:
 
 
 def decode_from_core(data: bytes) -> FromCore:
-    _, outputs, failures, replies, stats, fatal, ready, info, kv_events, kv_stats = _fields(data, 10, "FromCore")
+    _, outputs, failures, replies, stats, fatal, ready, info, kv_events, kv_stats, alone = _fields(data, 11, "FromCore")
     return FromCore(
         [_decode_delta(d) for d in typed(outputs, list, "FromCore.outputs")],
         [(typed(r, str, "failure id"), typed(e, str, "failure"))
@@ -349,7 +351,18 @@ def decode_from_core(data: bytes) -> FromCore:
         None if stats is None else _decode_stats(typed(stats, dict, "FromCore.stats")),
         _opt(fatal, str, "FromCore.fatal"), typed(ready, bool, "FromCore.ready"), _opt(info, dict, "FromCore.info"),
         [typed(e, list, "FromCore.kv_events") for e in typed(kv_events, list, "FromCore.kv_events")],
-        _opt(kv_stats, dict, "FromCore.kv_stats"))
+        _opt(kv_stats, dict, "FromCore.kv_stats"), _decode_alone(alone))
+
+
+def _decode_alone(value: Any) -> StepTokens:
+    if len(typed(value, list, "FromCore.alone")) != 2:
+        raise CoreWireError("FromCore.alone: expected [request ids, token ids]")
+    request_ids, token_ids = value
+    ids = [typed(r, str, "alone request id") for r in typed(request_ids, list, "FromCore.alone")]
+    tokens = _ints(token_ids, "alone token_ids")
+    if len(ids) != len(tokens):
+        raise CoreWireError(f"FromCore.alone: {len(ids)} request ids for {len(tokens)} tokens")
+    return StepTokens(ids, tokens)
 
 
 # -- framing -----------------------------------------------------------------------------------

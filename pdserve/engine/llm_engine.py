@@ -21,7 +21,7 @@ from pdserve.engine.kv_transfer import KVTransferSetup, LayerObserver, StreamTar
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprobs
 from pdserve.engine.lora_manager import LoRAInfo
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.output import OutputSettings, RequestDelta, RequestFailure, RequestOutput, RequestState
+from pdserve.engine.output import OutputSettings, RequestDelta, RequestFailure, RequestOutput, RequestState, StepTokens
 from pdserve.engine.request import ModelContext, Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler
@@ -289,12 +289,13 @@ class LLMEngine:
         finished only (what `LLM.generate` keeps)."""
         return [state.snapshot() for state in self._step() if not final_only or state.finished]
 
-    def step_deltas(self) -> list[RequestDelta]:
+    def step_deltas(self, alone: StepTokens | None = None) -> list[RequestDelta]:
         """`step`, returning what each touched request gained since its last delta (the engine core
-        process's messages): no snapshot of whole outputs, O(new tokens) a step."""
-        return [state.delta() for state in self._step()]
+        process's messages): no snapshot of whole outputs, O(new tokens) a step. `alone`: where the
+        requests whose delta would be one token and nothing else go instead (`StepTokens`)."""
+        return [state.delta() for state in self._step(alone)]
 
-    def _step(self) -> list[RequestState]:
+    def _step(self, alone: StepTokens | None = None) -> list[RequestState]:
         start = time.perf_counter()
         self.publish_kv_events()  # what commands changed since the last step (a reservation's evictions)
         if self.offload is not None:
@@ -315,7 +316,7 @@ class LLMEngine:
         if self.offload is not None:
             self.offload.observe_step(self._last_prefill_batch[1], executed - scheduled)
             self.offload.save_new_blocks()
-        states = self._emit(zip(updated, sampled.logprobs, strict=True))
+        states = self._emit(zip(updated, sampled.logprobs, strict=True), alone)
         self.publish_kv_events()
         done = time.perf_counter()
         self._num_steps += 1
@@ -342,15 +343,19 @@ class LLMEngine:
         return RequestState.of_request(request_id, prompt_text, token_ids, params,
                                        OutputSettings(self.tokenizer, self.detokenize), arrival_time)
 
-    def _emit(self, updated: Iterable[tuple[Request, TokenLogprobs | None]]) -> list[RequestState]:
+    def _emit(self, updated: Iterable[tuple[Request, TokenLogprobs | None]], alone: StepTokens | None = None
+              ) -> list[RequestState]:
         """Feed each request's newest token to its output state (detokenize, stop strings) and
-        return the touched user requests' states; finished ones are forgotten."""
+        return the touched user requests' states, but those `alone` took; finished ones are forgotten."""
         touched: dict[str, RequestState] = {}
         for request, logprobs in updated:
             if request.request_id not in self._children:
                 continue  # a sibling failed in this step: the whole request ended
             state, index = self._children[request.request_id]
             try:
+                if alone is not None and state.add_token_alone(request, logprobs):
+                    alone.add(state.request_id, request.all_token_ids[-1])
+                    continue
                 self._advance(state, index, request, logprobs)
             except Exception as exc:  # noqa: BLE001 - this request's fault: end it, keep the engine
                 logger.exception("request %s failed; ending it alone", state.request_id)

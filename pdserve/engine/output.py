@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from sys import getrefcount
 
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprobs
-from pdserve.engine.request import RequestStatus
+from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -101,6 +101,24 @@ class RequestDelta:
 
 
 @dataclass(slots=True)
+class StepTokens:
+    """The engine core's short form of a step's most common deltas: requests whose delta would
+    carry one token of their only sequence and nothing else (`RequestState.add_token_alone`), as two
+    flat lists, in step order. Its API process reads each as that `RequestDelta`."""
+
+    request_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+    def add(self, request_id: str, token_id: int) -> None:
+        self.request_ids.append(request_id)
+        self.token_ids.append(token_id)
+
+    def deltas(self) -> list[RequestDelta]:
+        return [RequestDelta(rid, [SequenceDelta(0, [token], None, None, None)], 0, None, None)
+                for rid, token in zip(self.request_ids, self.token_ids, strict=True)]
+
+
+@dataclass(slots=True)
 class _Sequence:
     """Output state of one of a request's `n` sequences."""
 
@@ -154,6 +172,7 @@ class RequestState:
     prompt_logprobs: list[PromptLogprobs | None] | None = field(init=False, default=None)
     num_unfinished: int = field(init=False)  # sequences without a finish reason (`finished`: O(1) a step)
     prompt_logprobs_sent: bool = field(init=False, default=False)  # a `RequestDelta` carried them
+    delta_sent: bool = field(init=False, default=False)  # a first `RequestDelta` was made
 
     def __post_init__(self) -> None:
         # NOTE: a resumed request's text starts where its client's text stopped (SamplingParams.text_prefix)
@@ -238,6 +257,22 @@ class RequestState:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, not self.num_unfinished,
                              self.num_cached_tokens, self.metrics, self.prompt_logprobs)
 
+    def add_token_alone(self, request: Request, logprobs: TokenLogprobs | None) -> bool:
+        """The engine core's short path (`StepTokens`): where this request's next delta would carry
+        the engine request's newest token and nothing else (one sequence, no text, no logprobs, not
+        finished; its first delta made and nothing since that `LLMEngine._advance` would add: the
+        cached count, prompt logprobs), record it as sent and return True. False: nothing recorded."""
+        if self.n != 1 or self.detokenize or self.want_logprobs or not self.delta_sent or logprobs is not None:
+            return False
+        seq = self.sequences[0]
+        if (seq.finish_reason is not None or len(seq.token_ids) != seq.num_sent or request.status.finished
+                or request.num_cached_tokens != self.num_cached_tokens
+                or (request.prompt_logprobs is not None and not self.prompt_logprobs_sent)):
+            return False
+        self.add_token(0, request.all_token_ids[-1], None)
+        seq.num_sent += 1
+        return True
+
     def delta(self) -> RequestDelta:
         """What is new since the last delta: new tokens (and their logprobs), finish reasons not
         sent yet, the prompt's logprobs once complete. The engine core process's output: no
@@ -256,5 +291,6 @@ class RequestState:
         prompt_logprobs = None
         if self.prompt_logprobs is not None and not self.prompt_logprobs_sent:
             prompt_logprobs, self.prompt_logprobs_sent = self.prompt_logprobs, True
+        self.delta_sent = True
         return RequestDelta(self.request_id, sequences, self.num_cached_tokens, self.metrics.first_scheduled_time,
                             prompt_logprobs)
