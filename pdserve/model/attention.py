@@ -158,12 +158,17 @@ def _split_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: At
     keys = layer_cache[0].view(-1, num_kv_heads, head_dim)  # [slot, kv_head, dim]
     values = layer_cache[1].view(-1, num_kv_heads, head_dim)
     lse = torch.empty(grouped.shape[:3], dtype=torch.float32)  # the kernel returns it in float32
+    keys_by_head, values_by_head = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+    outs, lses = [], []
     for run in meta.decode_runs:
         end = run.first_slot + run.num_tokens
-        run_out, run_lse = _FLASH_CPU(grouped[run.row:run.row + 1], keys[run.first_slot:end].transpose(0, 1)[None],
-                                      values[run.first_slot:end].transpose(0, 1)[None], 0.0, False, scale=scale)
-        out[run.row] = run_out.reshape(num_heads, head_dim)
-        lse[run.row] = run_lse[0]
+        run_out, run_lse = _FLASH_CPU(grouped[run.row:run.row + 1], keys_by_head[:, :, run.first_slot:end],
+                                      values_by_head[:, :, run.first_slot:end], 0.0, False, scale=scale)
+        outs.append(run_out)
+        lses.append(run_lse)
+    rows = torch.tensor([run.row for run in meta.decode_runs])
+    out.index_copy_(0, rows, torch.cat(outs).view(-1, num_heads, head_dim))
+    lse.index_copy_(0, rows, torch.cat(lses))
     for batch in meta.decodes:
         keys_rest, values_rest = _gather(layer_cache, batch, q.dtype)
         rest_out, rest_lse = _FLASH_CPU(grouped[batch.rows], keys_rest, values_rest, 0.0, False,
