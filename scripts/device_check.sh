@@ -39,9 +39,22 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PDSERVE_CACHE_DIR=/tmp/pdserve-cache
 ck=/tmp/pdserve-ck
 
+# The whole script ends within BUDGET_S (one device call runs 600 s at most; STAGES=plan, the first
+# check, 360 s): each stage's limit is cut to what is left, less the 10 s a killed stage may take to go,
+# and a stage with under 15 s left is skipped, so the summary always prints before the call ends.
+budget=${BUDGET_S:-$([ "${STAGES:-}" = plan ] && echo 360 || echo 570)}
+deadline=$((SECONDS + budget))
+left() { echo $((deadline - SECONDS - 10)); }
+
 stage() {  # stage NAME LIMIT_S COMMAND...: its output to $out/NAME.log, its tail and status here
   local name=$1 limit=$2 start=$SECONDS rc
   shift 2
+  if (($(left) < 15)); then
+    echo "| $name | skipped: budget spent | 0 | $limit |" >>"$out/summary.md"
+    echo "=== $name: skipped, ${budget} s budget spent"
+    return 0
+  fi
+  ((limit > $(left))) && limit=$(left)
   timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
   rc=$?
   echo "| $name | $rc | $((SECONDS - start)) | $limit |" >>"$out/summary.md"
@@ -51,7 +64,8 @@ stage() {  # stage NAME LIMIT_S COMMAND...: its output to $out/NAME.log, its tai
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-python3 -m pdserve.cli make-model "$ck/qwen3-0.6b" --preset qwen3-0.6b --device cuda >/dev/null || exit 1
+timeout -k 5 "$(left)" python3 -m pdserve.cli make-model "$ck/qwen3-0.6b" --preset qwen3-0.6b --device cuda >/dev/null \
+  || exit 1
 stages=${STAGES:-review steps correct floor timings validate served}
 [ "${TIMINGS:-1}" = 1 ] || stages=correct
 stages=${stages/plan/review steps}
@@ -70,12 +84,14 @@ TAIL=8 stage steps-capture 90 python3 -m pdserve.sizing.gpu_steps capture --save
 TAIL=8 stage steps-profile 75 python3 -m pdserve.sizing.gpu_steps profile --save "$out/steps-profile.json"
 TAIL=8 stage steps-long 105 python3 -m pdserve.sizing.gpu_steps long --save "$out/steps-long.json"
 TAIL=8 stage steps-mixed 90 python3 -m pdserve.sizing.gpu_steps mixed --save "$out/steps-mixed.json"
-python3 -m pdserve.sizing.gpu_steps summary "$out"/steps-{capture,profile,long,mixed}.json >"$out/gpu_steps.md" 2>&1
+timeout -k 5 20 python3 -m pdserve.sizing.gpu_steps summary "$out"/steps-{capture,profile,long,mixed}.json \
+  >"$out/gpu_steps.md" 2>&1
 fi
 
 maker=
 if has timings || has floor; then
-  python3 -m pdserve.cli make-model "$ck/qwen3-8b" --preset qwen3-8b --device cuda >"$out/make-8b.log" 2>&1 &
+  timeout -k 5 "$(left)" python3 -m pdserve.cli make-model "$ck/qwen3-8b" --preset qwen3-8b --device cuda \
+    >"$out/make-8b.log" 2>&1 &
   maker=$!
 fi
 

@@ -103,3 +103,29 @@ def test_a_model_that_captures_fewer_graphs_than_buckets_fails_the_stage(monkeyp
                                                                           "piecewise": 1.0, "piecewise_expected": 2.0})
     monkeypatch.setitem(gpu_steps.STAGES, "capture", lambda ns, setup: [pieces_short])
     assert gpu_steps.main(["capture", "--smoke"]) == 1
+
+
+def test_device_check_ends_within_its_budget_whatever_a_stage_does(tmp_path: Path) -> None:
+    """A device call runs 600 s at most: a stage that hangs is cut to the budget left, the stages after
+    it are skipped, and the summary still prints. Stand-ins for python3 and nvidia-smi: every stage hangs."""
+    import subprocess
+    import time
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text('#!/bin/sh\ncase "$*" in *make-model*|"-c "*) exit 0;; esac\nexec sleep 300\n')
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho stand-in GPU\n")
+    for stand_in in bin_dir.iterdir():
+        stand_in.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+           "STAGES": "review", "BUDGET_S": "30"}
+    script = Path(__file__).resolve().parents[1] / "scripts" / "device_check.sh"
+    start = time.monotonic()
+    done = subprocess.run(["bash", str(script)], cwd=script.parents[1], env=env, capture_output=True, text=True,
+                          timeout=120)
+    took = time.monotonic() - start
+    assert took < 30, (took, done.stdout, done.stderr)
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "| triton-kernels-cuda | 124 |" in summary, summary
+    assert "| gpu-kernels | skipped: budget spent |" in summary, summary
+    assert "=== stages (summary.md)" in done.stdout

@@ -27,6 +27,7 @@ from typing import Any, Protocol, TypeVar
 from pdserve.config import EngineConfig
 from pdserve.engine.commands import Abort, AddRequest, Command
 from pdserve.engine.llm_engine import EngineStats, KVTransferSetup, LLMEngine
+from pdserve.engine.model_runner import bind_device
 from pdserve.engine.output import RequestOutput, RequestState
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -176,7 +177,9 @@ class AsyncLLM:
             self.engine.close()
 
     def _loop(self) -> None:
-        """The engine thread."""
+        """The engine thread. NOTE: CUDA's current device is per thread; the runner bound it on the
+        thread that built it, not on this one, where the steps launch (`bind_device`)."""
+        bind_device(self.config.device)
         try:
             while True:
                 # NOTE: blocking while idle, and while only KV reservations wait: spinning on empty

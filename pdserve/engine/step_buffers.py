@@ -126,7 +126,7 @@ class StepBuffers:
         used = self._offsets["tables"] + num_seqs * self.width
         if self._copied is not None:
             self.device_buf[:used].copy_(self.host[:used], non_blocking=True)
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(self.device))  # NOTE: not the thread's current device's
         buf = self.device_buf
         all_tables = self._region(buf, "tables", num_seqs * self.width).view(num_seqs, self.width)
         meta = PagedMetadata(
