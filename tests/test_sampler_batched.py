@@ -56,7 +56,7 @@ def test_penalties_touch_only_seen_tokens() -> None:
     request = make_request("p", [3, 3, 8], max_tokens=8, repetition_penalty=2.0, frequency_penalty=0.5)
     request.append_token(8)
     request.append_token(5)
-    out = Sampler._apply_penalties_and_masks(logits, [request])
+    out = Sampler(0, torch.device("cpu"))._apply_penalties_and_masks(logits, [request])
     seen = set(request.all_token_ids)
     counts = torch.zeros(VOCAB)
     for t in request.output_token_ids:
@@ -67,3 +67,83 @@ def test_penalties_touch_only_seen_tokens() -> None:
             value = value / 2.0 if value > 0 else value * 2.0
         value -= 0.5 * float(counts[t])
         assert abs(float(out[0, t]) - value) < 1e-6, t
+
+
+def _penalized_one_row_at_a_time(logits: torch.Tensor, requests: list, rows: list[int]) -> torch.Tensor:
+    """The sampler's penalties as they were, one row at a time from each request's whole history: the
+    reference the batched tables must equal bit for bit."""
+    logits = logits.clone()
+    for row in rows:
+        request = requests[row]
+        params = request.params
+        if params.repetition_penalty != 1.0:
+            seen = torch.zeros(logits.shape[-1], dtype=torch.bool)
+            seen[torch.tensor(request.all_token_ids, dtype=torch.long)] = True
+            values = logits[row]
+            penalized = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+            logits[row] = torch.where(seen, penalized, values)
+        if params.presence_penalty or params.frequency_penalty:
+            output = torch.tensor(request.output_token_ids, dtype=torch.long)
+            counts = torch.zeros(logits.shape[-1], dtype=logits.dtype)
+            counts.scatter_add_(0, output, torch.ones_like(output, dtype=logits.dtype))
+            logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+        if request.num_output_tokens < params.min_tokens:
+            logits[row, list(params.stop_token_ids)] = float("-inf")
+    return logits
+
+
+def test_batched_penalty_tables_equal_the_per_row_history_every_step() -> None:
+    """Requests join, leave, come back as new objects (a preemption's re-admission keeps the id), each
+    step appends a token to each: every step's penalized logits equal the per-row reference exactly,
+    while the tables only ever read the tokens added since the last step."""
+    gen = torch.Generator().manual_seed(3)
+    kinds = [{"repetition_penalty": 1.3}, {"frequency_penalty": 0.7}, {"presence_penalty": -0.4},
+             {"repetition_penalty": 0.8, "frequency_penalty": 0.2, "presence_penalty": 0.3},
+             {"min_tokens": 3, "stop_token_ids": [5, 9]}, {}]
+    pool = {f"r{i}": make_request(f"r{i}", [int(t) for t in torch.randint(0, VOCAB, (3 + i,), generator=gen)],
+                                  max_tokens=64, **kinds[i % len(kinds)]) for i in range(9)}
+    sampler = Sampler(0, torch.device("cpu"))
+    batches = [["r0", "r1", "r2", "r3"], ["r0", "r1", "r2", "r3", "r4", "r5"], ["r1", "r3", "r5", "r6"],
+               ["r0", "r3", "r7", "r8", "r6"], ["r8"], ["r5"], ["r0", "r1", "r2", "r3", "r4", "r5", "r6", "r7", "r8"]]
+    for step, names in enumerate(batches * 2):
+        if step == 9:  # r3 comes back as a new object with the same id and tokens
+            old = pool["r3"]
+            pool["r3"] = make_request("r3", old.prompt_token_ids, max_tokens=64, repetition_penalty=0.8,
+                                      frequency_penalty=0.2, presence_penalty=0.3)
+            for token in old.output_token_ids:
+                pool["r3"].append_token(token)
+        requests = [pool[name] for name in names]
+        logits = torch.randn(len(requests), VOCAB, generator=gen)
+        rows = [i for i, r in enumerate(requests) if not r.plain_greedy and (
+            r.params.needs_penalties or r.num_output_tokens < r.params.min_tokens)]
+        got = sampler._apply_penalties_and_masks(logits, requests, rows)
+        assert torch.equal(got, _penalized_one_row_at_a_time(logits, requests, rows)), step
+        assert len(sampler.penalties) == sum(r.params.needs_penalties for r in requests)
+        for request in requests:
+            request.append_token(int(torch.randint(0, VOCAB, (1,), generator=gen)))
+    assert sampler.penalties.seen.shape[0] <= 16  # rows given back are reused: the tables stay small
+
+
+def test_a_steady_step_copies_only_its_new_tokens() -> None:
+    """After a request's first step, its rows take the tokens added since (one each step here), not
+    its history: the index tensors a step builds stay as long as the batch, whatever the context."""
+    sampler = Sampler(0, torch.device("cpu"))
+    requests = [make_request(f"s{i}", 500, max_tokens=64, repetition_penalty=1.2, frequency_penalty=0.1)
+                for i in range(3)]
+    for request in requests:
+        request.prompt_token_ids[:] = request.all_token_ids[:] = [t % VOCAB for t in request.all_token_ids]
+    lengths: list[list[int]] = []
+    built = sampler.penalties._tensor
+
+    def recording(values: list[int]) -> torch.Tensor:
+        lengths[-1].append(len(values))
+        return built(values)
+
+    sampler.penalties._tensor = recording  # type: ignore[method-assign]
+    for _ in range(4):
+        lengths.append([])
+        sampler._apply_penalties_and_masks(torch.zeros(3, VOCAB), requests, [0, 1, 2])
+        for request in requests:
+            request.append_token(7)
+    assert max(lengths[0]) >= 3 * 500  # the first step marks each prompt once
+    assert all(max(step) <= 3 for step in lengths[1:]), lengths

@@ -470,3 +470,26 @@ def test_tensor_parallel_outputs_match_one_process(model_dirs: dict[str, Path], 
                 CASES[kind][2](text)
     finally:
         tp.engine.close()
+
+
+def test_the_packed_bitmask_crosses_to_the_device_not_the_expanded_mask() -> None:
+    """`MaskFiller.apply` copies the int32 bitmask (a bit a token) to the logits' device and expands it
+    there: the [rows, vocab] bools would be 32 times as many bytes. Logits on `meta` stand in for a GPU."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    copied: list[tuple[torch.dtype, tuple[int, ...]]] = []
+
+    class Copies(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("meta"):
+                copied.append((args[0].dtype, tuple(args[0].shape)))
+            return func(*args, **kwargs)
+
+    vocab, rows = 1000, 3
+    allowed = torch.rand(rows, vocab, generator=torch.Generator().manual_seed(0)) < 0.5
+    logits = torch.zeros(4, vocab, device="meta")
+    with Copies():
+        MaskFiller().apply(logits, [0, 2, 3], _bitmask(allowed))
+    assert (torch.int32, (rows, (vocab + 31) // 32)) in copied
+    assert all(dtype != torch.bool for dtype, _ in copied), copied

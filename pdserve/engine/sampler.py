@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprobs
+from pdserve.engine.penalties import PenaltyTables
 from pdserve.engine.request import Request
 from pdserve.engine.structured import MaskFiller, chunk_maxima, row_argmax
 
@@ -75,6 +76,7 @@ class Sampler:
     def __init__(self, seed: int, device: torch.device) -> None:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.masks = MaskFiller()  # structured outputs: each constrained row's grammar mask
+        self.penalties = PenaltyTables(device)  # each penalized request's seen tokens and output counts
         self._pending: tuple[list[str], Future[torch.Tensor]] | None = None  # see start_masks
 
     def start_masks(self, requests: list[Request], vocab: int) -> None:
@@ -147,35 +149,18 @@ class Sampler:
             result[row] = TokenLogprobs(tokens[row], picked[j], top)
         return result
 
-    @staticmethod
-    def _apply_penalties_and_masks(logits: torch.Tensor, requests: list[Request],
+    def _apply_penalties_and_masks(self, logits: torch.Tensor, requests: list[Request],
                                    rows: list[int] | None = None) -> torch.Tensor:
-        """`rows`: those with penalties or min_tokens not reached (`_Rows.adjusted`; None: found here)."""
+        """`rows`: those with penalties or min_tokens not reached (`_Rows.adjusted`; None: found here).
+        A copy of `logits` where any row changes (engine/penalties.py: the whole batch at once)."""
         if rows is None:
             rows = _Rows.of(requests).adjusted
         if not rows:
+            if len(self.penalties):
+                self.penalties.clear()  # NOTE: no request with penalties left in the batch
             return logits
         logits = logits.clone()
-        for row in rows:
-            request = requests[row]
-            params = request.params
-            if params.repetition_penalty != 1.0:
-                # NOTE: a mask built on the device (no host-side set/sort of the whole history)
-                seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-                seen[torch.tensor(request.all_token_ids, dtype=torch.long, device=logits.device)] = True
-                values = logits[row]
-                penalized = torch.where(values > 0, values / params.repetition_penalty,
-                                        values * params.repetition_penalty)
-                logits[row] = torch.where(seen, penalized, values)
-            if params.presence_penalty or params.frequency_penalty:
-                output = torch.tensor(request.output_token_ids, dtype=torch.long, device=logits.device)
-                # NOTE: scatter_add_, not bincount: bincount reads its input's max back to the host
-                counts = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
-                counts.scatter_add_(0, output, torch.ones_like(output, dtype=logits.dtype))
-                logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
-            if request.num_output_tokens < params.min_tokens:
-                banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(request.eos_token_ids))
-                logits[row, banned] = float("-inf")
+        self.penalties.apply(logits, requests, rows)
         return logits
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -272,7 +272,9 @@ class MaskFiller:
         sampler's logits are its own: the logprobs were taken before)."""
         if isinstance(bitmask, Future):
             bitmask = bitmask.result()
-        refused = self.refused(bitmask, logits.shape[-1]).to(logits.device, non_blocking=True)
+        # NOTE: the packed bitmask crosses to the device (a bit a token), then is expanded there: the
+        # expanded rows would be 32 times as many bytes to copy
+        refused = self.refused(bitmask.to(logits.device, non_blocking=True), logits.shape[-1])
         if len(rows) == logits.shape[0]:  # every row constrained: the rows are 0..n-1, in order
             return logits.masked_fill_(refused, float("-inf"))
         index = torch.tensor(rows, device=logits.device)
