@@ -94,3 +94,35 @@ def test_decode_tables_are_written_where_they_grew_and_always_read_back_whole() 
     with pytest.raises(ValueError, match="exceeds the step buffers"):
         step([("c", 5), ("b", 3), ("a", 13)])  # rows 0 and 1 are rewritten before the step raises
     step([("b", 3), ("c", 5), ("a", 6)])
+
+
+def test_eager_warm_up_compiles_every_split_count(model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+                                                  ) -> None:
+    """Without decode graphs (`--enforce-eager`) a decode batch splits by its own size, and each split
+    count is a kernel variant (NUM_SPLITS is a constexpr): start-up runs each once, so none compiles in
+    the middle of serving; the pool is left as it was."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton kernels on CPU need the interpreter")
+    from pdserve.model import triton_attention
+
+    llm = LLM(model=str(model_dirs["tiny"]), device="cpu", dtype="float32", num_kv_blocks=16, block_size=4,
+              max_num_seqs=6, max_model_len=64)
+    runner = llm.engine.runner
+    runner.use_paged_step(graphs=False)
+    assert runner.step_buffers is not None
+    expected = {runner.step_buffers.splits(n) for n in range(1, 7)}
+    assert len(expected) > 1
+    seen: set[int] = set()
+    launch = triton_attention.decode_attention
+
+    def recording(*args: object, num_splits: int, **kwargs: object) -> None:
+        seen.add(num_splits)
+        launch(*args, num_splits=num_splits, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(triton_attention, "decode_attention", recording)
+    runner.kv_cache.normal_()
+    before = runner.kv_cache.clone()
+    runner.warm_up_prefill()
+    assert seen == expected
+    assert torch.equal(runner.kv_cache, before)

@@ -138,11 +138,22 @@ class ModelRunner:
         """One eager mixed step before serving (a decode, a chunk over a cached prefix, a fresh
         prompt), so the first such step served does not stall on the Triton JIT (the prefix kernel
         and the eager decode path compile here, as the decode buckets do at capture). It writes no
-        KV (every slot is PAD_SLOT) and reads block 0 only."""
+        KV (every slot is PAD_SLOT) and reads block 0 only. Without decode graphs (`--enforce-eager`),
+        a decode batch splits by its own size, and each split count is a kernel variant of its own:
+        one decode step of each count's smallest batch compiles them all here too."""
         plan = StepPlan(token_ids=[0] * 5, positions=[0, 1, 2, 0, 1], slots=[PAD_SLOT] * 5, decode_rows=[0],
                         decode_tables=[[0]], decode_lens=[1],
                         prefills=[PlannedPrefill(1, 3, 3, [0]), PlannedPrefill(3, 5, 2, [0])])
         ModelRunner.run(self, plan)
+        if self.decode_graphs is not None or self.step_buffers is None:
+            return
+        warmed = {self.step_buffers.splits(1)}
+        for n in range(2, self.config.scheduler.max_num_seqs + 1):
+            if self.step_buffers.splits(n) not in warmed:
+                warmed.add(self.step_buffers.splits(n))
+                decodes = StepPlan(token_ids=[0] * n, positions=[0] * n, slots=[PAD_SLOT] * n,
+                                   decode_rows=list(range(n)), decode_tables=[[0]] * n, decode_lens=[1] * n)
+                ModelRunner.run(self, decodes)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, layer_done: Callable[[int], None] | None = None) -> StepSamples:
