@@ -18,11 +18,20 @@ from triton.compiler import ASTSource  # noqa: E402
 from pdserve.model import triton_attention as ta  # noqa: E402
 from pdserve.model import triton_fused as tf  # noqa: E402
 
+# Strides that are multiples of 16 elements at the engine's shapes (Qwen3-8B: heads x 128, kv heads x 128,
+# the pool's k|v stride); a launch marks them, and every 16-byte aligned pointer, `tt.divisibility` 16, and
+# compiles the variant that vectorizes on them: so does this check. NOT the block tables' row stride (a
+# multiple of 4) nor a store's k/v head strides (a prefill's k and v are views of the fused QKV output).
+_DIVISIBLE = {"stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kv", "stride_slot", "stride_head",
+              "stride_x", "stride_r", "stride_o", "stride_s"}
+
 
 def compile_for_hopper(fn: Any, signature: dict[str, str], constants: dict[str, Any]) -> None:
+    divisible = [name for name, kind in signature.items() if kind.startswith("*") or name in _DIVISIBLE]
     signature = {**signature, **dict.fromkeys(constants, "constexpr")}
     source = ASTSource(fn=fn, signature=signature,
-                       constexprs={(fn.arg_names.index(name),): value for name, value in constants.items()})
+                       constexprs={(fn.arg_names.index(name),): value for name, value in constants.items()},
+                       attrs={(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible})
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     print(f"{fn.__name__} {constants.get('PRECISION', '')} shared {kernel.metadata.shared} bytes")
 
