@@ -280,9 +280,8 @@ def _cuda_kv_budget(args: EngineArgs, model: Qwen3ModelConfig, dtype: torch.dtyp
     moe = model.moe
     i = model.intermediate_size if moe is None else moe.num_experts_per_tok * moe.moe_intermediate_size
     qkv = (model.num_attention_heads + 2 * model.num_key_value_heads) * model.head_dim
-    embeddings = v * h * (1 if model.tie_word_embeddings else 2)
     # NOTE: float weights, also for FP8 checkpoints (dequantized at load); every expert of a MoE
-    weights = (model.num_hidden_layers * (4 * h * h + qkv * h) + model.num_mlp_params + embeddings) * element
+    weights = model.num_params * element
     # NOTE: logits are float32 [rows, vocab], each with a float copy and a log-softmax beside it: the
     # sampled rows (max_num_seqs), and a step of prompt logprobs has one row per prompt token in it
     logits = (args.max_num_seqs + max_batched_tokens) * v * 4 * 3

@@ -279,3 +279,22 @@ def test_gpu_kv_budget_counts_prompt_logprob_logits(monkeypatch: pytest.MonkeyPa
     small = _cuda_kv_budget(args, model, torch.float32, torch.device("cuda"), 256)
     large = _cuda_kv_budget(args, model, torch.float32, torch.device("cuda"), 8192)
     assert small - large >= (8192 - 256) * model.vocab_size * 4 * 3
+
+
+def test_gpu_kv_budget_counts_the_weights_the_model_has() -> None:
+    """Qwen3-8B in bfloat16 on an 80 GiB device: the KV pool gets what is left after its 8.2 B weights
+    (transformers' count, `num_params`) and a small step's activations, no less: attention's o
+    projection counted as 4 h x h a layer took 3.6 GB more than the weights are."""
+    import torch
+
+    from pdserve.config import _cuda_kv_budget
+    from pdserve.model.demo_checkpoint import QWEN3_SHAPES, ModelVariant
+
+    model = QWEN3_SHAPES["qwen3-8b"].config(ModelVariant(dtype=torch.bfloat16))
+    total = 80 * 2**30
+    args = EngineArgs(gpu_memory_utilization=0.9, max_num_seqs=1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "mem_get_info", lambda device: (total, total))
+        budget = _cuda_kv_budget(args, model, torch.bfloat16, torch.device("cuda"), 256)
+    left = int(total * 0.9) - model.num_params * 2
+    assert left - 2**29 <= budget <= left, (left - budget) / 2**30
