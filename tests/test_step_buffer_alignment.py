@@ -126,3 +126,19 @@ def test_eager_warm_up_compiles_every_split_count(model_dirs: dict[str, Path], m
     runner.warm_up_prefill()
     assert seen == expected
     assert torch.equal(runner.kv_cache, before)
+
+
+def test_the_warm_up_runs_through_the_runners_own_run() -> None:
+    """Tensor parallelism: `TPModelRunner.run` sends each plan to every rank before running it on
+    rank 0, so a warm-up through `self.run` (start_tensor_parallel, once every rank is up) compiles
+    the kernels on every rank together; a direct `ModelRunner.run` would run rank 0's collectives alone."""
+    from types import SimpleNamespace
+
+    from pdserve.engine.model_runner import ModelRunner
+
+    plans: list[int] = []
+    runner = SimpleNamespace(decode_graphs=None, step_buffers=SimpleNamespace(splits=lambda n: 4 if n < 3 else 1),
+                             config=SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=8)),
+                             run=lambda plan: plans.append(len(plan.decode_rows)))
+    ModelRunner.warm_up_prefill(runner)  # type: ignore[arg-type]
+    assert plans == [1, 3]  # the mixed step (one decode), then the smallest batch of the other split count

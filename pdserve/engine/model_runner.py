@@ -106,7 +106,7 @@ class ModelRunner:
                 with torch.inference_mode():
                     self.decode_graphs.capture(pool)
                     self.piecewise_graphs.capture(pool)
-            if config.tensor_parallel_size == 1:  # NOTE: TP ranks would each run collectives alone here
+            if config.tensor_parallel_size == 1:  # NOTE: TP: once every rank is up (start_tensor_parallel)
                 self.warm_up_prefill()
 
     def use_paged_step(self, graphs: bool) -> None:
@@ -144,7 +144,7 @@ class ModelRunner:
         plan = StepPlan(token_ids=[0] * 5, positions=[0, 1, 2, 0, 1], slots=[PAD_SLOT] * 5, decode_rows=[0],
                         decode_tables=[[0]], decode_lens=[1],
                         prefills=[PlannedPrefill(1, 3, 3, [0]), PlannedPrefill(3, 5, 2, [0])])
-        ModelRunner.run(self, plan)
+        self.run(plan)  # NOTE: under tensor parallelism, on every rank (TPModelRunner.run sends the plan)
         if self.decode_graphs is not None or self.step_buffers is None:
             return
         warmed = {self.step_buffers.splits(1)}
@@ -153,7 +153,7 @@ class ModelRunner:
                 warmed.add(self.step_buffers.splits(n))
                 decodes = StepPlan(token_ids=[0] * n, positions=[0] * n, slots=[PAD_SLOT] * n,
                                    decode_rows=list(range(n)), decode_tables=[[0]] * n, decode_lens=[1] * n)
-                ModelRunner.run(self, decodes)
+                self.run(decodes)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, layer_done: Callable[[int], None] | None = None) -> StepSamples:

@@ -381,6 +381,8 @@ def start_tensor_parallel(config: EngineConfig) -> TPModelRunner:
         assert isinstance(runner, TPModelRunner)
         runner.attach_ranks(processes, conns, group, store)
         _wait_for(processes, conns, "ready")
+        if runner.step_buffers is not None:  # the Triton backend: its kernels compile now, on every rank
+            runner.warm_up_prefill()
         logger.info("tensor parallel: %d ranks (rank 0: pid %d; others: %s), %s", size, os.getpid(),
                     ", ".join(str(p.pid) for p in processes),
                     "nccl" if not cpu else "gloo" if collective_path is None else "shared memory (gloo for large)")
