@@ -3,9 +3,11 @@ or per prompt token); these tests hold their values to a per-row reference."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import make_request
 
+from pdserve.bench.penalties import penalize_one_row_at_a_time
 from pdserve.engine.sampler import Sampler, prompt_logprobs
 
 VOCAB = 97
@@ -69,29 +71,6 @@ def test_penalties_touch_only_seen_tokens() -> None:
         assert abs(float(out[0, t]) - value) < 1e-6, t
 
 
-def _penalized_one_row_at_a_time(logits: torch.Tensor, requests: list, rows: list[int]) -> torch.Tensor:
-    """The sampler's penalties as they were, one row at a time from each request's whole history: the
-    reference the batched tables must equal bit for bit."""
-    logits = logits.clone()
-    for row in rows:
-        request = requests[row]
-        params = request.params
-        if params.repetition_penalty != 1.0:
-            seen = torch.zeros(logits.shape[-1], dtype=torch.bool)
-            seen[torch.tensor(request.all_token_ids, dtype=torch.long)] = True
-            values = logits[row]
-            penalized = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
-            logits[row] = torch.where(seen, penalized, values)
-        if params.presence_penalty or params.frequency_penalty:
-            output = torch.tensor(request.output_token_ids, dtype=torch.long)
-            counts = torch.zeros(logits.shape[-1], dtype=logits.dtype)
-            counts.scatter_add_(0, output, torch.ones_like(output, dtype=logits.dtype))
-            logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
-        if request.num_output_tokens < params.min_tokens:
-            logits[row, list(params.stop_token_ids)] = float("-inf")
-    return logits
-
-
 def test_batched_penalty_tables_equal_the_per_row_history_every_step() -> None:
     """Requests join, leave, come back as new objects (a preemption's re-admission keeps the id), each
     step appends a token to each: every step's penalized logits equal the per-row reference exactly,
@@ -117,7 +96,7 @@ def test_batched_penalty_tables_equal_the_per_row_history_every_step() -> None:
         rows = [i for i, r in enumerate(requests) if not r.plain_greedy and (
             r.params.needs_penalties or r.num_output_tokens < r.params.min_tokens)]
         got = sampler._apply_penalties_and_masks(logits, requests, rows)
-        assert torch.equal(got, _penalized_one_row_at_a_time(logits, requests, rows)), step
+        assert torch.equal(got, penalize_one_row_at_a_time(logits, requests, rows)), step
         assert len(sampler.penalties) == sum(r.params.needs_penalties for r in requests)
         for request in requests:
             request.append_token(int(torch.randint(0, VOCAB, (1,), generator=gen)))
@@ -147,3 +126,12 @@ def test_a_steady_step_copies_only_its_new_tokens() -> None:
             request.append_token(7)
     assert max(lengths[0]) >= 3 * 500  # the first step marks each prompt once
     assert all(max(step) <= 3 for step in lengths[1:]), lengths
+
+
+def test_the_penalties_bench_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """`python -m pdserve.bench.penalties` at a tiny shape: both ways timed, their ratio printed."""
+    from pdserve.bench import penalties
+
+    penalties.main(["--shapes", "2x16", "--steps", "2"])
+    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2x16")]
+    assert len(row) == 1 and float(row[0].split("|")[4]) > 0, row
