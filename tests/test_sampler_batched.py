@@ -71,7 +71,8 @@ def test_penalties_touch_only_seen_tokens() -> None:
         assert abs(float(out[0, t]) - value) < 1e-6, t
 
 
-def test_batched_penalty_tables_equal_the_per_row_history_every_step() -> None:
+@pytest.mark.parametrize("batched", [False, True], ids=["row by row (CPU)", "every row at once (GPU)"])
+def test_batched_penalty_tables_equal_the_per_row_history_every_step(batched: bool) -> None:
     """Requests join, leave, come back as new objects (a preemption's re-admission keeps the id), each
     step appends a token to each: every step's penalized logits equal the per-row reference exactly,
     while the tables only ever read the tokens added since the last step."""
@@ -82,6 +83,7 @@ def test_batched_penalty_tables_equal_the_per_row_history_every_step() -> None:
     pool = {f"r{i}": make_request(f"r{i}", [int(t) for t in torch.randint(0, VOCAB, (3 + i,), generator=gen)],
                                   max_tokens=64, **kinds[i % len(kinds)]) for i in range(9)}
     sampler = Sampler(0, torch.device("cpu"))
+    sampler.penalties.batched = batched
     batches = [["r0", "r1", "r2", "r3"], ["r0", "r1", "r2", "r3", "r4", "r5"], ["r1", "r3", "r5", "r6"],
                ["r0", "r3", "r7", "r8", "r6"], ["r8"], ["r5"], ["r0", "r1", "r2", "r3", "r4", "r5", "r6", "r7", "r8"]]
     for step, names in enumerate(batches * 2):

@@ -3,9 +3,10 @@ steps (engine/penalties.py), and every row penalized from its whole history as t
 before (`penalize_one_row_at_a_time`, kept here as the reference its tests hold the tables to).
 
 Every request of a batch asks for repetition, frequency and presence penalties, at a real
-vocabulary's width (151,936), sampled at temperature 1. Each shape (requests x context) starts from
-prompts of that length; the median of `--steps` sampler calls is printed, each after one more token
-was appended to every request (a decode step's sampling, the model left out).
+vocabulary's width (151,936), greedy (sampling's own draws would dominate the time). Each shape
+(requests x context) starts from prompts of that length; the median of `--steps` sampler calls is
+printed, each after one more token was appended to every request (a decode step's sampling, the
+model left out).
 
     python -m pdserve.bench.penalties [--shapes 8x2048,64x2048,64x256] [--steps 10]
 """
@@ -60,7 +61,7 @@ def measure(sampler: Sampler, num_requests: int, context_len: int, num_steps: in
     """Median ms of one `sampler` call over `num_requests` penalized requests at `context_len`."""
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=num_steps + 4, repetition_penalty=1.1, frequency_penalty=0.2,
-                            presence_penalty=0.1)
+                            presence_penalty=0.1, temperature=0.0)
     requests = [Request(f"r{i}", torch.randint(0, _VOCAB, (context_len,), generator=gen).tolist(), params,
                         ModelContext((), context_len + num_steps + 8)) for i in range(num_requests)]
     logits = torch.randn(num_requests, _VOCAB, generator=gen)
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(2)
     print(hardware_line())
     print(f"workload: repetition 1.1, frequency 0.2, presence 0.1 penalties on every request, vocabulary {_VOCAB}, "
-          f"temperature 1; median of {args.steps} sampler calls, a token appended to each request between calls")
+          f"greedy; median of {args.steps} sampler calls, a token appended to each request between calls")
     rows = []
     for shape in args.shapes.split(","):
         num_requests, context_len = (int(n) for n in shape.split("x"))
