@@ -43,8 +43,9 @@ ck=/tmp/pdserve-ck
 # check, 360 s): each stage's limit is cut to what is left, less the 10 s a killed stage may take to go,
 # and a stage with under 15 s left is skipped, so the summary always prints before the call ends.
 budget=${BUDGET_S:-$([ "${STAGES:-}" = plan ] && echo 360 || echo 570)}
-deadline=$((SECONDS + budget))
-left() { echo $((deadline - SECONDS - 10)); }
+deadline=$budget  # NOTE: SECONDS counts from the script's start: the wheels' install above is in it
+# what is left, less the 10 s a killed command may take; never 0 (`timeout 0` is no limit at all)
+left() { local l=$((deadline - SECONDS - 10)); echo $((l > 1 ? l : 1)); }
 
 stage() {  # stage NAME LIMIT_S COMMAND...: its output to $out/NAME.log, its tail and status here
   local name=$1 limit=$2 start=$SECONDS rc
@@ -84,12 +85,14 @@ TAIL=8 stage steps-capture 90 python3 -m pdserve.sizing.gpu_steps capture --save
 TAIL=8 stage steps-profile 75 python3 -m pdserve.sizing.gpu_steps profile --save "$out/steps-profile.json"
 TAIL=8 stage steps-long 105 python3 -m pdserve.sizing.gpu_steps long --save "$out/steps-long.json"
 TAIL=8 stage steps-mixed 90 python3 -m pdserve.sizing.gpu_steps mixed --save "$out/steps-mixed.json"
-timeout -k 5 20 python3 -m pdserve.sizing.gpu_steps summary "$out"/steps-{capture,profile,long,mixed}.json \
+summary_s=$(left)
+((summary_s > 20)) && summary_s=20
+timeout -k 5 "$summary_s" python3 -m pdserve.sizing.gpu_steps summary "$out"/steps-{capture,profile,long,mixed}.json \
   >"$out/gpu_steps.md" 2>&1
 fi
 
 maker=
-if has timings || has floor; then
+if (has timings || has floor) && (($(left) >= 15)); then
   timeout -k 5 "$(left)" python3 -m pdserve.cli make-model "$ck/qwen3-8b" --preset qwen3-8b --device cuda \
     >"$out/make-8b.log" 2>&1 &
   maker=$!

@@ -137,3 +137,22 @@ def test_the_penalties_bench_runs(capsys: pytest.CaptureFixture[str]) -> None:
     penalties.main(["--shapes", "2x16", "--steps", "2"])
     row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2x16")]
     assert len(row) == 1 and float(row[0].split("|")[4]) > 0, row
+
+
+def test_a_finished_request_is_not_kept_alive_by_its_penalty_row() -> None:
+    """A row outlives its request until the next step that samples with penalties: it holds the
+    request weakly (not its tokens, matcher, generator); `clear` frees the tables' memory too."""
+    import gc
+    import weakref
+
+    sampler = Sampler(0, torch.device("cpu"))
+    request = make_request("gone", [1, 2, 3], max_tokens=8, repetition_penalty=1.5)
+    sampler._apply_penalties_and_masks(torch.zeros(1, VOCAB), [request], [0])
+    held = weakref.ref(request)
+    del request
+    gc.collect()
+    assert held() is None
+    storage = sampler.penalties.seen.untyped_storage()
+    sampler.penalties.clear()
+    assert sampler.penalties.seen.untyped_storage().nbytes() == 0 and storage.nbytes() > 0
+    assert sampler.penalties.seen.untyped_storage().data_ptr() != storage.data_ptr()

@@ -179,8 +179,8 @@ class AsyncLLM:
     def _loop(self) -> None:
         """The engine thread. NOTE: CUDA's current device is per thread; the runner bound it on the
         thread that built it, not on this one, where the steps launch (`bind_device`)."""
-        bind_device(self.config.device)
         try:
+            bind_device(self.config.device)
             while True:
                 # NOTE: blocking while idle, and while only KV reservations wait: spinning on empty
                 # steps would hold the GIL against the event loop and the KV transport's thread.

@@ -17,6 +17,7 @@ The tables grow by doubling, up to the rows penalized together (each 5 bytes a v
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,9 @@ _MIN_ROWS = 8
 
 @dataclass(slots=True)
 class _Row:
-    request: Request  # the request this row counts (identity: a request id may come back as a new object)
+    # the request this row counts (identity: a request id may come back as a new object); weak: a row
+    # left behind by a finished request must not keep it, its tokens, matcher and generator alive
+    request: weakref.ref[Request]
     index: int
     num_seen: int  # tokens of `all_token_ids` marked in `seen`
     num_counted: int  # output tokens added to `counts`
@@ -46,10 +49,11 @@ class PenaltyTables:
         return len(self._rows)
 
     def clear(self) -> None:
-        """Give every row back and the tables' memory with them."""
+        """Give every row back and the tables' memory with them (new empty tensors: a view of the old
+        ones would keep their storage)."""
         self._rows.clear()
-        self.seen = self.seen[:0, :0]
-        self.counts = self.counts[:0, :0]
+        self.seen = torch.zeros(0, 0, dtype=torch.bool, device=self.device)
+        self.counts = torch.zeros(0, 0, dtype=torch.float32, device=self.device)
 
     def apply(self, logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
         """Penalize `logits` (a row per request, written in place) at `rows`: those with penalties or
@@ -93,8 +97,9 @@ class PenaltyTables:
             request = requests[row]
             token_ids = request.all_token_ids
             entry = self._rows.get(request.request_id)
-            if entry is None or entry.request is not request or entry.num_seen > len(token_ids):
-                entry = self._rows[request.request_id] = _Row(request, next(free), 0, 0)
+            if (entry is None or entry.request() is not request or entry.num_seen > len(token_ids)
+                    or entry.num_counted > request.num_output_tokens):  # NOTE: never so today: tokens only grow
+                entry = self._rows[request.request_id] = _Row(weakref.ref(request), next(free), 0, 0)
                 fresh.append(entry.index)
             params, index = request.params, entry.index
             indices.append(index)
@@ -116,7 +121,8 @@ class PenaltyTables:
             self.seen[self._tensor(seen_rows), self._tensor(seen_tokens)] = True
         if count_tokens:
             at = (self._tensor(count_rows), self._tensor(count_tokens))
-            self.counts.index_put_(at, torch.ones(len(count_tokens), device=self.device), accumulate=True)
+            self.counts.index_put_(at, torch.ones(len(count_tokens), dtype=torch.float32, device=self.device),
+                                   accumulate=True)
         return indices
 
     def _grow(self, num_rows: int) -> None:
@@ -136,7 +142,8 @@ class PenaltyTables:
         """Off CPU every penalized row at once; on CPU row by row, in place on views of the logits and
         tables (a row stays in cache; gathering the rows copies them all, twice, and was slower than
         building each row's mask from its history). The same arithmetic either way (float32 factors,
-        as a Python float's are cast)."""
+        as a Python float's are cast). NOTE: bit for bit on CPU; CUDA multiplies by a Python scalar
+        divisor's reciprocal, and divides by a tensor, so there the last bit may differ."""
         if not (self.batched if self.batched is not None else logits.device.type != "cpu"):
             for row, index in zip(penalized, indices, strict=True):
                 wanted, values = requests[row].params, logits[row]
@@ -152,18 +159,21 @@ class PenaltyTables:
         repeated = [j for j, p in enumerate(params) if p.repetition_penalty != 1.0]
         if repeated:
             rows = self._tensor([penalized[j] for j in repeated])
-            factor = torch.tensor([params[j].repetition_penalty for j in repeated], dtype=logits.dtype,
-                                  device=self.device)[:, None]
+            factor = self._floats([params[j].repetition_penalty for j in repeated])[:, None]
             values = logits[rows]
             adjusted = torch.where(values > 0, values / factor, values * factor)
             logits[rows] = torch.where(self.seen[self._tensor([indices[j] for j in repeated])], adjusted, values)
         counted = [j for j, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
         if counted:
             rows = self._tensor([penalized[j] for j in counted])
-            counts = self.counts[self._tensor([indices[j] for j in counted])].to(logits.dtype)
-            frequency, presence = (torch.tensor(v, dtype=logits.dtype, device=self.device)[:, None] for v in (
+            counts = self.counts[self._tensor([indices[j] for j in counted])]
+            frequency, presence = (self._floats(v)[:, None] for v in (
                 [params[j].frequency_penalty for j in counted], [params[j].presence_penalty for j in counted]))
             logits[rows] = logits[rows] - (frequency * counts + presence * (counts > 0))
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+    def _floats(self, values: list[float]) -> torch.Tensor:
+        """float32, as a Python float is cast in the per-row arithmetic (then rounded once to the logits')."""
+        return torch.tensor(values, dtype=torch.float32).to(self.device, non_blocking=True)

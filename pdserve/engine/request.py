@@ -51,7 +51,8 @@ class Request:
                  "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes", "swapped_block_ids",
                  "status", "stop_reason", "generator", "pending_draws", "arrival_time", "first_scheduled_time",
                  "num_preemptions", "hold_blocks", "disk_checked", "prompt_logprobs", "matcher",
-                 "num_indexed_blocks", "hash_root", "plain_greedy")
+                 "num_indexed_blocks", "hash_root", "plain_greedy",
+                 "__weakref__")  # NOTE: the sampler's penalty rows (engine/penalties.py) must not keep one alive
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  model: ModelContext, arrival_time: float | None = None,

@@ -256,7 +256,9 @@ class MaskFiller:
         """[rows, vocab] bools, True where the bitmask row does not allow the token: one table
         lookup (a byte of the bitmask -> the 8 bools of its tokens, as one int64)."""
         # NOTE: little-endian words: byte j of word w holds the bits of tokens 32w + 8j ... + 7
-        table = self._refused.to(bitmask.device)
+        if self._refused.device != bitmask.device:  # NOTE: moved once, not copied to the device every step
+            self._refused = self._refused.to(bitmask.device)
+        table = self._refused
         refused = table.index_select(0, bitmask.contiguous().view(torch.uint8).view(-1).int())
         return refused.view(torch.bool).view(bitmask.shape[0], -1)[:, :vocab]
 
