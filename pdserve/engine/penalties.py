@@ -4,7 +4,8 @@ state kept across steps.
 Each request with penalties holds a row of two tables on the sampler's device: `seen` (bool: every
 token of its prompt and output, for the repetition penalty) and `counts` (float32: its output tokens,
 for frequency and presence). A step adds only the tokens appended since the row was last brought up to
-date, every row's in one indexed write, then penalizes every row at once:
+date, every row's in one indexed write, then penalizes the rows (on a GPU all at once, on CPU one by
+one on views, `_penalize`):
 
     step t    request a: row 0, tokens [p p p o1]     seen[0, p|o1] = True, counts[0, o1] += 1
     step t+1  request a: row 0, tokens [... o1 o2]    seen[0, o2] = True,   counts[0, o2] += 1  (o2 only)
