@@ -152,7 +152,7 @@ class Sampler:
     def _apply_penalties_and_masks(self, logits: torch.Tensor, requests: list[Request],
                                    rows: list[int] | None = None) -> torch.Tensor:
         """`rows`: those with penalties or min_tokens not reached (`_Rows.adjusted`; None: found here).
-        A copy of `logits` where any row changes (engine/penalties.py: the whole batch at once)."""
+        A copy of `logits` where any row changes (engine/penalties.py)."""
         if rows is None:
             rows = _Rows.of(requests).adjusted
         if not rows:
