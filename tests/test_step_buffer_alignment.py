@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pdserve import LLM
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.step_buffers import StepBuffers
 from pdserve.engine.step_plan import PlannedPrefill, StepPlan
 
@@ -48,16 +49,22 @@ def test_every_view_is_16_byte_aligned_whatever_the_step() -> None:
             assert meta.decode_tables.stride(0) % 4 == 0
 
 
-def test_prefill_warm_up_writes_no_kv(model_dirs: dict[str, Path]) -> None:
-    """The start-up warm-up of the prefill kernels (CUDA: before serving) runs a mixed step on the
-    Triton path that leaves the pool as it was."""
+def _paged_runner(model_dirs: dict[str, Path], graphs: bool, max_num_seqs: int) -> ModelRunner:
+    """The tiny model's runner on the Triton path (the kernels in Triton's interpreter), float32."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton kernels on CPU need the interpreter")
     llm = LLM(model=str(model_dirs["tiny"]), device="cpu", dtype="float32", num_kv_blocks=16, block_size=4,
-              max_num_seqs=4, max_model_len=64)
+              max_num_seqs=max_num_seqs, max_model_len=64)
     runner = llm.engine.runner
-    runner.use_paged_step(graphs=True)
+    runner.use_paged_step(graphs=graphs)
+    return runner
+
+
+def test_prefill_warm_up_writes_no_kv(model_dirs: dict[str, Path]) -> None:
+    """The start-up warm-up of the prefill kernels (CUDA: before serving) runs a mixed step on the
+    Triton path that leaves the pool as it was."""
+    runner = _paged_runner(model_dirs, graphs=True, max_num_seqs=4)
     runner.kv_cache.normal_()
     before = runner.kv_cache.clone()
     runner.warm_up_prefill()
@@ -101,15 +108,9 @@ def test_eager_warm_up_compiles_every_split_count(model_dirs: dict[str, Path], m
     """Without decode graphs (`--enforce-eager`) a decode batch splits by its own size, and each split
     count is a kernel variant (NUM_SPLITS is a constexpr): start-up runs each once, so none compiles in
     the middle of serving; the pool is left as it was."""
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton kernels on CPU need the interpreter")
+    runner = _paged_runner(model_dirs, graphs=False, max_num_seqs=6)
     from pdserve.model import triton_attention
 
-    llm = LLM(model=str(model_dirs["tiny"]), device="cpu", dtype="float32", num_kv_blocks=16, block_size=4,
-              max_num_seqs=6, max_model_len=64)
-    runner = llm.engine.runner
-    runner.use_paged_step(graphs=False)
     assert runner.step_buffers is not None
     expected = {runner.step_buffers.splits(n) for n in range(1, 7)}
     assert len(expected) > 1
@@ -133,8 +134,6 @@ def test_the_warm_up_runs_through_the_runners_own_run() -> None:
     rank 0, so a warm-up through `self.run` (start_tensor_parallel, once every rank is up) compiles
     the kernels on every rank together; a direct `ModelRunner.run` would run rank 0's collectives alone."""
     from types import SimpleNamespace
-
-    from pdserve.engine.model_runner import ModelRunner
 
     plans: list[int] = []
     runner = SimpleNamespace(decode_graphs=None, step_buffers=SimpleNamespace(splits=lambda n: 4 if n < 3 else 1),

@@ -149,8 +149,9 @@ class ModelRunner:
             return
         warmed = {self.step_buffers.splits(1)}
         for n in range(2, self.config.scheduler.max_num_seqs + 1):
-            if self.step_buffers.splits(n) not in warmed:
-                warmed.add(self.step_buffers.splits(n))
+            splits = self.step_buffers.splits(n)
+            if splits not in warmed:
+                warmed.add(splits)
                 decodes = StepPlan(token_ids=[0] * n, positions=[0] * n, slots=[PAD_SLOT] * n,
                                    decode_rows=list(range(n)), decode_tables=[[0]] * n, decode_lens=[1] * n)
                 self.run(decodes)
