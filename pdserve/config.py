@@ -244,6 +244,9 @@ def kv_bytes_per_block(model: Qwen3ModelConfig, block_size: int, dtype: torch.dt
 
 _DEFAULT_CPU_KV_BYTES = 2 * 1024**3
 _DEFAULT_MAX_BATCHED_TOKENS = 2048
+# prompt-logprobs rows whose [rows, vocab] logits exist at once: a step's prompt tokens beyond it
+# are computed in chunks (engine/model_runner.py), so a long prompt's logits never take the device
+PROMPT_LOGITS_ROWS = 512
 
 
 def _device(name: str) -> torch.device:
@@ -283,8 +286,9 @@ def _cuda_kv_budget(args: EngineArgs, model: Qwen3ModelConfig, dtype: torch.dtyp
     # NOTE: float weights, also for FP8 checkpoints (dequantized at load); every expert of a MoE
     weights = model.num_params * element
     # NOTE: logits are float32 [rows, vocab], each with a float copy and a log-softmax beside it: the
-    # sampled rows (max_num_seqs), and a step of prompt logprobs has one row per prompt token in it
-    logits = (args.max_num_seqs + max_batched_tokens) * v * 4 * 3
+    # sampled rows (max_num_seqs), and a step of prompt logprobs one row per prompt token in it, at
+    # most PROMPT_LOGITS_ROWS at once
+    logits = (args.max_num_seqs + min(max_batched_tokens, PROMPT_LOGITS_ROWS)) * v * 4 * 3
     activations = max_batched_tokens * (4 * h + 2 * i + qkv) * element * 2 + logits
     free, total = torch.cuda.mem_get_info(device)
     return int(min(total * args.gpu_memory_utilization, free) - weights - activations)

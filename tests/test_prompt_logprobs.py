@@ -53,6 +53,39 @@ def test_prompt_logprobs_match_transformers_across_chunks_and_cached_prefix(
     assert_no_leak(llm)
 
 
+def test_a_long_prompts_logits_are_computed_a_chunk_at_a_time(llm_factory: Callable[..., LLM],
+                                                              hf_reference: HFReference,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step holds the logits ([rows, vocab] float32) of at most `prompt_logits_rows` prompt rows
+    (what the GPU budget reserves: config.PROMPT_LOGITS_ROWS), not one row per prompt token: the
+    40-token prompt in one step, 7 rows a chunk, gives transformers' prompt logprobs and the same
+    tokens as in one LM-head call, and no call had more than 7 rows."""
+    llm = llm_factory("tiny", max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=TOP)
+    whole = llm.generate(token_prompts([PROMPT]), params)[0]
+    runner = llm.engine.runner
+    compute, rows = runner.model.compute_logits, []
+
+    def counted(hidden: Any) -> Any:
+        rows.append(hidden.shape[0])
+        return compute(hidden)
+
+    monkeypatch.setattr(runner.model, "compute_logits", counted)
+    monkeypatch.setattr(runner, "prompt_logits_rows", 7)
+    chunked = llm.generate(token_prompts([PROMPT]), params)[0]
+    assert rows == [1, 7, 7, 7, 7, 7, 4, 1, 1]  # the sampled row alone, the 39 prompt rows by 7, 2 decodes
+    assert chunked.outputs[0].token_ids == whole.outputs[0].token_ids
+    reference = hf_reference.logprobs("tiny", PROMPT)
+    assert chunked.prompt_logprobs is not None and whole.prompt_logprobs is not None
+    for position, (entry, one_call) in enumerate(zip(chunked.prompt_logprobs[1:], whole.prompt_logprobs[1:],
+                                                     strict=True), start=1):
+        assert entry is not None and one_call is not None
+        assert (entry.token_id, entry.rank, [t for t, _ in entry.top]) == (
+            one_call.token_id, one_call.rank, [t for t, _ in one_call.top])
+        assert abs(entry.logprob - float(reference[position - 1][PROMPT[position]])) < 1e-4
+    assert_no_leak(llm)
+
+
 @pytest.fixture(scope="module")
 def server(model_dirs: dict[str, Path]) -> Iterator[ServerHandle]:
     handle = start_server(model_dirs["tiny"], MODEL, dtype="float32", num_kv_blocks=256)

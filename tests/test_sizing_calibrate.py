@@ -266,19 +266,24 @@ def test_calibrate_ends_with_a_served_pd_run_whose_fits_reach_the_profile(tmp_pa
 
 
 def test_gpu_kv_budget_counts_prompt_logprob_logits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step of prompt logprobs holds float32 [prompt tokens, vocab] logits, a float copy and their
-    log-softmax: each more batched token takes that much more from the KV pool than its activations."""
+    """A step of prompt logprobs holds float32 [rows, vocab] logits, a float copy and their
+    log-softmax, for at most PROMPT_LOGITS_ROWS prompt rows at once (the runner computes more in
+    chunks): up to that many batched tokens, each takes that much from the KV pool besides its
+    activations; past it, only its activations (at 8,192 batched tokens and Qwen3's vocabulary:
+    ~14 GiB of logits reserved before, ~0.9 GiB now)."""
     import torch
 
-    from pdserve.config import _cuda_kv_budget
+    from pdserve.config import PROMPT_LOGITS_ROWS, _cuda_kv_budget
     from pdserve.model.demo_checkpoint import PRESETS, ModelVariant
 
     model = PRESETS["tiny"].config(ModelVariant(dtype=torch.float32))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (80 * 2**30, 80 * 2**30))
     args = EngineArgs(gpu_memory_utilization=0.9)
-    small = _cuda_kv_budget(args, model, torch.float32, torch.device("cuda"), 256)
-    large = _cuda_kv_budget(args, model, torch.float32, torch.device("cuda"), 8192)
-    assert small - large >= (8192 - 256) * model.vocab_size * 4 * 3
+    row = model.vocab_size * 4 * 3
+    budget = {n: _cuda_kv_budget(args, model, torch.float32, torch.device("cuda"), n)
+              for n in (256, PROMPT_LOGITS_ROWS, 8192)}
+    assert budget[256] - budget[PROMPT_LOGITS_ROWS] >= (PROMPT_LOGITS_ROWS - 256) * row
+    assert budget[PROMPT_LOGITS_ROWS] - budget[8192] < (8192 - PROMPT_LOGITS_ROWS) * row / 100
 
 
 def test_gpu_kv_budget_counts_the_weights_the_model_has() -> None:

@@ -112,6 +112,27 @@ def test_tp2_greedy_tokens_and_logprobs_match_one_process(tp_pair: tuple[LLM, LL
 
 
 @pytest.mark.slow
+def test_tp2_prompt_logprobs_match_one_process(tp_pair: tuple[LLM, LLM]) -> None:
+    """The prompt rows' logits come from the LM head every rank runs (an all-gather), handed to rank
+    0's prompt-logprobs callback chunk by chunk (ModelRunner._logits): the same entries as one process."""
+    single, tp = tp_pair
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
+    expected = single.generate(token_prompts(PROMPTS[1:]), params)
+    got = tp.generate(token_prompts(PROMPTS[1:]), params)
+    for want, have in zip(expected, got, strict=True):
+        assert want.prompt_logprobs is not None and have.prompt_logprobs is not None
+        assert len(have.prompt_logprobs) == len(want.prompt_logprobs)
+        for want_lp, have_lp in zip(want.prompt_logprobs[1:], have.prompt_logprobs[1:], strict=True):
+            assert want_lp is not None and have_lp is not None
+            assert (have_lp.token_id, [t for t, _ in have_lp.top]) == (want_lp.token_id, [t for t, _ in want_lp.top])
+            assert abs(have_lp.logprob - want_lp.logprob) < 1e-4
+            # NOTE: a random model's prompt token sits among ~10^5 logits within float noise of its own,
+            # and the all-reduce's order of sums is not one process's: its rank may move by one
+            assert abs(have_lp.rank - want_lp.rank) <= 2
+    assert_no_leak(tp)
+
+
+@pytest.mark.slow
 def test_tp2_seeded_sampling_matches_one_process(tp_pair: tuple[LLM, LLM]) -> None:
     single, tp = tp_pair
     params = [SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=seed, max_tokens=8, ignore_eos=True)

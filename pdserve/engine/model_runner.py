@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.config import PROMPT_LOGITS_ROWS, EngineConfig
 from pdserve.engine.block_tables import BlockTables
 from pdserve.engine.cuda_graphs import DecodeGraphs, bucket_for, decode_buckets
 from pdserve.engine.host_memory import zeroed_pages
@@ -37,11 +37,18 @@ from pdserve.model.qwen3 import Qwen3ForCausalLM
 
 if TYPE_CHECKING:
     from pdserve.engine.kv_transfer import RankPools
+    from pdserve.engine.request import Request
 
 _MAX_DECODE_BUCKETS = 4
 _MIN_DECODE_BUCKET = 8
 _CPU_SPLIT_PROGRAMS = 4  # the Triton backend on CPU (tests, interpreter): split decodes as on a 4-SM GPU
 _request_id = attrgetter("request_id")
+PromptLogits = Callable[[int, torch.Tensor], None]  # (first prompt row of the chunk, its logits)
+
+
+def _prompt_logprobs_of(targets: list[tuple[Request, int]]) -> PromptLogits:
+    """`run`'s `prompt_logits` for `plan_step`'s targets: each chunk's rows are targets[first:]."""
+    return lambda first, logits: prompt_logprobs(logits, targets[first:first + logits.shape[0]])
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +75,7 @@ class ModelRunner:
         self.device = config.device
         bind_device(self.device)
         self.block_size = config.cache.block_size
+        self.prompt_logits_rows = PROMPT_LOGITS_ROWS  # see `_logits`
         m = model.cfg  # NOTE: under tensor parallelism, this rank's share: its KV heads only
         if shared_pool is None:
             shape = (m.num_hidden_layers, 2, config.cache.num_kv_blocks, self.block_size, m.num_key_value_heads,
@@ -161,22 +169,19 @@ class ModelRunner:
         """Run one step; returns what the chunks that sample sampled."""
         plan, samplers, targets = plan_step(out, self.block_size, self.block_tables)
         self.sampler.start_masks(samplers, self.vocab_size)  # structured outputs: beside the forward
-        logits = self.run(plan, layer_done)
+        logits = self.run(plan, layer_done, _prompt_logprobs_of(targets) if targets else None)
         if logits is None:
-            return StepSamples({}, [])
-        if targets:  # the rows after the sampling ones (see run)
-            prompt_logprobs(logits[len(samplers):], targets)
-            logits = logits[:len(samplers)]
-        if not samplers:
             return StepSamples({}, [])
         result = self.sampler(logits, samplers)
         return StepSamples(dict(zip(map(_request_id, samplers), result.token_ids, strict=True)), result.logprobs)
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan, layer_done: Callable[[int], None] | None = None) -> torch.Tensor | None:
-        """Swap, forward, and the logits of the sampling rows then of the prompt-logprobs rows (None
-        when there are none). Every tensor-parallel rank runs this with the same plan (the
-        collectives are inside the model)."""
+    def run(self, plan: StepPlan, layer_done: Callable[[int], None] | None = None,
+            prompt_logits: PromptLogits | None = None) -> torch.Tensor | None:
+        """Swap, forward, and the logits of the sampling rows (None when there are none). The
+        prompt-logprobs rows' logits go to `prompt_logits` in order, at most `prompt_logits_rows` at a
+        time (see `_logits`). Every tensor-parallel rank runs this with the same plan (the
+        collectives are inside the model, the LM head's too: every rank computes every chunk)."""
         self._swap(plan)
         if self.lora is not None:
             self.lora.prepare(lora_rows(plan))
@@ -186,10 +191,30 @@ class ModelRunner:
         if hidden is None:
             input_ids, positions, meta = self._prepare(plan)
             hidden = self.model(input_ids, positions, self.layer_caches, meta, layer_done)
-        rows = plan.sample_rows + plan.prompt_rows
-        if not rows:
-            return None
-        return self.model.compute_logits(hidden[self._tensor(rows)])
+        return self._logits(hidden, plan.sample_rows, plan.prompt_rows, prompt_logits)
+
+    def _logits(self, hidden: torch.Tensor, sample_rows: list[int], prompt_rows: list[int],
+                prompt_logits: PromptLogits | None) -> torch.Tensor | None:
+        """The sampling rows' logits. Prompt-logprobs rows: up to `prompt_logits_rows` of them in the
+        same LM-head call as the sampling rows, more in chunks of that many after the sampling rows'
+        own call, each handed to `prompt_logits(first, logits)` (`first`: its first row's index in
+        `prompt_rows`) and dropped: a step never holds more than that many rows' [rows, vocab]."""
+        compute = self.model.compute_logits
+        if not prompt_rows:
+            return compute(hidden[self._tensor(sample_rows)]) if sample_rows else None
+        chunk = self.prompt_logits_rows
+        if len(prompt_rows) <= chunk:
+            logits = compute(hidden[self._tensor(sample_rows + prompt_rows)])
+            if prompt_logits is not None:
+                prompt_logits(0, logits[len(sample_rows):])
+            return logits[:len(sample_rows)] if sample_rows else None
+        sampled = compute(hidden[self._tensor(sample_rows)]) if sample_rows else None
+        for first in range(0, len(prompt_rows), chunk):
+            logits = compute(hidden[self._tensor(prompt_rows[first:first + chunk])])
+            if prompt_logits is not None:
+                prompt_logits(first, logits)
+            del logits  # NOTE: before the next chunk's call: one chunk's logits at a time
+        return sampled
 
     def _swap(self, out: StepPlan) -> None:
         # Swap-outs first: the device blocks they vacate may be the swap-ins' destinations.

@@ -60,7 +60,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine import shared_memory_group
 from pdserve.engine.host_memory import keep_large_allocations_on_heap
 from pdserve.engine.kv_transfer import RankHook, RankHookSpec, RankPools
-from pdserve.engine.model_runner import ModelRunner, StepSamples
+from pdserve.engine.model_runner import ModelRunner, PromptLogits, StepSamples
 from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 from pdserve.engine.shared_memory_group import SharedMemoryGroup
 from pdserve.engine.step_plan import StepPlan
@@ -298,7 +298,8 @@ class TPModelRunner(ModelRunner):
         self.processes, self.conns, self.group, self.store = processes, conns, group, store
         self._finalizer = weakref.finalize(self, _stop_ranks, processes, conns)
 
-    def run(self, plan: StepPlan, layer_done: Callable[[int], None] | None = None) -> torch.Tensor | None:
+    def run(self, plan: StepPlan, layer_done: Callable[[int], None] | None = None,
+            prompt_logits: PromptLogits | None = None) -> torch.Tensor | None:
         for rank, process in enumerate(self.processes, start=1):
             if process.poll() is not None:
                 raise RankDiedError(f"tensor-parallel rank {rank} exited (code {process.returncode})")
@@ -310,11 +311,11 @@ class TPModelRunner(ModelRunner):
         except OSError as exc:
             raise RankDiedError(f"a tensor-parallel rank is gone: {exc}") from exc
         if layer_done is None or self.rank_pools is not None:
-            return super().run(plan, layer_done)
+            return super().run(plan, layer_done, prompt_logits)
         reports = _OnceEveryRankWrote(layer_done)
-        hidden = super().run(plan, reports)
+        logits = super().run(plan, reports, prompt_logits)
         reports.finish()
-        return hidden
+        return logits
 
     def close(self) -> None:
         """Stop the other ranks (they finish nothing: the engine is done)."""
