@@ -205,9 +205,12 @@ def test_decode_splits_agree() -> None:
 # (block size, kv heads, GQA ratio, [(cached tokens, new tokens)], table shapes)
 PREFIX_CASES = [
     (16, 2, 2, [(16, 5), (0, 40), (33, 1)], "scattered"),  # a block-aligned prefix, none, a decode-like row
-    (4, 1, 4, [(7, 13), (30, 36)], "reversed"),  # prefixes ending mid-block; a span over two query tiles
+    (4, 1, 4, [(7, 13), (30, 36)], "reversed"),  # prefixes ending mid-block; a span over several query tiles
     (8, 2, 8, [(50, 9)], "scattered"),
     (16, 4, 1, [(100, 70), (3, 2)], "adjacent"),
+    # a tile's rows are its tokens x a KV head's query heads: 5 heads pad to 8 (Qwen3-14B's 40 over 8)
+    (16, 2, 5, [(20, 40), (0, 3)], "scattered"),
+    (8, 1, 1, [(10, 300)], "reversed"),  # one head a KV head: a tile of 64/128 tokens, three of them
 ]
 
 
@@ -308,5 +311,11 @@ def test_kernels_compile_for_hopper(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("shared") == 12, done.stdout
     # the variants a launch compiles (16-byte aligned pointers and strides): within sm_90's 227 KiB a block
-    shared = [int(line.split("shared ")[1].split()[0]) for line in done.stdout.splitlines() if "shared" in line]
+    lines = [line for line in done.stdout.splitlines() if "shared" in line]
+    shared = [int(line.split("shared ")[1].split()[0]) for line in lines]
     assert max(shared) <= 227 * 1024, done.stdout
+    # ptxas for sm_90a: no kernel spills registers to local memory (a prefix tile too large for float32 did)
+    assert all(" spilled 0 bytes" in line for line in lines), done.stdout
+    # a 16-bit prefix kernel multiplies bfloat16 on Hopper's warpgroup MMA (not TF32 mma.sync on up-cast tiles)
+    prefix = [line for line in lines if line.startswith("_prefix_kernel") and "*bf16" in line]
+    assert len(prefix) == 2 and all(line.endswith("mma wgmma.bf16") for line in prefix), done.stdout

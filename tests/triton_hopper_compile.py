@@ -10,6 +10,11 @@ from typing import Any
 
 assert os.environ.get("TRITON_INTERPRET") != "1", "compiles real kernels: run without TRITON_INTERPRET"
 
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -22,18 +27,47 @@ from pdserve.model import triton_fused as tf  # noqa: E402
 # the pool's k|v stride); a launch marks them, and every 16-byte aligned pointer, `tt.divisibility` 16, and
 # compiles the variant that vectorizes on them: so does this check. NOT the block tables' row stride (a
 # multiple of 4) nor a store's k/v head strides (a prefill's k and v are views of the fused QKV output).
+# NOTE: the ptxas that reads the PTX version this Triton writes (its CUDA 13 one, for every arch)
+_PTXAS = next(p for p in (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+                          for name in ("ptxas-blackwell", "ptxas")) if p.exists())
 _DIVISIBLE = {"stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kv", "stride_slot", "stride_head",
               "stride_x", "stride_r", "stride_o", "stride_s"}
 
 
-def compile_for_hopper(fn: Any, signature: dict[str, str], constants: dict[str, Any]) -> None:
+def compile_for_hopper(fn: Any, signature: dict[str, str], constants: dict[str, Any], num_warps: int = 4) -> None:
     divisible = [name for name, kind in signature.items() if kind.startswith("*") or name in _DIVISIBLE]
     signature = {**signature, **dict.fromkeys(constants, "constexpr")}
     source = ASTSource(fn=fn, signature=signature,
                        constexprs={(fn.arg_names.index(name),): value for name, value in constants.items()},
                        attrs={(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible})
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    print(f"{fn.__name__} {constants.get('PRECISION', '')} shared {kernel.metadata.shared} bytes")
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    registers, spilled = _registers(kernel.asm["ptx"])
+    print(f"{fn.__name__} {constants.get('PRECISION', '')} {signature.get('q_ptr', '')} "
+          f"shared {kernel.metadata.shared} bytes registers {registers} spilled {spilled} bytes "
+          f"mma {_mma(kernel.asm['ptx'])}")
+
+
+def _mma(ptx: str) -> str:
+    """The tensor-core instruction a kernel's dots became and its operand type ('-': none), e.g.
+    'wgmma.bf16' (Hopper's warpgroup MMA) or 'mma.sync.tf32'."""
+    found = re.search(r"\b(wgmma\.mma_async|mma)\.sync\.aligned\.\S*?\.f32\.(\w+)\.", ptx)
+    if found is None:
+        return "-"
+    return f"{'wgmma' if found.group(1).startswith('wgmma') else 'mma.sync'}.{found.group(2)}"
+
+
+def _registers(ptx: str) -> tuple[int, int]:
+    """(registers a thread, bytes spilled to local memory) as ptxas reports them for sm_90a."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.ptx"
+        path.write_text(ptx)
+        done = subprocess.run([_PTXAS, "-arch=sm_90a", "-v", str(path), "-o", str(path.with_suffix(".cubin"))],
+                              capture_output=True, text=True, check=True)
+    report = done.stdout + done.stderr
+    registers = re.search(r"Used (\d+) registers", report)
+    stores, loads = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report).groups()  # type: ignore[union-attr]
+    assert registers is not None, report
+    return int(registers.group(1)), int(stores) + int(loads)
 
 
 def main() -> None:
@@ -52,7 +86,8 @@ def main() -> None:
             "q_ptr": f"*{dtype}", "cache_ptr": f"*{pool}", "tables_ptr": "*i32", "lens_ptr": "*i32",
             "starts_ptr": "*i32", "ends_ptr": "*i32", "out_ptr": f"*{dtype}", "scale": "fp32", "v_scale": "fp32",
             "stride_kv": "i64", **ints},
-            {**qwen3_8b, "BLOCK_M": ta.PREFIX_BLOCK_M, "BLOCK_N": ta.PREFIX_BLOCK_N, "PRECISION": precision})
+            {**qwen3_8b, "BLOCK_G": 4, **dict(zip(("BLOCK_M", "BLOCK_N"), ta.PREFIX_TILES[4 if dtype == "fp32" else 2],
+                                                  strict=True)), "PRECISION": precision}, num_warps=ta.PREFIX_WARPS)
     compile_for_hopper(ta._merge_splits_kernel, {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "rows_ptr": "*i32",
                                                  "out_ptr": "*bf16", "stride_ot": "i32", "stride_oh": "i32"},
                        {"HEAD_DIM": 128, "BLOCK_D": 128, "NUM_SPLITS": 4})

@@ -12,10 +12,13 @@ block_size + pos % block_size``. The kernels read the block table themselves (no
                         The split count is a launch constant and each sequence's split
                         length comes from its context length (a tensor), so a CUDA graph captured
                         for a batch size replays for any context lengths.
-    prefix_attention    varlen queries over a cached prefix: program (query tile, seq, head)
-                        attends its queries to the sequence's paged context; query i of a span of
-                        q_len new tokens sits at position context_len - q_len + i and sees the
-                        keys up to it (the new tokens' K/V are in the pool by then).
+    prefix_attention    varlen queries over a cached prefix: program (query tile, seq, kv_head)
+                        attends its rows to the sequence's paged context, a row being one of the
+                        tile's query tokens at one of the KV head's query heads (GQA packed: each
+                        K/V tile is loaded once for the whole group, not once per query head);
+                        query i of a span of q_len new tokens sits at position
+                        context_len - q_len + i and sees the keys up to it (the new tokens' K/V are
+                        in the pool by then).
 
 An FP8 pool (float8_e4m3fn or float8_e5m2, model/kv_scales.py) is read and written by the same
 kernels: `store_kv` divides by the layer's K or V scale and rounds to the format in the kernel
@@ -24,12 +27,17 @@ the CPU path and a PD hand-off's receiver); attention loads the FP8 elements, an
 into the softmax scale and the V scale into the output: no dequantized copy of the context, the
 kernels read 1 byte per element. A float pool runs them with scales 1.0.
 
-Every load is cast to float32 at once and the math is float32 (bfloat16 arithmetic is wrong in
-Triton's interpreter, `TRITON_INTERPRET=1`, which runs these kernels on CPU tensors in the tests);
-only the output is cast back. Fixed launch configurations, no autotuning (a CUDA graph captures
-one launch; autotuning would time kernels at capture). `tl.dot` multiplies float32 in IEEE
-precision for a float32 model and in TF32 otherwise (a bfloat16/float16 pool's K/V are exact in
-TF32; the probabilities round to it, less than flash attention's rounding to 16 bits).
+Decode casts every load to float32 at once (it is bound by reading the context, not by its
+math): `tl.dot` multiplies float32 in IEEE precision for a float32 model and in TF32 otherwise (a
+bfloat16/float16 pool's K/V are exact in TF32). The prefix kernel, whose long chunks over long
+contexts are bound by their math, multiplies in the model's dtype as flash attention does (K/V,
+an FP8 pool's too, cast to it; the probabilities rounded to it before P·V; float32 accumulators):
+for bfloat16 that compiles to Hopper's warpgroup MMA, TF32 `mma.sync` on up-cast tiles before
+(tests/triton_hopper_compile.py prints which, and each kernel's registers and spills). Softmax
+state and outputs are float32 everywhere; only the output is cast back. Triton's interpreter
+(`TRITON_INTERPRET=1`, the tests on CPU) runs float32 and float16 (its bfloat16 arithmetic is
+wrong). Fixed launch configurations, no autotuning (a CUDA graph captures one launch; autotuning
+would time kernels at capture).
 """
 
 from __future__ import annotations
@@ -42,8 +50,11 @@ from pdserve.model.attention import UNSCALED, KVQuant, KVScale
 from pdserve.model.kv_scales import is_fp8
 
 DECODE_BLOCK_N = 64  # context tokens per tile
-PREFIX_BLOCK_M = 32  # queries per program
-PREFIX_BLOCK_N = 32
+# prefix programs: (query rows, context tokens a tile) for 16-bit and for float32 operands, whose
+# rows are query tokens x a KV group's heads; at these, 8 warps, Qwen3-8B's shapes compile for sm_90
+# with no spill (tests/triton_hopper_compile.py: 215 and 158 registers); float32 at 16-bit's tiles spills
+PREFIX_TILES = {2: (128, 64), 4: (64, 32)}
+PREFIX_WARPS = 8
 _MIN_DOT = 16  # tl.dot's smallest M, N and K
 
 
@@ -263,25 +274,27 @@ def decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: t
 @triton.jit
 def _prefix_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, starts_ptr, ends_ptr, out_ptr, scale, v_scale,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_kv, stride_slot, stride_head, stride_table,
-                   BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    tile = tl.program_id(0)
-    seq = tl.program_id(1)
-    head = tl.program_id(2)
-    kv_head = head // GROUP
+                   BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    # rows: BLOCK_M // BLOCK_G query tokens x the KV head's BLOCK_G query heads (past GROUP: padding)
+    tile, seq, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    tokens_per_tile: tl.constexpr = BLOCK_M // BLOCK_G
     q_start = tl.load(starts_ptr + seq).to(tl.int64)
     q_len = tl.load(ends_ptr + seq).to(tl.int64) - q_start
     context_len = tl.load(lens_ptr + seq).to(tl.int64)
-    first_query = tile * BLOCK_M
-    offsets = first_query + tl.arange(0, BLOCK_M)
-    valid = offsets < q_len
-    positions = context_len - q_len + offsets  # each query's absolute position
+    first_query = tile * tokens_per_tile
+    rows = tl.arange(0, BLOCK_M)
+    offsets = first_query + rows // BLOCK_G  # each row's query token in the span
+    heads = kv_head * GROUP + rows % BLOCK_G
+    valid = (offsets < q_len) & (rows % BLOCK_G < GROUP)
+    positions = context_len - q_len + offsets  # each row's absolute position
     dims = tl.arange(0, BLOCK_D)
     d_mask = dims < HEAD_DIM
-    q = tl.load(q_ptr + (q_start + offsets)[:, None] * stride_qt + head * stride_qh + dims[None, :],
-                mask=valid[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + (q_start + offsets)[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=valid[:, None] & d_mask[None, :], other=0.0)  # the model's dtype
     # keys up to this tile's last query; none for a tile past the span's end
-    kv_end = tl.where(first_query < q_len, tl.minimum(context_len, context_len - q_len + first_query + BLOCK_M), 0)
+    kv_end = tl.where(first_query < q_len,
+                      tl.minimum(context_len, context_len - q_len + first_query + tokens_per_tile), 0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -293,7 +306,7 @@ def _prefix_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, starts_ptr, ends_ptr,
         blocks = tl.load(table + tokens // BLOCK_SIZE, mask=inside, other=0).to(tl.int64)
         slots = blocks * BLOCK_SIZE + tokens % BLOCK_SIZE
         keys = tl.load(head_base + slots[None, :] * stride_slot + dims[:, None],
-                       mask=inside[None, :] & d_mask[:, None], other=0.0).to(tl.float32)
+                       mask=inside[None, :] & d_mask[:, None], other=0.0).to(q.dtype)  # an FP8 pool's too
         scores = tl.dot(q, keys, input_precision=PRECISION) * scale
         seen = inside[None, :] & (tokens[None, :] <= positions[:, None])
         scores = tl.where(seen, scores, float("-inf"))
@@ -302,12 +315,12 @@ def _prefix_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, starts_ptr, ends_ptr,
         p = tl.exp(scores - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         values = tl.load(head_base + stride_kv + slots[:, None] * stride_slot + dims[None, :],
-                         mask=inside[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, values, input_precision=PRECISION)
+                         mask=inside[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), values, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     out = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + (q_start + offsets)[:, None] * stride_ot + head * stride_oh + dims[None, :],
+    tl.store(out_ptr + (q_start + offsets)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & d_mask[None, :])
 
 
@@ -321,10 +334,13 @@ def prefix_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: t
     if num_seqs == 0:
         return
     num_heads, head_dim, num_kv_heads, block_size = _shapes(q, layer_cache, block_tables, out)
-    grid = (triton.cdiv(max_query_len, PREFIX_BLOCK_M), num_seqs, num_heads)
+    group = num_heads // num_kv_heads
+    block_g, (block_m, block_n) = triton.next_power_of_2(group), PREFIX_TILES[q.dtype.itemsize]
+    assert block_g <= block_m, f"{group} query heads a KV head: more than a tile's {block_m} rows"
+    grid = (triton.cdiv(max_query_len, block_m // block_g), num_seqs, num_kv_heads)
     _prefix_kernel[grid](
         q, layer_cache, block_tables, context_lens, starts, ends, out, scale * kv_scale[0], kv_scale[1], q.stride(0),
         q.stride(1), out.stride(0), out.stride(1), layer_cache.stride(0), layer_cache.stride(2), layer_cache.stride(3),
-        block_tables.stride(0), BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_D=_dim(head_dim), BLOCK_M=PREFIX_BLOCK_M, BLOCK_N=PREFIX_BLOCK_N, PRECISION=_precision(q.dtype),
-        num_warps=4)
+        block_tables.stride(0), BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim,
+        BLOCK_D=_dim(head_dim), BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype),
+        num_warps=PREFIX_WARPS)
