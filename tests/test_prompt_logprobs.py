@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from conftest import HFReference
 from helpers import assert_no_leak, random_prompt, token_prompts
 from server_fixtures import ServerHandle, start_server
@@ -84,6 +85,24 @@ def test_a_long_prompts_logits_are_computed_a_chunk_at_a_time(llm_factory: Calla
             one_call.token_id, one_call.rank, [t for t, _ in one_call.top])
         assert abs(entry.logprob - float(reference[position - 1][PROMPT[position]])) < 1e-4
     assert_no_leak(llm)
+
+
+def test_a_failing_chunk_of_prompt_logprobs_skips_no_later_lm_head_call(llm_factory: Callable[..., LLM],
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under tensor parallelism every rank makes each chunk's LM-head call (an all-gather): should a
+    chunk's prompt logprobs fail, the later chunks are still computed, or the other ranks would wait
+    forever; the error comes out after them."""
+    runner = llm_factory("tiny", max_num_batched_tokens=64).engine.runner
+    compute, rows = runner.model.compute_logits, []
+    monkeypatch.setattr(runner.model, "compute_logits", lambda hidden: rows.append(hidden.shape[0]) or compute(hidden))
+    monkeypatch.setattr(runner, "prompt_logits_rows", 7)
+
+    def fail(first: int, logits: Any) -> None:
+        raise RuntimeError(f"the chunk at {first}")
+
+    with pytest.raises(RuntimeError, match="the chunk at 0"):
+        runner._logits(torch.zeros(40, runner.model.cfg.hidden_size), [39], list(range(39)), fail)
+    assert rows == [1, 7, 7, 7, 7, 7, 4]
 
 
 @pytest.fixture(scope="module")

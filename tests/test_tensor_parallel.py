@@ -114,7 +114,8 @@ def test_tp2_greedy_tokens_and_logprobs_match_one_process(tp_pair: tuple[LLM, LL
 @pytest.mark.slow
 def test_tp2_prompt_logprobs_match_one_process(tp_pair: tuple[LLM, LLM]) -> None:
     """The prompt rows' logits come from the LM head every rank runs (an all-gather), handed to rank
-    0's prompt-logprobs callback chunk by chunk (ModelRunner._logits): the same entries as one process."""
+    0's prompt-logprobs callback (ModelRunner._logits; these steps' prompt rows fit one chunk): the
+    same entries as one process."""
     single, tp = tp_pair
     params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
     expected = single.generate(token_prompts(PROMPTS[1:]), params)

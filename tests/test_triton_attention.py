@@ -210,7 +210,7 @@ PREFIX_CASES = [
     (16, 4, 1, [(100, 70), (3, 2)], "adjacent"),
     # a tile's rows are its tokens x a KV head's query heads: 5 heads pad to 8 (Qwen3-14B's 40 over 8)
     (16, 2, 5, [(20, 40), (0, 3)], "scattered"),
-    (8, 1, 1, [(10, 300)], "reversed"),  # one head a KV head: a tile of 64/128 tokens, three of them
+    (8, 1, 1, [(10, 300)], "reversed"),  # one head a KV head: tiles of 128 tokens (3; float32: 64, 5)
 ]
 
 

@@ -209,11 +209,17 @@ class ModelRunner:
                 prompt_logits(0, logits[len(sample_rows):])
             return logits[:len(sample_rows)] if sample_rows else None
         sampled = compute(hidden[self._tensor(sample_rows)]) if sample_rows else None
+        failed: Exception | None = None
         for first in range(0, len(prompt_rows), chunk):
             logits = compute(hidden[self._tensor(prompt_rows[first:first + chunk])])
-            if prompt_logits is not None:
-                prompt_logits(first, logits)
+            if prompt_logits is not None and failed is None:
+                try:
+                    prompt_logits(first, logits)
+                except Exception as exc:  # noqa: BLE001 - raised below: TP ranks wait in every chunk's call
+                    failed = exc
             del logits  # NOTE: before the next chunk's call: one chunk's logits at a time
+        if failed is not None:
+            raise failed
         return sampled
 
     def _swap(self, out: StepPlan) -> None:
