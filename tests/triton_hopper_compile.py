@@ -48,12 +48,11 @@ def compile_for_hopper(fn: Any, signature: dict[str, str], constants: dict[str, 
 
 
 def _mma(ptx: str) -> str:
-    """The tensor-core instruction a kernel's dots became and its operand type ('-': none), e.g.
-    'wgmma.bf16' (Hopper's warpgroup MMA) or 'mma.sync.tf32'."""
-    found = re.search(r"\b(wgmma\.mma_async|mma)\.sync\.aligned\.\S*?\.f32\.(\w+)\.", ptx)
-    if found is None:
-        return "-"
-    return f"{'wgmma' if found.group(1).startswith('wgmma') else 'mma.sync'}.{found.group(2)}"
+    """The tensor-core instructions a kernel's dots became, with their operand type, every kind
+    found ('-': none), e.g. 'wgmma.bf16' (Hopper's warpgroup MMA: every dot) or 'mma.sync.tf32'."""
+    found = re.findall(r"\b(wgmma\.mma_async|mma)\.sync\.aligned\.\S*?\.f32\.(\w+)\.", ptx)
+    kinds = {f"{'wgmma' if op.startswith('wgmma') else 'mma.sync'}.{operand}" for op, operand in found}
+    return ",".join(sorted(kinds)) or "-"
 
 
 def _registers(ptx: str) -> tuple[int, int]:
