@@ -64,15 +64,7 @@ def test_a_long_prompts_logits_are_computed_a_chunk_at_a_time(llm_factory: Calla
     llm = llm_factory("tiny", max_num_batched_tokens=64)
     params = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=TOP)
     whole = llm.generate(token_prompts([PROMPT]), params)[0]
-    runner = llm.engine.runner
-    compute, rows = runner.model.compute_logits, []
-
-    def counted(hidden: Any) -> Any:
-        rows.append(hidden.shape[0])
-        return compute(hidden)
-
-    monkeypatch.setattr(runner.model, "compute_logits", counted)
-    monkeypatch.setattr(runner, "prompt_logits_rows", 7)
+    rows = _lm_head_rows_at_7_a_chunk(llm.engine.runner, monkeypatch)
     chunked = llm.generate(token_prompts([PROMPT]), params)[0]
     assert rows == [1, 7, 7, 7, 7, 7, 4, 1, 1]  # the sampled row alone, the 39 prompt rows by 7, 2 decodes
     assert chunked.outputs[0].token_ids == whole.outputs[0].token_ids
@@ -93,9 +85,7 @@ def test_a_failing_chunk_of_prompt_logprobs_skips_no_later_lm_head_call(llm_fact
     chunk's prompt logprobs fail, the later chunks are still computed, or the other ranks would wait
     forever; the error comes out after them."""
     runner = llm_factory("tiny", max_num_batched_tokens=64).engine.runner
-    compute, rows = runner.model.compute_logits, []
-    monkeypatch.setattr(runner.model, "compute_logits", lambda hidden: rows.append(hidden.shape[0]) or compute(hidden))
-    monkeypatch.setattr(runner, "prompt_logits_rows", 7)
+    rows = _lm_head_rows_at_7_a_chunk(runner, monkeypatch)
 
     def fail(first: int, logits: Any) -> None:
         raise RuntimeError(f"the chunk at {first}")
@@ -103,6 +93,19 @@ def test_a_failing_chunk_of_prompt_logprobs_skips_no_later_lm_head_call(llm_fact
     with pytest.raises(RuntimeError, match="the chunk at 0"):
         runner._logits(torch.zeros(40, runner.model.cfg.hidden_size), [39], list(range(39)), fail)
     assert rows == [1, 7, 7, 7, 7, 7, 4]
+
+
+def _lm_head_rows_at_7_a_chunk(runner: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The runner set to 7 prompt rows a chunk; the list it fills with each LM-head call's row count."""
+    compute, rows = runner.model.compute_logits, []
+
+    def counted(hidden: torch.Tensor) -> torch.Tensor:
+        rows.append(hidden.shape[0])
+        return compute(hidden)
+
+    monkeypatch.setattr(runner.model, "compute_logits", counted)
+    monkeypatch.setattr(runner, "prompt_logits_rows", 7)
+    return rows
 
 
 @pytest.fixture(scope="module")

@@ -64,9 +64,9 @@ def _registers(ptx: str) -> tuple[int, int]:
                               capture_output=True, text=True, check=True)
     report = done.stdout + done.stderr
     registers = re.search(r"Used (\d+) registers", report)
-    stores, loads = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report).groups()  # type: ignore[union-attr]
-    assert registers is not None, report
-    return int(registers.group(1)), int(stores) + int(loads)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert registers is not None and spills is not None, report
+    return int(registers.group(1)), int(spills.group(1)) + int(spills.group(2))
 
 
 def main() -> None:
@@ -81,12 +81,13 @@ def main() -> None:
             "rows_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": f"*{dtype}",
             "scale": "fp32", "v_scale": "fp32", "stride_kv": "i64", **ints},
             {**qwen3_8b, "BLOCK_G": 16, "BLOCK_N": ta.DECODE_BLOCK_N, "NUM_SPLITS": splits, "PRECISION": precision})
+        block_m, block_n = ta.PREFIX_TILES[4 if dtype == "fp32" else 2]
         compile_for_hopper(ta._prefix_kernel, {
             "q_ptr": f"*{dtype}", "cache_ptr": f"*{pool}", "tables_ptr": "*i32", "lens_ptr": "*i32",
             "starts_ptr": "*i32", "ends_ptr": "*i32", "out_ptr": f"*{dtype}", "scale": "fp32", "v_scale": "fp32",
             "stride_kv": "i64", **ints},
-            {**qwen3_8b, "BLOCK_G": 4, **dict(zip(("BLOCK_M", "BLOCK_N"), ta.PREFIX_TILES[4 if dtype == "fp32" else 2],
-                                                  strict=True)), "PRECISION": precision}, num_warps=ta.PREFIX_WARPS)
+            {**qwen3_8b, "BLOCK_G": 4, "BLOCK_M": block_m, "BLOCK_N": block_n, "PRECISION": precision},
+            num_warps=ta.PREFIX_WARPS)
     compile_for_hopper(ta._merge_splits_kernel, {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "rows_ptr": "*i32",
                                                  "out_ptr": "*bf16", "stride_ot": "i32", "stride_oh": "i32"},
                        {"HEAD_DIM": 128, "BLOCK_D": 128, "NUM_SPLITS": 4})
