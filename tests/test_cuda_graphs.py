@@ -204,9 +204,16 @@ def test_step_buffers_keep_their_addresses() -> None:
     assert meta.decode_lens.tolist() == [n for _, n in DECODES[1:5]]
     assert meta.decode_tables[0, :5].tolist() == DECODES[1][0] and meta.num_splits == 2
     assert meta.slot_mapping.tolist() == _decode_plan(DECODES[1:5]).slots and ids.dtype == torch.int32
+    # a float pool: both prompt chunks, the fresh one too, are prefix-kernel sequences (one launch)
     mixed = buffers.prepare(_mixed_plan())[2]
-    assert mixed.prefix_lens.tolist() == [11] and mixed.prefix_tables[0, :3].tolist() == [50, 51, 52]
-    assert (mixed.prefix_starts.tolist(), mixed.prefix_ends.tolist()) == ([5], [10])
-    assert mixed.fresh_prefills == ((10, 15),) and mixed.decode_lens.tolist() == [n for _, n in DECODES]
+    assert mixed.prefix_lens.tolist() == [11, 5] and mixed.prefix_tables[0, :3].tolist() == [50, 51, 52]
+    assert mixed.prefix_tables[1, :2].tolist() == [61, 62] and mixed.max_prefix_query_len == 5
+    assert (mixed.prefix_starts.tolist(), mixed.prefix_ends.tolist()) == ([5, 10], [10, 15])
+    assert mixed.fresh_prefills == () and mixed.decode_lens.tolist() == [n for _, n in DECODES]
+    # an FP8 pool: the fresh prompt attends to its unquantized K/V apart (one SDPA call)
+    fp8 = StepBuffers(max_tokens=16, max_seqs=8, max_blocks_per_seq=6, device=torch.device("cpu"),
+                      splits=lambda n: 2, kv_quant=object()).prepare(_mixed_plan())[2]  # type: ignore[arg-type]
+    assert fp8.prefix_lens.tolist() == [11] and fp8.fresh_prefills == ((10, 15),)
+    assert (fp8.prefix_starts.tolist(), fp8.prefix_ends.tolist()) == ([5], [10])
     with pytest.raises(ValueError, match="exceeds the step buffers"):
         buffers.prepare(_decode_plan([([1, 2, 3, 4, 5, 6, 7], 27)]))

@@ -94,18 +94,25 @@ def test_prompt_too_long_is_a_400_before_anything_is_queued(model_dirs: dict[str
 
 
 def test_no_ready_worker_is_a_503_streamed_or_not(model_dirs: dict[str, Path]) -> None:
+    """Workers that never come: in the router's first second (its startup window) a request waits
+    for them, then gets the 503 (retry after 1 s); one sent after that window gets it at once."""
     model_dir = model_dirs["tiny"]
     nowhere = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
-    client = PDRouter.from_config(RouterConfig(prefill=tuple(nowhere[:1]), decode=tuple(nowhere[1:])),
-                                  load_tokenizer(str(model_dir)), Qwen3ModelConfig.from_dir(model_dir), str(model_dir),
-                                  1024)
+    config = RouterConfig(prefill=tuple(nowhere[:1]), decode=tuple(nowhere[1:]), startup_window_s=1.0,
+                          restart_window_s=5.0)
+    client = PDRouter.from_config(config, load_tokenizer(str(model_dir)), Qwen3ModelConfig.from_dir(model_dir),
+                                  str(model_dir), 1024)
     router = serve(create_router_app(client, MODEL))
     try:
         with httpx.Client(base_url=router.url, timeout=30) as http:
+            elapsed = []
             for stream in (False, True):
+                start = time.monotonic()
                 reply = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": stream})
-                assert reply.status_code == 503, reply.text
+                elapsed.append(time.monotonic() - start)
+                assert reply.status_code == 503 and reply.headers["retry-after"] == "1", reply.text
                 assert reply.json()["error"]["type"] == "service_unavailable"
+            assert 0.5 < elapsed[0] < 3.0 and elapsed[1] < 0.3, elapsed
             # alive (restarting it would bring no worker), not ready (Kubernetes sends it no client)
             assert http.get("/health").status_code == 200
             ready = http.get("/ready")
@@ -223,4 +230,36 @@ def test_a_request_sent_while_the_only_decode_worker_restarts_waits_for_it(model
                 assert elapsed < 0.5
         cluster.wait_until_idle()
     finally:
+        stop_cluster(cluster)
+
+
+def test_a_fresh_router_waits_for_its_first_decode_worker(model_dirs: dict[str, Path], colocated: LLM) -> None:
+    """A router that has not seen any decode worker ready yet (it is loading, or registering) holds
+    a request up to its restart window instead of a 503 at once (within its startup window) (`up`'s router, polled on
+    /v1/models, once refused a request 30 ms before its decode worker registered)."""
+    cluster = start_cluster(model_dirs["tiny"], "tcp", 1, 1)
+    decode = cluster.service(DecodeService)
+    decode.draining = True  # not ready when the fresh router below first polls it
+    config = RouterConfig(prefill=(cluster.workers[1][0].url,), decode=(cluster.workers[0][0].url,),
+                          restart_window_s=3.0)
+    fresh = PDRouter.from_config(config, load_tokenizer(str(model_dirs["tiny"])),
+                                 Qwen3ModelConfig.from_dir(model_dirs["tiny"]), str(model_dirs["tiny"]), 1024)
+    router = serve(create_router_app(fresh, MODEL))
+    prompt = random_prompt(24, seed=78)
+    timer = __import__("threading").Timer(0.8, lambda: setattr(decode, "draining", False))
+    try:
+        with httpx.Client(base_url=router.url, timeout=30) as http:
+            assert http.get("/ready").status_code == 503
+            timer.start()
+            start = time.monotonic()
+            reply = http.post("/v1/completions", json=GREEDY | {"prompt": prompt})
+            elapsed = time.monotonic() - start
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["text"] == greedy_text(colocated, prompt)
+            assert elapsed >= 0.5
+        timer.join()
+        cluster.wait_until_idle()
+    finally:
+        timer.cancel()
+        router.stop()
         stop_cluster(cluster)

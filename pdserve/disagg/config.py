@@ -65,7 +65,12 @@ class RouterConfig:
     restart_window_s: float = knob(5.0, "a new request finding no ready prefill or decode worker while one that "
                                         "was ready is expected back (restarting: still listed, or a Redis queue "
                                         "that had consumers) waits this long for it before a 503 with Retry-After "
-                                        "(0: the 503 at once)")
+                                        "(0: the 503 at once); also while a fresh router expects its first workers "
+                                        "(--startup-window-s)")
+    startup_window_s: float = knob(300.0, "for this long after a router starts, a role that has had no ready "
+                                          "worker yet is expected (its workers are loading or have not registered): "
+                                          "a new request waits up to --restart-window-s for one rather than a 503 at "
+                                          "once (0: no such wait)")
     max_resumes: int = knob(2, "times a request moves to another decode worker after losing its own")
     early_first_token: bool = knob(True, "send a request's first token to its client as soon as the prefill worker "
                                          "sampled it, before decode has the KV (memory queue; one sequence, no "
@@ -98,6 +103,7 @@ class RouterConfig:
             (self.max_queued_tokens >= 1, "max_queued_tokens must be >= 1"),
             (self.reserve_deadline_s >= 0, "reserve_deadline_s must be >= 0 (0: try each decode worker once)"),
             (self.restart_window_s >= 0, "restart_window_s must be >= 0 (0: no window)"),
+            (self.startup_window_s >= 0, "startup_window_s must be >= 0 (0: no window)"),
             (self.max_resumes >= 0, "max_resumes must be >= 0"),
             (self.first_token_timeout_s >= 0, "first_token_timeout_s must be >= 0 (0: no deadline)"),
         ]

@@ -8,7 +8,10 @@ views keep their addresses from step to step (what a CUDA graph replays reads th
     lens[S] | tables[S, W]                       T = max tokens, S = max sequences, W = max blocks a sequence
 
 Sequences 0..d-1 of `lens`/`tables` are the step's decodes, then, from the next multiple of 4,
-its prompt chunks over a cached prefix (every region and table row 16-byte aligned: see __init__).
+its prompt chunks (every region and table row 16-byte aligned: see __init__): all of them, so one
+prefix-kernel launch a layer attends every prompt, fresh ones included, as one varlen flash call
+does in vLLM. An FP8 pool keeps fresh prompts (no cached context) apart: they attend to their
+unquantized K/V, one SDPA call each (`PagedMetadata.fresh_prefills`), as the torch backend does.
 A step fills the host buffer from its `StepPlan` (numpy, no torch op per request) and
 copies the regions' used part to the device at once: up to the last table row used, so a step
 that uses fewer sequences copies fewer rows. The attention metadata is then views, built once a
@@ -103,7 +106,8 @@ class StepBuffers:
     def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, PagedMetadata]:
         """The step's input ids, positions and metadata: views of the device buffer."""
         num_tokens, num_decodes = len(plan.token_ids), len(plan.decode_rows)
-        prefix = [p for p in plan.prefills if p.context_len > p.end - p.start]
+        prefix = plan.prefills if self.kv_quant is None else \
+            [p for p in plan.prefills if p.context_len > p.end - p.start]
         first_prefix = _aligned(num_decodes) if prefix else num_decodes  # rows between: unused
         num_seqs = first_prefix + len(prefix)
         if num_tokens > self.max_tokens or num_decodes + len(prefix) > self.max_seqs:
@@ -140,7 +144,8 @@ class StepBuffers:
             prefix_tables=all_tables[first_prefix:],
             prefix_lens=self._region(buf, "lens", len(prefix), at=first_prefix),
             max_prefix_query_len=max((p.end - p.start for p in prefix), default=0),
-            fresh_prefills=tuple((p.start, p.end) for p in plan.prefills if p.context_len == p.end - p.start),
+            fresh_prefills=() if self.kv_quant is None else
+            tuple((p.start, p.end) for p in plan.prefills if p.context_len == p.end - p.start),
             kv_quant=self.kv_quant,
         )
         return self._region(buf, "ids", num_tokens), self._region(buf, "positions", num_tokens), meta

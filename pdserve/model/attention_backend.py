@@ -43,19 +43,20 @@ from pdserve.model.attention import (
 class PagedMetadata:
     """One step for `TritonAttention`: every tensor a view of the runner's persistent step buffers
     (engine/step_buffers.py), int32 on the device. Decodes are sequences 0..num_decodes-1 of
-    `block_tables`/`context_lens`; prompts over a cached prefix follow them."""
+    `block_tables`/`context_lens`; prompt chunks follow them (all of them on a float pool, those
+    over a cached context on an FP8 pool, whose fresh prompts are `fresh_prefills`)."""
 
     slot_mapping: torch.Tensor  # [num_tokens]: -1 writes nothing (a CUDA graph's padded rows)
     decode_rows: torch.Tensor  # [num_decodes]: each decode's row in the flattened batch
     decode_tables: torch.Tensor  # [num_decodes, max_blocks_per_seq]
     decode_lens: torch.Tensor  # [num_decodes]: tokens of context after this step
     num_splits: int  # split-KV parts per decode (a power of two; fixed per batch size)
-    prefix_starts: torch.Tensor  # [num_prefix]: first row of each prompt chunk over a cached prefix
+    prefix_starts: torch.Tensor  # [num_prefix]: first row of each prompt chunk the prefix kernel attends
     prefix_ends: torch.Tensor  # [num_prefix]
     prefix_tables: torch.Tensor  # [num_prefix, max_blocks_per_seq]
     prefix_lens: torch.Tensor  # [num_prefix]
     max_prefix_query_len: int
-    fresh_prefills: tuple[tuple[int, int], ...] = ()  # (start, end) rows of prompts with no cached context
+    fresh_prefills: tuple[tuple[int, int], ...] = ()  # FP8 pool: (start, end) rows of prompts with no cached context
     kv_quant: KVQuant | None = None  # an FP8 pool's per-layer scales, read by the kernels; None: a float pool
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
@@ -74,8 +74,11 @@ class RedisPrefillQueue(PrefillQueue):
     """Router side: XADD each attempt; readiness is the count of live consumers (their `alive`
     keys), taken at each `refresh`."""
 
-    def __init__(self, url: str, deployment: str = "default") -> None:
+    def __init__(self, url: str, deployment: str = "default", starting: Callable[[], bool] = lambda: False) -> None:
+        """`starting`: whether the router is still within its startup window (`WorkerPool.starting`),
+        when a queue that has had no consumer yet is expected to get one."""
         self.url = url
+        self._starting = starting
         self.keys = RedisKeys(deployment)
         self._redis = connect(url)
         self._group_ready = False
@@ -90,8 +93,9 @@ class RedisPrefillQueue(PrefillQueue):
 
     @property
     def expected_back(self) -> bool:
-        """No live consumer now (a restarting prefill worker's key expired) but there were some."""
-        return not self._error and self._num_live_consumers == 0 and self._had_consumers
+        """No live consumer now (a restarting prefill worker's key expired) but there were some, or
+        none yet in a fresh router's startup window."""
+        return not self._error and self._num_live_consumers == 0 and (self._had_consumers or self._starting())
 
     @property
     def error(self) -> str:

@@ -3,8 +3,9 @@
 - a request that can never run (prompt too long, token ids out of the vocabulary): 400;
 - the queue's store unreachable, no ready prefill worker (or live consumer), no ready decode
   worker: 503 with Retry-After; but while a worker of the role that was ready is expected back
-  (restarting: still listed in the pool, or a Redis queue that had consumers), a new request
-  waits up to `restart_window_s` for it first;
+  (restarting: still listed in the pool, or a Redis queue that had consumers), or a role has had
+  no ready worker yet in a fresh router's first `startup_window_s` (loading, registering), a new
+  request waits up to `restart_window_s` for one first;
 - more than `max_queued_requests` requests (or `max_queued_tokens` prompt tokens) admitted and
   still waiting for their first token: 429 with Retry-After.
 Later refusals of an admitted request (no KV room before the deadline, the queue lost, no first

@@ -37,6 +37,7 @@ def create_router_app(router: PDRouter, model_name: str, api: ApiConfig | None =
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         nonlocal watcher
+        router.pool.expect_first_workers(router.config.startup_window_s)
         await router.refresh()
         watcher = asyncio.create_task(router.watch())
         try:

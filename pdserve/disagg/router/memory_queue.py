@@ -305,4 +305,4 @@ def make_queue(args: QueueArgs, pool: WorkerPool, client: WorkerClient) -> Prefi
     # NOTE: imported here: a router on the memory queue never needs redis.
     from pdserve.disagg.queue.redis_streams import RedisPrefillQueue
 
-    return RedisPrefillQueue(args.queue, args.queue_deployment)
+    return RedisPrefillQueue(args.queue, args.queue_deployment, starting=lambda: pool.starting)

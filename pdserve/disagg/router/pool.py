@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -74,6 +75,8 @@ class WorkerPool:
         self._client = client
         self._members: dict[WorkerRole, list[Worker]] = {"prefill": [], "decode": []}
         self.stopping = False  # the router is shutting down: its workers going away is expected
+        self._starting_until = float("-inf")  # see expect_first_workers
+        self._ever_ready: set[WorkerRole] = set()  # roles that have had a ready worker
         self.set_members("prefill", prefill)
         self.set_members("decode", decode)
 
@@ -103,10 +106,24 @@ class WorkerPool:
     def any_ready(self, role: WorkerRole) -> bool:
         return any(w.ready for w in self._members[role])
 
+    def expect_first_workers(self, window_s: float) -> None:
+        """A fresh router: for `window_s` from now (`startup_window_s`), a role that has had no ready
+        worker yet has one on its way (loading, or not registered yet), as a restarting one is."""
+        self._starting_until = time.monotonic() + window_s
+
+    @property
+    def starting(self) -> bool:
+        """Within the window `expect_first_workers` opened."""
+        return time.monotonic() < self._starting_until
+
     def expected_back(self, role: WorkerRole) -> bool:
         """No worker of `role` is ready, but one that was is still listed (restarting, draining
-        before a restart, or gone and not yet out of its membership source)."""
-        return not self.any_ready(role) and any(w.member and w.was_ready for w in self._members[role])
+        before a restart, or gone and not yet out of its membership source), or this fresh router
+        has not seen the role's first one yet (`expect_first_workers`)."""
+        if self.any_ready(role):
+            return False
+        return any(w.member and w.was_ready for w in self._members[role]) or \
+            (role not in self._ever_ready and self.starting)
 
     def find(self, role: WorkerRole, url: str) -> Worker | None:
         return next((w for w in self._members[role] if w.url == url), None)
@@ -137,6 +154,8 @@ class WorkerPool:
         if worker.info is not None and info.instance_id != worker.info.instance_id:
             logger.info("%s worker %s restarted (instance %s)", worker.role, worker.url, info.instance_id)
         worker.was_ready = worker.was_ready or info.ready
+        if info.ready:
+            self._ever_ready.add(worker.role)
         if info.ready and not worker.ready:
             logger.info("%s worker %s is in the pool", worker.role, worker.url)
         elif worker.ready and not info.ready:
