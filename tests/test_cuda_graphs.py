@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -43,6 +44,20 @@ def _mixed_plan() -> StepPlan:
         plan.positions.extend(range(cached, cached + new))
         plan.slots.extend(table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(cached, cached + new))
         plan.prefills.append(PlannedPrefill(start, start + new, cached + new, table))
+        plan.sample_rows.append(start + new - 1)
+    return plan
+
+
+def _fresh_prompts_plan() -> StepPlan:
+    """Two decodes, then three fresh prompts of 1, 13 and 23 tokens (one prefix-kernel launch a
+    layer on a float pool: its query tiles, masked rows and causal diagonal at several lengths)."""
+    plan = _decode_plan(DECODES[:2])
+    for table, new in (([50], 1), ([51, 52, 53, 54], 13), ([55, 56, 57, 58, 59, 61], 23)):
+        start = len(plan.token_ids)
+        plan.token_ids.extend(range(300, 300 + new))
+        plan.positions.extend(range(new))
+        plan.slots.extend(table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(new))
+        plan.prefills.append(PlannedPrefill(start, start + new, new, table))
         plan.sample_rows.append(start + new - 1)
     return plan
 
@@ -91,18 +106,21 @@ def test_pad_decode_plan() -> None:
 
 @on_cpu
 @pytest.mark.parametrize("model", MODEL_NAMES)  # GQA 4 query heads on 2 KV heads, and on 1
-def test_triton_backend_matches_cpu_backend(model: str, model_dirs: dict[str, Path]) -> None:
-    """A mixed step (decodes, a prompt chunk over a cached prefix, a fresh prompt): the same logits
-    and the same pool after it."""
+@pytest.mark.parametrize(("make_plan", "max_query_len"), [(_mixed_plan, 5), (_fresh_prompts_plan, 23)],
+                         ids=["mixed", "fresh-prompts"])
+def test_triton_backend_matches_cpu_backend(model: str, model_dirs: dict[str, Path], make_plan: Any,
+                                            max_query_len: int) -> None:
+    """A mixed step (decodes, a prompt chunk over a cached prefix, a fresh prompt), and a step of
+    fresh prompts beside decodes: the same logits and the same pool after it."""
     runner = _runner(model_dirs, model)
     before = runner.kv_cache.clone()
-    plan = _mixed_plan()
+    plan = make_plan()
     expected = runner.run(plan)
     expected_pool = runner.kv_cache.clone()
     runner.kv_cache.copy_(before)
     runner.use_paged_step(graphs=False)
     input_ids, _, meta = runner._prepare(plan)
-    assert input_ids.dtype == torch.int32 and meta.max_prefix_query_len == 5  # type: ignore[union-attr]
+    assert input_ids.dtype == torch.int32 and meta.max_prefix_query_len == max_query_len  # type: ignore[union-attr]
     got = runner.run(plan)
     assert expected is not None and got is not None
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

@@ -1,11 +1,11 @@
 """Mixed and prefill steps from piecewise CUDA graphs (vLLM's FULL_AND_PIECEWISE: decode-only steps
 replay whole-forward graphs, engine/cuda_graphs.py; every other step of at most the largest token
 bucket replays these). Attention is the one part of a layer that reads the step's metadata (which
-rows decode, which prompt chunks read a cached prefix, fresh prompts' spans, split counts): it runs
+rows decode, the prompt chunks' spans and contexts, split counts): it runs
 eagerly between graphs of everything else, the pieces of `Qwen3ForCausalLM` (model/qwen3.py):
 
     piece 0        embed, RoPE rows, layer 0 up to its attention       graph  (per token bucket)
-    attention 0    store K/V, decode / prefix / fresh-prompt kernels    eager  -> layer_done(0)
+    attention 0    store K/V, decode kernel, prefix kernel (all prompts) eager  -> layer_done(0)
     piece 1        layer 0 after its attention, layer 1 up to its own   graph
     ...
     piece L        layer L-1 after its attention, the final norm        graph  -> hidden states

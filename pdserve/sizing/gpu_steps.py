@@ -34,7 +34,7 @@ import re
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -339,7 +339,9 @@ def stage_mixed(ns: argparse.Namespace, setup: Setup) -> list[Result]:
     (batch, chunk), = _pairs(ns.mixed)
     (small_batch, small_chunk), = _pairs(ns.piecewise)
     decode_blocks = _blocks(max(batch, small_batch), ns.context)
-    runner = make_runner(ns.preset, setup, decode_blocks + -(-max(chunk, small_chunk) // _BLOCK) + 1,
+    # NOTE: room for the decodes and the prompt's sequence, as an engine running them all would have
+    seqs = replace(setup, max_batch=max(setup.max_batch, batch + 1, small_batch + 1))
+    runner = make_runner(ns.preset, seqs, decode_blocks + -(-max(chunk, small_chunk) // _BLOCK) + 1,
                          max(batch + chunk, small_batch + small_chunk), max(ns.context, chunk) + 2 * _BLOCK)
     capture(runner)
     mixed = step_ms(runner, add_prompt(decode_plan(batch, ns.context), chunk, decode_blocks + 1), setup.repeats)
