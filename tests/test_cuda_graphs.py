@@ -39,13 +39,18 @@ def _mixed_plan() -> StepPlan:
     fresh 5-token prompt (blocks 61..62), in one step."""
     plan = _decode_plan(DECODES)
     for table, cached, new in (([50, 51, 52], 6, 5), ([61, 62], 0, 5)):
-        start = len(plan.token_ids)
-        plan.token_ids.extend(range(200 + cached, 200 + cached + new))
-        plan.positions.extend(range(cached, cached + new))
-        plan.slots.extend(table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(cached, cached + new))
-        plan.prefills.append(PlannedPrefill(start, start + new, cached + new, table))
-        plan.sample_rows.append(start + new - 1)
+        _add_prompt_chunk(plan, table, cached, new)
     return plan
+
+
+def _add_prompt_chunk(plan: StepPlan, table: list[int], cached: int, new: int) -> None:
+    """A chunk of `new` tokens after `cached` ones of a prompt whose blocks are `table`; it samples."""
+    start = len(plan.token_ids)
+    plan.token_ids.extend(range(200 + cached, 200 + cached + new))
+    plan.positions.extend(range(cached, cached + new))
+    plan.slots.extend(table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(cached, cached + new))
+    plan.prefills.append(PlannedPrefill(start, start + new, cached + new, table))
+    plan.sample_rows.append(start + new - 1)
 
 
 def _fresh_prompts_plan() -> StepPlan:
@@ -53,12 +58,7 @@ def _fresh_prompts_plan() -> StepPlan:
     layer on a float pool: its query tiles, masked rows and causal diagonal at several lengths)."""
     plan = _decode_plan(DECODES[:2])
     for table, new in (([50], 1), ([51, 52, 53, 54], 13), ([55, 56, 57, 58, 59, 61], 23)):
-        start = len(plan.token_ids)
-        plan.token_ids.extend(range(300, 300 + new))
-        plan.positions.extend(range(new))
-        plan.slots.extend(table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(new))
-        plan.prefills.append(PlannedPrefill(start, start + new, new, table))
-        plan.sample_rows.append(start + new - 1)
+        _add_prompt_chunk(plan, table, 0, new)
     return plan
 
 
