@@ -18,7 +18,8 @@
 #   0. review (first, ~3 min): the Triton kernel tests on CUDA (tests/test_triton_*.py: attention, FP8 KV,
 #      fused norm/RoPE/SiLU kernels, whichever exist), then the attention kernels alone
 #      (`python -m pdserve.bench.gpu_kernels`: split-KV decode in GB/s at head_dim 128, batch 1 and 64 x 4K
-#      and 32K, an FP8 pool too; the prefix kernel on a 2,048-token chunk over 16K against SDPA, TFLOPS).
+#      and 32K, an FP8 pool too; the prefix kernel on a 2,048-token chunk over 16K against SDPA, and on a
+#      fresh 2,048-token prompt against causal (flash) SDPA, TFLOPS).
 #   0b. steps (after review, ~2-3 min; `python -m pdserve.sizing.gpu_steps STAGE`, random weights built on the
 #      GPU): capture of the qwen3-8b and small-moe shapes (decode graphs and piecewise graphs per token
 #      bucket: counts, seconds, pool MiB, replay against eager);

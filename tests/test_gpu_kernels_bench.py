@@ -18,9 +18,10 @@ def test_smoke_run_checks_every_kernel_against_sdpa(tmp_path: Path) -> None:
     from pdserve.bench.gpu_kernels import main
 
     results = main(["--smoke", "--save", str(tmp_path / "kernels.json")])
-    assert [r.kernel for r in results] == ["decode", "prefix", "sdpa (masked)"]
+    assert [r.kernel for r in results] == ["decode", "prefix", "sdpa (masked)", "prefix", "sdpa (causal)"]
+    assert [r.shape for r in results[1:]] == ["8x24", "8x24", "8x8", "8x8"]
     assert all(r.max_error < 1e-4 and r.ms > 0 for r in results)
-    assert len(json.loads((tmp_path / "kernels.json").read_text())) == 3
+    assert len(json.loads((tmp_path / "kernels.json").read_text())) == 5
 
 
 def test_device_check_script_parses_and_names_modules_that_exist() -> None:

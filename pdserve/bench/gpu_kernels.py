@@ -1,9 +1,10 @@
 """The attention kernels alone, as the GPU check times them first: the split-KV decode kernel in
 GB/s of KV read (bf16, head_dim 128, GQA 4, block size 16; an FP8 pool too where the device has
-float8), and the prefix kernel (a query chunk over a cached context) in TFLOPS against SDPA on the
-same K/V gathered; each checked against SDPA before it is timed. One table; `--save` writes it as JSON.
+float8), and the prefix kernel (a query chunk over a cached context, and a fresh prompt, which it
+attends too) in TFLOPS against SDPA on the same K/V gathered (masked; causal, flash, for the fresh
+prompt); each checked against SDPA before it is timed. One table; `--save` writes it as JSON.
 
-    python -m pdserve.bench.gpu_kernels [--decode 1x4096,64x4096,1x32768,64x32768] [--prefix 2048x16384]
+    python -m pdserve.bench.gpu_kernels [--decode 1x4096,64x4096,1x32768,64x32768] [--prefix 2048x16384,2048x2048]
     python -m pdserve.bench.gpu_kernels --smoke    # tiny shapes on CPU (Triton's interpreter): the code runs
 """
 
@@ -117,9 +118,11 @@ def prefix(query_len: int, context: int, s: Shape, device: torch.device, repeats
     def run() -> None:
         kernels.prefix_attention(q, pool, table, lens, starts, ends, out, max_query_len=query_len, scale=scale)
 
+    fresh = query_len == context  # a fresh prompt: what SDPA's flash path took before the prefix kernel did
+
     def reference() -> torch.Tensor:
-        return F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale,
-                                              enable_gqa=True).transpose(0, 1)
+        return F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=None if fresh else mask,
+                                              is_causal=fresh, scale=scale, enable_gqa=True).transpose(0, 1)
 
     run()
     error = float((out.float() - reference().float()).abs().max())
@@ -130,7 +133,8 @@ def prefix(query_len: int, context: int, s: Shape, device: torch.device, repeats
     ms, ref_ms = _timed(run, device, repeats), _timed(run_reference, device, repeats)
     shape = f"{query_len}x{context}"
     return [KernelResult("prefix", shape, ms, flops / ms / 1e9, "TFLOPS", error),
-            KernelResult("sdpa (masked)", shape, ref_ms, flops / ref_ms / 1e9, "TFLOPS", 0.0)]
+            KernelResult("sdpa (causal)" if fresh else "sdpa (masked)", shape, ref_ms, flops / ref_ms / 1e9, "TFLOPS",
+                         0.0)]
 
 
 def _fp8_dtype(device: torch.device) -> torch.dtype | None:
@@ -147,14 +151,15 @@ def _pairs(text: str) -> list[tuple[int, int]]:
 def main(argv: list[str] | None = None) -> list[KernelResult]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--decode", default="1x4096,64x4096,1x32768,64x32768", help="batch x context, comma-separated")
-    parser.add_argument("--prefix", default="2048x16384", help="query chunk x context, comma-separated")
+    parser.add_argument("--prefix", default="2048x16384,2048x2048",
+                        help="query chunk x context, comma-separated (equal: a fresh prompt, against causal SDPA)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (Triton's interpreter)")
     parser.add_argument("--save", default=None, help="write the table as JSON here")
     args = parser.parse_args(argv)
     if args.smoke:
         device, shape = torch.device("cpu"), Shape(num_kv_heads=2, group=2, head_dim=32, dtype=torch.float32)
-        decodes, prefixes, repeats = [(2, 40)], [(8, 24)], 1
+        decodes, prefixes, repeats = [(2, 40)], [(8, 24), (8, 8)], 1
     else:
         device, shape = torch.device("cuda"), Shape()
         decodes, prefixes, repeats = _pairs(args.decode), _pairs(args.prefix), args.repeats
