@@ -128,6 +128,21 @@ def test_triton_backend_matches_cpu_backend(model: str, model_dirs: dict[str, Pa
 
 
 @on_cpu
+@pytest.mark.parametrize("max_num_seqs", [1, 2, 3])
+def test_the_prefill_warm_up_fits_any_max_num_seqs(model_dirs: dict[str, Path], max_num_seqs: int) -> None:
+    """The start-up warm-up (a decode, a chunk over a cached prefix, a fresh prompt) fits the step
+    buffers at any `--max-num-seqs`: below 3 its sequences run one at a time (at 2 the mixed step
+    once raised, its fresh prompt being a prefix-kernel sequence too)."""
+    llm = LLM(model=str(model_dirs["tiny"]), device="cpu", dtype="float32", num_kv_blocks=16, block_size=BLOCK_SIZE,
+              max_num_seqs=max_num_seqs, max_model_len=64)
+    runner = llm.engine.runner
+    runner.use_paged_step(graphs=True)
+    before = runner.kv_cache.clone()
+    runner.warm_up_prefill()
+    assert torch.equal(runner.kv_cache, before)  # it writes no KV
+
+
+@on_cpu
 def test_padded_decode_step_writes_real_slots_only(model_dirs: dict[str, Path]) -> None:
     """Decode steps padded to their bucket (3 -> 4, 4 -> 4, 1 -> 1, 5 -> 8 rows): the logits equal
     the unpadded step's; the pool changes at the real rows' slots only (padded rows: slot -1)."""
@@ -228,10 +243,22 @@ def test_step_buffers_keep_their_addresses() -> None:
     assert mixed.prefix_tables[1, :2].tolist() == [61, 62] and mixed.max_prefix_query_len == 5
     assert (mixed.prefix_starts.tolist(), mixed.prefix_ends.tolist()) == ([5, 10], [10, 15])
     assert mixed.fresh_prefills == () and mixed.decode_lens.tolist() == [n for _, n in DECODES]
-    # an FP8 pool: the fresh prompt attends to its unquantized K/V apart (one SDPA call)
-    fp8 = StepBuffers(max_tokens=16, max_seqs=8, max_blocks_per_seq=6, device=torch.device("cpu"),
-                      splits=lambda n: 2, kv_quant=object()).prepare(_mixed_plan())[2]  # type: ignore[arg-type]
-    assert fp8.prefix_lens.tolist() == [11] and fp8.fresh_prefills == ((10, 15),)
-    assert (fp8.prefix_starts.tolist(), fp8.prefix_ends.tolist()) == ([5], [10])
+    # the fresh prompt attends to its own new K/V apart (one SDPA call): on an FP8 pool, on a pool of
+    # another float dtype than the model's, and when it is as long as `fresh_sdpa_min_tokens`
+    def fresh_apart(kv_quant: object, below: int | None) -> bool:
+        other = StepBuffers(max_tokens=16, max_seqs=8, max_blocks_per_seq=6, device=torch.device("cpu"),
+                            splits=lambda n: 2, kv_quant=kv_quant)  # type: ignore[arg-type]
+        if below is not None:
+            other.fresh_in_kernel_below = below
+        meta = other.prepare(_mixed_plan())[2]
+        first = (meta.prefix_starts.tolist()[0], meta.prefix_ends.tolist()[0], meta.prefix_lens.tolist()[0])
+        assert first == (5, 10, 11)  # the chunk over a cached prefix: the kernel's, always
+        assert meta.fresh_prefills in {((10, 15),), ()} and len(meta.prefix_lens) == 2 - len(meta.fresh_prefills)
+        return bool(meta.fresh_prefills)
+
+    # the fresh prompt attends to its own new K/V apart (one SDPA call) on an FP8 pool, on a pool of
+    # another float dtype than the model's (the runner sets 0), and from `fresh_in_kernel_below` tokens
+    assert fresh_apart(object(), None) and fresh_apart(None, 0) and fresh_apart(None, 5)
+    assert not fresh_apart(None, 6) and not fresh_apart(None, None)
     with pytest.raises(ValueError, match="exceeds the step buffers"):
         buffers.prepare(_decode_plan([([1, 2, 3, 4, 5, 6, 7], 27)]))

@@ -136,6 +136,8 @@ class ModelRunner:
         self.step_buffers = StepBuffers(max(sched.max_num_batched_tokens, sched.max_num_seqs), sched.max_num_seqs,
                                         -(-sched.max_model_len // self.block_size), self.device, splits,
                                         self.kv_quant)
+        if self.config.kv_dtype != self.config.dtype:  # NOTE: fresh prompts never read K/V rounded to the pool
+            self.step_buffers.fresh_in_kernel_below = 0
         self.decode_graphs = DecodeGraphs(self.model, self.layer_caches, self.step_buffers, buckets) if graphs else None
         self.piecewise_graphs = PiecewiseGraphs(self.model, self.layer_caches, self.step_buffers,
                                                 token_buckets(sched.max_num_batched_tokens)) if graphs else None
@@ -148,11 +150,19 @@ class ModelRunner:
         and the eager decode path compile here, as the decode buckets do at capture). It writes no
         KV (every slot is PAD_SLOT) and reads block 0 only. Without decode graphs (`--enforce-eager`),
         a decode batch splits by its own size, and each split count is a kernel variant of its own:
-        one decode step of each count's smallest batch compiles them all here too."""
-        plan = StepPlan(token_ids=[0] * 5, positions=[0, 1, 2, 0, 1], slots=[PAD_SLOT] * 5, decode_rows=[0],
-                        decode_tables=[[0]], decode_lens=[1],
-                        prefills=[PlannedPrefill(1, 3, 3, [0]), PlannedPrefill(3, 5, 2, [0])])
-        self.run(plan)  # NOTE: under tensor parallelism, on every rank (TPModelRunner.run sends the plan)
+        one decode step of each count's smallest batch compiles them all here too. Below 3
+        sequences a step (`--max-num-seqs` 1 or 2), the three run one at a time."""
+        if self.config.scheduler.max_num_seqs >= 3:
+            plans = [StepPlan(token_ids=[0] * 5, positions=[0, 1, 2, 0, 1], slots=[PAD_SLOT] * 5, decode_rows=[0],
+                              decode_tables=[[0]], decode_lens=[1],
+                              prefills=[PlannedPrefill(1, 3, 3, [0]), PlannedPrefill(3, 5, 2, [0])])]
+        else:
+            plans = [StepPlan(token_ids=[0], positions=[0], slots=[PAD_SLOT], decode_rows=[0], decode_tables=[[0]],
+                              decode_lens=[1]),
+                     *(StepPlan(token_ids=[0] * 2, positions=[context - 2, context - 1], slots=[PAD_SLOT] * 2,
+                                prefills=[PlannedPrefill(0, 2, context, [0])]) for context in (3, 2))]
+        for plan in plans:
+            self.run(plan)  # NOTE: under tensor parallelism, on every rank (TPModelRunner.run sends the plan)
         if self.decode_graphs is not None or self.step_buffers is None:
             return
         warmed = {self.step_buffers.splits(1)}

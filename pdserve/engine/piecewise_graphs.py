@@ -5,7 +5,7 @@ rows decode, the prompt chunks' spans and contexts, split counts): it runs
 eagerly between graphs of everything else, the pieces of `Qwen3ForCausalLM` (model/qwen3.py):
 
     piece 0        embed, RoPE rows, layer 0 up to its attention       graph  (per token bucket)
-    attention 0    store K/V, decode kernel, prefix kernel (all prompts) eager  -> layer_done(0)
+    attention 0    store K/V, decode and prefix kernels (and SDPA)     eager  -> layer_done(0)
     piece 1        layer 0 after its attention, layer 1 up to its own   graph
     ...
     piece L        layer L-1 after its attention, the final norm        graph  -> hidden states

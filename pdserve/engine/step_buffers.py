@@ -8,10 +8,14 @@ views keep their addresses from step to step (what a CUDA graph replays reads th
     lens[S] | tables[S, W]                       T = max tokens, S = max sequences, W = max blocks a sequence
 
 Sequences 0..d-1 of `lens`/`tables` are the step's decodes, then, from the next multiple of 4,
-its prompt chunks (every region and table row 16-byte aligned: see __init__): all of them, so one
-prefix-kernel launch a layer attends every prompt, fresh ones included, as one varlen flash call
-does in vLLM. An FP8 pool keeps fresh prompts (no cached context) apart: they attend to their
-unquantized K/V, one SDPA call each (`PagedMetadata.fresh_prefills`), as the torch backend does.
+its prompt chunks (every region and table row 16-byte aligned: see __init__): those over a cached
+context, and fresh prompts (no cached context) shorter than `FRESH_SDPA_MIN_TOKENS`, so one
+prefix-kernel launch a layer attends them all, as one varlen flash call does in vLLM (review
+finding 6: a step of 32 short prompts took 32 SDPA calls and 32 copies a layer). A longer fresh
+prompt, whose attention outweighs two launches, keeps torch's fused attention (flash on CUDA) over
+its own new K/V, one call each (`PagedMetadata.fresh_prefills`); so does every fresh prompt when
+the pool holds another dtype than the model (FP8, or a narrower float), as on the torch backend,
+where a fresh prompt never reads K/V rounded to the pool.
 A step fills the host buffer from its `StepPlan` (numpy, no torch op per request) and
 copies the regions' used part to the device at once: up to the last table row used, so a step
 that uses fewer sequences copies fewer rows. The attention metadata is then views, built once a
@@ -32,6 +36,10 @@ from pdserve.model.attention import KVQuant
 from pdserve.model.attention_backend import PagedMetadata
 
 PAD_SLOT = -1  # a row whose K/V is written nowhere (a CUDA graph's padding)
+# NOTE: from this many tokens a fresh prompt's attention (~22 µs of flash at 1,024 tokens on Qwen3-8B's
+# heads, H200) outweighs the SDPA call and copy that the prefix kernel saves even at 0.6x flash's speed;
+# an estimate until `scripts/device_check.sh`'s gpu_kernels stage times the kernel on a fresh 2,048-token prompt
+FRESH_SDPA_MIN_TOKENS = 1024
 _ALIGN = 4  # int32s in 16 bytes
 
 
@@ -48,6 +56,9 @@ class StepBuffers:
         self.device = device
         self.splits = splits
         self.kv_quant = kv_quant
+        # fresh prompts of fewer tokens than this go through the prefix kernel (0: none; the runner sets
+        # 0 for a float pool of another dtype than the model's)
+        self.fresh_in_kernel_below = FRESH_SDPA_MIN_TOKENS if kv_quant is None else 0
         # NOTE: every region, every table row and the first prefix sequence start 16 bytes apart (4
         # int32s): Triton specializes pointer arguments on 16-byte alignment, so an alignment that
         # changed with the number of decodes compiled a new kernel variant in the middle of serving
@@ -106,13 +117,13 @@ class StepBuffers:
     def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, PagedMetadata]:
         """The step's input ids, positions and metadata: views of the device buffer."""
         num_tokens, num_decodes = len(plan.token_ids), len(plan.decode_rows)
-        prefix = plan.prefills if self.kv_quant is None else \
-            [p for p in plan.prefills if p.context_len > p.end - p.start]
+        below = self.fresh_in_kernel_below
+        prefix = [p for p in plan.prefills if p.context_len > p.end - p.start or p.context_len < below]
         first_prefix = _aligned(num_decodes) if prefix else num_decodes  # rows between: unused
         num_seqs = first_prefix + len(prefix)
         if num_tokens > self.max_tokens or num_decodes + len(prefix) > self.max_seqs:
-            raise ValueError(f"a step of {num_tokens} tokens, {num_seqs} sequences exceeds the step buffers "
-                             f"({self.max_tokens}, {self.max_seqs})")
+            raise ValueError(f"a step of {num_tokens} tokens, {num_decodes + len(prefix)} sequences exceeds the step "
+                             f"buffers ({self.max_tokens}, {self.max_seqs})")
         if self._copied is not None:
             self._copied.synchronize()  # NOTE: the previous step's copy has read the host buffer
         fill = self._np
@@ -144,8 +155,8 @@ class StepBuffers:
             prefix_tables=all_tables[first_prefix:],
             prefix_lens=self._region(buf, "lens", len(prefix), at=first_prefix),
             max_prefix_query_len=max((p.end - p.start for p in prefix), default=0),
-            fresh_prefills=() if self.kv_quant is None else
-            tuple((p.start, p.end) for p in plan.prefills if p.context_len == p.end - p.start),
+            fresh_prefills=tuple((p.start, p.end) for p in plan.prefills
+                                 if p.context_len == p.end - p.start and p.context_len >= below),
             kv_quant=self.kv_quant,
         )
         return self._region(buf, "ids", num_tokens), self._region(buf, "positions", num_tokens), meta

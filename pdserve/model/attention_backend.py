@@ -14,8 +14,10 @@ Contract of an `AttentionBackend`:
     TorchAttention   CPU (and CUDA without triton): model/attention.py as it always was:
                      `AttentionMetadata`; decode reads runs of adjacent blocks in place on CPU
     TritonAttention  CUDA: `PagedMetadata`, Triton kernels (model/triton_attention.py) reading the
-                     block tables inside the kernel; prompts with no cached context use torch's
-                     fused attention (flash on CUDA) over their own new K/V, as on CPU
+                     block tables inside the kernel, every prompt chunk in one prefix-kernel launch;
+                     fresh prompts (no cached context) of 1,024 tokens or more, and every fresh prompt
+                     on a pool of another dtype than the model's (FP8), use torch's fused attention
+                     (flash on CUDA) over their own new K/V, as on CPU (engine/step_buffers.py)
 
 `attend` dispatches on the metadata's type, so the model (qwen3.py) needs no backend of its own.
 """
@@ -43,8 +45,8 @@ from pdserve.model.attention import (
 class PagedMetadata:
     """One step for `TritonAttention`: every tensor a view of the runner's persistent step buffers
     (engine/step_buffers.py), int32 on the device. Decodes are sequences 0..num_decodes-1 of
-    `block_tables`/`context_lens`; prompt chunks follow them (all of them on a float pool, those
-    over a cached context on an FP8 pool, whose fresh prompts are `fresh_prefills`)."""
+    `block_tables`/`context_lens`; prompt chunks follow them (but the fresh prompts that attend
+    apart, `fresh_prefills`: engine/step_buffers.py)."""
 
     slot_mapping: torch.Tensor  # [num_tokens]: -1 writes nothing (a CUDA graph's padded rows)
     decode_rows: torch.Tensor  # [num_decodes]: each decode's row in the flattened batch
@@ -56,7 +58,7 @@ class PagedMetadata:
     prefix_tables: torch.Tensor  # [num_prefix, max_blocks_per_seq]
     prefix_lens: torch.Tensor  # [num_prefix]
     max_prefix_query_len: int
-    fresh_prefills: tuple[tuple[int, int], ...] = ()  # FP8 pool: (start, end) rows of prompts with no cached context
+    fresh_prefills: tuple[tuple[int, int], ...] = ()  # (start, end) rows of fresh prompts that attend apart (SDPA)
     kv_quant: KVQuant | None = None  # an FP8 pool's per-layer scales, read by the kernels; None: a float pool
 
 

@@ -65,16 +65,22 @@ class Admission:
         self._admit_now(num_tokens)
 
     async def _restart_window(self) -> None:
-        if self._restart_window_s <= 0 or not self._expected_back():
+        if self._restart_window_s <= 0 or not self._worth_waiting():
             return
         # NOTE: a request waiting here counts as waiting in the router (vllm:num_requests_waiting)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._restart_window_s
-        while self._expected_back() and loop.time() < deadline:
+        while self._worth_waiting() and loop.time() < deadline:
             await asyncio.sleep(_WINDOW_POLL_S)
 
-    def _expected_back(self) -> bool:
-        return (not self._queue.ready and self._queue.expected_back) or self._pool.expected_back("decode")
+    def _worth_waiting(self) -> bool:
+        """Some role has no ready worker, and each such role is expected back: a wait can end in
+        an admission. The queue's store unreachable, or a role gone for good, is refused at once."""
+        if self._queue.error:
+            return False
+        queue_down, decode_down = not self._queue.ready, not self._pool.any_ready("decode")
+        return (queue_down or decode_down) and (not queue_down or self._queue.expected_back) and \
+            (not decode_down or self._pool.expected_back("decode"))
 
     def _admit_now(self, num_tokens: int) -> None:
         if self._queue.error:
