@@ -243,8 +243,6 @@ def test_step_buffers_keep_their_addresses() -> None:
     assert mixed.prefix_tables[1, :2].tolist() == [61, 62] and mixed.max_prefix_query_len == 5
     assert (mixed.prefix_starts.tolist(), mixed.prefix_ends.tolist()) == ([5, 10], [10, 15])
     assert mixed.fresh_prefills == () and mixed.decode_lens.tolist() == [n for _, n in DECODES]
-    # the fresh prompt attends to its own new K/V apart (one SDPA call): on an FP8 pool, on a pool of
-    # another float dtype than the model's, and when it is as long as `fresh_sdpa_min_tokens`
     def fresh_apart(kv_quant: object, below: int | None) -> bool:
         other = StepBuffers(max_tokens=16, max_seqs=8, max_blocks_per_seq=6, device=torch.device("cpu"),
                             splits=lambda n: 2, kv_quant=kv_quant)  # type: ignore[arg-type]

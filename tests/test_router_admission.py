@@ -4,6 +4,7 @@ conditional disaggregation, on thread-based clusters with the in-memory prefill 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -215,7 +216,7 @@ def test_a_request_sent_while_the_only_decode_worker_restarts_waits_for_it(model
         with httpx.Client(base_url=cluster.router.url, timeout=30) as http:
             decode.draining = True
             _until(lambda: http.get("/ready").status_code == 503)  # the router's pool saw it go
-            threading_timer = __import__("threading").Timer(0.8, lambda: setattr(decode, "draining", False))
+            threading_timer = threading.Timer(0.8, lambda: setattr(decode, "draining", False))
             threading_timer.start()
             start = time.monotonic()
             reply = http.post("/v1/completions", json=GREEDY | {"prompt": prompt})
@@ -234,9 +235,10 @@ def test_a_request_sent_while_the_only_decode_worker_restarts_waits_for_it(model
 
 
 def test_a_fresh_router_waits_for_its_first_decode_worker(model_dirs: dict[str, Path], colocated: LLM) -> None:
-    """A router that has not seen any decode worker ready yet (it is loading, or registering) holds
-    a request up to its restart window instead of a 503 at once (within its startup window) (`up`'s router, polled on
-    /v1/models, once refused a request 30 ms before its decode worker registered)."""
+    """Within its startup window, a router that has not seen any decode worker ready yet (it is
+    loading, or registering) holds a request up to its restart window instead of a 503 at once
+    (`up`'s router, polled on /v1/models, once refused a request 30 ms before its decode worker
+    registered)."""
     cluster = start_cluster(model_dirs["tiny"], "tcp", 1, 1)
     decode = cluster.service(DecodeService)
     decode.draining = True  # not ready when the fresh router below first polls it
@@ -246,7 +248,7 @@ def test_a_fresh_router_waits_for_its_first_decode_worker(model_dirs: dict[str, 
                                  Qwen3ModelConfig.from_dir(model_dirs["tiny"]), str(model_dirs["tiny"]), 1024)
     router = serve(create_router_app(fresh, MODEL))
     prompt = random_prompt(24, seed=78)
-    timer = __import__("threading").Timer(0.8, lambda: setattr(decode, "draining", False))
+    timer = threading.Timer(0.8, lambda: setattr(decode, "draining", False))
     try:
         with httpx.Client(base_url=router.url, timeout=30) as http:
             assert http.get("/ready").status_code == 503
