@@ -4,7 +4,7 @@ each must give what the general path gives, and leave nothing behind."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from helpers import assert_scheduler_clean, fake_step, make_request, make_scheduler
 
@@ -251,3 +251,49 @@ def test_the_host_step_bench_runs_every_stream_through_its_decode_steps(tmp_path
 
     model_dir = tiny_long_context_model(tmp_path / "tiny")
     assert measure(model_dir, num_streams=33, context_len=256, num_steps=3) > 0
+
+
+def test_steady_decode_plans_and_step_buffers_equal_the_full_ones() -> None:
+    """`SteadyDecodes` (a steady decode step planned from the last one) and the step buffers' table
+    rows skipped by identity give, step after step, what the general planner and a fresh fill give:
+    through arrivals, finishes, decodes entering new blocks, and preemptions (a pool too small)."""
+    import torch
+
+    from pdserve.engine.step_buffers import StepBuffers
+    from pdserve.engine.step_plan import SteadyDecodes, _plan_in_full, plan_step
+
+    block_size = 4
+    class Counted(SteadyDecodes):
+        hits = 0
+
+        def next_plan(self, *args: Any) -> Any:
+            planned = super().next_plan(*args)
+            Counted.hits += planned is not None
+            return planned
+
+    scheduler = make_scheduler(num_blocks=20, block_size=block_size, max_num_seqs=6, max_num_batched_tokens=32)
+    tables, steady = BlockTables(), Counted()
+    kept, fresh = (StepBuffers(64, 8, 64, torch.device("cpu"), lambda n: 1) for _ in range(2))
+    arrivals = {0: [(5, 30), (9, 14), (3, 40)], 6: [(7, 25)], 20: [(2, 12), (11, 9)]}  # step: (prompt, max_tokens)
+    step = 0
+    while scheduler.requests or step <= max(arrivals):
+        for index, (prompt, max_tokens) in enumerate(arrivals.get(step, [])):
+            scheduler.add_request(make_request(f"s{step}-{index}", prompt, max_tokens=max_tokens))
+        out = scheduler.schedule()
+        expected, expected_samplers, _ = _plan_in_full(out, block_size, None)
+        plan, samplers, targets = plan_step(out, block_size, tables, steady)
+        assert samplers == expected_samplers and not targets
+        for name in ("token_ids", "positions", "slots", "decode_rows", "decode_lens", "sample_rows", "lora_spans"):
+            assert getattr(plan, name) == getattr(expected, name), name
+        assert [list(t) for t in plan.decode_tables] == [list(t) for t in expected.decode_tables]
+        assert len(tables) == len(plan.decode_rows)  # a row per decode kept, none rebuilt needlessly
+        _, _, got = kept.prepare(plan)
+        _, _, want = fresh.prepare(expected)
+        assert torch.equal(got.decode_tables, want.decode_tables) and torch.equal(got.slot_mapping, want.slot_mapping)
+        assert torch.equal(got.prefix_tables, want.prefix_tables)
+        scheduler.update(out, {r.request_id: 100 + step % 7 for r in samplers})
+        step += 1
+        assert step < 500
+    assert scheduler.num_preemptions > 0, "the workload must preempt"
+    assert Counted.hits > 20, "most decode steps must be planned from the last one"
+    assert_scheduler_clean(scheduler)

@@ -71,10 +71,12 @@ class BlockTables:
             self._num_used += 1
         return row.array[:held if num_blocks is None else num_blocks]
 
-    def end_step(self) -> None:
+    def end_step(self, keep_all: bool = False) -> None:
         """Drop the rows no `table` call of this step asked for (finished and paused requests);
-        O(1) when every row was asked for, as in a steady decode."""
-        if self._num_used != len(self._rows):
+        O(1) when every row was asked for, as in a steady decode. `keep_all`: the step's requests are
+        the last step's, whose rows were all kept then (`SteadyDecodes` asks only for those that
+        grew): drop none."""
+        if not keep_all and self._num_used != len(self._rows):
             step = self._step
             for request_id in [r for r, row in self._rows.items() if row.step != step]:
                 del self._rows[request_id]

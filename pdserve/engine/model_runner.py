@@ -23,7 +23,7 @@ from pdserve.engine.piecewise_graphs import PiecewiseGraphs, token_buckets
 from pdserve.engine.sampler import Sampler, prompt_logprobs
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.step_buffers import PAD_SLOT, StepBuffers
-from pdserve.engine.step_plan import PlannedPrefill, StepPlan, plan_step
+from pdserve.engine.step_plan import PlannedPrefill, SteadyDecodes, StepPlan, plan_step
 from pdserve.model.attention import (
     AttentionMetadata,
     DecodeBatch,
@@ -106,6 +106,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.piecewise_graphs: PiecewiseGraphs | None = None  # other steps: attention eager between graphs
         self.block_tables: BlockTables | None = None  # with step buffers: the decodes' persistent tables
+        self.steady_decodes: SteadyDecodes | None = None  # ... and the last steady decode step's plan
         if select_backend(self.device).name == "triton":
             graphs = not config.enforce_eager and config.tensor_parallel_size == 1
             self.use_paged_step(graphs)
@@ -142,6 +143,7 @@ class ModelRunner:
         self.piecewise_graphs = PiecewiseGraphs(self.model, self.layer_caches, self.step_buffers,
                                                 token_buckets(sched.max_num_batched_tokens)) if graphs else None
         self.block_tables = BlockTables()
+        self.steady_decodes = SteadyDecodes()
 
     @torch.inference_mode()
     def warm_up_prefill(self) -> None:
@@ -177,7 +179,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, layer_done: Callable[[int], None] | None = None) -> StepSamples:
         """Run one step; returns what the chunks that sample sampled."""
-        plan, samplers, targets = plan_step(out, self.block_size, self.block_tables)
+        plan, samplers, targets = plan_step(out, self.block_size, self.block_tables, self.steady_decodes)
         self.sampler.start_masks(samplers, self.vocab_size)  # structured outputs: beside the forward
         logits = self.run(plan, layer_done, _prompt_logprobs_of(targets) if targets else None)
         if logits is None:

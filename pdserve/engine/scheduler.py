@@ -169,7 +169,8 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.chunks.append(ScheduledChunk(request, num_new))
+                # NOTE: a decode entering a new block keeps its chunk too (`SteadyDecodes` compares them)
+                out.chunks.append(self._decode_chunk(request) if num_new == 1 else ScheduledChunk(request, num_new))
                 budget -= num_new
                 index += 1
         return budget

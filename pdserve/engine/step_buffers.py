@@ -27,6 +27,8 @@ never synchronises, and its copy may still be queued behind earlier kernels).
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import compress
+from operator import is_not
 
 import numpy as np
 import torch
@@ -73,7 +75,8 @@ class StepBuffers:
         self.device_buf = torch.zeros(size, dtype=torch.int32, device=device) if on_gpu else self.host
         self._np = self.host.numpy()
         self._copied = torch.cuda.Event() if on_gpu else None  # the last copy out of `host`
-        # decode i's table last step: the persistent row it viewed and how many ids row i holds of it
+        # decode i's table last step, the persistent row it viewed and how many ids row i holds of it
+        self._tables: list[object] = []
         self._table_sources: list[object] = []
         self._table_counts: list[int] = []
 
@@ -85,14 +88,17 @@ class StepBuffers:
     def _fill_decode_tables(self, tables: np.ndarray, decode_tables: list[list[int] | np.ndarray]) -> None:
         """Decode i's table into row i, writing only what the row lacks: a table that is a view of
         the same persistent row (`BlockTables`) as row i's last step holds the ids written then,
-        unchanged (its rows are append-only), so only ids past them are copied. A steady decode
-        step writes the new blocks' ids alone: host work that does not grow with context."""
-        last_sources, last_counts = self._table_sources, self._table_counts
-        self._table_sources, self._table_counts = [], []  # NOTE: a step that raises below leaves nothing trusted
-        num_last = len(last_sources)
-        sources: list[object] = []
-        counts: list[int] = []
-        for row, table in enumerate(decode_tables):
+        unchanged (its rows are append-only), so only ids past them are copied; the very same table
+        object as last step's (a steady decode's, `SteadyDecodes`; a padding row's) is not looked
+        at past that one identity test, made for every row in C. A steady decode step writes the
+        new blocks' ids alone: host work that does not grow with context."""
+        last_tables, last_sources, last_counts = self._tables, self._table_sources, self._table_counts
+        self._tables, self._table_sources, self._table_counts = [], [], []  # NOTE: a step that raises leaves nothing
+        num, num_last = len(decode_tables), len(last_tables)
+        sources, counts = last_sources[:num], last_counts[:num]
+        changed = list(compress(range(num), map(is_not, decode_tables, last_tables)))
+        for row in changed if num <= num_last else changed + list(range(num_last, num)):
+            table = decode_tables[row]
             count = len(table)
             source = table.base if isinstance(table, np.ndarray) else None
             if source is not None and row < num_last and source is last_sources[row]:
@@ -105,10 +111,13 @@ class StepBuffers:
             else:
                 self._check_width(count)
                 tables[row, :count] = table
-            sources.append(source)
-            counts.append(count)
-        # NOTE: the rows held (strong references): an id() could be reused, an object held cannot
-        self._table_sources, self._table_counts = sources, counts
+            if row < num_last:
+                sources[row], counts[row] = source, count
+            else:
+                sources.append(source)
+                counts.append(count)
+        # NOTE: the tables and rows held (strong references): an id() could be reused, an object held cannot
+        self._tables, self._table_sources, self._table_counts = list(decode_tables), sources, counts
 
     def _region(self, buf: torch.Tensor, name: str, length: int, at: int = 0) -> torch.Tensor:
         start = self._offsets[name] + at

@@ -16,12 +16,13 @@ Flattened batch for chunks [A: 3 new tokens from position 5], [B: 1 decode at po
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter, is_, itemgetter
 
 import numpy as np
 
 from pdserve.engine.block_tables import BlockTables
 from pdserve.engine.request import Request
-from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,12 +53,86 @@ class StepPlan:
     rank_message: object = None
 
 
-def plan_step(out: SchedulerOutput, block_size: int, tables: BlockTables | None = None
-              ) -> tuple[StepPlan, list[Request], list[tuple[Request, int]]]:
+_request_of = attrgetter("request")
+_computed_of = attrgetter("num_computed_tokens")
+_token_ids_of = attrgetter("all_token_ids")
+_last_of = itemgetter(-1)
+
+
+class SteadyDecodes:
+    """The last step's batch when it was decodes alone, every one sampling: the steady decode. A
+    step of the very same decodes, each one token further, is planned from it in numpy: the
+    positions, slots and lengths are last step's plus one, and only the decodes entering a new
+    block touch their block list and persistent table (1 in `block_size` a step). Its checks are C
+    loops (`map`), so such a step costs O(requests) in C and O(new blocks) in Python, not the
+    general planner's O(requests) in Python."""
+
+    def __init__(self) -> None:
+        self._chunks: list[ScheduledChunk] = []  # empty: the last step was not a steady decode
+        self._positions = np.zeros(0, dtype=np.int64)
+        self._slots = np.zeros(0, dtype=np.int64)
+        self._tables: list[list[int] | np.ndarray] = []
+        self._lora_spans: list[tuple[int, int, str]] = []
+
+    def remember(self, out: SchedulerOutput, plan: StepPlan, num_samplers: int) -> None:
+        """Keep `plan` as the base of the next step's if it is decodes alone, every one sampling."""
+        steady = (not plan.prefills and not plan.prompt_rows and not plan.blocks_to_swap_out
+                  and not plan.blocks_to_swap_in and len(plan.decode_rows) == num_samplers == len(out.chunks))
+        self._chunks = list(out.chunks) if steady else []
+        if steady:
+            self._positions = np.array(plan.positions, dtype=np.int64)
+            self._slots = np.array(plan.slots, dtype=np.int64)
+            self._tables, self._lora_spans = plan.decode_tables, plan.lora_spans
+
+    def next_plan(self, out: SchedulerOutput, block_size: int, tables: BlockTables
+                  ) -> tuple[StepPlan, list[Request]] | None:
+        """This step's plan and samplers, if it is the last step's decodes, each one token further
+        (None: plan it in full)."""
+        chunks, last = out.chunks, self._chunks
+        num = len(last)
+        # NOTE: the scheduler hands a decode the same ScheduledChunk every step (`_decode_chunk`)
+        if (not num or len(chunks) != num or out.blocks_to_swap_out or out.blocks_to_swap_in
+                or not all(map(is_, chunks, last))):
+            return None
+        requests = list(map(_request_of, chunks))
+        positions = self._positions + 1
+        if not np.array_equal(np.fromiter(map(_computed_of, requests), np.int64, num), positions):
+            return None  # a step in between did not advance them all (it raised)
+        token_lists = list(map(_token_ids_of, requests))
+        lens = positions + 1
+        if not np.array_equal(np.fromiter(map(len, token_lists), np.int64, num), lens):
+            return None  # each holds its one new token, so its chunk samples
+        slots = self._slots + 1
+        decode_tables = list(self._tables)
+        for row in np.flatnonzero(positions % block_size == 0).tolist():  # decodes entering a new block
+            request, position = requests[row], int(positions[row])
+            slots[row] = request.block_ids[position // block_size] * block_size
+            decode_tables[row] = tables.table(request, position // block_size + 1)
+        tables.end_step(keep_all=True)
+        plan = StepPlan(token_ids=list(map(_last_of, token_lists)), positions=positions.tolist(),
+                        slots=slots.tolist(), decode_rows=list(range(num)), decode_tables=decode_tables,
+                        decode_lens=lens.tolist(), sample_rows=list(range(num)), lora_spans=self._lora_spans)
+        self._positions, self._slots, self._tables = positions, slots, decode_tables
+        return plan, requests
+
+
+def plan_step(out: SchedulerOutput, block_size: int, tables: BlockTables | None = None,
+              steady: SteadyDecodes | None = None) -> tuple[StepPlan, list[Request], list[tuple[Request, int]]]:
     """The plan, the requests that sample, in `sample_rows` order, and for each of `prompt_rows`
     the request and the position of the prompt token whose logprob its logits give. With `tables`
-    a decode's block table is a view of its persistent row (O(new blocks)), not a list copy.
+    a decode's block table is a view of its persistent row (O(new blocks)), not a list copy; with
+    `tables` and `steady`, a steady decode step is planned from the last one (`SteadyDecodes`).
     NOTE: runs once per request per step: a decode takes the shortest path (no slices, no ranges)."""
+    if steady is not None and tables is not None and (planned := steady.next_plan(out, block_size, tables)):
+        return planned[0], planned[1], []
+    plan, samplers, targets = _plan_in_full(out, block_size, tables)
+    if steady is not None:
+        steady.remember(out, plan, len(samplers))
+    return plan, samplers, targets
+
+
+def _plan_in_full(out: SchedulerOutput, block_size: int, tables: BlockTables | None
+                  ) -> tuple[StepPlan, list[Request], list[tuple[Request, int]]]:
     bs = block_size
     plan = StepPlan(blocks_to_swap_out=out.blocks_to_swap_out, blocks_to_swap_in=out.blocks_to_swap_in)
     samplers: list[Request] = []
