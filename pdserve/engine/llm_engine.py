@@ -332,11 +332,10 @@ class LLMEngine:
             self.kv_event_publisher.publish(self.kv_events.take())
 
     def _count_prefill(self, chunks: list[ScheduledChunk]) -> None:
-        # NOTE: a chunk below the prompt's end is prefill; so is recomputation after preemption,
-        # whose num_computed_tokens restarted at 0.
-        prefill = [c.num_new_tokens for c in chunks if c.request.num_computed_tokens < c.request.num_prompt_tokens]
+        # NOTE: a chunk below the prompt's end is prefill; so is recomputation after preemption (from 0)
+        prefill = [c.num_new_tokens for c in chunks if c.request.num_computed_tokens < len(c.request.prompt_token_ids)]
         self._last_prefill_batch = (len(prefill), sum(prefill))
-        self._num_prefill_tokens += sum(prefill)
+        self._num_prefill_tokens += self._last_prefill_batch[1]
 
     def _new_state(self, request_id: str, prompt_text: str | None, token_ids: list[int], params: SamplingParams,
                    arrival_time: float) -> RequestState:
@@ -348,13 +347,17 @@ class LLMEngine:
         """Feed each request's newest token to its output state (detokenize, stop strings) and
         return the touched user requests' states, but those `alone` took; finished ones are forgotten."""
         touched: dict[str, RequestState] = {}
+        children, short = self._children, alone is not None
+        # NOTE: `alone`'s lists appended to here, not through its method: this loop runs per request per step
+        alone_ids, alone_tokens = ([], []) if alone is None else (alone.request_ids, alone.token_ids)
         for request, logprobs in updated:
-            if request.request_id not in self._children:
+            if (entry := children.get(request.request_id)) is None:
                 continue  # a sibling failed in this step: the whole request ended
-            state, index = self._children[request.request_id]
+            state, index = entry
             try:
-                if alone is not None and state.add_token_alone(request, logprobs):
-                    alone.add(state.request_id, request.all_token_ids[-1])
+                if short and state.add_token_alone(request, logprobs):
+                    alone_ids.append(state.request_id)
+                    alone_tokens.append(request.all_token_ids[-1])
                     continue
                 self._advance(state, index, request, logprobs)
             except Exception as exc:  # noqa: BLE001 - this request's fault: end it, keep the engine
@@ -436,11 +439,8 @@ class LLMEngine:
         return EngineStats(
             **self.scheduler.stats_fields(),
             num_prefill_tokens=self._num_prefill_tokens,
-            num_batch_prefill_requests=batch[0],
-            num_batch_prefill_tokens=batch[1],
-            num_steps=self._num_steps,
-            schedule_time_s=self._schedule_time_s,
-            step_time_s=self._step_time_s,
+            num_batch_prefill_requests=batch[0], num_batch_prefill_tokens=batch[1],
+            num_steps=self._num_steps, schedule_time_s=self._schedule_time_s, step_time_s=self._step_time_s,
             kv_tier=None if self.offload is None else self.offload.stats(),
             num_engine_requests=len(self._states),
             max_lora=self.loras.max_loras,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from sys import getrefcount
 
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprobs
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.request import FINISHED_STATUSES, Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -173,6 +173,8 @@ class RequestState:
     num_unfinished: int = field(init=False)  # sequences without a finish reason (`finished`: O(1) a step)
     prompt_logprobs_sent: bool = field(init=False, default=False)  # a `RequestDelta` carried them
     delta_sent: bool = field(init=False, default=False)  # a first `RequestDelta` was made
+    # one sequence, no text, no logprobs: what `add_token_alone` asks first, asked once
+    alone_kind: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         # NOTE: a resumed request's text starts where its client's text stopped (SamplingParams.text_prefix)
@@ -184,6 +186,7 @@ class RequestState:
             self.stop = ()
         self.metrics = RequestMetrics(self.arrival_time)
         self.num_unfinished = self.n
+        self.alone_kind = self.n == 1 and not self.detokenize and not self.want_logprobs
 
     @classmethod
     def of_request(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
@@ -261,15 +264,20 @@ class RequestState:
         """The engine core's short path (`StepTokens`): where this request's next delta would carry
         the engine request's newest token and nothing else (one sequence, no text, no logprobs, not
         finished; its first delta made and nothing since that `LLMEngine._advance` would add: the
-        cached count, prompt logprobs), record it as sent and return True. False: nothing recorded."""
-        if self.n != 1 or self.detokenize or self.want_logprobs or not self.delta_sent or logprobs is not None:
+        cached count, prompt logprobs), record it as sent and return True. False: nothing recorded.
+        NOTE: per request per step: what `add_token` would do here (its first token is behind it,
+        no text, no logprobs) is done inline."""
+        if not self.alone_kind or not self.delta_sent or logprobs is not None or self.metrics.first_token_time is None:
             return False
         seq = self.sequences[0]
-        if (seq.finish_reason is not None or len(seq.token_ids) != seq.num_sent or request.status.finished
+        token_ids = seq.token_ids
+        if (seq.finish_reason is not None or len(token_ids) != seq.num_sent or request.status in FINISHED_STATUSES
                 or request.num_cached_tokens != self.num_cached_tokens
                 or (request.prompt_logprobs is not None and not self.prompt_logprobs_sent)):
             return False
-        self.add_token(0, request.all_token_ids[-1], None)
+        if getrefcount(token_ids) > UNSHARED_REFS:  # copy on write, as in `add_token`
+            token_ids = seq.token_ids = token_ids[:]
+        token_ids.append(request.all_token_ids[-1])
         seq.num_sent += 1
         return True
 

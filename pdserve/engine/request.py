@@ -33,7 +33,11 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self in FINISHED_STATUSES
+
+
+# NOTE: `status in FINISHED_STATUSES` where it runs per request per step: the property's call costs more than the test
+FINISHED_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +55,7 @@ class Request:
                  "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes", "swapped_block_ids",
                  "status", "stop_reason", "generator", "pending_draws", "arrival_time", "first_scheduled_time",
                  "num_preemptions", "hold_blocks", "disk_checked", "prompt_logprobs", "matcher",
-                 "num_indexed_blocks", "hash_root", "plain_greedy",
+                 "num_indexed_blocks", "hash_root", "plain_greedy", "stop_tokens",
                  "__weakref__")  # NOTE: the sampler's penalty rows (engine/penalties.py) must not keep one alive
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -94,6 +98,9 @@ class Request:
         # with no grammar either, its row is the argmax alone (engine/sampler.py, `_Rows.of`)
         self.plain_greedy = (params.greedy and params.logprobs is None and not params.needs_penalties
                              and not params.min_tokens)
+        # every token that may stop it (min_tokens aside): one not in here stops it only at its length
+        # limit or through a grammar (`check_stop`; `Scheduler.update` tests that first, per request per step)
+        self.stop_tokens = frozenset(params.stop_token_ids or ()).union(() if params.ignore_eos else eos_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -18,17 +18,20 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypedDict
+from operator import attrgetter
+from typing import TYPE_CHECKING
 
 from pdserve.config import CacheConfig, SchedulerConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
+    from pdserve.engine.engine_types import SchedulerStatsFields
     from pdserve.engine.kv_disk_tier import KVDiskTier
 
 logger = logging.getLogger(__name__)
 _NO_BLOCK_LOG_INTERVAL_S = 1.0
+_num_new_of = attrgetter("num_new_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,28 +43,6 @@ class ScheduledChunk:
     def samples(self) -> bool:
         """True when this chunk reaches the end of the request's tokens: the step samples."""
         return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-
-
-class SchedulerStatsFields(TypedDict):
-    """The scheduler's and its KV cache's fields of `EngineStats` (engine_types.py): a TypedDict, so
-    mypy checks each name and type where `LLMEngine.stats` unpacks it into that dataclass."""
-
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    num_kv_blocks: int
-    num_free_kv_blocks: int
-    num_quarantined_kv_blocks: int
-    kv_cache_usage: float
-    num_preemptions: int
-    num_prefix_query_tokens: int
-    num_prefix_hit_tokens: int
-    num_evictions: int
-    num_no_available_block: int
-    num_cannot_allocate: int
-    num_remote_waiting: int
-    num_scheduler_requests: int
-    block_size: int
 
 
 @dataclass(slots=True)
@@ -146,23 +127,25 @@ class Scheduler:
             budget = self._schedule_swapped(out, budget)
             if not self.swapped:
                 self._schedule_waiting(out, budget)
-        out.num_batched_tokens = sum(c.num_new_tokens for c in out.chunks)
+        out.num_batched_tokens = sum(map(_num_new_of, out.chunks))
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         index = 0
-        running, chunks, block_size = self.running, out.chunks, self.kv.block_size
+        running, chunks, block_size, decode_chunks = self.running, out.chunks, self.kv.block_size, self._decode_chunks
         while index < len(running) and budget > 0:
             request = running[index]
             computed = request.num_computed_tokens
-            num_new = min(len(request.all_token_ids) - computed, budget)
-            if num_new == 1 and computed < len(request.block_ids) * block_size:
+            if len(request.all_token_ids) == computed + 1 and computed < len(request.block_ids) * block_size:
                 # NOTE: the steady decode: its token fits the blocks it holds, so `allocate` would
                 # change nothing (the exact test it makes); per request per step, kept to a minimum
-                chunks.append(self._decode_chunk(request))
+                # (`_decode_chunk`'s usual case inline)
+                chunk = decode_chunks.get(request.request_id)
+                chunks.append(chunk if chunk is not None and chunk.request is request else self._decode_chunk(request))
                 budget -= 1
                 index += 1
                 continue
+            num_new = min(len(request.all_token_ids) - computed, budget)
             while not self.kv.allocate(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim, out)
@@ -319,8 +302,14 @@ class Scheduler:
             token = sampled.get(request.request_id)
             if token is None:
                 continue
-            request.append_token(token)
             updated.append(request)
+            if request.matcher is None:  # NOTE: per request per step: `append_token` and `check_stop` inline
+                token_ids = request.all_token_ids
+                token_ids.append(token)
+                if token not in request.stop_tokens and len(token_ids) < request.max_total_tokens:
+                    continue  # what check_stop would find: nothing
+            else:
+                request.append_token(token)
             status = request.check_stop()
             if status is not None:
                 self.finish(request, status)

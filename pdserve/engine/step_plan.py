@@ -16,7 +16,7 @@ Flattened batch for chunks [A: 3 new tokens from position 5], [B: 1 decode at po
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from operator import attrgetter, is_, itemgetter
+from operator import is_
 
 import numpy as np
 
@@ -53,19 +53,13 @@ class StepPlan:
     rank_message: object = None
 
 
-_request_of = attrgetter("request")
-_computed_of = attrgetter("num_computed_tokens")
-_token_ids_of = attrgetter("all_token_ids")
-_last_of = itemgetter(-1)
-
-
 class SteadyDecodes:
     """The last step's batch when it was decodes alone, every one sampling: the steady decode. A
-    step of the very same decodes, each one token further, is planned from it in numpy: the
-    positions, slots and lengths are last step's plus one, and only the decodes entering a new
-    block touch their block list and persistent table (1 in `block_size` a step). Its checks are C
-    loops (`map`), so such a step costs O(requests) in C and O(new blocks) in Python, not the
-    general planner's O(requests) in Python."""
+    step of the very same decodes, each one token further, is planned from it: the positions,
+    slots and lengths are last step's plus one (numpy), and only the decodes entering a new block
+    touch their block list and persistent table (1 in `block_size` a step). What is left per
+    request is a few list comprehensions (reading an attribute: tens of ns each on CPython 3.11),
+    not the general planner's loop body (about 1 µs)."""
 
     def __init__(self) -> None:
         self._chunks: list[ScheduledChunk] = []  # empty: the last step was not a steady decode
@@ -94,24 +88,25 @@ class SteadyDecodes:
         if (not num or len(chunks) != num or out.blocks_to_swap_out or out.blocks_to_swap_in
                 or not all(map(is_, chunks, last))):
             return None
-        requests = list(map(_request_of, chunks))
+        requests = [c.request for c in chunks]
         positions = self._positions + 1
-        if not np.array_equal(np.fromiter(map(_computed_of, requests), np.int64, num), positions):
+        position_list = positions.tolist()
+        if [r.num_computed_tokens for r in requests] != position_list:
             return None  # a step in between did not advance them all (it raised)
-        token_lists = list(map(_token_ids_of, requests))
-        lens = positions + 1
-        if not np.array_equal(np.fromiter(map(len, token_lists), np.int64, num), lens):
+        token_lists = [r.all_token_ids for r in requests]
+        lens = (positions + 1).tolist()
+        if [len(t) for t in token_lists] != lens:
             return None  # each holds its one new token, so its chunk samples
         slots = self._slots + 1
         decode_tables = list(self._tables)
         for row in np.flatnonzero(positions % block_size == 0).tolist():  # decodes entering a new block
-            request, position = requests[row], int(positions[row])
+            request, position = requests[row], position_list[row]
             slots[row] = request.block_ids[position // block_size] * block_size
             decode_tables[row] = tables.table(request, position // block_size + 1)
         tables.end_step(keep_all=True)
-        plan = StepPlan(token_ids=list(map(_last_of, token_lists)), positions=positions.tolist(),
-                        slots=slots.tolist(), decode_rows=list(range(num)), decode_tables=decode_tables,
-                        decode_lens=lens.tolist(), sample_rows=list(range(num)), lora_spans=self._lora_spans)
+        plan = StepPlan(token_ids=[t[-1] for t in token_lists], positions=position_list, slots=slots.tolist(),
+                        decode_rows=list(range(num)), decode_tables=decode_tables, decode_lens=lens,
+                        sample_rows=list(range(num)), lora_spans=self._lora_spans)
         self._positions, self._slots, self._tables = positions, slots, decode_tables
         return plan, requests
 

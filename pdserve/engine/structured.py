@@ -351,11 +351,17 @@ def row_argmax(x: torch.Tensor, maxima: torch.Tensor | None = None) -> torch.Ten
     if maxima is None:
         maxima = chunk_maxima(x)
         if maxima is None:
-            return x.argmax(dim=-1)
+            return _first_max_index(x)
     rows = x.shape[0]
     chunks = x.view(rows, -1, _CHUNK)
-    best = maxima.argmax(dim=-1)
-    return best * _CHUNK + chunks[torch.arange(rows), best].argmax(dim=-1)
+    best = _first_max_index(maxima)
+    return best * _CHUNK + _first_max_index(chunks[torch.arange(rows), best])
+
+
+def _first_max_index(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)`. NOTE: on CPU `max(dim).indices`, the same index (the first best, the
+    first NaN: tests/test_structured_outputs.py) in half argmax's time there."""
+    return x.max(dim=-1).indices if x.device.type == "cpu" else x.argmax(dim=-1)
 
 
 def _gathered_argmax(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor, mask_rows: torch.Tensor,
