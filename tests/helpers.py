@@ -24,7 +24,8 @@ from pdserve.engine.llm import TokensPrompt
 from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.request import ModelContext, Request
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler_output import SchedulerOutput
 
 # Qwen3's special tokens start here; random prompts stay below so they are plain text tokens.
 FIRST_SPECIAL_TOKEN_ID = 151643

@@ -12,7 +12,7 @@ from conftest import MODEL_NAMES, HFReference
 from helpers import assert_no_leak, generate_token_ids, greedy, random_prompt, token_prompts
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.scheduler_output import SchedulerOutput
 
 MAX_TOKENS = 16
 FIRST_OUT_OF_VOCAB = 151936  # Qwen3's vocab_size

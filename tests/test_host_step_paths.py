@@ -13,7 +13,7 @@ from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.output import OutputSettings, RequestState, StepTokens
 from pdserve.engine.request import RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import ScheduledChunk
+from pdserve.engine.scheduler_output import ScheduledChunk
 from pdserve.tokenizer import Tokenizer
 
 

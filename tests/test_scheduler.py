@@ -21,7 +21,8 @@ from helpers import (
 
 from pdserve.engine.kv_cache_manager import cdiv
 from pdserve.engine.request import RequestStatus
-from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler_output import SchedulerOutput
 
 
 def chunk_sizes(out: SchedulerOutput) -> dict[str, int]:

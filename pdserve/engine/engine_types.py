@@ -4,7 +4,6 @@ admission), and the check of a request no engine of a given size can run."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypedDict
 
 from pdserve.engine.disk_offload import TierStats
 from pdserve.engine.request import Request
@@ -88,25 +87,3 @@ def check_handoff(request: Request, first_token_id: int, generator_state: bytes 
         raise ValueError(f"generator state of {len(generator_state)} bytes, expected {expected}")
     if request.matcher is not None and request.matcher.validate_tokens([first_token_id]) != 1:
         raise ValueError(f"first token id {first_token_id} does not follow the request's structured output")
-
-
-class SchedulerStatsFields(TypedDict):
-    """The scheduler's and its KV cache's fields of `EngineStats` (above): a TypedDict, so
-    mypy checks each name and type where `LLMEngine.stats` unpacks it into that dataclass."""
-
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    num_kv_blocks: int
-    num_free_kv_blocks: int
-    num_quarantined_kv_blocks: int
-    kv_cache_usage: float
-    num_preemptions: int
-    num_prefix_query_tokens: int
-    num_prefix_hit_tokens: int
-    num_evictions: int
-    num_no_available_block: int
-    num_cannot_allocate: int
-    num_remote_waiting: int
-    num_scheduler_requests: int
-    block_size: int

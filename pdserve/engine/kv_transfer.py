@@ -28,7 +28,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.request import Request
-from pdserve.engine.scheduler import ScheduledChunk
+from pdserve.engine.scheduler_output import ScheduledChunk
 
 # Prefill role: called after layer l's K/V of every chunk of the step are in the pool.
 LayerObserver = Callable[[int, list[ScheduledChunk]], None]

@@ -24,7 +24,8 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.output import OutputSettings, RequestDelta, RequestFailure, RequestOutput, RequestState, StepTokens
 from pdserve.engine.request import ModelContext, Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import ScheduledChunk, Scheduler
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler_output import ScheduledChunk
 from pdserve.engine.step_log import StepLog, StepWork
 from pdserve.engine.structured import GrammarCache
 from pdserve.model.loader import load_model

@@ -22,7 +22,7 @@ from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.lora_manager import LoRAManager
 from pdserve.engine.piecewise_graphs import PiecewiseGraphs, token_buckets
 from pdserve.engine.sampler import Sampler, prompt_logprobs
-from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.step_buffers import PAD_SLOT, StepBuffers
 from pdserve.engine.step_plan import PlannedPrefill, SteadyDecodes, StepPlan, plan_step
 from pdserve.model.attention import (

@@ -17,45 +17,20 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from pdserve.config import CacheConfig, SchedulerConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput, SchedulerStatsFields
 
 if TYPE_CHECKING:
-    from pdserve.engine.engine_types import SchedulerStatsFields
     from pdserve.engine.kv_disk_tier import KVDiskTier
 
 logger = logging.getLogger(__name__)
 _NO_BLOCK_LOG_INTERVAL_S = 1.0
 _num_new_of = attrgetter("num_new_tokens")
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledChunk:
-    request: Request
-    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the request's tokens: the step samples."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
-    preempted_ids: list[str] = field(default_factory=list)
-    num_batched_tokens: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
 
 
 class Scheduler:

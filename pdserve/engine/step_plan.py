@@ -22,7 +22,7 @@ import numpy as np
 
 from pdserve.engine.block_tables import BlockTables
 from pdserve.engine.request import Request
-from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,7 +61,7 @@ from pdserve.engine import shared_memory_group
 from pdserve.engine.host_memory import keep_large_allocations_on_heap
 from pdserve.engine.kv_transfer import RankHook, RankHookSpec, RankPools
 from pdserve.engine.model_runner import ModelRunner, PromptLogits, StepSamples
-from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pdserve.engine.shared_memory_group import SharedMemoryGroup
 from pdserve.engine.step_plan import StepPlan
 from pdserve.model.loader import load_model

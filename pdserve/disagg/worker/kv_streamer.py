@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pdserve.disagg.transport.ready import NO_WAIT, LayerReady
 from pdserve.disagg.transport.sender_base import KVSender
 from pdserve.engine.request import Request
-from pdserve.engine.scheduler import ScheduledChunk
+from pdserve.engine.scheduler_output import ScheduledChunk
 
 # (request id, layer, source block ids in this pool, destination block ids in the decode pool, the
 # layer's end on the compute stream: what a sender waits for before it reads those blocks there)

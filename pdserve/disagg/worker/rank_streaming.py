@@ -42,7 +42,7 @@ from pdserve.disagg.worker.kv_streamer import KVDestination, KVStreamer, SendLay
 from pdserve.disagg.worker.sender_pool import PoolSettings, SenderPool
 from pdserve.engine.kv_transfer import RankPools
 from pdserve.engine.request import Request
-from pdserve.engine.scheduler import ScheduledChunk
+from pdserve.engine.scheduler_output import ScheduledChunk
 from pdserve.model.parallel import TPShard
 
 logger = logging.getLogger(__name__)
