@@ -297,3 +297,24 @@ def test_steady_decode_plans_and_step_buffers_equal_the_full_ones() -> None:
     assert scheduler.num_preemptions > 0, "the workload must preempt"
     assert Counted.hits > 20, "most decode steps must be planned from the last one"
     assert_scheduler_clean(scheduler)
+
+
+def test_a_steady_padded_step_rewrites_no_padded_table_row() -> None:
+    """Padded rows share one table object (`cuda_graphs._PAD_TABLE`), so the step buffers skip them
+    by identity from the second step on: a marker written into a padded row survives the next fill."""
+    import numpy as np
+    import torch
+
+    from pdserve.engine.cuda_graphs import pad_decode_plan
+    from pdserve.engine.step_buffers import StepBuffers
+    from pdserve.engine.step_plan import StepPlan
+
+    buffers = StepBuffers(16, 8, 4, torch.device("cpu"), lambda n: 1)
+    rows = np.arange(4, dtype=np.int32)
+    plan = StepPlan(token_ids=[1, 2, 3], positions=[0, 1, 2], slots=[0, 1, 2], decode_rows=[0, 1, 2],
+                    decode_tables=[rows[:1], rows[1:2], rows[2:3]], decode_lens=[1, 2, 3], sample_rows=[0, 1, 2])
+    _, _, meta = buffers.prepare(pad_decode_plan(plan, 8))
+    assert meta.decode_tables[:, 0].tolist() == [0, 1, 2, 0, 0, 0, 0, 0]
+    meta.decode_tables[5, 0] = 77  # on CPU the metadata views the host buffer itself
+    _, _, meta = buffers.prepare(pad_decode_plan(plan, 8))
+    assert meta.decode_tables[5, 0] == 77 and meta.decode_tables[:3, 0].tolist() == [0, 1, 2]

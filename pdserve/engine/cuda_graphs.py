@@ -55,6 +55,11 @@ def replay_bucket(plan: StepPlan, buckets: tuple[int, ...], layer_done: Callable
     return bucket_for(len(plan.decode_rows), buckets)
 
 
+# a padded row's table, one list for all of them and never changed: the step buffers skip a row that
+# gets the very table object it got last step, so a steady step rewrites no padded row
+_PAD_TABLE = [0]
+
+
 def pad_decode_plan(plan: StepPlan, bucket: int) -> StepPlan:
     """A decode-only plan padded to `bucket` rows: padded rows write no KV (slot -1) and attend to
     one token of block 0; sampling and prompt-logprob rows are the real ones, unchanged."""
@@ -62,7 +67,7 @@ def pad_decode_plan(plan: StepPlan, bucket: int) -> StepPlan:
     assert not plan.prefills and pad >= 0 and plan.decode_rows == list(range(len(plan.token_ids)))
     return replace(plan, token_ids=plan.token_ids + [0] * pad, positions=plan.positions + [0] * pad,
                    slots=plan.slots + [PAD_SLOT] * pad, decode_rows=list(range(bucket)),
-                   decode_tables=plan.decode_tables + [[0]] * pad, decode_lens=plan.decode_lens + [1] * pad)
+                   decode_tables=plan.decode_tables + [_PAD_TABLE] * pad, decode_lens=plan.decode_lens + [1] * pad)
 
 
 class DecodeGraphs:
