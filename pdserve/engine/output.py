@@ -104,14 +104,11 @@ class RequestDelta:
 class StepTokens:
     """The engine core's short form of a step's most common deltas: requests whose delta would
     carry one token of their only sequence and nothing else (`RequestState.add_token_alone`), as two
-    flat lists, in step order. Its API process reads each as that `RequestDelta`."""
+    flat lists, in step order (`LLMEngine._emit` appends to them). Its API process reads each as that
+    `RequestDelta`."""
 
     request_ids: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-
-    def add(self, request_id: str, token_id: int) -> None:
-        self.request_ids.append(request_id)
-        self.token_ids.append(token_id)
 
     def deltas(self) -> list[RequestDelta]:
         return [RequestDelta(rid, [SequenceDelta(0, [token], None, None, None)], 0, None, None)
