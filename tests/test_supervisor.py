@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -374,3 +375,32 @@ def test_a_child_outlives_no_supervisor_even_a_sigkilled_one() -> None:
         time.sleep(0.05)
     os.kill(child, signal.SIGKILL)
     raise AssertionError("the child ran on after its supervisor was killed")
+
+
+def test_stop_signals_decode_only_once_prefill_has_exited() -> None:
+    """A prefill worker drains (finishes its hand-offs) before decode is told to stop, so it never
+    sees its decode peer leave during a deliberate stop (issue 42: "NIXL sender gives up on decode"
+    on Ctrl-C)."""
+    h = Harness()
+    router, prefill, decode = (h.supervisor.add(role) for role in ("router", "prefill", "decode"))
+    h.supervisor.tick()
+    events: list[str] = []
+    draining = h.current(prefill)
+    draining.on_term = None  # exits 0.2 s after its SIGTERM, as a draining worker does
+
+    def prefill_signal(sig: int) -> None:
+        FakeProcess.signal(draining, sig)
+        events.append(f"prefill {sig}")
+        if sig == signal.SIGTERM:
+            def leave() -> None:
+                time.sleep(0.2)
+                events.append("prefill exited")
+                draining.status = 0
+            threading.Thread(target=leave, daemon=True).start()
+
+    draining.signal = prefill_signal  # type: ignore[method-assign]
+    stopped_decode = h.current(decode)
+    stopped_decode.signal = lambda sig: (events.append(f"decode {sig}"), FakeProcess.signal(stopped_decode, sig))
+    h.supervisor.stop(grace_s=10)
+    assert events == [f"prefill {signal.SIGTERM}", "prefill exited", f"decode {signal.SIGTERM}"]
+    assert h.current(router).signals == [signal.SIGTERM]

@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 SlotRole = Literal["router", "prefill", "decode", "replica"]  # replica: a colocated server (up --colocated)
 SlotState = Literal["starting", "ready", "draining", "failed"]
 ROLES: tuple[SlotRole, ...] = ("router", "prefill", "decode", "replica")
+_STOPPED_FIRST: tuple[SlotRole, ...] = ("router", "prefill")  # `Supervisor.stop`: then, once prefill exited, the rest
 STATES: tuple[SlotState, ...] = ("starting", "ready", "draining", "failed")
 HOST = "127.0.0.1"  # where `pdserve up`'s processes listen by default (up --host)
 
@@ -331,19 +332,37 @@ class Supervisor:
 
 
     def stop(self, hurried: Callable[[], bool] = lambda: False, grace_s: float = 15.0) -> None:
-        """SIGTERM every process, the router first (workers drain), SIGKILL what is left after
-        `grace_s` or as soon as `hurried()`; returns once every process has exited. Nothing is
-        (re)started after this."""
+        """SIGTERM the processes in two phases (`_STOPPED_FIRST`): the router and prefill (each drains:
+        finishes what it has, takes nothing new), then, once every prefill worker has exited, decode
+        and colocated replicas. Decode is there for every hand-off prefill finishes, so no prefill
+        worker sees the decode worker it sends KV to leave (and warns of a lost peer) during a
+        deliberate stop; the router is not waited for (an open event stream would hold it). SIGKILL
+        what is left after `grace_s` or as soon as `hurried()`; returns once every process has
+        exited. Nothing is (re)started after this."""
         with self._lock:
             self._stopped = True
-            order = sorted(self._slots, key=lambda s: (s.role != "router", -s.seq))
-            running = [s.process for s in order if s.process is not None]
-        for process in running:
-            process.signal(signal.SIGTERM)
+            order = [(s.role, p) for s in sorted(self._slots, key=lambda s: (s.role != "router", -s.seq))
+                     if (p := s.process) is not None]
+        first = [p for role, p in order if role in _STOPPED_FIRST]
+        prefill = [p for role, p in order if role == "prefill"]
+        rest = [p for role, p in order if role not in _STOPPED_FIRST]
         deadline = time.monotonic() + grace_s
-        while not hurried() and time.monotonic() < deadline and any(p.poll() is None for p in running):
-            time.sleep(0.05)
-        for process in running:
+
+        def wait_for(processes: list[Process]) -> bool:
+            """Whether they all exited (False: hurried or past the deadline)."""
+            while any(p.poll() is None for p in processes):
+                if hurried() or time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.05)
+            return True
+
+        for process in first:
+            process.signal(signal.SIGTERM)
+        if wait_for(prefill):  # NOTE: else decode is not signalled: the SIGKILL below ends it
+            for process in rest:
+                process.signal(signal.SIGTERM)
+            wait_for(first + rest)
+        for process in first + rest:
             if process.poll() is None:
                 process.signal(signal.SIGKILL)
                 process.wait()

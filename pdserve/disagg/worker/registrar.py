@@ -21,6 +21,9 @@ logger = logging.getLogger(__name__)
 _TIMEOUT_S = 2.0
 _TICK_S = 0.1
 _SAY_WAITING_AFTER_S = 5.0  # a worker that does not answer at its URL after this long: said (--advertise-url?)
+# a router that took the registration and then stops answering is warned of only after this long: a
+# restart, or `pdserve up` stopping the router before the decode workers, looks the same at first
+WARN_GONE_AFTER_S = 10.0
 
 
 class Registrar:
@@ -34,6 +37,7 @@ class Registrar:
         self._draining = draining
         self._interval_s = interval_s
         self._answering: dict[str, bool] = {}  # router -> did it take the last announcement
+        self._gone_since: dict[str, float | None] = {}  # a router that stopped answering: since when (None: warned)
 
     async def run(self) -> None:
         """Until cancelled; deregisters once draining starts (or on cancel, best effort)."""
@@ -75,11 +79,22 @@ class Registrar:
             ok, why = reply.status_code == 200, f"HTTP {reply.status_code}: {reply.text[:200]}"
         except httpx.HTTPError as exc:
             ok, why = False, repr(exc)
-        if ok != self._answering.get(router):
-            if ok:
+        if ok:
+            if not self._answering.get(router):
                 logger.info("registered with router %s as %s worker %s", router, self._body["role"], self._url)
-            else:
-                logger.warning("router %s did not take the registration: %s", router, why)
+            self._gone_since.pop(router, None)
+        elif self._answering.get(router):
+            logger.info("router %s stopped answering the registration (%s); announcing again every %g s",
+                        router, why, self._interval_s)
+            self._gone_since[router] = asyncio.get_running_loop().time()
+        elif router not in self._gone_since:  # NOTE: never answered: said at once (a wrong --register?)
+            logger.warning("router %s did not take the registration: %s", router, why)
+            self._gone_since[router] = None
+        elif (since := self._gone_since[router]) is not None:  # gone after answering; not warned of yet
+            gone_s = asyncio.get_running_loop().time() - since
+            if gone_s >= WARN_GONE_AFTER_S:
+                logger.warning("router %s has not taken the registration for %.0f s: %s", router, gone_s, why)
+                self._gone_since[router] = None
         self._answering[router] = ok
 
     async def _leave(self, http: httpx.AsyncClient) -> None:
