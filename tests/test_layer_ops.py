@@ -1,7 +1,7 @@
 """The CPU path's layer math (model/layer_ops.py `TORCH_OPS`) gives bit for bit what transformers'
 Qwen3 modules compute (Qwen3RMSNorm, rotate_half's rotary embedding, Qwen3MLP's silu(gate) * up),
 in every float dtype and with norm weights of another dtype than the activations: what the greedy
-tokens' equality with transformers rests on. In-place rewrites (fewer allocations) must not move a bit."""
+tokens' equality with transformers rests on. Any rewrite (fused, in place) must not move a bit."""
 
 from __future__ import annotations
 

@@ -51,22 +51,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    # NOTE: `weight * y` as y's own in-place product (a fresh tensor: one [tokens, hidden] allocation
-    # less a call); the same values, multiplication being commutative, where the dtypes agree
-    normed = x32.to(dtype)
-    return normed.mul_(weight) if weight.dtype == dtype else weight * normed
+    return weight * x32.to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`x * cos + rotate_half(x) * sin` (transformers' apply_rotary_pos_emb), the fresh products
-    written in place: the same values, two [tokens, heads, head_dim] allocations less."""
-    rotated = _rotate_half(x)
-    return (x * cos).add_(rotated.mul_(sin) if rotated.dtype == sin.dtype else rotated * sin)
 
 
 class TorchLayerOps:
@@ -79,11 +69,11 @@ class TorchLayerOps:
                      eps: float, rope: RopeRows) -> tuple[torch.Tensor, torch.Tensor]:
         q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
         cos, sin = rope.cos[:, None, :], rope.sin[:, None, :]
-        return _rotated(q, cos, sin), _rotated(k, cos, sin)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.split(x.shape[-1] // 2, dim=-1)
-        return F.silu(gate).mul_(up)  # NOTE: `silu(gate) * up` into silu's own fresh output
+        return F.silu(gate) * up
 
 
 class TritonLayerOps:
