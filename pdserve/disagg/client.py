@@ -42,10 +42,10 @@ from pdserve.disagg.control import (
     Retarget,
     WorkerInfo,
 )
+from pdserve.disagg.ndjson import NDJSON, lines, read_to_the_end
 
 _INFO_TIMEOUT_S = 2.0
 _MUX_IDLE_S = 1.0  # a frame stream with no request on it this long is closed (opened again when needed)
-NDJSON = "application/x-ndjson"  # streamed answers: one JSON document a line
 
 
 class WorkerError(Exception):
@@ -208,11 +208,12 @@ class WorkerClient:
                     return _hand_off(_Reply(response.status, await response.read()))
                 if on_accepted is not None:
                     on_accepted()
-                async for line in _lines(response):
+                async for line in lines(response):
                     event = PrefillEvent.model_validate_json(line) if line else PrefillEvent()
                     if event.first_token is not None and on_first_token is not None:
                         on_first_token(event.first_token)
                     if event.hand_off is not None:
+                        await read_to_the_end(response)
                         return event.hand_off
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             raise WorkerUnreachable(url, exc) from exc
@@ -246,7 +247,7 @@ class WorkerClient:
             async with self._open("GET", url, f"/pd/stream/{request_id}") as response:
                 if response.status != HTTPStatus.OK:
                     raise UnknownRequest(f"decode worker {url} lost request {request_id}")
-                async for line in _lines(response):
+                async for line in lines(response):
                     if line:
                         yield OutputFrame.model_validate_json(line)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -374,7 +375,7 @@ class _FrameMux:
                     cause = _NoFrameStream(response.status)
                     return
                 self.opened.set_result(None)
-                async for line in _lines(response):
+                async for line in lines(response):
                     request_id, _, payload = line.partition(b"\t")
                     if (queue := self._queues.get(request_id.decode())) is not None:
                         queue.put_nowait(payload)
@@ -394,18 +395,6 @@ class _Reply:
 
     status: int
     body: bytes
-
-
-async def _lines(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    """The lines of an NDJSON answer, however long (aiohttp's own line reader stops at 64 KiB)."""
-    pending = b""
-    async for chunk in response.content.iter_any():
-        pending += chunk
-        *lines, pending = pending.split(b"\n")
-        for line in lines:
-            yield line
-    if pending:
-        yield pending
 
 
 def _hand_off(reply: _Reply) -> HandOff | None:

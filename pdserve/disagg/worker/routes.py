@@ -9,7 +9,6 @@ from http import HTTPStatus
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.disagg.client import NDJSON
 from pdserve.disagg.control import (
     FailJob,
     FirstToken,
@@ -24,6 +23,7 @@ from pdserve.disagg.control import (
     Retarget,
 )
 from pdserve.disagg.kv_layout import KVLayoutMismatch
+from pdserve.disagg.ndjson import NDJSON
 from pdserve.disagg.transport.errors import KVTransferError
 from pdserve.disagg.worker.decode_service import DecodeService
 from pdserve.disagg.worker.frame_mux import FrameMuxes, FrameSource, UnknownMux
