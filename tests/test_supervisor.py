@@ -404,3 +404,18 @@ def test_stop_signals_decode_only_once_prefill_has_exited() -> None:
     h.supervisor.stop(grace_s=10)
     assert events == [f"prefill {signal.SIGTERM}", "prefill exited", f"decode {signal.SIGTERM}"]
     assert h.current(router).signals == [signal.SIGTERM]
+
+
+def test_a_prefill_worker_that_does_not_exit_costs_decode_only_half_the_grace() -> None:
+    h = Harness()
+    prefill, decode = h.supervisor.add("prefill"), h.supervisor.add("decode")
+    h.supervisor.tick()
+    h.current(prefill).on_term = None  # stuck: only SIGKILL ends it
+    signalled: list[float] = []
+    decoding = h.current(decode)
+    decoding.signal = lambda sig: (signalled.append(time.monotonic()), FakeProcess.signal(decoding, sig))
+    started = time.monotonic()
+    h.supervisor.stop(grace_s=0.6)
+    assert decoding.signals == [signal.SIGTERM], "decode drained, not killed"
+    assert 0.25 <= signalled[0] - started < 0.55
+    assert h.current(prefill).signals == [signal.SIGTERM, signal.SIGKILL]

@@ -336,9 +336,9 @@ class Supervisor:
         finishes what it has, takes nothing new), then, once every prefill worker has exited, decode
         and colocated replicas. Decode is there for every hand-off prefill finishes, so no prefill
         worker sees the decode worker it sends KV to leave (and warns of a lost peer) during a
-        deliberate stop; the router is not waited for (an open event stream would hold it). SIGKILL
-        what is left after `grace_s` or as soon as `hurried()`; returns once every process has
-        exited. Nothing is (re)started after this."""
+        deliberate stop; the router is not waited for (an open event stream would hold it), nor
+        prefill past half of `grace_s`. SIGKILL what is left after `grace_s` or as soon as
+        `hurried()`; returns once every process has exited. Nothing is (re)started after this."""
         with self._lock:
             self._stopped = True
             order = [(s.role, p) for s in sorted(self._slots, key=lambda s: (s.role != "router", -s.seq))
@@ -346,22 +346,20 @@ class Supervisor:
         first = [p for role, p in order if role in _STOPPED_FIRST]
         prefill = [p for role, p in order if role == "prefill"]
         rest = [p for role, p in order if role not in _STOPPED_FIRST]
-        deadline = time.monotonic() + grace_s
+        started = time.monotonic()
 
-        def wait_for(processes: list[Process]) -> bool:
-            """Whether they all exited (False: hurried or past the deadline)."""
-            while any(p.poll() is None for p in processes):
-                if hurried() or time.monotonic() >= deadline:
-                    return False
+        def wait_for(processes: list[Process], until: float) -> None:
+            while any(p.poll() is None for p in processes) and not hurried() and time.monotonic() < until:
                 time.sleep(0.05)
-            return True
 
         for process in first:
             process.signal(signal.SIGTERM)
-        if wait_for(prefill):  # NOTE: else decode is not signalled: the SIGKILL below ends it
+        # NOTE: a prefill worker still there after half the grace does not cost decode its drain
+        wait_for(prefill, started + grace_s / 2)
+        if not hurried():
             for process in rest:
                 process.signal(signal.SIGTERM)
-            wait_for(first + rest)
+            wait_for(first + rest, started + grace_s)
         for process in first + rest:
             if process.poll() is None:
                 process.signal(signal.SIGKILL)
