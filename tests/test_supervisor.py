@@ -415,7 +415,7 @@ def test_a_prefill_worker_that_does_not_exit_costs_decode_only_half_the_grace() 
     decoding = h.current(decode)
     decoding.signal = lambda sig: (signalled.append(time.monotonic()), FakeProcess.signal(decoding, sig))
     started = time.monotonic()
-    h.supervisor.stop(grace_s=0.6)
+    h.supervisor.stop(grace_s=3.0)
     assert decoding.signals == [signal.SIGTERM], "decode drained, not killed"
-    assert 0.25 <= signalled[0] - started < 0.55
+    assert 1.45 <= signalled[0] - started < 2.9  # at half the grace, not at its end (a loaded machine: late)
     assert h.current(prefill).signals == [signal.SIGTERM, signal.SIGKILL]
