@@ -419,3 +419,23 @@ def test_a_prefill_worker_that_does_not_exit_costs_decode_only_half_the_grace() 
     assert decoding.signals == [signal.SIGTERM], "decode drained, not killed"
     assert 1.45 <= signalled[0] - started < 2.9  # at half the grace, not at its end (a loaded machine: late)
     assert h.current(prefill).signals == [signal.SIGTERM, signal.SIGKILL]
+
+
+def test_a_hurried_stop_kills_decode_without_waiting_for_prefill() -> None:
+    h = Harness()
+    prefill, decode, replica = h.supervisor.add("prefill"), h.supervisor.add("decode"), h.supervisor.add("replica")
+    h.supervisor.tick()
+    h.current(prefill).on_term = None  # stuck
+    started = time.monotonic()
+    h.supervisor.stop(hurried=lambda: time.monotonic() - started > 0.2, grace_s=30)
+    assert time.monotonic() - started < 5
+    assert h.current(decode).signals == [signal.SIGKILL] and h.current(replica).signals == [signal.SIGKILL]
+    assert h.current(prefill).signals == [signal.SIGTERM, signal.SIGKILL]
+
+
+def test_colocated_replicas_are_signalled_at_once() -> None:
+    h = Harness()
+    router, replicas = h.supervisor.add("router"), [h.supervisor.add("replica") for _ in range(2)]
+    h.supervisor.tick()
+    h.supervisor.stop(grace_s=30)
+    assert all(h.current(slot).signals == [signal.SIGTERM] for slot in (router, *replicas))

@@ -354,7 +354,8 @@ class Supervisor:
 
         for process in first:
             process.signal(signal.SIGTERM)
-        # NOTE: a prefill worker still there after half the grace does not cost decode its drain
+        # NOTE: a prefill worker still there after half the grace does not cost decode its drain: decode
+        # always has at least that half
         wait_for(prefill, started + grace_s / 2)
         if not hurried():
             for process in rest:

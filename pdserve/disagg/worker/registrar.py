@@ -22,7 +22,9 @@ _TIMEOUT_S = 2.0
 _TICK_S = 0.1
 _SAY_WAITING_AFTER_S = 5.0  # a worker that does not answer at its URL after this long: said (--advertise-url?)
 # a router that took the registration and then stops answering is warned of only after this long: a
-# restart, or `pdserve up` stopping the router before the decode workers, looks the same at first
+# restart, or `pdserve up` stopping the router before the decode workers, looks the same at first.
+# NOTE: longer than `up`'s wait before it signals decode (ops/supervisor.py `Supervisor.stop`: half its
+# 15 s grace) plus one announcement interval, or a deliberate stop would warn again
 WARN_GONE_AFTER_S = 10.0
 
 
