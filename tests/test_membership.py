@@ -11,7 +11,7 @@ import dns.resolver
 import pytest
 
 from pdserve.addresses import DnsMember, parse_member
-from pdserve.disagg.client import WorkerClient
+from pdserve.disagg.client import WorkerClient, WorkerUnreachable
 from pdserve.disagg.config import RouterConfig
 from pdserve.disagg.control import WorkerInfo
 from pdserve.disagg.router.membership import DnsSource, Membership, Registry
@@ -148,3 +148,23 @@ def test_dns_source_takes_what_either_lookup_answers() -> None:
     refusing.records["v4"] = {"A": ["10.1.1.1"]}
     source = DnsSource(DnsMember("v4", 80), refusing)  # type: ignore[arg-type]
     assert asyncio.run(source.resolve()) == ["http://10.1.1.1:80"]
+
+
+def test_a_worker_that_deregisters_gets_no_new_work_at_once_and_its_loss_is_no_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """`WorkerPool.leaving` (the router's POST /pd/deregister): no new work from that moment, not
+    from the next membership update; a call that then finds it gone (`pdserve up`'s stop, a
+    scale-in) is INFO, where a worker that just vanished is a WARNING."""
+    pool = WorkerPool(WorkerClient(timeout_s=1), prefill=["http://p:1"], decode=["http://a:1", "http://b:1"])
+    (p,), (a, b) = pool.members("prefill"), pool.members("decode")
+    p.info = a.info = b.info = _info()
+    a.in_flight = 1
+    pool.leaving("http://a:1/")
+    assert pool.ready("decode") == [b] and a.in_flight == 1  # its stream goes on
+    pool.leaving("http://p:1")
+    assert pool.ready("prefill") == [] and not pool.any_ready("prefill")
+    caplog.set_level("INFO", logger="pdserve.disagg.router.pool")
+    a.mark_unreachable(WorkerUnreachable(a.url, ConnectionRefusedError()))
+    b.mark_unreachable(WorkerUnreachable(b.url, ConnectionRefusedError()))
+    levels = {r.getMessage().split()[2]: r.levelname for r in caplog.records if "unreachable" in r.getMessage()}
+    assert levels == {"http://a:1": "INFO", "http://b:1": "WARNING"}

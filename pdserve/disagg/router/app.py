@@ -87,7 +87,10 @@ def _add_registration_routes(app: FastAPI, router: PDRouter) -> None:
     async def deregister(body: Registration) -> Response:
         if registry is None:
             return error_response(*refused)
-        return JSONResponse({"deregistered": registry.deregister(body.url)})
+        gone = registry.deregister(body.url)
+        if gone:
+            router.pool.leaving(body.url)
+        return JSONResponse({"deregistered": gone})
 
 
 def stats_json(stats: RouterStats) -> dict[str, object]:

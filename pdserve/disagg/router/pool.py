@@ -45,8 +45,10 @@ class Worker:
         return self.in_flight > 0 or self.in_flight_tokens > 0
 
     def mark_unreachable(self, exc: WorkerUnreachable) -> None:
-        """A call to it failed: it leaves the pool until its next /pd/info answer."""
-        logger.warning("%s worker %s unreachable: %r", self.role, self.url, exc.cause)
+        """A call to it failed: it leaves the pool until its next /pd/info answer. One that said it
+        was leaving (deregistered, draining) is gone on purpose: said as INFO."""
+        expected = not self.member or (self.info is not None and self.info.draining)
+        (logger.info if expected else logger.warning)("%s worker %s unreachable: %r", self.role, self.url, exc.cause)
         self.info = None
 
     def view(self) -> WorkerView:
@@ -96,6 +98,13 @@ class WorkerPool:
                 logger.info("%s worker %s left the membership; finishing its work", role, worker.url)
             worker.member = False
         self._members[role] = members + leaving
+
+    def leaving(self, url: str) -> None:
+        """The worker at `url` deregistered: no new work for it from now on, not from the next
+        membership update (`set_members`, before each poll); what this router has on it finishes."""
+        for role in ("prefill", "decode"):
+            if (worker := self.find(role, url.rstrip("/"))) is not None:
+                worker.member = False
 
     def members(self, role: WorkerRole) -> list[Worker]:
         return list(self._members[role])
