@@ -44,11 +44,16 @@ class Worker:
     def busy(self) -> bool:
         return self.in_flight > 0 or self.in_flight_tokens > 0
 
+    @property
+    def going(self) -> bool:
+        """It said it is leaving (deregistered or out of the membership, or draining): losing it now
+        is expected, not a fault."""
+        return not self.member or (self.info is not None and self.info.draining)
+
     def mark_unreachable(self, exc: WorkerUnreachable) -> None:
         """A call to it failed: it leaves the pool until its next /pd/info answer. One that said it
-        was leaving (deregistered, draining) is gone on purpose: said as INFO."""
-        expected = not self.member or (self.info is not None and self.info.draining)
-        (logger.info if expected else logger.warning)("%s worker %s unreachable: %r", self.role, self.url, exc.cause)
+        was leaving (`going`) is gone on purpose: said as INFO."""
+        (logger.info if self.going else logger.warning)("%s worker %s unreachable: %r", self.role, self.url, exc.cause)
         self.info = None
 
     def view(self) -> WorkerView:
@@ -152,7 +157,7 @@ class WorkerPool:
             if worker.info is not None:
                 # NOTE: one that deregistered or was draining is gone on purpose (a scale-in, a stop), and
                 # so is every worker once this router stops (`up`'s Ctrl-C stops them all at once)
-                expected = self.stopping or not worker.member or worker.info.draining
+                expected = self.stopping or worker.going
                 (logger.info if expected else logger.warning)("%s worker %s left the pool: %s", worker.role,
                                                               worker.url, exc.reason)
             worker.info = None
