@@ -62,6 +62,35 @@ def test_single_request_lifecycle() -> None:
     assert_scheduler_clean(scheduler)
 
 
+def test_tokens_by_chunk_update_as_tokens_by_id() -> None:
+    """`update` with one token a chunk (a list, the steady decode's case) does what the same tokens
+    by request id do: the same tokens appended, the same stops (a stop token, the length limit), the
+    same blocks cached; a list of another length is refused."""
+    runs = []
+    for by_chunk in (False, True):
+        scheduler = make_scheduler(num_blocks=32, block_size=4, max_num_batched_tokens=64)
+        requests = [make_request("a", 6, max_tokens=9), make_request("b", 5, max_tokens=3),
+                    make_request("c", 7, max_tokens=9, stop_token_ids=[7])]
+        for request in requests:
+            scheduler.add_request(request)
+        for step in range(8):
+            out = scheduler.schedule()
+            if not out.chunks:
+                break
+            tokens = [3 + step + i for i in range(len(out.chunks))]
+            assert all(chunk.samples for chunk in out.chunks)
+            updated = scheduler.update(out, tokens if by_chunk else
+                                       {c.request.request_id: t for c, t in zip(out.chunks, tokens, strict=True)})
+            assert updated == [c.request for c in out.chunks]
+        runs.append([(r.output_token_ids, r.status, r.block_hashes) for r in requests])
+        scheduler.add_request(make_request("d", 3))
+        out = scheduler.schedule()
+        with pytest.raises(ValueError, match=f"{len(out.chunks) + 1} tokens sampled for a step of {len(out.chunks)}"):
+            scheduler.update(out, [1] * (len(out.chunks) + 1))
+    assert runs[0] == runs[1]
+    assert runs[1][2][1] == RequestStatus.FINISHED_STOPPED and runs[1][1][1] == RequestStatus.FINISHED_LENGTH
+
+
 def test_add_request_rejects_what_can_never_fit() -> None:
     scheduler = make_scheduler(num_blocks=4, block_size=4)
     with pytest.raises(ValueError, match="KV blocks"):

@@ -155,6 +155,25 @@ def test_the_masked_choice_is_that_of_the_masked_logits(vocab: int) -> None:
     assert sampler_choice([12, 3, 14, 6], True) == sampler_choice([12, 3, 14, 6], False)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "vocab", "threads"), [(16, 1000, 2), (8, 128 * 300, 2), (8, 128 * 300, 1)])
+def test_row_argmax_is_argmax_on_every_path(dtype: torch.dtype, rows: int, vocab: int, threads: int) -> None:
+    """numpy's argmax (float32/64, small or one thread) and the chunks (the rest) both give
+    torch's argmax: the first best of ties, the first NaN, index 0 of a row all -inf; strided rows too."""
+    gen = torch.Generator().manual_seed(rows)
+    logits = (torch.randn(rows, vocab, generator=gen) * 2).round().to(dtype)  # many ties
+    logits[1, 5::9] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, -1] = float("inf")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert torch.equal(row_argmax(logits), logits.argmax(dim=-1))
+        assert torch.equal(row_argmax(logits[::2, 1:]), logits[::2, 1:].argmax(dim=-1))
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize(("top_chunks", "sparse_words"), [(4, 8), (32, 32), (1, 0)])
 def test_the_gathered_choice_is_that_of_the_masked_logits(monkeypatch: pytest.MonkeyPatch, top_chunks: int,
                                                           sparse_words: int) -> None:

@@ -64,7 +64,9 @@ def pad_decode_plan(plan: StepPlan, bucket: int) -> StepPlan:
     """A decode-only plan padded to `bucket` rows: padded rows write no KV (slot -1) and attend to
     one token of block 0; sampling and prompt-logprob rows are the real ones, unchanged."""
     pad = bucket - len(plan.token_ids)
-    assert not plan.prefills and pad >= 0 and plan.decode_rows == list(range(len(plan.token_ids)))
+    assert not plan.prefills and pad >= 0 and len(plan.decode_rows) == len(plan.token_ids)
+    if not pad:
+        return plan
     return replace(plan, token_ids=plan.token_ids + [0] * pad, positions=plan.positions + [0] * pad,
                    slots=plan.slots + [PAD_SLOT] * pad, decode_rows=list(range(bucket)),
                    decode_tables=plan.decode_tables + [_PAD_TABLE] * pad, decode_lens=plan.decode_lens + [1] * pad)

@@ -54,10 +54,11 @@ def _prompt_logprobs_of(targets: list[tuple[Request, int]]) -> PromptLogits:
 
 @dataclass(frozen=True, slots=True)
 class StepSamples:
-    """What a step sampled: the token of each request that sampled, by id, and their logprobs in
-    the order of the step's chunks (the order `Scheduler.update` returns those requests in)."""
+    """What a step sampled: the token of each request that sampled, by id (where every chunk sampled:
+    a list, chunk i's token at i; `Scheduler.update` takes both), and their logprobs in the order of
+    the step's chunks (the order `Scheduler.update` returns those requests in)."""
 
-    tokens: dict[str, int]
+    tokens: dict[str, int] | list[int]
     logprobs: list[TokenLogprobs | None]
 
 
@@ -186,6 +187,8 @@ class ModelRunner:
         if logits is None:
             return StepSamples({}, [])
         result = self.sampler(logits, samplers)
+        if len(samplers) == len(out.chunks):  # NOTE: samplers are in chunk order (plan_step): request i is chunk i's
+            return StepSamples(result.token_ids, result.logprobs)
         return StepSamples(dict(zip(map(_request_id, samplers), result.token_ids, strict=True)), result.logprobs)
 
     @torch.inference_mode()

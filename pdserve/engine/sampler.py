@@ -97,7 +97,8 @@ class Sampler:
             # NOTE: a GPU masks every constrained row in one op, and without the sync of the check below
             logits = self.masks.apply(logits, constrained, self._bitmask(pending, requests, logits.shape[-1]))
             constrained = []
-        maxima = chunk_maxima(logits)  # NOTE: None off CPU; also what `MaskFiller.argmax` gathers by
+        # NOTE: what `MaskFiller.argmax` gathers by (None off CPU); row_argmax finds its own where it needs them
+        maxima = chunk_maxima(logits) if constrained else None
         tokens = row_argmax(logits, maxima)
         random_rows = rows.random
         if constrained:

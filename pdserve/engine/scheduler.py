@@ -263,18 +263,26 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
-    def update(self, out: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
-        """Advance computed counts, append sampled tokens, finish what stopped. Returns the
-        requests that got a new token this step (finished ones included)."""
+    def update(self, out: SchedulerOutput, sampled: Mapping[str, int] | list[int]) -> list[Request]:
+        """Advance computed counts, append sampled tokens, finish what stopped. `sampled`: the token
+        of each request that sampled, by id; or, where every chunk sampled, a list, chunk i's token
+        at i (no dict to build and look up: the steady decode's case). Returns the requests that got
+        a new token this step (finished ones included), in chunk order."""
+        chunks = out.chunks
+        if isinstance(sampled, list):
+            if len(sampled) != len(chunks):
+                raise ValueError(f"{len(sampled)} tokens sampled for a step of {len(chunks)} chunks")
+            tokens: list[int | None] | list[int] = sampled
+        else:
+            tokens = [sampled.get(chunk.request.request_id) for chunk in chunks]
         updated = []
         kv = self.kv
         caching, block_size = kv.pool.enable_caching, kv.block_size
-        for chunk in out.chunks:
+        for chunk, token in zip(chunks, tokens, strict=True):
             request = chunk.request
             computed = request.num_computed_tokens = request.num_computed_tokens + chunk.num_new_tokens
             if caching and computed // block_size > request.num_indexed_blocks:  # NOTE: what the call tests first
                 kv.cache_computed_blocks(request)
-            token = sampled.get(request.request_id)
             if token is None:
                 continue
             updated.append(request)

@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -327,6 +328,8 @@ class MaskFiller:
 
 
 _CHUNK = 128
+_NUMPY_FLOATS = (torch.float32, torch.float64)
+_NUMPY_ARGMAX_MAX = 1 << 18  # `_numpy_argmax`: values past which torch's threads beat numpy's one
 _TOP_CHUNKS = 32  # `_gathered_argmax`: the chunks of 128 tokens gathered for a row, best first
 _GATHER_MIN_ROWS = 3  # ... where this many rows of a step are refused (1-2 rows: the bias pass is as fast)
 _SPARSE_WORDS = 64  # ... and a row whose mask has at most this many non-zero words: those words' tokens
@@ -348,6 +351,8 @@ def row_argmax(x: torch.Tensor, maxima: torch.Tensor | None = None) -> torch.Ten
     fraction of its time on CPU, where torch's argmax is ~8x slower than its amax: the first chunk
     of 128 holding a row's max (amax over the chunks: `chunk_maxima`, or `maxima` where the caller
     has them), then the argmax within it."""
+    if _numpy_argmax(x):
+        return torch.from_numpy(np.argmax(x.detach().numpy(), axis=1))
     if maxima is None:
         maxima = chunk_maxima(x)
         if maxima is None:
@@ -356,6 +361,15 @@ def row_argmax(x: torch.Tensor, maxima: torch.Tensor | None = None) -> torch.Ten
     chunks = x.view(rows, -1, _CHUNK)
     best = _first_max_index(maxima)
     return best * _CHUNK + _first_max_index(chunks[torch.arange(rows), best])
+
+
+def _numpy_argmax(x: torch.Tensor) -> bool:
+    """Whether numpy's argmax takes `x`'s (the same indices: the first best, the first NaN). On CPU,
+    float32 or float64, it runs SIMD and is 9x faster than the chunks at a few hundred tokens a row
+    (256 x 256: 11 against 100 µs), ~10 % faster on one thread at the real vocabulary; on more
+    threads torch's parallel amax wins past ~2^18 values (64 x 151,936: 1.4 against 2.1 ms)."""
+    return (x.device.type == "cpu" and x.dtype in _NUMPY_FLOATS and x.dim() == 2 and x.shape[1] > 0
+            and (x.numel() <= _NUMPY_ARGMAX_MAX or torch.get_num_threads() == 1))
 
 
 def _first_max_index(x: torch.Tensor) -> torch.Tensor:
