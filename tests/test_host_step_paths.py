@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, cast
 
+import pytest
 from helpers import assert_scheduler_clean, fake_step, make_request, make_scheduler
 
 from pdserve.engine.block_tables import BlockTables
@@ -197,6 +198,57 @@ def test_the_engine_cores_short_form_carries_what_the_deltas_would(model_dirs: d
     for request_id in alone.request_ids:  # the first token and the finish in deltas; every token between alone
         max_tokens = requests[request_id].max_tokens
         assert max_tokens is not None and alone.request_ids.count(request_id) == max_tokens - 2
+
+
+def test_a_steady_step_of_the_same_requests_goes_alone_as_each_state_would_send_it(
+        model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`SteadyAlone`: a step of the last step's requests, every one alone, records their tokens
+    without asking each state. The engine core's messages, step by step, are those of the engine
+    that asks every state, through finishes at their length and at a stop token, a stop string the
+    API process found, an abort, an arrival and a request with logprobs joining; and it is taken."""
+    from helpers import random_prompt
+
+    from pdserve.config import EngineArgs
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.output import SteadyAlone
+
+    taken = []
+    take = SteadyAlone.take
+
+    def counted(self: SteadyAlone, *args: Any) -> bool:
+        took = take(self, *args)
+        taken.append(took)
+        return took
+
+    def run(steady: bool) -> list[object]:
+        monkeypatch.setattr(SteadyAlone, "take", counted if steady else lambda *args: False)
+        engine = LLMEngine.from_engine_args(EngineArgs(model=str(model_dirs["tiny"]), dtype="float32",
+                                                       num_kv_blocks=64))
+        engine.detokenize = False  # NOTE: as the engine core process runs (engine/core_proc.py)
+        for index, max_tokens in enumerate((10, 30, 18, 22)):
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            engine.add_request(f"r{index}", random_prompt(10 + index, seed=index), params)
+        messages: list[object] = []
+        for step in range(60):
+            if step == 4:
+                engine.stop_sequence("r3", 0, "stop")  # the API process found a stop string
+            if step == 6:
+                engine.abort_request("r2")
+            if step == 8:
+                engine.add_request("late", random_prompt(9, seed=9), SamplingParams(max_tokens=5, temperature=0.0))
+            if step == 11:
+                engine.add_request("lp", random_prompt(8, seed=8), SamplingParams(max_tokens=4, logprobs=1))
+            if not engine.has_unfinished_requests():
+                break
+            alone = StepTokens()
+            deltas = engine.step_deltas(alone)
+            messages.append((list(alone.request_ids), list(alone.token_ids),
+                             [(d.request_id, [(q.token_ids, q.finish_reason) for q in d.sequences]) for d in deltas]))
+        assert engine.scheduler.kv.pool.num_free_blocks == 64
+        return messages
+
+    assert run(True) == run(False)
+    assert taken.count(True) >= 5 and False in taken
 
 
 def test_end_step_keeps_the_rows_asked_for_and_drops_the_others() -> None:

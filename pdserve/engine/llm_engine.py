@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable
 
 import torch
 
@@ -20,33 +19,25 @@ from pdserve.engine.kv_event_publisher import dropped_batches, start_kv_events
 from pdserve.engine.kv_transfer import KVTransferSetup, LayerObserver, StreamTargets, TransferExpectations
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprobs
 from pdserve.engine.lora_manager import LoRAInfo
-from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.output import OutputSettings, RequestDelta, RequestFailure, RequestOutput, RequestState, StepTokens
-from pdserve.engine.request import ModelContext, Request, RequestStatus
+from pdserve.engine.model_runner import make_runner
+from pdserve.engine.output import (
+    OutputSettings,
+    RequestDelta,
+    RequestFailure,
+    RequestOutput,
+    RequestState,
+    SteadyAlone,
+    StepTokens,
+)
+from pdserve.engine.request import ModelContext, Request, RequestStatus, child_request_id
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import ScheduledChunk
 from pdserve.engine.step_log import StepLog, StepWork
 from pdserve.engine.structured import GrammarCache
-from pdserve.model.loader import load_model
 from pdserve.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-def _child_id(request_id: str, index: int) -> str:
-    """The engine request id of sequence `index` of a user request (n > 1)."""
-    return request_id if index == 0 else f"{request_id}#{index}"
-
-
-def _make_runner(config: EngineConfig) -> ModelRunner:
-    if config.tensor_parallel_size > 1:
-        from pdserve.engine.tensor_parallel import start_tensor_parallel
-
-        return start_tensor_parallel(config)
-    model = load_model(config.model_path, config.dtype, config.device, config.scheduler.max_model_len,
-                       batch_size_hint=min(config.scheduler.max_num_seqs, 64))
-    return ModelRunner(config, model)
 
 
 class LLMEngine:
@@ -57,13 +48,14 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         if config.device.type == "cpu" and envs.heap_tuning():
             keep_large_allocations_on_heap()
-        self.runner = _make_runner(config)
+        self.runner = make_runner(config)
         self.scheduler = Scheduler(config.scheduler, config.cache)
         self.lora = self.runner.lora  # with --enable-lora (engine/lora_manager.py)
         self.loras = EngineLoRA(self.lora, self.scheduler)
         self.offload = None if config.kv_disk is None else DiskOffload(config, self.scheduler, self.runner)
         self._states: dict[str, RequestState] = {}
         self._children: dict[str, tuple[RequestState, int]] = {}
+        self._alone = SteadyAlone()  # the engine core's steady decode: a step of the same requests, all alone
         # decode role, n > 1: sequences 1..n-1 of a reservation, which start once its KV arrived
         self._forks: dict[str, list[Request]] = {}
         self._num_steps = 0
@@ -155,7 +147,7 @@ class LLMEngine:
                 child_params = dataclasses.replace(params, seed=hash((params.seed, index)) & (2**63 - 1))
             if index > 0 and params.prompt_logprobs is not None:  # the prompt's are computed once, by child 0
                 child_params = dataclasses.replace(child_params, prompt_logprobs=None)
-            child_id = _child_id(request_id, index)  # a reservation is child 0
+            child_id = child_request_id(request_id, index)  # a reservation is child 0
             child = Request(child_id, token_ids, child_params, model, arrival, matcher)
             child.hash_root = root
             children.append(child)
@@ -247,7 +239,7 @@ class LLMEngine:
             request.generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
             request.pending_draws = 0  # prefill's generator skipped them already
         self.scheduler.complete_remote(request_id, first_token_id)
-        states = self._emit([(request, None)])
+        states = self._emit([request], [None])
         if not states:  # its output processing raised: it is ended already (see take_failures)
             raise RuntimeError(f"request {request_id} failed in the engine")
         return states[0]
@@ -317,7 +309,9 @@ class LLMEngine:
         if self.offload is not None:
             self.offload.observe_step(self._last_prefill_batch[1], executed - scheduled)
             self.offload.save_new_blocks()
-        states = self._emit(zip(updated, sampled.logprobs, strict=True), alone)
+        tokens, logprobs = sampled.tokens, sampled.logprobs
+        steady = alone is not None and type(tokens) is list and self._alone.take(updated, tokens, logprobs, alone)
+        states = [] if steady else self._emit(updated, logprobs, alone)
         self.publish_kv_events()
         done = time.perf_counter()
         self._num_steps += 1
@@ -343,7 +337,7 @@ class LLMEngine:
         return RequestState.of_request(request_id, prompt_text, token_ids, params,
                                        OutputSettings(self.tokenizer, self.detokenize), arrival_time)
 
-    def _emit(self, updated: Iterable[tuple[Request, TokenLogprobs | None]], alone: StepTokens | None = None
+    def _emit(self, updated: list[Request], step_logprobs: list[TokenLogprobs | None], alone: StepTokens | None = None
               ) -> list[RequestState]:
         """Feed each request's newest token to its output state (detokenize, stop strings) and
         return the touched user requests' states, but those `alone` took; finished ones are forgotten."""
@@ -351,7 +345,8 @@ class LLMEngine:
         children, short = self._children, alone is not None
         # NOTE: `alone`'s lists appended to here, not through its method: this loop runs per request per step
         alone_ids, alone_tokens = ([], []) if alone is None else (alone.request_ids, alone.token_ids)
-        for request, logprobs in updated:
+        first = len(alone_ids)
+        for request, logprobs in zip(updated, step_logprobs, strict=True):
             if (entry := children.get(request.request_id)) is None:
                 continue  # a sibling failed in this step: the whole request ended
             state, index = entry
@@ -368,6 +363,9 @@ class LLMEngine:
                 self._failures.append(RequestFailure(state.request_id, f"request failed in the engine: {exc!r}"))
                 continue
             touched[state.request_id] = state
+        if short:  # the next step, if it is this one's requests again, goes to `alone` at once (SteadyAlone)
+            every = not touched and len(alone_ids) - first == len(updated)
+            self._alone.remember(updated if every else [], alone_ids[first:] if every else [], self._states)
         for state in touched.values():
             if state.finished:
                 del self._states[state.request_id]
@@ -398,7 +396,7 @@ class LLMEngine:
         """Engine core process: the API process found stop string `stop` in sequence `index` of this
         request (`detokenize` False). Ends that sequence as `_advance` would have, frees its blocks;
         nothing is emitted (the API process has the output). A sequence already ended is left so."""
-        child_id = _child_id(request_id, index)
+        child_id = child_request_id(request_id, index)
         entry = self._children.get(child_id)
         request = self.scheduler.requests.get(child_id)
         if entry is None or request is None:

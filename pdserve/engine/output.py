@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from operator import attrgetter, is_
 from sys import getrefcount
 
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprobs
@@ -113,6 +114,56 @@ class StepTokens:
     def deltas(self) -> list[RequestDelta]:
         return [RequestDelta(rid, [SequenceDelta(0, [token], None, None, None)], 0, None, None)
                 for rid, token in zip(self.request_ids, self.token_ids, strict=True)]
+
+
+class SteadyAlone:
+    """The last step's requests when each of them went to `StepTokens` (`RequestState.add_token_alone`
+    took every one). A step of the very same requests, none finished, none with logprobs, goes
+    there again without asking each request's state again: what could make a state refuse
+    (another sequence, text, logprobs, a finish, a cached count or prompt logprobs not sent yet) is
+    fixed for a running request or ends it, and a request that ends, leaves or comes back changes
+    the step's requests. Per request per step: one token appended and counted sent."""
+
+    def __init__(self) -> None:
+        self._requests: list[Request] = []  # empty: the last step was not one of them all alone
+        self._ids: list[str] = []
+        self._states: dict[str, RequestState] = {}  # by request id: the engine's
+        self._seqs: list[_Sequence] = []  # found at the first step taken again
+
+    def remember(self, requests: list[Request], ids: list[str], states: dict[str, RequestState]) -> None:
+        """Every one of `requests` went alone this step, as `ids` (their states: `states[id]`);
+        `requests` empty: not every one did."""
+        self._requests, self._ids, self._states, self._seqs = requests, ids, states, []
+
+    def take(self, requests: list[Request], tokens: list[int], logprobs: list[TokenLogprobs | None],
+             alone: StepTokens) -> bool:
+        """Record this step's tokens (`tokens[i]`: request i's) as sent alone where the step is the
+        last one's again (True); False: nothing recorded, the step goes through every state."""
+        last, num = self._requests, len(requests)
+        if (not last or num != len(last) or not all(map(is_, requests, last)) or logprobs.count(None) != num
+                or list(map(_status, requests)).count(_RUNNING) != num):
+            self._requests = []
+            return False
+        seqs = self._seqs
+        if not seqs:
+            states = [self._states.get(rid) for rid in self._ids]
+            if None in states:
+                self._requests = []
+                return False
+            seqs = self._seqs = [state.sequences[0] for state in states if state is not None]
+        for seq, token in zip(seqs, tokens, strict=True):  # NOTE: add_token_alone's last lines
+            token_ids = seq.token_ids
+            if getrefcount(token_ids) > UNSHARED_REFS:
+                token_ids = seq.token_ids = token_ids[:]
+            token_ids.append(token)
+            seq.num_sent += 1
+        alone.request_ids.extend(self._ids)
+        alone.token_ids.extend(tokens)
+        return True
+
+
+_RUNNING = RequestStatus.RUNNING  # NOTE: counted by identity: an Enum's hash is Python code (3x the time)
+_status = attrgetter("status")
 
 
 @dataclass(slots=True)

@@ -157,3 +157,8 @@ class Request:
         if num_tokens >= self.max_total_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+def child_request_id(request_id: str, index: int) -> str:
+    """The engine request id of sequence `index` of a user request (n > 1): the first keeps the user's."""
+    return request_id if index == 0 else f"{request_id}#{index}"
