@@ -19,7 +19,6 @@ from pdserve.engine.kv_event_publisher import dropped_batches, start_kv_events
 from pdserve.engine.kv_transfer import KVTransferSetup, LayerObserver, StreamTargets, TransferExpectations
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprobs
 from pdserve.engine.lora_manager import LoRAInfo
-from pdserve.engine.model_runner import make_runner
 from pdserve.engine.output import (
     OutputSettings,
     RequestDelta,
@@ -35,6 +34,7 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import ScheduledChunk
 from pdserve.engine.step_log import StepLog, StepWork
 from pdserve.engine.structured import GrammarCache
+from pdserve.engine.tensor_parallel import make_runner
 from pdserve.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)

@@ -34,7 +34,6 @@ from pdserve.model.attention import (
     can_attend_in_place,
 )
 from pdserve.model.attention_backend import StepMetadata, decode_splits, select_backend
-from pdserve.model.loader import load_model
 from pdserve.model.qwen3 import Qwen3ForCausalLM
 
 if TYPE_CHECKING:
@@ -334,17 +333,6 @@ class ModelRunner:
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         # NOTE: through numpy: 3-4x faster than torch.tensor on a list of ints (5 against 17 µs at 256)
         return torch.from_numpy(np.array(values, dtype=np.int64)).to(self.device, non_blocking=True)
-
-
-def make_runner(config: EngineConfig) -> ModelRunner:
-    """The engine's runner: this process's model, or rank 0 of `tensor_parallel_size` processes."""
-    if config.tensor_parallel_size > 1:
-        from pdserve.engine.tensor_parallel import start_tensor_parallel
-
-        return start_tensor_parallel(config)
-    model = load_model(config.model_path, config.dtype, config.device, config.scheduler.max_model_len,
-                       batch_size_hint=min(config.scheduler.max_num_seqs, 64))
-    return ModelRunner(config, model)
 
 
 def bind_device(device: torch.device) -> None:

@@ -358,6 +358,15 @@ def _stop_ranks(processes: list[subprocess.Popen[bytes]], conns: list[Connection
         conn.close()
 
 
+def make_runner(config: EngineConfig) -> ModelRunner:
+    """The engine's runner: rank 0 of `tensor_parallel_size` processes, or this process's model."""
+    if config.tensor_parallel_size > 1:
+        return start_tensor_parallel(config)
+    model = load_model(config.model_path, config.dtype, config.device, config.scheduler.max_model_len,
+                       batch_size_hint=min(config.scheduler.max_num_seqs, 64))
+    return ModelRunner(config, model)
+
+
 def start_tensor_parallel(config: EngineConfig) -> TPModelRunner:
     """Spawn ranks 1..N-1, join them in one process group, build rank 0's runner here."""
     size = config.tensor_parallel_size
