@@ -307,8 +307,9 @@ def test_the_host_step_bench_runs_every_stream_through_its_decode_steps(tmp_path
 
 def test_steady_decode_plans_and_step_buffers_equal_the_full_ones() -> None:
     """`SteadyDecodes` (a steady decode step planned from the last one) and the step buffers' table
-    rows skipped by identity give, step after step, what the general planner and a fresh fill give:
-    through arrivals, finishes, decodes entering new blocks, and preemptions (a pool too small)."""
+    rows skipped by identity and views kept from the last step of the same shape give, step after
+    step, what the general planner and a fresh fill give: through arrivals, finishes, decodes entering
+    new blocks, and preemptions (a pool too small)."""
     import torch
 
     from pdserve.engine.step_buffers import StepBuffers
@@ -325,7 +326,8 @@ def test_steady_decode_plans_and_step_buffers_equal_the_full_ones() -> None:
 
     scheduler = make_scheduler(num_blocks=20, block_size=block_size, max_num_seqs=6, max_num_batched_tokens=32)
     tables, steady = BlockTables(), Counted()
-    kept, fresh = (StepBuffers(64, 8, 64, torch.device("cpu"), lambda n: 1) for _ in range(2))
+    kept = StepBuffers(64, 8, 64, torch.device("cpu"), lambda n: 1)
+    views_kept, last_views = 0, None
     arrivals = {0: [(5, 30), (9, 14), (3, 40)], 6: [(7, 25)], 20: [(2, 12), (11, 9)]}  # step: (prompt, max_tokens)
     step = 0
     while scheduler.requests or step <= max(arrivals):
@@ -339,15 +341,25 @@ def test_steady_decode_plans_and_step_buffers_equal_the_full_ones() -> None:
             assert getattr(plan, name) == getattr(expected, name), name
         assert [list(t) for t in plan.decode_tables] == [list(t) for t in expected.decode_tables]
         assert len(tables) == len(plan.decode_rows)  # a row per decode kept, none rebuilt needlessly
-        _, _, got = kept.prepare(plan)
-        _, _, want = fresh.prepare(expected)
-        assert torch.equal(got.decode_tables, want.decode_tables) and torch.equal(got.slot_mapping, want.slot_mapping)
-        assert torch.equal(got.prefix_tables, want.prefix_tables)
+        views = kept.prepare(plan)
+        want_views = StepBuffers(64, 8, 64, torch.device("cpu"), lambda n: 1).prepare(expected)
+        views_kept += views is last_views
+        last_views = views
+        (ids, positions, got), (want_ids, want_positions, want) = views, want_views
+        assert torch.equal(ids, want_ids) and torch.equal(positions, want_positions)
+        for name in got.__slots__:  # type: ignore[attr-defined]
+            value, wanted = getattr(got, name), getattr(want, name)
+            if name.endswith("_tables"):  # NOTE: a row's ids past its context are never read (and may be stale)
+                lens = (got.decode_lens if name == "decode_tables" else got.prefix_lens).tolist()
+                value, wanted = ([row[:-(-n // block_size)].tolist() for row, n in zip(t, lens, strict=True)]
+                                 for t in (value, wanted))
+            assert torch.equal(value, wanted) if isinstance(value, torch.Tensor) else value == wanted, name
         scheduler.update(out, {r.request_id: 100 + step % 7 for r in samplers})
         step += 1
         assert step < 500
     assert scheduler.num_preemptions > 0, "the workload must preempt"
     assert Counted.hits > 20, "most decode steps must be planned from the last one"
+    assert views_kept > 20, "a step of the last one's shape keeps its views"
     assert_scheduler_clean(scheduler)
 
 

@@ -49,6 +49,44 @@ def test_every_view_is_16_byte_aligned_whatever_the_step() -> None:
             assert meta.decode_tables.stride(0) % 4 == 0
 
 
+def test_a_step_of_the_last_steps_shape_keeps_its_views_and_no_other_does() -> None:
+    """The views of a step of the last step's shape are last step's (steady decodes); a step that
+    differs in any count the views depend on (tokens, decodes, prompt chunks, their longest query,
+    the fresh prompts) gets its own, each the same as a fresh buffer's."""
+    def plan(num_decodes: int, chunk: int, context: int, second: int = 0) -> StepPlan:
+        """`num_decodes` decodes, a prompt chunk of `chunk` tokens ending at `context`, and one of
+        `second` tokens ending at 9 (none for 0)."""
+        planned = _plan(num_decodes, 0)
+        for size, end in ((chunk, context), (second, 9)) if second else ((chunk, context),):
+            start = len(planned.token_ids)
+            planned.token_ids += [1] * size
+            planned.positions += list(range(end - size, end))
+            planned.slots += list(range(300 + start, 300 + start + size))
+            planned.prefills.append(PlannedPrefill(start, start + size, end, [40, 50, 60]))
+        return planned
+
+    def make() -> StepBuffers:
+        buffers = StepBuffers(max_tokens=37, max_seqs=9, max_blocks_per_seq=5, device=torch.device("cpu"),
+                              splits=lambda n: n)
+        buffers.fresh_in_kernel_below = 4  # a fresh prompt of 4 tokens attends apart (SDPA)
+        return buffers
+
+    kept = make()
+    steps = [plan(2, 3, 9), plan(2, 3, 9), plan(2, 4, 9), plan(3, 4, 9), plan(3, 4, 4), plan(3, 4, 9), plan(3, 4, 9),
+             plan(3, 4, 9, second=2), plan(3, 4, 9, second=3)]
+    last = None
+    for index, step in enumerate(steps):
+        views = kept.prepare(step)
+        assert (views is last) == (index in (1, 6)), index
+        last = views
+        (ids, positions, meta), (want_ids, want_positions, want) = views, make().prepare(step)
+        assert torch.equal(ids, want_ids) and torch.equal(positions, want_positions)
+        for name in ("slot_mapping", "decode_rows", "decode_lens", "prefix_starts", "prefix_ends", "prefix_lens"):
+            assert torch.equal(getattr(meta, name), getattr(want, name)), (index, name)
+        assert (meta.num_splits, meta.max_prefix_query_len, meta.fresh_prefills) == (
+            want.num_splits, want.max_prefix_query_len, want.fresh_prefills)
+
+
 def _paged_runner(model_dirs: dict[str, Path], graphs: bool, max_num_seqs: int) -> ModelRunner:
     """The tiny model's runner on the Triton path (the kernels in Triton's interpreter), float32."""
     pytest.importorskip("triton")

@@ -79,6 +79,9 @@ class StepBuffers:
         self._tables: list[object] = []
         self._table_sources: list[object] = []
         self._table_counts: list[int] = []
+        # the last step's shape and views (`prepare`): the same shape, the very same views
+        self._shape: tuple[object, ...] = ()
+        self._views: tuple[torch.Tensor, torch.Tensor, PagedMetadata] | None = None
 
     def _check_width(self, num_blocks: int) -> None:
         if num_blocks > self.max_blocks_per_seq:
@@ -151,7 +154,21 @@ class StepBuffers:
         if self._copied is not None:
             self.device_buf[:used].copy_(self.host[:used], non_blocking=True)
             self._copied.record(torch.cuda.current_stream(self.device))  # NOTE: not the thread's current device's
-        buf = self.device_buf
+        fresh = tuple((p.start, p.end) for p in plan.prefills if p.context_len == p.end - p.start
+                      and p.context_len >= below)
+        shape = (num_tokens, num_decodes, first_prefix, len(prefix),
+                 max((p.end - p.start for p in prefix), default=0), fresh)
+        views = self._views
+        if views is None or shape != self._shape:  # NOTE: a steady step's views are last step's (~30 µs of views)
+            views = self._views = self._make_views(*shape)
+            self._shape = shape
+        return views
+
+    def _make_views(self, num_tokens: int, num_decodes: int, first_prefix: int, num_prefix: int,
+                    max_prefix_query_len: int, fresh: tuple[tuple[int, int], ...]
+                    ) -> tuple[torch.Tensor, torch.Tensor, PagedMetadata]:
+        """`prepare`'s answer for a step of this shape: views of the device buffer."""
+        buf, num_seqs = self.device_buf, first_prefix + num_prefix
         all_tables = self._region(buf, "tables", num_seqs * self.width).view(num_seqs, self.width)
         meta = PagedMetadata(
             slot_mapping=self._region(buf, "slots", num_tokens),
@@ -159,13 +176,12 @@ class StepBuffers:
             decode_tables=all_tables[:num_decodes],
             decode_lens=self._region(buf, "lens", num_decodes),
             num_splits=self.splits(num_decodes),
-            prefix_starts=self._region(buf, "starts", len(prefix)),
-            prefix_ends=self._region(buf, "ends", len(prefix)),
+            prefix_starts=self._region(buf, "starts", num_prefix),
+            prefix_ends=self._region(buf, "ends", num_prefix),
             prefix_tables=all_tables[first_prefix:],
-            prefix_lens=self._region(buf, "lens", len(prefix), at=first_prefix),
-            max_prefix_query_len=max((p.end - p.start for p in prefix), default=0),
-            fresh_prefills=tuple((p.start, p.end) for p in plan.prefills
-                                 if p.context_len == p.end - p.start and p.context_len >= below),
+            prefix_lens=self._region(buf, "lens", num_prefix, at=first_prefix),
+            max_prefix_query_len=max_prefix_query_len,
+            fresh_prefills=fresh,
             kv_quant=self.kv_quant,
         )
         return self._region(buf, "ids", num_tokens), self._region(buf, "positions", num_tokens), meta
