@@ -205,7 +205,8 @@ def test_a_steady_step_of_the_same_requests_goes_alone_as_each_state_would_send_
     """`SteadyAlone`: a step of the last step's requests, every one alone, records their tokens
     without asking each state. The engine core's messages, step by step, are those of the engine
     that asks every state, through finishes at their length and at a stop token, a stop string the
-    API process found, an abort, an arrival and a request with logprobs joining; and it is taken."""
+    API process found, an abort, an arrival, a request with logprobs joining and steps without the short
+    form in between; and it is taken."""
     from helpers import random_prompt
 
     from pdserve.config import EngineArgs
@@ -240,6 +241,12 @@ def test_a_steady_step_of_the_same_requests_goes_alone_as_each_state_would_send_
                 engine.add_request("lp", random_prompt(8, seed=8), SamplingParams(max_tokens=4, logprobs=1))
             if not engine.has_unfinished_requests():
                 break
+            if step == 19:  # a step of snapshots in between (`add_token`: the token not counted sent) ...
+                messages.append([(o.request_id, [q.token_ids for q in o.outputs]) for o in engine.step()])
+                continue
+            if step == 21:  # ... and one of whole deltas
+                messages.append([(d.request_id, [q.token_ids for q in d.sequences]) for d in engine.step_deltas()])
+                continue
             alone = StepTokens()
             deltas = engine.step_deltas(alone)
             messages.append((list(alone.request_ids), list(alone.token_ids),

@@ -53,11 +53,10 @@ def test_a_step_of_the_last_steps_shape_keeps_its_views_and_no_other_does() -> N
     """The views of a step of the last step's shape are last step's (steady decodes); a step that
     differs in any count the views depend on (tokens, decodes, prompt chunks, their longest query,
     the fresh prompts) gets its own, each the same as a fresh buffer's."""
-    def plan(num_decodes: int, chunk: int, context: int, second: int = 0) -> StepPlan:
-        """`num_decodes` decodes, a prompt chunk of `chunk` tokens ending at `context`, and one of
-        `second` tokens ending at 9 (none for 0)."""
+    def plan(num_decodes: int, *chunks: tuple[int, int]) -> StepPlan:
+        """`num_decodes` decodes, then a prompt chunk of `size` tokens ending at `end` for each (size, end)."""
         planned = _plan(num_decodes, 0)
-        for size, end in ((chunk, context), (second, 9)) if second else ((chunk, context),):
+        for size, end in chunks:
             start = len(planned.token_ids)
             planned.token_ids += [1] * size
             planned.positions += list(range(end - size, end))
@@ -72,8 +71,12 @@ def test_a_step_of_the_last_steps_shape_keeps_its_views_and_no_other_does() -> N
         return buffers
 
     kept = make()
-    steps = [plan(2, 3, 9), plan(2, 3, 9), plan(2, 4, 9), plan(3, 4, 9), plan(3, 4, 4), plan(3, 4, 9), plan(3, 4, 9),
-             plan(3, 4, 9, second=2), plan(3, 4, 9, second=3)]
+    # each step differs from the one before in one count the views depend on, but steps 1 and 6 (the same again):
+    # decodes, tokens (2 + 6 against 2 + 5), the longest query (4 + 2 against 3 + 3), where the fresh prompt is
+    # (a 4-token prompt with no context attends apart)
+    steps = [plan(2, (3, 9)), plan(2, (3, 9)), plan(2, (4, 9)), plan(3, (4, 9)), plan(3, (4, 4)), plan(3, (4, 9)),
+             plan(3, (4, 9)), plan(3, (4, 9), (2, 9)), plan(3, (4, 9), (1, 9)), plan(3, (3, 9), (2, 9)),
+             plan(3, (4, 4), (2, 9)), plan(3, (2, 9), (4, 4))]
     last = None
     for index, step in enumerate(steps):
         views = kept.prepare(step)

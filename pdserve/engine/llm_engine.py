@@ -363,9 +363,10 @@ class LLMEngine:
                 self._failures.append(RequestFailure(state.request_id, f"request failed in the engine: {exc!r}"))
                 continue
             touched[state.request_id] = state
-        if short:  # the next step, if it is this one's requests again, goes to `alone` at once (SteadyAlone)
-            every = not touched and len(alone_ids) - first == len(updated)
-            self._alone.remember(updated if every else [], alone_ids[first:] if every else [], self._states)
+        # the next step, if it is this one's requests again, goes to `alone` at once (SteadyAlone); not after a
+        # step that went through every state (`add_token` appends without counting the token sent)
+        every = short and not touched and len(alone_ids) - first == len(updated)
+        self._alone.remember(updated if every else [], alone_ids[first:] if every else [], self._states)
         for state in touched.values():
             if state.finished:
                 del self._states[state.request_id]

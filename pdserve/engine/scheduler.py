@@ -265,8 +265,8 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, sampled: Mapping[str, int] | list[int]) -> list[Request]:
         """Advance computed counts, append sampled tokens, finish what stopped. `sampled`: the token
-        of each request that sampled, by id; or, where every chunk sampled, a list, chunk i's token
-        at i (no dict to build and look up: the steady decode's case). Returns the requests that got
+        of each request that sampled, by id; or, only where every chunk sampled, a list, chunk i's
+        token at i (no dict to build and look up: the steady decode's case). Returns the requests that got
         a new token this step (finished ones included), in chunk order."""
         chunks = out.chunks
         if isinstance(sampled, list):
