@@ -5,17 +5,20 @@ worker is not run again and never ends the request, and of two copies of a move 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from helpers import greedy, random_prompt
 
 from pdserve.config import EngineArgs
 from pdserve.disagg.client import WorkerClient
 from pdserve.disagg.control import HandOff, PrefillJob, ReserveRequest, WireSamplingParams
 from pdserve.disagg.kv_layout import KVLayout
+from pdserve.disagg.transport.errors import KVTransferError
 from pdserve.disagg.transport.fake import FakeKVReceiver
 from pdserve.disagg.worker.decode_service import DecodeService
 from pdserve.disagg.worker.prefill_service import PrefillService
@@ -155,3 +158,23 @@ def test_of_two_copies_of_a_move_to_a_new_attempt_only_the_first_is_expected(mod
     finally:
         client.shutdown()
         service.close()
+
+
+def test_a_hand_off_that_fails_while_the_worker_stops_is_no_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """Up's stop: a decode worker drops an attempt its router cancelled while this prefill worker
+    drained ("rejected by decode: unknown request"). Counted as failed either way; a WARNING only
+    while the worker serves."""
+    async def scenario() -> None:
+        service = PrefillService(_SlowEngine(), _NoKV(), transfer_timeout_s=5.0)  # type: ignore[arg-type]
+        rejected = KVTransferError("rejected by decode: unknown request (never reserved, cancelled or finished)")
+        with caplog.at_level(logging.INFO, logger="pdserve.disagg.worker.prefill_service"):
+            assert service._failed("r@1", "failed", rejected).status == "failed"
+            service.draining = True
+            assert service._failed("r@2", "failed", rejected).status == "failed"
+        levels = {r.getMessage().split(":")[0]: r.levelname for r in caplog.records}
+        assert levels == {"request r@1": "WARNING", "request r@2": "INFO"}, levels
+        assert "(this worker is stopping)" in caplog.records[1].getMessage()
+        assert service.stats().failed == 2
+        service.close()
+
+    asyncio.run(scenario())

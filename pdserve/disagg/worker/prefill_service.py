@@ -353,9 +353,13 @@ class PrefillService:
             prefill_compute_s=None if phases is None else phases.compute_s))
 
     def _failed(self, tid: str, status: Literal["failed", "timed_out"], exc: Exception) -> HandOff:
+        """Counted, logged, answered. While this worker drains (stopped on purpose: it left the
+        pool, its routers fail its jobs over, and a decode worker drops an attempt the router
+        cancelled for it) a failed hand-off is INFO, not a WARNING; it is counted all the same."""
         self._counts.failed += 1
         self._counts.timed_out += status == "timed_out"
-        logger.warning("request %s: %s", tid, exc)
+        logger.log(logging.INFO if self.draining else logging.WARNING, "request %s: %s%s", tid, exc,
+                   " (this worker is stopping)" if self.draining else "")
         return HandOff(transfer_id=tid, status=status, reason=str(exc) or repr(exc))
 
     async def _placement(self, tid: str) -> int:
