@@ -514,6 +514,9 @@ def test_up_listens_where_host_says_and_stops_quietly(model_dirs: dict[str, Path
         os.killpg(up.popen.pid, signal.SIGINT)
         assert up.popen.wait(timeout=60) == 0, up.text()[-3000:]
         shutdown = up.text().splitlines()[before:]
-        noisy = [line for line in shutdown if any(word in line for word in ("Traceback", "WARNING", "ERROR",
-                                                                            "nanobind", "Error"))]
+        # NOTE: "Error" outside a log line is a traceback's last line (BrokenPipeError); an INFO line may name the
+        # exception a deliberate stop caused (decode's registrar meeting the router stopped first: ConnectError)
+        loud = ("Traceback", "WARNING", "ERROR", "nanobind")
+        noisy = [line for line in shutdown
+                 if any(word in line for word in loud) or ("Error" in line and " INFO " not in line)]
         assert not noisy, "\n".join(shutdown)
