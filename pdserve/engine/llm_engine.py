@@ -31,7 +31,7 @@ from pdserve.engine.output import (
 from pdserve.engine.request import ModelContext, Request, RequestStatus, child_request_id
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.scheduler_output import ScheduledChunk
+from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.step_log import StepLog, StepWork
 from pdserve.engine.structured import GrammarCache
 from pdserve.engine.tensor_parallel import make_runner
@@ -299,7 +299,7 @@ class LLMEngine:
                 self.offload.wait_for_loads()  # only disk loads are pending: nothing to compute
             return []
         scheduled = time.perf_counter()
-        self._count_prefill(out.chunks)
+        self._count_prefill(out)
         work = None if self.step_log is None else StepWork.of(out.chunks)
         observer = self.layer_observer
         layer_done = None if observer is None else (lambda layer: observer(layer, out.chunks))
@@ -326,9 +326,10 @@ class LLMEngine:
         if self.kv_events is not None and len(self.kv_events) and self.kv_event_publisher is not None:
             self.kv_event_publisher.publish(self.kv_events.take())
 
-    def _count_prefill(self, chunks: list[ScheduledChunk]) -> None:
-        # NOTE: a chunk below the prompt's end is prefill; so is recomputation after preemption (from 0)
-        prefill = [c.num_new_tokens for c in chunks if c.request.num_computed_tokens < len(c.request.prompt_token_ids)]
+    def _count_prefill(self, out: SchedulerOutput) -> None:
+        # NOTE: a chunk below the prompt's end is prefill (recomputation after preemption too); `out.steady`: none
+        prefill = [] if out.steady is not None else [
+            c.num_new_tokens for c in out.chunks if c.request.num_computed_tokens < len(c.request.prompt_token_ids)]
         self._last_prefill_batch = (len(prefill), sum(prefill))
         self._num_prefill_tokens += self._last_prefill_batch[1]
 

@@ -182,11 +182,13 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, layer_done: Callable[[int], None] | None = None) -> StepSamples:
         """Run one step; returns what the chunks that sample sampled."""
         plan, samplers, targets = plan_step(out, self.block_size, self.block_tables, self.steady_decodes)
-        self.sampler.start_masks(samplers, self.vocab_size)  # structured outputs: beside the forward
+        argmax_alone = out.steady is not None and out.steady.plain_greedy  # NOTE: no row asks the sampler more
+        if not argmax_alone:
+            self.sampler.start_masks(samplers, self.vocab_size)  # structured outputs: beside the forward
         logits = self.run(plan, layer_done, _prompt_logprobs_of(targets) if targets else None)
         if logits is None:
             return StepSamples({}, [])
-        result = self.sampler(logits, samplers)
+        result = self.sampler.argmax(logits) if argmax_alone else self.sampler(logits, samplers)
         if len(samplers) == len(out.chunks):  # NOTE: samplers are in chunk order (plan_step): request i is chunk i's
             return StepSamples(result.token_ids, result.logprobs)
         return StepSamples(dict(zip(map(_request_id, samplers), result.token_ids, strict=True)), result.logprobs)

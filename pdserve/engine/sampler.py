@@ -122,6 +122,14 @@ class Sampler:
             return SampleResult(token_list, [None] * len(requests))
         return SampleResult(token_list, self._pick_logprobs(logprobs, token_list, requests))
 
+    def argmax(self, logits: torch.Tensor) -> SampleResult:
+        """`__call__` for rows that are all plain greedy (`Request.plain_greedy`, no grammar): each
+        row's argmax, with no pass over the requests to find that out."""
+        if len(self.penalties):
+            self.penalties.clear()  # NOTE: as `_apply_penalties_and_masks` does: no penalized request left
+        self._pending = None
+        return SampleResult(row_argmax(logits, None).tolist(), [None] * logits.shape[0])
+
     def _bitmask(self, pending: tuple[list[str], Future[torch.Tensor]] | None, requests: list[Request],
                  vocab: int) -> torch.Tensor:
         """The masks `start_masks` started (`pending`) for these requests (started now where it did not)."""

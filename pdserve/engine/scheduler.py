@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from pdserve.config import CacheConfig, SchedulerConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput, SchedulerStatsFields
+from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput, SchedulerStatsFields, SteadyBatch
 
 if TYPE_CHECKING:
     from pdserve.engine.kv_disk_tier import KVDiskTier
@@ -61,6 +61,7 @@ class Scheduler:
         self._no_block_logged_at = float("-inf")
         self.max_loras = 0  # LoRA adapters one step may mix (the runner's slots); 0: no LoRA served
         self._decode_chunks: dict[str, ScheduledChunk] = {}  # see _decode_chunk; dropped by `finish`
+        self._steady: SteadyBatch | None = None  # kept by `update`, taken by the next `schedule`
 
     def _lora_fits(self, request: Request) -> bool:
         """Whether `request` may join the running ones without their steps mixing more LoRA adapters
@@ -97,12 +98,21 @@ class Scheduler:
         self.kv.release_quarantined()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
+        steady, self._steady = self._steady, None
+        chunks = None if steady is None else steady.schedule(self.running, budget, self.kv)
+        if chunks is None:
+            budget = self._schedule_running(out, budget)
+        else:
+            out.chunks = chunks
+            budget -= len(chunks)
         if not out.preempted_ids:
             budget = self._schedule_swapped(out, budget)
             if not self.swapped:
                 self._schedule_waiting(out, budget)
-        out.num_batched_tokens = sum(map(_num_new_of, out.chunks))
+        if steady is not None and chunks is not None and len(out.chunks) == len(steady.chunks):
+            out.steady, out.num_batched_tokens = steady, len(chunks)  # NOTE: nothing joined the steady decodes
+        else:
+            out.num_batched_tokens = sum(map(_num_new_of, out.chunks))
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -272,10 +282,19 @@ class Scheduler:
         if isinstance(sampled, list):
             if len(sampled) != len(chunks):
                 raise ValueError(f"{len(sampled)} tokens sampled for a step of {len(chunks)} chunks")
-            tokens: list[int | None] | list[int] = sampled
-        else:
-            tokens = [sampled.get(chunk.request.request_id) for chunk in chunks]
+            if out.steady is not None:
+                updated, still = out.steady.update(sampled, self.kv, self.finish)
+                self._steady = out.steady if still else None
+            else:
+                updated = self._update_each(out, sampled)
+                self._steady = SteadyBatch.after_update(out, sampled, self.running)
+            return updated
+        return self._update_each(out, [sampled.get(chunk.request.request_id) for chunk in chunks])
+
+    def _update_each(self, out: SchedulerOutput, tokens: list[int | None] | list[int]) -> list[Request]:
+        """`update`, request by request (a step not scheduled as a steady batch)."""
         updated = []
+        chunks = out.chunks
         kv = self.kv
         caching, block_size = kv.pool.enable_caching, kv.block_size
         for chunk, token in zip(chunks, tokens, strict=True):

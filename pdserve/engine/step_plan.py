@@ -88,15 +88,20 @@ class SteadyDecodes:
         if (not num or len(chunks) != num or out.blocks_to_swap_out or out.blocks_to_swap_in
                 or not all(map(is_, chunks, last))):
             return None
-        requests = [c.request for c in chunks]
         positions = self._positions + 1
-        position_list = positions.tolist()
-        if [r.num_computed_tokens for r in requests] != position_list:
-            return None  # a step in between did not advance them all (it raised)
-        token_lists = [r.all_token_ids for r in requests]
-        lens = (positions + 1).tolist()
-        if [len(t) for t in token_lists] != lens:
-            return None  # each holds its one new token, so its chunk samples
+        position_list, lens = positions.tolist(), (positions + 1).tolist()
+        if out.steady is not None:  # NOTE: the scheduler vouches for what the checks below read
+            if not np.array_equal(out.steady.positions, positions):
+                return None  # this plan's memory is not of the step the scheduler's batch followed
+            requests, token_ids = out.steady.requests, out.steady.tokens
+        else:
+            requests = [c.request for c in chunks]
+            if [r.num_computed_tokens for r in requests] != position_list:
+                return None  # a step in between did not advance them all (it raised)
+            token_lists = [r.all_token_ids for r in requests]
+            if [len(t) for t in token_lists] != lens:
+                return None  # each holds its one new token, so its chunk samples
+            token_ids = [t[-1] for t in token_lists]
         slots = self._slots + 1
         decode_tables = list(self._tables)
         for row in np.flatnonzero(positions % block_size == 0).tolist():  # decodes entering a new block
@@ -104,11 +109,11 @@ class SteadyDecodes:
             slots[row] = request.block_ids[position // block_size] * block_size
             decode_tables[row] = tables.table(request, position // block_size + 1)
         tables.end_step(keep_all=True)
-        plan = StepPlan(token_ids=[t[-1] for t in token_lists], positions=position_list, slots=slots.tolist(),
+        plan = StepPlan(token_ids=list(token_ids), positions=position_list, slots=slots.tolist(),
                         decode_rows=list(range(num)), decode_tables=decode_tables, decode_lens=lens,
                         sample_rows=list(range(num)), lora_spans=self._lora_spans)
         self._positions, self._slots, self._tables = positions, slots, decode_tables
-        return plan, requests
+        return plan, list(requests)
 
 
 def plan_step(out: SchedulerOutput, block_size: int, tables: BlockTables | None = None,
