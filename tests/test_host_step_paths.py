@@ -334,7 +334,7 @@ def test_steady_decode_plans_and_step_buffers_equal_the_full_ones() -> None:
     scheduler = make_scheduler(num_blocks=20, block_size=block_size, max_num_seqs=6, max_num_batched_tokens=32)
     tables, steady = BlockTables(), Counted()
     kept = StepBuffers(64, 8, 64, torch.device("cpu"), lambda n: 1)
-    views_kept, last_views, steady_steps = 0, None, 0
+    views_kept, last_views, steady_steps, arrays_planned = 0, None, 0, 0
     arrivals = {0: [(5, 30), (9, 14), (3, 40)], 6: [(7, 25)], 20: [(2, 12), (11, 9)]}  # step: (prompt, max_tokens)
     step = 0
     while scheduler.requests or step <= max(arrivals):
@@ -351,6 +351,9 @@ def test_steady_decode_plans_and_step_buffers_equal_the_full_ones() -> None:
         for name in ("token_ids", "positions", "slots", "decode_rows", "decode_lens", "sample_rows", "lora_spans"):
             assert getattr(plan, name) == getattr(expected, name), name
         assert [list(t) for t in plan.decode_tables] == [list(t) for t in expected.decode_tables]
+        if plan.decode_arrays is not None:  # what the step buffers copy instead of the lists
+            assert [a.tolist() for a in plan.decode_arrays] == [plan.positions, plan.slots, plan.decode_lens]
+            arrays_planned += 1
         assert len(tables) == len(plan.decode_rows)  # a row per decode kept, none rebuilt needlessly
         views = kept.prepare(plan)
         want_views = StepBuffers(64, 8, 64, torch.device("cpu"), lambda n: 1).prepare(expected)
@@ -373,7 +376,7 @@ def test_steady_decode_plans_and_step_buffers_equal_the_full_ones() -> None:
         step += 1
         assert step < 500
     assert scheduler.num_preemptions > 0, "the workload must preempt"
-    assert steady_steps > 20, "the scheduler's steady batch must plan many of them"
+    assert steady_steps > 20 and arrays_planned > 20, "the scheduler's steady batch must plan many of them"
     assert Counted.hits > 20, "most decode steps must be planned from the last one"
     assert views_kept > 20, "a step of the last one's shape keeps its views"
     assert_scheduler_clean(scheduler)
@@ -398,3 +401,40 @@ def test_a_steady_padded_step_rewrites_no_padded_table_row() -> None:
     meta.decode_tables[5, 0] = 77  # on CPU the metadata views the host buffer itself
     _, _, meta = buffers.prepare(pad_decode_plan(plan, 8))
     assert meta.decode_tables[5, 0] == 77 and meta.decode_tables[:3, 0].tolist() == [0, 1, 2]
+
+
+def test_a_plan_with_arrays_fills_the_step_buffers_as_its_lists_do() -> None:
+    """A steady plan's arrays (`StepPlan.decode_arrays`) and its kept rows list are copied in place of
+    the lists: step after step, padded or not, the buffers hold what the lists alone would give."""
+    from dataclasses import replace
+
+    import numpy as np
+    import torch
+
+    from pdserve.engine.cuda_graphs import pad_decode_plan
+    from pdserve.engine.step_buffers import StepBuffers
+    from pdserve.engine.step_plan import StepPlan
+
+    # NOTE: a row's table is a view of that request's own array, as `BlockTables` hands them
+    tables = [np.arange(start, start + n, dtype=np.int32) for start, n in ((0, 2), (2, 3), (5, 3))]
+    rows = [0, 1, 2]
+    with_arrays = StepBuffers(16, 8, 8, torch.device("cpu"), lambda n: 1)
+    for step in range(4):
+        positions = np.array([5, 9, 17], dtype=np.int64) + step
+        slots, lens = positions * 2, positions + 1
+        plan = StepPlan(token_ids=[7 + step, 8, 9], positions=positions.tolist(), slots=slots.tolist(),
+                        decode_rows=rows, decode_tables=[t[:] for t in tables], decode_lens=lens.tolist(),
+                        sample_rows=rows, decode_arrays=(positions, slots, lens))
+        other = StepPlan(token_ids=[1, 2, 3, 4], positions=[1, 2, 3, 4], slots=[1, 2, 3, 4], decode_rows=[0, 2, 3],
+                         decode_tables=[np.array([9], dtype=np.int32) for _ in range(3)], decode_lens=[2, 3, 4],
+                         sample_rows=[0, 2, 3])
+        for padded in (plan, pad_decode_plan(plan, 8), other) if step % 2 else (plan,):  # then rows 0, 2, 3
+            got = with_arrays.prepare(padded)
+            fresh = StepBuffers(16, 8, 8, torch.device("cpu"), lambda n: 1)  # NOTE: no memory of a last step
+            want = fresh.prepare(replace(padded, decode_arrays=None))
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            for name in ("slot_mapping", "decode_rows", "decode_lens"):
+                assert torch.equal(getattr(got[2], name), getattr(want[2], name)), (step, name)
+            # NOTE: a row's ids past its table are never read (and may be stale)
+            assert [row[:len(t)].tolist() for row, t in zip(got[2].decode_tables, padded.decode_tables, strict=True)] \
+                == [list(t) for t in padded.decode_tables]

@@ -134,3 +134,55 @@ def test_a_placed_attempt_that_times_out_on_prefill_is_reported_ended_to_its_dec
             await queue.close()
 
     asyncio.run(scenario())
+
+
+class OneDraining(StubPrefillClient):
+    """The first prefill worker answers every job 503 (draining: `prefill` returns None, the worker
+    still answers); the second computes it. Decode accepts every retarget."""
+
+    def __init__(self) -> None:
+        super().__init__(timeout_s=1.0)
+        self.prefilled: list[tuple[str, str]] = []
+        self.aborted: list[str] = []
+
+    async def prefill_job(self, url: str, job: PrefillJob, on_first_token: Any = None) -> HandOff | None:
+        self.prefilled.append((url, job.transfer_id))
+        if url == PREFILL:
+            return None
+        return HandOff(transfer_id=job.transfer_id, status="handed_off")
+
+    async def retarget(self, url: str, request_id: str, transfer_id: str, replaces: str = "") -> bool:
+        return True
+
+    async def abort(self, url: str, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def test_a_job_a_draining_prefill_worker_refuses_goes_to_another_and_the_worker_gets_no_more() -> None:
+    """A 503 (draining) re-queued the job, and the queue picked the same worker again at once, until
+    its next poll or its port closing (`up`'s Ctrl-C: one job sent five times in 20 ms, then a
+    WARNING that the worker was unreachable). Now the worker leaves new work at its first 503."""
+    other = "http://prefill-2"
+
+    async def scenario() -> None:
+        workers = OneDraining()
+        pool = WorkerPool(workers, [PREFILL, other], [DECODE])
+        for worker in pool.members("prefill") + pool.members("decode"):
+            mark_ready(worker)
+        queue = MemoryPrefillQueue(pool, workers)
+        jobs = [PrefillJob(request_id=name, transfer_id=f"{name}@0", decode_url=DECODE, prompt_token_ids=[1, 2, 3],
+                           params=WireSamplingParams.of(SamplingParams(max_tokens=2)), kv_address="a:1",
+                           block_ids=[0], num_cached_tokens=0) for name in ("r", "s")]
+        try:
+            await queue.put(jobs[0])
+            await until(lambda: (other, "r@1") in workers.prefilled, "the job on the other worker")
+            await queue.put(jobs[1])
+            await until(lambda: (other, "s@0") in workers.prefilled, "the next job on the other worker")
+            assert workers.prefilled == [(PREFILL, "r@0"), (other, "r@1"), (other, "s@0")]
+            draining = pool.find("prefill", PREFILL)
+            assert draining is not None and not draining.ready and draining.going
+            assert workers.aborted == [], "a job refused with 503 was never taken: nothing to abort"
+        finally:
+            await queue.close()
+
+    asyncio.run(scenario())

@@ -156,3 +156,23 @@ def test_a_finished_request_is_not_kept_alive_by_its_penalty_row() -> None:
     sampler.penalties.clear()
     assert sampler.penalties.seen.untyped_storage().nbytes() == 0 and storage.nbytes() > 0
     assert sampler.penalties.seen.untyped_storage().data_ptr() != storage.data_ptr()
+
+
+def test_argmax_alone_is_what_the_sampler_gives_plain_greedy_rows() -> None:
+    """`Sampler.argmax` (a steady step whose rows are all plain greedy): the tokens `__call__` gives
+    those rows (ties and all), no logprobs, and it leaves the sampler as `__call__` does: penalty
+    tables of requests no longer sampled cleared, no grammar masks pending."""
+    logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(0))
+    logits[2, 5] = logits[2, 40] = logits[2].max() + 1  # a tie: the first best
+    requests = [make_request(f"g{i}", [1, 2], max_tokens=8, temperature=0.0) for i in range(6)]
+    assert all(r.plain_greedy for r in requests)
+    general, alone = Sampler(0, torch.device("cpu")), Sampler(0, torch.device("cpu"))
+    for sampler in (general, alone):  # a penalized request sampled last step, gone since
+        penalized = make_request("p", [1, 2, 3], max_tokens=8, repetition_penalty=1.5)
+        sampler._apply_penalties_and_masks(torch.zeros(1, VOCAB), [penalized], [0])
+        assert len(sampler.penalties)
+    want = general(logits, requests)
+    got = alone.argmax(logits)
+    assert got.token_ids == want.token_ids and got.token_ids[2] == 5
+    assert got.logprobs == want.logprobs == [None] * 6
+    assert len(alone.penalties) == len(general.penalties) == 0 and alone._pending is None

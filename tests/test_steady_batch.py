@@ -5,6 +5,7 @@ general path does."""
 from __future__ import annotations
 
 import zlib
+from operator import is_
 from typing import Any
 
 import pytest
@@ -40,6 +41,7 @@ def _drive(scheduler: Scheduler) -> tuple[list[object], int]:
     list where every chunk samples, else a dict); returns what each step did and left, and the
     number of steps it scheduled as a steady batch."""
     events = scheduler.kv.pool.events = KVEventLog(scheduler.kv.block_size)
+    newly_cached = scheduler.kv.newly_cached = []  # what a disk tier would save, in order
     record: list[object] = []
     steady_steps = 0
     step = 0
@@ -62,26 +64,33 @@ def _drive(scheduler: Scheduler) -> tuple[list[object], int]:
             out.num_batched_tokens, [r.request_id for r in updated],
             [(r.request_id, r.status, r.num_computed_tokens, list(r.all_token_ids), list(r.block_ids),
               r.num_indexed_blocks, len(r.block_hashes)) for r in updated + scheduler.running],
-            scheduler.kv.pool.num_free_blocks, events.take()))
+            scheduler.kv.pool.num_free_blocks, events.take(), list(newly_cached)))
+        newly_cached.clear()
         step += 1
         assert step < 1000
     assert_scheduler_clean(scheduler)
     return record, steady_steps
 
 
-def _scheduler(num_blocks: int) -> Scheduler:
-    return make_scheduler(num_blocks=num_blocks, block_size=4, max_num_seqs=6, max_num_batched_tokens=24)
+def _scheduler(num_blocks: int, block_size: int = 4, preemption_mode: str = "recompute", caching: bool = True
+               ) -> Scheduler:
+    return make_scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=6, max_num_batched_tokens=24,
+                          preemption_mode=preemption_mode, num_swap_blocks=200 if preemption_mode == "swap" else 0,
+                          enable_prefix_caching=caching)
 
 
-@pytest.mark.parametrize("num_blocks", [200, 30])
-def test_steady_steps_do_what_the_general_path_does(num_blocks: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Step by step: the same chunks, tokens, blocks, cached blocks and KV events, finishes at a
-    length, at a stop token and not before min_tokens, through arrivals, an abort, a prefix hit, a
-    dropped step and (30 blocks) preemptions of decodes that enter a new block."""
-    steady, steady_steps = _drive(_scheduler(num_blocks))
+@pytest.mark.parametrize(("num_blocks", "block_size", "preemption_mode", "caching"), [
+    (200, 4, "recompute", True), (30, 4, "recompute", True), (30, 4, "swap", True), (30, 4, "recompute", False),
+    (120, 1, "recompute", True), (70, 2, "swap", False)])
+def test_steady_steps_do_what_the_general_path_does(num_blocks: int, block_size: int, preemption_mode: str,
+                                                    caching: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step by step: the same chunks, tokens, blocks, cached blocks (the KV events, what a disk tier
+    saves) and finishes at a length, at a stop token and not before min_tokens, through arrivals, an
+    abort, a prefix hit, dropped steps and, with a small pool, preemptions (recomputed or swapped)."""
+    steady, steady_steps = _drive(_scheduler(num_blocks, block_size, preemption_mode, caching))
     with monkeypatch.context() as patch:
         patch.setattr(SteadyBatch, "after_update", classmethod(lambda cls, *args: None))
-        general, none = _drive(_scheduler(num_blocks))
+        general, none = _drive(_scheduler(num_blocks, block_size, preemption_mode, caching))
     assert none == 0
     assert steady == general
     assert steady_steps > len(steady) // 3, f"only {steady_steps} of {len(steady)} steps were steady"
@@ -91,18 +100,20 @@ def test_a_preemption_in_a_steady_step_leaves_it_to_the_general_loop() -> None:
     """With the pool used up, a decode entering a new block finds none: the steady batch gives the
     step back, the general loop preempts from the tail, and nothing is lost."""
     scheduler = _scheduler(30)
-    calls: list[object] = []
+    calls: list[str] = []
     schedule = SteadyBatch.schedule
 
-    def counted(self: SteadyBatch, *args: Any) -> Any:
-        chunks = schedule(self, *args)
-        calls.append(chunks is not None)
+    def counted(self: SteadyBatch, running: list[Request], budget: int, kv: Any) -> Any:
+        same = len(running) == len(self.requests) <= budget and all(map(is_, running, self.requests))
+        chunks = schedule(self, running, budget, kv)
+        calls.append("steady" if chunks is not None else "no block" if same else "other requests")
         return chunks
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(SteadyBatch, "schedule", counted)
         _drive(scheduler)
-    assert scheduler.num_preemptions > 0 and False in calls and calls.count(True) > 10
+    assert calls.count("no block") > 0 and calls.count("steady") > 10
+    assert scheduler.num_preemptions >= calls.count("no block")
 
 
 def test_a_step_of_other_requests_is_not_steady() -> None:

@@ -73,7 +73,7 @@ def pad_step_plan(plan: StepPlan, bucket: int) -> StepPlan:
     pad = bucket - len(plan.token_ids)
     assert pad >= 0
     return replace(plan, token_ids=plan.token_ids + [0] * pad, positions=plan.positions + [0] * pad,
-                   slots=plan.slots + [PAD_SLOT] * pad)
+                   slots=plan.slots + [PAD_SLOT] * pad, decode_arrays=None)
 
 
 class PiecewiseGraphs:

@@ -79,6 +79,7 @@ class StepBuffers:
         self._tables: list[object] = []
         self._table_sources: list[object] = []
         self._table_counts: list[int] = []
+        self._rows: list[int] = []  # the decode rows last written (held: an object held cannot be another)
         # the last step's shape and views (`prepare`): the same shape, the very same views
         self._shape: tuple[object, ...] = ()
         self._views: tuple[torch.Tensor, torch.Tensor, PagedMetadata] | None = None
@@ -139,12 +140,17 @@ class StepBuffers:
         if self._copied is not None:
             self._copied.synchronize()  # NOTE: the previous step's copy has read the host buffer
         fill = self._np
-        for name, at, values in (("ids", 0, plan.token_ids), ("positions", 0, plan.positions),
-                                 ("slots", 0, plan.slots), ("rows", 0, plan.decode_rows),
-                                 ("lens", 0, plan.decode_lens), ("lens", first_prefix, [p.context_len for p in prefix]),
+        # NOTE: a steady decode's arrays copy in well under a µs each, a list of 256 ints in about 12;
+        # decode rows that are the very list the last step wrote (range(n), kept) are there already
+        positions, slots, lens = plan.decode_arrays or (plan.positions, plan.slots, plan.decode_lens)
+        rows = () if plan.decode_rows is self._rows else plan.decode_rows
+        for name, at, values in (("ids", 0, plan.token_ids), ("positions", 0, positions), ("slots", 0, slots),
+                                 ("rows", 0, rows), ("lens", 0, lens),
+                                 ("lens", first_prefix, [p.context_len for p in prefix]),
                                  ("starts", 0, [p.start for p in prefix]), ("ends", 0, [p.end for p in prefix])):
             start = self._offsets[name] + at
             fill[start:start + len(values)] = values
+        self._rows = plan.decode_rows
         tables = fill[self._offsets["tables"]:self._offsets["tables"] + num_seqs * self.width].reshape(-1, self.width)
         self._fill_decode_tables(tables, plan.decode_tables)
         for row, table in zip(range(first_prefix, num_seqs), [p.block_ids for p in prefix], strict=True):

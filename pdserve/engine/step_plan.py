@@ -48,6 +48,9 @@ class StepPlan:
     lora_spans: list[tuple[int, int, str]] = field(default_factory=list)  # rows [start, end) under a LoRA adapter
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
+    # a steady decode's positions, slots and context lengths again, as the int64 arrays it planned them
+    # in (`SteadyDecodes`): the step buffers copy these, not the lists (None: the lists alone)
+    decode_arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     # tensor parallelism: what the ranks' hooks do with this step (a prefill worker's ranks: which
     # requests' KV to stream), see TPModelRunner.install_rank_hook
     rank_message: object = None
@@ -67,6 +70,7 @@ class SteadyDecodes:
         self._slots = np.zeros(0, dtype=np.int64)
         self._tables: list[list[int] | np.ndarray] = []
         self._lora_spans: list[tuple[int, int, str]] = []
+        self._rows: list[int] = []  # range(len(rows)), one list for every steady plan of that many (never changed)
 
     def remember(self, out: SchedulerOutput, plan: StepPlan, num_samplers: int) -> None:
         """Keep `plan` as the base of the next step's if it is decodes alone, every one sampling."""
@@ -89,7 +93,8 @@ class SteadyDecodes:
                 or not all(map(is_, chunks, last))):
             return None
         positions = self._positions + 1
-        position_list, lens = positions.tolist(), (positions + 1).tolist()
+        len_array = positions + 1
+        position_list, lens = positions.tolist(), len_array.tolist()
         if out.steady is not None:  # NOTE: the scheduler vouches for what the checks below read
             if not np.array_equal(out.steady.positions, positions):
                 return None  # this plan's memory is not of the step the scheduler's batch followed
@@ -109,9 +114,12 @@ class SteadyDecodes:
             slots[row] = request.block_ids[position // block_size] * block_size
             decode_tables[row] = tables.table(request, position // block_size + 1)
         tables.end_step(keep_all=True)
+        if len(self._rows) != num:
+            self._rows = list(range(num))
         plan = StepPlan(token_ids=list(token_ids), positions=position_list, slots=slots.tolist(),
-                        decode_rows=list(range(num)), decode_tables=decode_tables, decode_lens=lens,
-                        sample_rows=list(range(num)), lora_spans=self._lora_spans)
+                        decode_rows=self._rows, decode_tables=decode_tables, decode_lens=lens,
+                        sample_rows=self._rows, lora_spans=self._lora_spans,
+                        decode_arrays=(positions, slots, len_array))
         self._positions, self._slots, self._tables = positions, slots, decode_tables
         return plan, list(requests)
 

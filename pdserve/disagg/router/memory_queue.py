@@ -244,6 +244,11 @@ class MemoryPrefillQueue(PrefillQueue):
             return False
         finally:
             item.accepted.set()  # NOTE: a placement waiting for this push looks again
+        if hand_off is None and worker.info is not None:  # NOTE: it answered 503: draining, the job not taken
+            # NOTE: out of new work now: until its next poll it would be picked again at once, for as
+            # long as it keeps answering (one job sent five times in 20 ms on `up`'s Ctrl-C)
+            worker.mark_draining()
+            return not item.cancelled
         if hand_off is None:  # NOTE: unreachable, or its answer cut short: it may still run the attempt
             self._abort_cut(worker, item.job)
             return not item.cancelled

@@ -50,6 +50,12 @@ class Worker:
         is expected, not a fault."""
         return not self.member or (self.info is not None and self.info.draining)
 
+    def mark_draining(self) -> None:
+        """A prefill worker answered a job 503, draining: no new work for it from now on, not from its
+        next /pd/info answer (which says the same); losing it later is expected (`going`)."""
+        if self.info is not None:
+            self.info = self.info.model_copy(update={"ready": False, "draining": True})
+
     def mark_unreachable(self, exc: WorkerUnreachable) -> None:
         """A call to it failed: it leaves the pool until its next /pd/info answer. One that said it
         was leaving (`going`) is gone on purpose: said as INFO."""
