@@ -12,7 +12,8 @@ least loaded. A job put with `cached_tokens` (--prefill-policy kv-events: what t
 events say they cache) is placed the same way from those, with no call. A job's listener hears its
 first token as soon as the worker sampled it (the POST's answer then streams it, before the
 hand-off's end), and its hand-off or refusal. A worker lost (or draining) with a job: the job is
-queued again at the front as a new attempt, the decode worker told first; a worker whose answer was cut
+queued again at the front as a new attempt, the decode worker told first; one that answered 503
+(draining) gets no new job from then on (`Worker.mark_draining`); a worker whose answer was cut
 short (it may still run the attempt, holding its blocks until its placement or transfer timeout) is
 told to abort it, best effort. A worker that refuses a job for good: the listener hears the refusal
 (for the client), then the decode worker ends the request.
