@@ -168,3 +168,22 @@ def test_a_worker_that_deregisters_gets_no_new_work_at_once_and_its_loss_is_no_w
     b.mark_unreachable(WorkerUnreachable(b.url, ConnectionRefusedError()))
     levels = {r.getMessage().split()[2]: r.levelname for r in caplog.records if "unreachable" in r.getMessage()}
     assert levels == {"http://a:1": "INFO", "http://b:1": "WARNING"}
+
+
+def test_once_the_router_stops_no_worker_lost_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """`up`'s Ctrl-C stops the router and the workers at once: a call that then finds a worker gone,
+    one that has not said it was leaving, is INFO (`WorkerPool.stopping`, set by the router's exit),
+    for workers known then and listed later."""
+    pool = WorkerPool(WorkerClient(timeout_s=1), prefill=["http://p:1"], decode=["http://a:1"])
+    (p,), (a,) = pool.members("prefill"), pool.members("decode")
+    p.info = a.info = _info()
+    caplog.set_level("INFO", logger="pdserve.disagg.router.pool")
+    a.mark_unreachable(WorkerUnreachable(a.url, ConnectionRefusedError()))
+    pool.stopping = True
+    pool.set_members("decode", ["http://a:1", "http://c:1"])
+    c = pool.find("decode", "http://c:1")
+    assert c is not None and p.going and c.going
+    p.mark_unreachable(WorkerUnreachable(p.url, ConnectionResetError()))
+    c.mark_unreachable(WorkerUnreachable(c.url, ConnectionRefusedError()))
+    levels = [(r.getMessage().split()[2], r.levelname) for r in caplog.records if "unreachable" in r.getMessage()]
+    assert levels == [("http://a:1", "WARNING"), ("http://p:1", "INFO"), ("http://c:1", "INFO")]

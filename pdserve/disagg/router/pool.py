@@ -35,6 +35,7 @@ class Worker:
     in_flight_tokens: int = 0  # prefill: prompt tokens of the jobs pushed to it and not yet handed off
     member: bool = True  # False once no membership source lists it: it finishes this router's work, gets no more
     was_ready: bool = False  # it has been ready since it joined: while listed, it is expected back
+    router_stopping: bool = False  # this router is shutting down (`WorkerPool.stopping`)
 
     @property
     def ready(self) -> bool:
@@ -46,9 +47,9 @@ class Worker:
 
     @property
     def going(self) -> bool:
-        """It said it is leaving (deregistered or out of the membership, or draining): losing it now
-        is expected, not a fault."""
-        return not self.member or (self.info is not None and self.info.draining)
+        """It said it is leaving (deregistered or out of the membership, or draining), or this router
+        is stopping (`up`'s Ctrl-C stops every process at once): losing it now is expected, not a fault."""
+        return self.router_stopping or not self.member or (self.info is not None and self.info.draining)
 
     def mark_draining(self) -> None:
         """A prefill worker answered a job 503, draining: no new work for it from now on, not from its
@@ -87,11 +88,22 @@ class WorkerPool:
     def __init__(self, client: WorkerClient, prefill: Iterable[str] = (), decode: Iterable[str] = ()) -> None:
         self._client = client
         self._members: dict[WorkerRole, list[Worker]] = {"prefill": [], "decode": []}
-        self.stopping = False  # the router is shutting down: its workers going away is expected
+        self._stopping = False  # see `stopping`
         self._starting_until = float("-inf")  # see expect_first_workers
         self._ever_ready: set[WorkerRole] = set()  # roles that have had a ready worker
         self.set_members("prefill", prefill)
         self.set_members("decode", decode)
+
+    @property
+    def stopping(self) -> bool:
+        """The router is shutting down: every worker going away from now on is expected (`Worker.going`)."""
+        return self._stopping
+
+    @stopping.setter
+    def stopping(self, value: bool) -> None:
+        self._stopping = value
+        for worker in self._members["prefill"] + self._members["decode"]:
+            worker.router_stopping = value
 
     def set_members(self, role: WorkerRole, urls: Iterable[str]) -> None:
         """The workers of `role` are now these. A worker already known keeps its state (readiness,
@@ -100,7 +112,8 @@ class WorkerPool:
         streams, a prefill worker's jobs), so that work can still reach it until it ends."""
         known = {w.url: w for w in self._members[role]}
         listed = list(dict.fromkeys(url.rstrip("/") for url in urls))  # NOTE: a worker listed twice is one
-        members = [known.pop(url) if url in known else Worker(url, role) for url in listed]
+        members = [known.pop(url) if url in known else Worker(url, role, router_stopping=self._stopping)
+                   for url in listed]
         for worker in members:
             worker.member = True
         leaving = [w for w in known.values() if w.busy]
@@ -163,7 +176,7 @@ class WorkerPool:
             if worker.info is not None:
                 # NOTE: one that deregistered or was draining is gone on purpose (a scale-in, a stop), and
                 # so is every worker once this router stops (`up`'s Ctrl-C stops them all at once)
-                expected = self.stopping or worker.going
+                expected = worker.going
                 (logger.info if expected else logger.warning)("%s worker %s left the pool: %s", worker.role,
                                                               worker.url, exc.reason)
             worker.info = None
