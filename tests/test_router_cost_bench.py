@@ -38,8 +38,9 @@ def test_decode_standin_frames_are_what_a_decode_worker_streams() -> None:
 @pytest.mark.parametrize("frame_mux", ["--frame-mux", "--no-frame-mux"])
 def test_bench_counts_every_chunk(tmp_path: Path, capsys: pytest.CaptureFixture[str], frame_mux: str) -> None:
     out = tmp_path / "result.json"
+    floor = ["--floor"] if frame_mux == "--frame-mux" else []
     code = router_cost.main(["--streams", "2", "--tokens", "8", "--stream", "both", "--min-chunks", "0",
-                             "--idle-s", "0.5", "--json", str(out), frame_mux])
+                             "--idle-s", "0.5", "--json", str(out), frame_mux, *floor])
     assert code == 0
     result = json.loads(out.read_text())
     assert result["idle_router_cpu_ms_per_s"] >= 0
@@ -52,6 +53,12 @@ def test_bench_counts_every_chunk(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert result["frame_mux"] == (frame_mux == "--frame-mux")
     printed = capsys.readouterr().out
     assert "µs/chunk" in printed and "chunks/s/core" in printed
+    if floor:  # the relay floor, bare and through the serving stack, under the streamed load only
+        floors = result["floor_rows"]
+        assert [(r["stack"], r["streams"], r["stream"]) for r in floors] == [("bare", 2, True), ("serving", 2, True)]
+        for row in floors:
+            assert row["chunks"] == row["expected_chunks"] == 2 * 8 * row["waves"]
+        assert "router / floor" in printed
 
 
 def test_frame_delivery_bench_times_both_paths(capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,6 +4,7 @@ each, the workers' `/pd/*` protocol), so no engine limits how fast tokens come.
 
     python -m pdserve.bench.router_cost [--streams 1,8,64,512] [--tokens 128] [--stream both]
                                         [--min-chunks 8192] [--step-ms 0] [--json PATH] [--profile]
+                                        [--floor]
 
 Load: N concurrent `/v1/completions` requests (`max_tokens` T, `ignore_eos`, greedy), streamed (SSE)
 and/or not, from an aiohttp client in this process; as many waves of N as make `--min-chunks`
@@ -45,6 +46,7 @@ _CLK_TCK = os.sysconf("SC_CLK_TCK")
 _READY_TIMEOUT_S = 120.0
 _PROMPT = "The router relays every token of this request"
 PROFILE_STREAMS = 64
+FLOOR_STACKS = ("bare", "serving")  # relay_floor.py --stack
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +132,16 @@ class Processes:
         _wait_ready(url + "/ready", proc)
         return proc, url
 
+    def start_floor(self, stack: str) -> tuple[subprocess.Popen[bytes], str]:
+        """The relay floor (relay_floor.py, `stack`: bare or serving) in the router's place, fed by
+        its own ticker."""
+        port = free_port()
+        proc = self._start(f"floor-{stack}", [sys.executable, "-m", "pdserve.bench.relay_floor", "--port",
+                                              str(port), "--step-ms", str(self.step_ms), "--stack", stack])
+        url = f"http://127.0.0.1:{port}"
+        _wait_ready(url + "/ready", proc)
+        return proc, url
+
     def stop(self, proc: subprocess.Popen[bytes]) -> None:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
@@ -208,10 +220,11 @@ def measure(router_pid: int, url: str, load: Load, min_chunks: int, profiled: bo
     """`profiled`: the router runs under `_PROFILED_ROUTER`, profiled over the measured waves only."""
     streams, tokens, stream = load.streams, load.tokens, load.stream
     waves = max(1, math.ceil(min_chunks / (streams * tokens)))
-    asyncio.run(_waves(url, min(streams, 8), 8, stream, 1))  # warm-up: connections, first-call paths
-    if profiled:
+    if profiled:  # NOTE: its handler runs once the loop wakes: the warm-up's first request wakes it
         os.kill(router_pid, signal.SIGUSR1)
-        time.sleep(1.0)  # NOTE: its handler runs once the loop wakes (a pool poll: every 0.5 s)
+    # NOTE: warm-up: connections, first-call paths, the frame streams open (they close after 1 s idle:
+    # a pause here would run the measured load on the path of requests that find no stream open)
+    asyncio.run(_waves(url, min(streams, 8), 8, stream, 1))
     (user0, sys0), t0 = cpu_seconds(router_pid), time.perf_counter()
     chunks = asyncio.run(_waves(url, streams, tokens, stream, waves))
     (user1, sys1), wall = cpu_seconds(router_pid), time.perf_counter() - t0
@@ -282,6 +295,11 @@ def _print_profile(top: dict[str, list[dict]], limit: int) -> None:
                       f"{100 * e['self_share']:.1f}"] for e in top[key][:limit]])
 
 
+def _ratio(router_us: float, floor_us: float) -> str:
+    """router / floor; "-" where the floor read no CPU (a load too small for /proc/PID/stat's ticks)."""
+    return f"{router_us / floor_us:.2f}x" if floor_us > 0 else "-"
+
+
 @contextlib.contextmanager
 def _log_dir(keep: str | None) -> Iterator[Path]:
     if keep:
@@ -311,6 +329,13 @@ def run(ns: argparse.Namespace) -> dict:
             rows = [measure(router.pid, url, load, ns.min_chunks) for load in loads]
             result["rows"] = [asdict(row) for row in rows]
             procs.stop(router)
+            if ns.floor:
+                result["floor_rows"] = []
+                for stack in FLOOR_STACKS:
+                    floor, url = procs.start_floor(stack)
+                    result["floor_rows"] += [asdict(measure(floor.pid, url, load, ns.min_chunks)) | {"stack": stack}
+                                             for load in loads if load.stream]
+                    procs.stop(floor)
             if ns.profile:
                 out = logs / "router.prof"
                 router, url = procs.start_router(profile_out=out)
@@ -335,6 +360,15 @@ def print_report(result: dict) -> None:
                   f"{r['router_cpu_s']:.2f}", f"{r['us_per_chunk']:.0f}",
                   f"{r['user_us_per_chunk']:.0f} / {r['sys_us_per_chunk']:.0f}", f"{r['chunks_per_core_s']:.0f}",
                   f"{r['tok_per_s']:.0f}"] for r in result["rows"]])
+    if result.get("floor_rows"):
+        print(f"\nthe floor (relay_floor.py: a relay on uvicorn with one queue wake-up and one write a chunk, tokens "
+              f"every {result['step_ms']:g} ms; bare ASGI, and through the serving side's app and SSE writer), "
+              "the same load:")
+        router = {r["streams"]: r["us_per_chunk"] for r in result["rows"] if r["stream"]}
+        print_table(["stack", "streams", "chunks", "µs/chunk", "user / sys", "router / floor"],
+                    [[r["stack"], str(r["streams"]), str(r["chunks"]), f"{r['us_per_chunk']:.0f}",
+                      f"{r['user_us_per_chunk']:.0f} / {r['sys_us_per_chunk']:.0f}",
+                      _ratio(router[r["streams"]], r["us_per_chunk"])] for r in result["floor_rows"]])
     if "profile" in result:
         row = result["profile"]["row"]
         print(f"\nprofiled run: {row['us_per_chunk']:.0f} µs/chunk under cProfile (inflated by it)")
@@ -355,13 +389,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-top", type=int, default=25)
     parser.add_argument("--frame-mux", action=argparse.BooleanOptionalAction, default=True,
                         help="the router's frame stream per decode worker (its default), or a stream per request")
+    parser.add_argument("--floor", action="store_true",
+                        help="also measure the bare relay (relay_floor.py) under the same streamed load")
     parser.add_argument("--log-dir", default=None, help="keep the processes' logs (and the profile) here")
     ns = parser.parse_args(argv)
     result = run(ns)
     print_report(result)
     if ns.json:
         Path(ns.json).write_text(json.dumps(result, indent=2))
-    bad = [r for r in result["rows"] if r["chunks"] != r["expected_chunks"]]
+    bad = [r for r in result["rows"] + result.get("floor_rows", []) if r["chunks"] != r["expected_chunks"]]
     return 1 if bad else 0
 
 

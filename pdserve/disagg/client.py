@@ -26,6 +26,7 @@ from yarl import URL
 
 from pdserve.disagg.auth import ClusterSecret, signature_headers
 from pdserve.disagg.control import (
+    DRAINING_HEADER,
     FailJob,
     FirstToken,
     HandOff,
@@ -63,6 +64,10 @@ class WorkerUnreachable(WorkerError):
     @property
     def reason(self) -> str:
         return str(self.cause) or type(self.cause).__name__
+
+
+class WorkerDraining(WorkerError):
+    """The worker answered 503 and said it is draining (`DRAINING_HEADER`): nothing new for it."""
 
 
 class WorkerRefused(WorkerError):
@@ -128,13 +133,16 @@ class WorkerClient:
             raise WorkerUnreachable(url, exc) from exc
 
     async def reserve(self, url: str, request: ReserveRequest) -> ReserveReply | None:
-        """Decode: hold blocks for the prompt. None: not now (no room, draining: try another one
-        or later); raises WorkerRefused (400) for a request no worker can take."""
+        """Decode: hold blocks for the prompt. None: not now (no room: try another one or later);
+        raises WorkerDraining for a worker that takes nothing new, WorkerRefused (400) for a request
+        no worker can take."""
         reply = await self._post(url, "/pd/reserve", request)
         if reply.status == HTTPStatus.OK:
             return ReserveReply.model_validate_json(reply.body)
         if reply.status == HTTPStatus.BAD_REQUEST:
             raise WorkerRefused(reply.status, _error_message(reply))
+        if reply.draining:
+            raise WorkerDraining(f"decode worker {url} is draining")
         return None
 
     async def prefix(self, url: str, prompt_token_ids: list[int]) -> int | None:
@@ -276,7 +284,8 @@ class WorkerClient:
         """One call answered in one piece. Raises WorkerUnreachable when the worker does not answer."""
         try:
             async with self._open(method, url, path, body, timeout=timeout) as response:
-                return _Reply(response.status, await response.read())
+                return _Reply(response.status, await response.read(),
+                              response.status == HTTPStatus.SERVICE_UNAVAILABLE and DRAINING_HEADER in response.headers)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise WorkerUnreachable(url, exc) from exc
 
@@ -395,6 +404,7 @@ class _Reply:
 
     status: int
     body: bytes
+    draining: bool = False  # a 503 that says the worker is draining (DRAINING_HEADER)
 
 
 def _hand_off(reply: _Reply) -> HandOff | None:

@@ -112,11 +112,12 @@ PRESETS: dict[str, ModelShape] = {
                             moe_intermediate_size=192),
 }
 
-# Qwen/Qwen3-{1.7B,8B,14B,32B} config.json (hidden, intermediate, layers, heads, KV heads, head_dim): sizing
+# Qwen/Qwen3-{1.7B,4B,8B,14B,32B} config.json (hidden, intermediate, layers, heads, KV heads, head_dim): sizing
 # uses their numbers; `make-model --preset qwen3-8b` writes random weights of that shape (16 GB in bf16).
 QWEN3_SHAPES: dict[str, ModelShape] = {
     # Qwen/Qwen3-1.7B: the smallest real shape whose layers outweigh its vocabulary by ~4.5x (0.6B: 2.8x)
     "qwen3-1.7b": ModelShape(2048, 6144, 28, 16, 8, 128, tie_word_embeddings=True, max_position_embeddings=40960),
+    "qwen3-4b": ModelShape(2560, 9728, 36, 32, 8, 128, tie_word_embeddings=True, max_position_embeddings=40960),
     "qwen3-8b": ModelShape(4096, 12288, 36, 32, 8, 128, tie_word_embeddings=False, max_position_embeddings=40960),
     "qwen3-14b": ModelShape(5120, 17408, 40, 40, 8, 128, tie_word_embeddings=False, max_position_embeddings=40960),
     "qwen3-32b": ModelShape(5120, 25600, 64, 64, 8, 128, tie_word_embeddings=False, max_position_embeddings=40960),

@@ -52,8 +52,9 @@ class Worker:
         return self.router_stopping or not self.member or (self.info is not None and self.info.draining)
 
     def mark_draining(self) -> None:
-        """A prefill worker answered a job 503, draining: no new work for it from now on, not from its
-        next /pd/info answer (which says the same); losing it later is expected (`going`)."""
+        """It answered 503, draining (a prefill worker to a job, a decode worker to a reservation): no
+        new work for it from now on, not from its next /pd/info answer (which says the same); losing
+        it later is expected (`going`)."""
         if self.info is not None:
             self.info = self.info.model_copy(update={"ready": False, "draining": True})
 

@@ -20,7 +20,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from http import HTTPStatus
 
 from pdserve.disagg.attempt_states import RUN, Run, State
-from pdserve.disagg.client import UnknownRequest, WorkerClient, WorkerRefused, WorkerUnreachable
+from pdserve.disagg.client import UnknownRequest, WorkerClient, WorkerDraining, WorkerRefused, WorkerUnreachable
 from pdserve.disagg.config import RouterConfig
 from pdserve.disagg.control import (
     FirstToken,
@@ -203,6 +203,9 @@ class RequestRun:
                     reply = await reach(worker, parts.client.reserve(worker.url, request))
                 except WorkerRefused as exc:
                     raise RouterError("decode_refused", exc.message) from exc
+                except WorkerDraining:
+                    worker.mark_draining()
+                    continue
                 if reply is not None:
                     worker.in_flight += 1
                     return worker, reply

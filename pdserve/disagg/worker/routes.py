@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.disagg.control import (
+    DRAINING_HEADER,
     FailJob,
     FirstToken,
     HandOff,
@@ -49,7 +50,8 @@ def _add_reservation_routes(app: FastAPI, service: DecodeService) -> None:
             return error_response(str(exc), HTTPStatus.BAD_REQUEST)
         if reply is None:
             if service.draining:
-                return error_response("this decode worker is draining", HTTPStatus.SERVICE_UNAVAILABLE)
+                return error_response("this decode worker is draining", HTTPStatus.SERVICE_UNAVAILABLE,
+                                      headers={DRAINING_HEADER: "1"})
             return error_response("No available block: the KV pool has no room for this request now",
                                   HTTPStatus.SERVICE_UNAVAILABLE)
         return JSONResponse(reply.model_dump())
@@ -139,7 +141,8 @@ def add_prefill_routes(app: FastAPI, service: PrefillService) -> None:
     @app.post("/pd/prefill")
     async def prefill(job: PrefillJob, request: Request) -> Response:
         if service.draining:
-            return error_response("this prefill worker is draining", HTTPStatus.SERVICE_UNAVAILABLE)
+            return error_response("this prefill worker is draining", HTTPStatus.SERVICE_UNAVAILABLE,
+                                  headers={DRAINING_HEADER: "1"})
         try:
             task = await service.submit(job)
         except (ValueError, KVTransferError, OSError) as exc:
