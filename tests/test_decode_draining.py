@@ -22,6 +22,7 @@ from pdserve.disagg.router.pool import Worker
 from pdserve.disagg.router.request_run import RequestRun, RouterParts
 from pdserve.disagg.worker.routes import add_decode_routes
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.serving.metrics import ServerMetrics, install_metrics
 from tests.helpers import mark_ready
 from tests.pd_fixtures import serve
 
@@ -37,13 +38,15 @@ class NoRoom:
 
 
 @pytest.fixture
-def decode_routes() -> Iterator[tuple[str, NoRoom]]:
+def decode_routes() -> Iterator[tuple[str, NoRoom, ServerMetrics]]:
     service = NoRoom()
     app = FastAPI()
     add_decode_routes(app, service)  # type: ignore[arg-type]
+    metrics = ServerMetrics("m", "decode")
+    install_metrics(app, metrics)
     served = serve(app)
     try:
-        yield served.url, service
+        yield served.url, service, metrics
     finally:
         served.stop()
 
@@ -53,8 +56,8 @@ def _request() -> ReserveRequest:
                           params=WireSamplingParams.of(SamplingParams(max_tokens=4)))
 
 
-def test_the_client_tells_no_room_from_draining(decode_routes: tuple[str, NoRoom]) -> None:
-    url, service = decode_routes
+def test_the_client_tells_no_room_from_draining(decode_routes: tuple[str, NoRoom, ServerMetrics]) -> None:
+    url, service, metrics = decode_routes
 
     async def reserve() -> Any:
         client = WorkerClient(timeout_s=5.0)
@@ -68,15 +71,33 @@ def test_the_client_tells_no_room_from_draining(decode_routes: tuple[str, NoRoom
     with pytest.raises(WorkerDraining):
         asyncio.run(reserve())
 
+    def rejections(reason: str) -> float | None:
+        return metrics.registry.get_sample_value("pdserve:rejections_total", metrics.labels | {"code": "503",
+                                                                                               "reason": reason})
 
-def _parts(client: Any) -> RouterParts:
+    assert (rejections("no_available_block"), rejections("draining")) == (1.0, 1.0)
+
+
+def test_candidates_all_draining_at_the_deadline_are_no_decode_worker_not_no_room() -> None:
+    decodes = TwoDecodes()
+
+    async def draining(url: str, request: ReserveRequest) -> str:
+        raise WorkerDraining(url)
+
+    decodes.reserve = draining  # type: ignore[method-assign]
+    run = RequestRun(_parts(decodes, deadline_s=0.0), "r", [1, 2, 3], SamplingParams(max_tokens=4))
+    with pytest.raises(RouterError, match="no decode worker is ready"):
+        asyncio.run(run._reserve(set()))
+
+
+def _parts(client: Any, deadline_s: float = 0.5) -> RouterParts:
     def reject(reason: str, message: str) -> None:
         raise RouterError(reason, message)
 
     async def order(candidates: list[Any], prompt: list[int], root: bytes = b"") -> list[Any]:
         return candidates
 
-    return RouterParts(RouterConfig(reserve_deadline_s=0.5, restart_window_s=0.0), None, 64,  # type: ignore[arg-type]
+    return RouterParts(RouterConfig(reserve_deadline_s=deadline_s, restart_window_s=0.0), None, 64,  # type: ignore[arg-type]
                        100, client.pool, SimpleNamespace(order=order), None, client,
                        SimpleNamespace(reject=reject), None, None)
 
@@ -112,3 +133,22 @@ def test_a_draining_decode_worker_gets_no_more_reservations() -> None:
     assert decodes.asked == [decodes.first.url, decodes.second.url, decodes.second.url], \
         "the draining worker was asked again"
     assert not decodes.first.ready and decodes.first.going
+
+
+def test_a_decode_worker_with_no_room_stays_a_candidate() -> None:
+    """A 503 without the header (None from the client: no room now) is asked again next round."""
+    decodes = TwoDecodes()
+    rounds = 0
+
+    async def no_room_once(url: str, request: ReserveRequest) -> str | None:
+        nonlocal rounds
+        decodes.asked.append(url)
+        rounds += url == decodes.second.url
+        return None if rounds < 2 else f"reserved on {url}"
+
+    decodes.reserve = no_room_once  # type: ignore[method-assign]
+    run = RequestRun(_parts(decodes), "r", [1, 2, 3], SamplingParams(max_tokens=4))
+    worker, reply = asyncio.run(run._reserve(set()))
+    assert (worker.url, reply) == (decodes.second.url, "reserved on http://decode-2")
+    assert decodes.asked == [decodes.first.url, decodes.second.url, decodes.first.url, decodes.second.url]
+    assert decodes.first.ready and not decodes.first.going

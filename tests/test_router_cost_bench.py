@@ -3,13 +3,14 @@ model-less stand-ins that stream what a real decode worker streams. No timing is
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
 import pytest
 
 from pdserve.bench import frame_delivery, router_cost
-from pdserve.bench.router_standins import FrameBook, token_cycle
+from pdserve.bench.router_standins import FrameBook, next_step, token_cycle
 from pdserve.disagg.control import FrameDecoder, OutputFrame
 from pdserve.model.demo_checkpoint import default_model_dir
 from pdserve.tokenizer import load_tokenizer
@@ -38,7 +39,7 @@ def test_decode_standin_frames_are_what_a_decode_worker_streams() -> None:
 @pytest.mark.parametrize("frame_mux", ["--frame-mux", "--no-frame-mux"])
 def test_bench_counts_every_chunk(tmp_path: Path, capsys: pytest.CaptureFixture[str], frame_mux: str) -> None:
     out = tmp_path / "result.json"
-    floor = ["--floor"] if frame_mux == "--frame-mux" else []
+    floor = ["--floor", "--step-ms", "5"] if frame_mux == "--frame-mux" else []
     code = router_cost.main(["--streams", "2", "--tokens", "8", "--stream", "both", "--min-chunks", "0",
                              "--idle-s", "0.5", "--json", str(out), frame_mux, *floor])
     assert code == 0
@@ -66,3 +67,26 @@ def test_frame_delivery_bench_times_both_paths(capsys: pytest.CaptureFixture[str
     printed = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in printed] == ["pump", "direct"]
     assert all(float(line.split()[1]) > 0 for line in printed)
+
+
+def test_standin_streams_share_one_step_clock() -> None:
+    """Streams that started apart wake on the same tick, as a real decode step's tokens come
+    together (each sleeping its own step drifted: one write a step became many)."""
+
+    async def woken(delay_s: float) -> float:
+        await asyncio.sleep(delay_s)
+        await next_step(0.1)
+        return asyncio.get_running_loop().time()
+
+    async def main() -> list[float]:
+        await next_step(0.1)  # NOTE: just past a tick: the three start within one step
+        return list(await asyncio.gather(woken(0.0), woken(0.01), woken(0.03)))
+
+    times = asyncio.run(main())
+    assert max(times) - min(times) < 0.02, times
+
+
+def test_the_floor_needs_a_step(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        router_cost.main(["--floor", "--step-ms", "0"])
+    assert "--floor needs --step-ms > 0" in capsys.readouterr().err

@@ -6,11 +6,12 @@ decode step at a time, with none of the router's own work.
                                                                       # router_cost --floor runs both
 
 A bare ASGI app (no FastAPI, no middleware). POST /v1/completions (`max_tokens`, streamed) opens a
-stream; one ticker task, every `--step-ms`, puts one token into the queue of every open stream, as
-the router's frame reader puts each request's frame into its queue after one read of decode's frame
-stream. Each stream's task wakes, writes the chunk's JSON as the router does (`ChunkJson`) and sends
-it: one queue wake-up and one socket write a chunk, the two things the router cannot avoid per
-streamed token. `router_cost --floor` drives it with the very load it drives the router with.
+stream; one ticker task, every `--step-ms` (the stand-in decode's step clock), puts one token into
+the queue of every open stream, as the router's frame reader puts each request's frame into its
+queue after reading a decode step's frames. Each stream's task wakes, writes the chunk's JSON as
+the router does (`ChunkJson`) and sends it: one queue wake-up and one socket write a chunk, the two
+things the router cannot avoid per streamed token. `router_cost --floor` drives it with the very
+load it drives the router with.
 
 `--stack serving`: the same relay through what the router's streamed answer passes on its way out:
 a FastAPI app with pdserve's middleware (serving/app.py `install_middleware`), the chunks an async
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -31,6 +33,8 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 
+from pdserve import envs
+from pdserve.bench.router_standins import next_step
 from pdserve.serving.app import install_middleware
 from pdserve.serving.config import ApiConfig
 from pdserve.serving.event_stream import EventStreamResponse
@@ -60,7 +64,7 @@ class FloorRelay:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                self._ticker = asyncio.create_task(self._tick())
+                self._ticker = asyncio.create_task(self.tick())
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 if self._ticker is not None:
@@ -68,10 +72,10 @@ class FloorRelay:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    async def _tick(self) -> None:
-        """A decode step: one token for every open stream."""
+    async def tick(self) -> None:
+        """A decode step: one token for every open stream, on the stand-in decode's step clock."""
         while True:
-            await asyncio.sleep(self.step_s)
+            await next_step(self.step_s)
             for queue in self.streams.values():
                 queue.put_nowait(" token")
 
@@ -113,7 +117,7 @@ def serving_app(relay: FloorRelay) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        ticker = asyncio.create_task(relay._tick())
+        ticker = asyncio.create_task(relay.tick())
         yield
         ticker.cancel()
 
@@ -139,8 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-ms", type=float, default=20.0, help="time between a stream's tokens")
     parser.add_argument("--stack", choices=("bare", "serving"), default="bare")
     ns = parser.parse_args(argv)
+    if ns.step_ms <= 0:
+        parser.error("--step-ms must be > 0 (a ticker at 0 would spin a core)")
     relay = FloorRelay(ns.step_ms / 1e3)
     app: Any = relay if ns.stack == "bare" else serving_app(relay)
+    gc.collect()  # NOTE: as `pdserve router` sets its process up (ops/serve.py `run_server`)
+    gc.freeze()
+    envs.serving_switch_interval()
     uvicorn.run(app, host=ns.host, port=ns.port, log_level="warning", access_log=False,
                 lifespan="on")
     return 0

@@ -220,11 +220,11 @@ def measure(router_pid: int, url: str, load: Load, min_chunks: int, profiled: bo
     """`profiled`: the router runs under `_PROFILED_ROUTER`, profiled over the measured waves only."""
     streams, tokens, stream = load.streams, load.tokens, load.stream
     waves = max(1, math.ceil(min_chunks / (streams * tokens)))
-    if profiled:  # NOTE: its handler runs once the loop wakes: the warm-up's first request wakes it
-        os.kill(router_pid, signal.SIGUSR1)
     # NOTE: warm-up: connections, first-call paths, the frame streams open (they close after 1 s idle:
-    # a pause here would run the measured load on the path of requests that find no stream open)
+    # a pause after it would run the measured load on the path of requests that find no stream open)
     asyncio.run(_waves(url, min(streams, 8), 8, stream, 1))
+    if profiled:  # NOTE: no pause: its handler runs once the loop wakes, at the latest for the first request
+        os.kill(router_pid, signal.SIGUSR1)
     (user0, sys0), t0 = cpu_seconds(router_pid), time.perf_counter()
     chunks = asyncio.run(_waves(url, streams, tokens, stream, waves))
     (user1, sys1), wall = cpu_seconds(router_pid), time.perf_counter() - t0
@@ -393,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also measure the bare relay (relay_floor.py) under the same streamed load")
     parser.add_argument("--log-dir", default=None, help="keep the processes' logs (and the profile) here")
     ns = parser.parse_args(argv)
+    if ns.floor and ns.step_ms <= 0:
+        parser.error("--floor needs --step-ms > 0 (tokens a decode step apart)")
     result = run(ns)
     print_report(result)
     if ns.json:

@@ -6,7 +6,8 @@ measuring what the router itself costs (bench/router_cost.py).
 Decode: `POST /pd/reserve` always has room; the frame stream (the real worker's own, worker/frame_mux.py:
 what a router uses by default) or `GET /pd/stream/{id}` (`--no-frame-mux`) streams one `OutputFrame`
 per token (a delta: the token and its text, as a real decode worker's frames are: `FrameEncoder` over
-RequestOutputs), `--step-ms` apart (0: as fast as the router reads them), the last one finished
+RequestOutputs), `--step-ms` apart (0: as fast as the router reads them) on one step clock for all
+streams, as a real decode step makes a token for every running request at once, the last one finished
 ("length") after the request's `max_tokens`. The tokens are a fixed cycle of ordinary vocabulary
 ids (`token_cycle`), the same for every request, their text what a real engine's output state makes
 of them (so the router's early first token, which prefill sends, matches decode's first frame).
@@ -21,6 +22,7 @@ import argparse
 import asyncio
 import dataclasses
 import itertools
+import math
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -197,9 +199,20 @@ async def _paced(items: Sequence[T], record: _Reservation, rid: str, reserved: d
             if record.aborted.is_set():
                 return
             yield item
-            await asyncio.sleep(step_s)
+            await next_step(step_s)
     finally:
         reserved.pop(rid, None)
+
+
+async def next_step(step_s: float) -> None:
+    """Until the next tick of one clock every `step_s` (0: only let others run). Every stream waiting
+    wakes on the same tick, as every running request gets its token from the same decode step (each
+    stream sleeping its own `step_s` drifted apart: a real worker's one write a step became many)."""
+    if step_s <= 0:
+        await asyncio.sleep(0)
+        return
+    now = asyncio.get_running_loop().time()
+    await asyncio.sleep((math.floor(now / step_s) + 1) * step_s - now)
 
 
 def _add_decode_control_routes(app: FastAPI, reserved: dict[str, _Reservation]) -> None:

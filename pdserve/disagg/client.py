@@ -26,7 +26,6 @@ from yarl import URL
 
 from pdserve.disagg.auth import ClusterSecret, signature_headers
 from pdserve.disagg.control import (
-    DRAINING_HEADER,
     FailJob,
     FirstToken,
     HandOff,
@@ -44,6 +43,7 @@ from pdserve.disagg.control import (
     WorkerInfo,
 )
 from pdserve.disagg.ndjson import NDJSON, lines, read_to_the_end
+from pdserve.serving.errors import DRAINING_HEADER
 
 _INFO_TIMEOUT_S = 2.0
 _MUX_IDLE_S = 1.0  # a frame stream with no request on it this long is closed (opened again when needed)

@@ -17,7 +17,6 @@ from pdserve.serving.trace import TTFTPhases
 
 Role = Literal["prefill", "decode", "colocated"]
 WorkerRole = Literal["prefill", "decode"]  # a PD worker's role
-DRAINING_HEADER = "x-pdserve-draining"  # on a worker's 503: draining, nothing new for it (without: no room now)
 
 
 class WireSamplingParams(BaseModel):

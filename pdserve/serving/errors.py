@@ -13,6 +13,9 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+# on a worker's 503: it is draining, send it nothing new (a decode worker's 503 without it: no KV room now)
+DRAINING_HEADER = "x-pdserve-draining"
+
 _TYPES = {
     HTTPStatus.BAD_REQUEST: "invalid_request_error",
     HTTPStatus.UNAUTHORIZED: "authentication_error",

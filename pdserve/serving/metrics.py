@@ -35,6 +35,7 @@ from pdserve.engine.async_llm import AsyncLLM
 from pdserve.engine.core_client import EngineCoreClient
 from pdserve.engine.llm_engine import EngineStats
 from pdserve.engine.output import RequestOutput
+from pdserve.serving.errors import DRAINING_HEADER
 from pdserve.serving.hot_metrics import HotCounter, HotHistogram
 from pdserve.serving.kv_tier_metrics import kv_tier_series
 from pdserve.serving.trace import RequestTrace, TransferRecord
@@ -337,12 +338,16 @@ def _engine_series(s: EngineStats, gauge: Callable[..., GaugeMetricFamily],
                   "queue was full (--kv-events-config max_queue_size)", s.num_kv_events_dropped_batches)
 
 
+_DRAINING = DRAINING_HEADER.encode()
 _REASONS = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 409: "kv_layout_mismatch",
             413: "too_large", 429: "too_many_requests", 499: "client_closed", 500: "internal_error",
             502: "worker_failed", 503: "unavailable", 504: "timeout"}
 
 
-def rejection_reason(path: str, status: int) -> str:
+def rejection_reason(path: str, status: int, draining: bool = False) -> str:
+    """`draining`: the response carries DRAINING_HEADER (a worker that takes nothing new)."""
+    if status == 503 and draining:
+        return "draining"
     if status == 503 and path == "/pd/reserve":
         return "no_available_block"
     return _REASONS.get(status, "other")
@@ -362,8 +367,9 @@ class RejectionCounter:
         async def counting_send(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start" and message["status"] >= 400:
                 status = int(message["status"])
+                draining = any(name == _DRAINING for name, _ in message.get("headers", ()))
                 self.metrics.rejections.labels(**self.metrics.labels, code=str(status),
-                                               reason=rejection_reason(scope.get("path", ""), status)).inc()
+                                               reason=rejection_reason(scope.get("path", ""), status, draining)).inc()
             await send(message)
 
         await self.app(scope, receive, counting_send)

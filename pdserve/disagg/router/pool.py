@@ -56,6 +56,8 @@ class Worker:
         new work for it from now on, not from its next /pd/info answer (which says the same); losing
         it later is expected (`going`)."""
         if self.info is not None:
+            if self.info.ready:
+                logger.info("%s worker %s left the pool: draining", self.role, self.url)
             self.info = self.info.model_copy(update={"ready": False, "draining": True})
 
     def mark_unreachable(self, exc: WorkerUnreachable) -> None:

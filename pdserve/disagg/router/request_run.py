@@ -209,7 +209,9 @@ class RequestRun:
                 if reply is not None:
                     worker.in_flight += 1
                     return worker, reply
-            if loop.time() > deadline:
+            # NOTE: candidates that left meanwhile (draining, unreachable) had no "no room" to say: the
+            # next round finds them gone
+            if loop.time() > deadline and any(w.ready for w in candidates):
                 parts.admission.reject("no_kv_room", "No decode worker has room for this request; try again later")
             await asyncio.sleep(_RESERVE_RETRY_S)
 

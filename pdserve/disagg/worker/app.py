@@ -5,7 +5,8 @@
                                /pd/info calls `ready`); else 503 {"status", "reason"} (readiness)
     GET  /pd/info              WorkerInfo: role, model, KV layout, transport address, load
     GET  /pd/stats             counters of what the worker did (hand-offs, timeouts, retries, queue)
-    decode:  POST /pd/reserve  ReserveRequest -> ReserveReply | 503 (no room now, or draining) | 400
+    decode:  POST /pd/reserve  ReserveRequest -> ReserveReply | 400 | 503 (no room now; draining: with the
+                               x-pdserve-draining header)
              POST /pd/prefix   {"prompt_token_ids": [...]} -> {"num_cached_tokens": n} (prefix affinity)
              GET  /pd/stream/{id}  NDJSON OutputFrames until the request finishes
              GET  /pd/frames/{mux id}  one router's frame stream: `id TAB OutputFrame` lines of

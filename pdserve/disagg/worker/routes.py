@@ -10,7 +10,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.disagg.control import (
-    DRAINING_HEADER,
     FailJob,
     FirstToken,
     HandOff,
@@ -29,7 +28,7 @@ from pdserve.disagg.transport.errors import KVTransferError
 from pdserve.disagg.worker.decode_service import DecodeService
 from pdserve.disagg.worker.frame_mux import FrameMuxes, FrameSource, UnknownMux
 from pdserve.disagg.worker.prefill_service import PrefillService
-from pdserve.serving.errors import error_response
+from pdserve.serving.errors import DRAINING_HEADER, error_response
 
 
 def add_decode_routes(app: FastAPI, service: DecodeService) -> None:
