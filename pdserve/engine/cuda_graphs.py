@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.step_buffers import PAD_SLOT, StepBuffers
-from pdserve.engine.step_plan import StepPlan
+from pdserve.engine.step_plan import StepPlan, shared_rows
 from pdserve.model.qwen3 import Qwen3ForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,6 @@ def replay_bucket(plan: StepPlan, buckets: tuple[int, ...], layer_done: Callable
 # a padded row's table, one list for all of them and never changed: the step buffers skip a row that
 # gets the very table object it got last step, so a steady step rewrites no padded row
 _PAD_TABLE = [0]
-_bucket_rows: dict[int, list[int]] = {}  # range(bucket): a padded plan's decode rows, one list a bucket (never changed)
 
 
 def pad_decode_plan(plan: StepPlan, bucket: int) -> StepPlan:
@@ -73,9 +72,8 @@ def pad_decode_plan(plan: StepPlan, bucket: int) -> StepPlan:
     if arrays is not None:  # NOTE: padded as the lists are
         arrays = tuple(np.concatenate((a, np.full(pad, value, dtype=a.dtype)))
                        for a, value in zip(arrays, (0, PAD_SLOT, 1), strict=True))  # type: ignore[assignment]
-    rows = _bucket_rows.get(bucket) or _bucket_rows.setdefault(bucket, list(range(bucket)))
     return replace(plan, token_ids=plan.token_ids + [0] * pad, positions=plan.positions + [0] * pad,
-                   slots=plan.slots + [PAD_SLOT] * pad, decode_rows=rows, decode_arrays=arrays,
+                   slots=plan.slots + [PAD_SLOT] * pad, decode_rows=shared_rows(bucket), decode_arrays=arrays,
                    decode_tables=plan.decode_tables + [_PAD_TABLE] * pad, decode_lens=plan.decode_lens + [1] * pad)
 
 

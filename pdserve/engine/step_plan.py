@@ -56,6 +56,18 @@ class StepPlan:
     rank_message: object = None
 
 
+_SHARED_ROWS: dict[int, list[int]] = {}
+
+
+def shared_rows(n: int) -> list[int]:
+    """range(n), one list for each n, never changed: a plan that takes its rows from here gives the
+    step buffers the very list they wrote last step, and they skip it (`StepBuffers.prepare`)."""
+    rows = _SHARED_ROWS.get(n)
+    if rows is None:
+        rows = _SHARED_ROWS[n] = list(range(n))
+    return rows
+
+
 class SteadyDecodes:
     """The last step's batch when it was decodes alone, every one sampling: the steady decode. A
     step of the very same decodes, each one token further, is planned from it: the positions,
@@ -70,7 +82,6 @@ class SteadyDecodes:
         self._slots = np.zeros(0, dtype=np.int64)
         self._tables: list[list[int] | np.ndarray] = []
         self._lora_spans: list[tuple[int, int, str]] = []
-        self._rows: list[int] = []  # range(len(rows)), one list for every steady plan of that many (never changed)
 
     def remember(self, out: SchedulerOutput, plan: StepPlan, num_samplers: int) -> None:
         """Keep `plan` as the base of the next step's if it is decodes alone, every one sampling."""
@@ -114,11 +125,10 @@ class SteadyDecodes:
             slots[row] = request.block_ids[position // block_size] * block_size
             decode_tables[row] = tables.table(request, position // block_size + 1)
         tables.end_step(keep_all=True)
-        if len(self._rows) != num:
-            self._rows = list(range(num))
+        rows = shared_rows(num)
         plan = StepPlan(token_ids=list(token_ids), positions=position_list, slots=slots.tolist(),
-                        decode_rows=self._rows, decode_tables=decode_tables, decode_lens=lens,
-                        sample_rows=self._rows, lora_spans=self._lora_spans,
+                        decode_rows=rows, decode_tables=decode_tables, decode_lens=lens,
+                        sample_rows=rows, lora_spans=self._lora_spans,
                         decode_arrays=(positions, slots, len_array))
         self._positions, self._slots, self._tables = positions, slots, decode_tables
         return plan, list(requests)
