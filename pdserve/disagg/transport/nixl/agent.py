@@ -146,8 +146,12 @@ class Poller:
         elif expecting or now < self._quiet_after:
             await asyncio.sleep(_IDLE_POLL_S)
         else:
+            # NOTE: not `asyncio.wait_for`: before Python 3.12 it swallows a cancel that comes just as
+            # the wait ends (woken, or timed out), and the poll loop went on: a sender's close then
+            # waited forever for its cancelled poll task (`IoThread.stop`)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._woken.wait(), _QUIET_POLL_S)
+                async with asyncio.timeout(_QUIET_POLL_S):
+                    await self._woken.wait()
             self._woken.clear()
 
 
